@@ -1,0 +1,42 @@
+"""stmoe: spatio-temporal expert prefetching (ST-MoE) for Mixture-of-Experts inference.
+
+``import stmoe`` is light: it needs numpy only, never torch or matplotlib.
+"""
+
+from stmoe.errors import StmoeError, TraceError
+from stmoe.trace import (
+    RoutingTrace,
+    SynthSpec,
+    TraceMeta,
+    concat,
+    decode_only,
+    import_files,
+    load_trace,
+    save_trace,
+    select_domain,
+    select_sequences,
+    split,
+    synthesize,
+    validate,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RoutingTrace",
+    "StmoeError",
+    "SynthSpec",
+    "TraceError",
+    "TraceMeta",
+    "__version__",
+    "concat",
+    "decode_only",
+    "import_files",
+    "load_trace",
+    "save_trace",
+    "select_domain",
+    "select_sequences",
+    "split",
+    "synthesize",
+    "validate",
+]

@@ -1,0 +1,51 @@
+"""The ``stmoe`` command line: thin commands over the library (DESIGN.md principle 14).
+
+Each command parses its options, calls one library function, and prints or
+saves. Bad input exits 1 with one line naming the file and position; usage
+errors exit 2.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from stmoe import __version__
+from stmoe.cli import demo, trace_cmds
+from stmoe.cli._common import friendly, out
+
+app = typer.Typer(
+    help="ST-MoE expert prefetching for Mixture-of-Experts inference: routing traces, "
+    "prediction, analysis, simulation and offloading. Run `stmoe COMMAND --help` for details.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"stmoe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """ST-MoE: predict which experts the next MoE layer needs and load them early."""
+
+
+app.command("import")(friendly(trace_cmds.import_traces))
+app.command("info")(friendly(trace_cmds.info))
+app.command("synth")(friendly(trace_cmds.synth))
+app.command("export")(friendly(trace_cmds.export))
+app.command("demo")(friendly(demo.demo))
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,58 @@
+"""Errors raised at the project's boundaries.
+
+Every error a user can cause carries where it happened (file, position) and what
+was expected, so the CLI can print one line and exit non-zero instead of a
+traceback (DESIGN.md principle 9).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class StmoeError(Exception):
+    """Base class of every error the CLI reports as a one-line message."""
+
+
+class TraceError(StmoeError, ValueError):
+    """A routing trace, or a file meant to hold one, is malformed.
+
+    The message reads ``FILE: POSITION: PROBLEM (expected WHAT)`` with the parts
+    that are known; ``hint`` says how to fix it when there is an obvious way.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        file: str | Path | None = None,
+        position: str | None = None,
+        expected: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.problem = problem
+        self.file = str(file) if file is not None else None
+        self.position = position
+        self.expected = expected
+        self.hint = hint
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        parts = [p for p in (self.file, self.position) if p]
+        text = (
+            self.problem if self.expected is None else f"{self.problem} (expected {self.expected})"
+        )
+        msg = ": ".join([*parts, text])
+        return f"{msg}; {self.hint}" if self.hint else msg
+
+    def in_file(self, file: str | Path) -> TraceError:
+        """The same error, attributed to ``file`` when it names none yet."""
+        if self.file is not None:
+            return self
+        return TraceError(
+            self.problem,
+            file=file,
+            position=self.position,
+            expected=self.expected,
+            hint=self.hint,
+        )

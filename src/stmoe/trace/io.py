@@ -1,0 +1,186 @@
+"""The one reader and the one writer of stmoe's native trace file.
+
+The native file is an *uncompressed* ``.npz`` (a zip of ``.npy`` members, stored
+without compression) so that its big arrays can be memory-mapped straight out of
+the zip: a trace of tens of millions of token-layers opens in milliseconds and
+only the pages a computation touches are read. ``docs/trace-format.md``
+describes the layout; ``FORMAT_VERSION`` is checked on every read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stmoe.errors import TraceError
+from stmoe.trace.schema import RoutingTrace, TraceMeta, validate
+
+FORMAT_NAME = "stmoe-trace"
+FORMAT_VERSION = 1
+_ZIP_MAGIC = b"PK\x03\x04"
+# Members smaller than this are read whole: mapping them saves nothing.
+_MMAP_MIN_BYTES = 1 << 20
+_LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header, 30 bytes
+
+
+def save_trace(trace: RoutingTrace, path: str | Path, *, compress: bool = False) -> Path:
+    """Write ``trace`` in the native format, atomically; returns the path written.
+
+    ``compress=True`` makes a smaller file that can no longer be memory-mapped.
+    """
+    path = Path(path)
+    validate(trace, file=str(path))
+    header = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "meta": trace.meta.to_dict(),
+        "domains": list(trace.domains),
+    }
+    arrays: dict[str, np.ndarray] = {
+        "header": np.array(json.dumps(header)),
+        "experts": np.asarray(trace.experts, dtype=np.int16),
+        "seq_starts": np.asarray(trace.seq_starts, dtype=np.int64),
+        "is_decode": np.asarray(trace.is_decode, dtype=np.bool_),
+    }
+    if trace.weights is not None:
+        arrays["weights"] = np.asarray(trace.weights, dtype=np.float32)
+    if trace.token_ids is not None:
+        arrays["token_ids"] = np.asarray(trace.token_ids, dtype=np.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            (np.savez_compressed if compress else np.savez)(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_native(path: str | Path, *, mmap: bool = False) -> RoutingTrace:
+    """Read a native trace file; ``mmap=True`` maps the big arrays instead of copying them."""
+    path = Path(path)
+    arrays = read_npz_arrays(path, mmap=mmap)
+    if "header" not in arrays:
+        raise TraceError(
+            "not a native stmoe trace (no 'header' member)",
+            file=path,
+            hint="use stmoe.load_trace or `stmoe import`, which also read foreign .npz files",
+        )
+    try:
+        header = json.loads(str(arrays["header"][()]))
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise TraceError(f"the header is not valid JSON ({exc})", file=path) from None
+    if header.get("format") != FORMAT_NAME:
+        raise TraceError(
+            f"header format is {header.get('format')!r}", file=path, expected=repr(FORMAT_NAME)
+        )
+    version = header.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise TraceError(
+            f"format version {version!r} is not readable by this stmoe",
+            file=path,
+            expected=f"version <= {FORMAT_VERSION}",
+            hint="upgrade stmoe",
+        )
+    return trace_from_arrays(arrays, header.get("meta", {}), header.get("domains") or (), path)
+
+
+def trace_from_arrays(
+    arrays: Mapping[str, np.ndarray],
+    meta: Mapping[str, Any],
+    domains: Any,
+    path: Path,
+) -> RoutingTrace:
+    """Build and validate a trace from arrays named as in the native file."""
+    for name in ("experts", "seq_starts", "is_decode"):
+        if name not in arrays:
+            raise TraceError(
+                f"the file has no {name!r} array",
+                file=path,
+                expected="experts, seq_starts and is_decode arrays",
+            )
+    experts = arrays["experts"]
+    if not np.issubdtype(experts.dtype, np.integer):
+        raise TraceError(
+            f"experts has dtype {experts.dtype}", file=path, expected="integer expert ids"
+        )
+    if experts.dtype != np.int16:
+        if experts.size and (experts.min() < -1 or experts.max() > np.iinfo(np.int16).max):
+            raise TraceError("expert ids do not fit int16", file=path, expected="-1..32767")
+        experts = experts.astype(np.int16)
+    if not isinstance(domains, list | tuple) or not all(isinstance(d, str) for d in domains):
+        raise TraceError("domain labels are not a list of strings", file=path)
+    trace = RoutingTrace(
+        experts=experts,
+        seq_starts=np.asarray(arrays["seq_starts"]),
+        is_decode=np.asarray(arrays["is_decode"]),
+        weights=arrays.get("weights"),
+        token_ids=arrays.get("token_ids"),
+        domains=tuple(domains),
+        meta=TraceMeta.from_dict(meta) if not isinstance(meta, TraceMeta) else meta,
+    )
+    return validate(trace, file=str(path))
+
+
+def read_npz_arrays(path: Path, *, mmap: bool) -> dict[str, np.ndarray]:
+    """Every member of an ``.npz`` as an array, memory-mapped where stored uncompressed."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = [i for i in zf.infolist() if i.filename.endswith(".npy")]
+            arrays = {}
+            for info in infos:
+                name = info.filename[: -len(".npy")]
+                mapped = _map_member(path, info) if mmap else None
+                if mapped is None:
+                    with zf.open(info) as f:
+                        mapped = np.lib.format.read_array(f, allow_pickle=False)
+                arrays[name] = mapped
+            return arrays
+    except zipfile.BadZipFile as exc:
+        raise TraceError(
+            f"not a readable .npz file ({exc})",
+            file=path,
+            hint="the file may be truncated; write it again",
+        ) from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise TraceError(
+            f"a member of the .npz cannot be read ({exc})",
+            file=path,
+            hint="the file may be truncated or corrupt",
+        ) from None
+
+
+def _map_member(path: Path, info: zipfile.ZipInfo) -> np.ndarray | None:
+    """Memory-map one stored (uncompressed) ``.npy`` member; None when it can't be."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        fields = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+        if fields[0] != _ZIP_MAGIC:
+            raise ValueError(f"bad local header for member {info.filename}")
+        name_len, extra_len = fields[-2], fields[-1]
+        f.seek(info.header_offset + _LOCAL_HEADER.size + name_len + extra_len)
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            return None
+        offset = f.tell()
+    if dtype.hasobject or int(np.prod(shape)) * dtype.itemsize < _MMAP_MIN_BYTES:
+        return None
+    return np.memmap(
+        path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C"
+    )

@@ -1,0 +1,302 @@
+"""JSON Lines routing: one record per (token, layer), in any order.
+
+    {"seq": 0, "token": 5, "layer": 3, "experts": [12, 7], "weights": [0.6, 0.4]}
+
+Optional per record: ``weights`` (all records or none), ``phase``
+(``"prefill"``/``"decode"``) or ``decode`` (bool), and ``domain`` (one per
+sequence). ``seq`` may be an integer or a string; sequences are ordered by it.
+Within a sequence, token positions must be consecutive and every token must have
+every layer that appears anywhere in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stmoe._progress import progress_bytes
+from stmoe.errors import TraceError
+from stmoe.trace.assemble import layer_numbering, order_by_weight
+from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, validate
+
+
+class _Records:
+    """Columns of the parsed records, with the line each came from."""
+
+    def __init__(self) -> None:
+        self.seq_keys: dict[Any, int] = {}
+        self.seq: list[int] = []
+        self.token: list[int] = []
+        self.layer: list[int] = []
+        self.experts: list[list[int]] = []
+        self.weights: list[list[float]] = []
+        self.decode: list[bool] = []
+        self.line: list[int] = []
+        self.domain: dict[int, tuple[str, int]] = {}
+
+
+def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
+    """Parse a JSON Lines routing file into a validated trace."""
+    rec = _Records()
+    top_k: int | None = None
+    has_weights: bool | None = None
+    for lineno, obj in _records(path):
+        experts = _int_list(obj, "experts", lineno)
+        if top_k is None:
+            top_k = len(experts)
+        if len(experts) != top_k:
+            raise TraceError(
+                f"{len(experts)} experts in this record but {top_k} in the first one",
+                position=f"line {lineno}",
+                expected=f"K={top_k} experts in every record",
+            )
+        weights = obj.get("weights")
+        if has_weights is None:
+            has_weights = weights is not None
+        if (weights is not None) != has_weights:
+            raise TraceError(
+                "some records have 'weights' and others not",
+                position=f"line {lineno}",
+                expected="weights in all records or in none",
+            )
+        if weights is not None:
+            rec.weights.append(_weight_list(weights, top_k, lineno))
+        seq_key = obj.get("seq", 0)
+        if not isinstance(seq_key, int | str) or isinstance(seq_key, bool):
+            raise TraceError(
+                f"'seq' is {seq_key!r}",
+                position=f"line {lineno}",
+                expected="an integer or string sequence id",
+            )
+        sid = rec.seq_keys.setdefault(seq_key, len(rec.seq_keys))
+        rec.seq.append(sid)
+        rec.token.append(_int_field(obj, "token", lineno))
+        rec.layer.append(_int_field(obj, "layer", lineno))
+        rec.experts.append(experts)
+        rec.decode.append(_is_decode(obj, lineno))
+        rec.line.append(lineno)
+        if "domain" in obj:
+            label = str(obj["domain"])
+            seen = rec.domain.setdefault(sid, (label, lineno))
+            if seen[0] != label:
+                raise TraceError(
+                    f"sequence {seq_key!r} has domain {label!r} here "
+                    f"but {seen[0]!r} on line {seen[1]}",
+                    position=f"line {lineno}",
+                    expected="one domain per sequence",
+                )
+    if not rec.line:
+        raise TraceError("the file holds no records", expected="at least one routing record")
+    return _assemble(rec, path, num_experts)
+
+
+def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    with open(path, "rb") as f:
+        lines = progress_bytes(f, path, "reading JSON Lines")
+        for lineno, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                truncated = not raw.endswith(b"\n")
+                raise TraceError(
+                    f"not valid JSON ({exc})",
+                    position=f"line {lineno}",
+                    expected="one JSON object per line",
+                    hint="the file looks truncated" if truncated else None,
+                ) from None
+            if not isinstance(obj, dict):
+                raise TraceError(
+                    f"a JSON {type(obj).__name__} instead of an object",
+                    position=f"line {lineno}",
+                    expected="one JSON object per line",
+                )
+            yield lineno, obj
+
+
+def _int_field(obj: dict[str, Any], key: str, lineno: int) -> int:
+    value = obj.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TraceError(
+            f"{key!r} is {value!r}", position=f"line {lineno}", expected=f"an integer {key!r} field"
+        )
+    return value
+
+
+def _int_list(obj: dict[str, Any], key: str, lineno: int) -> list[int]:
+    value = obj.get(key)
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise TraceError(
+            f"{key!r} is {value!r}",
+            position=f"line {lineno}",
+            expected="a list of integer expert ids",
+        )
+    if not value:
+        raise TraceError(
+            f"{key!r} is empty", position=f"line {lineno}", expected="at least one expert id"
+        )
+    return value
+
+
+def _weight_list(value: Any, top_k: int, lineno: int) -> list[float]:
+    if not isinstance(value, list) or len(value) != top_k:
+        raise TraceError(
+            f"'weights' is {value!r}",
+            position=f"line {lineno}",
+            expected=f"a list of {top_k} numbers, one per expert",
+        )
+    for slot, w in enumerate(value):
+        if not isinstance(w, int | float) or isinstance(w, bool) or not math.isfinite(w):
+            raise TraceError(
+                f"gate weight {w!r} in slot {slot}",
+                position=f"line {lineno}",
+                expected="a finite number",
+            )
+    return [float(w) for w in value]
+
+
+def _is_decode(obj: dict[str, Any], lineno: int) -> bool:
+    if "decode" in obj:
+        if not isinstance(obj["decode"], bool):
+            raise TraceError(
+                f"'decode' is {obj['decode']!r}",
+                position=f"line {lineno}",
+                expected="true or false",
+            )
+        return obj["decode"]
+    phase = obj.get("phase", "prefill")
+    if phase not in ("prefill", "decode"):
+        raise TraceError(
+            f"'phase' is {phase!r}", position=f"line {lineno}", expected="'prefill' or 'decode'"
+        )
+    return phase == "decode"
+
+
+def _assemble(rec: _Records, path: Path, num_experts: int | None) -> RoutingTrace:
+    # Sequences are ordered by their id (numeric ids numerically), not file order.
+    keys = list(rec.seq_keys)
+    by_key = sorted(range(len(keys)), key=lambda i: (isinstance(keys[i], str), keys[i]))
+    rank = np.empty(len(keys), dtype=np.int64)
+    rank[by_key] = np.arange(len(keys))
+    seq = rank[np.asarray(rec.seq)]
+    token = np.asarray(rec.token, dtype=np.int64)
+    layer_map, layer_extra = layer_numbering(rec.layer)
+    layer = np.asarray([layer_map[x] for x in rec.layer], dtype=np.int64)
+    line = np.asarray(rec.line)
+    n_layers = len(layer_map)
+
+    order = np.lexsort((layer, token, seq))
+    seq, token, layer, line = seq[order], token[order], layer[order], line[order]
+    same = (seq[1:] == seq[:-1]) & (token[1:] == token[:-1])
+    dup = same & (layer[1:] == layer[:-1])
+    if dup.any():
+        i = int(np.argmax(dup))
+        raise TraceError(
+            f"a second record for sequence {keys[by_key[seq[i]]]!r}, token {token[i]}, "
+            f"layer {rec.layer[order[i]]} (first on line {line[i]})",
+            position=f"line {line[i + 1]}",
+            expected="one record per (seq, token, layer)",
+        )
+    # Group records into tokens; every token must carry every layer.
+    new_token = np.r_[True, ~same]
+    tok_first = np.flatnonzero(new_token)
+    tok_count = np.diff(np.r_[tok_first, len(seq)])
+    short = np.flatnonzero(tok_count != n_layers)
+    if len(short):
+        i = tok_first[short[0]]
+        have = set(layer[i : i + tok_count[short[0]]].tolist())
+        missing = next(lid for lid, m in layer_map.items() if m not in have)
+        raise TraceError(
+            f"sequence {keys[by_key[seq[i]]]!r}, token {token[i]} "
+            f"has no record for layer {missing}",
+            position=f"line {line[i]}",
+            expected=f"all {n_layers} layers for every token",
+        )
+    tok_seq, tok_pos = seq[tok_first], token[tok_first]
+    new_seq = np.r_[True, tok_seq[1:] != tok_seq[:-1]]
+    gap = ~new_seq[1:] & (tok_pos[1:] != tok_pos[:-1] + 1)
+    if gap.any():
+        i = int(np.argmax(gap)) + 1
+        raise TraceError(
+            f"sequence {keys[by_key[tok_seq[i]]]!r} jumps from token {tok_pos[i - 1]} to "
+            f"{tok_pos[i]}",
+            position=f"line {line[tok_first[i]]}",
+            expected="consecutive token positions (no missing token)",
+        )
+    experts = np.asarray(rec.experts, dtype=np.int64)[order].reshape(len(tok_first), n_layers, -1)
+    weights = None
+    extra: dict[str, Any] = dict(layer_extra)
+    if rec.weights:
+        weights = np.asarray(rec.weights, dtype=np.float32)[order].reshape(experts.shape)
+        experts, weights, changed = order_by_weight(experts, weights)
+        if changed:
+            extra["reordered_by_weight"] = changed
+    _check_ids(experts, num_experts, line[tok_first], rec, layer_map)
+    n = num_experts if num_experts is not None else int(experts.max()) + 1
+    if num_experts is None:
+        extra["num_experts_inferred"] = True
+    labels = {rank[sid]: lab for sid, (lab, _) in rec.domain.items()}
+    trace = RoutingTrace(
+        experts=experts.astype(np.int16),
+        seq_starts=np.flatnonzero(new_seq).astype(np.int64),
+        is_decode=np.asarray(rec.decode)[order][tok_first],
+        weights=weights,
+        domains=tuple(labels.get(s, UNLABELLED) for s in range(len(keys))),
+        meta=TraceMeta(
+            num_experts=n,
+            top_k=experts.shape[2],
+            num_layers=n_layers,
+            source=f"imported from {path.name}",
+            extra=extra,
+        ),
+    )
+    return validate(trace, file=str(path))
+
+
+def _check_ids(
+    experts: np.ndarray,
+    num_experts: int | None,
+    token_lines: np.ndarray,
+    rec: _Records,
+    layer_map: dict[int, int],
+) -> None:
+    """Range and duplicate checks that can name the offending line."""
+    hi = num_experts if num_experts is not None else np.iinfo(np.int16).max
+    bad = (experts < -1) | (experts >= hi)
+    ordered = np.sort(experts, axis=2)
+    dup = np.zeros_like(bad)
+    dup[:, :, 1:] = (ordered[:, :, 1:] == ordered[:, :, :-1]) & (ordered[:, :, 1:] != -1)
+    for mask, what in ((bad, "out of range"), (dup, "duplicate")):
+        if mask.any():
+            tok, lay, slot = (int(i) for i in np.argwhere(mask)[0])
+            first_line = int(token_lines[tok])
+            lineno = _line_of(rec, first_line, lay, layer_map)
+            if what == "duplicate":
+                raise TraceError(
+                    f"expert {int(ordered[tok, lay, slot])} appears twice in one routing",
+                    position=f"line {lineno}",
+                    expected="K distinct experts per token and layer",
+                )
+            raise TraceError(
+                f"expert id {int(experts[tok, lay, slot])} is out of range",
+                position=f"line {lineno}",
+                expected=f"0..{hi - 1}, or -1 for an empty slot",
+            )
+
+
+def _line_of(rec: _Records, token_line: int, layer: int, layer_map: dict[int, int]) -> int:
+    """The line of the record for (the token first seen on ``token_line``, ``layer``)."""
+    i = rec.line.index(token_line)
+    sid, tok = rec.seq[i], rec.token[i]
+    for j in range(len(rec.line)):
+        if rec.seq[j] == sid and rec.token[j] == tok and layer_map[rec.layer[j]] == layer:
+            return rec.line[j]
+    return token_line

@@ -1,0 +1,218 @@
+"""Nested per-token routing JSON (the shape community tracers write), one sequence per file.
+
+    {"meta": {"model_id", "num_experts", "top_k", "num_moe_layers", "domain"?, ...},
+     "routes": [{"token_pos": p, "token_id": id, "phase": "prefill" | "decode",
+                 "layers": {"0": {"experts": [K ids], "weights": [K floats]}, ...}}, ...]}
+
+``routes`` run over strictly increasing, consecutive token positions; every route
+has every MoE layer. See ``../shared/traces/README.md`` for a real example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stmoe.errors import TraceError
+from stmoe.trace.assemble import layer_numbering, order_by_weight
+from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, validate
+
+
+def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
+    """Parse a routes JSON file into a validated one-sequence trace."""
+    doc = _load_json(path)
+    meta = doc.get("meta") or {}
+    if not isinstance(meta, dict):
+        raise TraceError("'meta' is not an object", expected="a JSON object of model facts")
+    routes = doc["routes"]
+    if not isinstance(routes, list) or not routes:
+        raise TraceError("'routes' is empty or not a list", expected="a list of per-token routes")
+    first_layers = _layers_of(routes[0], 0)
+    layer_map, layer_extra = layer_numbering(_layer_key(k, 0) for k in first_layers)
+    n_layers = len(layer_map)
+    top_k = int(meta.get("top_k", len(next(iter(first_layers.values())).get("experts", []))))
+    expected_layers = meta.get("num_moe_layers", meta.get("num_layers"))
+    if expected_layers is not None and int(expected_layers) != n_layers:
+        raise TraceError(
+            f"route 0 has {n_layers} layers but the metadata says {expected_layers}",
+            position="route 0",
+            expected=f"{expected_layers} MoE layers per route",
+        )
+    t = len(routes)
+    experts = np.full((t, n_layers, top_k), -1, dtype=np.int64)  # [T, L, K]
+    has_weights = "weights" in next(iter(first_layers.values()))
+    weights = np.zeros(experts.shape, dtype=np.float32) if has_weights else None
+    is_decode = np.zeros(t, dtype=bool)  # [T]
+    token_ids: list[Any] = []
+    prev_pos: int | None = None
+    for i, route in enumerate(routes):
+        prev_pos = _position(route, i, prev_pos)
+        where = f"route {i} (token_pos {prev_pos})"
+        phase = route.get("phase", "prefill")
+        if phase not in ("prefill", "decode"):
+            raise TraceError(
+                f"'phase' is {phase!r}", position=where, expected="'prefill' or 'decode'"
+            )
+        is_decode[i] = phase == "decode"
+        token_ids.append(route.get("token_id"))
+        _fill_layers(_layers_of(route, i), i, where, layer_map, experts, weights)
+    has_ids = all(isinstance(x, int) and not isinstance(x, bool) for x in token_ids)
+    extra: dict[str, Any] = dict(layer_extra)
+    extra.update({k: v for k, v in meta.items() if k in ("model_type", "backend", "run_id")})
+    if weights is not None:
+        experts, weights, changed = order_by_weight(experts, weights)
+        if changed:
+            extra["reordered_by_weight"] = changed
+    n = num_experts if num_experts is not None else meta.get("num_experts")
+    if n is None:
+        n = int(experts.max()) + 1
+        extra["num_experts_inferred"] = True
+    trace = RoutingTrace(
+        experts=experts,
+        seq_starts=np.zeros(1, dtype=np.int64),
+        is_decode=is_decode,
+        weights=weights,
+        token_ids=np.asarray(token_ids, dtype=np.int64) if has_ids else None,
+        domains=(str(meta.get("domain", UNLABELLED)),),
+        meta=TraceMeta(
+            num_experts=int(n),
+            top_k=top_k,
+            num_layers=n_layers,
+            model=str(meta.get("model_id", meta.get("model", "unknown"))),
+            source=f"imported from {path.name}",
+            extra=extra,
+        ),
+    )
+    validate(trace, file=str(path))  # range-checks ids before they are narrowed to int16
+    return dataclasses.replace(trace, experts=experts.astype(np.int16))
+
+
+def _position(route: dict[str, Any], i: int, prev_pos: int | None) -> int:
+    """The route's token position, checked to follow ``prev_pos`` directly."""
+    pos = route.get("token_pos", i)
+    if not isinstance(pos, int) or isinstance(pos, bool):
+        raise TraceError(
+            f"'token_pos' is {pos!r}", position=f"route {i}", expected="an integer token position"
+        )
+    if prev_pos is not None and pos != prev_pos + 1:
+        raise TraceError(
+            f"token position {pos} follows {prev_pos}",
+            position=f"route {i} (token_pos {pos})",
+            expected="strictly increasing token positions"
+            if pos <= prev_pos
+            else "consecutive token positions (no missing token)",
+        )
+    return pos
+
+
+def _fill_layers(
+    layers: dict[str, Any],
+    i: int,
+    where: str,
+    layer_map: dict[int, int],
+    experts: np.ndarray,
+    weights: np.ndarray | None,
+) -> None:
+    """Copy one route's layers into row ``i``; every layer present, weights all or none."""
+    seen = set()
+    for key, entry in layers.items():
+        lid = _layer_key(key, i)
+        if lid not in layer_map:
+            raise TraceError(
+                f"layer {lid} is not among route 0's layers",
+                position=where,
+                expected=f"layers {sorted(layer_map)}",
+            )
+        seen.add(lid)
+        ids, w = _entry(entry, experts.shape[2], f"{where}, layer {lid}")
+        experts[i, layer_map[lid]] = ids
+        if (w is not None) != (weights is not None):
+            raise TraceError(
+                "weights on some layers and not on others",
+                position=f"{where}, layer {lid}",
+                expected="weights on every layer of every route or none",
+            )
+        if weights is not None:
+            weights[i, layer_map[lid]] = w
+    if len(seen) != len(layer_map):
+        missing = min(set(layer_map) - seen)
+        raise TraceError(
+            f"layer {missing} is missing",
+            position=where,
+            expected=f"all {len(layer_map)} MoE layers in every route",
+        )
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    text = path.read_bytes()
+    try:
+        doc = json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"not UTF-8 text ({exc})", expected="a JSON document") from None
+    except json.JSONDecodeError as exc:
+        truncated = exc.pos >= len(text.rstrip()) - 1
+        raise TraceError(
+            f"not valid JSON: {exc.msg}",
+            position=f"line {exc.lineno}, column {exc.colno}",
+            expected="a complete JSON object",
+            hint="the file looks truncated" if truncated else None,
+        ) from None
+    if not isinstance(doc, dict) or "routes" not in doc:
+        raise TraceError(
+            "the JSON has no 'routes' list", expected="an object {'meta': ..., 'routes': [...]}"
+        )
+    return doc
+
+
+def _layers_of(route: Any, i: int) -> dict[str, Any]:
+    layers = route.get("layers") if isinstance(route, dict) else None
+    if not isinstance(layers, dict) or not layers:
+        raise TraceError(
+            "the route has no 'layers' object",
+            position=f"route {i}",
+            expected="{'0': {'experts': [...]}, ...}",
+        )
+    return layers
+
+
+def _layer_key(key: str, i: int) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        raise TraceError(
+            f"layer key {key!r}", position=f"route {i}", expected="integer layer numbers as keys"
+        ) from None
+
+
+def _entry(entry: Any, top_k: int, where: str) -> tuple[list[int], list[float] | None]:
+    ids = entry.get("experts") if isinstance(entry, dict) else None
+    if not isinstance(ids, list) or not all(
+        isinstance(e, int) and not isinstance(e, bool) for e in ids
+    ):
+        raise TraceError(
+            f"'experts' is {ids!r}", position=where, expected="a list of integer expert ids"
+        )
+    if len(ids) != top_k:
+        raise TraceError(
+            f"{len(ids)} experts but top_k is {top_k}",
+            position=where,
+            expected=f"K={top_k} experts",
+        )
+    w = entry.get("weights")
+    if w is None:
+        return ids, None
+    if not isinstance(w, list) or len(w) != top_k:
+        raise TraceError(
+            f"'weights' is {w!r}", position=where, expected=f"a list of {top_k} numbers"
+        )
+    for slot, x in enumerate(w):
+        if not isinstance(x, int | float) or isinstance(x, bool) or not math.isfinite(x):
+            raise TraceError(
+                f"gate weight {x!r} in slot {slot}", position=where, expected="a finite number"
+            )
+    return ids, [float(x) for x in w]

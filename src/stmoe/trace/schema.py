@@ -1,0 +1,271 @@
+"""The routing trace: what every other part of stmoe reads.
+
+Axes, named once for the whole project (DESIGN.md principle 7):
+
+    T  tokens, all sequences laid end to end in trace order
+    L  MoE layers, 0..L-1 in model order (dense layers are not counted)
+    K  router slots per token and layer (the model's top-k)
+    N  routed experts per layer (shared experts are never recorded)
+    S  sequences
+
+A trace is arrays, never lists of dicts: ``experts`` is ``[T, L, K] int16`` with
+expert ids in router rank order (highest gate weight first) and ``-1`` for an
+empty slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from stmoe.errors import TraceError
+
+EMPTY_SLOT = -1
+UNLABELLED = "unlabelled"
+# Validation walks big traces in chunks of this many tokens so a memory-mapped
+# trace of tens of millions of token-layers is checked without loading it whole.
+_CHUNK_TOKENS = 1 << 16
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    """What model and workload a trace describes.
+
+    ``num_layers`` and ``top_k`` repeat the array shape on purpose: a file whose
+    arrays disagree with its own header is caught by ``validate``.
+    """
+
+    num_experts: int  # N routed experts per MoE layer
+    top_k: int  # K router slots per token and layer
+    num_layers: int  # L MoE layers
+    model: str = "unknown"
+    source: str = ""  # where the routing came from (capture, import path, synth)
+    synthetic: bool = False  # True for generated data: never report it as real
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "num_layers": self.num_layers,
+            "source": self.source,
+            "synthetic": self.synthetic,
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TraceMeta:
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = dict(data.get("extra", {}))
+        extra.update({k: v for k, v in data.items() if k not in known})
+        try:
+            return cls(
+                num_experts=int(data["num_experts"]),
+                top_k=int(data["top_k"]),
+                num_layers=int(data["num_layers"]),
+                model=str(data.get("model", "unknown")),
+                source=str(data.get("source", "")),
+                synthetic=bool(data.get("synthetic", False)),
+                extra=extra,
+            )
+        except KeyError as exc:
+            raise TraceError(
+                f"metadata lacks {exc.args[0]!r}",
+                expected="num_experts, top_k and num_layers in the trace metadata",
+            ) from None
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"metadata has a non-integer shape field ({exc})") from None
+
+
+@dataclass(frozen=True, eq=False)
+class RoutingTrace:
+    """Per-token, per-MoE-layer expert routing of one or more sequences."""
+
+    experts: np.ndarray  # [T, L, K] int16, router rank order, -1 = empty slot
+    seq_starts: np.ndarray  # [S] int64, first token of each sequence; [0] == 0
+    is_decode: np.ndarray  # [T] bool, True for generated (decode) tokens
+    meta: TraceMeta
+    weights: np.ndarray | None = None  # [T, L, K] float32 gate weights, or None
+    domains: tuple[str, ...] = ()  # [S] domain/task label per sequence
+    token_ids: np.ndarray | None = None  # [T] int64 vocabulary ids, or None
+
+    def __post_init__(self) -> None:
+        if not self.domains:
+            object.__setattr__(self, "domains", (UNLABELLED,) * len(self.seq_starts))
+
+    # ---- shape -------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.experts.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[2])
+
+    @property
+    def num_experts(self) -> int:
+        return self.meta.num_experts
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.seq_starts)
+
+    @property
+    def seq_ends(self) -> np.ndarray:
+        """[S] int64, one past the last token of each sequence."""
+        return np.append(np.asarray(self.seq_starts[1:], dtype=np.int64), self.num_tokens)
+
+    @property
+    def seq_lengths(self) -> np.ndarray:
+        return self.seq_ends - np.asarray(self.seq_starts, dtype=np.int64)
+
+    def sequence_of_token(self) -> np.ndarray:
+        """[T] int64, the sequence index of every token."""
+        return np.repeat(np.arange(self.num_sequences), self.seq_lengths)
+
+    def sequences(self) -> Iterator[tuple[int, slice]]:
+        """(sequence index, token slice) for every sequence, in trace order."""
+        for s, (a, b) in enumerate(zip(self.seq_starts, self.seq_ends, strict=True)):
+            yield s, slice(int(a), int(b))
+
+    def with_meta(self, **changes: Any) -> RoutingTrace:
+        return dataclasses.replace(self, meta=dataclasses.replace(self.meta, **changes))
+
+    def __repr__(self) -> str:
+        return (
+            f"RoutingTrace(model={self.meta.model!r}, T={self.num_tokens}, "
+            f"L={self.num_layers}, K={self.top_k}, N={self.num_experts}, "
+            f"S={self.num_sequences}, decode={int(np.count_nonzero(self.is_decode))}"
+            f"{', synthetic' if self.meta.synthetic else ''})"
+        )
+
+
+def _chunks(n: int) -> Iterator[slice]:
+    for a in range(0, n, _CHUNK_TOKENS):
+        yield slice(a, min(a + _CHUNK_TOKENS, n))
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+def validate(trace: RoutingTrace, *, file: str | None = None) -> RoutingTrace:
+    """Check every invariant of a trace; raise ``TraceError`` on the first broken one.
+
+    Returns the trace so loaders can write ``return validate(trace)``.
+    """
+    ex, meta = trace.experts, trace.meta
+
+    def fail(problem: str, position: str | None = None, expected: str | None = None) -> None:
+        raise TraceError(problem, file=file, position=position, expected=expected)
+
+    if ex.ndim != 3:
+        fail(f"experts has rank {ex.ndim}, shape {tuple(ex.shape)}", expected="rank 3, [T, L, K]")
+    if not np.issubdtype(ex.dtype, np.integer):
+        fail(f"experts has dtype {ex.dtype}", expected="integer expert ids")
+    t, n_layers, k = ex.shape
+    if t == 0:
+        fail("the trace is empty (0 tokens)", expected="at least one token")
+    if n_layers == 0 or k == 0:
+        fail(f"experts has shape {tuple(ex.shape)}", expected="at least one layer and one slot")
+    if meta.num_experts <= 0 or meta.num_experts > np.iinfo(np.int16).max:
+        fail(f"num_experts is {meta.num_experts}", expected="1..32767 (ids are int16)")
+    if k != meta.top_k:
+        fail(
+            f"tokens have {k} expert slots but top_k is {meta.top_k}", expected=f"K == {meta.top_k}"
+        )
+    if n_layers != meta.num_layers:
+        fail(
+            f"tokens have {n_layers} MoE layers but num_layers is {meta.num_layers}",
+            expected=f"every one of the {meta.num_layers} layers",
+        )
+    _validate_sequences(trace, fail)
+    _validate_ids(trace, fail)
+    if trace.weights is not None:
+        _validate_weights(trace, fail)
+    return trace
+
+
+def _validate_sequences(trace: RoutingTrace, fail: Any) -> None:
+    t = trace.num_tokens
+    starts = np.asarray(trace.seq_starts)
+    if starts.ndim != 1 or len(starts) == 0:
+        fail(f"seq_starts has shape {starts.shape}", expected="a 1-D array with at least one entry")
+    if not np.issubdtype(starts.dtype, np.integer):
+        fail(f"seq_starts has dtype {starts.dtype}", expected="integer token positions")
+    if starts[0] != 0:
+        fail(f"the first sequence starts at token {int(starts[0])}", expected="0")
+    steps = np.diff(starts)
+    if np.any(steps <= 0):
+        i = int(np.argmax(steps <= 0)) + 1
+        fail(
+            f"sequence {i} starts at token {int(starts[i])}, not after {int(starts[i - 1])}",
+            position=f"sequence {i}",
+            expected="strictly increasing sequence starts",
+        )
+    if starts[-1] >= t:
+        fail(
+            f"sequence {len(starts) - 1} starts at token {int(starts[-1])} of {t}",
+            expected=f"starts below T={t} (no empty sequence)",
+        )
+    if trace.is_decode.shape != (t,) or trace.is_decode.dtype != np.bool_:
+        fail(
+            f"is_decode has shape {trace.is_decode.shape} dtype {trace.is_decode.dtype}",
+            expected=f"bool [{t}]",
+        )
+    if len(trace.domains) != len(starts):
+        fail(
+            f"{len(trace.domains)} domain labels for {len(starts)} sequences",
+            expected="one label per sequence",
+        )
+    if trace.token_ids is not None and trace.token_ids.shape != (t,):
+        fail(f"token_ids has shape {trace.token_ids.shape}", expected=f"[{t}]")
+
+
+def _validate_ids(trace: RoutingTrace, fail: Any) -> None:
+    n = trace.num_experts
+    for sl in _chunks(trace.num_tokens):
+        block = np.asarray(trace.experts[sl])
+        bad = (block < EMPTY_SLOT) | (block >= n)
+        if bad.any():
+            tok, layer, slot = _first(bad)
+            fail(
+                f"expert id {int(block[tok, layer, slot])} is out of range",
+                position=f"token {tok + sl.start}, layer {layer}, slot {slot}",
+                expected=f"0..{n - 1}, or -1 for an empty slot",
+            )
+        ordered = np.sort(block, axis=2)
+        dup = (ordered[:, :, 1:] == ordered[:, :, :-1]) & (ordered[:, :, 1:] != EMPTY_SLOT)
+        if dup.any():
+            tok, layer, slot = _first(dup)
+            fail(
+                f"expert {int(ordered[tok, layer, slot])} appears twice in one routing",
+                position=f"token {tok + sl.start}, layer {layer}",
+                expected="K distinct experts per token and layer",
+            )
+
+
+def _validate_weights(trace: RoutingTrace, fail: Any) -> None:
+    w = trace.weights
+    if w.shape != trace.experts.shape:
+        fail(f"weights has shape {w.shape}", expected=f"the experts shape {trace.experts.shape}")
+    if not np.issubdtype(w.dtype, np.floating):
+        fail(f"weights has dtype {w.dtype}", expected="floating-point gate weights")
+    for sl in _chunks(trace.num_tokens):
+        bad = ~np.isfinite(np.asarray(w[sl]))
+        if bad.any():
+            tok, layer, slot = _first(bad)
+            fail(
+                f"gate weight is {float(w[sl][tok, layer, slot])}",
+                position=f"token {tok + sl.start}, layer {layer}, slot {slot}",
+                expected="a finite number",
+            )
