@@ -1,0 +1,5 @@
+"""``python -m stmoe`` runs the command line."""
+
+from stmoe.cli import main
+
+main()

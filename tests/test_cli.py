@@ -1,0 +1,137 @@
+"""The command line: every command explains itself, and the documented paths work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REAL_NPZ, REAL_ROUTES, needs_shared
+from stmoe import load_trace
+
+COMMANDS = ["import", "info", "synth", "export", "demo"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(cli, command):
+    result = cli(command, "--help")
+    assert result.exit_code == 0
+    assert "Usage: stmoe" in result.output and len(result.output) > 200
+
+
+def test_top_level_help_lists_commands(cli):
+    result = cli("--help")
+    assert result.exit_code == 0
+    for command in COMMANDS:
+        assert command in result.output
+
+
+def test_synth_then_info_json_has_the_contract_keys(cli, tmp_path):
+    path = tmp_path / "s.npz"
+    result = cli(
+        "synth",
+        "-o",
+        path,
+        "--tokens",
+        "400",
+        "--layers",
+        "6",
+        "--experts",
+        "16",
+        "--top-k",
+        "2",
+        "--sequences",
+        "4",
+        "--spatial",
+        "0.5",
+        "--temporal",
+        "0.2",
+        "--seed",
+        "7",
+    )
+    assert result.exit_code == 0, result.output
+    assert "SYNTHETIC" in result.output
+    result = cli("info", path, "--json")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert {k: info[k] for k in ("tokens", "layers", "top_k", "num_experts", "sequences")} == {
+        "tokens": 400,
+        "layers": 6,
+        "top_k": 2,
+        "num_experts": 16,
+        "sequences": 4,
+    }
+    assert info["decode_tokens"] == 300 and info["synthetic"] is True
+    assert len(info["load_balance_max_over_mean"]) == 6
+
+
+def test_synth_rejects_bad_values_clearly(cli, tmp_path):
+    result = cli("synth", "-o", tmp_path / "s.npz", "--spatial", "2")
+    assert result.exit_code == 1 and "spatial=2.0" in result.output and "[0, 1]" in result.output
+
+
+def test_info_human_output(cli, tmp_path):
+    cli("synth", "-o", tmp_path / "s.npz", "--tokens", "100", "--domains", "2", "--sequences", "2")
+    result = cli("info", tmp_path / "s.npz")
+    assert result.exit_code == 0
+    for fragment in ("SYNTHETIC", "T=100 tokens", "synth-0", "synth-1", "load max/mean"):
+        assert fragment in result.output
+
+
+@needs_shared
+def test_import_real_routes_matches_the_npz_sample(cli, tmp_path):
+    out = tmp_path / "a.npz"
+    result = cli("import", REAL_ROUTES, "-o", out, "--domain", "chat")
+    assert result.exit_code == 0, result.output
+    a, b = load_trace(out), load_trace(REAL_NPZ)
+    assert np.array_equal(a.experts, b.experts)
+    assert np.array_equal(a.is_decode, b.is_decode)
+    assert np.array_equal(a.seq_starts, b.seq_starts)
+    assert a.domains == ("chat",)
+    info = json.loads(cli("info", out, "--json").stdout)
+    assert (info["tokens"], info["decode_tokens"], info["layers"], info["top_k"]) == (
+        164,
+        128,
+        40,
+        8,
+    )
+
+
+def test_export_and_reimport(cli, tmp_path):
+    cli("synth", "-o", tmp_path / "s.npz", "--tokens", "80", "--sequences", "2")
+    for fmt, name in (("jsonl", "s.jsonl"), ("npy", "s.npy")):
+        result = cli("export", tmp_path / "s.npz", "-o", tmp_path / name, "--format", fmt)
+        assert result.exit_code == 0, result.output
+        result = cli(
+            "import", tmp_path / name, "-o", tmp_path / f"{name}.npz", "--num-experts", "64"
+        )
+        assert result.exit_code == 0, result.output
+        assert np.array_equal(
+            load_trace(tmp_path / f"{name}.npz").experts, load_trace(tmp_path / "s.npz").experts
+        )
+
+
+def test_demo_runs_on_a_fresh_folder(cli, tmp_path):
+    result = cli("demo", "-o", tmp_path / "demo")
+    assert result.exit_code == 0, result.output
+    assert "identical" in result.output and "SYNTHETIC" in result.output
+    assert (tmp_path / "demo" / "synthetic.npz").exists()
+
+
+def test_usage_error_exits_2(cli):
+    assert cli("import").exit_code == 2
+    assert cli("no-such-command").exit_code == 2
+
+
+def test_console_script_and_import_stays_light(tmp_path):
+    heavy = "('torch', 'transformers', 'matplotlib')"
+    code = f"import sys, stmoe; print(sorted(m for m in {heavy} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    exe = subprocess.run(
+        [sys.executable, "-m", "stmoe", "--version"], capture_output=True, text=True
+    )
+    assert exe.returncode == 0 and exe.stdout.startswith("stmoe ")

@@ -1,0 +1,82 @@
+"""Selection, splitting and concatenation keep every token's routing intact."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from stmoe import (
+    TraceError,
+    concat,
+    decode_only,
+    select_domain,
+    select_sequences,
+    split,
+    synthesize,
+)
+
+
+@pytest.fixture
+def trace():
+    # 5 sequences of 20 tokens, domains synth-0/1/2 round-robin, first 5 of each prefill.
+    return synthesize(tokens=100, layers=3, experts=8, top_k=2, sequences=5, domains=3, seed=9)
+
+
+def test_select_sequences_keeps_their_tokens_in_the_given_order(trace):
+    part = select_sequences(trace, [3, 1])
+    assert part.seq_starts.tolist() == [0, 20]
+    assert np.array_equal(part.experts[:20], trace.experts[60:80])
+    assert np.array_equal(part.experts[20:], trace.experts[20:40])
+    assert np.array_equal(part.weights[:20], trace.weights[60:80])
+    assert part.domains == (trace.domains[3], trace.domains[1])
+    with pytest.raises(TraceError, match="out of range"):
+        select_sequences(trace, [5])
+
+
+def test_select_domain(trace):
+    part = select_domain(trace, "synth-1")
+    assert part.domains == ("synth-1", "synth-1")  # sequences 1 and 4
+    assert np.array_equal(part.experts, trace.experts[np.r_[20:40, 80:100]])
+    with pytest.raises(TraceError, match=r"no sequence has domain .web.*synth-0"):
+        select_domain(trace, "web")
+
+
+def test_decode_only(trace):
+    part = decode_only(trace)
+    assert part.num_tokens == int(trace.is_decode.sum()) == 75
+    assert part.is_decode.all()
+    assert part.seq_starts.tolist() == [0, 15, 30, 45, 60]
+    assert np.array_equal(part.experts, trace.experts[trace.is_decode])
+    no_decode = dataclasses.replace(trace, is_decode=np.zeros(100, dtype=bool))
+    with pytest.raises(TraceError, match="no decode tokens"):
+        decode_only(no_decode)
+
+
+def test_split_by_sequence_partitions_the_sequences(trace):
+    first, second = split(trace, 0.6)
+    assert (first.num_sequences, second.num_sequences) == (3, 2)
+    assert np.array_equal(np.concatenate([first.experts, second.experts]), trace.experts)
+    a, b = split(trace, 0.4, seed=1)
+    assert a.num_tokens + b.num_tokens == 100 and a.num_sequences == 2
+
+
+def test_split_by_token_for_a_single_sequence():
+    one = synthesize(tokens=50, layers=2, experts=8, top_k=2, sequences=1)
+    with pytest.raises(TraceError, match="split by token instead"):
+        split(one, 0.5)
+    first, second = split(one, 0.3, by="token")
+    assert (first.num_tokens, second.num_tokens) == (15, 35)
+    assert np.array_equal(second.experts, one.experts[15:])
+
+
+def test_concat_round_trips_a_split_and_refuses_other_shapes(trace):
+    first, second = split(trace, 0.5)
+    joined = concat([first, second])
+    assert np.array_equal(joined.experts, trace.experts)
+    assert np.array_equal(joined.seq_starts, trace.seq_starts)
+    assert joined.domains == trace.domains
+    other = synthesize(tokens=40, layers=3, experts=16, top_k=2, sequences=1)
+    with pytest.raises(TraceError, match="trace 1 has num_experts 16 but trace 0 has 8"):
+        concat([trace, other])
