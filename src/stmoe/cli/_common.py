@@ -16,7 +16,8 @@ from stmoe.errors import StmoeError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-out = Console(highlight=False)
+# Off a terminal rich would wrap at 80 columns; results tables read better wider.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
 
 

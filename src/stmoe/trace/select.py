@@ -95,6 +95,11 @@ def split(
     return select_sequences(trace, first), select_sequences(trace, second)
 
 
+def split_auto(trace: RoutingTrace, fraction: float) -> tuple[RoutingTrace, RoutingTrace]:
+    """``split`` by sequence when the trace has several, else by token."""
+    return split(trace, fraction, by="sequence" if trace.num_sequences > 1 else "token")
+
+
 def concat(traces: Sequence[RoutingTrace]) -> RoutingTrace:
     """One trace holding every sequence of ``traces``, in order.
 

@@ -1,0 +1,153 @@
+"""Prediction commands: profile (Algorithm 1) and eval (replay of predictors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from stmoe.cli._common import err, out, print_json
+from stmoe.predictors import REGISTRY, load_tables, names, profile, save_tables
+from stmoe.replay import ReplayResult, cross_domain_matrix, replay
+from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
+
+SplitOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Use the first FRACTION of the trace for profiling and the rest for evaluation "
+        "(by sequence when there are several, else by token). Give the same value to "
+        "`profile` and `eval`.",
+        min=0.0,
+        max=1.0,
+    ),
+]
+_NAMES = ", ".join(names())
+DomainOpt = Annotated[str | None, typer.Option(help="Only the sequences of this domain.")]
+
+
+def _select(
+    trace: RoutingTrace, domain: str | None, split: float | None, part: int
+) -> RoutingTrace:
+    if domain is not None:
+        trace = select_domain(trace, domain)
+    return trace if split is None else split_auto(trace, split)[part]
+
+
+def profile_cmd(
+    traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help="Traces of one model.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Tables file to write (.npz).")],
+    row_width: Annotated[
+        int | None, typer.Option(help="Candidates kept per CCT row (default: the model's top-k).")
+    ] = None,
+    split: SplitOpt = None,
+    domain: DomainOpt = None,
+) -> None:
+    """Build ST-MoE's tables from routing traces (SPEC.md Algorithm 1).
+
+    Counts which experts of layer l+1 follow each expert of layer l and keeps the
+    most frequent as the cross-layer correlation table, plus per-layer expert
+    frequencies for the frequency baseline.
+    """
+    trace = _select(import_files(traces), domain, split, 0)
+    tables = profile(trace, row_width=row_width)
+    save_tables(tables, output)
+    out.print(
+        f"wrote {output}: CCT for {tables.shape.describe()}, row width {tables.row_width}, "
+        f"profiled on {trace.num_tokens} tokens" + (" (SYNTHETIC)" if trace.meta.synthetic else "")
+    )
+
+
+def eval_cmd(
+    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="The trace to replay.")],
+    tables_path: Annotated[
+        Path | None, typer.Option("--tables", help="Tables from `stmoe profile`.")
+    ] = None,
+    predictor: Annotated[
+        list[str] | None,
+        typer.Option(
+            help=f"Predictor to run (repeat for several; default: all). One of: {_NAMES}."
+        ),
+    ] = None,
+    capacity: Annotated[
+        int | None, typer.Option(help="Also replay a cache of C experts per layer.", min=1)
+    ] = None,
+    policy: Annotated[str, typer.Option(help="Cache eviction: lru, lfu or belady.")] = "lru",
+    budget: Annotated[
+        int, typer.Option(help="Cap every prefetch set at B experts, highest scores first.", min=0)
+    ] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the random baseline.")] = 0,
+    split: SplitOpt = None,
+    domain: DomainOpt = None,
+    cross_domain: Annotated[
+        bool, typer.Option(help="Add a profile-on-A, evaluate-on-B recall matrix over domains.")
+    ] = False,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write all results as JSON here ('-': stdout).")
+    ] = None,
+) -> None:
+    """Replay predictors over a trace and compare them side by side.
+
+    Reports recall (the paper's prediction accuracy), precision and mean prefetch
+    set size over decode tokens at layers 1..L-1 (SPEC.md), plus per layer, per
+    domain, decode vs prefill and a recall-versus-budget curve in the JSON; with
+    --capacity, a cache replay's hit rate, experts moved per token, wasted loads
+    and read amplification.
+    """
+    trace = _select(import_files([trace_path]), domain, split, 1)
+    tables = load_tables(tables_path) if tables_path is not None else None
+    chosen = predictor or names()
+    if tables is None and predictor is None:
+        skipped = [n for n in chosen if REGISTRY[n].needs_tables]
+        chosen = [n for n in chosen if not REGISTRY[n].needs_tables]
+        err.print(f"note: no --tables, so skipping {', '.join(skipped)}")
+    options: dict[str, Any] = {"seed": seed}
+    if budget:
+        options["budget"] = budget
+    result = replay(trace, chosen, tables, options=options, capacity=capacity, policy=policy)
+    if cross_domain:
+        result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace))
+    data = result.to_dict()
+    if json_out is not None and str(json_out) == "-":
+        print_json(data)
+        return
+    _print_table(data, trace)
+    if json_out is not None:
+        json_out.write_text(json.dumps(data, indent=2) + "\n")
+        out.print(f"wrote {json_out}")
+
+
+def _recall(group: dict[str, Any]) -> str:
+    return f"{group['recall']:.3f}" if group["steps"] else "-"
+
+
+def _print_table(data: dict[str, Any], trace: RoutingTrace) -> None:
+    synthetic = " [SYNTHETIC]" if trace.meta.synthetic else ""
+    table = Table(title=f"{trace.meta.model}{synthetic}: {data['scope']}", title_justify="left")
+    for col in ("predictor", "recall", "precision", "set size", "decode", "prefill"):
+        table.add_column(col, justify="left" if col == "predictor" else "right")
+    has_cache = any("cache" in e for e in data["predictors"].values())
+    if has_cache:
+        for col in ("hit rate", "moved/token", "wasted/token", "read amp"):
+            table.add_column(col, justify="right")
+    for name, e in data["predictors"].items():
+        row = [name, f"{e['recall']:.3f}", f"{e['precision']:.3f}", f"{e['set_size']:.2f}",
+               _recall(e["decode"]), _recall(e["prefill"])]  # fmt: skip
+        if has_cache:
+            c = e["cache"]
+            row += [f"{c['hit_rate']:.3f}", f"{c['moved_per_token']:.1f}",
+                    f"{c['wasted_per_token']:.1f}", f"{c['read_amplification']:.2f}"]  # fmt: skip
+        table.add_row(*row)
+    out.print(table)
+    matrix = data.get("cross_domain")
+    if matrix:
+        grid = Table(title=f"cross-domain recall ({matrix['predictor']}): rows profiled on, "
+                     "columns evaluated on", title_justify="left")  # fmt: skip
+        grid.add_column("")
+        for d in matrix["evaluated_on"]:
+            grid.add_column(d, justify="right")
+        for d, row in zip(matrix["profiled_on"], matrix["recall"], strict=True):
+            grid.add_row(d, *(f"{x:.3f}" for x in row))
+        out.print(grid)

@@ -1,0 +1,80 @@
+"""Expert predictors: ST-MoE, its ablations and the field's baselines, one interface.
+
+``make(name, shape, tables, **options)`` builds any registered predictor;
+``names()`` lists them. Every predictor implements ``reset`` / ``predict`` /
+``update`` (see ``base.Predictor``) and ``plan(trace)`` for replay.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from stmoe.predictors import baselines as _baselines  # noqa: F401  (registers)
+from stmoe.predictors.base import (
+    REGISTRY,
+    ModelShape,
+    Predictor,
+    PredictorError,
+    PrefetchPlan,
+    register,
+)
+from stmoe.predictors.stmoe import STMoEConfig, STMoEPredictor
+from stmoe.predictors.tables import ProfiledTables, load_tables, profile, save_tables
+
+DEFAULT_SET = ("stmoe", "ondemand", "previous-token", "cct-static", "cct-online", "frequency",
+               "random", "oracle")  # fmt: skip
+
+
+def names() -> list[str]:
+    """Every registered predictor name, in a stable order (the defaults first)."""
+    return [*DEFAULT_SET, *sorted(set(REGISTRY) - set(DEFAULT_SET))]
+
+
+def make(
+    name: str, shape: ModelShape, tables: ProfiledTables | None = None, **options: Any
+) -> Predictor:
+    """Build the predictor ``name``; ``options`` are its knobs (``budget``, ``seed``, ...)."""
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise PredictorError(f"unknown predictor {name!r}; choose from {', '.join(names())}")
+    if cls.needs_tables and tables is None:
+        raise PredictorError(f"predictor {name!r} needs profiled tables (stmoe profile, --tables)")
+    accepted = accepted_options(name)
+    unknown = [k for k in options if k not in accepted]
+    if unknown:
+        raise PredictorError(
+            f"predictor {name!r} has no option {unknown[0]!r}; it takes {accepted}"
+        )
+    return cls(shape, tables, **options)
+
+
+def accepted_options(name: str) -> list[str]:
+    """The keyword options predictor ``name`` takes (``**knobs`` are listed by ``knobs()``)."""
+    cls = REGISTRY[name]
+    params = inspect.signature(cls.__init__).parameters
+    named = [p for p, v in params.items() if p not in ("self", "shape", "tables")
+             and v.kind is not inspect.Parameter.VAR_KEYWORD]  # fmt: skip
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        named += list(cls.knobs())
+    return named
+
+
+__all__ = [
+    "DEFAULT_SET",
+    "REGISTRY",
+    "ModelShape",
+    "Predictor",
+    "PredictorError",
+    "PrefetchPlan",
+    "ProfiledTables",
+    "STMoEConfig",
+    "STMoEPredictor",
+    "accepted_options",
+    "load_tables",
+    "make",
+    "names",
+    "profile",
+    "register",
+    "save_tables",
+]

@@ -1,0 +1,190 @@
+"""The one predictor interface, shared by offline replay and the runtime.
+
+The protocol follows a token through the layers, for each sequence in flight
+(a *slot*; slot 0 when there is one sequence):
+
+    predictor.reset(slot)                  # a new sequence starts in this slot
+    for each token:
+        for layer in 0..L-1:
+            prefetch = predictor.predict(layer, slot)   # ranked ids to load for `layer`
+            ...router of `layer` answers with `chosen`...
+            predictor.update(layer, chosen, slot)       # learn; history for later layers/tokens
+
+``step(layer, chosen, slot)`` is ``update`` then ``predict(layer + 1)``: "given the
+experts the router chose at layer l, the experts to prefetch for layer l+1".
+Several slots share the predictor's learned tables but keep their own history;
+``predict_batch`` returns the union over slots (what a batch must load).
+
+``plan(trace)`` replays a whole trace in this order and returns every prefetch
+set; subclasses may override it with a compiled path that gives identical sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+import numpy as np
+
+from stmoe.errors import StmoeError
+from stmoe.trace.schema import RoutingTrace
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The routing shape a predictor or its tables were built for."""
+
+    num_layers: int  # L MoE layers
+    num_experts: int  # N routed experts per layer
+    top_k: int  # K experts the router picks per token and layer
+
+    @classmethod
+    def of(cls, trace: RoutingTrace) -> ModelShape:
+        return cls(trace.num_layers, trace.num_experts, trace.top_k)
+
+    def describe(self) -> str:
+        return f"L={self.num_layers} layers, N={self.num_experts} experts, top-{self.top_k}"
+
+
+class PredictorError(StmoeError, ValueError):
+    """A predictor was asked for with bad settings or for the wrong model shape."""
+
+
+P = TypeVar("P", bound="type[Predictor]")
+# name -> predictor class; a new predictor is one module and one @register line.
+REGISTRY: dict[str, type[Predictor]] = {}
+
+
+def register(cls: P) -> P:
+    """Class decorator: make ``cls`` available to ``make(cls.name, ...)`` and the CLI."""
+    if cls.name in REGISTRY:
+        raise PredictorError(f"predictor name {cls.name!r} is registered twice")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True, eq=False)
+class PrefetchPlan:
+    """Every prefetch set of a replay, most confident first, as CSR arrays.
+
+    The set of (token t, layer l) is ``ids[ptr[t*L + l] : ptr[t*L + l + 1]]``.
+    """
+
+    ptr: np.ndarray  # [T*L + 1] int64
+    ids: np.ndarray  # [M] int16
+    num_layers: int
+
+    def at(self, token: int, layer: int) -> np.ndarray:
+        i = token * self.num_layers + layer
+        return self.ids[self.ptr[i] : self.ptr[i + 1]]
+
+    def sizes(self) -> np.ndarray:
+        """[T, L] int64, the size of every prefetch set."""
+        return np.diff(self.ptr).reshape(-1, self.num_layers)
+
+    def equals(self, other: PrefetchPlan) -> bool:
+        return np.array_equal(self.ptr, other.ptr) and np.array_equal(self.ids, other.ids)
+
+
+class Predictor:
+    """Base of every predictor; subclasses override ``predict`` and, if they learn, ``update``."""
+
+    name: ClassVar[str] = "predictor"
+    needs_tables: ClassVar[bool] = False  # True: built from profiled tables
+    sees_future: ClassVar[bool] = False  # True only for the oracle: replay reveals A first
+
+    def __init__(self, shape: ModelShape, tables: object = None) -> None:
+        """Subclasses that learn from profiling take ``ProfiledTables`` as ``tables``."""
+        self.shape = shape
+        self._current: dict[int, np.ndarray] = {}  # slot -> [L, K] this token's experts so far
+
+    @classmethod
+    def knobs(cls) -> tuple[str, ...]:
+        """Options taken through ``**knobs`` (for predictors whose __init__ has them)."""
+        return ()
+
+    # ---- the protocol ------------------------------------------------------
+    def reset(self, slot: int = 0) -> None:
+        """A new sequence starts in ``slot``: forget its history (learned tables stay)."""
+        self._current.pop(slot, None)
+
+    def predict(self, layer: int, slot: int = 0) -> np.ndarray:
+        """Ranked expert ids (int16, most confident first) to prefetch for ``layer``.
+
+        Does not mutate. Uses what ``update`` has seen of this token's earlier
+        layers and of earlier tokens in the slot.
+        """
+        raise NotImplementedError
+
+    def update(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
+        """The router chose ``experts`` ([K] int, rank order) at ``layer`` for the slot's token."""
+        self._check_layer(layer)
+        cur = self._current.get(slot)
+        if cur is None:
+            cur = self._current[slot] = np.full(
+                (self.shape.num_layers, self.shape.top_k), -1, dtype=np.int16
+            )
+        cur[layer] = experts
+
+    def reveal(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
+        """Only for predictors that ``sees_future``: the true set before ``predict``."""
+
+    # ---- conveniences built on the protocol --------------------------------
+    def step(self, layer: int, experts: np.ndarray, slot: int = 0) -> np.ndarray | None:
+        """``update`` with the router's choice at ``layer``, then the prefetch for ``layer+1``
+        (None after the last layer)."""
+        self.update(layer, experts, slot)
+        if layer + 1 >= self.shape.num_layers:
+            return None
+        return self.predict(layer + 1, slot)
+
+    def predict_batch(self, layer: int, slots: Sequence[int]) -> np.ndarray:
+        """The union of the slots' prefetch sets for ``layer``: experts wanted by more
+        slots first, then by their best rank, then by id."""
+        votes: dict[int, list[int]] = {}
+        for slot in slots:
+            for rank, e in enumerate(self.predict(layer, slot).tolist()):
+                entry = votes.setdefault(e, [0, rank])
+                entry[0] += 1
+                entry[1] = min(entry[1], rank)
+        order = sorted(votes, key=lambda e: (-votes[e][0], votes[e][1], e))
+        return np.asarray(order, dtype=np.int16)
+
+    def plan(self, trace: RoutingTrace) -> PrefetchPlan:
+        """Replay ``trace`` step by step through the protocol; every prefetch set."""
+        self.check_shape(ModelShape.of(trace))
+        n_layers = trace.num_layers
+        ptr = np.zeros(trace.num_tokens * n_layers + 1, dtype=np.int64)
+        chunks: list[np.ndarray] = []
+        new_seq = np.zeros(trace.num_tokens, dtype=bool)
+        new_seq[trace.seq_starts] = True
+        experts = np.asarray(trace.experts)
+        for t in range(trace.num_tokens):
+            if new_seq[t]:
+                self.reset(0)
+            for layer in range(n_layers):
+                if self.sees_future:
+                    self.reveal(layer, experts[t, layer])
+                chosen = self.predict(layer)
+                chunks.append(chosen)
+                ptr[t * n_layers + layer + 1] = ptr[t * n_layers + layer] + len(chosen)
+                self.update(layer, experts[t, layer])
+        ids = np.concatenate(chunks).astype(np.int16) if chunks else np.zeros(0, np.int16)
+        return PrefetchPlan(ptr=ptr, ids=ids, num_layers=n_layers)
+
+    # ---- helpers -------------------------------------------------------------
+    def check_shape(self, shape: ModelShape) -> None:
+        if shape != self.shape:
+            raise PredictorError(
+                f"predictor {self.name!r} was built for {self.shape.describe()} "
+                f"but the trace has {shape.describe()}",
+            )
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.shape.num_layers:
+            raise PredictorError(f"layer {layer} is out of range 0..{self.shape.num_layers - 1}")
+
+    def token_so_far(self, slot: int) -> np.ndarray | None:
+        """[L, K] experts ``update`` has recorded for the slot's current token, or None."""
+        return self._current.get(slot)

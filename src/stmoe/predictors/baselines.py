@@ -1,0 +1,165 @@
+"""The field's baselines, behind the same interface as ST-MoE.
+
+- ``ondemand``: prefetch nothing; every expert loads when the router asks.
+- ``previous-token``, ``cct-static``, ``cct-online``: ST-MoE's ablations (SPEC.md:
+  HT-only uses threshold = w_ht).
+- ``frequency``: the B experts each layer used most during profiling.
+- ``random``: B experts drawn uniformly per (token, layer), seeded.
+- ``oracle``: the true set; bounds what any predictor can reach.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stmoe.predictors.base import ModelShape, Predictor, PredictorError, PrefetchPlan, register
+from stmoe.predictors.stmoe import STMoEConfig, STMoEPredictor
+from stmoe.predictors.tables import ProfiledTables
+from stmoe.trace.schema import RoutingTrace
+
+
+def _csr(sets: np.ndarray, keep: np.ndarray, num_layers: int) -> PrefetchPlan:
+    """A plan from a [T, L, B] array of ids, keeping entries where ``keep``."""
+    counts = keep.reshape(-1, sets.shape[-1]).sum(axis=1)
+    ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return PrefetchPlan(ptr=ptr, ids=sets[keep].astype(np.int16), num_layers=num_layers)
+
+
+@register
+class OnDemandPredictor(Predictor):
+    """Prefetch nothing: the baseline every method is compared against."""
+
+    name = "ondemand"
+
+    def predict(self, layer: int, slot: int = 0) -> np.ndarray:
+        return np.zeros(0, dtype=np.int16)
+
+    def plan(self, trace: RoutingTrace) -> PrefetchPlan:
+        self.check_shape(ModelShape.of(trace))
+        ptr = np.zeros(trace.num_tokens * trace.num_layers + 1, dtype=np.int64)
+        return PrefetchPlan(ptr=ptr, ids=np.zeros(0, dtype=np.int16), num_layers=trace.num_layers)
+
+
+@register
+class PreviousTokenPredictor(STMoEPredictor):
+    """HT only: prefetch the previous token's experts at the same layer."""
+
+    name = "previous-token"
+    needs_tables = False
+
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None, w_ht: float = 1.0,
+                 budget: int = 0) -> None:  # fmt: skip
+        config = STMoEConfig(use_cct=False, online=False, w_ht=w_ht, threshold=w_ht, budget=budget)
+        super().__init__(shape, None, config)
+
+
+@register
+class CCTStaticPredictor(STMoEPredictor):
+    """CCT only, as profiled: no history, no online learning."""
+
+    name = "cct-static"
+
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None, budget: int = 0) -> None:
+        super().__init__(shape, tables, STMoEConfig(use_ht=False, online=False, budget=budget))
+
+
+@register
+class CCTOnlinePredictor(STMoEPredictor):
+    """CCT only, with Algorithm 3's online updates."""
+
+    name = "cct-online"
+
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None, budget: int = 0) -> None:
+        super().__init__(shape, tables, STMoEConfig(use_ht=False, online=True, budget=budget))
+
+
+@register
+class FrequencyPredictor(Predictor):
+    """Per layer, the ``budget`` experts most used in profiling (ties to the smaller id)."""
+
+    name = "frequency"
+    needs_tables = True
+
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None, budget: int = 0) -> None:
+        super().__init__(shape)
+        if tables is None:
+            raise PredictorError("'frequency' needs profiled tables (stmoe profile)")
+        tables.check_fits(shape)
+        b = budget or shape.top_k
+        order = np.argsort(-tables.layer_counts, axis=1, kind="stable")[:, :b]
+        used = np.take_along_axis(tables.layer_counts, order, axis=1) > 0
+        self.top = [order[layer][used[layer]].astype(np.int16) for layer in range(shape.num_layers)]
+
+    def predict(self, layer: int, slot: int = 0) -> np.ndarray:
+        self._check_layer(layer)
+        return self.top[layer].copy()
+
+    def plan(self, trace: RoutingTrace) -> PrefetchPlan:
+        self.check_shape(ModelShape.of(trace))
+        width = max(len(s) for s in self.top)
+        sets = np.full((trace.num_layers, width), -1, dtype=np.int64)
+        for layer, s in enumerate(self.top):
+            sets[layer, : len(s)] = s
+        sets = np.broadcast_to(sets, (trace.num_tokens, *sets.shape))
+        return _csr(sets, sets >= 0, trace.num_layers)
+
+
+@register
+class RandomPredictor(Predictor):
+    """``budget`` distinct experts drawn uniformly for every (token, layer), seeded.
+
+    Draws N uniforms per call and keeps the ``budget`` largest, so the compiled
+    plan (which draws the same stream in blocks) gives the same sets.
+    """
+
+    name = "random"
+
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None, budget: int = 0,
+                 seed: int = 0) -> None:  # fmt: skip
+        super().__init__(shape)
+        self.budget = min(budget or shape.top_k, shape.num_experts)
+        self.rng = np.random.default_rng(seed)
+
+    def predict(self, layer: int, slot: int = 0) -> np.ndarray:
+        self._check_layer(layer)
+        draw = self.rng.random(self.shape.num_experts)
+        return np.argsort(-draw, kind="stable")[: self.budget].astype(np.int16)
+
+    def plan(self, trace: RoutingTrace) -> PrefetchPlan:
+        self.check_shape(ModelShape.of(trace))
+        n, n_layers = self.shape.num_experts, trace.num_layers
+        per_token = n_layers * n
+        block = max(1, (1 << 22) // per_token)  # ~32 MB of uniforms at a time
+        sets = []
+        for a in range(0, trace.num_tokens, block):
+            count = min(block, trace.num_tokens - a)
+            draw = self.rng.random((count, n_layers, n))  # same stream as per-call draws
+            sets.append(np.argsort(-draw, axis=2, kind="stable")[:, :, : self.budget])
+        all_sets = np.concatenate(sets)
+        return _csr(all_sets, np.ones(all_sets.shape, dtype=bool), n_layers)
+
+
+@register
+class OraclePredictor(Predictor):
+    """The router's true set for the layer: recall 1 and no waste, by construction."""
+
+    name = "oracle"
+    sees_future = True
+
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None) -> None:
+        super().__init__(shape)
+        self._revealed: dict[int, np.ndarray] = {}
+
+    def reveal(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
+        self._revealed[slot] = np.asarray(experts, dtype=np.int16)
+
+    def predict(self, layer: int, slot: int = 0) -> np.ndarray:
+        chosen = self._revealed.get(slot)
+        if chosen is None:
+            raise PredictorError("the oracle needs reveal(layer, experts) before predict")
+        return chosen[chosen >= 0].copy()
+
+    def plan(self, trace: RoutingTrace) -> PrefetchPlan:
+        self.check_shape(ModelShape.of(trace))
+        experts = np.asarray(trace.experts)
+        return _csr(experts, experts >= 0, trace.num_layers)

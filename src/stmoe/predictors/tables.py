@@ -1,0 +1,174 @@
+"""Profiled tables: SPEC.md's Algorithm 1, and the one file they live in.
+
+``profile(traces)`` counts, for every adjacent layer pair (l, l+1), how often
+expert e at l co-occurs with expert f at l+1 in the same token, and keeps for each
+e the ``row_width`` most frequent f (ties to the smaller id, counts > 0) at
+confidence 2: the cross-layer correlation table (CCT). The full co-occurrence
+counts and each layer's expert frequencies are kept too, for the frequency
+baseline and for richer predictors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stmoe.errors import TraceError
+from stmoe.predictors.base import ModelShape, PredictorError
+from stmoe.predictors.kernels import CONF_NEW
+from stmoe.trace.io import read_npz_arrays
+from stmoe.trace.schema import _CHUNK_TOKENS, RoutingTrace
+from stmoe.trace.summary import expert_load
+
+TABLES_FORMAT = "stmoe-tables"
+TABLES_VERSION = 1
+
+
+@dataclass(frozen=True, eq=False)
+class ProfiledTables:
+    """What profiling learned about one model's routing."""
+
+    shape: ModelShape
+    cct_ids: np.ndarray  # [L-1, N, R] int16, candidates of layer l+1 per expert of l; -1 empty
+    cct_conf: np.ndarray  # [L-1, N, R] int8, 2-bit confidences 0..3
+    cooccurrence: np.ndarray  # [L-1, N, N] int64, co[l][e, f] counts of Algorithm 1
+    layer_counts: np.ndarray  # [L, N] int64, tokens routed to each expert per layer
+    info: dict[str, Any] = field(default_factory=dict)  # model, tokens, sources, domains
+
+    @property
+    def row_width(self) -> int:
+        return int(self.cct_ids.shape[2])
+
+    def check_fits(self, shape: ModelShape, where: str = "tables") -> None:
+        """Refuse tables profiled for another model shape."""
+        if shape != self.shape:
+            raise PredictorError(
+                f"{where}: profiled for {self.shape.describe()} but the trace has "
+                f"{shape.describe()}; profile tables on a trace of this model"
+            )
+
+
+def cooccurrence(trace: RoutingTrace) -> np.ndarray:
+    """[L-1, N, N] int64: co[l][e, f] = tokens choosing e at l and f at l+1."""
+    n, n_layers = trace.num_experts, trace.num_layers
+    co = np.zeros((max(n_layers - 1, 0), n * n), dtype=np.int64)
+    for a in range(0, trace.num_tokens, _CHUNK_TOKENS):
+        block = np.asarray(trace.experts[a : a + _CHUNK_TOKENS], dtype=np.int64)
+        for layer in range(n_layers - 1):
+            e, f = block[:, layer, :, None], block[:, layer + 1, None, :]
+            valid = (e >= 0) & (f >= 0)
+            co[layer] += np.bincount((e * n + f)[valid], minlength=n * n)
+    return co.reshape(-1, n, n)
+
+
+def cct_from_counts(co: np.ndarray, row_width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Algorithm 1's table from counts: top ``row_width`` per row, ties to the smaller id."""
+    order = np.argsort(-co, axis=2, kind="stable")[:, :, :row_width]  # stable: smaller id first
+    top = np.take_along_axis(co, order, axis=2)
+    ids = np.where(top > 0, order, -1).astype(np.int16)
+    conf = np.where(top > 0, CONF_NEW, 0).astype(np.int8)
+    return ids, conf
+
+
+def profile(
+    traces: RoutingTrace | Sequence[RoutingTrace], row_width: int | None = None
+) -> ProfiledTables:
+    """Algorithm 1 over one or more traces of the same model; ``row_width`` defaults to K."""
+    traces = [traces] if isinstance(traces, RoutingTrace) else list(traces)
+    if not traces:
+        raise TraceError("nothing to profile", expected="at least one trace")
+    shape = ModelShape.of(traces[0])
+    for i, t in enumerate(traces[1:], start=1):
+        if ModelShape.of(t) != shape:
+            raise PredictorError(
+                f"trace {i} has {ModelShape.of(t).describe()} but trace 0 has {shape.describe()}"
+            )
+    width = shape.top_k if row_width is None else int(row_width)
+    if not 1 <= width <= shape.num_experts:
+        raise PredictorError(f"row width {width}: expected 1..{shape.num_experts}")
+    co = sum(cooccurrence(t) for t in traces)
+    ids, conf = cct_from_counts(co, width)
+    return ProfiledTables(
+        shape=shape,
+        cct_ids=ids,
+        cct_conf=conf,
+        cooccurrence=co,
+        layer_counts=sum(expert_load(t) for t in traces),
+        info={
+            "model": traces[0].meta.model,
+            "tokens": int(sum(t.num_tokens for t in traces)),
+            "sources": [t.meta.source for t in traces],
+            "domains": sorted({d for t in traces for d in t.domains}),
+            "synthetic": any(t.meta.synthetic for t in traces),
+        },
+    )
+
+
+def save_tables(tables: ProfiledTables, path: str | Path) -> Path:
+    """Write tables to one versioned, compressed ``.npz`` (atomically)."""
+    path = Path(path)
+    header = {
+        "format": TABLES_FORMAT,
+        "version": TABLES_VERSION,
+        "num_layers": tables.shape.num_layers,
+        "num_experts": tables.shape.num_experts,
+        "top_k": tables.shape.top_k,
+        "row_width": tables.row_width,
+        "info": tables.info,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(
+                f,
+                header=np.array(json.dumps(header)),
+                cct_ids=tables.cct_ids,
+                cct_conf=tables.cct_conf,
+                cooccurrence=tables.cooccurrence,
+                layer_counts=tables.layer_counts,
+            )
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_tables(path: str | Path) -> ProfiledTables:
+    """Read tables written by ``save_tables``; clear errors for other or damaged files."""
+    path = Path(path)
+    if not path.exists():
+        raise PredictorError(f"{path}: no such tables file (write one with `stmoe profile`)")
+    arrays = read_npz_arrays(path, mmap=False)
+    try:
+        header = json.loads(str(arrays["header"][()]))
+    except (KeyError, json.JSONDecodeError):
+        raise PredictorError(f"{path}: not an stmoe tables file (no valid header)") from None
+    if header.get("format") != TABLES_FORMAT:
+        raise PredictorError(f"{path}: format {header.get('format')!r}, expected {TABLES_FORMAT!r}")
+    if not isinstance(header.get("version"), int) or header["version"] > TABLES_VERSION:
+        raise PredictorError(
+            f"{path}: tables version {header.get('version')!r} is newer than this stmoe "
+            f"reads ({TABLES_VERSION}); upgrade stmoe"
+        )
+    shape = ModelShape(header["num_layers"], header["num_experts"], header["top_k"])
+    ids, conf = arrays["cct_ids"], arrays["cct_conf"]
+    want = (max(shape.num_layers - 1, 0), shape.num_experts, header["row_width"])
+    if ids.shape != want or conf.shape != want:
+        raise PredictorError(f"{path}: CCT has shape {ids.shape}, expected {want}")
+    return ProfiledTables(
+        shape=shape,
+        cct_ids=ids.astype(np.int16),
+        cct_conf=conf.astype(np.int8),
+        cooccurrence=arrays["cooccurrence"],
+        layer_counts=arrays["layer_counts"],
+        info=header.get("info", {}),
+    )
