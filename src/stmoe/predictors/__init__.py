@@ -35,9 +35,7 @@ def make(
     name: str, shape: ModelShape, tables: ProfiledTables | None = None, **options: Any
 ) -> Predictor:
     """Build the predictor ``name``; ``options`` are its knobs (``budget``, ``seed``, ...)."""
-    cls = REGISTRY.get(name)
-    if cls is None:
-        raise PredictorError(f"unknown predictor {name!r}; choose from {', '.join(names())}")
+    cls = _lookup(name)
     if cls.needs_tables and tables is None:
         raise PredictorError(f"predictor {name!r} needs profiled tables (stmoe profile, --tables)")
     accepted = accepted_options(name)
@@ -49,9 +47,16 @@ def make(
     return cls(shape, tables, **options)
 
 
+def _lookup(name: str) -> type[Predictor]:
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise PredictorError(f"unknown predictor {name!r}; choose from {', '.join(names())}")
+    return cls
+
+
 def accepted_options(name: str) -> list[str]:
     """The keyword options predictor ``name`` takes (``**knobs`` are listed by ``knobs()``)."""
-    cls = REGISTRY[name]
+    cls = _lookup(name)
     params = inspect.signature(cls.__init__).parameters
     named = [p for p, v in params.items() if p not in ("self", "shape", "tables")
              and v.kind is not inspect.Parameter.VAR_KEYWORD]  # fmt: skip

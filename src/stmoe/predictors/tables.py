@@ -153,7 +153,10 @@ def load_tables(path: str | Path) -> ProfiledTables:
     except (KeyError, json.JSONDecodeError):
         raise PredictorError(f"{path}: not an stmoe tables file (no valid header)") from None
     if header.get("format") != TABLES_FORMAT:
-        raise PredictorError(f"{path}: format {header.get('format')!r}, expected {TABLES_FORMAT!r}")
+        raise PredictorError(
+            f"{path}: not an stmoe tables file (format {header.get('format')!r}, expected "
+            f"{TABLES_FORMAT!r}); write tables with `stmoe profile`"
+        )
     if not isinstance(header.get("version"), int) or header["version"] > TABLES_VERSION:
         raise PredictorError(
             f"{path}: tables version {header.get('version')!r} is newer than this stmoe "

@@ -1,0 +1,147 @@
+"""`stmoe profile` and `stmoe eval`: the documented flow and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REAL_ROUTES, needs_shared
+
+ALL = [
+    "stmoe",
+    "ondemand",
+    "previous-token",
+    "cct-static",
+    "cct-online",
+    "frequency",
+    "random",
+    "oracle",
+]
+
+
+@needs_shared
+def test_profile_first_half_eval_rest_on_the_real_sample(cli, tmp_path):
+    tables, report = tmp_path / "tables.npz", tmp_path / "eval.json"
+    result = cli("profile", REAL_ROUTES, "--split", "0.5", "-o", tables)
+    assert result.exit_code == 0, result.output
+    assert "profiled on 82 tokens" in result.output
+    result = cli(
+        "eval",
+        REAL_ROUTES,
+        "--tables",
+        tables,
+        "--split",
+        "0.5",
+        "--capacity",
+        "16",
+        "--json",
+        report,
+    )
+    assert result.exit_code == 0, result.output
+    for name in ALL:
+        assert name in result.output
+    data = json.loads(report.read_text())
+    assert data["scope"] == "decode tokens, layers 1..39"
+    assert data["trace"]["tokens"] == 82
+    assert list(data["predictors"]) == ALL
+    for entry in data["predictors"].values():
+        assert {"recall", "precision", "set_size", "cache", "budget_curve"} <= set(entry)
+    assert data["predictors"]["oracle"]["recall"] == 1.0
+    assert data["predictors"]["ondemand"]["recall"] == 0.0
+    # ST-MoE beats guessing by a wide margin on real routing.
+    assert data["predictors"]["stmoe"]["recall"] > 3 * data["predictors"]["random"]["recall"]
+
+
+def test_eval_json_to_stdout_and_without_tables(cli, tmp_path):
+    trace = tmp_path / "s.npz"
+    cli(
+        "synth",
+        "-o",
+        trace,
+        "--tokens",
+        "300",
+        "--layers",
+        "4",
+        "--experts",
+        "16",
+        "--top-k",
+        "2",
+        "--sequences",
+        "3",
+        "--domains",
+        "3",
+    )
+    result = cli("eval", trace, "--json", "-")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert set(data["predictors"]) == {"ondemand", "previous-token", "random", "oracle"}
+    assert "skipping stmoe" in result.stderr
+
+
+def test_eval_cross_domain_matrix(cli, tmp_path):
+    trace, tables = tmp_path / "s.npz", tmp_path / "t.npz"
+    cli(
+        "synth",
+        "-o",
+        trace,
+        "--tokens",
+        "900",
+        "--layers",
+        "4",
+        "--experts",
+        "16",
+        "--top-k",
+        "2",
+        "--sequences",
+        "6",
+        "--domains",
+        "3",
+    )
+    cli("profile", trace, "-o", tables)
+    result = cli(
+        "eval", trace, "--tables", tables, "--predictor", "stmoe", "--cross-domain", "--json", "-"
+    )
+    data = json.loads(result.stdout)
+    assert len(data["cross_domain"]["recall"]) == 3
+    assert list(data["predictors"]) == ["stmoe"]
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--predictor", "magic"], "unknown predictor 'magic'"),
+        (["--predictor", "stmoe"], "needs profiled tables"),
+        (["--capacity", "1"], "capacity 1 is below top-k 2"),
+        (
+            ["--tables", "{other}"],
+            "profiled for L=4 layers, N=8 experts, top-2 but the trace has "
+            "L=4 layers, N=16 experts, top-2",
+        ),
+        (["--tables", "{missing}"], "no such tables file"),
+        (["--tables", "{trace}"], "not an stmoe tables file"),
+        (["--domain", "web"], "no sequence has domain 'web'"),
+    ],
+)
+def test_eval_errors_are_one_clear_line(cli, tmp_path, args, fragment):
+    trace, other = tmp_path / "s.npz", tmp_path / "o.npz"
+    cli("synth", "-o", trace, "--tokens", "100", "--layers", "4", "--experts", "16", "--top-k", "2")
+    cli(
+        "synth",
+        "-o",
+        tmp_path / "small.npz",
+        "--tokens",
+        "100",
+        "--layers",
+        "4",
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+    )
+    cli("profile", tmp_path / "small.npz", "-o", other)
+    paths = {"other": other, "missing": tmp_path / "none.npz", "trace": trace}
+    args = [a.format(**paths) for a in args]
+    result = cli("eval", trace, *args)
+    assert result.exit_code == 1, result.output
+    assert fragment in result.output and "Traceback" not in result.output

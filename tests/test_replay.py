@@ -1,0 +1,144 @@
+"""Replay evaluation and cache replay: hand-derived small cases and the JSON contract."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import stmoe
+from stmoe.cache_replay import replay_cache
+from stmoe.predictors import ModelShape, PredictorError, PrefetchPlan, make, profile
+from stmoe.replay import cross_domain_matrix, replay
+
+
+def one_layer_trace(demands, n=4):
+    ex = np.asarray(demands, dtype=np.int16).reshape(-1, 1, 1)
+    return stmoe.RoutingTrace(
+        ex,
+        np.array([0]),
+        np.zeros(len(demands), bool),
+        stmoe.TraceMeta(num_experts=n, top_k=1, num_layers=1),
+    )
+
+
+@pytest.mark.parametrize(
+    "demands, expected",
+    [
+        # Derived by hand with capacity 2 (see each policy's rule in cache_replay.py):
+        # LRU evicts 0 at t4 and keeps 1,2 -> hits t1,t2,t5,t6,t7. LFU keeps the frequent
+        # 0 and thrashes 1/2 -> hits t1,t2,t8. Belady evicts 0 (next use t8) -> as LRU.
+        ([0, 0, 0, 1, 2, 1, 2, 1, 0], {"lru": 5, "lfu": 3, "belady": 5}),
+        # Cyclic 0,1,2: LRU and LFU miss always; Belady keeps what returns soonest.
+        ([0, 1, 2, 0, 1, 2], {"lru": 0, "lfu": 0, "belady": 2}),
+    ],
+)
+def test_scripted_demand_sequences_separate_the_policies(demands, expected):
+    trace = one_layer_trace(demands)
+    plan = make("ondemand", ModelShape.of(trace)).plan(trace)
+    for policy, hits in expected.items():
+        assert replay_cache(trace, plan, 2, policy).hits == hits, policy
+
+
+def test_prefetch_hits_waste_and_read_amplification():
+    trace = one_layer_trace([0, 1, 2])
+    # Prefetch 1 before t0 (wasted: evicted by t1? no, capacity 2: used at t1),
+    # 3 before t1 (never used), nothing before t2.
+    plan = PrefetchPlan(ptr=np.array([0, 1, 2, 2]), ids=np.array([1, 3], np.int16), num_layers=1)
+    stats = replay_cache(trace, plan, 2, "lru")
+    # t0: load 1 (prefetch), miss 0 -> {1,0}. t1: prefetch 3 evicts LRU 1? 1 was loaded at
+    # clock 1, 0 used at clock 1 -> ties broken by smaller id -> evict 0; {1,3}; demand 1 hit.
+    # t2: miss 2 evicts LRU 3 (unused: wasted) -> moved 4, useful 3, wasted 1.
+    assert (stats.hits, stats.moved, stats.prefetched, stats.useful, stats.wasted) == (
+        1,
+        4,
+        2,
+        3,
+        1,
+    )
+    assert stats.read_amplification == pytest.approx(4 / 3)
+    assert stats.hit_rate == pytest.approx(1 / 3)
+
+
+def test_capacity_below_top_k_is_refused():
+    trace = stmoe.synthesize(tokens=20, layers=2, experts=8, top_k=4, sequences=1)
+    plan = make("ondemand", ModelShape.of(trace)).plan(trace)
+    with pytest.raises(PredictorError, match="capacity 3 is below top-k 4"):
+        replay_cache(trace, plan, 3)
+    with pytest.raises(PredictorError, match="unknown cache policy 'fifo'"):
+        replay_cache(trace, plan, 4, "fifo")
+
+
+def test_recall_counts_decode_tokens_at_layers_1_and_up():
+    # Two tokens, two layers, K=1: token 0 prefill, token 1 decode.
+    ex = np.array([[[0], [1]], [[0], [2]]], dtype=np.int16)
+    trace = stmoe.RoutingTrace(
+        ex,
+        np.array([0]),
+        np.array([False, True]),
+        stmoe.TraceMeta(num_experts=4, top_k=1, num_layers=2),
+    )
+    r = replay(trace, ["previous-token", "oracle"]).to_dict()
+    prev = r["predictors"]["previous-token"]
+    # Decode token 1, layer 1: HT = {1}, actual {2} -> miss. (Layer 0 would hit.)
+    assert (prev["recall"], prev["steps"], prev["set_size"]) == (0.0, 1, 1.0)
+    assert prev["per_layer"][0]["recall"] == 1.0
+    assert r["scope"] == "decode tokens, layers 1..1"
+    assert r["predictors"]["oracle"]["recall"] == 1.0
+
+
+def test_json_contract_and_budget_curve():
+    trace = stmoe.synthesize(tokens=600, layers=6, experts=16, top_k=2, sequences=4, domains=2)
+    prof, ev = stmoe.split(trace, 0.5)
+    data = replay(
+        ev, stmoe.predictors.names(), profile(prof), capacity=4, options={"seed": 1}
+    ).to_dict()
+    assert set(data["predictors"]) >= {
+        "stmoe",
+        "ondemand",
+        "previous-token",
+        "cct-static",
+        "cct-online",
+        "frequency",
+        "random",
+        "oracle",
+    }
+    for entry in data["predictors"].values():
+        for key in (
+            "recall",
+            "precision",
+            "set_size",
+            "per_layer",
+            "per_domain",
+            "decode",
+            "prefill",
+            "budget_curve",
+            "cache",
+        ):
+            assert key in entry
+        curve = entry["budget_curve"]
+        assert curve["budget"] == list(range(1, 9))
+        assert all(
+            a <= b + 1e-12 for a, b in zip(curve["recall"], curve["recall"][1:], strict=False)
+        )
+        assert curve["recall"][-1] <= entry["recall"] + 1e-12
+        assert set(entry["per_domain"]) == {"synth-0", "synth-1"}
+    assert data["predictors"]["oracle"]["budget_curve"]["recall"][1] == 1.0
+
+
+def test_cross_domain_matrix_favours_the_diagonal_on_distinct_domains():
+    trace = stmoe.synthesize(
+        tokens=6000,
+        layers=4,
+        experts=32,
+        top_k=2,
+        sequences=6,
+        domains=3,
+        spatial=0.9,
+        temporal=0.0,
+        seed=2,
+    )
+    m = cross_domain_matrix(trace, "cct-static")
+    recall = np.asarray(m["recall"])
+    assert m["profiled_on"] == ["synth-0", "synth-1", "synth-2"]
+    off = recall[~np.eye(3, dtype=bool)]
+    assert np.diag(recall).min() > off.max() + 0.2
