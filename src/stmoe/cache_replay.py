@@ -144,6 +144,17 @@ def _victim(layer_res, protect, last, freq, nxt, policy):  # pragma: no cover - 
 
 
 @njit(cache=True)
+def _evict(layer, res, protect, last, freq, nxt, policy, unused, counted_load):  # pragma: no cover
+    """Evict one unprotected resident; returns 1 if it was a counted wasted load,
+    0 if not, -1 if every resident is protected."""
+    v = _victim(res, protect, last[layer], freq[layer], nxt, policy)
+    if v < 0:
+        return -1
+    res[v] = False
+    return 1 if unused[layer, v] and counted_load[layer, v] else 0
+
+
+@njit(cache=True)
 def _replay(experts, ptr, ids, capacity, policy, count_mask, occ_ptr, occ, n):  # pragma: no cover
     t_count, n_layers = experts.shape[0], experts.shape[1]
     resident = np.zeros((n_layers, n), dtype=np.bool_)
@@ -175,13 +186,13 @@ def _replay(experts, ptr, ids, capacity, policy, count_mask, occ_ptr, occ, n):  
                 if res[p]:
                     continue
                 if size[layer] >= capacity:
-                    v = _victim(res, protect, last[layer], freq[layer], nxt, policy)
-                    if v < 0:
-                        break
-                    res[v] = False
+                    freed = _evict(
+                        layer, res, protect, last, freq, nxt, policy, unused, counted_load
+                    )
+                    if freed < 0:
+                        break  # only this prefetch set is resident: drop the rest of it
                     size[layer] -= 1
-                    if unused[layer, v] and counted_load[layer, v]:
-                        wasted += 1
+                    wasted += freed
                 res[p] = True
                 size[layer] += 1
                 unused[layer, p] = True
@@ -206,12 +217,10 @@ def _replay(experts, ptr, ids, capacity, policy, count_mask, occ_ptr, occ, n):  
                     if unused[layer, a] and counted_load[layer, a]:
                         useful += 1
                 else:
-                    if size[layer] >= capacity:
-                        v = _victim(res, protect, last[layer], freq[layer], nxt, policy)
-                        res[v] = False
+                    if size[layer] >= capacity:  # never fails: capacity >= K > demanded residents
+                        wasted += _evict(layer, res, protect, last, freq, nxt, policy, unused,
+                                         counted_load)  # fmt: skip
                         size[layer] -= 1
-                        if unused[layer, v] and counted_load[layer, v]:
-                            wasted += 1
                     res[a] = True
                     size[layer] += 1
                     if counted:

@@ -1,12 +1,14 @@
 """``stmoe demo``: the main job, on built-in data, with no arguments.
 
 Until the project's own trained model ships (see the model issue), the demo runs
-the trace pipeline that exists end to end on a SYNTHETIC trace: generate, save,
-export to foreign formats, import back, verify the round trip, and describe it.
+the pipeline that exists end to end on a SYNTHETIC trace: generate, save, export
+to foreign formats, import back and verify the round trip; then profile ST-MoE's
+tables on half the sequences and replay every predictor on the other half.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Annotated
@@ -15,8 +17,11 @@ import numpy as np
 import typer
 
 from stmoe.cli._common import key_value_table, out
+from stmoe.cli.predict_cmds import print_results
 from stmoe.errors import StmoeError
-from stmoe.trace import import_file, load_trace, save_trace, summarize, synthesize
+from stmoe.predictors import load_tables, names, profile, save_tables
+from stmoe.replay import replay
+from stmoe.trace import import_file, load_trace, save_trace, split, summarize, synthesize
 from stmoe.trace.export import export_jsonl, export_npy
 
 DEMO_SPEC = {
@@ -41,17 +46,18 @@ def demo(
     """Run the main job on built-in data (no arguments needed).
 
     For now: a SYNTHETIC 3-domain trace is generated, saved, exported to JSON Lines
-    and .npy, imported back and checked bit for bit, then described.
+    and .npy, imported back and checked bit for bit, and described; ST-MoE tables
+    are profiled on half its sequences and every predictor is replayed on the rest.
     """
     start = time.perf_counter()
     output_dir.mkdir(parents=True, exist_ok=True)
     trace = synthesize(**DEMO_SPEC)
     native = save_trace(trace, output_dir / "synthetic.npz")
-    out.print(f"[1/4] generated and saved {native} (SYNTHETIC data)")
+    out.print(f"[1/5] generated and saved {native} (SYNTHETIC data)")
 
     jsonl_path = export_jsonl(trace, output_dir / "synthetic.jsonl")
     npy_path = export_npy(trace, output_dir / "synthetic.npy")
-    out.print(f"[2/4] exported {jsonl_path} and {npy_path}")
+    out.print(f"[2/5] exported {jsonl_path} and {npy_path}")
 
     reread = load_trace(native, mmap=True)
     from_jsonl = import_file(jsonl_path, num_experts=trace.num_experts)
@@ -69,7 +75,7 @@ def demo(
     failed = [name for name, ok in checks.items() if not ok]
     if failed:
         raise StmoeError(f"round trip changed the trace for: {', '.join(failed)}")
-    out.print("[3/4] imported all three back: identical expert ids, weights, sequences")
+    out.print("[3/5] imported all three back: identical expert ids, weights, sequences")
 
     s = summarize(reread)
     rows = [
@@ -79,6 +85,18 @@ def demo(
         ("prefill / decode", f"{s['prefill_tokens']} / {s['decode_tokens']}"),
         ("load max/mean (layer 0)", f"{s['load_balance_max_over_mean'][0]:.2f}"),
     ]
-    out.print("[4/4] summary")
+    out.print("[4/5] summary")
     out.print(key_value_table(str(native), rows))
+
+    profiling, evaluation = split(reread, 0.5)
+    tables = save_tables(profile(profiling), output_dir / "tables.npz")
+    result = replay(evaluation, names(), load_tables(tables), capacity=2 * trace.top_k)
+    report = output_dir / "eval.json"
+    report.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    out.print(
+        f"[5/5] profiled {tables} on {profiling.num_sequences} sequences, replayed every "
+        f"predictor on the other {evaluation.num_sequences} (cache of "
+        f"{2 * trace.top_k} experts per layer); {report}"
+    )
+    print_results(result.to_dict(), evaluation)
     out.print(f"done in {time.perf_counter() - start:.1f} s; files in {output_dir}/")

@@ -113,7 +113,7 @@ def eval_cmd(
     if json_out is not None and str(json_out) == "-":
         print_json(data)
         return
-    _print_table(data, trace)
+    print_results(data, trace)
     if json_out is not None:
         json_out.write_text(json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_out}")
@@ -123,7 +123,7 @@ def _recall(group: dict[str, Any]) -> str:
     return f"{group['recall']:.3f}" if group["steps"] else "-"
 
 
-def _print_table(data: dict[str, Any], trace: RoutingTrace) -> None:
+def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
     synthetic = " [SYNTHETIC]" if trace.meta.synthetic else ""
     table = Table(title=f"{trace.meta.model}{synthetic}: {data['scope']}", title_justify="left")
     for col in ("predictor", "recall", "precision", "set size", "decode", "prefill"):
