@@ -18,10 +18,11 @@ def _enabled() -> bool:
     return sys.stderr.isatty() and not os.environ.get("STMOE_NO_PROGRESS")
 
 
-def _bar():  # type: ignore[no-untyped-def]
+def _bar(in_bytes: bool = False):  # type: ignore[no-untyped-def]
     from rich.console import Console
     from rich.progress import (
         BarColumn,
+        DownloadColumn,
         MofNCompleteColumn,
         Progress,
         TextColumn,
@@ -31,7 +32,7 @@ def _bar():  # type: ignore[no-untyped-def]
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        MofNCompleteColumn(),
+        DownloadColumn() if in_bytes else MofNCompleteColumn(),
         TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,
@@ -55,7 +56,7 @@ def progress_bytes(f: IO[bytes], path: Path, description: str) -> Iterator[bytes
     if not _enabled():
         yield from f
         return
-    with _bar() as bar:
+    with _bar(in_bytes=True) as bar:
         task = bar.add_task(f"{description} {path.name}", total=path.stat().st_size)
         for line in f:
             yield line

@@ -1,7 +1,8 @@
 """Writers for foreign formats, so traces travel to tools that don't read ``.npz``.
 
 The native format (``io.save_trace``) is the one lossless format; these exports
-carry what their format can (npy: expert ids and sequence starts only).
+carry what their format can (JSON Lines: all but token ids; npy: expert ids and
+sequence starts only).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ EXPORT_FORMATS = ("jsonl", "npy")
 
 
 def export_jsonl(trace: RoutingTrace, path: str | Path) -> Path:
-    """One JSON Lines record per (token, layer), with weights, phase and domain."""
+    """A metadata line, then one record per (token, layer) with weights, phase and domain."""
     path = Path(path)
     seq_of = trace.sequence_of_token()
     starts = np.asarray(trace.seq_starts)
     weights = None if trace.weights is None else np.asarray(trace.weights)
     with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"meta": trace.meta.to_dict()}) + "\n")
         for t in progress(range(trace.num_tokens), trace.num_tokens, "writing JSON Lines"):
             s = int(seq_of[t])
             base = {

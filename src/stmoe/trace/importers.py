@@ -57,7 +57,8 @@ def sniff_format(path: str | Path) -> str:
             record = json.loads(first_line)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return "routes"  # a pretty-printed object spans many lines
-        return "jsonl" if isinstance(record, dict) and "layer" in record else "routes"
+        is_record = isinstance(record, dict) and ("layer" in record or set(record) == {"meta"})
+        return "jsonl" if is_record else "routes"
     if text.startswith(b"["):
         raise TraceError(
             "a top-level JSON array is not a supported trace",

@@ -2,6 +2,9 @@
 
     {"seq": 0, "token": 5, "layer": 3, "experts": [12, 7], "weights": [0.6, 0.4]}
 
+An optional first line ``{"meta": {"model": ..., "num_experts": ..., "synthetic": ...}}``
+carries the trace's metadata (``stmoe export`` writes it).
+
 Optional per record: ``weights`` (all records or none), ``phase``
 (``"prefill"``/``"decode"``) or ``decode`` (bool), and ``domain`` (one per
 sequence). ``seq`` may be an integer or a string; sequences are ordered by it.
@@ -38,6 +41,7 @@ class _Records:
         self.decode: list[bool] = []
         self.line: list[int] = []
         self.domain: dict[int, tuple[str, int]] = {}
+        self.header: dict[str, Any] = {}
 
 
 def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
@@ -46,6 +50,9 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
     top_k: int | None = None
     has_weights: bool | None = None
     for lineno, obj in _records(path):
+        if "meta" in obj and "layer" not in obj:
+            rec.header = _header(obj["meta"], lineno, first=not rec.line and not rec.header)
+            continue
         experts = _int_list(obj, "experts", lineno)
         if top_k is None:
             top_k = len(experts)
@@ -92,7 +99,18 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
                 )
     if not rec.line:
         raise TraceError("the file holds no records", expected="at least one routing record")
+    if num_experts is None and "num_experts" in rec.header:
+        num_experts = int(rec.header["num_experts"])
     return _assemble(rec, path, num_experts)
+
+
+def _header(meta: Any, lineno: int, first: bool) -> dict[str, Any]:
+    if not first:
+        raise TraceError("a metadata record after the first line", position=f"line {lineno}",
+                         expected='{"meta": ...} only as the first record')  # fmt: skip
+    if not isinstance(meta, dict):
+        raise TraceError(f"'meta' is {meta!r}", position=f"line {lineno}", expected="an object")
+    return meta
 
 
 def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -254,8 +272,10 @@ def _assemble(rec: _Records, path: Path, num_experts: int | None) -> RoutingTrac
             num_experts=n,
             top_k=experts.shape[2],
             num_layers=n_layers,
+            model=str(rec.header.get("model", "unknown")),
             source=f"imported from {path.name}",
-            extra=extra,
+            synthetic=bool(rec.header.get("synthetic", False)),
+            extra={**rec.header.get("extra", {}), **extra},
         ),
     )
     return validate(trace, file=str(path))
