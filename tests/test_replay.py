@@ -81,6 +81,8 @@ def test_recall_counts_decode_tokens_at_layers_1_and_up():
     prev = r["predictors"]["previous-token"]
     # Decode token 1, layer 1: HT = {1}, actual {2} -> miss. (Layer 0 would hit.)
     assert (prev["recall"], prev["steps"], prev["set_size"]) == (0.0, 1, 1.0)
+    # Waste: 1 expert prefetched in vain; moved = |P| + misses = 2 for 1 needed.
+    assert (prev["waste"], prev["read_amplification"]) == (1, 2.0)
     assert prev["per_layer"][0]["recall"] == 1.0
     assert r["scope"] == "decode tokens, layers 1..1"
     assert r["predictors"]["oracle"]["recall"] == 1.0
@@ -142,3 +144,14 @@ def test_cross_domain_matrix_favours_the_diagonal_on_distinct_domains():
     assert m["profiled_on"] == ["synth-0", "synth-1", "synth-2"]
     off = recall[~np.eye(3, dtype=bool)]
     assert np.diag(recall).min() > off.max() + 0.2
+
+
+def test_cross_domain_survives_a_domain_too_small_to_split():
+    big = stmoe.synthesize(tokens=400, layers=3, experts=8, top_k=2, sequences=4, seed=1)
+    tiny = stmoe.RoutingTrace(big.experts[:1], np.array([0]), np.array([True]), big.meta,
+                              domains=("tiny",))  # fmt: skip
+    joined = stmoe.concat([big, tiny])
+    m = cross_domain_matrix(joined, "stmoe", budget=2)
+    assert m["profiled_on"] == ["unlabelled", "tiny"]
+    assert m["recall"][0][0] is not None and m["recall"][1] == [None, None]
+    assert m["recall"][0][1] is None

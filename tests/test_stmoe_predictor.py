@@ -10,7 +10,15 @@ import pytest
 
 import stmoe
 from reference_stmoe import profile_reference, replay_reference
-from stmoe.predictors import ModelShape, PredictorError, ProfiledTables, make, profile
+from stmoe.predictors import (
+    ModelShape,
+    PredictorError,
+    ProfiledTables,
+    load_tables,
+    make,
+    profile,
+    save_tables,
+)
 from stmoe.predictors.base import Predictor
 from stmoe.predictors.stmoe import STMoEPredictor
 
@@ -174,3 +182,32 @@ def test_bad_settings_and_shapes_are_clear_errors():
         make("stmoe", ModelShape.of(trace), tables, thresold=3)
     with pytest.raises(PredictorError, match="layer 3 is out of range"):
         make("stmoe", ModelShape.of(trace), tables).predict(3)
+
+
+def test_batch_union_respects_the_budget():
+    trace = stmoe.synthesize(tokens=200, layers=3, experts=16, top_k=2, sequences=2, seed=7)
+    tables = profile(trace)
+    p = STMoEPredictor(tables.shape, tables, budget=1, online=False)
+    for slot, t in ((0, 0), (1, 100)):
+        for layer in range(3):
+            p.update(layer, trace.experts[t, layer], slot)
+        p.update(0, trace.experts[t + 1, 0], slot)
+    assert len(p.predict_batch(1, [0, 1])) <= 1
+    assert len(p.predict_batch(1, [0, 1], budget=0)) >= len(p.predict(1, 0))
+
+
+def test_corrupt_tables_are_refused_before_the_kernels_see_them(tmp_path):
+    trace = stmoe.synthesize(tokens=100, layers=3, experts=8, top_k=2, sequences=1)
+    tables = profile(trace)
+    for field, value, message in (
+        ("cct_ids", 8, "holds expert 8, expected -1..7"),
+        ("cct_conf", 5, "outside 0..3"),
+    ):
+        bad = np.array(getattr(tables, field))
+        bad[0, 0, 0] = value
+        broken = ProfiledTables(**{**tables.__dict__, field: bad})
+        path = save_tables(broken, tmp_path / f"{field}.npz")
+        with pytest.raises(PredictorError, match=message):
+            load_tables(path)
+        with pytest.raises(PredictorError, match=message):
+            STMoEPredictor(tables.shape, broken)

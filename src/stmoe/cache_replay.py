@@ -10,8 +10,9 @@ Each MoE layer has its own cache of ``capacity`` experts. At every (token, layer
 
 Eviction picks a victim among the residents: ``lru`` (least recently used or
 loaded), ``lfu`` (fewest demands, then least recent) or ``belady`` (next demanded
-farthest in the future at that layer, the offline optimum that bounds the
-others). Ties go to the smaller expert id.
+farthest in the future at that layer; it also declines a prefetch needed no
+sooner than its victim, which makes it the offline bound on hits for the same
+prefetch stream). Ties go to the smaller expert id.
 
 A load is *useful* once the router demands it while resident, *wasted* if it is
 evicted (or the trace ends) first. Counters cover the tokens in ``count_mask``
@@ -56,9 +57,11 @@ class CacheStats:
         return self.moved / self.tokens if self.tokens else 0.0
 
     @property
-    def read_amplification(self) -> float:
-        """Experts moved per expert needed (1.0 = nothing moved in vain)."""
-        return self.moved / self.useful if self.useful else (1.0 if not self.moved else np.inf)
+    def read_amplification(self) -> float | None:
+        """Experts moved per expert needed (1.0 = nothing moved in vain); None if none needed."""
+        if not self.useful:
+            return 1.0 if not self.moved else None
+        return self.moved / self.useful
 
     def to_dict(self) -> dict[str, float | int | str]:
         return {
@@ -144,12 +147,8 @@ def _victim(layer_res, protect, last, freq, nxt, policy):  # pragma: no cover - 
 
 
 @njit(cache=True)
-def _evict(layer, res, protect, last, freq, nxt, policy, unused, counted_load):  # pragma: no cover
-    """Evict one unprotected resident; returns 1 if it was a counted wasted load,
-    0 if not, -1 if every resident is protected."""
-    v = _victim(res, protect, last[layer], freq[layer], nxt, policy)
-    if v < 0:
-        return -1
+def _drop(layer, v, res, unused, counted_load):  # pragma: no cover - compiled
+    """Evict ``v``; 1 if it was a counted load never used (waste), else 0."""
     res[v] = False
     return 1 if unused[layer, v] and counted_load[layer, v] else 0
 
@@ -186,13 +185,13 @@ def _replay(experts, ptr, ids, capacity, policy, count_mask, occ_ptr, occ, n):  
                 if res[p]:
                     continue
                 if size[layer] >= capacity:
-                    freed = _evict(
-                        layer, res, protect, last, freq, nxt, policy, unused, counted_load
-                    )
-                    if freed < 0:
+                    v = _victim(res, protect, last[layer], freq[layer], nxt, policy)
+                    if v < 0:
                         break  # only this prefetch set is resident: drop the rest of it
+                    if policy == 2 and nxt[p] >= nxt[v]:
+                        continue  # Belady declines a load needed no sooner than its victim
+                    wasted += _drop(layer, v, res, unused, counted_load)
                     size[layer] -= 1
-                    wasted += freed
                 res[p] = True
                 size[layer] += 1
                 unused[layer, p] = True
@@ -217,9 +216,9 @@ def _replay(experts, ptr, ids, capacity, policy, count_mask, occ_ptr, occ, n):  
                     if unused[layer, a] and counted_load[layer, a]:
                         useful += 1
                 else:
-                    if size[layer] >= capacity:  # never fails: capacity >= K > demanded residents
-                        wasted += _evict(layer, res, protect, last, freq, nxt, policy, unused,
-                                         counted_load)  # fmt: skip
+                    if size[layer] >= capacity:  # a victim exists: capacity >= K > demanded
+                        v = _victim(res, protect, last[layer], freq[layer], nxt, policy)
+                        wasted += _drop(layer, v, res, unused, counted_load)
                         size[layer] -= 1
                     res[a] = True
                     size[layer] += 1

@@ -1,8 +1,12 @@
-"""The field's prediction metrics over (token, layer) counts, named as in SPEC.md.
+r"""The field's prediction metrics over (token, layer) counts, named as in SPEC.md.
 
 Per (token, layer) with actual set A and prefetch set P:
 recall = sum |P ∩ A| / sum |A| (the paper's "prediction accuracy", also the
-prefetch hit rate); precision = sum |P ∩ A| / sum |P|; set size = mean |P|.
+prefetch hit rate); precision = sum |P ∩ A| / sum |P|; set size = mean |P|;
+waste = sum |P - A| (experts prefetched and not used at that step); read
+amplification = (sum |P| + sum |A - P|) / sum |A|, the experts moved per expert
+needed when nothing stays cached between steps (the cache replay measures it
+with a cache).
 """
 
 from __future__ import annotations
@@ -35,11 +39,23 @@ class PredictionScore:
     def set_size(self) -> float:
         return self.predicted / self.steps if self.steps else 0.0
 
+    @property
+    def waste(self) -> int:
+        return self.predicted - self.hits
+
+    @property
+    def read_amplification(self) -> float:
+        moved = self.predicted + self.actual - self.hits
+        return moved / self.actual if self.actual else 0.0
+
     def to_dict(self) -> dict[str, float | int]:
         return {
             "recall": self.recall,
             "precision": self.precision,
             "set_size": self.set_size,
+            "waste": self.waste,
+            "waste_per_step": self.waste / self.steps if self.steps else 0.0,
+            "read_amplification": self.read_amplification,
             "hits": self.hits,
             "actual": self.actual,
             "predicted": self.predicted,

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from stmoe.cache_replay import CacheStats, replay_cache
+from stmoe.errors import TraceError
 from stmoe.metrics import (
     PredictionScore,
     describe_scope,
@@ -185,18 +186,38 @@ def cross_domain_matrix(
 
     Each domain is split into a profiling part (its first ``fraction``, by sequence
     when it has several, else by token) and an evaluation part, so the diagonal is
-    measured on held-out data too.
+    measured on held-out data too. Every cell covers the same tokens as the
+    headline recall of the whole trace (decode tokens when it marks any) at layers
+    1..L-1; a cell is None when a domain is too small to split or has no such
+    token. ``options`` go to the predictor (e.g. ``budget``).
     """
     domains = list(dict.fromkeys(trace.domains))
-    parts = {}
+    decode_scope = bool(np.asarray(trace.is_decode).any())
+    parts: dict[str, tuple[RoutingTrace, RoutingTrace] | None] = {}
     for d in domains:
-        parts[d] = split_auto(select_domain(trace, d), fraction)
-    tables = {d: profile(parts[d][0]) for d in domains}
+        try:
+            parts[d] = split_auto(select_domain(trace, d), fraction)
+        except TraceError:
+            parts[d] = None  # too small to hold out anything
     shape = ModelShape.of(trace)
-    recall = [
-        [evaluate(parts[b][1], make(predictor, shape, tables[a], **options)).overall.recall
-         for b in domains]
-        for a in domains
-    ]  # fmt: skip
+    options = _options_for(predictor, options)
+    recall: list[list[float | None]] = []
+    for a in domains:
+        tables = profile(parts[a][0]) if parts[a] else None
+        row: list[float | None] = []
+        for b in domains:
+            if tables is None or parts[b] is None:
+                row.append(None)
+                continue
+            held_out = parts[b][1]
+            result = evaluate(held_out, make(predictor, shape, tables, **options))
+            tokens = (
+                np.asarray(held_out.is_decode)
+                if decode_scope
+                else np.ones(held_out.num_tokens, bool)
+            )
+            s = result.over(tokens[:, None] & scope_layers(held_out)[None, :])
+            row.append(s.recall if s.actual else None)
+        recall.append(row)
     return {"predictor": predictor, "profiled_on": domains, "evaluated_on": domains,
-            "recall": recall}  # fmt: skip
+            "scope": describe_scope(trace), "recall": recall}  # fmt: skip

@@ -108,7 +108,7 @@ def eval_cmd(
         options["budget"] = budget
     result = replay(trace, chosen, tables, options=options, capacity=capacity, policy=policy)
     if cross_domain:
-        result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace))
+        result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace, **options))
     data = result.to_dict()
     if json_out is not None and str(json_out) == "-":
         print_json(data)
@@ -149,5 +149,5 @@ def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
         for d in matrix["evaluated_on"]:
             grid.add_column(d, justify="right")
         for d, row in zip(matrix["profiled_on"], matrix["recall"], strict=True):
-            grid.add_row(d, *(f"{x:.3f}" for x in row))
+            grid.add_row(d, *("-" if x is None else f"{x:.3f}" for x in row))
         out.print(grid)

@@ -139,9 +139,10 @@ class Predictor:
             return None
         return self.predict(layer + 1, slot)
 
-    def predict_batch(self, layer: int, slots: Sequence[int]) -> np.ndarray:
+    def predict_batch(self, layer: int, slots: Sequence[int], budget: int = 0) -> np.ndarray:
         """The union of the slots' prefetch sets for ``layer``: experts wanted by more
-        slots first, then by their best rank, then by id."""
+        slots first, then by their best rank, then by id; cut to ``budget`` experts
+        when it is > 0 (one budget for the whole batch)."""
         votes: dict[int, list[int]] = {}
         for slot in slots:
             for rank, e in enumerate(self.predict(layer, slot).tolist()):
@@ -149,7 +150,7 @@ class Predictor:
                 entry[0] += 1
                 entry[1] = min(entry[1], rank)
         order = sorted(votes, key=lambda e: (-votes[e][0], votes[e][1], e))
-        return np.asarray(order, dtype=np.int16)
+        return np.asarray(order[:budget] if budget > 0 else order, dtype=np.int16)
 
     def plan(self, trace: RoutingTrace) -> PrefetchPlan:
         """Replay ``trace`` step by step through the protocol; every prefetch set."""

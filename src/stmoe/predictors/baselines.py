@@ -150,6 +150,10 @@ class OraclePredictor(Predictor):
         super().__init__(shape)
         self._revealed: dict[int, np.ndarray] = {}
 
+    def reset(self, slot: int = 0) -> None:
+        super().reset(slot)
+        self._revealed.pop(slot, None)
+
     def reveal(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
         self._revealed[slot] = np.asarray(experts, dtype=np.int16)
 

@@ -8,6 +8,7 @@ ablation baselines: HT only (previous-token), CCT only (static or online).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from stmoe.predictors import kernels
 from stmoe.predictors.base import ModelShape, Predictor, PredictorError, PrefetchPlan, register
-from stmoe.predictors.tables import ProfiledTables
+from stmoe.predictors.tables import ProfiledTables, check_cct
 from stmoe.trace.schema import RoutingTrace
 
 
@@ -72,6 +73,7 @@ class STMoEPredictor(Predictor):
         else:
             tables.check_fits(shape)
             ids, conf = tables.cct_ids, tables.cct_conf
+            check_cct(ids, conf, shape.num_experts)
         # Private copies: online learning must never write into the caller's tables.
         self.cct_ids = np.array(ids, dtype=np.int16, copy=True)  # [L-1, N, R]
         self.cct_conf = np.array(conf, dtype=np.int8, copy=True)  # [L-1, N, R]
@@ -89,6 +91,12 @@ class STMoEPredictor(Predictor):
     def reset(self, slot: int = 0) -> None:
         super().reset(slot)
         self._history.pop(slot, None)
+
+    def predict_batch(
+        self, layer: int, slots: Sequence[int], budget: int | None = None
+    ) -> np.ndarray:
+        """The batch's union, cut to the configured budget unless one is given."""
+        return super().predict_batch(layer, slots, self.config.budget if budget is None else budget)
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         self._check_layer(layer)

@@ -55,6 +55,23 @@ class ProfiledTables:
             )
 
 
+def check_cct(ids: np.ndarray, conf: np.ndarray, num_experts: int, where: str = "tables") -> None:
+    """Refuse a CCT the compiled kernels could not trust (they index by these ids)."""
+    if not (np.issubdtype(ids.dtype, np.integer) and np.issubdtype(conf.dtype, np.integer)):
+        raise PredictorError(f"{where}: CCT ids/confidences are not integers")
+    bad = (ids < -1) | (ids >= num_experts)
+    if bad.any():
+        layer, e, s = (int(i) for i in np.argwhere(bad)[0])
+        raise PredictorError(f"{where}: CCT[{layer}][{e}] slot {s} holds expert "
+                             f"{int(ids[layer, e, s])}, "
+                             f"expected -1..{num_experts - 1}")  # fmt: skip
+    if ((conf < 0) | (conf > 3)).any():
+        raise PredictorError(f"{where}: a CCT confidence lies outside 0..3 (2-bit counters)")
+    ordered = np.sort(ids, axis=2)
+    if ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any():
+        raise PredictorError(f"{where}: a CCT row holds the same expert twice")
+
+
 def cooccurrence(trace: RoutingTrace) -> np.ndarray:
     """[L-1, N, N] int64: co[l][e, f] = tokens choosing e at l and f at l+1."""
     n, n_layers = trace.num_experts, trace.num_layers
@@ -167,6 +184,7 @@ def load_tables(path: str | Path) -> ProfiledTables:
     want = (max(shape.num_layers - 1, 0), shape.num_experts, header["row_width"])
     if ids.shape != want or conf.shape != want:
         raise PredictorError(f"{path}: CCT has shape {ids.shape}, expected {want}")
+    check_cct(ids, conf, shape.num_experts, str(path))
     return ProfiledTables(
         shape=shape,
         cct_ids=ids.astype(np.int16),

@@ -1,0 +1,150 @@
+"""All the figures of ``stmoe analyze`` as one JSON-ready dict (pure: no I/O).
+
+Keys that are a contract: ``spatial.pairs_significant``, ``spatial.pairs_total``,
+``temporal.overlap_ratio`` (mean over layers of observed overlap / (K^2/N)).
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+from typing import Any
+
+import numpy as np
+
+from stmoe.analysis.stats import (
+    ALPHA,
+    batch_means_ci,
+    consecutive_overlap,
+    js_divergence,
+    load_skew,
+    reuse_distances,
+    spatial_test,
+)
+from stmoe.predictors import names, profile
+from stmoe.replay import replay
+from stmoe.trace.schema import RoutingTrace
+from stmoe.trace.select import select_domain, split_auto
+from stmoe.trace.summary import expert_load
+
+REUSE_MAX = 64  # reuse-distance histogram: 1..63 tokens, then one bin for >= 64
+
+
+def spatial(trace: RoutingTrace) -> dict[str, Any]:
+    """Independence tests for every adjacent layer pair."""
+    experts = np.asarray(trace.experts)
+    tests = [
+        spatial_test(experts, layer, trace.num_experts) for layer in range(trace.num_layers - 1)
+    ]
+    return {
+        "alpha": ALPHA,
+        "pairs_total": len(tests),
+        "pairs_significant": sum(t.significant for t in tests),
+        "expected_false_positives": ALPHA * len(tests),
+        "pairs": [t.to_dict() for t in tests],
+    }
+
+
+def temporal(trace: RoutingTrace) -> dict[str, Any]:
+    """Consecutive-token overlap per layer against random routing, and reuse distances."""
+    k, n = trace.top_k, trace.num_experts
+    expected = k * k / n  # SPEC.md: E[overlap] = K^2 / N for random top-K routing
+    overlap = consecutive_overlap(trace)  # [P, L]
+    load = expert_load(trace)
+    share = load / max(trace.num_tokens, 1)  # P(expert chosen) per layer
+    per_layer = []
+    for layer in range(trace.num_layers):
+        ci = batch_means_ci(overlap[:, layer])
+        per_layer.append({
+            "layer": layer, "overlap": ci.mean, "ci": [ci.ci_low, ci.ci_high],
+            "ratio": ci.mean / expected,
+            "ratio_vs_load": ci.mean / max(float((share[layer] ** 2).sum()), 1e-12),
+        })  # fmt: skip
+    overall = batch_means_ci(overlap.mean(axis=1) if overlap.size else overlap[:, :0].sum(axis=1))
+    hist = reuse_distances(trace, REUSE_MAX)
+    p = k / n  # random routing: an expert returns after a geometric number of tokens
+    geometric = p * (1 - p) ** np.arange(REUSE_MAX)
+    geometric[-1] = (1 - p) ** (REUSE_MAX - 1)
+    return {
+        "expected_overlap": expected,
+        "overlap": overall.mean,
+        "overlap_ratio": overall.mean / expected,
+        "overlap_ratio_ci": [overall.ci_low / expected, overall.ci_high / expected],
+        "token_pairs": overall.pairs,
+        "ci_method": "method of batch means (20 contiguous batches), 95%",
+        "per_layer": per_layer,
+        "reuse_distance": {
+            "distance": list(range(1, REUSE_MAX + 1)),
+            "count": hist[1:].tolist(),
+            "random_expectation_share": geometric.tolist(),
+            "last_bin_is_at_least": REUSE_MAX,
+        },
+    }
+
+
+def load(trace: RoutingTrace) -> dict[str, Any]:
+    counts = expert_load(trace)
+    return {"per_layer_counts": counts.tolist(), **load_skew(counts)}
+
+
+def domains(trace: RoutingTrace) -> dict[str, Any] | None:
+    """Per-domain headline figures and how differently domains use the experts."""
+    labels = list(dict.fromkeys(trace.domains))
+    if len(labels) < 2:
+        return None
+    parts = {d: select_domain(trace, d) for d in labels}
+    per_domain = {}
+    for d, part in parts.items():
+        s, t = spatial(part), temporal(part)
+        skew = load_skew(expert_load(part))
+        per_domain[d] = {
+            "tokens": part.num_tokens,
+            "pairs_significant": s["pairs_significant"],
+            "pairs_total": s["pairs_total"],
+            "overlap_ratio": t["overlap_ratio"],
+            "overlap_ratio_ci": t["overlap_ratio_ci"],
+            "max_over_mean": skew["max_over_mean"],
+            "top10_share": skew["top10_share"],
+        }
+    loads = {d: expert_load(p) for d, p in parts.items()}
+    js = {
+        f"{a} vs {b}": js_divergence(loads[a], loads[b]).tolist()
+        for a, b in combinations(labels, 2)
+    }
+    return {"labels": labels, "per_domain": per_domain, "js_divergence_per_layer": js}
+
+
+def predictability(trace: RoutingTrace, fraction: float = 0.5) -> dict[str, Any] | None:
+    """Recall-versus-budget curves: profile on the first part, replay on the rest."""
+    if trace.num_tokens < 4:
+        return None
+    prof, held_out = split_auto(trace, fraction)
+    result = replay(held_out, names(), profile(prof), options={"seed": 0}).to_dict()
+    return {
+        "profiled_tokens": prof.num_tokens,
+        "evaluated_tokens": held_out.num_tokens,
+        "scope": result["scope"],
+        "curves": {n: e["budget_curve"] for n, e in result["predictors"].items()},
+        "recall": {n: e["recall"] for n, e in result["predictors"].items()},
+        "set_size": {n: e["set_size"] for n, e in result["predictors"].items()},
+    }
+
+
+def analyze(trace: RoutingTrace) -> dict[str, Any]:
+    """Every figure of the report for ``trace``."""
+    return {
+        "trace": {
+            "model": trace.meta.model,
+            "synthetic": trace.meta.synthetic,
+            "tokens": trace.num_tokens,
+            "layers": trace.num_layers,
+            "top_k": trace.top_k,
+            "num_experts": trace.num_experts,
+            "sequences": trace.num_sequences,
+            "decode_tokens": int(np.count_nonzero(trace.is_decode)),
+        },
+        "spatial": spatial(trace),
+        "temporal": temporal(trace),
+        "load": load(trace),
+        "domains": domains(trace),
+        "predictability": predictability(trace),
+    }
