@@ -26,23 +26,31 @@ def _save(fig: plt.Figure, path: Path) -> Path:
     return path
 
 
+def _by_use(matrix: np.ndarray) -> np.ndarray:
+    """Rows and columns ordered by how often the expert is used, so structure shows."""
+    rows = np.argsort(-matrix.sum(axis=1), kind="stable")
+    cols = np.argsort(-matrix.sum(axis=0), kind="stable")
+    return matrix[rows][:, cols]
+
+
 def coactivation_grid(co: np.ndarray, data: dict[str, Any], path: Path, most: int = 16) -> Path:
     """Small heatmaps of co[l] (expert at l vs expert at l+1) for up to ``most`` pairs."""
     pairs = np.unique(np.linspace(0, len(co) - 1, min(most, len(co))).round().astype(int))
     cols = int(np.ceil(np.sqrt(len(pairs))))
     rows = int(np.ceil(len(pairs) / cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols + 1, 2.4 * rows + 0.6), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols + 1.2, 2.3 * rows + 0.8),
+                             squeeze=False, constrained_layout=True)  # fmt: skip
     vmax = max(int(co[pairs].max()), 1)
     image = None
     for ax, layer in zip(axes.flat, pairs, strict=False):
-        image = ax.imshow(co[layer] + 0.5, norm=LogNorm(0.5, vmax + 0.5), cmap="viridis",
+        image = ax.imshow(_by_use(co[layer]) + 0.5, norm=LogNorm(0.5, vmax + 0.5), cmap="viridis",
                           aspect="auto", interpolation="nearest")  # fmt: skip
-        ax.set_title(f"layers {layer} -> {layer + 1}", fontsize=9)
-        ax.set_xlabel(f"expert at layer {layer + 1}", fontsize=7)
-        ax.set_ylabel(f"expert at layer {layer}", fontsize=7)
+        ax.set_title(f"layer {layer} -> {layer + 1}", fontsize=9)
         ax.tick_params(labelsize=6)
     for ax in list(axes.flat)[len(pairs) :]:
         ax.axis("off")
+    fig.supxlabel("expert at layer l+1 (rank by use)")
+    fig.supylabel("expert at layer l (rank by use)")
     fig.suptitle(_title("Cross-layer co-activation (tokens per expert pair, log scale)", data))
     fig.colorbar(image, ax=axes, shrink=0.8, label="co-activations (tokens) + 0.5")
     return _save(fig, path)
@@ -53,13 +61,11 @@ def coactivation_example(
 ) -> Path:
     """One pair large: rows sorted by use so structure stands out."""
     matrix = co[layer]
-    rows = np.argsort(-matrix.sum(axis=1), kind="stable")
-    cols = np.argsort(-matrix.sum(axis=0), kind="stable")
     fig, ax = plt.subplots(figsize=(7.5, 6.2))
-    image = ax.imshow(matrix[rows][:, cols] + 0.5, norm=LogNorm(0.5, matrix.max() + 0.5),
+    image = ax.imshow(_by_use(matrix) + 0.5, norm=LogNorm(0.5, matrix.max() + 0.5),
                       cmap="viridis", aspect="auto", interpolation="nearest")  # fmt: skip
-    ax.set_xlabel(f"expert at layer {layer + 1} (sorted by use)")
-    ax.set_ylabel(f"expert at layer {layer} (sorted by use)")
+    ax.set_xlabel(f"expert at layer {layer + 1} (rank by use)")
+    ax.set_ylabel(f"expert at layer {layer} (rank by use)")
     ax.set_title(_title(f"Co-activation, layers {layer} -> {layer + 1} (Cramér's V {v:.2f})", data))
     fig.colorbar(image, ax=ax, label="co-activations (tokens) + 0.5")
     return _save(fig, path)

@@ -68,19 +68,18 @@ def spatial_test(experts: np.ndarray, layer: int, num_experts: int) -> PairTest:
     col_use = np.bincount(f[f >= 0], minlength=n)
     pairs = (e[:, :, None] >= 0) & (f[:, None, :] >= 0)
     table = np.bincount((e[:, :, None] * n + f[:, None, :])[pairs], minlength=n * n).reshape(n, n)
-    row_map, col_map = _merge_categories(table, row_use, col_use)
-    x, y = _category_counts(e, row_map), _category_counts(f, col_map)
+    row_map, kept_r, col_map, kept_c = _merge_categories(table, row_use, col_use)
+    x, y = _category_counts(e, row_map, kept_r + 1), _category_counts(f, col_map, kept_c + 1)
     t = len(e)
     xc, yc = x - x.mean(axis=0), y - y.mean(axis=0)
     sxx, syy, sxy = xc.T @ xc / t, yc.T @ yc / t, xc.T @ yc / t
-    rx, ry = np.linalg.matrix_rank(sxx), np.linalg.matrix_rank(syy)
-    statistic = float(t * np.trace(np.linalg.pinv(sxx) @ sxy @ np.linalg.pinv(syy) @ sxy.T))
+    (ix, rx), (iy, ry) = _pseudo_inverse(sxx), _pseudo_inverse(syy)
+    statistic = float(t * np.trace(ix @ sxy @ iy @ sxy.T))
     dof = int(rx * ry)
-    pooled = np.zeros((x.shape[1], y.shape[1]))
+    pooled = np.zeros((kept_r + 1, kept_c + 1))
     np.add.at(pooled, (row_map[:, None], col_map[None, :]), table)
     pooled = pooled[:, pooled.sum(axis=0) > 0][pooled.sum(axis=1) > 0]
     pearson = float(stats.chi2_contingency(pooled, correction=False)[0]) if dof else 0.0
-    kept_r, kept_c = int(row_map.max()), int(col_map.max())
     return PairTest(
         layer=layer, statistic=statistic, dof=dof,
         p_value=float(stats.chi2.sf(statistic, dof)) if dof else 1.0,
@@ -92,11 +91,23 @@ def spatial_test(experts: np.ndarray, layer: int, num_experts: int) -> PairTest:
     )  # fmt: skip
 
 
-def _category_counts(side: np.ndarray, mapping: np.ndarray) -> np.ndarray:
+def _pseudo_inverse(cov: np.ndarray) -> tuple[np.ndarray, int]:
+    """Moore-Penrose inverse of a covariance matrix and its rank.
+
+    Category counts always sum to K, so the covariance is singular by design; the
+    tolerance is far above rounding (numpy's default would invert a 1e-16 eigenvalue
+    left by rounding and wreck the statistic).
+    """
+    values, vectors = np.linalg.eigh(cov)
+    keep = values > 1e-10 * max(values.max(initial=0.0), 1e-300)
+    inverse = (vectors[:, keep] / values[keep]) @ vectors[:, keep].T
+    return inverse, int(keep.sum())
+
+
+def _category_counts(side: np.ndarray, mapping: np.ndarray, n_cat: int) -> np.ndarray:
     """[T, C] float: how many of each token's experts fall in each category."""
     valid = side >= 0
     cats = mapping[np.where(valid, side, 0)]
-    n_cat = int(mapping.max()) + 1
     rows = np.broadcast_to(np.arange(len(side))[:, None], side.shape)
     counts = np.zeros((len(side), n_cat))
     np.add.at(counts, (rows[valid], cats[valid]), 1.0)
@@ -124,7 +135,7 @@ def _merge_categories(table, row_use, col_use):  # type: ignore[no-untyped-def]
         expected = np.outer(merged.sum(axis=1), merged.sum(axis=0)) / max(merged.sum(), 1)
         valid = expected.min() >= 1 and (expected >= MIN_EXPECTED).mean() >= 0.8
         if valid or (nr <= 1 and nc <= 1):
-            return _category_map(order_r, nr), _category_map(order_c, nc)
+            return _category_map(order_r, nr), nr, _category_map(order_c, nc), nc
         if nr >= nc:
             nr -= 1
         else:

@@ -1,0 +1,185 @@
+"""``stmoe analyze``: figures, a Markdown and an HTML report, and the JSON, in one folder.
+
+The report is built once as a list of sections, then rendered twice, so the
+Markdown and the HTML always say the same thing.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stmoe.analysis import plots
+from stmoe.analysis.evidence import analyze
+from stmoe.predictors.tables import cooccurrence
+from stmoe.trace.schema import RoutingTrace
+
+
+@dataclass
+class Section:
+    title: str
+    text: list[str] = field(default_factory=list)
+    figures: list[tuple[str, str]] = field(default_factory=list)  # (file name, caption)
+    table: tuple[list[str], list[list[str]]] | None = None
+
+
+def write_report(
+    trace: RoutingTrace, out_dir: str | Path, *, with_json: bool = False
+) -> dict[str, Any]:
+    """Analyse ``trace`` and write report.md, report.html, figures (and analysis.json)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = analyze(trace)
+    sections = _sections(data, trace, out)
+    title = f"Routing analysis: {data['trace']['model']}" + (
+        " [SYNTHETIC DATA]" if data["trace"]["synthetic"] else ""
+    )
+    (out / "report.md").write_text(_markdown(title, sections))
+    (out / "report.html").write_text(_html(title, sections))
+    if with_json:
+        (out / "analysis.json").write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None or not np.isfinite(x) else f"{x:.{digits}g}"
+
+
+def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Section]:
+    t, s, tmp, ld = data["trace"], data["spatial"], data["temporal"], data["load"]
+    co = cooccurrence(trace)
+    lo, hi = tmp["overlap_ratio_ci"]
+    summary = Section("Summary", [
+        f"Trace: {t['tokens']} tokens ({t['decode_tokens']} decode) in {t['sequences']} "
+        f"sequence(s); {t['layers']} MoE layers, top-{t['top_k']} of {t['num_experts']} experts."
+        + (" **Synthetic data: not a real model's routing.**" if t["synthetic"] else ""),
+        f"**Spatial**: {s['pairs_significant']} of {s['pairs_total']} adjacent layer pairs "
+        f"reject independence at p < {s['alpha']} (about {s['expected_false_positives']:.2f} "
+        "would by chance if layers were independent).",
+        f"**Temporal**: consecutive tokens share {tmp['overlap']:.2f} experts per layer on "
+        f"average, {tmp['overlap_ratio']:.2f}x the {tmp['expected_overlap']:.3g} of random "
+        f"routing (95% CI {_fmt(lo)}-{_fmt(hi)}x).",
+        f"**Load**: the top 10% of experts carry {np.mean(ld['top10_share']):.0%} of the "
+        f"routings on average; max/mean use {np.mean(ld['max_over_mean']):.2f}.",
+    ])  # fmt: skip
+    sections = [summary]
+    if len(co):
+        best = max(s["pairs"], key=lambda p: p["cramers_v"])
+        plots.coactivation_grid(co, data, out / "spatial_grid.png")
+        plots.coactivation_example(
+            co, best["layer"], best["cramers_v"], data, out / "spatial_example.png"
+        )
+        plots.spatial_tests(data, out / "spatial_tests.png")
+        sections.append(Section(
+            "1. Spatial (cross-layer) correlation",
+            ["Each token is one observation: the experts it chose at layer l and at l+1. "
+             "The test statistic is T times the sum of squared canonical correlations between "
+             "the two sets' category counts (Pearson's chi-square when K = 1), chi-square with "
+             "the printed degrees of freedom under independence. Sparse counts: the rarest "
+             "experts of each side are pooled into one 'other' category until the co-activation "
+             "table meets Cochran's rule; never-chosen experts are dropped (columns 'kept' and "
+             "'pooled'). Tokens are treated as independent, so strong temporal correlation makes "
+             "p-values optimistic."],
+            [("spatial_grid.png", "Co-activation counts for a grid of layer pairs."),
+             ("spatial_example.png", f"The pair with the largest effect, layers {best['layer']} "
+                                     f"and {best['layer'] + 1}."),
+             ("spatial_tests.png", "p-value and effect size per layer pair.")],
+            (["pair", "chi-square", "dof", "p-value", "Cramér's V", "kept (l / l+1)",
+              "pooled (l / l+1)"],
+             [[f"{p['layer']}-{p['layer'] + 1}", _fmt(p["statistic"], 4), str(p["dof"]),
+               _fmt(p["p_value"], 2), _fmt(p["cramers_v"], 2),
+               f"{p['rows_kept']} / {p['cols_kept']}", f"{p['rows_pooled']} / {p['cols_pooled']}"]
+              for p in s["pairs"]]),
+        ))  # fmt: skip
+    plots.temporal_overlap(data, out / "temporal_overlap.png")
+    plots.reuse_distance(data, out / "reuse_distance.png")
+    sections.append(Section(
+        "2. Temporal (cross-token) correlation",
+        [f"Random top-{t['top_k']} routing over {t['num_experts']} experts shares K^2/N = "
+         f"{tmp['expected_overlap']:.3g} experts between two tokens. Confidence intervals use the "
+         "method of batch means over the token sequence, which allows for autocorrelation. "
+         "'vs load' divides by the overlap independent tokens would show given each layer's "
+         "observed expert use, separating stickiness from skew."],
+        [("temporal_overlap.png", "Overlap with the previous token, per layer."),
+         ("reuse_distance.png", "Tokens until an expert returns at the same layer.")],
+        (["layer", "overlap", "95% CI", "x random", "x load-matched"],
+         [[str(p["layer"]), _fmt(p["overlap"]), f"{_fmt(p['ci'][0])}-{_fmt(p['ci'][1])}",
+           _fmt(p["ratio"]), _fmt(p["ratio_vs_load"])] for p in tmp["per_layer"]]),
+    ))  # fmt: skip
+    plots.load(data, out / "load.png")
+    sections.append(
+        Section("3. Load and skew", [], [("load.png", "Expert use and skew per layer.")])
+    )
+    if data["domains"]:
+        d = data["domains"]
+        plots.domains(data, out / "domains.png")
+        sections.append(Section(
+            "4. Domains", ["Jensen-Shannon divergence (bits, 0 = same use, 1 = disjoint) between "
+                           "each pair of domains' expert use, per layer."],
+            [("domains.png", "Domain differences.")],
+            (["domain", "tokens", "pairs with p < 0.01", "overlap ratio"],
+             [[x, str(v["tokens"]), f"{v['pairs_significant']} / {v['pairs_total']}",
+               _fmt(v["overlap_ratio"])] for x, v in d["per_domain"].items()]),
+        ))  # fmt: skip
+    if data["predictability"]:
+        p = data["predictability"]
+        plots.predictability(data, out / "predictability.png")
+        sections.append(Section(
+            "5. Predictability",
+            [f"Tables profiled on the first {p['profiled_tokens']} tokens, predictors replayed on "
+             f"the other {p['evaluated_tokens']} ({p['scope']}). Each curve cuts every prefetch "
+             "set to its B highest-scored experts."],
+            [("predictability.png", "Recall versus prefetch budget.")],
+            (["predictor", "recall", "mean set size"],
+             [[n, _fmt(p["recall"][n]), _fmt(p["set_size"][n])] for n in p["recall"]]),
+        ))  # fmt: skip
+    return sections
+
+
+def _markdown(title: str, sections: list[Section]) -> str:
+    lines = [f"# {title}", ""]
+    for sec in sections:
+        lines += [f"## {sec.title}", ""]
+        for para in sec.text:
+            lines += [para, ""]
+        for name, caption in sec.figures:
+            lines += [f"![{caption}]({name})", "", f"*{caption}*", ""]
+        if sec.table:
+            head, rows = sec.table
+            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            lines += ["| " + " | ".join(r) + " |" for r in rows] + [""]
+    return "\n".join(lines)
+
+
+def _html(title: str, sections: list[Section]) -> str:
+    def para(text: str) -> str:
+        parts = html.escape(text).split("**")
+        return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
+
+    body = [f"<h1>{html.escape(title)}</h1>"]
+    for sec in sections:
+        body.append(f"<h2>{html.escape(sec.title)}</h2>")
+        body += [f"<p>{para(p)}</p>" for p in sec.text]
+        for name, caption in sec.figures:
+            body.append(f'<figure><img src="{name}" alt="{html.escape(caption)}">'
+                        f"<figcaption>{html.escape(caption)}</figcaption></figure>")  # fmt: skip
+        if sec.table:
+            head, rows = sec.table
+            body.append(
+                "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
+            )
+            body += [
+                "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows
+            ]
+            body.append("</table>")
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;line-height:1.45}"
+             "img{max-width:100%}table{border-collapse:collapse;font-size:0.9em}"
+             "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
+             "figcaption{font-style:italic;color:#555}")  # fmt: skip
+    head = f"<meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style>"
+    return f"<!doctype html><html><head>{head}</head><body>{''.join(body)}</body></html>\n"

@@ -1,0 +1,41 @@
+"""`stmoe analyze`: the spatial and temporal evidence, as a report with figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from stmoe.cli._common import out
+
+
+def analyze_cmd(
+    traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help="Traces of one model.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the report.")],
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Also write the figures as DIR/analysis.json.")
+    ] = False,
+) -> None:
+    """Test and plot the correlations ST-MoE relies on, on your own routing.
+
+    Writes DIR/report.md and DIR/report.html with PNG figures: cross-layer
+    co-activation and chi-square independence tests per adjacent layer pair,
+    consecutive-token overlap against random routing (K^2/N) with confidence
+    intervals, reuse distances, expert load skew, per-domain differences when the
+    trace has several domains, and the predictors' recall-versus-budget curves.
+    """
+    from stmoe.analysis.report import write_report  # matplotlib loads only here
+    from stmoe.trace import import_files
+
+    trace = import_files(traces)
+    data = write_report(trace, output, with_json=json_out)
+    s, t = data["spatial"], data["temporal"]
+    synthetic = " [SYNTHETIC]" if trace.meta.synthetic else ""
+    out.print(
+        f"{trace.meta.model}{synthetic}: {s['pairs_significant']}/{s['pairs_total']} layer pairs "
+        f"reject independence (p < {s['alpha']}); consecutive-token overlap "
+        f"{t['overlap_ratio']:.2f}x random"
+    )
+    out.print(f"wrote {output / 'report.html'} and {output / 'report.md'}"
+              + (f" and {output / 'analysis.json'}" if json_out else ""))  # fmt: skip
