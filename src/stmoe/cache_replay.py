@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
+from stmoe._numba import njit
 from stmoe.predictors.base import PredictorError, PrefetchPlan
 from stmoe.trace.schema import RoutingTrace
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
+import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from stmoe.errors import StmoeError
@@ -21,19 +24,37 @@ out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False)
 
 
-def friendly(fn: F) -> F:
-    """The error boundary: a user-caused ``StmoeError`` becomes one line and exit 1.
+def _fail(message: str) -> NoReturn:
+    err.print("[bold red]error:[/] " + escape(message), markup=True, soft_wrap=True)
+    raise typer.Exit(1)
 
-    Usage errors (unknown option, missing argument) are click's and exit 2.
+
+def friendly(fn: F) -> F:
+    """The error boundary: every failure becomes one line on stderr and exit status 1.
+
+    ``StmoeError`` is the expected kind (bad input, named precisely at its source);
+    ``OSError`` is a file the system refused; anything else is a check stmoe lacks,
+    said as such. ``STMOE_DEBUG=1`` shows the traceback instead. Usage errors
+    (unknown option, missing argument) are click's and exit 2.
     """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
+        if os.environ.get("STMOE_DEBUG"):
             return fn(*args, **kwargs)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # one line, not numpy's too
+                return fn(*args, **kwargs)
         except StmoeError as exc:
-            err.print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
-            raise typer.Exit(1) from None
+            _fail(str(exc))
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            _fail(f"{where}{exc.strerror or exc}")
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+                RecursionError, EOFError, MemoryError) as exc:  # fmt: skip
+            _fail(f"unexpected input stmoe does not check yet ({type(exc).__name__}: {exc}); "
+                  "please report it, and rerun with STMOE_DEBUG=1 for the traceback")  # fmt: skip
 
     return wrapper  # type: ignore[return-value]
 

@@ -52,6 +52,13 @@ def import_traces(
         ),
     ] = None,
     model: Annotated[str | None, typer.Option(help="Model name to record in the metadata.")] = None,
+    drop_partial: Annotated[
+        bool,
+        typer.Option(
+            help="When only some inputs carry gate weights or token ids, drop them "
+            "from the result instead of failing."
+        ),
+    ] = False,
 ) -> None:
     """Convert routing traces (npy, JSON Lines, routes JSON, npz) into stmoe's native file.
 
@@ -65,6 +72,7 @@ def import_traces(
         num_experts=num_experts,
         seq_starts=seq_starts,
         model=model,
+        drop_partial=drop_partial,
     )
     save_trace(trace, output)
     out.print(f"wrote {output}: {trace!r}")

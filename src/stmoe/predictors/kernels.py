@@ -15,7 +15,8 @@ so a step allocates nothing but its result.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from stmoe._numba import njit
 
 EMPTY = -1
 CONF_MAX = 3  # 2-bit saturating counter: 0b11, strongly taken (SPEC.md)

@@ -59,27 +59,37 @@ class TraceMeta:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TraceMeta:
+    def from_dict(cls, data: Any) -> TraceMeta:
+        """Metadata from JSON, every field type-checked (files are untrusted input)."""
+        if not isinstance(data, Mapping):
+            raise TraceError(f"metadata is {type(data).__name__}", expected="a JSON object")
+        extra = data.get("extra", {})
+        if not isinstance(extra, Mapping):
+            raise TraceError(f"metadata 'extra' is {extra!r}", expected="a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
-        extra = dict(data.get("extra", {}))
-        extra.update({k: v for k, v in data.items() if k not in known})
-        try:
-            return cls(
-                num_experts=int(data["num_experts"]),
-                top_k=int(data["top_k"]),
-                num_layers=int(data["num_layers"]),
-                model=str(data.get("model", "unknown")),
-                source=str(data.get("source", "")),
-                synthetic=bool(data.get("synthetic", False)),
-                extra=extra,
-            )
-        except KeyError as exc:
-            raise TraceError(
-                f"metadata lacks {exc.args[0]!r}",
-                expected="num_experts, top_k and num_layers in the trace metadata",
-            ) from None
-        except (TypeError, ValueError) as exc:
-            raise TraceError(f"metadata has a non-integer shape field ({exc})") from None
+        extra = {**extra, **{k: v for k, v in data.items() if k not in known}}
+        synthetic = data.get("synthetic", False)
+        if not isinstance(synthetic, bool):
+            raise TraceError(f"metadata 'synthetic' is {synthetic!r}", expected="true or false")
+        return cls(
+            num_experts=meta_int(data, "num_experts"),
+            top_k=meta_int(data, "top_k"),
+            num_layers=meta_int(data, "num_layers"),
+            model=str(data.get("model", "unknown")),
+            source=str(data.get("source", "")),
+            synthetic=synthetic,
+            extra=extra,
+        )
+
+
+def meta_int(data: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer field of file metadata, or a clear error."""
+    value = data.get(key, default)
+    if value is None:
+        raise TraceError(f"metadata lacks {key!r}", expected=f"an integer {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise TraceError(f"metadata {key!r} is {value!r}", expected="a positive integer")
+    return int(value)
 
 
 @dataclass(frozen=True, eq=False)

@@ -100,11 +100,13 @@ def split_auto(trace: RoutingTrace, fraction: float) -> tuple[RoutingTrace, Rout
     return split(trace, fraction, by="sequence" if trace.num_sequences > 1 else "token")
 
 
-def concat(traces: Sequence[RoutingTrace]) -> RoutingTrace:
+def concat(traces: Sequence[RoutingTrace], *, drop_partial: bool = False) -> RoutingTrace:
     """One trace holding every sequence of ``traces``, in order.
 
     All parts must describe the same model shape (and name): joining routing of
-    different models would make every later statistic meaningless.
+    different models would make every later statistic meaningless. Gate weights
+    and token ids survive only if every part has them; when some parts lack them
+    that is an error unless ``drop_partial`` says to drop them from all.
     """
     if not traces:
         raise TraceError("nothing to concatenate", expected="at least one trace")
@@ -118,6 +120,14 @@ def concat(traces: Sequence[RoutingTrace]) -> RoutingTrace:
                     position=f"trace {i}",
                     expected="traces of the same model and shape",
                 )
+    for field, label in (("weights", "gate weights"), ("token_ids", "token ids")):
+        have = [getattr(t, field) is not None for t in traces]
+        if any(have) and not all(have) and not drop_partial:
+            raise TraceError(
+                f"trace {have.index(False)} has no {label} but trace {have.index(True)} has",
+                expected=f"{label} in every input or in none",
+                hint="pass --drop-partial to import without them",
+            )
     if len(traces) == 1:
         return first
     offsets = np.cumsum([0] + [t.num_tokens for t in traces[:-1]])

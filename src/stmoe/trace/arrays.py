@@ -1,0 +1,147 @@
+"""Array formats in: a raw ``[T, L, K]`` ``.npy`` and a header-less ``.npz``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stmoe.errors import TraceError
+from stmoe.trace.io import read_npz_arrays, trace_from_arrays
+from stmoe.trace.schema import RoutingTrace, TraceMeta, validate
+
+_ID_MAX = int(np.iinfo(np.int16).max)
+
+
+def read_npy(
+    path: Path, num_experts: int | None, seq_starts: str | Sequence[int] | None
+) -> RoutingTrace:
+    """A raw integer array [T, L, K] (vLLM's routed experts); sequence starts from the
+    option, a side file ``NAME.seq_starts.npy``/``.txt``, or one sequence."""
+    starts = resolve_seq_starts(path, seq_starts)
+    try:
+        ex = np.load(path, mmap_mode="r", allow_pickle=False)
+    except EOFError as exc:
+        raise TraceError(
+            f"not a readable .npy array ({exc})", hint="the file looks truncated"
+        ) from None
+    except (ValueError, OSError) as exc:
+        short = "mmap length" in str(exc)  # the header promises more data than the file has
+        raise TraceError(
+            f"not a readable .npy array ({exc})",
+            expected="a plain integer array",
+            hint="the file looks truncated" if short else None,
+        ) from None
+    if not isinstance(ex, np.ndarray):
+        raise TraceError("holds several arrays (an .npz archive?)", expected="one .npy array")
+    if ex.ndim != 3:
+        raise TraceError(f"the array has rank {ex.ndim}, shape {tuple(ex.shape)}",
+                         expected="rank 3, [T tokens, L MoE layers, K experts]")  # fmt: skip
+    if not np.issubdtype(ex.dtype, np.integer):
+        raise TraceError(f"the array has dtype {ex.dtype}", expected="integer expert ids")
+    extra: dict[str, Any] = {}
+    if num_experts is None:
+        if ex.size and ex.max() >= _ID_MAX:
+            t, layer, slot = (int(i) for i in np.argwhere(np.asarray(ex) >= _ID_MAX)[0])
+            raise TraceError(f"expert id {int(ex[t, layer, slot])} is out of range",
+                             position=f"token {t}, layer {layer}, slot {slot}",
+                             expected=f"ids below {_ID_MAX} (int16)")  # fmt: skip
+        num_experts = max(int(ex.max()) + 1 if ex.size else 1, 1)
+        extra["num_experts_inferred"] = True
+    meta = TraceMeta(num_experts=int(num_experts), top_k=ex.shape[2], num_layers=ex.shape[1],
+                     source=f"imported from {path.name}", extra=extra)  # fmt: skip
+    trace = RoutingTrace(experts=np.asarray(ex), seq_starts=starts,
+                         is_decode=np.zeros(ex.shape[0], dtype=bool), meta=meta)  # fmt: skip
+    validate(trace, file=str(path))  # range-checks ids before they are narrowed to int16
+    return RoutingTrace(experts=np.asarray(ex, dtype=np.int16), seq_starts=starts,
+                        is_decode=trace.is_decode, meta=meta)  # fmt: skip
+
+
+def read_headerless_npz(path: Path, num_experts: int | None) -> RoutingTrace:
+    """An ``.npz`` with the native array names and an optional ``meta`` JSON string."""
+    arrays = dict(read_npz_arrays(path, mmap=False))
+    meta: Any = {}
+    if "meta" in arrays:
+        try:
+            meta = json.loads(str(arrays["meta"][()]))
+        except (json.JSONDecodeError, ValueError) as exc:
+            raise TraceError(f"member 'meta' is not valid JSON ({exc})") from None
+        if not isinstance(meta, dict):
+            raise TraceError(f"member 'meta' is {type(meta).__name__}", expected="a JSON object")
+    ex = arrays.get("experts")
+    if ex is None or ex.ndim != 3:
+        raise TraceError(
+            "member 'experts' is missing or not [T, L, K]", expected="experts [T, L, K]"
+        )
+    if num_experts is not None:
+        meta["num_experts"] = num_experts
+    if "num_experts" not in meta:
+        raise TraceError("the number of experts is unknown", hint="pass --num-experts N")
+    meta.setdefault("top_k", ex.shape[2])
+    meta.setdefault("num_layers", ex.shape[1])
+    meta.setdefault("model", meta.get("model_id", "unknown"))
+    meta["source"] = f"imported from {path.name}"
+    starts = arrays.setdefault("seq_starts", np.zeros(1, dtype=np.int64))
+    arrays.setdefault("is_decode", np.zeros(ex.shape[0], dtype=bool))
+    domain = meta.get("domain")
+    domains = [str(domain)] * int(np.asarray(starts).size) if domain else []
+    return trace_from_arrays(arrays, meta, domains, path)
+
+
+def resolve_seq_starts(path: Path, value: str | Sequence[int] | None) -> np.ndarray:
+    """Sequence starts from the option (a list, "0,120,300" or a file), a side file, or [0]."""
+    if value is None:
+        for side in (path.with_suffix(".seq_starts.npy"), path.with_suffix(".seq_starts.txt")):
+            if side.exists():
+                return _read_starts_file(side)
+        return np.zeros(1, dtype=np.int64)
+    if isinstance(value, str):
+        if not value.strip():
+            raise TraceError("--seq-starts is empty", expected="e.g. 0,120,300 or a file")
+        if Path(value).exists():
+            return _read_starts_file(Path(value))
+        return _parse_ints(value.replace(",", " ").split(), "--seq-starts")
+    return _parse_ints(value, "seq_starts")
+
+
+def _read_starts_file(path: Path) -> np.ndarray:
+    if path.is_dir():
+        raise TraceError("is a directory", file=path, expected="a file of sequence starts")
+    if path.suffix == ".npy":
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise TraceError(f"not a readable .npy array ({exc})", file=path) from None
+        if (
+            not isinstance(arr, np.ndarray)
+            or arr.ndim != 1
+            or not np.issubdtype(arr.dtype, np.integer)
+        ):
+            raise TraceError("sequence starts are not a 1-D integer array", file=path,
+                             expected="int [S], the first token of each sequence")  # fmt: skip
+        return _parse_ints(arr.tolist(), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TraceError("not UTF-8 text", file=path, expected="integers, one per line") from None
+    return _parse_ints(text.replace(",", " ").split(), str(path))
+
+
+def _parse_ints(items: Iterable[Any], where: str) -> np.ndarray:
+    out = []
+    for i, item in enumerate(items):
+        try:
+            value = int(item)
+        except (TypeError, ValueError):
+            raise TraceError(f"sequence start {i} is {item!r}", file=where,
+                             expected="integer token positions") from None  # fmt: skip
+        if not 0 <= value < 2**62:
+            raise TraceError(f"sequence start {i} is {value}", file=where,
+                             expected="a token position >= 0")  # fmt: skip
+        out.append(value)
+    if not out:
+        raise TraceError("no sequence start given", file=where, expected="e.g. 0,120,300")
+    return np.asarray(out, dtype=np.int64)
