@@ -1,11 +1,14 @@
-"""Helpers the text importers share: layer numbering and router rank order."""
+"""Helpers the text importers share: field checks, layer numbering, router rank order."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import difflib
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from stmoe.errors import TraceError
 
 
 def layer_numbering(layer_ids: Iterable[int]) -> tuple[dict[int, int], dict[str, Any]]:
@@ -37,3 +40,58 @@ def order_by_weight(experts: np.ndarray, weights: np.ndarray) -> tuple[np.ndarra
         np.take_along_axis(weights, order, axis=-1),
         changed,
     )
+
+
+_ID_MAX = int(np.iinfo(np.int16).max)  # ids are stored as int16
+_WEIGHT_MAX = float(np.finfo(np.float32).max)  # weights are stored as float32
+
+
+def expert_ids(value: Any, where: str) -> list[int]:
+    """A record's expert ids: a non-empty list of integers in -1..32767."""
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        raise TraceError(f"'experts' is {_short(value)}", position=where,
+                         expected="a non-empty list of integer expert ids")  # fmt: skip
+    for slot, v in enumerate(value):
+        if not -1 <= v <= _ID_MAX:
+            raise TraceError(f"expert id {_short(v)} in slot {slot} is out of range",
+                             position=where, expected=f"-1..{_ID_MAX}")  # fmt: skip
+    return value
+
+
+def gate_weights(value: Any, k: int, where: str) -> list[float]:
+    """A record's gate weights: ``k`` finite numbers that fit float32."""
+    if not isinstance(value, list) or len(value) != k:
+        raise TraceError(f"'weights' is {_short(value)}", position=where,
+                         expected=f"a list of {k} numbers, one per expert")  # fmt: skip
+    out = []
+    for slot, w in enumerate(value):
+        try:
+            ok = isinstance(w, int | float) and not isinstance(w, bool) and abs(w) <= _WEIGHT_MAX
+        except OverflowError:
+            ok = False
+        if not ok or w != w:
+            raise TraceError(f"gate weight {_short(w)} in slot {slot}", position=where,
+                             expected="a finite number")  # fmt: skip
+        out.append(float(w))
+    return out
+
+
+def check_keys(obj: dict[str, Any], known: Sequence[str], where: str) -> None:
+    """Refuse a key that looks like a misspelt known one ('weight' for 'weights'),
+    which would otherwise be ignored and its data silently lost."""
+    for key in obj:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+            if close:
+                known_list = ", ".join(known)
+                raise TraceError(f"unknown field {key!r}", position=where,
+                                 expected=f"{close[0]!r} (known fields: {known_list})")  # fmt: skip
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

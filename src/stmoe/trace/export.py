@@ -46,7 +46,8 @@ def export_jsonl(trace: RoutingTrace, path: str | Path) -> Path:
 def export_npy(trace: RoutingTrace, path: str | Path) -> Path:
     """The ``[T, L, K]`` expert array plus a ``.seq_starts.npy`` side file beside it."""
     path = Path(path)
-    np.save(path, np.asarray(trace.experts, dtype=np.int16))
+    with open(path, "wb") as f:  # np.save(path) would append ".npy" to other names
+        np.save(f, np.asarray(trace.experts, dtype=np.int16))
     np.save(path.with_suffix(".seq_starts.npy"), np.asarray(trace.seq_starts, dtype=np.int64))
     return path
 

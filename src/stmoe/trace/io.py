@@ -28,6 +28,8 @@ FORMAT_VERSION = 1
 _ZIP_MAGIC = b"PK\x03\x04"
 # Members smaller than this are read whole: mapping them saves nothing.
 _MMAP_MIN_BYTES = 1 << 20
+# Files smaller than this are read whole even when mapping is asked for.
+_MMAP_MIN_FILE = 64 << 20
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header, 30 bytes
 
 
@@ -69,7 +71,8 @@ def save_trace(trace: RoutingTrace, path: str | Path, *, compress: bool = False)
 def read_native(path: str | Path, *, mmap: bool = False) -> RoutingTrace:
     """Read a native trace file; ``mmap=True`` maps the big arrays instead of copying them."""
     path = Path(path)
-    arrays = read_npz_arrays(path, mmap=mmap)
+    # Small files load whole, which also verifies the zip checksums mapping skips.
+    arrays = read_npz_arrays(path, mmap=mmap and path.stat().st_size >= _MMAP_MIN_FILE)
     if "header" not in arrays:
         raise TraceError(
             "not a native stmoe trace (no 'header' member)",
@@ -80,19 +83,28 @@ def read_native(path: str | Path, *, mmap: bool = False) -> RoutingTrace:
         header = json.loads(str(arrays["header"][()]))
     except (json.JSONDecodeError, ValueError) as exc:
         raise TraceError(f"the header is not valid JSON ({exc})", file=path) from None
+    if not isinstance(header, dict):
+        raise TraceError(f"the header is a JSON {type(header).__name__}", file=path,
+                         expected="a JSON object")  # fmt: skip
     if header.get("format") != FORMAT_NAME:
         raise TraceError(
             f"header format is {header.get('format')!r}", file=path, expected=repr(FORMAT_NAME)
         )
     version = header.get("version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise TraceError(f"header version is {version!r}", file=path,
+                         expected="a positive integer format version")  # fmt: skip
+    if version > FORMAT_VERSION:
         raise TraceError(
             f"format version {version!r} is not readable by this stmoe",
             file=path,
             expected=f"version <= {FORMAT_VERSION}",
             hint="upgrade stmoe",
         )
-    return trace_from_arrays(arrays, header.get("meta", {}), header.get("domains") or (), path)
+    try:
+        return trace_from_arrays(arrays, header.get("meta", {}), header.get("domains") or (), path)
+    except TraceError as exc:
+        raise exc.in_file(path) from None
 
 
 def trace_from_arrays(

@@ -15,7 +15,6 @@ every layer that appears anywhere in the file.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,16 @@ import numpy as np
 
 from stmoe._progress import progress_bytes
 from stmoe.errors import TraceError
-from stmoe.trace.assemble import layer_numbering, order_by_weight
-from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, validate
+from stmoe.trace.assemble import (
+    check_keys,
+    expert_ids,
+    gate_weights,
+    layer_numbering,
+    order_by_weight,
+)
+from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, meta_int, validate
+
+_FIELDS = ("seq", "token", "layer", "experts", "weights", "phase", "decode", "domain")
 
 
 class _Records:
@@ -53,7 +60,8 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
         if "meta" in obj and "layer" not in obj:
             rec.header = _header(obj["meta"], lineno, first=not rec.line and not rec.header)
             continue
-        experts = _int_list(obj, "experts", lineno)
+        check_keys(obj, _FIELDS, f"line {lineno}")
+        experts = expert_ids(obj.get("experts"), f"line {lineno}")
         if top_k is None:
             top_k = len(experts)
         if len(experts) != top_k:
@@ -72,7 +80,7 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
                 expected="weights in all records or in none",
             )
         if weights is not None:
-            rec.weights.append(_weight_list(weights, top_k, lineno))
+            rec.weights.append(gate_weights(weights, top_k, f"line {lineno}"))
         seq_key = obj.get("seq", 0)
         if not isinstance(seq_key, int | str) or isinstance(seq_key, bool):
             raise TraceError(
@@ -100,7 +108,7 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
     if not rec.line:
         raise TraceError("the file holds no records", expected="at least one routing record")
     if num_experts is None and "num_experts" in rec.header:
-        num_experts = int(rec.header["num_experts"])
+        num_experts = meta_int(rec.header, "num_experts")
     return _assemble(rec, path, num_experts)
 
 
@@ -110,6 +118,10 @@ def _header(meta: Any, lineno: int, first: bool) -> dict[str, Any]:
                          expected='{"meta": ...} only as the first record')  # fmt: skip
     if not isinstance(meta, dict):
         raise TraceError(f"'meta' is {meta!r}", position=f"line {lineno}", expected="an object")
+    try:  # the same checks as a native file's metadata
+        TraceMeta.from_dict({"num_experts": 1, "top_k": 1, "num_layers": 1, **meta})
+    except TraceError as exc:
+        raise TraceError(exc.problem, position=f"line {lineno}", expected=exc.expected) from None
     return meta
 
 
@@ -121,6 +133,9 @@ def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 continue
             try:
                 obj = json.loads(raw)
+            except RecursionError:
+                raise TraceError("JSON nested too deeply", position=f"line {lineno}",
+                                 expected="one flat record per line") from None  # fmt: skip
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 truncated = not raw.endswith(b"\n")
                 raise TraceError(
@@ -140,48 +155,17 @@ def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 def _int_field(obj: dict[str, Any], key: str, lineno: int) -> int:
     value = obj.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TraceError(
-            f"{key!r} is {value!r}", position=f"line {lineno}", expected=f"an integer {key!r} field"
-        )
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62:
+        raise TraceError(f"{key!r} is {value!r}", position=f"line {lineno}",
+                         expected=f"an integer {key!r} >= 0")  # fmt: skip
     return value
-
-
-def _int_list(obj: dict[str, Any], key: str, lineno: int) -> list[int]:
-    value = obj.get(key)
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        raise TraceError(
-            f"{key!r} is {value!r}",
-            position=f"line {lineno}",
-            expected="a list of integer expert ids",
-        )
-    if not value:
-        raise TraceError(
-            f"{key!r} is empty", position=f"line {lineno}", expected="at least one expert id"
-        )
-    return value
-
-
-def _weight_list(value: Any, top_k: int, lineno: int) -> list[float]:
-    if not isinstance(value, list) or len(value) != top_k:
-        raise TraceError(
-            f"'weights' is {value!r}",
-            position=f"line {lineno}",
-            expected=f"a list of {top_k} numbers, one per expert",
-        )
-    for slot, w in enumerate(value):
-        if not isinstance(w, int | float) or isinstance(w, bool) or not math.isfinite(w):
-            raise TraceError(
-                f"gate weight {w!r} in slot {slot}",
-                position=f"line {lineno}",
-                expected="a finite number",
-            )
-    return [float(w) for w in value]
 
 
 def _is_decode(obj: dict[str, Any], lineno: int) -> bool:
+    if "decode" in obj and "phase" in obj and obj["decode"] != (obj["phase"] == "decode"):
+        raise TraceError(f"'decode' is {obj['decode']!r} but 'phase' is {obj['phase']!r}",
+                         position=f"line {lineno}",
+                         expected="one of them, or both agreeing")  # fmt: skip
     if "decode" in obj:
         if not isinstance(obj["decode"], bool):
             raise TraceError(
@@ -249,6 +233,25 @@ def _assemble(rec: _Records, path: Path, num_experts: int | None) -> RoutingTrac
             position=f"line {line[tok_first[i]]}",
             expected="consecutive token positions (no missing token)",
         )
+    late = new_seq & (tok_pos != 0)
+    if late.any():
+        i = int(np.argmax(late))
+        raise TraceError(
+            f"sequence {keys[by_key[tok_seq[i]]]!r} starts at token {tok_pos[i]}",
+            position=f"line {line[tok_first[i]]}",
+            expected=f"token positions from 0 (tokens 0..{tok_pos[i] - 1} are missing)",
+        )
+    decode = np.asarray(rec.decode)[order]
+    mixed = np.add.reduceat(decode.astype(np.int64), tok_first)
+    torn = (mixed != 0) & (mixed != tok_count)
+    if torn.any():
+        i = tok_first[int(np.argmax(torn))]
+        raise TraceError(
+            f"the layers of sequence {keys[by_key[seq[i]]]!r}, token {token[i]} disagree on "
+            "prefill/decode",
+            position=f"line {line[i]}",
+            expected="one phase per token",
+        )
     experts = np.asarray(rec.experts, dtype=np.int64)[order].reshape(len(tok_first), n_layers, -1)
     weights = None
     extra: dict[str, Any] = dict(layer_extra)
@@ -265,7 +268,7 @@ def _assemble(rec: _Records, path: Path, num_experts: int | None) -> RoutingTrac
     trace = RoutingTrace(
         experts=experts.astype(np.int16),
         seq_starts=np.flatnonzero(new_seq).astype(np.int64),
-        is_decode=np.asarray(rec.decode)[order][tok_first],
+        is_decode=decode[tok_first],
         weights=weights,
         domains=tuple(labels.get(s, UNLABELLED) for s in range(len(keys))),
         meta=TraceMeta(

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from stmoe.errors import TraceError
-from stmoe.trace.assemble import layer_numbering, order_by_weight
-from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, validate
+from stmoe.trace.assemble import (
+    check_keys,
+    expert_ids,
+    gate_weights,
+    layer_numbering,
+    order_by_weight,
+)
+from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, meta_int, validate
 
 
 def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
@@ -35,9 +40,12 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
     first_layers = _layers_of(routes[0], 0)
     layer_map, layer_extra = layer_numbering(_layer_key(k, 0) for k in first_layers)
     n_layers = len(layer_map)
-    top_k = int(meta.get("top_k", len(next(iter(first_layers.values())).get("experts", []))))
-    expected_layers = meta.get("num_moe_layers", meta.get("num_layers"))
-    if expected_layers is not None and int(expected_layers) != n_layers:
+    first_entry = next(iter(first_layers.values()))
+    first_ids, _ = _entry(first_entry, None, "route 0")
+    top_k = meta_int(meta, "top_k", len(first_ids))
+    layers_key = "num_moe_layers" if "num_moe_layers" in meta else "num_layers"
+    expected_layers = meta_int(meta, layers_key, n_layers)
+    if expected_layers != n_layers:
         raise TraceError(
             f"route 0 has {n_layers} layers but the metadata says {expected_layers}",
             position="route 0",
@@ -45,12 +53,18 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
         )
     t = len(routes)
     experts = np.full((t, n_layers, top_k), -1, dtype=np.int64)  # [T, L, K]
-    has_weights = "weights" in next(iter(first_layers.values()))
+    has_weights = isinstance(first_entry, dict) and "weights" in first_entry
     weights = np.zeros(experts.shape, dtype=np.float32) if has_weights else None
     is_decode = np.zeros(t, dtype=bool)  # [T]
     token_ids: list[Any] = []
     prev_pos: int | None = None
     for i, route in enumerate(routes):
+        if not isinstance(route, dict):
+            raise TraceError(
+                f"route is a JSON {type(route).__name__}",
+                position=f"route {i}",
+                expected="an object with 'token_pos', 'phase' and 'layers'",
+            )
         prev_pos = _position(route, i, prev_pos)
         where = f"route {i} (token_pos {prev_pos})"
         phase = route.get("phase", "prefill")
@@ -59,9 +73,16 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
                 f"'phase' is {phase!r}", position=where, expected="'prefill' or 'decode'"
             )
         is_decode[i] = phase == "decode"
-        token_ids.append(route.get("token_id"))
+        token_ids.append(_token_id(route, where))
         _fill_layers(_layers_of(route, i), i, where, layer_map, experts, weights)
-    has_ids = all(isinstance(x, int) and not isinstance(x, bool) for x in token_ids)
+    has_ids = token_ids.count(None) == 0
+    if not has_ids and token_ids.count(None) != len(token_ids):
+        i = token_ids.index(None)
+        raise TraceError(
+            "the route has no integer 'token_id' while others have one",
+            position=f"route {i}",
+            expected="token ids on every route or none",
+        )
     extra: dict[str, Any] = dict(layer_extra)
     extra.update({k: v for k, v in meta.items() if k in ("model_type", "backend", "run_id")})
     if weights is not None:
@@ -69,7 +90,9 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
         if changed:
             extra["reordered_by_weight"] = changed
     n = num_experts if num_experts is not None else meta.get("num_experts")
-    if n is None:
+    if n is not None:
+        n = meta_int({"num_experts": n}, "num_experts")
+    else:
         n = int(experts.max()) + 1
         extra["num_experts_inferred"] = True
     trace = RoutingTrace(
@@ -95,9 +118,15 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
 def _position(route: dict[str, Any], i: int, prev_pos: int | None) -> int:
     """The route's token position, checked to follow ``prev_pos`` directly."""
     pos = route.get("token_pos", i)
-    if not isinstance(pos, int) or isinstance(pos, bool):
+    if not isinstance(pos, int) or isinstance(pos, bool) or not 0 <= pos < 2**62:
         raise TraceError(
             f"'token_pos' is {pos!r}", position=f"route {i}", expected="an integer token position"
+        )
+    if prev_pos is None and pos != 0:
+        raise TraceError(
+            f"the first route has token position {pos}",
+            position=f"route {i}",
+            expected=f"positions from 0 (tokens 0..{pos - 1} are missing)",
         )
     if prev_pos is not None and pos != prev_pos + 1:
         raise TraceError(
@@ -128,6 +157,9 @@ def _fill_layers(
                 position=where,
                 expected=f"layers {sorted(layer_map)}",
             )
+        if lid in seen:
+            raise TraceError(f"layer {lid} appears twice (key {key!r})", position=where,
+                             expected="one entry per layer")  # fmt: skip
         seen.add(lid)
         ids, w = _entry(entry, experts.shape[2], f"{where}, layer {lid}")
         experts[i, layer_map[lid]] = ids
@@ -154,6 +186,8 @@ def _load_json(path: Path) -> dict[str, Any]:
         doc = json.loads(text)
     except UnicodeDecodeError as exc:
         raise TraceError(f"not UTF-8 text ({exc})", expected="a JSON document") from None
+    except RecursionError:
+        raise TraceError("JSON nested too deeply", expected="a routes document") from None
     except json.JSONDecodeError as exc:
         truncated = exc.pos >= len(text.rstrip()) - 1
         raise TraceError(
@@ -189,30 +223,30 @@ def _layer_key(key: str, i: int) -> int:
         ) from None
 
 
-def _entry(entry: Any, top_k: int, where: str) -> tuple[list[int], list[float] | None]:
-    ids = entry.get("experts") if isinstance(entry, dict) else None
-    if not isinstance(ids, list) or not all(
-        isinstance(e, int) and not isinstance(e, bool) for e in ids
-    ):
-        raise TraceError(
-            f"'experts' is {ids!r}", position=where, expected="a list of integer expert ids"
-        )
-    if len(ids) != top_k:
-        raise TraceError(
-            f"{len(ids)} experts but top_k is {top_k}",
-            position=where,
-            expected=f"K={top_k} experts",
-        )
-    w = entry.get("weights")
-    if w is None:
+def _entry(entry: Any, top_k: int | None, where: str) -> tuple[list[int], list[float] | None]:
+    """One layer's ``{"experts": [...], "weights": [...]}``, checked."""
+    if not isinstance(entry, dict):
+        raise TraceError(f"the layer entry is {_kind(entry)}", position=where,
+                         expected='{"experts": [...], "weights": [...]}')  # fmt: skip
+    check_keys(entry, ("experts", "weights"), where)
+    ids = expert_ids(entry.get("experts"), where)
+    if top_k is None:
         return ids, None
-    if not isinstance(w, list) or len(w) != top_k:
-        raise TraceError(
-            f"'weights' is {w!r}", position=where, expected=f"a list of {top_k} numbers"
-        )
-    for slot, x in enumerate(w):
-        if not isinstance(x, int | float) or isinstance(x, bool) or not math.isfinite(x):
-            raise TraceError(
-                f"gate weight {x!r} in slot {slot}", position=where, expected="a finite number"
-            )
-    return ids, [float(x) for x in w]
+    if len(ids) != top_k:
+        raise TraceError(f"{len(ids)} experts but top_k is {top_k}", position=where,
+                         expected=f"K={top_k} experts")  # fmt: skip
+    w = entry.get("weights")
+    return ids, None if w is None else gate_weights(w, top_k, where)
+
+
+def _kind(value: Any) -> str:
+    return f"a JSON {type(value).__name__}" if value is not None else "null"
+
+
+def _token_id(route: dict[str, Any], where: str) -> int | None:
+    tid = route.get("token_id")
+    if tid is None:
+        return None
+    if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < 2**62:
+        raise TraceError(f"'token_id' is {tid!r}", position=where, expected="an integer id >= 0")
+    return tid

@@ -187,7 +187,11 @@ def validate(trace: RoutingTrace, *, file: str | None = None) -> RoutingTrace:
         fail("the trace is empty (0 tokens)", expected="at least one token")
     if n_layers == 0 or k == 0:
         fail(f"experts has shape {tuple(ex.shape)}", expected="at least one layer and one slot")
-    if meta.num_experts <= 0 or meta.num_experts > np.iinfo(np.int16).max:
+    if (
+        isinstance(meta.num_experts, bool)
+        or meta.num_experts <= 0
+        or meta.num_experts > np.iinfo(np.int16).max
+    ):
         fail(f"num_experts is {meta.num_experts}", expected="1..32767 (ids are int16)")
     if k != meta.top_k:
         fail(
@@ -237,8 +241,11 @@ def _validate_sequences(trace: RoutingTrace, fail: Any) -> None:
             f"{len(trace.domains)} domain labels for {len(starts)} sequences",
             expected="one label per sequence",
         )
-    if trace.token_ids is not None and trace.token_ids.shape != (t,):
-        fail(f"token_ids has shape {trace.token_ids.shape}", expected=f"[{t}]")
+    if trace.token_ids is not None and (
+        trace.token_ids.shape != (t,) or not np.issubdtype(trace.token_ids.dtype, np.integer)
+    ):
+        fail(f"token_ids has shape {trace.token_ids.shape}, dtype {trace.token_ids.dtype}",
+             expected=f"integer [{t}]")  # fmt: skip
 
 
 def _validate_ids(trace: RoutingTrace, fail: Any) -> None:

@@ -73,7 +73,8 @@ class SynthSpec:
         for name in ("spatial", "temporal", "prefill_fraction"):
             value = getattr(self, name)
             need(0.0 <= value <= 1.0, f"{name}={value}", "a number in [0, 1]")
-        need(self.skew >= 0, f"skew={self.skew}", "skew >= 0")
+        need(0 <= self.skew <= 20, f"skew={self.skew}", "a Zipf exponent in 0..20")
+        need(self.seed >= 0, f"seed={self.seed}", "a seed >= 0")
         need(0 <= self.fan_out <= self.experts, f"fan_out={self.fan_out}", "0..experts")
 
 
