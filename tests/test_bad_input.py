@@ -255,6 +255,117 @@ CASES = {
         [],
         ["x.json", "route 0 has 2 layers but the metadata says 3"],
     ),
+    "routes top_k not a number": (
+        "x.json",
+        edit_routes(lambda d: {**d, "meta": {**d["meta"], "top_k": "abc"}}),
+        [],
+        ["x.json", "metadata 'top_k' is 'abc'", "a positive integer"],
+    ),
+    "routes layer entry not an object": (
+        "x.json",
+        edit_routes(lambda d: (d["routes"][0]["layers"].update({"0": [1, 2]}), d)[1]),
+        [],
+        ["x.json", "route 0", "the layer entry is a JSON list"],
+    ),
+    "routes route not an object": (
+        "x.json",
+        edit_routes(lambda d: {**d, "routes": [*d["routes"], 5]}),
+        [],
+        ["x.json", "route 3", "route is a JSON int"],
+    ),
+    "routes duplicate layer key": (
+        "x.json",
+        edit_routes(
+            lambda d: (d["routes"][1]["layers"].update({"00": d["routes"][1]["layers"]["0"]}), d)[1]
+        ),
+        [],
+        ["x.json", "route 1", "layer 0 appears twice (key '00')"],
+    ),
+    "routes missing token_id": (
+        "x.json",
+        edit_routes(lambda d: (d["routes"][1].pop("token_id"), d)[1]),
+        [],
+        ["x.json", "route 1", "no integer 'token_id'"],
+    ),
+    "routes not from token 0": (
+        "x.json",
+        edit_routes(lambda d: {**d, "routes": d["routes"][1:]}),
+        [],
+        ["x.json", "first route has token position 1", "positions from 0"],
+    ),
+    "routes weight typo": (
+        "x.json",
+        edit_routes(
+            lambda d: (
+                d["routes"][0]["layers"]["0"].update(
+                    {"weight": d["routes"][0]["layers"]["0"].pop("weights")}
+                ),
+                d,
+            )[1]
+        ),
+        [],
+        ["x.json", "unknown field 'weight'", "'weights'"],
+    ),
+    "jsonl huge expert id": (
+        "x.jsonl",
+        edit_jsonl(set_record(1, experts=[10**30, 1])),
+        [],
+        ["x.jsonl", "line 2", "out of range", "-1..32767"],
+    ),
+    "jsonl huge weight": (
+        "x.jsonl",
+        edit_jsonl(set_record(1, weights=[10**400, 0.5])),
+        [],
+        ["x.jsonl", "line 2", "gate weight", "finite number"],
+    ),
+    "jsonl weight typo": (
+        "x.jsonl",
+        edit_jsonl(set_record(0, weight=[0.5, 0.5])),
+        [],
+        ["x.jsonl", "line 1", "unknown field 'weight'"],
+    ),
+    "jsonl phase conflict": (
+        "x.jsonl",
+        edit_jsonl(set_record(0, decode=True, phase="prefill")),
+        [],
+        ["x.jsonl", "line 1", "'decode' is True but 'phase' is 'prefill'"],
+    ),
+    "jsonl layers disagree on phase": (
+        "x.jsonl",
+        edit_jsonl(set_record(1, phase="decode")),
+        [],
+        ["x.jsonl", "disagree on prefill/decode", "one phase per token"],
+    ),
+    "jsonl not from token 0": (
+        "x.jsonl",
+        edit_jsonl(lambda ls: ls[2:]),
+        [],
+        ["x.jsonl", "starts at token 1", "tokens 0..0 are missing"],
+    ),
+    "jsonl synthetic as string": (
+        "x.jsonl",
+        edit_jsonl(lambda ls: ['{"meta": {"synthetic": "false"}}', *ls]),
+        [],
+        ["x.jsonl", "line 1", "'synthetic' is 'false'"],
+    ),
+    "npy every slot empty": (
+        "x.npy",
+        write_npy(np.full((2, 2, 2), -1)),
+        [],
+        ["x.npy", "every expert slot is empty"],
+    ),
+    "npy empty --seq-starts": (
+        "x.npy",
+        write_npy(GOOD3),
+        ["--seq-starts", ""],
+        ["--seq-starts is empty"],
+    ),
+    "jsonl with --seq-starts": (
+        "x.jsonl",
+        write_text(jsonl_text()),
+        ["--seq-starts", "0,1"],
+        ["x.jsonl", "--seq-starts applies to .npy input"],
+    ),
     # native / any
     "empty file": ("x.npz", write_text(""), [], ["x.npz", "the file is empty"]),
     "unknown content": (
@@ -301,3 +412,38 @@ def test_the_good_versions_of_these_files_import(cli, tmp_path):
     for name in ("g.jsonl", "r.json", "g.npy", "h.jsonl"):
         result = cli("import", tmp_path / name, "-o", tmp_path / f"{name}.npz")
         assert result.exit_code == 0, result.output
+
+
+def test_joining_inputs_with_and_without_weights(cli, tmp_path):
+    (tmp_path / "w.jsonl").write_text(jsonl_text())
+    np.save(tmp_path / "n.npy", GOOD3)
+    result = cli("import", tmp_path / "w.jsonl", tmp_path / "n.npy", "-o", tmp_path / "o.npz",
+                 "--num-experts", "7")  # fmt: skip
+    assert result.exit_code == 1 and "has no gate weights" in result.output
+    assert "--drop-partial" in result.output
+    result = cli("import", tmp_path / "w.jsonl", tmp_path / "n.npy", "-o", tmp_path / "o.npz",
+                 "--num-experts", "7", "--drop-partial")  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+
+def test_unwritable_output_and_bad_synth_seed_are_one_line(cli, tmp_path):
+    np.save(tmp_path / "g.npy", GOOD3)
+    (tmp_path / "dir.npz").mkdir()
+    for args in (("import", tmp_path / "g.npy", "-o", tmp_path / "dir.npz"),
+                 ("synth", "-o", tmp_path / "s.npz", "--seed", "-1")):  # fmt: skip
+        result = cli(*args)
+        assert result.exit_code == 1, result.output
+        assert result.output.startswith("error: ") and len(result.output.strip().splitlines()) == 1
+        assert "Traceback" not in result.output
+
+
+def test_npy_export_keeps_the_given_name_and_its_side_file(cli, tmp_path):
+    cli("synth", "-o", tmp_path / "s.npz", "--tokens", "60", "--sequences", "3")
+    result = cli("export", tmp_path / "s.npz", "-o", tmp_path / "many.bin", "--format", "npy")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "many.bin").exists() and (tmp_path / "many.seq_starts.npy").exists()
+    result = cli(
+        "import", tmp_path / "many.bin", "-o", tmp_path / "back.npz", "--num-experts", "64"
+    )
+    assert result.exit_code == 0, result.output
+    assert "S=3" in result.output

@@ -77,6 +77,9 @@ def read_headerless_npz(path: Path, num_experts: int | None) -> RoutingTrace:
             "member 'experts' is missing or not [T, L, K]", expected="experts [T, L, K]"
         )
     if num_experts is not None:
+        if meta.get("num_experts", num_experts) != num_experts:
+            raise TraceError(f"--num-experts {num_experts} contradicts the file's "
+                             f"{meta['num_experts']}")  # fmt: skip
         meta["num_experts"] = num_experts
     if "num_experts" not in meta:
         raise TraceError("the number of experts is unknown", hint="pass --num-experts N")

@@ -121,6 +121,10 @@ def trace_from_arrays(
                 file=path,
                 expected="experts, seq_starts and is_decode arrays",
             )
+    for name in ("seq_starts", "is_decode"):
+        if np.asarray(arrays[name]).ndim != 1:
+            raise TraceError(f"{name} has shape {np.asarray(arrays[name]).shape}", file=path,
+                             expected="a 1-D array")  # fmt: skip
     experts = arrays["experts"]
     if not np.issubdtype(experts.dtype, np.integer):
         raise TraceError(

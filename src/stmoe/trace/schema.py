@@ -204,6 +204,8 @@ def validate(trace: RoutingTrace, *, file: str | None = None) -> RoutingTrace:
         )
     _validate_sequences(trace, fail)
     _validate_ids(trace, fail)
+    if not any(np.asarray(trace.experts[sl]).max() >= 0 for sl in _chunks(t)):
+        fail("every expert slot is empty (-1)", expected="at least one routed expert")
     if trace.weights is not None:
         _validate_weights(trace, fail)
     return trace
