@@ -81,8 +81,9 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
              "The test statistic is T times the sum of squared canonical correlations between "
              "the two sets' category counts (Pearson's chi-square when K = 1), chi-square with "
              "the printed degrees of freedom under independence. Sparse counts: the rarest "
-             "experts of each side are pooled into one 'other' category until the co-activation "
-             "table meets Cochran's rule; never-chosen experts are dropped (columns 'kept' and "
+             "experts of each side are pooled into one 'other' category until every expected "
+             "count of the co-activation table is at least 5; never-chosen experts are dropped "
+             "(columns 'kept' and "
              "'pooled'). Tokens are treated as independent, so strong temporal correlation makes "
              "p-values optimistic."],
             [("spatial_grid.png", "Co-activation counts for a grid of layer pairs."),
