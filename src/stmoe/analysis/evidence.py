@@ -24,7 +24,7 @@ from stmoe.predictors import names, profile
 from stmoe.replay import replay
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import select_domain, split_auto
-from stmoe.trace.summary import expert_load
+from stmoe.trace.summary import expert_load, summarize
 
 REUSE_MAX = 64  # reuse-distance histogram: 1..63 tokens, then one bin for >= 64
 
@@ -132,16 +132,7 @@ def predictability(trace: RoutingTrace, fraction: float = 0.5) -> dict[str, Any]
 def analyze(trace: RoutingTrace) -> dict[str, Any]:
     """Every figure of the report for ``trace``."""
     return {
-        "trace": {
-            "model": trace.meta.model,
-            "synthetic": trace.meta.synthetic,
-            "tokens": trace.num_tokens,
-            "layers": trace.num_layers,
-            "top_k": trace.top_k,
-            "num_experts": trace.num_experts,
-            "sequences": trace.num_sequences,
-            "decode_tokens": int(np.count_nonzero(trace.is_decode)),
-        },
+        "trace": summarize(trace),
         "spatial": spatial(trace),
         "temporal": temporal(trace),
         "load": load(trace),

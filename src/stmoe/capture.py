@@ -1,0 +1,217 @@
+"""Record expert routing from transformers MoE models, as a ``RoutingTrace``.
+
+The recorder hooks the inputs of every experts module (the classes transformers
+decorates with ``use_experts_implementation``): their arguments are exactly the
+router's top-k expert indices and weights, whatever the family computes before
+(softmax, sigmoid with bias correction, group-limited routing, sparsemixer). Dense
+layers have no experts module, so MoE layer numbers come out right; shared
+experts are plain MLPs and are never recorded. A hook on the model's own forward
+tells the recorder the batch shape, the attention mask (padding is never
+recorded) and when a new generation starts. Hooks only read: outputs are
+bit-identical with and without recording (tested).
+
+    with RoutingRecorder(model) as rec:
+        model.generate(**inputs)          # or any loop of model(...) calls
+    trace = rec.trace()
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from stmoe.errors import StmoeError
+from stmoe.trace.assemble import order_by_weight
+from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, validate
+
+
+class CaptureError(StmoeError):
+    """The model cannot be recorded (no experts modules, inconsistent calls)."""
+
+
+def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The routed-experts modules of ``model`` in layer order (one per MoE layer).
+
+    A module counts when its class was decorated by transformers'
+    ``use_experts_implementation`` (it carries ``_is_expert_parallel``) and its
+    forward takes the routing (hidden states, top-k indices, top-k weights); an
+    enclosing block decorated too (GraniteMoe's) is skipped for its experts.
+    """
+    found = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "_is_expert_parallel"):
+            continue
+        forward = inspect.unwrap(type(module).forward)
+        params = [p for p in inspect.signature(forward).parameters if p != "self"]
+        if len(params) >= 3:
+            found.append((name, module))
+    return found
+
+
+@dataclass
+class _Step:
+    """One forward call of the model: its batch shape, mask and each layer's routing."""
+
+    batch: int
+    length: int
+    mask: np.ndarray | None  # [B, S] bool, real (not padding) positions of this call
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+class RoutingRecorder:
+    """Context manager that records the routing of every forward call of ``model``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.modules = experts_modules(model)
+        if not self.modules:
+            raise CaptureError(
+                f"{type(model).__name__} has no routed-experts module that stmoe recognises "
+                "(transformers' use_experts_implementation); is it a MoE model?"
+            )
+        self.batches: list[list[_Step]] = []
+        self._handles: list[Any] = []
+
+    # ---- hooks -----------------------------------------------------------------
+    def __enter__(self) -> RoutingRecorder:
+        self._handles.append(
+            self.model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)
+        )
+        for layer, (_, module) in enumerate(self.modules):
+            self._handles.append(
+                module.register_forward_pre_hook(self._layer_hook(layer), with_kwargs=True)
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_model_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        shape = tuple((ids if ids is not None else embeds).shape[:2])
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # renamed in transformers 5.x
+        fresh = cache is None or _cache_length(cache) == 0
+        mask = kwargs.get("attention_mask")
+        real = None
+        if mask is not None and mask.dim() == 2:
+            real = mask[:, -shape[1] :].detach().to("cpu", torch.bool).numpy()
+        if fresh or not self.batches:
+            self.batches.append([])
+        self.batches[-1].append(_Step(batch=shape[0], length=shape[1], mask=real))
+
+    def _layer_hook(self, layer: int):  # type: ignore[no-untyped-def]
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self.batches:
+                return  # called outside a model forward: nothing to attribute it to
+            step = self.batches[-1][-1]
+            index = args[1] if len(args) > 1 else _first(kwargs, "top_k_index", "router_indices")
+            weight = (
+                args[2] if len(args) > 2 else _first(kwargs, "top_k_weights", "routing_weights")
+            )
+            if len(step.layers) != layer:
+                raise CaptureError(f"MoE layer {layer} ran out of order in one forward call")
+            step.layers.append((index.detach().to("cpu", copy=True),
+                                weight.detach().to("cpu", torch.float32, copy=True)))  # fmt: skip
+
+        return hook
+
+    # ---- result ------------------------------------------------------------------
+    def trace(
+        self,
+        decode_lengths: Sequence[Sequence[int]] | None = None,
+        domains: Sequence[str] | None = None,
+        token_ids: Sequence[np.ndarray] | None = None,
+        model_name: str | None = None,
+    ) -> RoutingTrace:
+        """The recorded routing, one sequence per (generation, batch row).
+
+        A generation's first call is its prefill (real positions per its attention
+        mask), each later call one decode token per row. ``decode_lengths[g][b]``
+        keeps only that many decode tokens of row b of generation g (rows that
+        stopped early); default: all.
+        """
+        if not self.batches:
+            raise CaptureError("nothing was recorded: no forward call ran inside the recorder")
+        experts, weights, decode, starts = [], [], [], []
+        n_tokens = 0
+        for g, steps in enumerate(self.batches):
+            for b in range(steps[0].batch):
+                keep = None if decode_lengths is None else decode_lengths[g][b]
+                ex, w, dec = self._row(steps, b, keep)
+                starts.append(n_tokens)
+                n_tokens += len(ex)
+                experts.append(ex)
+                weights.append(w)
+                decode.append(dec)
+        ex, w = np.concatenate(experts), np.concatenate(weights)
+        ex, w, _ = order_by_weight(ex, w)  # some routers return top-k unsorted (DeepSeek-V3)
+        first = self.modules[0][1]
+        meta = TraceMeta(
+            num_experts=int(getattr(first, "num_experts", int(ex.max()) + 1)),
+            top_k=ex.shape[2],
+            num_layers=len(self.modules),
+            model=model_name or str(getattr(self.model.config, "_name_or_path", "") or "unknown"),
+            source="stmoe capture (transformers)",
+            extra={
+                "model_type": getattr(self.model.config, "model_type", ""),
+                "model_layer_ids": [_layer_number(n) for n, _ in self.modules],
+            },  # fmt: skip
+        )
+        return validate(
+            RoutingTrace(
+                experts=ex.astype(np.int16),
+                seq_starts=np.asarray(starts, dtype=np.int64),
+                is_decode=np.concatenate(decode),
+                weights=w.astype(np.float32),
+                token_ids=None if token_ids is None else np.concatenate(token_ids).astype(np.int64),
+                domains=tuple(domains) if domains is not None else (UNLABELLED,) * len(starts),
+                meta=meta,
+            )
+        )
+
+    def _row(self, steps: list[_Step], b: int, keep: int | None):  # type: ignore[no-untyped-def]
+        """[T, L, K] ids, [T, L, K] weights and [T] decode flags of batch row ``b``."""
+        ids, ws, dec = [], [], []
+        for j, step in enumerate(steps):
+            if j > 0 and keep is not None and j > keep:
+                break
+            if len(step.layers) != len(self.modules):
+                raise CaptureError(
+                    f"a forward call ran {len(step.layers)} of {len(self.modules)} MoE layers"
+                )
+            rows = np.ones(step.length, dtype=bool) if step.mask is None else step.mask[b]
+            per_layer = [(i.reshape(step.batch, step.length, -1)[b].numpy(),
+                          w.reshape(step.batch, step.length, -1)[b].numpy())
+                         for i, w in step.layers]  # fmt: skip
+            ids.append(np.stack([i for i, _ in per_layer], axis=1)[rows])
+            ws.append(np.stack([w for _, w in per_layer], axis=1)[rows])
+            dec.append(np.full(int(rows.sum()), j > 0))
+        return np.concatenate(ids), np.concatenate(ws), np.concatenate(dec)
+
+
+def _first(kwargs: dict, *names: str) -> Any:
+    for name in names:
+        if name in kwargs:
+            return kwargs[name]
+    raise CaptureError(f"the experts module was called without {' or '.join(names)}")
+
+
+def _cache_length(cache: Any) -> int:
+    try:
+        return int(cache.get_seq_length())
+    except (AttributeError, TypeError):
+        return 0
+
+
+def _layer_number(name: str) -> int:
+    match = re.search(r"layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else -1
