@@ -11,7 +11,8 @@ from stmoe import save_trace, synthesize
 
 def test_readme_python_example_runs(tmp_path, monkeypatch):
     text = (REPO / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    api = text[text.index("## Python API") :]
+    code = re.search(r"```python\n(.*?)```", api, re.S).group(1)
     save_trace(synthesize(tokens=400, sequences=2), tmp_path / "chat.npz")
     (tmp_path / "example.py").write_text(code)
     monkeypatch.chdir(tmp_path)

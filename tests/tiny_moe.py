@@ -22,7 +22,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
     # name: (config class, overrides, expected MoE layers)
     "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}, 3),
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+                                     "moe_intermediate_size": 16,
+                                     "shared_expert_intermediate_size": 32,
                                      "decoder_sparse_step": 1, "mlp_only_layers": [1]}, 2),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 16, "head_dim": 8,

@@ -164,7 +164,7 @@ class RoutingRecorder:
             extra={
                 "model_type": getattr(self.model.config, "model_type", ""),
                 "model_layer_ids": [_layer_number(n) for n, _ in self.modules],
-            },  # fmt: skip
+            },
         )
         return validate(
             RoutingTrace(

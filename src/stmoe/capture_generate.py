@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +69,10 @@ def read_prompts(path: str | Path) -> list[Prompt]:
 def load_model(model_dir: str | Path) -> tuple[torch.nn.Module, Any]:
     """A causal LM and its tokenizer from a local folder; never contacts a hub."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()  # one line of our own per failure, no library chatter
+    hf_logging.disable_progress_bar()
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise CaptureError(f"{path}: no config.json; --model must be a local transformers "
@@ -127,7 +131,8 @@ def _capture_batch(
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad(), RoutingRecorder(model) as rec:
+    with torch.no_grad(), warnings.catch_warnings(), RoutingRecorder(model) as rec:
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notices
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
             pad_token_id=pad, eos_token_id=sorted(eos) or None, return_dict_in_generate=True,
@@ -165,3 +170,39 @@ def _generated_length(row: list[int], eos: set[int]) -> int:
         if token in eos:
             return i + 1
     return len(row)
+
+
+# A few built-in prompts per domain, used when no prompts file is given.
+DEFAULT_PROMPTS = (
+    Prompt('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', "code"),
+    Prompt("import os\n\nfor name in sorted(os.listdir('.')):\n", "code"),
+    Prompt("The old lighthouse keeper climbed the stairs one last time, and", "prose"),
+    Prompt("It was the best of times, it was the worst of times,", "prose"),
+    Prompt("Problem: If 3x + 7 = 22, what is x?\nSolution:", "math"),
+    Prompt("Problem: A rectangle has perimeter 30 and width 5. Find its area.\nSolution:", "math"),
+)
+
+
+def capture_prompts(
+    model_dir: str | Path,
+    prompts: Sequence[Prompt] = DEFAULT_PROMPTS,
+    *,
+    max_new_tokens: int = 32,
+    batch_size: int = 1,
+) -> RoutingTrace:
+    """Load a local checkpoint, generate greedily from text prompts, return the trace."""
+    model, tokenizer = load_model(model_dir)
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
+    ids = [tokenizer(p.text)["input_ids"] for p in prompts]
+    for i, p in enumerate(ids):
+        if not p:
+            raise CaptureError(f"prompt {i} tokenizes to nothing")
+    return capture_generation(
+        model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        domains=[p.domain for p in prompts], pad_token_id=pad, eos_token_ids=eos_ids,
+        model_name=Path(model_dir).resolve().name,
+    )  # fmt: skip

@@ -1,0 +1,55 @@
+"""`stmoe capture`: record routing traces from a local transformers MoE checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from stmoe.cli._common import out
+from stmoe.errors import StmoeError
+
+
+def capture_cmd(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Native .npz trace to write.")],
+    model: Annotated[
+        Path, typer.Option(help="Local transformers MoE checkpoint folder (never downloaded).")
+    ],
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            help="Plain text (one prompt per line) or JSON Lines with 'prompt' and "
+            "optional 'domain'. Default: built-in code, prose and math prompts."
+        ),
+    ] = None,
+    domain: Annotated[
+        str | None, typer.Option(help="Domain label for prompts that carry none.")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.", min=1)] = 32,
+    batch_size: Annotated[int, typer.Option(help="Prompts per generate() call.", min=1)] = 1,
+) -> None:
+    """Generate greedily and record which experts the router chose for every token.
+
+    Records every MoE layer of every prompt and generated token (router rank order,
+    gate weights, prefill/decode marked, domains kept); padding is never recorded
+    and a sequence that emits EOS stops there. Works for every transformers family
+    whose experts use transformers' experts interface (Mixtral, Qwen2/3-MoE,
+    DeepSeek-V2/V3, OLMoE, GPT-OSS, GraniteMoE, PhiMoE, ...).
+    """
+    try:
+        from stmoe.capture_generate import DEFAULT_PROMPTS, capture_prompts, read_prompts
+    except ImportError as exc:
+        raise StmoeError(f"capture needs torch and transformers ({exc}); install them with "
+                         "pip install -e '.[hf]'") from None  # fmt: skip
+    from stmoe.trace import save_trace
+    from stmoe.trace.schema import UNLABELLED
+
+    chosen = read_prompts(prompts) if prompts is not None else list(DEFAULT_PROMPTS)
+    if domain is not None:
+        chosen = [dataclasses.replace(p, domain=domain) if p.domain == UNLABELLED else p
+                  for p in chosen]  # fmt: skip
+    trace = capture_prompts(model, chosen, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    save_trace(trace, output)
+    out.print(f"wrote {output}: {trace!r}")
