@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from stmoe import __version__
-from stmoe.cli import analyze_cmd, capture_cmd, demo, predict_cmds, trace_cmds
+from stmoe.cli import analyze_cmd, capture_cmd, demo, predict_cmds, simulate_cmd, trace_cmds
 from stmoe.cli._common import friendly, out
 
 app = typer.Typer(
@@ -47,6 +47,7 @@ app.command("export")(friendly(trace_cmds.export))
 app.command("capture")(friendly(capture_cmd.capture_cmd))
 app.command("profile")(friendly(predict_cmds.profile_cmd))
 app.command("eval")(friendly(predict_cmds.eval_cmd))
+app.command("simulate")(friendly(simulate_cmd.simulate_cmd))
 app.command("analyze")(friendly(analyze_cmd.analyze_cmd))
 app.command("demo")(friendly(demo.demo))
 

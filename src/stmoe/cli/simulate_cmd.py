@@ -1,0 +1,121 @@
+"""`stmoe simulate`: what would ST-MoE (or another system) save on this hardware?"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from stmoe.cli._common import out, print_json
+
+
+def simulate_cmd(
+    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="Trace of the model.")],
+    model: Annotated[str, typer.Option(help="Model preset (e.g. qwen1.5-moe-a2.7b) or a .toml.")],
+    hardware: Annotated[
+        str, typer.Option(help="Hardware preset: stmoe-asic, gpu-offload, edge-ssd, or a .toml.")
+    ] = "stmoe-asic",
+    system: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="System to simulate (repeat; default: gpu-baseline, adap-gating, "
+            "pregated, stmoe, oracle). Any replay predictor name works too."
+        ),
+    ] = None,
+    tables: Annotated[
+        Path | None,
+        typer.Option(
+            help="ST-MoE tables (stmoe profile). Default: profile on the first half of "
+            "the trace and simulate the second half."
+        ),
+    ] = None,
+    batch: Annotated[int, typer.Option(help="Sequences decoding together.", min=1)] = 1,
+    pregate_accuracy: Annotated[
+        float, typer.Option(help="Accuracy of the pre-gated system's pre-gate.", min=0, max=1)
+    ] = 1.0,
+    adap_threshold: Annotated[
+        float, typer.Option(help="Adaptive-Gating: gate mass a token keeps (lossy).", min=0, max=1)
+    ] = 0.8,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the results as JSON ('-': stdout).")
+    ] = None,
+    output_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Folder for the figures (normalized time, ablation, "
+            "and sweeps over bandwidth, cache capacity and batch size).",
+        ),
+    ] = None,
+) -> None:
+    """Simulate the ST-MoE pipeline and the systems it is compared with on a real trace.
+
+    Prints each system's execution time normalized to the GPU baseline (= 1) with a
+    breakdown (compute, stall waiting for weights, link and prediction time), energy
+    and energy-delay product. See docs/simulator.md for the model and its limits.
+    """
+    from stmoe.predictors import load_tables
+    from stmoe.sim import plots
+    from stmoe.sim.simulate import simulate, sweep
+    from stmoe.sim.specs import load_hardware, load_model
+    from stmoe.sim.systems import PAPER_SYSTEMS
+    from stmoe.trace import import_files
+
+    trace = import_files([trace_path])
+    spec_m, spec_h = load_model(model), load_hardware(hardware)
+    systems = system or list(PAPER_SYSTEMS)
+    opts = dict(tables=load_tables(tables) if tables else None, batch=batch,
+                pregate_accuracy=pregate_accuracy, adap_threshold=adap_threshold)  # fmt: skip
+    data = simulate(trace, spec_m, spec_h, systems, **opts)
+    if output_dir is not None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        plots.normalized_time(data, output_dir / "normalized_time.png")
+        plots.ablation(data, output_dir / "ablation.png")
+        bw = spec_h.link_bytes_per_s
+        sweeps = {
+            "link_bytes_per_s": ([bw / 4, bw / 2, bw, 2 * bw, 4 * bw, 8 * bw, 16 * bw],
+                                 "link bandwidth (bytes/s)"),
+            "cache_experts_per_layer": ([0, 2, 4, 8, 16, 32], "cache capacity (experts per layer)"),
+            "batch": ([1, 2, 4, 8], "batch size (sequences)"),
+        }  # fmt: skip
+        sweep_opts = {k: v for k, v in opts.items() if k != "batch"}
+        data["sweeps"] = {}
+        for parameter, (values, label) in sweeps.items():
+            result = sweep(trace, spec_m, spec_h, systems, parameter, values,
+                           **(sweep_opts if parameter == "batch" else opts))  # fmt: skip
+            data["sweeps"][parameter] = result
+            plots.sweep(result, data, output_dir / f"sweep_{parameter}.png", label)
+    if json_out is not None and str(json_out) == "-":
+        print_json(data)
+        return
+    _print(data)
+    if json_out is not None:
+        json_out.write_text(json.dumps(data, indent=2) + "\n")
+        out.print(f"wrote {json_out}")
+    if output_dir is not None:
+        out.print(f"wrote figures to {output_dir}/")
+
+
+def _print(data: dict) -> None:
+    synthetic = " [SYNTHETIC TRACE]" if data["trace"]["synthetic"] else ""
+    table = Table(title=f"{data['model']} on {data['hardware']}, batch {data['batch']}{synthetic}",
+                  title_justify="left")  # fmt: skip
+    for col in ("system", "time (s)", "normalized", "compute", "stall", "link", "energy (J)",
+                "EDP (J s)", "hit rate"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for name, r in data["systems"].items():
+        b = r["breakdown"]
+        table.add_row(name, f"{r['time']:.4g}", f"{r['normalized_time']:.3f}",
+                      f"{b['compute']:.3g}", f"{b['stall']:.3g}", f"{b['communication']:.3g}",
+                      f"{r['energy']:.4g}", f"{r['edp']:.4g}", f"{r['hit_rate']:.2f}")  # fmt: skip
+    out.print(table)
+    out.print(f"tables: {data['tables']}")
+    q = data["systems"].get("adap-gating", {}).get("quality")
+    if q:
+        kept, dropped = q["experts_per_token_layer"], q["dropped_gate_mass"]
+        out.print(f"adap-gating is lossy: keeps {kept:.2f} experts per token-layer, dropping "
+                  f"{dropped:.1%} of the gate mass")  # fmt: skip

@@ -1,0 +1,126 @@
+"""``simulate``: every requested system on one trace, model and hardware, as JSON-ready data.
+
+Also the ablation (SPEC.md: static dataflow, dynamic dataflow, + temporal HT,
++ spatial CCT), the EPU's storage and area estimate, and parameter sweeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from stmoe.predictors import ModelShape, ProfiledTables, profile
+from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
+from stmoe.sim.systems import ABLATION, PAPER_SYSTEMS, run_system
+from stmoe.trace.schema import RoutingTrace
+from stmoe.trace.select import split_auto
+
+# 40 nm SRAM: 6T bitcell ~0.25 um^2 (published 40 nm processes), x2 for periphery (assumption).
+SRAM_UM2_PER_BIT_40NM = 0.5
+
+
+def check_model_fits(trace: RoutingTrace, model: ModelSpec) -> None:
+    """A trace can only be simulated with the dims of the model it was recorded from."""
+    want = (model.layers, model.num_experts, model.top_k)
+    have = (trace.num_layers, trace.num_experts, trace.top_k)
+    if want != have:
+        raise SpecError(
+            f"the trace has L={have[0]} MoE layers, N={have[1]} experts, top-{have[2]} but model "
+            f"{model.name!r} has L={want[0]}, N={want[1]}, top-{want[2]}; simulate a trace with "
+            "the model it was recorded from (or give a .toml model spec with its dims)"
+        )
+
+
+def epu_storage(model: ModelSpec, hw: HardwareSpec, row_width: int) -> dict[str, float]:
+    """Bits the EPU holds for this model (CCT + HT) and an area estimate at 40 nm."""
+    id_bits = max(1, int(np.ceil(np.log2(model.num_experts))))
+    cct = (model.layers - 1) * model.num_experts * row_width * (id_bits + 2)
+    ht = model.layers * model.top_k * id_bits
+    return {
+        "cct_bits": cct,
+        "ht_bits": ht,
+        "kib": (cct + ht) / 8 / 1024,
+        "area_mm2_estimate": (cct + ht) * SRAM_UM2_PER_BIT_40NM / 1e6,
+        "area_source": "40 nm 6T SRAM bitcell ~0.25 um^2, x2 periphery (estimate)",
+    }
+
+
+def simulate(
+    trace: RoutingTrace,
+    model: ModelSpec,
+    hw: HardwareSpec,
+    systems: Sequence[str] = PAPER_SYSTEMS,
+    *,
+    tables: ProfiledTables | None = None,
+    batch: int = 1,
+    pregate_accuracy: float = 1.0,
+    adap_threshold: float = 0.8,
+    seed: int = 0,
+    ablation: bool = True,
+) -> dict[str, Any]:
+    """Simulate ``systems`` (the GPU baseline is always run: it normalises the rest)."""
+    check_model_fits(trace, model)
+    if batch < 1:
+        raise SpecError(f"batch {batch}: expected >= 1")
+    profiled_on_trace = tables is None
+    if tables is None:  # no tables given: profile on the first half, simulate the held-out rest
+        first, trace = split_auto(trace, 0.5)
+        tables = profile(first)
+    tables.check_fits(ModelShape.of(trace))
+    run = dict(tables=tables, batch=batch, pregate_accuracy=pregate_accuracy,
+               adap_threshold=adap_threshold, seed=seed)  # fmt: skip
+    names = list(dict.fromkeys(["gpu-baseline", *systems]))
+    results = {n: run_system(n, trace, model, hw, **run) for n in names}
+    base = results["gpu-baseline"].time
+    out: dict[str, Any] = {
+        "model": model.name,
+        "hardware": hw.name,
+        "trace": {
+            "model": trace.meta.model,
+            "synthetic": trace.meta.synthetic,
+            "tokens": trace.num_tokens,
+            "decode_tokens": int(np.count_nonzero(trace.is_decode)),
+        },
+        "batch": batch,
+        "tables": "profiled on the first half of the trace; the second half simulated"
+        if profiled_on_trace
+        else "given",
+        "systems": {n: r.to_dict(base) for n, r in results.items() if n in systems},
+        "epu": epu_storage(model, hw, tables.row_width),
+    }
+    if ablation:
+        steps = {}
+        for label, name in ABLATION:
+            r = results.get(name) or run_system(name, trace, model, hw, **run)
+            steps[label] = r.to_dict(base)
+        out["ablation"] = steps
+    return out
+
+
+def sweep(
+    trace: RoutingTrace,
+    model: ModelSpec,
+    hw: HardwareSpec,
+    systems: Sequence[str],
+    parameter: str,
+    values: Sequence[float],
+    **options: Any,
+) -> dict[str, Any]:
+    """Normalized time of ``systems`` as one hardware or run parameter varies."""
+    table: dict[str, list[float]] = {n: [] for n in systems}
+    for value in values:
+        spec, opts = hw, dict(options)
+        if parameter == "batch":
+            opts["batch"] = int(value)
+        elif parameter in ("link_bytes_per_s", "cache_experts_per_layer"):
+            cast = int if parameter == "cache_experts_per_layer" else float
+            spec = dataclasses.replace(hw, **{parameter: cast(value)})
+        else:
+            raise SpecError(f"cannot sweep {parameter!r}")
+        data = simulate(trace, model, spec, systems, ablation=False, **opts)
+        for n in systems:
+            table[n].append(data["systems"][n]["normalized_time"])
+    return {"parameter": parameter, "values": list(values), "normalized_time": table}

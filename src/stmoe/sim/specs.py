@@ -1,0 +1,193 @@
+"""Frozen model and hardware specs, loaded from TOML presets with clear errors.
+
+Presets live in ``sim/data/*.toml`` with the source of every number; a user's own
+TOML file (same keys) works wherever a preset name does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from stmoe.errors import StmoeError
+
+
+class SpecError(StmoeError, ValueError):
+    """A model or hardware spec is unknown or malformed."""
+
+
+@dataclass(frozen=True)
+class Dataflow:
+    """PE-array utilisation when one expert serves n tokens: peak * n / (n + half)."""
+
+    peak: float
+    half: float
+
+    def utilisation(self, tokens: float) -> float:
+        return self.peak * tokens / (tokens + self.half)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    source: str
+    layers: int  # L MoE layers
+    dense_layers: int  # dense layers before them (computed, never offloaded)
+    hidden: int
+    expert_intermediate: int
+    num_experts: int  # N routed experts per layer
+    top_k: int
+    shared_intermediate: int  # total width of the always-resident shared experts (0 = none)
+    attention_heads: int
+    kv_heads: int
+    dtype_bytes: int
+
+    @property
+    def expert_bytes(self) -> int:
+        """One routed expert's weights: gate, up and down projections."""
+        return 3 * self.hidden * self.expert_intermediate * self.dtype_bytes
+
+    @property
+    def expert_macs(self) -> int:
+        """MACs of one routed expert for one token."""
+        return 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def shared_macs(self) -> int:
+        return 3 * self.hidden * self.shared_intermediate
+
+    @property
+    def router_macs(self) -> int:
+        return self.hidden * self.num_experts
+
+    def attention_macs(self, context: float) -> float:
+        """Q, K, V, O projections plus scores and weighted values over ``context`` tokens."""
+        head_dim = self.hidden / self.attention_heads
+        kv = self.kv_heads * head_dim
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 2 * self.hidden * context
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    name: str
+    description: str
+    clock_hz: float
+    pe_macs_per_cycle: float
+    router_macs_per_cycle: float
+    dataflow: str  # "reconfigurable" or the name of the one fixed dataflow
+    link_bytes_per_s: float
+    link_latency_s: float
+    cache_experts_per_layer: int
+    epu_cycles_per_candidate: float
+    epu_fixed_cycles: float
+    verify_cycles: float
+    emu_stages_per_group: float
+    pe_groups: int
+    mac_pj: float
+    sram_pj_per_byte: float
+    dram_pj_per_byte: float
+    link_pj_per_byte: float
+    static_w: float
+    epu_bits_per_slot: int
+    dataflows: dict[str, Dataflow]
+
+    def with_changes(self, **changes: Any) -> HardwareSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def _load(kind: str, name_or_path: str, cls: type) -> Any:
+    table = _table(kind, name_or_path)
+    fields = {f.name for f in dataclasses.fields(cls)} - {"name", "dataflows"}
+    missing = sorted(fields - set(table) - {"description", "source"})
+    if missing:
+        raise SpecError(f"{kind} spec {name_or_path!r} lacks {', '.join(missing)}")
+    unknown = sorted(set(table) - fields - {"dataflows"})
+    if unknown:
+        raise SpecError(f"{kind} spec {name_or_path!r} has unknown keys {', '.join(unknown)}")
+    values: dict[str, Any] = {"name": Path(name_or_path).stem if name_or_path.endswith(".toml")
+                              else name_or_path}  # fmt: skip
+    for f in dataclasses.fields(cls):
+        if f.name in table and f.name != "dataflows":
+            values[f.name] = _typed(kind, name_or_path, f.name, table[f.name], f.type)
+    for text in ("description", "source"):
+        if text in {f.name for f in dataclasses.fields(cls)}:
+            values.setdefault(text, "")
+    if cls is HardwareSpec:
+        values["dataflows"] = _dataflows(name_or_path, table)
+    spec = cls(**values)
+    _check_positive(kind, name_or_path, spec)
+    return spec
+
+
+def _table(kind: str, name_or_path: str) -> dict[str, Any]:
+    if name_or_path.endswith(".toml"):
+        path = Path(name_or_path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise SpecError(f"{path}: no such {kind} spec file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError(f"{path}: not valid TOML ({exc})") from None
+        return data
+    presets = tomllib.loads(resources.files("stmoe.sim").joinpath(f"data/{kind}.toml").read_text())
+    if name_or_path not in presets:
+        raise SpecError(f"unknown {kind.rstrip('s')} {name_or_path!r}; presets: {', '.join(presets)} "
+                        "(or give a .toml file)")  # fmt: skip
+    return presets[name_or_path]
+
+
+def _typed(kind: str, where: str, key: str, value: Any, annotation: Any) -> Any:
+    want = {"int": int, "float": float, "str": str}.get(str(annotation))
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if want is not None and (not isinstance(value, want) or isinstance(value, bool)):
+        raise SpecError(f"{kind} spec {where!r}: {key} is {value!r}, expected {want.__name__}")
+    return value
+
+
+def _dataflows(where: str, table: dict[str, Any]) -> dict[str, Dataflow]:
+    flows = table.get("dataflows")
+    if not isinstance(flows, dict) or not flows:
+        raise SpecError(f"hardware spec {where!r} needs a [dataflows] table")
+    out = {}
+    for name, d in flows.items():
+        try:
+            out[name] = Dataflow(peak=float(d["peak"]), half=float(d["half"]))
+        except (KeyError, TypeError, ValueError):
+            raise SpecError(
+                f"hardware spec {where!r}: dataflow {name} needs peak and half"
+            ) from None
+    if table.get("dataflow") not in (*out, "reconfigurable"):
+        raise SpecError(f"hardware spec {where!r}: dataflow {table.get('dataflow')!r} is neither "
+                        f"'reconfigurable' nor one of {', '.join(out)}")  # fmt: skip
+    return out
+
+
+def _check_positive(kind: str, where: str, spec: Any) -> None:
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise SpecError(f"{kind} spec {where!r}: {f.name} is {value}, expected >= 0")
+    for must in ("layers", "hidden", "num_experts", "top_k", "clock_hz", "pe_macs_per_cycle",
+                 "link_bytes_per_s"):  # fmt: skip
+        if hasattr(spec, must) and getattr(spec, must) <= 0:
+            raise SpecError(f"{kind} spec {where!r}: {must} must be positive")
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A model preset by name, or a TOML file with the same keys."""
+    return _load("models", name_or_path, ModelSpec)
+
+
+def load_hardware(name_or_path: str) -> HardwareSpec:
+    """A hardware preset by name, or a TOML file with the same keys."""
+    return _load("hardware", name_or_path, HardwareSpec)
+
+
+def preset_names(kind: str) -> list[str]:
+    text = resources.files("stmoe.sim").joinpath(f"data/{kind}.toml").read_text()
+    return list(tomllib.loads(text))

@@ -1,0 +1,156 @@
+"""Simulator: closed-form cases, the bounds, presets and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stmoe
+from stmoe.predictors import REGISTRY, profile
+from stmoe.sim.simulate import simulate
+from stmoe.sim.specs import SpecError, load_hardware, load_model, preset_names
+from stmoe.sim.systems import run_system
+
+MODEL = dataclasses.replace(load_model("olmoe-1b-7b"), layers=4, num_experts=16, top_k=2)
+ASIC = load_hardware("stmoe-asic")
+
+
+def trace_for(model=MODEL, tokens=120, sequences=3, seed=0, **kw):
+    return stmoe.synthesize(tokens=tokens, layers=model.layers, experts=model.num_experts,
+                            top_k=model.top_k, sequences=sequences, seed=seed, **kw)  # fmt: skip
+
+
+def per_token_compute(trace, model, hw, util):
+    """Closed form: attention + gating + routed and shared experts + EMU, token by token."""
+    pe, router = hw.pe_macs_per_cycle * hw.clock_hz, hw.router_macs_per_cycle * hw.clock_hz
+    emu = hw.emu_stages_per_group * np.log2(hw.pe_groups) / hw.clock_hz
+    pos = np.arange(trace.num_tokens) - np.repeat(trace.seq_starts, trace.seq_lengths)
+    total = 0.0
+    for t in np.flatnonzero(trace.is_decode):
+        for _ in range(trace.num_layers):
+            total += model.attention_macs(pos[t]) / (pe * util)
+            total += model.router_macs / router
+            total += model.top_k * model.expert_macs / (pe * util) + emu
+            total += model.shared_macs / (pe * util)
+    return total
+
+
+def best_util(hw, n=1):
+    return max(d.utilisation(n) for d in hw.dataflows.values())
+
+
+def test_every_expert_resident_costs_compute_alone():
+    trace = trace_for()
+    hw = dataclasses.replace(ASIC, cache_experts_per_layer=MODEL.num_experts)
+    for system in ("oracle", "ondemand", "stmoe"):
+        r = run_system(system, trace, MODEL, hw, tables=profile(trace), warm=True)
+        assert r.counters["stall"] == pytest.approx(0.0, abs=1e-15)
+        assert r.counters["loaded"] == 0
+        assert r.time == pytest.approx(per_token_compute(trace, MODEL, hw, best_util(hw)), rel=1e-9)
+
+
+def test_batch_one_equals_the_single_token_model():
+    # No cache, on demand: each layer waits for its K experts, one after another.
+    trace = trace_for(temporal=0.5)
+    r = run_system("gpu-baseline", trace, MODEL, ASIC)
+    ws = ASIC.dataflows["weight_stationary"].utilisation(1)
+    xfer = ASIC.link_latency_s + MODEL.expert_bytes / ASIC.link_bytes_per_s
+    loads = int(trace.is_decode.sum()) * trace.num_layers * MODEL.top_k
+    expected = per_token_compute(trace, MODEL, ASIC, ws) + loads * xfer
+    assert r.time == pytest.approx(expected, rel=1e-9)
+    assert r.counters["loaded"] == loads
+
+
+def test_prediction_off_equals_on_demand():
+    trace = trace_for()
+    tables = profile(trace)
+    silent = run_system("stmoe", trace, MODEL, ASIC, tables=tables,
+                        predictor_options={"threshold": 1e9, "layer0": "none"})  # fmt: skip
+    ondemand = run_system("ondemand", trace, MODEL, ASIC)
+    assert silent.counters["prefetched"] == 0
+    assert silent.time == ondemand.time
+
+
+def test_doubling_bandwidth_halves_communication():
+    trace = trace_for()
+    hw = dataclasses.replace(ASIC, link_latency_s=0.0)
+    fast = dataclasses.replace(hw, link_bytes_per_s=2 * hw.link_bytes_per_s)
+    for system in ("gpu-baseline", "oracle"):
+        a, b = run_system(system, trace, MODEL, hw), run_system(system, trace, MODEL, fast)
+        assert b.counters["link"] == pytest.approx(a.counters["link"] / 2, rel=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.floats(0.0, 1.0), st.floats(0.0, 0.6))
+def test_the_oracle_is_never_slower_than_any_predictor(seed, spatial, temporal):
+    trace = trace_for(tokens=60, seed=seed, spatial=spatial, temporal=temporal)
+    tables = profile(trace)
+    oracle = run_system("oracle", trace, MODEL, ASIC).time
+    for name in REGISTRY:
+        assert oracle <= run_system(name, trace, MODEL, ASIC, tables=tables, seed=seed).time + 1e-12
+
+
+def test_adaptive_gating_is_lossy_and_says_so():
+    trace = trace_for()
+    r = run_system("adap-gating", trace, MODEL, ASIC, adap_threshold=0.5)
+    assert 1 <= r.quality["experts_per_token_layer"] <= MODEL.top_k
+    assert 0 < r.quality["dropped_gate_mass"] < 1
+    with pytest.raises(SpecError, match="needs gate weights"):
+        run_system("adap-gating", dataclasses.replace(trace, weights=None), MODEL, ASIC)
+
+
+def test_perfect_pregate_hits_everything_after_layer_zero():
+    trace = trace_for()
+    r = run_system("pregated", trace, MODEL, ASIC)
+    decode = int(trace.is_decode.sum())
+    assert r.counters["predicted_hits"] == decode * (MODEL.layers - 1) * MODEL.top_k
+
+
+def test_batches_union_their_experts():
+    trace = trace_for(tokens=400, sequences=4)
+    one = run_system("gpu-baseline", trace, MODEL, ASIC, batch=1)
+    four = run_system("gpu-baseline", trace, MODEL, ASIC, batch=4)
+    assert four.counters["loaded"] < one.counters["loaded"]  # shared experts load once per step
+    assert four.time < one.time
+
+
+def test_presets_load_and_bad_specs_are_clear(tmp_path):
+    assert {"stmoe-asic", "gpu-offload", "edge-ssd"} <= set(preset_names("hardware"))
+    names = {"qwen1.5-moe-a2.7b", "qwen2-57b-a14b", "deepseek-v2-lite", "deepseek-moe-16b",
+             "mixtral-8x7b", "olmoe-1b-7b", "qwen3-30b-a3b"}  # fmt: skip
+    assert names <= set(preset_names("models"))
+    for name in names:
+        assert load_model(name).expert_bytes > 0
+    with pytest.raises(SpecError, match="unknown hardware 'tpu'.*stmoe-asic"):
+        load_hardware("tpu")
+    bad = tmp_path / "m.toml"
+    bad.write_text("layers = 'many'\n")
+    with pytest.raises(SpecError, match="lacks"):
+        load_model(str(bad))
+    with pytest.raises(SpecError, match=r"trace has L=4 MoE layers, N=16 experts, top-2"):
+        simulate(trace_for(), load_model("mixtral-8x7b"), ASIC)
+
+
+def test_simulate_command_json_and_figures(cli, tmp_path):
+    model = tmp_path / "tiny.toml"
+    fields = {k: v for k, v in dataclasses.asdict(MODEL).items() if k != "name"}
+    model.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()))
+    stmoe.save_trace(trace_for(tokens=300, sequences=4), tmp_path / "t.npz")
+    result = cli("simulate", tmp_path / "t.npz", "--model", model, "--hardware", "stmoe-asic",
+                 "--json", tmp_path / "s.json", "-o", tmp_path / "fig")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["systems"]["gpu-baseline"]["normalized_time"] == 1.0
+    for name in ("gpu-baseline", "adap-gating", "pregated", "stmoe", "oracle"):
+        entry = data["systems"][name]
+        assert {"time", "normalized_time", "energy", "edp", "breakdown"} <= set(entry)
+    for png in ("normalized_time", "ablation", "sweep_link_bytes_per_s",
+                "sweep_cache_experts_per_layer", "sweep_batch"):  # fmt: skip
+        assert (tmp_path / "fig" / f"{png}.png").stat().st_size > 10_000
+    bad = cli("simulate", tmp_path / "t.npz", "--model", "nope", "--hardware", "stmoe-asic")
+    assert bad.exit_code == 1 and "unknown model 'nope'" in bad.output
