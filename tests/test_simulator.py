@@ -126,7 +126,7 @@ def test_presets_load_and_bad_specs_are_clear(tmp_path):
     assert names <= set(preset_names("models"))
     for name in names:
         assert load_model(name).expert_bytes > 0
-    with pytest.raises(SpecError, match="unknown hardware 'tpu'.*stmoe-asic"):
+    with pytest.raises(SpecError, match=r"unknown hardware 'tpu'.*stmoe-asic"):
         load_hardware("tpu")
     bad = tmp_path / "m.toml"
     bad.write_text("layers = 'many'\n")

@@ -135,7 +135,8 @@ def _table(kind: str, name_or_path: str) -> dict[str, Any]:
         return data
     presets = tomllib.loads(resources.files("stmoe.sim").joinpath(f"data/{kind}.toml").read_text())
     if name_or_path not in presets:
-        raise SpecError(f"unknown {kind.rstrip('s')} {name_or_path!r}; presets: {', '.join(presets)} "
+        listed = ", ".join(presets)
+        raise SpecError(f"unknown {kind.rstrip('s')} {name_or_path!r}; presets: {listed} "
                         "(or give a .toml file)")  # fmt: skip
     return presets[name_or_path]
 
