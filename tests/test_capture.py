@@ -106,7 +106,6 @@ def checkpoint(tmp_path_factory):
     from transformers import PreTrainedTokenizerFast
 
     folder = tmp_path_factory.mktemp("ckpt")
-    model, _ = tiny_model("qwen3_moe")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -118,6 +117,9 @@ def checkpoint(tmp_path_factory):
         ),
     )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    # The trainer may add characters beyond the seed alphabet: size the model to the tokenizer.
+    model, _ = tiny_model("qwen3_moe", vocab_size=len(fast), pad_token_id=fast.pad_token_id,
+                          eos_token_id=fast.eos_token_id)  # fmt: skip
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder

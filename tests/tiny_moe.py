@@ -51,10 +51,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
 }  # fmt: skip
 
 
-def tiny_model(family: str, seed: int = 0) -> tuple[torch.nn.Module, int]:
+def tiny_model(family: str, seed: int = 0, **changes: Any) -> tuple[torch.nn.Module, int]:
     """A random tiny model of ``family`` in eval mode, and its number of MoE layers."""
     config_name, overrides, moe_layers = FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**COMMON, **overrides})
+    config = getattr(transformers, config_name)(**{**COMMON, **overrides, **changes})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # bias-free random routers can tie; spread their weights out

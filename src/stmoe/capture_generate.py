@@ -198,9 +198,13 @@ def capture_prompts(
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
     ids = [tokenizer(p.text)["input_ids"] for p in prompts]
+    vocab = model.get_input_embeddings().num_embeddings
     for i, p in enumerate(ids):
         if not p:
             raise CaptureError(f"prompt {i} tokenizes to nothing")
+        if max(p) >= vocab:
+            raise CaptureError(f"prompt {i} has token id {max(p)} but the model's vocabulary has "
+                               f"{vocab}: the tokenizer does not belong to this model")  # fmt: skip
     return capture_generation(
         model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
         domains=[p.domain for p in prompts], pad_token_id=pad, eos_token_ids=eos_ids,
