@@ -15,6 +15,12 @@ SHARED_TRACES = Path(os.environ.get("STMOE_SHARED", REPO.parent / "shared")) / "
 REAL_ROUTES = SHARED_TRACES / "qwen3.6-35b-a3b_chat-1prompt.routes.json"
 REAL_NPZ = SHARED_TRACES / "qwen3.6-35b-a3b_chat-1prompt.npz"
 
+# The predictor names the eval issue fixes as a contract (tools outside the project parse them).
+CONTRACT_PREDICTORS = (
+    "stmoe", "ondemand", "previous-token", "cct-static", "cct-online", "frequency", "random",
+    "oracle",
+)  # fmt: skip
+
 needs_shared = pytest.mark.skipif(
     not (REAL_ROUTES.exists() and REAL_NPZ.exists()),
     reason=f"the real sample traces are not at {SHARED_TRACES} "

@@ -12,7 +12,19 @@ import pytest
 from conftest import REAL_NPZ, REAL_ROUTES, needs_shared
 from stmoe import load_trace
 
-COMMANDS = ["import", "info", "synth", "export", "demo"]
+COMMANDS = [
+    "import",
+    "info",
+    "synth",
+    "export",
+    "demo",
+    "profile",
+    "eval",
+    "analyze",
+    "capture",
+    "simulate",
+    "train-tiny",
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -112,13 +124,6 @@ def test_export_and_reimport(cli, tmp_path):
         assert np.array_equal(
             load_trace(tmp_path / f"{name}.npz").experts, load_trace(tmp_path / "s.npz").experts
         )
-
-
-def test_demo_runs_on_a_fresh_folder(cli, tmp_path):
-    result = cli("demo", "-o", tmp_path / "demo")
-    assert result.exit_code == 0, result.output
-    assert "identical" in result.output and "SYNTHETIC" in result.output
-    assert (tmp_path / "demo" / "synthetic.npz").exists()
 
 
 def test_usage_error_exits_2(cli):

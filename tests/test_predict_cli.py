@@ -6,18 +6,9 @@ import json
 
 import pytest
 
-from conftest import REAL_ROUTES, needs_shared
+from conftest import CONTRACT_PREDICTORS, REAL_ROUTES, needs_shared
 
-ALL = [
-    "stmoe",
-    "ondemand",
-    "previous-token",
-    "cct-static",
-    "cct-online",
-    "frequency",
-    "random",
-    "oracle",
-]
+ALL = list(CONTRACT_PREDICTORS)
 
 
 @needs_shared

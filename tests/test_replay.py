@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import stmoe
+from conftest import CONTRACT_PREDICTORS
 from stmoe.cache_replay import replay_cache
 from stmoe.predictors import ModelShape, PredictorError, PrefetchPlan, make, profile
 from stmoe.replay import cross_domain_matrix, replay
@@ -94,16 +95,7 @@ def test_json_contract_and_budget_curve():
     data = replay(
         ev, stmoe.predictors.names(), profile(prof), capacity=4, options={"seed": 1}
     ).to_dict()
-    assert set(data["predictors"]) >= {
-        "stmoe",
-        "ondemand",
-        "previous-token",
-        "cct-static",
-        "cct-online",
-        "frequency",
-        "random",
-        "oracle",
-    }
+    assert set(data["predictors"]) >= set(CONTRACT_PREDICTORS)
     for entry in data["predictors"].values():
         for key in (
             "recall",

@@ -154,3 +154,19 @@ def test_simulate_command_json_and_figures(cli, tmp_path):
         assert (tmp_path / "fig" / f"{png}.png").stat().st_size > 10_000
     bad = cli("simulate", tmp_path / "t.npz", "--model", "nope", "--hardware", "stmoe-asic")
     assert bad.exit_code == 1 and "unknown model 'nope'" in bad.output
+
+
+def test_prefetches_that_arrive_too_late_cost_nothing():
+    # A prediction unit so slow that every prefetch is issued after the layer it is for
+    # has been verified: all are cancelled and the link is as free as on demand.
+    trace = trace_for()
+    slow = dataclasses.replace(ASIC, epu_fixed_cycles=1e12, verify_cycles=0)
+    late = run_system("random", trace, MODEL, slow)
+    assert late.counters["prefetched"] == 0
+    assert late.time == run_system("ondemand", trace, MODEL, slow).time
+
+
+def test_a_pregate_that_is_always_wrong_never_hits():
+    trace = trace_for()
+    r = run_system("pregated", trace, MODEL, ASIC, pregate_accuracy=0.0)
+    assert r.counters["predicted_hits"] == 0 and r.counters["wasted"] > 0

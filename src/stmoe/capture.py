@@ -102,8 +102,11 @@ class RoutingRecorder:
         fresh = cache is None or _cache_length(cache) == 0
         mask = kwargs.get("attention_mask")
         real = None
-        if mask is not None and mask.dim() == 2:
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             real = mask[:, -shape[1] :].detach().to("cpu", torch.bool).numpy()
+        elif mask is not None and shape[0] > 1:
+            raise CaptureError("a batched call without a 2-D attention mask: padding could not "
+                               "be told apart (use a dynamic cache)")  # fmt: skip
         if fresh or not self.batches:
             self.batches.append([])
         self.batches[-1].append(_Step(batch=shape[0], length=shape[1], mask=real))
@@ -141,6 +144,9 @@ class RoutingRecorder:
         """
         if not self.batches:
             raise CaptureError("nothing was recorded: no forward call ran inside the recorder")
+        if decode_lengths is not None and len(decode_lengths) != len(self.batches):
+            raise CaptureError(f"{len(self.batches)} generations were recorded but decode lengths "
+                               f"were given for {len(decode_lengths)}")  # fmt: skip
         experts, weights, decode, starts = [], [], [], []
         n_tokens = 0
         for g, steps in enumerate(self.batches):

@@ -136,6 +136,7 @@ def _capture_batch(
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
             pad_token_id=pad, eos_token_id=sorted(eos) or None, return_dict_in_generate=True,
+            use_cache=True, cache_implementation="dynamic",
         )  # fmt: skip
         generated = out.sequences[:, width:]
         full_mask = torch.cat([mask, torch.ones_like(generated)], dim=1)
@@ -160,6 +161,8 @@ def _cache_kwarg(model: torch.nn.Module, out: Any) -> dict[str, Any]:
     cache = getattr(out, "cache", None)
     if cache is None:
         cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        raise CaptureError("generate returned no KV cache; cannot route the last tokens")
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return {name: cache}
 

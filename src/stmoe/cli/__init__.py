@@ -12,7 +12,15 @@ from typing import Annotated
 import typer
 
 from stmoe import __version__
-from stmoe.cli import analyze_cmd, capture_cmd, demo, predict_cmds, simulate_cmd, trace_cmds
+from stmoe.cli import (
+    analyze_cmd,
+    capture_cmd,
+    demo,
+    predict_cmds,
+    simulate_cmd,
+    trace_cmds,
+    train_cmd,
+)
 from stmoe.cli._common import friendly, out
 
 app = typer.Typer(
@@ -50,6 +58,7 @@ app.command("eval")(friendly(predict_cmds.eval_cmd))
 app.command("simulate")(friendly(simulate_cmd.simulate_cmd))
 app.command("analyze")(friendly(analyze_cmd.analyze_cmd))
 app.command("demo")(friendly(demo.demo))
+app.command("train-tiny")(friendly(train_cmd.train_tiny_cmd))
 
 
 def main() -> None:

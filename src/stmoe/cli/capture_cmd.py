@@ -15,8 +15,12 @@ from stmoe.errors import StmoeError
 def capture_cmd(
     output: Annotated[Path, typer.Option("--output", "-o", help="Native .npz trace to write.")],
     model: Annotated[
-        Path, typer.Option(help="Local transformers MoE checkpoint folder (never downloaded).")
-    ],
+        Path | None,
+        typer.Option(
+            help="Local transformers MoE checkpoint folder (never downloaded). "
+            "Default: stmoe's own shipped model."
+        ),
+    ] = None,
     prompts: Annotated[
         Path | None,
         typer.Option(
@@ -50,6 +54,10 @@ def capture_cmd(
     if domain is not None:
         chosen = [dataclasses.replace(p, domain=domain) if p.domain == UNLABELLED else p
                   for p in chosen]  # fmt: skip
+    if model is None:
+        from stmoe.demo import SHIPPED_MODEL
+
+        model = SHIPPED_MODEL
     trace = capture_prompts(model, chosen, max_new_tokens=max_new_tokens, batch_size=batch_size)
     save_trace(trace, output)
     out.print(f"wrote {output}: {trace!r}")

@@ -83,9 +83,9 @@ def simulate_steps(
     resident = np.zeros((n_layers, n), dtype=np.bool_)
     last_use = np.zeros((n_layers, n))
     n_res = np.zeros(n_layers, dtype=np.int64)
-    if warm and cache_cap >= n:
-        resident[:, :] = True
-        n_res[:] = n
+    if warm:  # the first min(C, N) experts of each layer start resident
+        resident[:, : min(cache_cap, n)] = True
+        n_res[:] = min(cache_cap, n)
     in_u = np.zeros(n, dtype=np.int64)  # tokens of this step routed to each expert
     in_p = np.zeros(n, dtype=np.bool_)
     avail = np.zeros(n)  # when each routed expert is on chip
@@ -102,8 +102,10 @@ def simulate_steps(
         b = toks.shape[0]
         # Layer 0's prefetch is issued when the step starts (HT[0], SPEC.md).
         issue = t_c + (params[P_EPU] if use_predictor else 0.0)
-        q_n, q_start, link_free = _queue(toks, 0, plan_ptr, plan_ids, n_layers, resident, in_p,
-                                         q_e, issue, link_free, xfer)  # fmt: skip
+        out[C_EPU] += params[P_EPU] if use_predictor else 0.0
+        free_before = link_free
+        q_n, q_start, link_free, n_pred = _queue(toks, 0, plan_ptr, plan_ids, n_layers, resident,
+                                                 in_p, q_e, issue, link_free, xfer)  # fmt: skip
         for layer in range(n_layers):
             clock += 1.0
             attn = 0.0
@@ -127,13 +129,17 @@ def simulate_steps(
                 if resident[layer, u_list[i]]:
                     avail[u_list[i]] = t_gate
                     out[C_HITS] += 1
-            # Verify: walk the prefetch queue in order; cancel what has not started.
+            # Verify: walk the prefetch queue in order; cancel what has not started by the
+            # time the check is done (a transfer already moving cannot be recalled).
+            checked = use_predictor and n_pred > 0
+            verify_end = t_gate + (params[P_VERIFY] if checked else 0.0)
             r = q_start
-            checked = q_n > 0
+            kept = 0
             for i in range(q_n):
                 e = q_e[i]
                 needed = in_u[e] > 0
-                if r < t_gate or needed:
+                if r < verify_end or needed:
+                    kept += 1
                     r += xfer
                     out[C_LOADED] += 1
                     out[C_PREFETCHED] += 1
@@ -146,12 +152,11 @@ def simulate_steps(
                         out[C_WASTED] += 1
                         _insert(layer, e, resident, last_use, n_res, in_u, cache_cap, clock - 0.5)
                 in_p[e] = False
-            if q_n > 0:
-                link_free = r  # cancelled transfers give their link time back
+            # Cancelled transfers give their link time back.
+            link_free = r if kept > 0 else free_before
             q_n = 0
             # Missed loading, behind the link's queue, after verify when one ran.
-            start = max(t_gate + (params[P_VERIFY] if (use_predictor and checked) else 0.0),
-                        link_free)  # fmt: skip
+            start = max(verify_end, link_free)
             for i in range(n_u):
                 e = u_list[i]
                 if avail[e] < 0.0:
@@ -187,7 +192,8 @@ def simulate_steps(
             if layer + 1 < n_layers:
                 issue = t_gate + (params[P_EPU] if use_predictor else 0.0)
                 out[C_EPU] += params[P_EPU] if use_predictor else 0.0
-                q_n, q_start, link_free = _queue(
+                free_before = link_free
+                q_n, q_start, link_free, n_pred = _queue(
                     toks,
                     layer + 1,
                     plan_ptr,
@@ -209,8 +215,10 @@ def _queue(
     toks, layer, plan_ptr, plan_ids, n_layers, resident, in_p, q_e, issue, link_free, xfer
 ):  # pragma: no cover - compiled
     """Queue the step's prefetch for ``layer``: the union of its tokens' sets, rank by
-    rank (most confident first), minus what is resident. Returns (n, start, link end)."""
+    rank (most confident first), minus what is resident.
+    Returns (queued, start, tentative link end, predicted experts incl. resident ones)."""
     n_q = 0
+    n_pred = 0
     longest = 0
     for t in toks:
         size = plan_ptr[t * n_layers + layer + 1] - plan_ptr[t * n_layers + layer]
@@ -221,12 +229,13 @@ def _queue(
             a = plan_ptr[t * n_layers + layer]
             if a + rank < plan_ptr[t * n_layers + layer + 1]:
                 e = plan_ids[a + rank]
+                n_pred += 1
                 if not in_p[e] and not resident[layer, e]:
                     in_p[e] = True
                     q_e[n_q] = e
                     n_q += 1
     start = max(issue, link_free)
-    return n_q, start, start + n_q * xfer if n_q else link_free
+    return n_q, start, start + n_q * xfer if n_q else link_free, n_pred
 
 
 @njit(cache=True)

@@ -192,3 +192,34 @@ def load_hardware(name_or_path: str) -> HardwareSpec:
 def preset_names(kind: str) -> list[str]:
     text = resources.files("stmoe.sim").joinpath(f"data/{kind}.toml").read_text()
     return list(tomllib.loads(text))
+
+
+def model_spec_from_config(
+    config: Any, moe_layers: int, name: str, dtype_bytes: int = 4
+) -> ModelSpec:
+    """A ModelSpec from a transformers MoE config (Qwen-MoE-style field names, with the
+    usual alternatives), for simulating a model that has no preset."""
+
+    def first(*keys: str, default: Any = None) -> Any:
+        for key in keys:
+            value = getattr(config, key, None)
+            if value is not None:
+                return value
+        if default is None:
+            raise SpecError(f"config of {name} lacks {' / '.join(keys)}")
+        return default
+
+    return ModelSpec(
+        name=name,
+        source=f"config.json of {name}",
+        layers=moe_layers,
+        dense_layers=int(first("num_hidden_layers")) - moe_layers,
+        hidden=int(first("hidden_size")),
+        expert_intermediate=int(first("moe_intermediate_size", "intermediate_size")),
+        num_experts=int(first("num_experts", "num_local_experts", "n_routed_experts")),
+        top_k=int(first("num_experts_per_tok")),
+        shared_intermediate=int(first("shared_expert_intermediate_size", default=0)),
+        attention_heads=int(first("num_attention_heads")),
+        kv_heads=int(first("num_key_value_heads", "num_attention_heads")),
+        dtype_bytes=dtype_bytes,
+    )

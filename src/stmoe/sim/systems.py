@@ -181,14 +181,21 @@ def run_system(
     counters = {k: float(out[i]) for i, k in enumerate(
         ("time", "compute", "stall", "link", "epu", "macs", "sram", "loaded", "prefetched",
          "wasted", "demanded", "hits", "predicted_hits"))}  # fmt: skip
+    counters["epu_per_lookup"] = float(params[pl.P_EPU])
     return SystemResult(name, counters, prefill_time, energy(counters, model, hw), quality)
 
 
 def energy(c: dict[str, float], model: ModelSpec, hw: HardwareSpec) -> dict[str, float]:
-    """Joules by part: MACs, on-chip SRAM, off-chip DRAM, link, EPU lookups, static."""
+    """Joules by part: MACs, on-chip SRAM, off-chip DRAM, link, EPU lookups, static.
+
+    An EPU lookup reads K CCT rows plus the HT entry (SPEC.md) from its SRAM.
+    """
     pj = 1e-12
     moved = c["loaded"] * model.expert_bytes
+    lookups = c["epu"] / c["epu_per_lookup"] if c.get("epu_per_lookup") else 0.0
+    lookup_bytes = model.top_k * (model.top_k + 1) * hw.epu_bits_per_slot / 8
     return {
+        "epu": lookups * lookup_bytes * hw.sram_pj_per_byte * pj,
         "mac": c["macs"] * hw.mac_pj * pj,
         "sram": c["sram"] * hw.sram_pj_per_byte * pj,
         "dram": moved * hw.dram_pj_per_byte * pj,
@@ -223,7 +230,8 @@ def pregate_plan(trace: RoutingTrace, accuracy: float, seed: int) -> PrefetchPla
     rng = np.random.default_rng(seed)
     wrong = (rng.random(ex.shape) >= accuracy) & (ex >= 0)
     for t, layer, k in np.argwhere(wrong):  # a random expert outside the true set
-        others = np.setdiff1d(np.arange(trace.num_experts), ex[t, layer])
+        taken = np.union1d(np.asarray(trace.experts[t, layer]), ex[t, layer])
+        others = np.setdiff1d(np.arange(trace.num_experts), taken)  # never a true expert
         if len(others):
             ex[t, layer, k] = rng.choice(others)
     ex[:, 0] = -1  # layer 0 has no earlier layer to pre-gate it
