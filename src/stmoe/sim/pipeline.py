@@ -129,16 +129,22 @@ def simulate_steps(
                 if resident[layer, u_list[i]]:
                     avail[u_list[i]] = t_gate
                     out[C_HITS] += 1
-            # Verify: walk the prefetch queue in order; cancel what has not started by the
-            # time the check is done (a transfer already moving cannot be recalled).
+            # Verify: walk the prefetch queue in order. A transfer that started before the
+            # check completes (used or wasted); of the rest, unneeded ones are cancelled.
             checked = use_predictor and n_pred > 0
             verify_end = t_gate + (params[P_VERIFY] if checked else 0.0)
             r = q_start
             kept = 0
+            started = True
             for i in range(q_n):
                 e = q_e[i]
                 needed = in_u[e] > 0
-                if r < verify_end or needed:
+                if started and r >= verify_end:
+                    # The rest had not started: unneeded ones are cancelled, needed ones
+                    # go on right after verify, no later than misses would.
+                    started = False
+                    r = max(verify_end, r if kept > 0 else free_before)
+                if started or needed:
                     kept += 1
                     r += xfer
                     out[C_LOADED] += 1
