@@ -16,6 +16,7 @@ from stmoe.cli import (
     analyze_cmd,
     capture_cmd,
     demo,
+    pack_cmd,
     predict_cmds,
     simulate_cmd,
     trace_cmds,
@@ -58,6 +59,7 @@ app.command("eval")(friendly(predict_cmds.eval_cmd))
 app.command("simulate")(friendly(simulate_cmd.simulate_cmd))
 app.command("analyze")(friendly(analyze_cmd.analyze_cmd))
 app.command("demo")(friendly(demo.demo))
+app.command("pack")(friendly(pack_cmd.pack_cmd))
 app.command("train-tiny")(friendly(train_cmd.train_tiny_cmd))
 
 

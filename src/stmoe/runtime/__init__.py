@@ -1,0 +1,1 @@
+"""Offloading runtime: expert store, bounded expert cache, predictive prefetch (torch)."""
