@@ -38,7 +38,7 @@ def test_packing_twice_gives_the_same_bytes(packed, tmp_path):
 
 
 def test_damage_and_mismatch_are_clear_errors(packed, tmp_path):
-    _, path = packed
+    model, path = packed
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "index.json").write_text((path / "index.json").read_text())
@@ -53,8 +53,9 @@ def test_damage_and_mismatch_are_clear_errors(packed, tmp_path):
     with pytest.raises(StoreError, match="not an expert store"):
         ExpertStore(tmp_path)
     other, _ = tiny_model("qwen3_moe")
+    ExpertStore(path).check_model(model)  # its own model passes
     with pytest.raises(StoreError, match="packed for"):
-        ExpertStore(path).check_model(other, 3, 8)
+        ExpertStore(path).check_model(other)
 
 
 def test_pack_command(cli, tmp_path):

@@ -188,7 +188,7 @@ class RoutingRecorder:
         """[T, L, K] ids, [T, L, K] weights and [T] decode flags of batch row ``b``."""
         ids, ws, dec = [], [], []
         for j, step in enumerate(steps):
-            if j > 0 and keep is not None and j > keep:
+            if keep is not None and j > keep:
                 break
             if len(step.layers) != len(self.modules):
                 raise CaptureError(

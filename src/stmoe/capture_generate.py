@@ -68,7 +68,19 @@ def read_prompts(path: str | Path) -> list[Prompt]:
 
 def load_model(model_dir: str | Path) -> tuple[torch.nn.Module, Any]:
     """A causal LM and its tokenizer from a local folder; never contacts a hub."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    model = load_causal_lm(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise CaptureError(f"{model_dir}: cannot load the tokenizer ({exc})") from None
+    return model, tokenizer
+
+
+def load_causal_lm(model_dir: str | Path) -> torch.nn.Module:
+    """Only the model (in eval mode) from a local folder; never contacts a hub."""
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # one line of our own per failure, no library chatter
@@ -81,14 +93,10 @@ def load_model(model_dir: str | Path) -> tuple[torch.nn.Module, Any]:
         raise CaptureError(f"{path}: no weights (*.safetensors or *.bin) next to config.json")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise CaptureError(f"{path}: cannot load the tokenizer ({exc})") from None
-    try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise CaptureError(f"{path}: cannot load the model ({exc})") from None
-    return model.eval(), tokenizer
+    return model.eval()
 
 
 def capture_generation(
@@ -195,6 +203,21 @@ def capture_prompts(
 ) -> RoutingTrace:
     """Load a local checkpoint, generate greedily from text prompts, return the trace."""
     model, tokenizer = load_model(model_dir)
+    name = Path(model_dir).resolve().name
+    return capture_text(model, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                        batch_size=batch_size, model_name=name)  # fmt: skip
+
+
+def capture_text(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    *,
+    max_new_tokens: int = 32,
+    batch_size: int = 1,
+    model_name: str | None = None,
+) -> RoutingTrace:
+    """Generate greedily from text prompts with a loaded model and tokenizer."""
     eos = model.generation_config.eos_token_id
     if eos is None:
         eos = tokenizer.eos_token_id
@@ -211,5 +234,5 @@ def capture_prompts(
     return capture_generation(
         model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
         domains=[p.domain for p in prompts], pad_token_id=pad, eos_token_ids=eos_ids,
-        model_name=Path(model_dir).resolve().name,
+        model_name=model_name,
     )  # fmt: skip

@@ -51,7 +51,7 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run every stage, write ``out_dir/index.html`` and return the headline figures."""
     from stmoe.analysis.report import write_report
-    from stmoe.capture_generate import capture_prompts, load_model
+    from stmoe.capture_generate import capture_text, load_model
     from stmoe.predictors import names, profile, save_tables
     from stmoe.replay import cross_domain_matrix, replay
     from stmoe.sim import plots as sim_plots
@@ -65,7 +65,9 @@ def run_demo(
         raise StmoeError(f"{model_dir}: the shipped model is missing from this install")
     prompts = [p for i, p in enumerate(DEMO_PROMPTS) if not quick or i % 4 == 0]
     stage(f"capturing routing from the shipped model on {len(prompts)} prompts")
-    trace = capture_prompts(model_dir, prompts, max_new_tokens=8 if quick else 64, batch_size=4)
+    model, tokenizer = load_model(model_dir)
+    trace = capture_text(model, tokenizer, prompts, max_new_tokens=8 if quick else 64,
+                         batch_size=4, model_name=Path(model_dir).resolve().name)  # fmt: skip
     save_trace(trace, out / "trace.npz")
 
     stage("profiling per-domain tables and replaying every predictor")
@@ -85,7 +87,6 @@ def run_demo(
     analysis = write_report(trace, out / "analysis", with_json=True)
 
     stage("simulating the pipeline on the paper-like accelerator")
-    model, _ = load_model(model_dir)
     spec = model_spec_from_config(model.config, trace.num_layers, "stmoe-tiny-moe")
     sim = simulate(trace, spec, load_hardware("stmoe-asic"))
     (out / "simulator").mkdir(exist_ok=True)
@@ -94,7 +95,7 @@ def run_demo(
     (out / "simulator" / "simulate.json").write_text(json.dumps(sim, indent=1) + "\n")
 
     summary = _summary(trace, per_domain, matrix, analysis, sim)
-    samples = _samples(trace, model_dir)
+    samples = _samples(trace, tokenizer)
     (out / "index.html").write_text(_index(summary, per_domain, matrix, analysis, sim, samples))
     return summary
 
@@ -115,11 +116,8 @@ def _summary(trace: RoutingTrace, per_domain: dict, matrix: dict, analysis: dict
     }
 
 
-def _samples(trace: RoutingTrace, model_dir: str | Path) -> list[tuple[str, str, str]]:
+def _samples(trace: RoutingTrace, tok: Any) -> list[tuple[str, str, str]]:
     """(domain, prompt, generated text) of each sequence."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     rows = []
     for s, sl in trace.sequences():
         ids, dec = trace.token_ids[sl], trace.is_decode[sl]
@@ -163,7 +161,8 @@ def _index(summary: dict, per_domain: dict, matrix: dict, analysis: dict, sim: d
         "<h3>Cross-domain recall of ST-MoE</h3>", cross,
         "<h2>Correlation analysis</h2>",
         f"<p>{s['pairs_significant']} of {s['pairs_total']} adjacent layer pairs reject "
-        f"independence (p &lt; 0.01); consecutive tokens share {s['overlap_ratio']:.2f}x the "
+        f"independence (p &lt; {analysis['spatial']['alpha']}); consecutive tokens share "
+        f"{s['overlap_ratio']:.2f}x the "
         "experts random routing would. <a href='analysis/report.html'>Full report</a>.</p>",
         "<img src='analysis/spatial_tests.png'><img src='analysis/temporal_overlap.png'>",
         "<img src='analysis/predictability.png'>",

@@ -92,10 +92,11 @@ def domains(trace: RoutingTrace) -> dict[str, Any] | None:
     if len(labels) < 2:
         return None
     parts = {d: select_domain(trace, d) for d in labels}
+    loads = {d: expert_load(p) for d, p in parts.items()}
     per_domain = {}
     for d, part in parts.items():
         s, t = spatial(part), temporal(part)
-        skew = load_skew(expert_load(part))
+        skew = load_skew(loads[d])
         per_domain[d] = {
             "tokens": part.num_tokens,
             "pairs_significant": s["pairs_significant"],
@@ -105,7 +106,6 @@ def domains(trace: RoutingTrace) -> dict[str, Any] | None:
             "max_over_mean": skew["max_over_mean"],
             "top10_share": skew["top10_share"],
         }
-    loads = {d: expert_load(p) for d, p in parts.items()}
     js = {
         f"{a} vs {b}": js_divergence(loads[a], loads[b]).tolist()
         for a, b in combinations(labels, 2)

@@ -16,6 +16,7 @@ import numpy as np
 
 from stmoe.analysis import plots
 from stmoe.analysis.evidence import analyze
+from stmoe.analysis.stats import ALPHA
 from stmoe.predictors.tables import cooccurrence
 from stmoe.trace.schema import RoutingTrace
 
@@ -123,7 +124,7 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
             "4. Domains", ["Jensen-Shannon divergence (bits, 0 = same use, 1 = disjoint) between "
                            "each pair of domains' expert use, per layer."],
             [("domains.png", "Domain differences.")],
-            (["domain", "tokens", "pairs with p < 0.01", "overlap ratio"],
+            (["domain", "tokens", f"pairs with p < {ALPHA}", "overlap ratio"],
              [[x, str(v["tokens"]), f"{v['pairs_significant']} / {v['pairs_total']}",
                _fmt(v["overlap_ratio"])] for x, v in d["per_domain"].items()]),
         ))  # fmt: skip

@@ -21,10 +21,10 @@ def pack_cmd(
     One expert is then one read (page-cache bypass possible); an index records
     offsets, shapes and checksums. Packing the same model twice gives the same bytes.
     """
-    from stmoe.capture_generate import load_model
+    from stmoe.capture_generate import load_causal_lm
     from stmoe.runtime.store import pack
 
-    model, _ = load_model(model_dir)
+    model = load_causal_lm(model_dir)
     path = pack(model, output)
     size = (path / "experts.bin").stat().st_size
     out.print(f"wrote {path}: {size / 2**20:.1f} MiB of experts")

@@ -18,8 +18,8 @@ from stmoe.predictors.tables import ProfiledTables
 from stmoe.trace.schema import RoutingTrace
 
 
-def _csr(sets: np.ndarray, keep: np.ndarray, num_layers: int) -> PrefetchPlan:
-    """A plan from a [T, L, B] array of ids, keeping entries where ``keep``."""
+def plan_from_sets(sets: np.ndarray, keep: np.ndarray, num_layers: int) -> PrefetchPlan:
+    """A plan from a [T, L, B] array of ids (rank order), keeping entries where ``keep``."""
     counts = keep.reshape(-1, sets.shape[-1]).sum(axis=1)
     ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return PrefetchPlan(ptr=ptr, ids=sets[keep].astype(np.int16), num_layers=num_layers)
@@ -101,7 +101,7 @@ class FrequencyPredictor(Predictor):
         for layer, s in enumerate(self.top):
             sets[layer, : len(s)] = s
         sets = np.broadcast_to(sets, (trace.num_tokens, *sets.shape))
-        return _csr(sets, sets >= 0, trace.num_layers)
+        return plan_from_sets(sets, sets >= 0, trace.num_layers)
 
 
 @register
@@ -136,7 +136,7 @@ class RandomPredictor(Predictor):
             draw = self.rng.random((count, n_layers, n))  # same stream as per-call draws
             sets.append(np.argsort(-draw, axis=2, kind="stable")[:, :, : self.budget])
         all_sets = np.concatenate(sets)
-        return _csr(all_sets, np.ones(all_sets.shape, dtype=bool), n_layers)
+        return plan_from_sets(all_sets, np.ones(all_sets.shape, dtype=bool), n_layers)
 
 
 @register
@@ -166,4 +166,4 @@ class OraclePredictor(Predictor):
     def plan(self, trace: RoutingTrace) -> PrefetchPlan:
         self.check_shape(ModelShape.of(trace))
         experts = np.asarray(trace.experts)
-        return _csr(experts, experts >= 0, trace.num_layers)
+        return plan_from_sets(experts, experts >= 0, trace.num_layers)

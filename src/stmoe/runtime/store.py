@@ -51,11 +51,15 @@ class Block:
     tensors: tuple[TensorSlot, ...]
 
 
-def fingerprint(model: Any, moe_layers: int, num_experts: int) -> dict[str, Any]:
+def fingerprint(model: Any) -> dict[str, Any]:
     """What a store must agree with to serve ``model``."""
+    from stmoe.capture import experts_modules
+
+    modules = experts_modules(model)
     c = model.config
     return {"model_type": getattr(c, "model_type", ""), "hidden_size": getattr(c, "hidden_size", 0),
-            "moe_layers": moe_layers, "num_experts": num_experts}  # fmt: skip
+            "moe_layers": len(modules),
+            "num_experts": int(getattr(modules[0][1], "num_experts", 0)) if modules else 0}  # fmt: skip
 
 
 def pack(model: Any, out_dir: str | Path) -> Path:
@@ -101,7 +105,7 @@ def pack(model: Any, out_dir: str | Path) -> Path:
         "format": STORE_FORMAT,
         "version": STORE_VERSION,
         "align": ALIGN,
-        "model": fingerprint(model, len(modules), num_experts),
+        "model": fingerprint(model),
         "blocks": [_block_json(b) for b in blocks],
     }
     (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
@@ -126,6 +130,9 @@ class ExpertStore:
         if index.get("version") != STORE_VERSION:
             raise StoreError(f"{index_path}: store version {index.get('version')!r}, this stmoe "
                              f"reads {STORE_VERSION}; pack the model again")  # fmt: skip
+        if index.get("align") != ALIGN:
+            raise StoreError(f"{index_path}: blocks aligned to {index.get('align')!r} bytes, "
+                             f"this stmoe expects {ALIGN}; pack the model again")  # fmt: skip
         self.model = index["model"]
         self.blocks = {(b["layer"], b["expert"]): _block(b) for b in index["blocks"]}
         size = data_path.stat().st_size
@@ -135,9 +142,9 @@ class ExpertStore:
                              "the store is truncated, pack it again")  # fmt: skip
         self.data_path = data_path
 
-    def check_model(self, model: Any, moe_layers: int, num_experts: int) -> None:
+    def check_model(self, model: Any) -> None:
         """Refuse to serve a model the store was not packed from."""
-        want = fingerprint(model, moe_layers, num_experts)
+        want = fingerprint(model)
         if want != self.model:
             raise StoreError(f"{self.path}: packed for {self.model} but the model is {want}; "
                              "pack this model with `stmoe pack`")  # fmt: skip

@@ -48,6 +48,22 @@ def epu_storage(model: ModelSpec, hw: HardwareSpec, row_width: int) -> dict[str,
     }
 
 
+def prepare_tables(
+    trace: RoutingTrace, tables: ProfiledTables | None
+) -> tuple[RoutingTrace, ProfiledTables, str]:
+    """The trace to simulate and the tables: given ones, or profiled on the first half
+    of the trace with the held-out second half simulated."""
+    if tables is not None:
+        tables.check_fits(ModelShape.of(trace))
+        return trace, tables, "given"
+    first, rest = split_auto(trace, 0.5)
+    return (
+        rest,
+        profile(first),
+        "profiled on the first half of the trace; the second half simulated",
+    )
+
+
 def simulate(
     trace: RoutingTrace,
     model: ModelSpec,
@@ -65,11 +81,7 @@ def simulate(
     check_model_fits(trace, model)
     if batch < 1:
         raise SpecError(f"batch {batch}: expected >= 1")
-    profiled_on_trace = tables is None
-    if tables is None:  # no tables given: profile on the first half, simulate the held-out rest
-        first, trace = split_auto(trace, 0.5)
-        tables = profile(first)
-    tables.check_fits(ModelShape.of(trace))
+    trace, tables, note = prepare_tables(trace, tables)
     run = dict(tables=tables, batch=batch, pregate_accuracy=pregate_accuracy,
                adap_threshold=adap_threshold, seed=seed)  # fmt: skip
     names = list(dict.fromkeys(["gpu-baseline", *systems]))
@@ -85,9 +97,7 @@ def simulate(
             "decode_tokens": int(np.count_nonzero(trace.is_decode)),
         },
         "batch": batch,
-        "tables": "profiled on the first half of the trace; the second half simulated"
-        if profiled_on_trace
-        else "given",
+        "tables": note,
         "systems": {n: r.to_dict(base) for n, r in results.items() if n in systems},
         "epu": epu_storage(model, hw, tables.row_width),
     }
@@ -110,6 +120,8 @@ def sweep(
     **options: Any,
 ) -> dict[str, Any]:
     """Normalized time of ``systems`` as one hardware or run parameter varies."""
+    trace, tables, _ = prepare_tables(trace, options.pop("tables", None))  # once, not per point
+    options["tables"] = tables
     table: dict[str, list[float]] = {n: [] for n in systems}
     for value in values:
         spec, opts = hw, dict(options)

@@ -95,9 +95,6 @@ class HardwareSpec:
     epu_bits_per_slot: int
     dataflows: dict[str, Dataflow]
 
-    def with_changes(self, **changes: Any) -> HardwareSpec:
-        return dataclasses.replace(self, **changes)
-
 
 def _load(kind: str, name_or_path: str, cls: type) -> Any:
     table = _table(kind, name_or_path)
@@ -133,7 +130,7 @@ def _table(kind: str, name_or_path: str) -> dict[str, Any]:
         except tomllib.TOMLDecodeError as exc:
             raise SpecError(f"{path}: not valid TOML ({exc})") from None
         return data
-    presets = tomllib.loads(resources.files("stmoe.sim").joinpath(f"data/{kind}.toml").read_text())
+    presets = _presets(kind)
     if name_or_path not in presets:
         listed = ", ".join(presets)
         raise SpecError(f"unknown {kind.rstrip('s')} {name_or_path!r}; presets: {listed} "
@@ -189,9 +186,13 @@ def load_hardware(name_or_path: str) -> HardwareSpec:
     return _load("hardware", name_or_path, HardwareSpec)
 
 
+def _presets(kind: str) -> dict[str, Any]:
+    return tomllib.loads(resources.files("stmoe.sim").joinpath(f"data/{kind}.toml").read_text())
+
+
 def preset_names(kind: str) -> list[str]:
-    text = resources.files("stmoe.sim").joinpath(f"data/{kind}.toml").read_text()
-    return list(tomllib.loads(text))
+    """The preset names of ``kind`` ("models" or "hardware")."""
+    return list(_presets(kind))
 
 
 def model_spec_from_config(

@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from stmoe.metrics import scope_tokens
 from stmoe.predictors import REGISTRY, ModelShape, PrefetchPlan, ProfiledTables, make
+from stmoe.predictors.baselines import plan_from_sets
 from stmoe.sim import pipeline as pl
 from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
 from stmoe.trace.schema import RoutingTrace
@@ -138,15 +140,11 @@ def run_system(
         experts, quality = adaptive_gating(trace, adap_threshold)
     if name == "pregated":
         plan = pregate_plan(trace, pregate_accuracy, seed)
-    elif name == "oracle":
-        plan = make("oracle", ModelShape.of(trace)).plan(trace)
     else:
         options: dict[str, Any] = {"seed": seed} if predictor_name == "random" else {}
         options.update(predictor_options or {})
         plan = make(predictor_name, ModelShape.of(trace), tables, **options).plan(trace)
-    decode = np.asarray(trace.is_decode, dtype=bool)
-    if not decode.any():
-        decode = np.ones(trace.num_tokens, dtype=bool)
+    decode = scope_tokens(trace)  # decode tokens, or all when none is marked
     fixed = _fixed_dataflow(hw, dynamic)
     row_width = tables.row_width if tables is not None else model.top_k
     params = kernel_params(model, hw, row_width)
@@ -235,17 +233,12 @@ def pregate_plan(trace: RoutingTrace, accuracy: float, seed: int) -> PrefetchPla
         if len(others):
             ex[t, layer, k] = rng.choice(others)
     ex[:, 0] = -1  # layer 0 has no earlier layer to pre-gate it
-    keep = ex >= 0
-    counts = keep.reshape(-1, ex.shape[2]).sum(axis=1)
-    ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return PrefetchPlan(ptr=ptr, ids=ex[keep].astype(np.int16), num_layers=trace.num_layers)
+    return plan_from_sets(ex, ex >= 0, trace.num_layers)
 
 
 def _system(name: str) -> tuple[str, bool, bool]:
     """(predictor behind it, EPU in the pipeline, reconfigurable dataflow)."""
-    if name == "gpu-baseline" or name == "adap-gating":
-        return "ondemand", False, False
-    if name == "pregated":
+    if name in ("gpu-baseline", "adap-gating", "pregated"):
         return "ondemand", False, False
     if name == "oracle":
         return "oracle", False, True

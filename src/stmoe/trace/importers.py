@@ -77,7 +77,7 @@ def load_trace(path: str | Path, *, mmap: bool = False, **options: Any) -> Routi
     """Open any supported trace file; ``mmap=True`` maps a native file's big arrays.
 
     ``options`` are those of ``import_file`` (``num_experts``, ``seq_starts``,
-    ``domain``, ``model``) for formats that need them.
+    ``domain``, ``model``); a native file needs none and ignores them.
     """
     if sniff_format(path) == "native":
         return read_native(path, mmap=mmap)

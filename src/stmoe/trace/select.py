@@ -120,8 +120,10 @@ def concat(traces: Sequence[RoutingTrace], *, drop_partial: bool = False) -> Rou
                     position=f"trace {i}",
                     expected="traces of the same model and shape",
                 )
+    complete = {}
     for field, label in (("weights", "gate weights"), ("token_ids", "token ids")):
         have = [getattr(t, field) is not None for t in traces]
+        complete[field] = all(have)
         if any(have) and not all(have) and not drop_partial:
             raise TraceError(
                 f"trace {have.index(False)} has no {label} but trace {have.index(True)} has",
@@ -131,8 +133,7 @@ def concat(traces: Sequence[RoutingTrace], *, drop_partial: bool = False) -> Rou
     if len(traces) == 1:
         return first
     offsets = np.cumsum([0] + [t.num_tokens for t in traces[:-1]])
-    has_w = all(t.weights is not None for t in traces)
-    has_ids = all(t.token_ids is not None for t in traces)
+    has_w, has_ids = complete["weights"], complete["token_ids"]
     sources = list(dict.fromkeys(t.meta.source for t in traces if t.meta.source))
     meta = dataclasses.replace(
         first.meta,
