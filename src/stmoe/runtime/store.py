@@ -57,9 +57,12 @@ def fingerprint(model: Any) -> dict[str, Any]:
 
     modules = experts_modules(model)
     c = model.config
-    return {"model_type": getattr(c, "model_type", ""), "hidden_size": getattr(c, "hidden_size", 0),
-            "moe_layers": len(modules),
-            "num_experts": int(getattr(modules[0][1], "num_experts", 0)) if modules else 0}  # fmt: skip
+    return {
+        "model_type": getattr(c, "model_type", ""),
+        "hidden_size": getattr(c, "hidden_size", 0),
+        "moe_layers": len(modules),
+        "num_experts": int(getattr(modules[0][1], "num_experts", 0)) if modules else 0,
+    }
 
 
 def pack(model: Any, out_dir: str | Path) -> Path:
