@@ -48,6 +48,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
                                                  "sliding_attention"]}, 3),
     "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}, 3),
     "phimoe": ("PhimoeConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}, 3),
+    # hybrid linear/full attention: its cache cannot always report a length
+    "qwen3_next": ("Qwen3NextConfig", {"num_experts": 8, "num_experts_per_tok": 2,
+                                       "moe_intermediate_size": 16, "head_dim": 8,
+                                       "shared_expert_intermediate_size": 16,
+                                       "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                       "num_hidden_layers": 4}, 4),
 }  # fmt: skip
 
 

@@ -77,6 +77,7 @@ class RoutingRecorder:
             )
         self.batches: list[list[_Step]] = []
         self._handles: list[Any] = []
+        self._last_cache: int | None = None
 
     # ---- hooks -----------------------------------------------------------------
     def __enter__(self) -> RoutingRecorder:
@@ -99,7 +100,12 @@ class RoutingRecorder:
         embeds = kwargs.get("inputs_embeds")
         shape = tuple((ids if ids is not None else embeds).shape[:2])
         cache = kwargs.get("cache", kwargs.get("past_key_values"))  # renamed in transformers 5.x
-        fresh = cache is None or _cache_length(cache) == 0
+        # A generation starts with no cache, a cache object not seen before, or an empty one
+        # (hybrid caches of linear-attention models cannot always report their length).
+        length = None if cache is None else _cache_length(cache)
+        new_object = cache is None or id(cache) != self._last_cache
+        fresh = new_object if length is None else length == 0
+        self._last_cache = id(cache) if cache is not None else None
         mask = kwargs.get("attention_mask")
         real = None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
@@ -211,11 +217,12 @@ def _first(kwargs: dict, *names: str) -> Any:
     raise CaptureError(f"the experts module was called without {' or '.join(names)}")
 
 
-def _cache_length(cache: Any) -> int:
+def _cache_length(cache: Any) -> int | None:
+    """Tokens already in the cache, or None when this kind of cache cannot say."""
     try:
         return int(cache.get_seq_length())
-    except (AttributeError, TypeError):
-        return 0
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _layer_number(name: str) -> int:
