@@ -78,6 +78,8 @@ class SystemResult:
             "experts_prefetched": c["prefetched"],
             "experts_wasted": c["wasted"],
             "hit_rate": c["hits"] / c["demanded"] if c["demanded"] else 0.0,
+            # average power of the EPU's table lookups over the decode (estimate)
+            "epu_power_w": self.energy.get("epu", 0.0) / self.time if self.time else 0.0,
             "quality": self.quality,
         }
 
