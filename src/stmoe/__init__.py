@@ -22,6 +22,16 @@ from stmoe.trace import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``stmoe.offload`` loads torch only when asked for."""
+    if name == "offload":
+        from stmoe.runtime.api import offload
+
+        return offload
+    raise AttributeError(f"module 'stmoe' has no attribute {name!r}")
+
+
 __all__ = [
     "RoutingTrace",
     "StmoeError",
@@ -33,6 +43,7 @@ __all__ = [
     "decode_only",
     "import_files",
     "load_trace",
+    "offload",
     "save_trace",
     "select_domain",
     "select_sequences",

@@ -16,6 +16,7 @@ from stmoe.cli import (
     analyze_cmd,
     capture_cmd,
     demo,
+    generate_cmd,
     pack_cmd,
     predict_cmds,
     simulate_cmd,
@@ -60,6 +61,7 @@ app.command("simulate")(friendly(simulate_cmd.simulate_cmd))
 app.command("analyze")(friendly(analyze_cmd.analyze_cmd))
 app.command("demo")(friendly(demo.demo))
 app.command("pack")(friendly(pack_cmd.pack_cmd))
+app.command("generate")(friendly(generate_cmd.generate_cmd))
 app.command("train-tiny")(friendly(train_cmd.train_tiny_cmd))
 
 

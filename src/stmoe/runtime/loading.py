@@ -1,0 +1,93 @@
+"""Build a model from its folder with every weight except the routed experts'.
+
+The model is constructed with its parameters on the ``meta`` device (buffers,
+such as rotary frequencies, are computed as usual), then the checkpoint's
+non-expert tensors are loaded by name. The experts' tensors are never read, so
+a model whose experts exceed memory still loads. A checkpoint whose names do not
+match the model's (an older layout transformers converts on load) falls back
+to a full load followed by releasing the experts; ``LoadedModel.full_load``
+says which happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stmoe.capture import experts_modules
+from stmoe.runtime.store import StoreError
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    full_load: bool  # True: the experts were materialised once (checkpoint names differ)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device (no storage)."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None:
+            module._parameters[name] = torch.nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise StoreError(f"{index}: not a safetensors index (no weight_map)") from None
+        return [model_dir / s for s in shards]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def load_without_experts(model_dir: str | Path) -> LoadedModel:
+    """The causal LM in ``model_dir`` (eval mode), its routed experts left on ``meta``."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from stmoe.capture_generate import load_causal_lm
+
+    path = Path(model_dir)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    files = _weight_files(path) if (path / "config.json").is_file() else []
+    if not files:
+        return LoadedModel(load_causal_lm(path), full_load=True)  # its errors are clear
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    dtype = getattr(config, "dtype", None) or torch.float32
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    prefixes = tuple(f"{name}." for name, _ in experts_modules(model))
+    state = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if not key.startswith(prefixes):
+                    state[key] = handle.get_tensor(key)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta and not n.startswith(prefixes)]
+    if missing:
+        return LoadedModel(load_causal_lm(path), full_load=True)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return LoadedModel(model.eval(), full_load=False)

@@ -1,0 +1,96 @@
+"""What the runtime measures, per phase (prefill / decode) and per MoE layer.
+
+Vocabulary as in SPEC.md: for every (forward call, layer), A is the set of
+experts the router picked (over the whole batch) and P the prefetch set issued
+for it; a *hit* is an expert of A already in the cache or on its way when the
+layer asks, a *miss* one the compute thread had to load itself.
+
+* hit rate = hits / |A|; prefetch recall = |P & A| / |A|; precision = |P & A| / |P|
+* bytes moved: every byte read from the slow tier (prefetches and misses)
+* bytes wasted: bytes of prefetched experts evicted (or left at the end) unused
+* stall: time the compute thread waited for expert weights
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass
+class PhaseCounters:
+    """Counters of one phase, one entry per MoE layer."""
+
+    num_layers: int
+    needed: np.ndarray = field(init=False)  # sum |A|
+    hits: np.ndarray = field(init=False)
+    late: np.ndarray = field(init=False)  # hits still loading when asked (waited on)
+    predicted: np.ndarray = field(init=False)  # sum |P|
+    predicted_used: np.ndarray = field(init=False)  # sum |P & A|
+    stall_s: np.ndarray = field(init=False)
+    calls: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("needed", "hits", "late", "predicted", "predicted_used", "calls"):
+            setattr(self, name, np.zeros(self.num_layers, dtype=np.int64))
+        self.stall_s = np.zeros(self.num_layers, dtype=np.float64)
+
+    def summary(self, per_layer: bool = False) -> dict[str, Any]:
+        out = _ratios(self.needed.sum(), self.hits.sum(), self.predicted.sum(),
+                      self.predicted_used.sum())  # fmt: skip
+        out.update(late_hits=int(self.late.sum()), stall_s=float(self.stall_s.sum()),
+                   layer_calls=int(self.calls.sum()))  # fmt: skip
+        if per_layer:
+            out["per_layer"] = [
+                {"layer": layer, **_ratios(self.needed[layer], self.hits[layer],
+                                            self.predicted[layer], self.predicted_used[layer]),
+                 "stall_s": float(self.stall_s[layer])}
+                for layer in range(self.num_layers)
+            ]  # fmt: skip
+        return out
+
+
+def _ratios(needed: int, hits: int, predicted: int, used: int) -> dict[str, Any]:
+    return {
+        "needed": int(needed),
+        "hits": int(hits),
+        "misses": int(needed - hits),
+        "hit_rate": float(hits / needed) if needed else 0.0,
+        "prefetched": int(predicted),
+        "prefetch_recall": float(used / needed) if needed else 0.0,
+        "prefetch_precision": float(used / predicted) if predicted else 0.0,
+    }
+
+
+@dataclass
+class RuntimeStats:
+    """Everything one offloaded run measured; reset with ``OffloadEngine.reset``."""
+
+    num_layers: int
+    expert_bytes: int
+    phases: dict[str, PhaseCounters] = field(init=False)
+    bytes_moved: int = 0
+    bytes_wasted: int = 0
+    prefetch_loads: int = 0
+    demand_loads: int = 0
+    stale_dropped: int = 0  # prefetch requests dropped because their layer had passed
+    overflow_loads: int = 0  # experts beyond the capacity streamed through a transient buffer
+
+    def __post_init__(self) -> None:
+        self.phases = {p: PhaseCounters(self.num_layers) for p in PHASES}
+
+    def to_dict(self, per_layer: bool = True) -> dict[str, Any]:
+        return {
+            "bytes_moved": self.bytes_moved,
+            "bytes_wasted": self.bytes_wasted,
+            "prefetch_loads": self.prefetch_loads,
+            "demand_loads": self.demand_loads,
+            "stale_dropped": self.stale_dropped,
+            "overflow_loads": self.overflow_loads,
+            "expert_bytes": self.expert_bytes,
+            "phases": {p: c.summary(per_layer) for p, c in self.phases.items()},
+        }

@@ -1,0 +1,200 @@
+"""Slow tiers an expert is read from: the disk itself, or an emulated link.
+
+A tier's one job is ``fetch(block, buf)``: return the block's checked bytes as a
+CPU uint8 tensor, using ``buf`` (a page-aligned, writable buffer at least
+``padded(block)`` long, one per reading thread) where it needs somewhere to read.
+
+* ``DiskTier`` reads the store file so that a miss costs a device read: with
+  ``O_DIRECT`` where the file system allows it, otherwise with a plain read
+  followed by ``posix_fadvise(DONTNEED)`` so the page cache keeps no copy.
+* ``EmulatedLinkTier`` (**emulated**, for reproducible comparisons) keeps the
+  store in host memory and makes every read take ``latency + bytes / bandwidth``
+  on one shared link, as a PCIe or network link would serialise transfers.
+* ``PinnedHostTier`` keeps the store in pinned host memory for a GPU cache: the
+  copy to the device is the transfer (made on a copy stream by the cache).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+import zlib
+from typing import Protocol
+
+import torch
+
+from stmoe.runtime.store import ALIGN, Block, ExpertStore, StoreError
+
+
+def padded(block: Block) -> int:
+    """Bytes a block occupies in the file (its payload rounded up to ALIGN)."""
+    return -(-block.nbytes // ALIGN) * ALIGN
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """A page-aligned writable buffer (anonymous mmap), as O_DIRECT requires."""
+    return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
+
+
+class Tier(Protocol):
+    name: str
+    emulated: bool
+
+    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+def check_block(store: ExpertStore, block: Block, data: memoryview) -> None:
+    """Raise a clear StoreError when a read came back short or corrupt."""
+    if len(data) < block.nbytes:
+        raise StoreError(f"{store.data_path}: short read of layer {block.layer}, expert "
+                         f"{block.expert} ({len(data)} of {block.nbytes} bytes)")  # fmt: skip
+    if zlib.crc32(data[: block.nbytes]) != block.crc32:
+        raise StoreError(f"{store.data_path}: layer {block.layer}, expert {block.expert} fails "
+                         "its checksum; the store is corrupt, pack it again")  # fmt: skip
+
+
+class DiskTier:
+    """Real reads from the store file, bypassing (or dropping) the page cache."""
+
+    name = "disk"
+    emulated = False
+
+    def __init__(self, store: ExpertStore, direct: bool = True) -> None:
+        self.store = store
+        self.direct = False
+        fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(store.data_path, os.O_RDONLY | os.O_DIRECT)
+                self.direct = True
+            except OSError:  # tmpfs and some others refuse O_DIRECT
+                fd = -1
+        self.fd = fd if fd >= 0 else os.open(store.data_path, os.O_RDONLY)
+        self.drop_cache()
+
+    def drop_cache(self) -> None:
+        """Forget any cached pages of the store, so the next reads hit the device."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
+        size = padded(block) if self.direct else block.nbytes
+        try:
+            got = os.preadv(self.fd, [memoryview(buf)[:size]], block.offset)
+        except OSError as exc:
+            raise StoreError(f"{self.store.data_path}: reading layer {block.layer}, expert "
+                             f"{block.expert} failed: {exc.strerror}") from None  # fmt: skip
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, block.offset, size, os.POSIX_FADV_DONTNEED)
+        check_block(self.store, block, memoryview(buf)[: min(got, block.nbytes)])
+        return torch.frombuffer(buf, dtype=torch.uint8, count=block.nbytes)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class EmulatedLinkTier:
+    """EMULATED link: the store sits in host memory, each read costs latency + bytes/bandwidth.
+
+    Transfers share one link: a read waits until the link is free, so prefetches
+    and on-demand loads queue behind each other as on real hardware. The blocks
+    are checked once when the tier opens; a read then hands out a view of host
+    memory after the transfer time, so the worker spends its time waiting, not
+    copying (the copy into the cache is the transfer's landing).
+    """
+
+    name = "emulated"
+    emulated = True
+
+    def __init__(self, store: ExpertStore, bandwidth: float, latency: float = 0.0) -> None:
+        if bandwidth <= 0:
+            raise StoreError(f"the emulated link needs a bandwidth > 0 bytes/s, got {bandwidth}")
+        if latency < 0:
+            raise StoreError(f"the emulated link needs a latency >= 0 s, got {latency}")
+        self.store = store
+        self.bandwidth = float(bandwidth)
+        self.latency = float(latency)
+        raw = bytearray(store.data_path.read_bytes())
+        for block in store.blocks.values():
+            check_block(store, block, memoryview(raw)[block.offset : block.offset + block.nbytes])
+        self.host = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # time.perf_counter() when the link is next idle
+
+    def transfer_time(self, nbytes: int) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
+        with self._lock:
+            start = max(time.perf_counter(), self._free_at)
+            self._free_at = done = start + self.transfer_time(block.nbytes)
+        wait = done - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return self.host[block.offset : block.offset + block.nbytes]
+
+    def close(self) -> None:
+        self.host = torch.empty(0, dtype=torch.uint8)
+
+
+class PinnedHostTier:
+    """The store in pinned host memory, checked once; the device copy is the transfer.
+
+    Needs CUDA. Untested until a GPU run: see docs/runtime.md.
+    """
+
+    name = "gpu"
+    emulated = False
+
+    def __init__(self, store: ExpertStore) -> None:
+        if not torch.cuda.is_available():
+            raise StoreError("--tier gpu needs CUDA, and torch sees no GPU here; "
+                             "use --tier disk or --tier emulated")  # fmt: skip
+        raw = store.data_path.read_bytes()
+        for block in store.blocks.values():
+            check_block(store, block, memoryview(raw)[block.offset : block.offset + block.nbytes])
+        self.host = torch.frombuffer(bytearray(raw), dtype=torch.uint8).pin_memory()
+
+    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
+        return self.host[block.offset : block.offset + block.nbytes]
+
+    def close(self) -> None:
+        self.host = torch.empty(0, dtype=torch.uint8)
+
+
+def parse_bytes(text: str) -> float:
+    """'200MB' -> 2e8, '1.5GiB' -> 1.5 * 2**30, '5e7' -> 5e7 (bytes, or bytes per second)."""
+    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20,
+             "gib": 2**30}  # fmt: skip
+    s = text.strip().lower().removesuffix("/s")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num) :].strip()
+    try:
+        value = float(num)
+    except ValueError:
+        raise StoreError(f"{text!r} is not a size; expected a number with an optional unit "
+                         "such as 200MB, 1.5GiB or 5e7") from None  # fmt: skip
+    if unit not in units:
+        raise StoreError(f"{text!r}: unknown unit {unit!r}; use B, KB, MB, GB, KiB, MiB or GiB")
+    return value * units[unit]
+
+
+def parse_seconds(text: str) -> float:
+    """'50us' -> 5e-5, '2ms' -> 0.002, '0.1' -> 0.1 (seconds)."""
+    s = text.strip().lower()
+    for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        if s.endswith(unit):
+            s, mult = s[: -len(unit)], scale
+            break
+    else:
+        mult = 1.0
+    try:
+        return float(s) * mult
+    except ValueError:
+        raise StoreError(f"{text!r} is not a duration; expected e.g. 50us, 2ms or 0.1") from None
