@@ -16,35 +16,46 @@ def generate_cmd(
     prompt: Annotated[str, typer.Option(help="The prompt text.")],
     model: Annotated[
         Path | None,
-        typer.Option(help="Local transformers MoE checkpoint folder. Default: stmoe's shipped "
-                     "model."),  # fmt: skip
+        typer.Option(
+            help="Local transformers MoE checkpoint folder. Default: stmoe's shipped model."
+        ),
     ] = None,
     store: Annotated[
         Path | None,
-        typer.Option(help="Expert store from `stmoe pack`. Default: packed on first use into "
-                     "~/.cache/stmoe/stores (STMOE_CACHE overrides)."),  # fmt: skip
+        typer.Option(
+            help="Expert store from `stmoe pack`. Default: packed on first use into "
+            "~/.cache/stmoe/stores (STMOE_CACHE overrides)."
+        ),
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.", min=1)] = 32,
     capacity: Annotated[
         str,
-        typer.Option(help="Cache size: experts per layer (8), a share of the experts (50%), "
-                     "or a byte budget for the whole model (64MB). At least the router's "
-                     "top-k."),  # fmt: skip
+        typer.Option(
+            help="Cache size: experts per layer (8), a share of the experts (50%), "
+            "or a byte budget for the whole model (64MB). At least the router's "
+            "top-k."
+        ),
     ] = "50%",
     predictor: Annotated[
         str,
-        typer.Option(help="Prefetch predictor: stmoe, ondemand (no prefetch), random, oracle "
-                     "(a first pass learns the routing), or any `stmoe eval` predictor."),  # fmt: skip
+        typer.Option(
+            help="Prefetch predictor: stmoe, ondemand (no prefetch), random, oracle "
+            "(a first pass learns the routing), or any `stmoe eval` predictor."
+        ),
     ] = "stmoe",
     tables: Annotated[
         Path | None,
-        typer.Option(help="Profiled tables (`stmoe profile`) for table predictors. Default: "
-                     "those shipped with the default model."),  # fmt: skip
+        typer.Option(
+            help="Profiled tables (`stmoe profile`) for table predictors. Default: "
+            "those shipped with the default model."
+        ),
     ] = None,
     policy: Annotated[
         str,
-        typer.Option(help="Eviction: predicted (LRU that never evicts a predicted expert), "
-                     "lru, lfu, or none (no reuse: plain on-demand offloading)."),  # fmt: skip
+        typer.Option(
+            help="Eviction: predicted (LRU that never evicts a predicted expert), "
+            "lru, lfu, or none (no reuse: plain on-demand offloading)."
+        ),
     ] = "predicted",
     budget: Annotated[
         int | None,
@@ -52,9 +63,11 @@ def generate_cmd(
     ] = None,
     tier: Annotated[
         str,
-        typer.Option(help="disk (real reads, page cache bypassed), emulated (host memory "
-                     "behind a link of --bandwidth and --latency; EMULATED), or gpu (pinned "
-                     "host memory to a CUDA cache)."),  # fmt: skip
+        typer.Option(
+            help="disk (real reads, page cache bypassed), emulated (host memory "
+            "behind a link of --bandwidth and --latency; EMULATED), or gpu (pinned "
+            "host memory to a CUDA cache)."
+        ),
     ] = "disk",
     bandwidth: Annotated[
         str | None, typer.Option(help="Emulated link bandwidth in bytes/s, e.g. 200MB.")
@@ -65,8 +78,11 @@ def generate_cmd(
     workers: Annotated[int, typer.Option(help="Prefetch worker threads.", min=0)] = 2,
     threads: Annotated[
         int | None,
-        typer.Option(help="torch compute threads (default: torch's). One leaves a core to the "
-                     "prefetch workers on small machines.", min=1),  # fmt: skip
+        typer.Option(
+            help="torch compute threads (default: torch's). One leaves a core to the "
+            "prefetch workers on small machines.",
+            min=1,
+        ),
     ] = None,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Write the measurements (and tokens) as JSON.")

@@ -16,9 +16,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,9 +29,11 @@ from stmoe.predictors.base import ModelShape, Predictor
 from stmoe.runtime.cache import POLICIES
 from stmoe.runtime.engine import IMPL_NAME, OffloadEngine, register
 from stmoe.runtime.loading import load_without_experts
+from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import ExpertStore, StoreError, pack
 from stmoe.runtime.tiers import DiskTier, EmulatedLinkTier, PinnedHostTier, Tier, parse_bytes
 
+T = TypeVar("T")
 TIERS = ("disk", "emulated", "gpu")
 SHIPPED_TABLES = "stmoe-tables.npz"  # next to the shipped model: profiled on DEFAULT_PROMPTS
 _TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k",
@@ -60,7 +63,7 @@ def resolve_capacity(capacity: int | str, num_layers: int, num_experts: int, top
             count = round(float(text[:-1]) / 100 * num_experts)
         else:
             count = int(parse_bytes(text) // (expert_bytes * num_layers))
-    except ValueError:
+    except (ValueError, StoreError):
         raise StoreError(f"capacity {capacity!r}: expected experts per layer (8), a share "
                          "of the experts (50%) or a byte budget (64MB)") from None  # fmt: skip
     if count < top_k:
@@ -74,7 +77,7 @@ def default_store_dir(model_dir: Path) -> Path:
     """Where a model folder's store is packed on first use (``STMOE_CACHE`` overrides)."""
     root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "stores"
     h = hashlib.sha256(str(model_dir.resolve()).encode())
-    for f in sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]:
+    for f in [*sorted(model_dir.glob("*.safetensors")), model_dir / "config.json"]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return root / f"{model_dir.name}-{h.hexdigest()[:16]}"
@@ -149,17 +152,9 @@ class OffloadedModel:
         if ids.shape[1] == 0:
             raise StoreError("the prompt has no tokens")
         ids = ids.to(self.engine.device)
-        if self.engine.predictor.sees_future:  # the oracle: a first pass learns the routing
-            self.engine.reset(future={})
-            self._run(ids, max_new_tokens)
-            self.engine.reset(future=dict(self.engine.routing_log))
-        else:
-            self.engine.reset(future=None)
-        start = time.perf_counter()
-        out = self._run(ids, max_new_tokens)
-        stats = self.engine.finish()
+        out, stats = self.measure(lambda: self._run(ids, max_new_tokens))
         ends = self.engine.forward_ends
-        ttft = ends[0] - start
+        ttft = ends[0] - self.engine.started
         decode_tokens = len(ends) - 1
         decode_s = ends[-1] - ends[0] if decode_tokens else 0.0
         new = out[0, ids.shape[1] :].tolist()
@@ -175,6 +170,21 @@ class OffloadedModel:
             stall_share=phase["stall_s"] / decode_s if decode_s > 0 else 0.0,
             config=dict(self.config), stats=stats.to_dict(),
         )  # fmt: skip
+
+    def measure(self, fn: Callable[[], T]) -> tuple[T, RuntimeStats]:
+        """Run ``fn`` (any use of ``self.model``) as one measured run from a cold cache.
+
+        For the oracle, ``fn`` runs twice: a first pass records the routing the
+        oracle then knows in advance (outputs are the same, being lossless).
+        """
+        if self.engine.predictor.sees_future:
+            self.engine.reset(future={})
+            fn()
+            self.engine.reset(future=dict(self.engine.routing_log))
+        else:
+            self.engine.reset(future=None)
+        result = fn()
+        return result, self.engine.finish()
 
     def _run(self, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         gen = self.model.generation_config

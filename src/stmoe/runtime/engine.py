@@ -36,10 +36,12 @@ from stmoe.capture import experts_modules
 from stmoe.predictors.base import ModelShape, Predictor
 from stmoe.runtime.cache import LOADING, POLICIES, READY, LayerCache, param_specs
 from stmoe.runtime.stats import RuntimeStats
-from stmoe.runtime.store import ExpertStore, StoreError
+from stmoe.runtime.store import Block, ExpertStore, StoreError
 from stmoe.runtime.tiers import Tier, aligned_buffer, padded
 
 IMPL_NAME = "stmoe_offload"
+Slots = dict[int, int]  # expert -> cache slot
+Overflow = dict[int, dict[str, torch.Tensor]]  # expert -> its tensors, outside the cache
 
 
 def _offloaded_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
@@ -74,9 +76,18 @@ class _Weights:
 class OffloadEngine:
     """Serves one model's experts from ``store`` through ``tier`` into bounded caches."""
 
-    def __init__(self, model: torch.nn.Module, store: ExpertStore, tier: Tier, capacity: int,
-                 predictor: Predictor, policy: str = "predicted", workers: int = 2,
-                 device: torch.device | None = None, budget: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        store: ExpertStore,
+        tier: Tier,
+        capacity: int,
+        predictor: Predictor,
+        policy: str = "predicted",
+        workers: int = 2,
+        device: torch.device | None = None,
+        budget: int | None = None,
+    ) -> None:
         if policy not in POLICIES:
             raise StoreError(f"unknown cache policy {policy!r}; choose from {', '.join(POLICIES)}")
         if workers < 0:
@@ -88,7 +99,9 @@ class OffloadEngine:
         self.num_layers = len(modules)
         self.num_experts = int(store.model["num_experts"])
         if not 1 <= capacity <= self.num_experts:
-            raise StoreError(f"capacity {capacity} experts per layer is outside 1..{self.num_experts}")
+            raise StoreError(
+                f"capacity {capacity} experts per layer is outside 1..{self.num_experts}"
+            )
         self.capacity = capacity
         self.top_k = predictor.shape.top_k
         # experts prefetched per layer at most (most confident first); never above capacity
@@ -103,7 +116,7 @@ class OffloadEngine:
         self.layer_of = {id(m): i for i, (_, m) in enumerate(modules)}
         self.base: list[Callable[..., torch.Tensor]] = []
         self.caches: list[LayerCache] = []
-        for layer, (name, module) in enumerate(modules):
+        for layer, (_name, module) in enumerate(modules):
             self.base.append(_base_forward(module))
             specs = param_specs(store.blocks[(layer, 0)])
             self.caches.append(LayerCache(layer, capacity, specs, self.num_experts, policy,
@@ -147,6 +160,7 @@ class OffloadEngine:
             self.routing_log: dict[tuple[int, int], tuple[int, ...]] = {}
             self.future = future
             self.forward_ends: list[float] = []
+            self.started = time.perf_counter()
             self.error: BaseException | None = None
             self._prefill_routing: list[np.ndarray] = []
             self._mask: np.ndarray | None = None
@@ -234,7 +248,9 @@ class OffloadEngine:
             self._raise_worker_error()
             self.pos = (self.fwd, layer)
             pending, self.pending[layer] = self.pending[layer], None
-            predicted = pending[1] if pending is not None and pending[0] == self.fwd else frozenset()
+            predicted = (
+                pending[1] if pending is not None and pending[0] == self.fwd else frozenset()
+            )
             cache.protected = frozenset()
             cache.pinned = frozenset(needed)
             self.routing_log[(self.fwd, layer)] = tuple(needed)
@@ -298,8 +314,7 @@ class OffloadEngine:
                 self.work.notify(len(self._threads))
 
     # ---- loading --------------------------------------------------------------------
-    def _ensure(self, cache: LayerCache, needed: list[int]
-                ) -> tuple[dict[int, int], dict[int, dict[str, torch.Tensor]], int, int]:  # fmt: skip
+    def _ensure(self, cache: LayerCache, needed: list[int]) -> tuple[Slots, Overflow, int, int]:
         """Every needed expert READY in a slot (or, beyond capacity, in a transient buffer)."""
         slots: dict[int, int] = {}
         overflow: dict[int, dict[str, torch.Tensor]] = {}
@@ -339,8 +354,7 @@ class OffloadEngine:
         block = self.store.blocks[(cache.layer, expert)]
         self.cv.release()
         try:
-            src = self.tier.fetch(block, self._buf)
-            cache.write(slot, src, self._stream)
+            cache.write(slot, self._fetch(block, self._buf), self._stream)
         except BaseException:
             self.cv.acquire()
             cache.abandon(slot)
@@ -355,7 +369,7 @@ class OffloadEngine:
         block = self.store.blocks[(cache.layer, expert)]
         self.cv.release()
         try:
-            src = self.tier.fetch(block, self._buf)
+            src = self._fetch(block, self._buf)
             out = {}
             for p in cache.params:
                 t = torch.empty(p.shape, dtype=p.dtype, device=cache.device)
@@ -368,8 +382,9 @@ class OffloadEngine:
         self.stats.overflow_loads += 1
         return out
 
-    def _gather(self, cache: LayerCache, needed: list[int], slots: dict[int, int],
-                overflow: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:  # fmt: skip
+    def _gather(
+        self, cache: LayerCache, needed: list[int], slots: Slots, overflow: Overflow
+    ) -> dict[str, torch.Tensor]:
         """The needed experts' weights as compact [U, ...] tensors, in expert-id order."""
         if not overflow:
             order = torch.tensor([slots[e] for e in needed], device=cache.device)
@@ -398,8 +413,7 @@ class OffloadEngine:
                 self.stats.bytes_wasted += wasted * self.expert_bytes
             block = self.store.blocks[(layer, expert)]
             try:
-                src = self.tier.fetch(block, buf)
-                cache.write(slot, src, stream)
+                cache.write(slot, self._fetch(block, buf), stream)
             except BaseException as exc:  # raised on the compute thread at its next layer
                 with self.cv:
                     cache.abandon(slot)
@@ -412,6 +426,14 @@ class OffloadEngine:
                 self.stats.bytes_moved += block.nbytes
                 self.stats.prefetch_loads += 1
                 self.cv.notify_all()
+
+    def _fetch(self, block: Block, buf: Any) -> torch.Tensor:
+        """The tier's bytes for ``block``, refused unless complete."""
+        src = self.tier.fetch(block, buf)
+        if src.numel() != block.nbytes:
+            raise StoreError(f"{self.store.data_path}: short read of layer {block.layer}, expert "
+                             f"{block.expert} ({src.numel()} of {block.nbytes} bytes)")  # fmt: skip
+        return src
 
     def _raise_worker_error(self) -> None:
         """(lock held) Re-raise a worker's failure here, on the compute thread."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +60,28 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
+def _renamer(model: torch.nn.Module) -> Callable[[str], str | None]:
+    """Checkpoint key -> the model's parameter name, by transformers' own renaming rules
+    (e.g. Mixtral's legacy ``block_sparse_moe`` -> ``mlp``); None for a key that a
+    converter (fusing several tensors) would produce, unless it is an expert's."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+    except (ImportError, AttributeError, TypeError, ValueError):  # another transformers
+        return lambda key: key
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    prefixes = tuple(f"{name}." for name, _ in experts_modules(model))
+
+    def rename(key: str) -> str | None:
+        name, converted = rename_source_key(key, renamings, converters)
+        return name if converted is None or name.startswith(prefixes) else None
+
+    return rename
+
+
 def load_without_experts(model_dir: str | Path) -> LoadedModel:
     """The causal LM in ``model_dir`` (eval mode), its routed experts left on ``meta``."""
     from safetensors import safe_open
@@ -77,12 +99,16 @@ def load_without_experts(model_dir: str | Path) -> LoadedModel:
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     prefixes = tuple(f"{name}." for name, _ in experts_modules(model))
+    rename = _renamer(model)
     state = {}
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if not key.startswith(prefixes):
-                    state[key] = handle.get_tensor(key)
+                name = rename(key)
+                if name is None:  # a converted (fused) weight: only transformers can load it
+                    return LoadedModel(load_causal_lm(path), full_load=True)
+                if not name.startswith(prefixes):
+                    state[name] = handle.get_tensor(key)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta and not n.startswith(prefixes)]

@@ -123,7 +123,9 @@ class EmulatedLinkTier:
         raw = bytearray(store.data_path.read_bytes())
         for block in store.blocks.values():
             check_block(store, block, memoryview(raw)[block.offset : block.offset + block.nbytes])
-        self.host = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        self.host = (
+            torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        )
         self._lock = threading.Lock()
         self._free_at = 0.0  # time.perf_counter() when the link is next idle
 

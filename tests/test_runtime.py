@@ -1,0 +1,351 @@
+"""The offloading runtime: lossless for every family, predictor and capacity; bounded; loud."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from stmoe.capture import experts_modules  # noqa: E402
+from stmoe.capture_generate import capture_generation  # noqa: E402
+from stmoe.predictors.tables import profile, save_tables  # noqa: E402
+from stmoe.runtime.api import offload, resolve_capacity  # noqa: E402
+from stmoe.runtime.cache import READY, LayerCache, ParamSpec  # noqa: E402
+from stmoe.runtime.store import StoreError, pack  # noqa: E402
+from stmoe.runtime.tiers import parse_bytes, parse_seconds  # noqa: E402
+from tiny_moe import FAMILIES, tiny_model  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]  # a batch of two, the second left-padded
+NEW_TOKENS = 6
+PREDICTORS = ("ondemand", "stmoe", "random", "oracle")
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    return ids, mask
+
+
+def _generate(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    ids, mask = _inputs()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    return out.sequences, list(out.logits)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """A family's resident outputs, its store, and ST-MoE tables profiled on its routing."""
+    name = request.param
+    model, _ = tiny_model(name)
+    ref = _generate(model)
+    ids, _ = _inputs()
+    with torch.no_grad():
+        ref_logits = model(input_ids=ids).logits
+    root = tmp_path_factory.mktemp(name)
+    store = pack(model, root / "store")
+    trace = capture_generation(model, [[20, 21, 22, 23], [30, 31]], max_new_tokens=8)
+    tables = save_tables(profile(trace), root / "tables.npz")
+    num_experts = int(getattr(experts_modules(model)[0][1], "num_experts"))
+    return name, ref, ref_logits, store, tables, num_experts
+
+
+@pytest.mark.parametrize("predictor", PREDICTORS)
+def test_offloaded_generation_is_bit_identical_to_the_resident_model(family, predictor):
+    name, (ref_seq, ref_logits), ref_forward, store, tables, num_experts = family
+    for capacity in (2, 5, num_experts):  # top-K .. all experts
+        model, _ = tiny_model(name)  # offloading releases the experts: a fresh copy each time
+        with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
+                     tier="disk", workers=2) as om:  # fmt: skip
+            (seq, logits), stats = om.measure(lambda om=om: _generate(om.model))
+            om.engine.check()
+            ids, _ = _inputs()
+            with torch.no_grad():
+                forward = om.model(input_ids=ids).logits
+        where = f"{name}, {predictor}, capacity {capacity}"
+        assert torch.equal(seq, ref_seq), where
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True)), where
+        assert torch.equal(forward, ref_forward), where
+        assert stats.bytes_moved > 0 and stats.phases["decode"].needed.sum() > 0
+        if predictor == "oracle":  # it knows the routing: every decode prefetch is right
+            decode = stats.phases["decode"].summary()
+            assert decode["prefetch_precision"] == 1.0, where
+
+
+def test_experts_are_never_materialised_and_the_cache_is_the_only_expert_memory(tmp_path):
+    model, _ = tiny_model("mixtral")
+    model.save_pretrained(tmp_path / "model")
+    pack(model, tmp_path / "store")
+    ref = _generate(model)
+    from stmoe.runtime.loading import load_without_experts
+
+    loaded = load_without_experts(tmp_path / "model")
+    assert not loaded.full_load
+    for _, module in experts_modules(loaded.model):
+        assert all(p.is_meta for p in module.parameters(recurse=False))
+    with offload(tmp_path / "model", tmp_path / "store", capacity=3, predictor="ondemand") as om:
+        seq, logits = om.measure(lambda: _generate(om.model))[0]
+        resident = [p for p in om.model.parameters() if not p.is_meta]
+        for _, module in experts_modules(om.model):
+            assert all(p.is_meta for p in module.parameters(recurse=False))
+        expert_params = sum(c.nbytes for c in om.engine.caches)
+        assert expert_params == 3 * 3 * om.engine.expert_bytes  # 3 layers x 3 slots, fixed
+        assert sum(p.numel() for p in resident) > 0
+    assert torch.equal(seq, ref[0])
+    assert all(torch.equal(a, b) for a, b in zip(logits, ref[1], strict=True))
+
+
+def test_a_store_of_another_model_is_refused(tmp_path):
+    model, _ = tiny_model("mixtral")
+    store = pack(model, tmp_path / "store")
+    other, _ = tiny_model("qwen3_moe")
+    with pytest.raises(StoreError, match="packed for"):
+        offload(other, store, capacity=2, predictor="ondemand")
+
+
+@pytest.mark.parametrize("policy", ["predicted", "lru", "lfu", "none"])
+def test_every_policy_is_lossless_and_stays_within_capacity(tmp_path, policy):
+    model, _ = tiny_model("qwen3_moe")
+    ref = _generate(model)
+    store = pack(model, tmp_path / "store")
+    model, _ = tiny_model("qwen3_moe")
+    with offload(model, store, capacity=3, predictor="random", policy=policy) as om:
+        peak = []
+        base = om.engine.experts_forward
+
+        def watched(*args, **kwargs):
+            out = base(*args, **kwargs)
+            with om.engine.cv:
+                peak.append(max(len(c.where) for c in om.engine.caches))
+            om.engine.check()
+            return out
+
+        om.engine.experts_forward = watched
+        (seq, _), stats = om.measure(lambda: _generate(om.model))
+    assert torch.equal(seq, ref[0])
+    assert max(peak) <= 3
+    if policy == "none":  # no reuse: every needed expert is loaded again
+        assert stats.phases["decode"].hits.sum() <= stats.phases["decode"].predicted_used.sum()
+
+
+def test_capacity_below_top_k_and_bad_settings_are_clear_errors(tmp_path):
+    model, _ = tiny_model("mixtral")
+    store = pack(model, tmp_path / "store")
+    with pytest.raises(StoreError, match="below the router's top-2"):
+        offload(model, store, capacity=1, predictor="ondemand")
+    with pytest.raises(StoreError, match="below the router's top-2"):
+        offload(model, store, capacity="10%", predictor="ondemand")
+    with pytest.raises(StoreError, match="unknown cache policy"):
+        offload(model, store, capacity=2, policy="fifo")
+    with pytest.raises(StoreError, match="unknown tier"):
+        offload(model, store, capacity=2, tier="tape")
+    with pytest.raises(StoreError, match="needs a bandwidth"):
+        offload(model, store, capacity=2, predictor="ondemand", tier="emulated")
+    with pytest.raises(StoreError, match="needs profiled tables"):
+        offload(model, store, capacity=2, predictor="stmoe")
+
+
+def test_capacity_forms():
+    assert resolve_capacity(8, 4, 16, 4, 1000) == 8
+    assert resolve_capacity("50%", 4, 16, 4, 1000) == 8
+    assert resolve_capacity("100%", 4, 16, 4, 1000) == 16
+    assert resolve_capacity("24KB", 4, 16, 4, 1000) == 6  # 24000 bytes / (4 layers x 1000)
+    with pytest.raises(StoreError, match="a share of the experts"):
+        resolve_capacity("lots", 4, 16, 4, 1000)
+    assert parse_bytes("200MB") == 2e8 and parse_bytes("1GiB") == 2**30
+    assert parse_seconds("50us") == pytest.approx(5e-5) and parse_seconds("2ms") == 0.002
+    with pytest.raises(StoreError, match="unknown unit"):
+        parse_bytes("3 parsecs")
+
+
+def _cache(policy: str, capacity: int = 3) -> LayerCache:
+    spec = ParamSpec("w", torch.float32, (2,), 0, 8)
+    return LayerCache(0, capacity, [spec], 8, policy, torch.device("cpu"))
+
+
+def _fill(cache: LayerCache, experts: list[int]) -> None:
+    for e in experts:
+        slot, _ = cache.claim(e, prefetch=False)
+        cache.filled(slot)
+        cache.touch(slot)
+
+
+def test_eviction_orders():
+    lru = _cache("lru")
+    _fill(lru, [1, 2, 3])
+    lru.touch(lru.where[1])  # 2 is now the least recently used
+    lru.claim(4, prefetch=False)
+    assert 2 not in lru.where and {1, 3, 4} <= set(lru.where)
+
+    lfu = _cache("lfu")
+    _fill(lfu, [1, 2, 3])
+    for _ in range(3):
+        lfu.touch(lfu.where[1])
+    lfu.touch(lfu.where[3])
+    lfu.claim(4, prefetch=False)
+    assert 2 not in lfu.where  # used once; 1 and 3 more often
+
+    aware = _cache("predicted")
+    _fill(aware, [1, 2, 3])
+    aware.protected = frozenset({1, 2})  # predicted for the coming layer
+    aware.claim(4, prefetch=True)
+    assert set(aware.where) == {1, 2, 4}
+    aware.protected = frozenset({1, 2, 4})
+    aware.pinned = frozenset()
+    assert aware.claim(5, prefetch=True) == (None, False)  # nothing may be evicted
+    aware.check()
+
+
+def test_a_prefetched_expert_evicted_unused_counts_as_wasted():
+    cache = _cache("lru", capacity=2)
+    slot, _ = cache.claim(1, prefetch=True)
+    cache.filled(slot)
+    _fill(cache, [2])
+    slot, wasted = cache.claim(3, prefetch=False)  # evicts 1: prefetched, never used
+    assert wasted and cache.holder[slot] == 3
+
+
+class _FaultyTier:
+    """Wraps a tier; fails reads made by prefetch workers (or every read) on cue."""
+
+    name, emulated = "faulty", False
+
+    def __init__(self, inner, only_workers: bool = True, kind: str = "oserror") -> None:
+        self.inner, self.only_workers, self.kind = inner, only_workers, kind
+        self.armed = False
+
+    def fetch(self, block, buf):
+        worker = threading.current_thread().name.startswith("stmoe-prefetch")
+        if self.armed and (worker or not self.only_workers):
+            if self.kind == "short":
+                return self.inner.fetch(block, buf)[: block.nbytes // 2]
+            raise OSError(5, "Input/output error (injected)")
+        return self.inner.fetch(block, buf)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _faulty(tmp_path, **kwargs):
+    model, _ = tiny_model("mixtral")
+    store = pack(model, tmp_path / "store")
+    model, _ = tiny_model("mixtral")
+    om = offload(model, store, capacity=4, predictor="random", tier="emulated", bandwidth=1e10)
+    om.engine.tier = _FaultyTier(om.engine.tier, **kwargs)
+    return om
+
+
+def test_a_worker_io_error_raises_on_the_caller_and_leaves_the_cache_consistent(tmp_path):
+    om = _faulty(tmp_path)
+    with om:
+        om.engine.tier.armed = True
+        with pytest.raises(StoreError, match="prefetch worker failed.*injected"):
+            om.measure(lambda: _generate(om.model))
+        om.engine.check()
+        assert all(not c.loading() for c in om.engine.caches)
+        om.engine.tier.armed = False  # the fault clears: the same engine generates again
+        (seq, _), _ = om.measure(lambda: _generate(om.model))
+    model, _ = tiny_model("mixtral")
+    assert torch.equal(seq, _generate(model)[0])
+
+
+def test_a_short_read_is_a_clear_error_on_the_caller(tmp_path):
+    om = _faulty(tmp_path, only_workers=False, kind="short")
+    with om:
+        om.engine.tier.armed = True
+        with pytest.raises(StoreError, match="short read"):
+            om.measure(lambda: _generate(om.model))
+        om.engine.check()
+
+
+def test_a_truncated_store_file_is_a_short_read_error(tmp_path):
+    model, _ = tiny_model("mixtral")
+    store = pack(model, tmp_path / "store")
+    model, _ = tiny_model("mixtral")
+    with offload(model, store, capacity=2, predictor="ondemand", tier="disk") as om:
+        data = store / "experts.bin"
+        data.write_bytes(data.read_bytes()[:4096])  # only the first block survives
+        with pytest.raises(StoreError, match="short read"):
+            om.measure(lambda: _generate(om.model))
+        om.engine.check()
+
+
+def test_a_slow_link_drops_stale_prefetches_and_still_matches(tmp_path):
+    model, _ = tiny_model("qwen3_moe")
+    ref = _generate(model)
+    store = pack(model, tmp_path / "store")
+    model, _ = tiny_model("qwen3_moe")
+    expert_bytes = (store / "experts.bin").stat().st_size // (3 * 8)
+    with offload(model, store, capacity=8, predictor="random", tier="emulated",
+                 bandwidth=expert_bytes / 0.004, workers=2) as om:  # 4 ms per expert
+        (seq, _), stats = om.measure(lambda: _generate(om.model))
+    assert torch.equal(seq, ref[0])
+    assert stats.stale_dropped > 0  # requests whose layer had already run
+    assert stats.phases["decode"].stall_s.sum() > 0
+
+
+def test_shipped_model_offloaded_with_its_shipped_tables_matches_plain_generation():
+    from stmoe.capture_generate import load_model
+    from stmoe.demo import SHIPPED_MODEL
+
+    model, tok = load_model(SHIPPED_MODEL)
+    ids = tok("def mean(values):\n", return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             min_new_tokens=12, do_sample=False,
+                             pad_token_id=model.generation_config.eos_token_id)  # fmt: skip
+    for capacity, predictor in ((4, "stmoe"), (8, "oracle"), (16, "stmoe")):
+        with offload(SHIPPED_MODEL, capacity=capacity, predictor=predictor) as om:
+            result = om.generate(ids[0].tolist(), max_new_tokens=12)
+        assert result.tokens == ref[0, ids.shape[1] :].tolist(), (capacity, predictor)
+        assert result.decode_tokens == 11 and result.ttft_s > 0
+        if predictor == "oracle":
+            assert result.prefetch_recall == 1.0
+
+
+def test_generate_cli_prints_text_and_writes_the_measurements(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "g.json"
+    res = cli("generate", "--prompt", "def add(a, b):", "--max-new-tokens", "5", "--capacity",
+              "8", "--tier", "emulated", "--bandwidth", "1GB", "--latency", "20us",
+              "--json", out)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "def add(a, b):" in res.output and "EMULATED" in res.output
+    data = json.loads(out.read_text())
+    for key in ("tokens", "decode_tokens_per_s", "ttft_s", "hit_rate", "prefetch_recall",
+                "prefetch_precision", "bytes_moved", "bytes_wasted", "stall_s", "stall_share"):
+        assert key in data, key
+    assert len(data["tokens"]) == 5 and data["config"]["emulated"] is True
+    assert len(data["stats"]["phases"]["decode"]["per_layer"]) == 8
+    assert (tmp_path / "cache" / "stores").is_dir()  # packed on first use
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--capacity", "2"], "below the router's top-4"),
+        (["--tier", "emulated", "--bandwidth", "fast"], "not a size"),
+        (["--predictor", "psychic"], "unknown predictor"),
+        (["--store", "nowhere"], "not an expert store"),
+    ],
+)
+def test_generate_cli_bad_input(cli, tmp_path, monkeypatch, args, message):
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
+    res = cli("generate", "--prompt", "x", "--max-new-tokens", "1", *args)
+    assert res.exit_code == 1 and message in res.output, res.output
+
+
+def test_cache_slots_become_ready_only_after_the_copy():
+    cache = _cache("lru")
+    slot, _ = cache.claim(1, prefetch=True)
+    assert cache.state[slot] != READY  # LOADING: the compute thread waits for it
+    cache.write(slot, torch.arange(8, dtype=torch.uint8))
+    cache.filled(slot)
+    assert cache.state[slot] == READY
