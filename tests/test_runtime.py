@@ -53,7 +53,7 @@ def family(request, tmp_path_factory):
     store = pack(model, root / "store")
     trace = capture_generation(model, [[20, 21, 22, 23], [30, 31]], max_new_tokens=8)
     tables = save_tables(profile(trace), root / "tables.npz")
-    num_experts = int(getattr(experts_modules(model)[0][1], "num_experts"))
+    num_experts = int(experts_modules(model)[0][1].num_experts)
     return name, ref, ref_logits, store, tables, num_experts
 
 
@@ -246,7 +246,7 @@ def test_a_worker_io_error_raises_on_the_caller_and_leaves_the_cache_consistent(
     om = _faulty(tmp_path)
     with om:
         om.engine.tier.armed = True
-        with pytest.raises(StoreError, match="prefetch worker failed.*injected"):
+        with pytest.raises(StoreError, match=r"prefetch worker failed.*injected"):
             om.measure(lambda: _generate(om.model))
         om.engine.check()
         assert all(not c.loading() for c in om.engine.caches)
@@ -283,8 +283,15 @@ def test_a_slow_link_drops_stale_prefetches_and_still_matches(tmp_path):
     store = pack(model, tmp_path / "store")
     model, _ = tiny_model("qwen3_moe")
     expert_bytes = (store / "experts.bin").stat().st_size // (3 * 8)
-    with offload(model, store, capacity=8, predictor="random", tier="emulated",
-                 bandwidth=expert_bytes / 0.004, workers=2) as om:  # 4 ms per expert
+    with offload(
+        model,
+        store,
+        capacity=8,
+        predictor="random",
+        tier="emulated",
+        bandwidth=expert_bytes / 0.004,
+        workers=2,
+    ) as om:  # 4 ms per expert
         (seq, _), stats = om.measure(lambda: _generate(om.model))
     assert torch.equal(seq, ref[0])
     assert stats.stale_dropped > 0  # requests whose layer had already run
@@ -319,8 +326,18 @@ def test_generate_cli_prints_text_and_writes_the_measurements(cli, tmp_path, mon
     assert res.exit_code == 0, res.output
     assert "def add(a, b):" in res.output and "EMULATED" in res.output
     data = json.loads(out.read_text())
-    for key in ("tokens", "decode_tokens_per_s", "ttft_s", "hit_rate", "prefetch_recall",
-                "prefetch_precision", "bytes_moved", "bytes_wasted", "stall_s", "stall_share"):
+    for key in (
+        "tokens",
+        "decode_tokens_per_s",
+        "ttft_s",
+        "hit_rate",
+        "prefetch_recall",
+        "prefetch_precision",
+        "bytes_moved",
+        "bytes_wasted",
+        "stall_s",
+        "stall_share",
+    ):
         assert key in data, key
     assert len(data["tokens"]) == 5 and data["config"]["emulated"] is True
     assert len(data["stats"]["phases"]["decode"]["per_layer"]) == 8

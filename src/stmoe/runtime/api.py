@@ -15,7 +15,6 @@ import hashlib
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
