@@ -366,3 +366,17 @@ def test_cache_slots_become_ready_only_after_the_copy():
     cache.write(slot, torch.arange(8, dtype=torch.uint8))
     cache.filled(slot)
     assert cache.state[slot] == READY
+
+
+def test_a_2000_token_generation_keeps_memory_flat_and_the_cache_within_budget(tmp_path):
+    from stmoe.runtime.memory import MemoryProbe
+
+    model, _ = tiny_model("mixtral", max_position_embeddings=2100)
+    store = pack(model, tmp_path / "store")
+    with offload(model, store, capacity=4, predictor="random", tier="disk") as om:
+        probe = MemoryProbe(om.model, om.engine, every=100)
+        result = om.generate([5, 6, 7], max_new_tokens=2000)
+        probe.close()
+    assert len(result.tokens) == 2000
+    assert probe.peak_cached <= 4
+    assert abs(probe.growth_after(300)) <= 0.05, probe.samples

@@ -138,8 +138,11 @@ class OffloadedModel:
         if self._cleanup is not None:
             shutil.rmtree(self._cleanup, ignore_errors=True)
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 32) -> GenerationResult:
-        """Greedy generation from ``prompt`` (text, or token ids), measured."""
+    def generate(
+        self, prompt: str | list[int], max_new_tokens: int = 32, cold: bool = True
+    ) -> GenerationResult:
+        """Greedy generation from ``prompt`` (text, or token ids), measured (from an
+        empty cache when ``cold``)."""
         if max_new_tokens < 1:
             raise StoreError("max_new_tokens must be at least 1")
         if isinstance(prompt, str):
@@ -151,7 +154,7 @@ class OffloadedModel:
         if ids.shape[1] == 0:
             raise StoreError("the prompt has no tokens")
         ids = ids.to(self.engine.device)
-        out, stats = self.measure(lambda: self._run(ids, max_new_tokens))
+        out, stats = self.measure(lambda: self._run(ids, max_new_tokens), cold=cold)
         ends = self.engine.forward_ends
         ttft = ends[0] - self.engine.started
         decode_tokens = len(ends) - 1
@@ -170,18 +173,19 @@ class OffloadedModel:
             config=dict(self.config), stats=stats.to_dict(),
         )  # fmt: skip
 
-    def measure(self, fn: Callable[[], T]) -> tuple[T, RuntimeStats]:
-        """Run ``fn`` (any use of ``self.model``) as one measured run from a cold cache.
+    def measure(self, fn: Callable[[], T], cold: bool = True) -> tuple[T, RuntimeStats]:
+        """Run ``fn`` (any use of ``self.model``) as one measured run, from an empty
+        cache when ``cold`` (else the experts left by the previous run stay).
 
         For the oracle, ``fn`` runs twice: a first pass records the routing the
         oracle then knows in advance (outputs are the same, being lossless).
         """
         if self.engine.predictor.sees_future:
-            self.engine.reset(future={})
+            self.engine.reset(future={}, cold=cold)
             fn()
-            self.engine.reset(future=dict(self.engine.routing_log))
+            self.engine.reset(future=dict(self.engine.routing_log), cold=cold)
         else:
-            self.engine.reset(future=None)
+            self.engine.reset(future=None, cold=cold)
         result = fn()
         return result, self.engine.finish()
 

@@ -104,7 +104,8 @@ class OffloadEngine:
             )
         self.capacity = capacity
         self.top_k = predictor.shape.top_k
-        # experts prefetched per layer at most (most confident first); never above capacity
+        self._predicts = predictor.name != "ondemand"  # on-demand: nothing to learn or queue
+        # loads a prediction may start per layer (the most confident experts not yet cached)
         self.budget = min(capacity, budget if budget is not None else capacity)
         if self.budget < 0:
             raise StoreError(f"the prefetch budget must be >= 0, got {budget}")
@@ -174,6 +175,8 @@ class OffloadEngine:
             for c in self.caches:  # count them once only
                 for s in range(c.capacity):
                     c.prefetched[s] = False
+            for phase in self.stats.phases.values():
+                phase.sync()
             return self.stats
 
     def close(self) -> None:
@@ -237,12 +240,12 @@ class OffloadEngine:
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
         layer = self.layer_of[id(module)]
-        index_cpu = top_k_index.detach().to("cpu")
-        if index_cpu.shape[-1] > self.capacity:
-            raise StoreError(f"the router picks {index_cpu.shape[-1]} experts per token but the "
+        rows = top_k_index.detach().to("cpu").numpy()
+        if rows.shape[-1] > self.capacity:
+            raise StoreError(f"the router picks {rows.shape[-1]} experts per token but the "
                              f"cache holds {self.capacity} per layer")  # fmt: skip
-        uniq, inverse = torch.unique(top_k_index, sorted=True, return_inverse=True)
-        needed = uniq.tolist()
+        # sorted distinct ids: plain Python beats torch.unique on a decode step's few ids
+        needed = sorted(set(rows.ravel().tolist())) if rows.size <= 64 else np.unique(rows).tolist()
         cache = self.caches[layer]
         with self.cv:
             self._raise_worker_error()
@@ -253,39 +256,39 @@ class OffloadEngine:
             )
             cache.protected = frozenset()
             cache.pinned = frozenset(needed)
-            self.routing_log[(self.fwd, layer)] = tuple(needed)
-        counters = self.stats.phases[self.phase]
+            if self.future is not None and not self.future:  # the oracle's recording pass
+                self.routing_log[(self.fwd, layer)] = tuple(needed)
         start = time.perf_counter()
         slots, overflow, hits, late = self._ensure(cache, needed)
-        counters.stall_s[layer] += time.perf_counter() - start
-        counters.calls[layer] += 1
-        counters.needed[layer] += len(needed)
-        counters.hits[layer] += hits
-        counters.late[layer] += late
-        counters.predicted[layer] += len(predicted)
-        counters.predicted_used[layer] += len(predicted.intersection(needed))
+        self.stats.phases[self.phase].add(
+            layer, time.perf_counter() - start, len(needed), hits, late, len(predicted),
+            len(predicted.intersection(needed)),
+        )  # fmt: skip
         if cache.identity:  # every expert has its own slot: the slabs are the full tensors
             params, n, index = cache.slabs, self.num_experts, top_k_index
         else:
             params = self._gather(cache, needed, slots, overflow)
-            n, index = len(needed), inverse.to(top_k_index.dtype)
+            compact = np.searchsorted(np.asarray(needed), rows)  # same order, ids 0..U-1
+            n = len(needed)
+            index = torch.from_numpy(compact).to(top_k_index.device, top_k_index.dtype)
         with self.cv:
             for s in slots.values():
                 cache.touch(s)
             cache.pinned = frozenset()
             if self.policy == "none":
                 self.stats.bytes_wasted += cache.drop_ready() * self.expert_bytes
-        self._after_routing(layer, index_cpu)
+        self._after_routing(layer, rows)
         weights = _Weights(module, params, n)
         return self.base[layer](weights, hidden_states, index, top_k_weights, *args, **kwargs)
 
-    def _after_routing(self, layer: int, index_cpu: torch.Tensor) -> None:
+    def _after_routing(self, layer: int, rows: np.ndarray) -> None:
         """Learn what the router chose and queue the prefetch of the next layer."""
+        if not self._predicts:
+            return
         if self.phase == "prefill" and self.future is None:
-            self._prefill_routing.append(index_cpu.numpy().astype(np.int16))
+            self._prefill_routing.append(rows.astype(np.int16))
         elif self.future is None:
             batch, length = self.batch
-            rows = index_cpu.numpy()
             for slot in range(batch):
                 self.predictor.update(layer, rows[slot * length + length - 1], slot)
         if layer + 1 < self.num_layers:
@@ -296,20 +299,18 @@ class OffloadEngine:
     def _predicted(self, layer: int) -> list[int]:
         if self.future is not None:
             target = (self.fwd, layer) if layer > self.pos[1] else (self.fwd + 1, layer)
-            return list(self.future.get(target, ()))[: self.budget]
-        if self.budget == 0:
-            return []
-        ids = self.predictor.predict_batch(layer, range(self.batch[0]), budget=self.budget)
-        return [int(e) for e in ids[: self.budget]]
+            return list(self.future.get(target, ()))[: self.capacity]
+        ids = self.predictor.predict_batch(layer, range(self.batch[0]), budget=self.capacity)
+        return [int(e) for e in ids[: self.capacity]]
 
     def _prefetch(self, fwd: int, layer: int, experts: list[int]) -> None:
         with self.cv:
             self.pending[layer] = (fwd, frozenset(experts))
             cache = self.caches[layer]
             cache.protected = frozenset(experts)
-            for rank, e in enumerate(experts):
-                if e not in cache.where:
-                    heapq.heappush(self.queue, (fwd, layer, rank, e))
+            loads = [e for e in experts if e not in cache.where][: self.budget]
+            for rank, e in enumerate(loads):
+                heapq.heappush(self.queue, (fwd, layer, rank, e))
             if self.queue:
                 self.work.notify(len(self._threads))
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 PHASES = ("prefill", "decode")
+_COLUMNS = ("needed", "hits", "late", "predicted", "predicted_used", "calls")
 
 
 @dataclass
@@ -35,11 +36,29 @@ class PhaseCounters:
     calls: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        for name in ("needed", "hits", "late", "predicted", "predicted_used", "calls"):
-            setattr(self, name, np.zeros(self.num_layers, dtype=np.int64))
-        self.stall_s = np.zeros(self.num_layers, dtype=np.float64)
+        self._rows = [[0] * len(_COLUMNS) for _ in range(self.num_layers)]
+        self._stall = [0.0] * self.num_layers
+        self.sync()
+
+    def add(self, layer: int, stall_s: float, needed: int, hits: int, late: int,
+            predicted: int, predicted_used: int) -> None:  # fmt: skip
+        """One layer call (kept as Python numbers: this runs on the compute thread)."""
+        row = self._rows[layer]
+        row[0] += needed
+        row[1] += hits
+        row[2] += late
+        row[3] += predicted
+        row[4] += predicted_used
+        row[5] += 1
+        self._stall[layer] += stall_s
+
+    def sync(self) -> None:
+        for name, col in zip(_COLUMNS, zip(*self._rows, strict=True), strict=True):
+            setattr(self, name, np.asarray(col, dtype=np.int64))
+        self.stall_s = np.asarray(self._stall, dtype=np.float64)
 
     def summary(self, per_layer: bool = False) -> dict[str, Any]:
+        self.sync()
         out = _ratios(self.needed.sum(), self.hits.sum(), self.predicted.sum(),
                       self.predicted_used.sum())  # fmt: skip
         out.update(late_hits=int(self.late.sum()), stall_s=float(self.stall_s.sum()),

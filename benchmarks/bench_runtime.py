@@ -1,0 +1,173 @@
+"""Offloaded decoding speed of stmoe's own model: on-demand, LRU-only, ST-MoE, oracle.
+
+Targets (issue 8), at 50% cache capacity on an EMULATED link set so that
+on-demand loading is at least half of decode time:
+  * ST-MoE decode tokens/s >= 1.5x on-demand's;
+  * ST-MoE decode time <= 1.25x the oracle's;
+and, with every expert resident, the runtime >= 0.9x plain transformers.
+
+Systems (same cache size per layer):
+  on-demand  no prefetch, no reuse: each layer loads the experts it needs
+  lru-only   no prefetch, LRU cache
+  stmoe      ST-MoE prefetch (SPEC rules, tables shipped with the model) + prediction-aware LRU
+  oracle     prefetches exactly the experts the router will pick (a first pass records them)
+Extra systems (any registered predictor) with --extra NAME.
+
+Every system runs the same prompts (not those the shipped tables were
+profiled on) from a cold cache; figures are means over prompts. The disk tier
+reads the store with O_DIRECT (or drops the page cache) so misses are real reads.
+
+    python benchmarks/bench_runtime.py [--bandwidth 200MB] [--tokens 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stmoe.capture_generate import load_model
+from stmoe.demo import SHIPPED_MODEL
+from stmoe.runtime.api import OffloadedModel, ensure_store, offload
+
+PROMPTS = (
+    "class Stack:\n    def __init__(self):\n",
+    "The river was quiet that morning, and the boats",
+    "Problem: What is 12 times 15?\nSolution:",
+)
+SYSTEMS = {  # name: (predictor, policy)
+    "on-demand": ("ondemand", "none"),
+    "lru-only": ("ondemand", "lru"),
+    "stmoe": ("stmoe", "predicted"),
+    "oracle": ("oracle", "predicted"),
+}
+
+
+def run_system(om: OffloadedModel, tokens: int) -> dict[str, Any]:
+    results = [om.generate(p, max_new_tokens=tokens) for p in PROMPTS]
+    decode_s = sum(r.decode_s for r in results)
+    decode_tokens = sum(r.decode_tokens for r in results)
+    needed = sum(r.stats["phases"]["decode"]["needed"] for r in results)
+    return {
+        "decode_tokens_per_s": decode_tokens / decode_s,
+        "stall_share": sum(r.stall_s for r in results) / decode_s,
+        "hit_rate": statistics.mean(r.hit_rate for r in results),
+        "prefetch_recall": statistics.mean(r.prefetch_recall for r in results),
+        "prefetch_precision": statistics.mean(r.prefetch_precision for r in results),
+        "bytes_moved": sum(r.bytes_moved for r in results),
+        "bytes_wasted": sum(r.bytes_wasted for r in results),
+        # bytes moved per byte of loads the router then used (1.0: nothing moved in vain)
+        "read_amplification": sum(r.bytes_moved for r in results)
+        / max(1, sum(r.bytes_moved - r.bytes_wasted for r in results)),
+        "needed_experts": needed,
+        "tokens": [r.tokens for r in results],
+    }
+
+
+def resident_ratio(tokens: int, repeats: int) -> dict[str, float]:
+    """Plain transformers vs the runtime holding every expert (warm), interleaved."""
+    model, tok = load_model(SHIPPED_MODEL)
+    ids = tok(PROMPTS[0], return_tensors="pt").input_ids
+
+    def plain() -> float:
+        with torch.no_grad():
+            start = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                           min_new_tokens=tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+        return time.perf_counter() - start
+
+    plain()
+    with offload(SHIPPED_MODEL, capacity="100%", predictor="ondemand", tier="disk") as om:
+        om.generate(ids[0].tolist(), max_new_tokens=4)  # loads every expert once
+        plains, offs = [], []
+        for _ in range(repeats):
+            plains.append(plain())
+            start = time.perf_counter()
+            om.generate(ids[0].tolist(), max_new_tokens=tokens, cold=False)
+            offs.append(time.perf_counter() - start)
+    p, o = statistics.median(plains), statistics.median(offs)
+    return {"plain_s": p, "runtime_s": o, "speed_ratio": p / o}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bandwidth", default="200MB", help="emulated link, bytes/s")
+    parser.add_argument("--latency", type=float, default=0.0, help="emulated link latency, s")
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
+    parser.add_argument("--capacities", default="25%,50%,75%")
+    parser.add_argument("--tiers", default="emulated,disk")
+    parser.add_argument("--extra", action="append", default=[], help="another predictor")
+    parser.add_argument("--repeats", type=int, default=5, help="resident comparison repeats")
+    parser.add_argument("--threads", type=int, default=1, help="torch compute threads")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("STMOE_CACHE", str(Path(tempfile.gettempdir()) / "stmoe-bench"))
+    store = ensure_store(SHIPPED_MODEL, None)
+    systems = dict(SYSTEMS)
+    for name in args.extra:
+        systems[name] = (name, "predicted")
+    report: dict[str, Any] = {"bandwidth": args.bandwidth, "latency": args.latency,
+                              "tokens": args.tokens, "threads": args.threads,
+                              "prompts": list(PROMPTS), "tiers": {}}  # fmt: skip
+    print(f"torch threads {args.threads}; {len(PROMPTS)} prompts x {args.tokens} new tokens")
+    for tier in args.tiers.split(","):
+        label = f"EMULATED link {args.bandwidth}/s" if tier == "emulated" else "disk (O_DIRECT)"
+        print(f"\n== tier: {label}")
+        print(f"{'capacity':>8} {'system':<12} {'tok/s':>7} {'stall':>6} {'hit':>6} {'recall':>6} "
+              f"{'prec':>6} {'moved MB':>9} {'wasted MB':>9} {'ampl':>5}")  # fmt: skip
+        rows: dict[str, dict[str, Any]] = {}
+        for cap in args.capacities.split(","):
+            rows[cap] = {}
+            for name, (predictor, policy) in systems.items():
+                with offload(SHIPPED_MODEL, store, capacity=cap, predictor=predictor,
+                             policy=policy, tier=tier, bandwidth=args.bandwidth,
+                             latency=args.latency) as om:  # fmt: skip
+                    r = rows[cap][name] = run_system(om, args.tokens)
+                print(f"{cap:>8} {name:<12} {r['decode_tokens_per_s']:7.1f} "
+                      f"{r['stall_share']:6.1%} {r['hit_rate']:6.3f} {r['prefetch_recall']:6.3f} "
+                      f"{r['prefetch_precision']:6.3f} {r['bytes_moved'] / 1e6:9.1f} "
+                      f"{r['bytes_wasted'] / 1e6:9.1f} {r['read_amplification']:5.2f}")  # fmt: skip
+            same = all(s["tokens"] == rows[cap]["on-demand"]["tokens"] for s in rows[cap].values())
+            print(f"{'':>8} every system generated the same tokens: {same}")
+            assert same, "lossless violated"
+        report["tiers"][tier] = rows
+        if "50%" in rows:
+            half = rows["50%"]
+            st, od, orc = half["stmoe"], half["on-demand"], half["oracle"]
+            checks = {
+                "on-demand stall share >= 0.5": od["stall_share"] >= 0.5,
+                "stmoe >= 1.5x on-demand": st["decode_tokens_per_s"]
+                >= 1.5 * od["decode_tokens_per_s"],
+                "stmoe decode time <= 1.25x oracle": orc["decode_tokens_per_s"]
+                <= 1.25 * st["decode_tokens_per_s"],
+            }
+            print(f"   at 50%: stmoe / on-demand = "
+                  f"{st['decode_tokens_per_s'] / od['decode_tokens_per_s']:.2f}x, "
+                  f"stmoe / lru-only = "
+                  f"{st['decode_tokens_per_s'] / half['lru-only']['decode_tokens_per_s']:.2f}x, "
+                  f"stmoe time / oracle time = "
+                  f"{orc['decode_tokens_per_s'] / st['decode_tokens_per_s']:.2f}")  # fmt: skip
+            for what, ok in checks.items():
+                print(f"   {'MET    ' if ok else 'NOT MET'} {what}")
+            report["tiers"][tier]["checks"] = checks
+    resident = resident_ratio(args.tokens, args.repeats)
+    report["resident"] = resident
+    print(f"\n== every expert resident (warm cache), median of {args.repeats}: plain transformers "
+          f"{resident['plain_s']:.3f} s, runtime {resident['runtime_s']:.3f} s -> runtime speed "
+          f"{resident['speed_ratio']:.2f}x plain (target >= 0.9): "
+          f"{'MET' if resident['speed_ratio'] >= 0.9 else 'NOT MET'}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
