@@ -14,7 +14,8 @@ Systems (same cache size per layer):
 Extra systems (any registered predictor) with --extra NAME.
 
 Every system runs the same prompts (not those the shipped tables were
-profiled on) from a cold cache; figures are means over prompts. The disk tier
+profiled on) from a cold cache, after one untimed warm-up generation (so
+compiling a predictor's kernels is not timed); figures are totals over prompts. The disk tier
 reads the store with O_DIRECT (or drops the page cache) so misses are real reads.
 
     python benchmarks/bench_runtime.py [--bandwidth 200MB] [--tokens 64] [--json out.json]
@@ -51,6 +52,7 @@ SYSTEMS = {  # name: (predictor, policy)
 
 
 def run_system(om: OffloadedModel, tokens: int) -> dict[str, Any]:
+    om.generate(PROMPTS[0], max_new_tokens=4)  # untimed: compiles the predictor's kernels
     results = [om.generate(p, max_new_tokens=tokens) for p in PROMPTS]
     decode_s = sum(r.decode_s for r in results)
     decode_tokens = sum(r.decode_tokens for r in results)
