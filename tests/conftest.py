@@ -18,7 +18,7 @@ REAL_NPZ = SHARED_TRACES / "qwen3.6-35b-a3b_chat-1prompt.npz"
 # The predictor names the eval issue fixes as a contract (tools outside the project parse them).
 CONTRACT_PREDICTORS = (
     "stmoe", "ondemand", "previous-token", "cct-static", "cct-online", "frequency", "random",
-    "oracle",
+    "oracle", "stmoe-plus",
 )  # fmt: skip
 
 needs_shared = pytest.mark.skipif(

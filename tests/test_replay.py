@@ -93,7 +93,7 @@ def test_json_contract_and_budget_curve():
     trace = stmoe.synthesize(tokens=600, layers=6, experts=16, top_k=2, sequences=4, domains=2)
     prof, ev = stmoe.split(trace, 0.5)
     data = replay(
-        ev, stmoe.predictors.names(), profile(prof), capacity=4, options={"seed": 1}
+        ev, stmoe.predictors.names_for(ev), profile(prof), capacity=4, options={"seed": 1}
     ).to_dict()
     assert set(data["predictors"]) >= set(CONTRACT_PREDICTORS)
     for entry in data["predictors"].values():

@@ -62,6 +62,35 @@ class _Step:
     length: int
     mask: np.ndarray | None  # [B, S] bool, real (not padding) positions of this call
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    look: list[torch.Tensor] = field(default_factory=list)  # [B*S, J] per layer 1..L-1
+
+
+def routers(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]
+            ) -> list[torch.Tensor] | None:  # fmt: skip
+    """Each MoE layer's router weight [N, H] (the gate next to its experts), or None
+    when some layer's cannot be found (then no gate lookahead)."""
+    found = []
+    for name, experts in modules:
+        n = int(getattr(experts, "num_experts", 0))
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        weight = None
+        for child_name, child in parent.named_children():
+            w = getattr(child, "weight", None)
+            if child is experts or not isinstance(w, torch.Tensor) or w.dim() != 2:
+                continue
+            if w.shape[0] == n and child_name in ("gate", "router", "gate_proj", "wg"):
+                weight = w
+                break
+        if weight is None:
+            return None
+        found.append(weight)
+    return found
+
+
+def lookahead_ids(hidden: torch.Tensor, router: torch.Tensor, width: int) -> torch.Tensor:
+    """Top-``width`` experts of ``router`` applied to ``hidden`` ([T, H]), ranked."""
+    logits = hidden.detach().to(torch.float32) @ router.detach().to(torch.float32).T
+    return torch.topk(logits, width, dim=-1).indices
 
 
 class RoutingRecorder:
@@ -77,6 +106,7 @@ class RoutingRecorder:
             )
         self.batches: list[list[_Step]] = []
         self._handles: list[Any] = []
+        self.routers = routers(model, self.modules)  # for the gate lookahead
         self._last_cache: int | None = None
 
     # ---- hooks -----------------------------------------------------------------
@@ -130,6 +160,12 @@ class RoutingRecorder:
                 raise CaptureError(f"MoE layer {layer} ran out of order in one forward call")
             step.layers.append((index.detach().to("cpu", copy=True),
                                 weight.detach().to("cpu", torch.float32, copy=True)))  # fmt: skip
+            if self.routers is not None and layer + 1 < len(self.modules):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                hidden = hidden.reshape(-1, hidden.shape[-1])
+                router = self.routers[layer + 1]
+                width = min(2 * index.shape[-1], router.shape[0])
+                step.look.append(lookahead_ids(hidden, router, width).to("cpu"))
 
         return hook
 
@@ -153,7 +189,7 @@ class RoutingRecorder:
         if decode_lengths is not None and len(decode_lengths) != len(self.batches):
             raise CaptureError(f"{len(self.batches)} generations were recorded but decode lengths "
                                f"were given for {len(decode_lengths)}")  # fmt: skip
-        experts, weights, decode, starts = [], [], [], []
+        experts, weights, decode, starts, looks = [], [], [], [], []
         n_tokens = 0
         for g, steps in enumerate(self.batches):
             for b in range(steps[0].batch):
@@ -164,7 +200,9 @@ class RoutingRecorder:
                 experts.append(ex)
                 weights.append(w)
                 decode.append(dec)
+                looks.append(self._look_row(steps, b, keep))
         ex, w = np.concatenate(experts), np.concatenate(weights)
+        look = None if any(x is None for x in looks) else np.concatenate(looks)
         ex, w, _ = order_by_weight(ex, w)  # some routers return top-k unsorted (DeepSeek-V3)
         first = self.modules[0][1]
         meta = TraceMeta(
@@ -185,6 +223,7 @@ class RoutingRecorder:
                 is_decode=np.concatenate(decode),
                 weights=w.astype(np.float32),
                 token_ids=None if token_ids is None else np.concatenate(token_ids).astype(np.int64),
+                lookahead=look,
                 domains=tuple(domains) if domains is not None else (UNLABELLED,) * len(starts),
                 meta=meta,
             )
@@ -208,6 +247,20 @@ class RoutingRecorder:
             ws.append(np.stack([w for _, w in per_layer], axis=1)[rows])
             dec.append(np.full(int(rows.sum()), j > 0))
         return np.concatenate(ids), np.concatenate(ws), np.concatenate(dec)
+
+    def _look_row(self, steps: list[_Step], b: int, keep: int | None) -> np.ndarray | None:
+        """[T, L, J] gate lookahead of batch row ``b`` (layer 0: -1), or None."""
+        if self.routers is None or len(self.modules) < 2:
+            return None
+        out = []
+        for j, step in enumerate(steps):
+            if keep is not None and j > keep:
+                break
+            rows = np.ones(step.length, dtype=bool) if step.mask is None else step.mask[b]
+            per = [x.reshape(step.batch, step.length, -1)[b].numpy() for x in step.look]
+            first = np.full_like(per[0], -1)
+            out.append(np.stack([first, *per], axis=1)[rows])
+        return np.concatenate(out).astype(np.int16)
 
 
 def _first(kwargs: dict, *names: str) -> Any:

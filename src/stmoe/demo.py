@@ -52,7 +52,7 @@ def run_demo(
     """Run every stage, write ``out_dir/index.html`` and return the headline figures."""
     from stmoe.analysis.report import write_report
     from stmoe.capture_generate import capture_text, load_model
-    from stmoe.predictors import names, profile, save_tables
+    from stmoe.predictors import names_for, profile, save_tables
     from stmoe.replay import cross_domain_matrix, replay
     from stmoe.sim import plots as sim_plots
     from stmoe.sim.simulate import simulate
@@ -77,7 +77,8 @@ def run_demo(
         first, rest = split_auto(select_domain(trace, d), 0.5)
         tables = profile(first)
         save_tables(tables, out / f"tables-{d}.npz")
-        result = replay(rest, names(), tables, capacity=2 * trace.top_k, options={"seed": 0})
+        result = replay(rest, names_for(rest), tables, capacity=2 * trace.top_k,
+                        options={"seed": 0})  # fmt: skip
         per_domain[d] = result.to_dict()
     matrix = cross_domain_matrix(trace, "stmoe")
     (out / "eval.json").write_text(json.dumps({"per_domain": per_domain, "cross_domain": matrix},

@@ -20,7 +20,7 @@ from stmoe.analysis.stats import (
     reuse_distances,
     spatial_test,
 )
-from stmoe.predictors import names, profile
+from stmoe.predictors import names_for, profile
 from stmoe.replay import replay
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import select_domain, split_auto
@@ -118,7 +118,7 @@ def predictability(trace: RoutingTrace, fraction: float = 0.5) -> dict[str, Any]
     if trace.num_tokens < 4:
         return None
     prof, held_out = split_auto(trace, fraction)
-    result = replay(held_out, names(), profile(prof), options={"seed": 0}).to_dict()
+    result = replay(held_out, names_for(held_out), profile(prof), options={"seed": 0}).to_dict()
     return {
         "profiled_tokens": prof.num_tokens,
         "evaluated_tokens": held_out.num_tokens,

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from stmoe.cli._common import err, out, print_json
-from stmoe.predictors import REGISTRY, load_tables, names, profile, save_tables
+from stmoe.predictors import REGISTRY, load_tables, names, names_for, profile, save_tables
 from stmoe.replay import ReplayResult, cross_domain_matrix, replay
 from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
 
@@ -98,7 +98,7 @@ def eval_cmd(
     """
     trace = _select(import_files([trace_path]), domain, split, 1)
     tables = load_tables(tables_path) if tables_path is not None else None
-    chosen = predictor or names()
+    chosen = predictor or names_for(trace)
     if tables is None and predictor is None:
         skipped = [n for n in chosen if REGISTRY[n].needs_tables]
         chosen = [n for n in chosen if not REGISTRY[n].needs_tables]

@@ -11,6 +11,7 @@ import inspect
 from typing import Any
 
 from stmoe.predictors import baselines as _baselines  # noqa: F401  (registers)
+from stmoe.predictors import plus as _plus  # noqa: F401  (registers stmoe-plus, hybrid)
 from stmoe.predictors.base import (
     REGISTRY,
     ModelShape,
@@ -21,6 +22,7 @@ from stmoe.predictors.base import (
 )
 from stmoe.predictors.stmoe import STMoEConfig, STMoEPredictor
 from stmoe.predictors.tables import ProfiledTables, load_tables, profile, save_tables
+from stmoe.trace.schema import RoutingTrace
 
 DEFAULT_SET = ("stmoe", "ondemand", "previous-token", "cct-static", "cct-online", "frequency",
                "random", "oracle")  # fmt: skip
@@ -29,6 +31,12 @@ DEFAULT_SET = ("stmoe", "ondemand", "previous-token", "cct-static", "cct-online"
 def names() -> list[str]:
     """Every registered predictor name, in a stable order (the defaults first)."""
     return [*DEFAULT_SET, *sorted(set(REGISTRY) - set(DEFAULT_SET))]
+
+
+def names_for(trace: RoutingTrace) -> list[str]:
+    """The predictors that can replay ``trace`` (hybrid needs its gate lookahead)."""
+    has_look = trace.lookahead is not None
+    return [n for n in names() if has_look or not getattr(REGISTRY[n], "uses_lookahead", False)]
 
 
 def make(
@@ -79,6 +87,7 @@ __all__ = [
     "load_tables",
     "make",
     "names",
+    "names_for",
     "profile",
     "register",
     "save_tables",

@@ -93,6 +93,7 @@ class Predictor:
     name: ClassVar[str] = "predictor"
     needs_tables: ClassVar[bool] = False  # True: built from profiled tables
     sees_future: ClassVar[bool] = False  # True only for the oracle: replay reveals A first
+    uses_lookahead: ClassVar[bool] = False  # True: takes the gate lookahead before predict
 
     def __init__(self, shape: ModelShape, tables: object = None) -> None:
         """Subclasses that learn from profiling take ``ProfiledTables`` as ``tables``."""
@@ -130,6 +131,10 @@ class Predictor:
     def reveal(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
         """Only for predictors that ``sees_future``: the true set before ``predict``."""
 
+    def lookahead(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
+        """Only for predictors that ``uses_lookahead``: layer ``layer``'s router applied
+        to the previous layer's hidden state, its top ids ranked, before ``predict``."""
+
     # ---- conveniences built on the protocol --------------------------------
     def step(self, layer: int, experts: np.ndarray, slot: int = 0) -> np.ndarray | None:
         """``update`` with the router's choice at ``layer``, then the prefetch for ``layer+1``
@@ -161,12 +166,20 @@ class Predictor:
         new_seq = np.zeros(trace.num_tokens, dtype=bool)
         new_seq[trace.seq_starts] = True
         experts = np.asarray(trace.experts)
+        look = None
+        if self.uses_lookahead:
+            if trace.lookahead is None:
+                raise PredictorError(f"predictor {self.name!r} needs the trace's gate lookahead; "
+                                     "capture it with `stmoe capture`")  # fmt: skip
+            look = np.asarray(trace.lookahead)
         for t in range(trace.num_tokens):
             if new_seq[t]:
                 self.reset(0)
             for layer in range(n_layers):
                 if self.sees_future:
                     self.reveal(layer, experts[t, layer])
+                if look is not None:
+                    self.lookahead(layer, look[t, layer])
                 chosen = self.predict(layer)
                 chunks.append(chosen)
                 ptr[t * n_layers + layer + 1] = ptr[t * n_layers + layer] + len(chosen)

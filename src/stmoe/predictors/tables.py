@@ -29,6 +29,7 @@ from stmoe.trace.summary import expert_load
 
 TABLES_FORMAT = "stmoe-tables"
 TABLES_VERSION = 1
+RECENT_TOKENS = 512  # profiled tokens kept for stmoe-plus's token memory
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +42,10 @@ class ProfiledTables:
     cooccurrence: np.ndarray  # [L-1, N, N] int64, co[l][e, f] counts of Algorithm 1
     layer_counts: np.ndarray  # [L, N] int64, tokens routed to each expert per layer
     info: dict[str, Any] = field(default_factory=dict)  # model, tokens, sources, domains
+    # For the probabilistic predictors (stmoe-plus, hybrid); None in older files:
+    pair_counts: np.ndarray | None = None  # [D, L-1, N, N]: e at l and f at l+d, d = 1..D
+    temporal: np.ndarray | None = None  # [L, N, N]: e at l, then f at l in the next token
+    recent: np.ndarray | None = None  # [M, L, K] int16: the last profiled tokens (token memory)
 
     @property
     def row_width(self) -> int:
@@ -85,6 +90,22 @@ def cooccurrence(trace: RoutingTrace) -> np.ndarray:
     return co.reshape(-1, n, n)
 
 
+def pair_counts(trace: RoutingTrace) -> tuple[np.ndarray, np.ndarray]:
+    """(pairs [D, L-1, N, N], temporal [L, N, N]) float64 counts of ``trace`` (plus_kernels)."""
+    from stmoe.predictors import plus_kernels
+
+    seq_id = np.repeat(np.arange(trace.num_sequences), np.diff(
+        np.append(np.asarray(trace.seq_starts), trace.num_tokens)))  # fmt: skip
+    return plus_kernels.count_pairs(np.ascontiguousarray(trace.experts, dtype=np.int16),
+                                    seq_id.astype(np.int64), trace.num_experts,
+                                    plus_kernels.D_MAX)  # fmt: skip
+
+
+def layer_tokens(trace: RoutingTrace) -> np.ndarray:
+    """[L] int64: tokens with at least one expert at each layer."""
+    return (np.asarray(trace.experts) >= 0).any(axis=2).sum(axis=0).astype(np.int64)
+
+
 def cct_from_counts(co: np.ndarray, row_width: int) -> tuple[np.ndarray, np.ndarray]:
     """Algorithm 1's table from counts: top ``row_width`` per row, ties to the smaller id."""
     order = np.argsort(-co, axis=2, kind="stable")[:, :, :row_width]  # stable: smaller id first
@@ -95,9 +116,15 @@ def cct_from_counts(co: np.ndarray, row_width: int) -> tuple[np.ndarray, np.ndar
 
 
 def profile(
-    traces: RoutingTrace | Sequence[RoutingTrace], row_width: int | None = None
+    traces: RoutingTrace | Sequence[RoutingTrace],
+    row_width: int | None = None,
+    fit_plus: bool = True,
 ) -> ProfiledTables:
-    """Algorithm 1 over one or more traces of the same model; ``row_width`` defaults to K."""
+    """Algorithm 1 over one or more traces of the same model; ``row_width`` defaults to K.
+
+    Also counts what stmoe-plus and hybrid use (pairs of layers up to 4 apart,
+    consecutive tokens) and, with ``fit_plus``, chooses their signal weights on a
+    held-back tail of these same traces."""
     traces = [traces] if isinstance(traces, RoutingTrace) else list(traces)
     if not traces:
         raise TraceError("nothing to profile", expected="at least one trace")
@@ -112,6 +139,16 @@ def profile(
         raise PredictorError(f"row width {width}: expected 1..{shape.num_experts}")
     co = sum(cooccurrence(t) for t in traces)
     ids, conf = cct_from_counts(co, width)
+    counted = [pair_counts(t) for t in traces]
+    pairs = sum(c[0] for c in counted).astype(np.int64)
+    temporal = sum(c[1] for c in counted).astype(np.int64)
+    extra: dict[str, Any] = {
+        "layer_tokens": sum(layer_tokens(t) for t in traces).tolist(),
+    }
+    if fit_plus:
+        from stmoe.predictors.plus import fit
+
+        extra["plus"] = fit(traces[-1])
     return ProfiledTables(
         shape=shape,
         cct_ids=ids,
@@ -124,7 +161,13 @@ def profile(
             "sources": [t.meta.source for t in traces],
             "domains": sorted({d for t in traces for d in t.domains}),
             "synthetic": any(t.meta.synthetic for t in traces),
+            **extra,
         },
+        pair_counts=pairs,
+        temporal=temporal,
+        recent=np.concatenate([np.asarray(t.experts) for t in traces])[-RECENT_TOKENS:].astype(
+            np.int16
+        ),
     )
 
 
@@ -151,6 +194,9 @@ def save_tables(tables: ProfiledTables, path: str | Path) -> Path:
                 cct_conf=tables.cct_conf,
                 cooccurrence=tables.cooccurrence,
                 layer_counts=tables.layer_counts,
+                **({} if tables.pair_counts is None else {"pair_counts": tables.pair_counts}),
+                **({} if tables.temporal is None else {"temporal": tables.temporal}),
+                **({} if tables.recent is None else {"recent": tables.recent}),
             )
         os.replace(tmp, path)
     except BaseException:
@@ -192,4 +238,41 @@ def load_tables(path: str | Path) -> ProfiledTables:
         cooccurrence=arrays["cooccurrence"],
         layer_counts=arrays["layer_counts"],
         info=header.get("info", {}),
+        pair_counts=_optional(
+            arrays, "pair_counts", (pk_d_max(), want[0], shape.num_experts, shape.num_experts), path
+        ),
+        temporal=_optional(
+            arrays, "temporal", (shape.num_layers, shape.num_experts, shape.num_experts), path
+        ),
+        recent=_recent(arrays, shape, path),
     )
+
+
+def _recent(arrays: dict, shape: ModelShape, path: Path) -> np.ndarray | None:
+    a = arrays.get("recent")
+    if a is None:
+        return None
+    if (
+        a.ndim != 3
+        or a.shape[1:] != (shape.num_layers, shape.top_k)
+        or (a.size and (a.min() < -1 or a.max() >= shape.num_experts))
+    ):
+        raise PredictorError(f"{path}: 'recent' has shape {a.shape} or ids out of range")
+    return a.astype(np.int16)
+
+
+def pk_d_max() -> int:
+    from stmoe.predictors.plus_kernels import D_MAX
+
+    return D_MAX
+
+
+def _optional(arrays: dict, key: str, want: tuple[int, ...], path: Path) -> np.ndarray | None:
+    """An optional count array, checked against the model shape."""
+    a = arrays.get(key)
+    if a is None:
+        return None
+    want = (want[0], max(want[1], 1), *want[2:]) if key == "pair_counts" else want
+    if a.shape != want or not np.issubdtype(a.dtype, np.number):
+        raise PredictorError(f"{path}: {key} has shape {a.shape}, expected {want}")
+    return a

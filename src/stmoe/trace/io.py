@@ -56,6 +56,8 @@ def save_trace(trace: RoutingTrace, path: str | Path, *, compress: bool = False)
         arrays["weights"] = np.asarray(trace.weights, dtype=np.float32)
     if trace.token_ids is not None:
         arrays["token_ids"] = np.asarray(trace.token_ids, dtype=np.int64)
+    if trace.lookahead is not None:
+        arrays["lookahead"] = np.asarray(trace.lookahead, dtype=np.int16)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -142,6 +144,7 @@ def trace_from_arrays(
         is_decode=np.asarray(arrays["is_decode"]),
         weights=arrays.get("weights"),
         token_ids=arrays.get("token_ids"),
+        lookahead=arrays.get("lookahead"),
         domains=tuple(domains),
         meta=TraceMeta.from_dict(meta) if not isinstance(meta, TraceMeta) else meta,
     )

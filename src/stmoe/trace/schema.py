@@ -103,6 +103,9 @@ class RoutingTrace:
     weights: np.ndarray | None = None  # [T, L, K] float32 gate weights, or None
     domains: tuple[str, ...] = ()  # [S] domain/task label per sequence
     token_ids: np.ndarray | None = None  # [T] int64 vocabulary ids, or None
+    # [T, L, J] int16 gate lookahead: layer l's router applied to layer l-1's hidden
+    # state, its top-J ids ranked (-1: none, always at layer 0), or None
+    lookahead: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not self.domains:
@@ -208,7 +211,23 @@ def validate(trace: RoutingTrace, *, file: str | None = None) -> RoutingTrace:
         fail("every expert slot is empty (-1)", expected="at least one routed expert")
     if trace.weights is not None:
         _validate_weights(trace, fail)
+    if trace.lookahead is not None:
+        _validate_lookahead(trace, fail)
     return trace
+
+
+def _validate_lookahead(trace: RoutingTrace, fail: Any) -> None:
+    look = np.asarray(trace.lookahead)
+    if (
+        look.ndim != 3
+        or look.shape[:2] != trace.experts.shape[:2]
+        or not np.issubdtype(look.dtype, np.integer)
+    ):
+        fail(f"lookahead has shape {look.shape}, dtype {look.dtype}",
+             expected=f"integer [T, L, J] with T, L = {trace.experts.shape[:2]}")  # fmt: skip
+    if look.size and (look.min() < EMPTY_SLOT or look.max() >= trace.num_experts):
+        fail("a lookahead expert id is out of range",
+             expected=f"-1..{trace.num_experts - 1}")  # fmt: skip
 
 
 def _validate_sequences(trace: RoutingTrace, fail: Any) -> None:

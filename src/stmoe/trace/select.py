@@ -121,7 +121,8 @@ def concat(traces: Sequence[RoutingTrace], *, drop_partial: bool = False) -> Rou
                     expected="traces of the same model and shape",
                 )
     complete = {}
-    for field, label in (("weights", "gate weights"), ("token_ids", "token ids")):
+    for field, label in (("weights", "gate weights"), ("token_ids", "token ids"),
+                         ("lookahead", "gate lookahead")):  # fmt: skip
         have = [getattr(t, field) is not None for t in traces]
         complete[field] = all(have)
         if any(have) and not all(have) and not drop_partial:
@@ -154,6 +155,9 @@ def concat(traces: Sequence[RoutingTrace], *, drop_partial: bool = False) -> Rou
             token_ids=np.concatenate([np.asarray(t.token_ids) for t in traces])
             if has_ids
             else None,
+            lookahead=np.concatenate([np.asarray(t.lookahead) for t in traces])
+            if complete["lookahead"]
+            else None,
             domains=tuple(d for t in traces for d in t.domains),
             meta=meta,
         )
@@ -182,6 +186,7 @@ def _take_tokens(
             is_decode=np.asarray(trace.is_decode)[tokens],
             weights=take(trace.weights),
             token_ids=take(trace.token_ids),
+            lookahead=take(trace.lookahead),
             domains=domains,
             meta=trace.meta,
         )

@@ -1,0 +1,401 @@
+"""stmoe-plus and hybrid: probabilistic table predictors (no network, no gradients).
+
+stmoe-plus scores every expert of the target layer with smoothed conditional
+frequencies over the *full* co-occurrence counts (not just a top-K row):
+
+* spatial: the experts chosen at the previous layer l -> l+1;
+* second order: the experts chosen at l-1 -> l+1;
+* temporal: the previous token's experts at the target layer;
+* a per-layer prior (how often each expert is chosen at that layer);
+
+weighted by ``w`` (fitted on held-back profiling data by ``fit``; never on the
+evaluation trace), learning online with exponential forgetting (``decay`` per
+token). It returns the ``budget`` best experts, or with ``adaptive`` a set
+sized by score mass (more experts where scores are flat), steered so its mean
+size is ``budget``. With ``horizon`` h it predicts layer l+h from layers <= l.
+
+hybrid adds **gate lookahead**: layer l+1's router applied to layer l's hidden
+state (recorded by capture as the trace's ``lookahead`` array, computed live by
+the runtime), fused with the table scores by weight ``beta``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stmoe.predictors import plus_kernels as pk
+from stmoe.predictors.base import ModelShape, Predictor, PredictorError, PrefetchPlan, register
+from stmoe.predictors.tables import ProfiledTables
+from stmoe.trace.schema import RoutingTrace
+
+# spatial from the last 4 known layers (nearest first), temporal, prior, recency, memory
+DEFAULT_W = (1.0, 0.5, 0.25, 0.0, 0.5, 0.25, 0.5, 1.0)
+W_NAMES = ("w_spatial", "w_second", "w_third", "w_fourth", "w_temporal", "w_prior",
+           "w_recent", "w_memory")  # fmt: skip
+MEMORY_TOKENS = 512  # the token memory's ring size (and tokens of it kept in the tables)
+DEFAULT_POWER = 4.0
+DEFAULT_ALPHA = 1.0
+DEFAULT_GAMMA = 0.8
+FIT_HOLDOUT = 0.2  # share of the profiling tokens held back to choose the weights
+FIT_MAX_TOKENS = 512  # held-back tokens used at most (the fit's cost)
+FIT_BUDGET = 1.5  # the fit maximises recall at this many experts per prediction, times K
+
+
+@dataclass(frozen=True)
+class PlusConfig:
+    """Knobs of stmoe-plus; None = the weights fitted at profiling (or the defaults)."""
+
+    budget: float = 0.0  # experts per prediction (mean size when adaptive); 0 = top-K
+    adaptive: bool = False  # size each set by score mass; mean size steered to budget
+    horizon: int = 1  # predict layer l+h from the token's layers <= l
+    online: bool = True  # keep counting (with forgetting) while predicting
+    decay: float = 0.999  # per-token weight of old counts (1 = never forget)
+    w_spatial: float | None = None
+    w_second: float | None = None
+    w_third: float | None = None
+    w_fourth: float | None = None
+    w_temporal: float | None = None
+    w_prior: float | None = None
+    w_recent: float | None = None
+    w_memory: float | None = None
+    power: float | None = None  # token memory: similarity exponent
+    gamma: float | None = None  # recency: weight of the previous token in the moving average
+    alpha: float | None = None  # smoothing towards the prior, in tokens
+    beta: float | None = None  # hybrid only: weight of the gate lookahead
+
+    def check(self, shape: ModelShape) -> None:
+        if self.budget < 0 or self.budget > shape.num_experts:
+            raise PredictorError(f"budget {self.budget}: expected 0 (top-K) .. {shape.num_experts}")
+        if not 1 <= self.horizon <= pk.D_MAX - 1:
+            raise PredictorError(f"horizon {self.horizon}: expected 1..{pk.D_MAX - 1}")
+        if not 0.0 < self.decay <= 1.0:
+            raise PredictorError(f"decay {self.decay}: expected 0 < decay <= 1")
+        if self.beta is not None and not 0.0 <= self.beta <= 1.0:
+            raise PredictorError(f"beta {self.beta}: expected 0..1")
+
+
+@dataclass
+class _Counts:
+    """The count arrays of plus_kernels (see there), float64, private to one predictor."""
+
+    co: np.ndarray
+    r: np.ndarray
+    tt: np.ndarray
+    rt: np.ndarray
+    p: np.ndarray
+    z: np.ndarray
+
+    @classmethod
+    def empty(cls, shape: ModelShape) -> _Counts:
+        n, layers = shape.num_experts, shape.num_layers
+        return cls(np.zeros((pk.D_MAX, max(layers - 1, 1), n, n)),
+                   np.zeros((pk.D_MAX, max(layers - 1, 1), n)), np.zeros((layers, n, n)),
+                   np.zeros((layers, n)), np.zeros((layers, n)), np.zeros(layers))  # fmt: skip
+
+    @classmethod
+    def of(cls, tables: ProfiledTables) -> _Counts:
+        if tables.pair_counts is None or tables.temporal is None:
+            raise PredictorError("these tables predate stmoe-plus (no pair or temporal counts); "
+                                 "profile the trace again with this stmoe")  # fmt: skip
+        k = tables.shape.top_k
+        co = np.array(tables.pair_counts, dtype=np.float64)
+        tt = np.array(tables.temporal, dtype=np.float64)
+        p = np.array(tables.layer_counts, dtype=np.float64)
+        tokens = np.asarray(tables.info.get("layer_tokens", p.sum(axis=1) / k), dtype=np.float64)
+        return cls(co, co.sum(axis=3) / k, tt, tt.sum(axis=2) / k, p, tokens.copy())
+
+    def copy(self) -> _Counts:
+        return _Counts(*(np.array(a, copy=True) for a in dataclasses.astuple(self)))
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.co, self.r, self.tt, self.rt, self.p, self.z
+
+
+@dataclass
+class _Memory:
+    """The token memory of plus_kernels (a ring of recent tokens' routing)."""
+
+    mcol: np.ndarray  # [L, N, W] float32
+    mset: np.ndarray  # [W, L, K] int16
+    mstate: np.ndarray  # [filled, next slot] int64
+
+    @classmethod
+    def of_routing(cls, shape: ModelShape, recent: np.ndarray | None) -> _Memory:
+        layers, n, k = shape.num_layers, shape.num_experts, shape.top_k
+        mem = cls(np.zeros((layers, n, MEMORY_TOKENS), dtype=np.float32),
+                  np.full((MEMORY_TOKENS, layers, k), -1, dtype=np.int16),
+                  np.zeros(2, dtype=np.int64))  # fmt: skip
+        if recent is not None:
+            for token in np.asarray(recent, dtype=np.int16)[-MEMORY_TOKENS:]:
+                pk.memory_add(mem.mcol, mem.mset, mem.mstate, token)
+        return mem
+
+    @classmethod
+    def of(cls, tables: ProfiledTables) -> _Memory:
+        return cls.of_routing(tables.shape, tables.recent)
+
+    def overlaps(self, num_layers: int) -> np.ndarray:
+        return np.zeros((num_layers, self.mset.shape[0]), dtype=np.float32)
+
+    def copy(self) -> _Memory:
+        return _Memory(self.mcol.copy(), self.mset.copy(), self.mstate.copy())
+
+
+@register
+class PlusPredictor(Predictor):
+    """Smoothed conditional frequencies over several signals; see the module docstring."""
+
+    name = "stmoe-plus"
+    needs_tables = True
+
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None, **knobs: Any) -> None:
+        super().__init__(shape)
+        try:
+            self.config = PlusConfig(**knobs)
+        except TypeError:
+            valid = ", ".join(f.name for f in dataclasses.fields(PlusConfig))
+            raise PredictorError(f"unknown {self.name} option in {sorted(knobs)}; "
+                                 f"valid: {valid}") from None  # fmt: skip
+        self.config.check(shape)
+        if tables is None:
+            raise PredictorError(f"{self.name!r} needs profiled tables (stmoe profile)")
+        tables.check_fits(shape)
+        self.counts = _Counts.of(tables)
+        fitted = tables.info.get("plus", {})
+        c = self.config
+        w = fitted.get("w", DEFAULT_W)
+        given = [getattr(c, n) for n in W_NAMES]
+        self.w = np.array([w[i] if v is None else v for i, v in enumerate(given)])
+        self.gamma = float(fitted.get("gamma", DEFAULT_GAMMA) if c.gamma is None else c.gamma)
+        self.power = float(fitted.get("power", DEFAULT_POWER) if c.power is None else c.power)
+        self.memory = _Memory.of(tables)
+        self.alpha = float(fitted.get("alpha", DEFAULT_ALPHA) if c.alpha is None else c.alpha)
+        self.beta = float(fitted.get("beta", 0.5) if c.beta is None else c.beta)
+        self.budget = float(c.budget) if c.budget > 0 else float(shape.top_k)
+        self.ctl = np.zeros(2)  # set sizes: [remainder carried, running mean of flatness]
+        self.scale = 1.0
+        n = shape.num_experts
+        self._prev: dict[int, np.ndarray] = {}  # slot -> previous token's [L, K]
+        self._recent: dict[int, np.ndarray] = {}  # slot -> recency [L, N] of its sequence
+        self._overlap: dict[int, np.ndarray] = {}  # slot -> [L, W] overlaps with the memory
+        self._votes = np.zeros(n)
+        self._look: dict[tuple[int, int], np.ndarray] = {}  # (slot, layer) -> lookahead ids
+        self._prior = np.zeros(n)
+        self._scores = np.zeros(n)
+        self._out = np.zeros(n, dtype=np.int64)
+        self._empty = np.full((shape.num_layers, shape.top_k), -1, dtype=np.int16)
+
+    @classmethod
+    def knobs(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(PlusConfig))
+
+    # ---- the protocol ---------------------------------------------------------------
+    def reset(self, slot: int = 0) -> None:
+        super().reset(slot)
+        self._prev.pop(slot, None)
+        self._recent.pop(slot, None)
+        self._overlap.pop(slot, None)
+
+    def _ov(self, slot: int) -> np.ndarray:
+        ov = self._overlap.get(slot)
+        if ov is None:
+            ov = self._overlap[slot] = self.memory.overlaps(self.shape.num_layers)
+        return ov
+
+    def _recency(self, slot: int) -> np.ndarray:
+        rc = self._recent.get(slot)
+        if rc is None:
+            rc = self._recent[slot] = np.zeros((self.shape.num_layers, self.shape.num_experts))
+        return rc
+
+    def lookahead(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
+        """Gate lookahead for ``layer`` (ranked ids; -1 empty), used by the next predict."""
+        self._look[(slot, layer)] = np.asarray(experts, dtype=np.int16)
+
+    def scores(self, layer: int, slot: int = 0) -> np.ndarray:
+        """Every expert's score for ``layer`` (higher: more likely), from what is known."""
+        self._check_layer(layer)
+        cur = self.token_so_far(slot)
+        known = -1 if cur is None else layer - self.config.horizon
+        if cur is not None:
+            filled = int(np.count_nonzero((cur >= 0).any(axis=1)))
+            known = min(known, filled - 1)
+        prev = self._prev.get(slot)
+        pk.plus_scores(*self.counts.arrays(), self._empty if cur is None else cur, known,
+                       self._empty if prev is None else prev, prev is not None, layer, self.w,
+                       self.alpha, self.scale, self._prior, self._scores,
+                       self._recency(slot), self.memory.mset, self.memory.mstate, self._ov(slot),
+                       self.power, self._votes)  # fmt: skip
+        look = self._look.pop((slot, layer), None)
+        if self.uses_lookahead and look is not None and self.config.horizon == 1 and layer > 0:
+            pk._fuse(self._scores, look, self.beta)
+        return self._scores.copy()
+
+    def predict(self, layer: int, slot: int = 0) -> np.ndarray:
+        return self._select(self.scores(layer, slot))
+
+    def _select(self, scores: np.ndarray) -> np.ndarray:
+        b = pk.set_size(scores, self.budget, self.config.adaptive, self.ctl, self._cap())
+        pk.top_by_score(scores, b, self._out)
+        return self._out[:b].astype(np.int16)
+
+    def _cap(self) -> int:
+        if not self.config.adaptive:
+            return min(self.shape.num_experts, int(np.ceil(self.budget)))
+        return min(self.shape.num_experts, max(1, int(np.ceil(3 * self.budget))))
+
+    def update(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
+        experts = np.asarray(experts, dtype=np.int16)
+        super().update(layer, experts, slot)
+        cur = self.token_so_far(slot)
+        assert cur is not None
+        prev = self._prev.get(slot)
+        pk.recency_update(self._recency(slot), cur, layer, self.gamma)
+        pk.memory_overlap(self.memory.mcol, cur, layer, self._ov(slot))
+        if self.config.online:
+            pk.plus_update(*self.counts.arrays(), cur, self._empty if prev is None else prev,
+                           prev is not None, layer, self.scale)  # fmt: skip
+        if layer == self.shape.num_layers - 1:
+            self._prev[slot] = cur.copy()
+            if self.config.online:
+                pk.memory_add(self.memory.mcol, self.memory.mset, self.memory.mstate, cur)
+                self._age()
+            super().reset(slot)
+
+    def _age(self) -> None:
+        self.scale /= self.config.decay
+        if self.scale > 1e100:
+            for a in self.counts.arrays():
+                a *= 1e-100
+            self.scale *= 1e-100
+
+    def predict_batch(self, layer: int, slots: Sequence[int], budget: int = 0) -> np.ndarray:
+        """One budget for the batch: experts by the expected number of slots needing them."""
+        slots = list(slots)
+        if len(slots) <= 1:
+            ids = self.predict(layer, slots[0] if slots else 0)
+            return ids[:budget] if budget > 0 else ids
+        total = np.zeros(self.shape.num_experts)
+        for slot in slots:
+            s = self.scores(layer, slot)
+            total += s / max(s.sum(), 1e-300)
+        want = budget if budget > 0 else min(self.shape.num_experts,
+                                             round(self.budget * len(slots)))  # fmt: skip
+        order = np.argsort(-total, kind="mergesort")[:want]
+        return order.astype(np.int16)
+
+    # ---- replay ------------------------------------------------------------------------
+    def plan(self, trace: RoutingTrace) -> PrefetchPlan:
+        """The compiled whole-trace replay (identical to stepping through the protocol)."""
+        self.check_shape(ModelShape.of(trace))
+        look = _lookahead_of(trace) if self.uses_lookahead else None
+        c = self.config
+        seq_id = np.repeat(np.arange(trace.num_sequences), np.diff(
+            np.append(trace.seq_starts, trace.num_tokens)))  # fmt: skip
+        ptr, ids, self.scale = pk.plus_replay(
+            *self.counts.arrays(), np.ascontiguousarray(trace.experts, dtype=np.int16),
+            seq_id.astype(np.int64),
+            look if look is not None else np.full((1, 1, 1), -1, np.int16), look is not None,
+            self.w, self.beta, self.alpha, c.decay, c.online, self.budget, c.adaptive,
+            self.ctl, c.horizon, self._cap(), self.scale, self.gamma, self.memory.mcol,
+            self.memory.mset, self.memory.mstate, self.power,
+        )  # fmt: skip
+        return PrefetchPlan(ptr=ptr, ids=ids, num_layers=trace.num_layers)
+
+
+@register
+class HybridPredictor(PlusPredictor):
+    """stmoe-plus fused with gate lookahead (layer l+1's router on layer l's state)."""
+
+    name = "hybrid"
+    uses_lookahead = True
+
+
+def _lookahead_of(trace: RoutingTrace) -> np.ndarray:
+    look = getattr(trace, "lookahead", None)
+    if look is None:
+        raise PredictorError("the hybrid predictor needs gate lookahead in the trace; "
+                             "capture it with `stmoe capture`, which records it")  # fmt: skip
+    return np.ascontiguousarray(look, dtype=np.int16)
+
+
+# ---- fitting the weights on the profiling trace ---------------------------------------
+_GRIDS: dict[str, tuple[float, ...]] = {
+    "w_second": (0.0, 0.25, 0.5, 1.0, 2.0),
+    "w_third": (0.0, 0.25, 0.5, 1.0),
+    "w_fourth": (0.0, 0.25, 0.5, 1.0),
+    "w_temporal": (0.0, 0.5, 1.0, 2.0, 4.0),
+    "w_prior": (0.0, 0.25, 1.0),
+    "w_recent": (0.0, 0.5, 1.0, 2.0, 4.0, 8.0),
+    "alpha": (0.25, 1.0, 4.0),
+    "gamma": (0.5, 0.8, 0.9, 0.97),
+    "w_memory": (0.0, 0.5, 1.0, 2.0, 4.0),
+    "power": (2.0, 4.0, 8.0),
+}
+_START = {**dict(zip(W_NAMES, DEFAULT_W, strict=True)), "alpha": DEFAULT_ALPHA,
+          "gamma": DEFAULT_GAMMA, "power": DEFAULT_POWER}  # fmt: skip
+
+
+def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
+    """Choose the weights, smoothing and recency factor (and hybrid's beta) that
+    maximise recall at top-K on the profiling trace's last ``holdout`` share of
+    tokens, counting on the rest and learning online as the predictor does. Two
+    rounds of coordinate search over small grids; never sees evaluation data.
+    Traces too small to hold any back keep the defaults."""
+    from stmoe.predictors.tables import layer_tokens, pair_counts
+    from stmoe.trace.select import _token_range
+    from stmoe.trace.summary import expert_load
+
+    cut = round(trace.num_tokens * (1 - holdout))
+    held = min(trace.num_tokens - cut, FIT_MAX_TOKENS)
+    if cut < 8 or held < 4:
+        return {**_pack(_START), "fitted": False}
+    first, rest = _token_range(trace, 0, cut), _token_range(trace, cut, cut + held)
+    k = trace.top_k
+    co, tt = pair_counts(first)
+    base = _Counts(co, co.sum(axis=3) / k, tt, tt.sum(axis=2) / k,
+                   expert_load(first).astype(np.float64),
+                   layer_tokens(first).astype(np.float64))  # fmt: skip
+    experts = np.ascontiguousarray(rest.experts, dtype=np.int16)
+    seq_id = np.repeat(np.arange(rest.num_sequences), np.diff(
+        np.append(rest.seq_starts, rest.num_tokens))).astype(np.int64)  # fmt: skip
+    look = getattr(rest, "lookahead", None)
+    no_look = np.full((1, 1, 1), -1, np.int16)
+
+    memory = _Memory.of_routing(ModelShape.of(trace), np.asarray(first.experts))
+
+    def recall(params: dict[str, float], beta: float = 0.0) -> float:
+        counts, mem = base.copy(), memory.copy()
+        ptr, ids, _ = pk.plus_replay(
+            *counts.arrays(), experts, seq_id,
+            no_look if beta == 0.0 else np.ascontiguousarray(look, dtype=np.int16), beta > 0,
+            np.array([params[n] for n in W_NAMES]), beta, params["alpha"], 0.999, True,
+            FIT_BUDGET * k, False, np.zeros(2), 1, int(np.ceil(FIT_BUDGET * k)), 1.0,
+            params["gamma"], mem.mcol, mem.mset, mem.mstate, params["power"],
+        )  # fmt: skip
+        return pk.plan_recall(experts, ptr, ids)
+
+    params, best = dict(_START), recall(_START)
+    for _ in range(2):
+        for name, grid in _GRIDS.items():
+            for value in grid:
+                trial = {**params, name: value}
+                score = recall(trial)
+                if score > best + 1e-12:
+                    params, best = trial, score
+    out: dict[str, Any] = {**_pack(params), "fitted": True, "heldout_tokens": int(held),
+                           "heldout_recall": best}  # fmt: skip
+    if look is not None:
+        score, beta = max((recall(params, b), b) for b in (0.25, 0.5, 0.75, 0.9, 1.0))
+        out.update(beta=beta, heldout_recall_hybrid=score)
+    return out
+
+
+def _pack(params: dict[str, float]) -> dict[str, Any]:
+    return {"w": [params[n] for n in W_NAMES], "alpha": params["alpha"],
+            "gamma": params["gamma"], "power": params["power"]}  # fmt: skip

@@ -1,0 +1,377 @@
+"""Compiled inner loops of the probabilistic table predictors (stmoe-plus, hybrid).
+
+The state is plain count arrays kept in one *scale*: every new observation adds
+``s`` instead of 1, and ``s`` grows by ``1/decay`` per token, so older counts
+weigh less without touching them (exponential forgetting at O(K^2) per update).
+
+    co[d-1, l, e, f]  tokens with e at layer l and f at layer l+d   (d = 1..D)
+    r[d-1, l, e]      tokens with e at layer l (and a layer l+d)
+    tt[l, e, f]       consecutive tokens of a sequence: e at l, then f at l
+    rt[l, e]          tokens followed in their sequence, with e at l
+    p[l, f], z[l]     tokens choosing f at l; tokens seen at l
+    rc[l, f]          (per sequence) recency: an exponential moving average over the
+                      sequence's tokens of "f chosen at l", factor ``gamma``
+
+Token memory (a ring of the last W tokens' routing; a nearest-neighbour vote):
+
+    mcol[l, e, j]     1 if memory token j chose e at layer l
+    mset[j, l, :]     memory token j's experts;  mstate = [filled, next slot]
+    ov[l, j]          overlap of the current token's layer-l experts with token j's
+
+The vote for the target layer weighs each memory token by (its overlap with the
+current token over the last four known layers) ** power: tokens that agree on
+many experts at once dominate, which pairwise counts cannot express.
+
+A signal is a linear pool of smoothed conditionals: for source experts S,
+``mean_{e in S} (C[e, f] + a * prior[f]) / (R[e] + a)``; a missing source falls
+back to the prior. Scores are a weighted sum of the signals and the prior.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stmoe._numba import njit
+
+D_MAX = 4  # farthest layer distance counted: l -> l+4 (second order at horizon 3)
+
+
+@njit(cache=True)
+def count_pairs(experts, seq_id, n, d_max):  # pragma: no cover - compiled
+    """Profiling counts of a trace: (co [D, L-1, N, N], tt [L, N, N]) as float64."""
+    t_len, n_layers, k = experts.shape
+    co = np.zeros((d_max, max(n_layers - 1, 1), n, n), dtype=np.float64)
+    tt = np.zeros((n_layers, n, n), dtype=np.float64)
+    for t in range(t_len):
+        follows = t > 0 and seq_id[t] == seq_id[t - 1]
+        for layer in range(n_layers):
+            for d in range(1, d_max + 1):
+                if layer + d >= n_layers:
+                    break
+                for a in range(k):
+                    e = experts[t, layer, a]
+                    if e < 0:
+                        continue
+                    for b in range(k):
+                        f = experts[t, layer + d, b]
+                        if f >= 0:
+                            co[d - 1, layer, e, f] += 1.0
+            if follows:
+                for a in range(k):
+                    e = experts[t - 1, layer, a]
+                    if e < 0:
+                        continue
+                    for b in range(k):
+                        f = experts[t, layer, b]
+                        if f >= 0:
+                            tt[layer, e, f] += 1.0
+    return co, tt
+
+
+@njit(cache=True)
+def _prior(p, z, target, s, prior):  # pragma: no cover - compiled
+    n = p.shape[1]
+    total = 0.0
+    for f in range(n):
+        prior[f] = p[target, f] + 0.5 * s
+        total += prior[f]
+    for f in range(n):
+        prior[f] /= total
+
+
+@njit(cache=True)
+def _add_signal(c, r, src, prior, a, w, out):  # pragma: no cover - compiled
+    """out += w * mean over valid e in src of (c[e, :] + a * prior) / (r[e] + a)."""
+    n = out.shape[0]
+    valid = 0
+    for e in src:
+        if e >= 0:
+            valid += 1
+    if valid == 0:
+        for f in range(n):
+            out[f] += w * prior[f]
+        return
+    for e in src:
+        if e < 0:
+            continue
+        inv = w / (valid * (r[e] + a))
+        row = c[e]
+        for f in range(n):
+            out[f] += (row[f] + a * prior[f]) * inv
+
+
+@njit(cache=True)
+def memory_overlap(mcol, cur, layer, ov):  # pragma: no cover - compiled
+    """ov[layer] := overlap of cur[layer] with every memory token's layer-``layer`` set."""
+    ov[layer, :] = 0.0
+    for e in cur[layer]:
+        if e >= 0:
+            ov[layer, :] += mcol[layer, e, :]
+
+
+@njit(cache=True)
+def memory_vote(mset, mstate, ov, known, target, power, votes):  # pragma: no cover
+    """votes[f] := sum over memory tokens choosing f at ``target`` of similarity**power."""
+    votes[:] = 0.0
+    total = 0.0
+    if known < 0:
+        return total
+    for j in range(mstate[0]):
+        sim = 0.0
+        for i in range(4):
+            if known - i >= 0:
+                sim += ov[known - i, j]
+        if sim <= 0.0:
+            continue
+        wgt = sim**power
+        for f in mset[j, target]:
+            if f >= 0:
+                votes[f] += wgt
+                total += wgt
+    return total
+
+
+@njit(cache=True)
+def memory_add(mcol, mset, mstate, cur):  # pragma: no cover - compiled
+    """Put a finished token into the ring, evicting the oldest when full."""
+    width = mset.shape[0]
+    slot = mstate[1]
+    if mstate[0] == width:
+        for layer in range(mset.shape[1]):
+            for e in mset[slot, layer]:
+                if e >= 0:
+                    mcol[layer, e, slot] = 0.0
+    for layer in range(mset.shape[1]):
+        for a in range(mset.shape[2]):
+            e = cur[layer, a]
+            mset[slot, layer, a] = e
+            if e >= 0:
+                mcol[layer, e, slot] = 1.0
+    mstate[1] = (slot + 1) % width
+    mstate[0] = min(mstate[0] + 1, width)
+
+
+@njit(cache=True)
+def plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s,
+                prior, out, rc, mset, mstate, ov, power, votes):  # fmt: skip  # pragma: no cover
+    """Scores of every expert for ``target`` given the token's layers 0..known (-1: none).
+
+    w = (spatial from layers known, known-1, known-2, known-3; temporal (previous
+    token at the target layer); prior; recency; token memory).
+    """
+    n = out.shape[0]
+    k = cur.shape[1]
+    d_max = co.shape[0]
+    a = alpha * s
+    _prior(p, z, target, s, prior)
+    for f in range(n):
+        out[f] = 0.0
+    h = target - known
+    for j in range(4):  # the token's layers known, known-1, ..., at distance h+j
+        src = known - j
+        if src >= 0 and 1 <= h + j <= d_max:
+            _add_signal(co[h + j - 1, src], r[h + j - 1, src], cur[src], prior, a, w[j], out)
+        else:
+            for f in range(n):
+                out[f] += w[j] * prior[f]
+    if has_prev:
+        _add_signal(tt[target], rt[target], prev[target], prior, a, w[4], out)
+    else:
+        for f in range(n):
+            out[f] += w[4] * prior[f]
+    for f in range(n):
+        out[f] += w[5] * prior[f] + w[6] * rc[target, f] / k
+    if w[7] != 0.0:
+        total = memory_vote(mset, mstate, ov, known, target, power, votes)
+        if total > 0.0:
+            for f in range(n):
+                out[f] += w[7] * k * votes[f] / total
+        else:
+            for f in range(n):
+                out[f] += w[7] * prior[f]
+
+
+@njit(cache=True)
+def recency_update(rc, cur, layer, gamma):  # pragma: no cover - compiled
+    """The sequence's recency of layer ``layer`` after the router chose cur[layer]."""
+    for f in range(rc.shape[1]):
+        rc[layer, f] *= gamma
+    for f in cur[layer]:
+        if f >= 0:
+            rc[layer, f] += 1.0 - gamma
+
+
+@njit(cache=True)
+def plus_update(co, r, tt, rt, p, z, cur, prev, has_prev, layer, s):  # pragma: no cover
+    """Count the router's choice at ``layer`` (cur[layer]) against earlier layers and
+    the previous token."""
+    d_max = co.shape[0]
+    chosen = cur[layer]
+    for f in chosen:
+        if f >= 0:
+            p[layer, f] += s
+    z[layer] += s
+    for d in range(1, d_max + 1):
+        src = layer - d
+        if src < 0:
+            break
+        for e in cur[src]:
+            if e < 0:
+                continue
+            r[d - 1, src, e] += s
+            for f in chosen:
+                if f >= 0:
+                    co[d - 1, src, e, f] += s
+    if has_prev:
+        for e in prev[layer]:
+            if e < 0:
+                continue
+            rt[layer, e] += s
+            for f in chosen:
+                if f >= 0:
+                    tt[layer, e, f] += s
+
+
+@njit(cache=True)
+def top_by_score(scores, budget, out):  # pragma: no cover - compiled
+    """The ``budget`` best experts, highest score first, ties to the smaller id."""
+    order = np.argsort(-scores, kind="mergesort")
+    for i in range(budget):
+        out[i] = order[i]
+    return budget
+
+
+@njit(cache=True)
+def set_size(scores, budget, adaptive, ctl, cap):  # pragma: no cover - compiled
+    """How many experts this prediction gets; the mean over predictions is ``budget``.
+
+    Fixed: ``budget`` itself, fractional budgets realised by carrying the remainder
+    (5.5 gives 5, 6, 5, 6, ...). Adaptive: in proportion to the scores' effective
+    number of experts exp(entropy) over its running mean, so flat (uncertain)
+    scores get more experts and peaked ones fewer. ctl = [remainder, mean].
+    """
+    want = budget
+    if adaptive:
+        total = 0.0
+        for f in range(scores.shape[0]):
+            total += scores[f]
+        entropy = 0.0
+        if total > 0:
+            for f in range(scores.shape[0]):
+                q = scores[f] / total
+                if q > 0:
+                    entropy -= q * np.log(q)
+        neff = np.exp(entropy)
+        ctl[1] = neff if ctl[1] <= 0 else 0.99 * ctl[1] + 0.01 * neff
+        want = budget * neff / ctl[1]
+    ctl[0] += want
+    b = int(np.floor(ctl[0]))
+    b = max(1 if budget >= 1 else 0, min(b, cap))
+    ctl[0] -= b
+    return b
+
+
+@njit(cache=True)
+def _rescale(co, r, tt, rt, p, z):  # pragma: no cover - compiled
+    co *= 1e-100
+    r *= 1e-100
+    tt *= 1e-100
+    rt *= 1e-100
+    p *= 1e-100
+    z *= 1e-100
+
+
+@njit(cache=True)
+def _fuse(scores, look, beta):  # pragma: no cover - compiled
+    """scores := (1 - beta) * scores / sum + beta * rank weights of the lookahead ids."""
+    total = 0.0
+    for f in range(scores.shape[0]):
+        total += scores[f]
+    if total > 0:
+        for f in range(scores.shape[0]):
+            scores[f] *= (1.0 - beta) / total
+    m = 0
+    for f in look:
+        if f >= 0:
+            m += 1
+    norm = m * (m + 1) / 2.0
+    i = 0
+    for f in look:
+        if f >= 0:
+            scores[f] += beta * (m - i) / norm
+            i += 1
+
+
+@njit(cache=True)
+def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, alpha, decay,
+                online, budget, adaptive, ctl, horizon, cap, scale, gamma, mcol, mset,
+                mstate, power):  # fmt: skip  # pragma: no cover
+    """The whole-trace replay of the protocol: predict(l) then update(l) for every
+    token and layer. Returns (ptr, ids, scale) with PrefetchPlan's CSR arrays."""
+    t_len, n_layers, k = experts.shape
+    n = p.shape[1]
+    width = cap
+    ptr = np.zeros(t_len * n_layers + 1, dtype=np.int64)
+    ids = np.empty(t_len * n_layers * max(width, 1), dtype=np.int16)
+    cur = np.full((n_layers, k), -1, dtype=np.int16)
+    prev = np.full((n_layers, k), -1, dtype=np.int16)
+    prior = np.zeros(n)
+    scores = np.zeros(n)
+    out = np.zeros(n, dtype=np.int64)
+    rc = np.zeros((n_layers, n))
+    ov = np.zeros((n_layers, mset.shape[0]), dtype=np.float32)
+    votes = np.zeros(n)
+    has_prev = False
+    pos = 0
+    for t in range(t_len):
+        if t == 0 or seq_id[t] != seq_id[t - 1]:
+            has_prev = False
+            rc[:, :] = 0.0
+        cur[:, :] = -1
+        for layer in range(n_layers):
+            known = max(layer - horizon, -1)
+            plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, layer, w, alpha,
+                        scale, prior, scores, rc, mset, mstate, ov, power, votes)  # fmt: skip
+            if use_look and horizon == 1 and layer > 0:
+                _fuse(scores, look[t, layer], beta)
+            b = set_size(scores, budget, adaptive, ctl, cap)
+            top_by_score(scores, b, out)
+            for i in range(b):
+                ids[pos + i] = out[i]
+            pos += b
+            ptr[t * n_layers + layer + 1] = pos
+            cur[layer] = experts[t, layer]
+            recency_update(rc, cur, layer, gamma)
+            memory_overlap(mcol, cur, layer, ov)
+            if online:
+                plus_update(co, r, tt, rt, p, z, cur, prev, has_prev, layer, scale)
+        prev[:, :] = cur
+        has_prev = True
+        if online:
+            memory_add(mcol, mset, mstate, cur)
+            scale /= decay
+            if scale > 1e100:
+                _rescale(co, r, tt, rt, p, z)
+                scale *= 1e-100
+    return ptr, ids[:pos].copy(), scale
+
+
+@njit(cache=True)
+def plan_recall(experts, ptr, ids):  # pragma: no cover - compiled
+    """Recall of a plan over layers 1..L-1 of every token (the fit's objective)."""
+    t_len, n_layers, k = experts.shape
+    hits = 0
+    total = 0
+    for t in range(t_len):
+        for layer in range(1, n_layers):
+            i = t * n_layers + layer
+            for a in range(k):
+                e = experts[t, layer, a]
+                if e < 0:
+                    continue
+                total += 1
+                for j in range(ptr[i], ptr[i + 1]):
+                    if ids[j] == e:
+                        hits += 1
+                        break
+    return hits / total if total > 0 else 0.0
