@@ -1,4 +1,4 @@
-"""Speed of the ST-MoE predictor: one online step, and whole-trace replay.
+"""Speed of the ST-MoE predictor (and stmoe-plus, hybrid): one online step, and replay.
 
 Targets (issue "The ST-MoE predictor, ..."):
 - one online step (predict + update) for one token at one layer: median <= 20 us,
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 import stmoe
-from stmoe.predictors import profile
+from stmoe.predictors import make, profile
 from stmoe.predictors.base import Predictor
 from stmoe.predictors.stmoe import STMoEPredictor
 
@@ -71,6 +71,33 @@ def bench_step(n: int, k: int, tokens: int) -> None:
     )
 
 
+def bench_step_plus(name: str, n: int, k: int, tokens: int) -> None:
+    """The same step for stmoe-plus / hybrid (hybrid also takes a gate lookahead)."""
+    trace = stmoe.synthesize(tokens=tokens, layers=8, experts=n, top_k=k, sequences=4, seed=1)
+    tables = profile(trace)
+    p = make(name, tables.shape, tables)
+    ex = np.asarray(trace.experts)
+    look = np.concatenate([ex, (ex + 1) % n], axis=2).astype(np.int16)  # a stand-in lookahead
+    for t in range(50):  # compile and warm up
+        for layer in range(trace.num_layers):
+            p.update(layer, ex[t, layer])
+    times = []
+    for t in range(trace.num_tokens):
+        for layer in range(trace.num_layers - 1):
+            start = time.perf_counter_ns()
+            p.update(layer, ex[t, layer])
+            if p.uses_lookahead:
+                p.lookahead(layer + 1, look[t, layer + 1])
+            p.predict(layer + 1)
+            times.append(time.perf_counter_ns() - start)
+        p.update(trace.num_layers - 1, ex[t, -1])
+    median = statistics.median(times) / 1000
+    verdict = "PASS" if median <= STEP_TARGET_US else "FAIL"
+    margin = STEP_TARGET_US / median
+    print(f"step {name:<10} N={n:<3} K={k}: median {median:6.2f} us (target <= "
+          f"{STEP_TARGET_US:.0f} us: {margin:4.1f}x margin, {verdict})")  # fmt: skip
+
+
 def bench_replay(tokens: int, layers: int, n: int, k: int, check_tokens: int) -> None:
     t0 = time.perf_counter()
     trace = stmoe.synthesize(tokens=tokens, layers=layers, experts=n, top_k=k, sequences=100,
@@ -109,6 +136,9 @@ def main() -> None:
     print(f"stmoe {stmoe.__version__}, numpy {np.__version__}; SYNTHETIC traces")
     bench_step(64, 4, 1000)
     bench_step(256, 8, 1000)
+    for name in ("stmoe-plus", "hybrid"):
+        bench_step_plus(name, 64, 4, 1000)
+        bench_step_plus(name, 256, 8, 1000)
     bench_replay(tokens, 24, 60, 4, check_tokens=2000 if args.quick else 10_000)
 
 

@@ -37,7 +37,7 @@ from stmoe.trace.schema import RoutingTrace
 DEFAULT_W = (1.0, 0.5, 0.25, 0.0, 0.5, 0.25, 0.5, 1.0)
 W_NAMES = ("w_spatial", "w_second", "w_third", "w_fourth", "w_temporal", "w_prior",
            "w_recent", "w_memory")  # fmt: skip
-MEMORY_TOKENS = 512  # the token memory's ring size (and tokens of it kept in the tables)
+MEMORY_TOKENS = 256  # the token memory's ring size (and tokens of it kept in the tables)
 DEFAULT_POWER = 4.0
 DEFAULT_ALPHA = 1.0
 DEFAULT_GAMMA = 0.8
@@ -173,6 +173,7 @@ class PlusPredictor(Predictor):
         self.w = np.array([w[i] if v is None else v for i, v in enumerate(given)])
         self.gamma = float(fitted.get("gamma", DEFAULT_GAMMA) if c.gamma is None else c.gamma)
         self.power = float(fitted.get("power", DEFAULT_POWER) if c.power is None else c.power)
+        self._power = power_table(shape.top_k, self.power)
         self.memory = _Memory.of(tables)
         self.alpha = float(fitted.get("alpha", DEFAULT_ALPHA) if c.alpha is None else c.alpha)
         self.beta = float(fitted.get("beta", 0.5) if c.beta is None else c.beta)
@@ -184,6 +185,8 @@ class PlusPredictor(Predictor):
         self._recent: dict[int, np.ndarray] = {}  # slot -> recency [L, N] of its sequence
         self._overlap: dict[int, np.ndarray] = {}  # slot -> [L, W] overlaps with the memory
         self._votes = np.zeros(n)
+        self._known: dict[int, int] = {}  # slot -> the last layer its token has reported
+        self._no_look = np.full(1, -1, dtype=np.int16)
         self._look: dict[tuple[int, int], np.ndarray] = {}  # (slot, layer) -> lookahead ids
         self._prior = np.zeros(n)
         self._scores = np.zeros(n)
@@ -200,6 +203,7 @@ class PlusPredictor(Predictor):
         self._prev.pop(slot, None)
         self._recent.pop(slot, None)
         self._overlap.pop(slot, None)
+        self._known.pop(slot, None)
 
     def _ov(self, slot: int) -> np.ndarray:
         ov = self._overlap.get(slot)
@@ -217,31 +221,37 @@ class PlusPredictor(Predictor):
         """Gate lookahead for ``layer`` (ranked ids; -1 empty), used by the next predict."""
         self._look[(slot, layer)] = np.asarray(experts, dtype=np.int16)
 
-    def scores(self, layer: int, slot: int = 0) -> np.ndarray:
-        """Every expert's score for ``layer`` (higher: more likely), from what is known."""
+    def _args(self, layer: int, slot: int) -> tuple:
+        """The kernels' arguments up to the scores buffer, for predicting ``layer``."""
         self._check_layer(layer)
         cur = self.token_so_far(slot)
-        known = -1 if cur is None else layer - self.config.horizon
-        if cur is not None:
-            filled = int(np.count_nonzero((cur >= 0).any(axis=1)))
-            known = min(known, filled - 1)
+        known = -1 if cur is None else min(layer - self.config.horizon, self._known.get(slot, -1))
         prev = self._prev.get(slot)
-        pk.plus_scores(*self.counts.arrays(), self._empty if cur is None else cur, known,
-                       self._empty if prev is None else prev, prev is not None, layer, self.w,
-                       self.alpha, self.scale, self._prior, self._scores,
-                       self._recency(slot), self.memory.mset, self.memory.mstate, self._ov(slot),
-                       self.power, self._votes)  # fmt: skip
+        return (*self.counts.arrays(), self._empty if cur is None else cur, known,
+                self._empty if prev is None else prev, prev is not None, layer, self.w,
+                self.alpha, self.scale, self._prior, self._scores, self._recency(slot),
+                self.memory.mset, self.memory.mstate, self._ov(slot), self._power,
+                self._votes)  # fmt: skip
+
+    def _look_for(self, layer: int, slot: int) -> np.ndarray | None:
         look = self._look.pop((slot, layer), None)
-        if self.uses_lookahead and look is not None and self.config.horizon == 1 and layer > 0:
+        if self.uses_lookahead and self.config.horizon == 1 and layer > 0:
+            return look
+        return None
+
+    def scores(self, layer: int, slot: int = 0) -> np.ndarray:
+        """Every expert's score for ``layer`` (higher: more likely), from what is known."""
+        pk.plus_scores(*self._args(layer, slot))
+        look = self._look_for(layer, slot)
+        if look is not None:
             pk._fuse(self._scores, look, self.beta)
         return self._scores.copy()
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
-        return self._select(self.scores(layer, slot))
-
-    def _select(self, scores: np.ndarray) -> np.ndarray:
-        b = pk.set_size(scores, self.budget, self.config.adaptive, self.ctl, self._cap())
-        pk.top_by_score(scores, b, self._out)
+        look = self._look_for(layer, slot)
+        b = pk.plus_predict(*self._args(layer, slot), self._no_look if look is None else look,
+                            look is not None, self.beta, self.budget, self.config.adaptive,
+                            self.ctl, self._cap(), self._out)  # fmt: skip
         return self._out[:b].astype(np.int16)
 
     def _cap(self) -> int:
@@ -255,12 +265,12 @@ class PlusPredictor(Predictor):
         cur = self.token_so_far(slot)
         assert cur is not None
         prev = self._prev.get(slot)
-        pk.recency_update(self._recency(slot), cur, layer, self.gamma)
-        pk.memory_overlap(self.memory.mcol, cur, layer, self._ov(slot))
-        if self.config.online:
-            pk.plus_update(*self.counts.arrays(), cur, self._empty if prev is None else prev,
-                           prev is not None, layer, self.scale)  # fmt: skip
+        pk.plus_learn(*self.counts.arrays(), cur, self._empty if prev is None else prev,
+                      prev is not None, layer, self.scale, self._recency(slot), self.gamma,
+                      self.memory.mcol, self._ov(slot), self.config.online)  # fmt: skip
+        self._known[slot] = layer
         if layer == self.shape.num_layers - 1:
+            self._known.pop(slot, None)
             self._prev[slot] = cur.copy()
             if self.config.online:
                 pk.memory_add(self.memory.mcol, self.memory.mset, self.memory.mstate, cur)
@@ -303,7 +313,7 @@ class PlusPredictor(Predictor):
             look if look is not None else np.full((1, 1, 1), -1, np.int16), look is not None,
             self.w, self.beta, self.alpha, c.decay, c.online, self.budget, c.adaptive,
             self.ctl, c.horizon, self._cap(), self.scale, self.gamma, self.memory.mcol,
-            self.memory.mset, self.memory.mstate, self.power,
+            self.memory.mset, self.memory.mstate, self._power,
         )  # fmt: skip
         return PrefetchPlan(ptr=ptr, ids=ids, num_layers=trace.num_layers)
 
@@ -314,6 +324,11 @@ class HybridPredictor(PlusPredictor):
 
     name = "hybrid"
     uses_lookahead = True
+
+
+def power_table(top_k: int, exponent: float) -> np.ndarray:
+    """s ** exponent for every overlap s a memory token can have (0..4K)."""
+    return np.arange(4 * top_k + 1, dtype=np.float64) ** exponent
 
 
 def _lookahead_of(trace: RoutingTrace) -> np.ndarray:
@@ -376,7 +391,7 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
             no_look if beta == 0.0 else np.ascontiguousarray(look, dtype=np.int16), beta > 0,
             np.array([params[n] for n in W_NAMES]), beta, params["alpha"], 0.999, True,
             FIT_BUDGET * k, False, np.zeros(2), 1, int(np.ceil(FIT_BUDGET * k)), 1.0,
-            params["gamma"], mem.mcol, mem.mset, mem.mstate, params["power"],
+            params["gamma"], mem.mcol, mem.mset, mem.mstate, power_table(k, params["power"]),
         )  # fmt: skip
         return pk.plan_recall(experts, ptr, ids)
 

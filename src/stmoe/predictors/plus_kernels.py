@@ -83,6 +83,8 @@ def _prior(p, z, target, s, prior):  # pragma: no cover - compiled
 def _add_signal(c, r, src, prior, a, w, out):  # pragma: no cover - compiled
     """out += w * mean over valid e in src of (c[e, :] + a * prior) / (r[e] + a)."""
     n = out.shape[0]
+    if w == 0.0:
+        return
     valid = 0
     for e in src:
         if e >= 0:
@@ -91,13 +93,17 @@ def _add_signal(c, r, src, prior, a, w, out):  # pragma: no cover - compiled
         for f in range(n):
             out[f] += w * prior[f]
         return
+    prior_share = 0.0
     for e in src:
         if e < 0:
             continue
         inv = w / (valid * (r[e] + a))
+        prior_share += a * inv
         row = c[e]
         for f in range(n):
-            out[f] += (row[f] + a * prior[f]) * inv
+            out[f] += row[f] * inv
+    for f in range(n):
+        out[f] += prior_share * prior[f]
 
 
 @njit(cache=True)
@@ -111,7 +117,9 @@ def memory_overlap(mcol, cur, layer, ov):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def memory_vote(mset, mstate, ov, known, target, power, votes):  # pragma: no cover
-    """votes[f] := sum over memory tokens choosing f at ``target`` of similarity**power."""
+    """votes[f] := sum over memory tokens choosing f at ``target`` of similarity**power.
+
+    ``power`` is a table: power[s] = s ** exponent for the integer overlaps s."""
     votes[:] = 0.0
     total = 0.0
     if known < 0:
@@ -123,7 +131,7 @@ def memory_vote(mset, mstate, ov, known, target, power, votes):  # pragma: no co
                 sim += ov[known - i, j]
         if sim <= 0.0:
             continue
-        wgt = sim**power
+        wgt = power[int(sim)]
         for f in mset[j, target]:
             if f >= 0:
                 votes[f] += wgt
@@ -234,11 +242,23 @@ def plus_update(co, r, tt, rt, p, z, cur, prev, has_prev, layer, s):  # pragma: 
 
 @njit(cache=True)
 def top_by_score(scores, budget, out):  # pragma: no cover - compiled
-    """The ``budget`` best experts, highest score first, ties to the smaller id."""
-    order = np.argsort(-scores, kind="mergesort")
-    for i in range(budget):
-        out[i] = order[i]
-    return budget
+    """The ``budget`` best experts, highest score first, ties to the smaller id
+    (insertion into a short sorted list: budget is small next to N)."""
+    m = 0
+    if budget <= 0:
+        return 0
+    for f in range(scores.shape[0]):
+        s = scores[f]
+        if m == budget and s <= scores[out[m - 1]]:
+            continue
+        i = m if m < budget else budget - 1
+        while i > 0 and scores[out[i - 1]] < s:
+            out[i] = out[i - 1]
+            i -= 1
+        out[i] = f
+        if m < budget:
+            m += 1
+    return m
 
 
 @njit(cache=True)
@@ -375,3 +395,27 @@ def plan_recall(experts, ptr, ids):  # pragma: no cover - compiled
                         hits += 1
                         break
     return hits / total if total > 0 else 0.0
+
+
+@njit(cache=True)
+def plus_learn(co, r, tt, rt, p, z, cur, prev, has_prev, layer, s, rc, gamma, mcol, ov,
+               online):  # fmt: skip  # pragma: no cover - compiled
+    """Everything ``update`` does for one layer, in one compiled call."""
+    recency_update(rc, cur, layer, gamma)
+    memory_overlap(mcol, cur, layer, ov)
+    if online:
+        plus_update(co, r, tt, rt, p, z, cur, prev, has_prev, layer, s)
+
+
+@njit(cache=True)
+def plus_predict(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s, prior,
+                 scores, rc, mset, mstate, ov, power, votes, look, use_look, beta, budget,
+                 adaptive, ctl, cap, out):  # fmt: skip  # pragma: no cover - compiled
+    """Everything ``predict`` does, in one compiled call; returns the set size."""
+    plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s, prior,
+                scores, rc, mset, mstate, ov, power, votes)  # fmt: skip
+    if use_look:
+        _fuse(scores, look, beta)
+    b = set_size(scores, budget, adaptive, ctl, cap)
+    top_by_score(scores, b, out)
+    return b

@@ -105,6 +105,16 @@ class OffloadEngine:
         self.capacity = capacity
         self.top_k = predictor.shape.top_k
         self._predicts = predictor.name != "ondemand"  # on-demand: nothing to learn or queue
+        # how many layers ahead predictions are made (stmoe-plus's horizon knob; else 1)
+        self.horizon = int(getattr(getattr(predictor, "config", None), "horizon", 1))
+        self._routers = None
+        if predictor.uses_lookahead:
+            from stmoe.capture import routers
+
+            self._routers = routers(model, experts_modules(model))
+            if self._routers is None:
+                raise StoreError(f"predictor {predictor.name!r} needs each MoE layer's router, "
+                                 "and this model's could not be found")  # fmt: skip
         # loads a prediction may start per layer (the most confident experts not yet cached)
         self.budget = min(capacity, budget if budget is not None else capacity)
         if self.budget < 0:
@@ -221,7 +231,8 @@ class OffloadEngine:
         self.forward_ends.append(time.perf_counter())
         if self.phase == "prefill" and self.future is None and self._prefill_routing:
             self._replay_prefill()
-            self._prefetch(self.fwd + 1, 0, self._predicted(0))
+            for fwd, target in self._targets(self.num_layers - 1)[-self.horizon :]:
+                self._prefetch(fwd, target, self._predicted(fwd, target))
 
     def _replay_prefill(self) -> None:
         """Teach the predictor the prompt token by token (the protocol's order)."""
@@ -277,29 +288,54 @@ class OffloadEngine:
             cache.pinned = frozenset()
             if self.policy == "none":
                 self.stats.bytes_wasted += cache.drop_ready() * self.expert_bytes
-        self._after_routing(layer, rows)
+        self._after_routing(layer, rows, hidden_states)
         weights = _Weights(module, params, n)
         return self.base[layer](weights, hidden_states, index, top_k_weights, *args, **kwargs)
 
-    def _after_routing(self, layer: int, rows: np.ndarray) -> None:
-        """Learn what the router chose and queue the prefetch of the next layer."""
+    def _after_routing(self, layer: int, rows: np.ndarray, hidden: torch.Tensor) -> None:
+        """Learn what the router chose and queue the prefetch ``horizon`` layers ahead."""
         if not self._predicts:
             return
+        last = layer == self.num_layers - 1
         if self.phase == "prefill" and self.future is None:
             self._prefill_routing.append(rows.astype(np.int16))
-        elif self.future is None:
-            batch, length = self.batch
-            for slot in range(batch):
-                self.predictor.update(layer, rows[slot * length + length - 1], slot)
-        if layer + 1 < self.num_layers:
-            self._prefetch(self.fwd, layer + 1, self._predicted(layer + 1))
-        elif self.phase == "decode" or self.future is not None:
-            self._prefetch(self.fwd + 1, 0, self._predicted(0))
+            targets = [] if last else self._targets(layer)
+        else:
+            if self.future is None:
+                batch, length = self.batch
+                for slot in range(batch):
+                    self.predictor.update(layer, rows[slot * length + length - 1], slot)
+            targets = self._targets(layer)
+        if self._routers is not None and self.future is None and layer + 1 < self.num_layers:
+            self._lookahead(layer + 1, hidden)
+        for fwd, target in targets:
+            self._prefetch(fwd, target, self._predicted(fwd, target))
 
-    def _predicted(self, layer: int) -> list[int]:
+    def _targets(self, layer: int) -> list[tuple[int, int]]:
+        """(forward call, layer) to predict once ``layer`` is known: ``horizon`` ahead,
+        wrapping to the next token's first layers after the last."""
+        h, n = self.horizon, self.num_layers
+        out = [(self.fwd, layer + h)] if layer + h < n else []
+        if layer == n - 1:
+            out += [(self.fwd + 1, t) for t in range(min(h, n))]
+        return out
+
+    def _lookahead(self, layer: int, hidden: torch.Tensor) -> None:
+        """Gate lookahead: layer ``layer``'s router on the previous layer's hidden state."""
+        from stmoe.capture import lookahead_ids
+
+        assert self._routers is not None
+        batch, length = self.batch
+        last_rows = hidden.reshape(batch, length, -1)[:, -1]
+        router = self._routers[layer]
+        width = min(2 * self.top_k, router.shape[0])
+        ids = lookahead_ids(last_rows, router, width).to("cpu").numpy()
+        for slot in range(batch):
+            self.predictor.lookahead(layer, ids[slot], slot)
+
+    def _predicted(self, fwd: int, layer: int) -> list[int]:
         if self.future is not None:
-            target = (self.fwd, layer) if layer > self.pos[1] else (self.fwd + 1, layer)
-            return list(self.future.get(target, ()))[: self.capacity]
+            return list(self.future.get((fwd, layer), ()))[: self.capacity]
         ids = self.predictor.predict_batch(layer, range(self.batch[0]), budget=self.capacity)
         return [int(e) for e in ids[: self.capacity]]
 
