@@ -10,7 +10,16 @@ import typer
 from rich.table import Table
 
 from stmoe.cli._common import err, out, print_json
-from stmoe.predictors import REGISTRY, load_tables, names, names_for, profile, save_tables
+from stmoe.errors import StmoeError
+from stmoe.predictors import (
+    REGISTRY,
+    accepted_options,
+    load_tables,
+    names,
+    names_for,
+    profile,
+    save_tables,
+)
 from stmoe.replay import ReplayResult, cross_domain_matrix, replay
 from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
 
@@ -79,6 +88,11 @@ def eval_cmd(
         int, typer.Option(help="Cap every prefetch set at B experts, highest scores first.", min=0)
     ] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the random baseline.")] = 0,
+    horizon: Annotated[
+        int,
+        typer.Option(help="Predict layer l+H from layers <= l (stmoe-plus and hybrid; 1 for "
+                     "the others, which are skipped when H > 1).", min=1, max=3),
+    ] = 1,
     split: SplitOpt = None,
     domain: DomainOpt = None,
     cross_domain: Annotated[
@@ -106,10 +120,21 @@ def eval_cmd(
     options: dict[str, Any] = {"seed": seed}
     if budget:
         options["budget"] = budget
+    if horizon > 1:
+        far = [n for n in chosen if "horizon" in accepted_options(n)]
+        if not far:
+            raise StmoeError(f"--horizon {horizon}: none of {', '.join(chosen)} predicts more "
+                             "than one layer ahead; use stmoe-plus or hybrid")  # fmt: skip
+        if len(far) < len(chosen):
+            err.print(f"note: --horizon {horizon}, so skipping "
+                      f"{', '.join(n for n in chosen if n not in far)}")  # fmt: skip
+        chosen, options["horizon"] = far, horizon
     result = replay(trace, chosen, tables, options=options, capacity=capacity, policy=policy)
     if cross_domain:
-        result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace, **options))
+        shared = {k: v for k, v in options.items() if k != "horizon"}
+        result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace, **shared))
     data = result.to_dict()
+    data["horizon"] = horizon
     if json_out is not None and str(json_out) == "-":
         print_json(data)
         return
