@@ -90,8 +90,12 @@ def eval_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the random baseline.")] = 0,
     horizon: Annotated[
         int,
-        typer.Option(help="Predict layer l+H from layers <= l (stmoe-plus and hybrid; 1 for "
-                     "the others, which are skipped when H > 1).", min=1, max=3),
+        typer.Option(
+            help="Predict layer l+H from layers <= l (stmoe-plus and hybrid; 1 for "
+            "the others, which are skipped when H > 1).",
+            min=1,
+            max=3,
+        ),
     ] = 1,
     split: SplitOpt = None,
     domain: DomainOpt = None,
