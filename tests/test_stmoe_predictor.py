@@ -135,6 +135,8 @@ def test_compiled_plan_equals_step_by_step_protocol_for_every_predictor():
     tables = profile(prof)
     shape = ModelShape.of(trace)
     for name in stmoe.predictors.names():
+        if name == "stmoe-mix":  # no compiled plan (its plan is the protocol); per-domain tables
+            continue
         fast = make(name, shape, tables).plan(ev)
         slow = Predictor.plan(make(name, shape, tables), ev)
         assert fast.equals(slow), name

@@ -109,6 +109,8 @@ OFFLOAD_SYSTEMS = {  # name: (predictor, cache policy)
     "on-demand": ("ondemand", "none"),
     "lru-only": ("ondemand", "lru"),
     "stmoe": ("stmoe", "predicted"),
+    "stmoe-plus": ("stmoe-plus", "predicted"),
+    "hybrid": ("hybrid", "predicted"),
     "oracle": ("oracle", "predicted"),
 }
 OFFLOAD_LINK = "200MB"  # EMULATED link bandwidth of the demo's offloaded generation
@@ -116,13 +118,17 @@ OFFLOAD_LINK = "200MB"  # EMULATED link bandwidth of the demo's offloaded genera
 
 def offload_section(model: Any, model_dir: str | Path, out: Path, new_tokens: int) -> dict:
     """Pack the experts, then generate with each system at 50% capacity (bit-identical)."""
-    from stmoe.runtime.api import offload
+    from stmoe.predictors import load_tables, make
+    from stmoe.runtime.api import SHIPPED_TABLES, offload
     from stmoe.runtime.store import pack
 
     store = pack(model, out / "store")
+    tables = load_tables(Path(model_dir) / SHIPPED_TABLES)
     prompt = DEMO_PROMPTS[1].text
     rows = {}
     for name, (predictor, policy) in OFFLOAD_SYSTEMS.items():
+        if predictor in ("stmoe-plus", "hybrid"):  # at 1.5K experts per prediction
+            predictor = make(predictor, tables.shape, tables, budget=1.5 * tables.shape.top_k)
         with offload(model_dir, store, capacity="50%", predictor=predictor, policy=policy,
                      tier="emulated", bandwidth=OFFLOAD_LINK) as om:  # fmt: skip
             r = om.generate(prompt, max_new_tokens=new_tokens)

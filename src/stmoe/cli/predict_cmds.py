@@ -53,15 +53,21 @@ def profile_cmd(
     ] = None,
     split: SplitOpt = None,
     domain: DomainOpt = None,
+    by_domain: Annotated[
+        bool,
+        typer.Option(help="Also keep tables of each domain (needed by stmoe-mix)."),
+    ] = False,
 ) -> None:
     """Build ST-MoE's tables from routing traces (SPEC.md Algorithm 1).
 
     Counts which experts of layer l+1 follow each expert of layer l and keeps the
     most frequent as the cross-layer correlation table, plus per-layer expert
-    frequencies for the frequency baseline.
+    frequencies for the frequency baseline, the counts stmoe-plus and hybrid use
+    (layer pairs up to 4 apart, consecutive tokens, the last 512 tokens) and their
+    signal weights, fitted on the last fifth of the profiling tokens.
     """
     trace = _select(import_files(traces), domain, split, 0)
-    tables = profile(trace, row_width=row_width)
+    tables = profile(trace, row_width=row_width, by_domain=by_domain)
     save_tables(tables, output)
     out.print(
         f"wrote {output}: CCT for {tables.shape.describe()}, row width {tables.row_width}, "

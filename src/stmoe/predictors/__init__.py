@@ -11,6 +11,7 @@ import inspect
 from typing import Any
 
 from stmoe.predictors import baselines as _baselines  # noqa: F401  (registers)
+from stmoe.predictors import mix as _mix  # noqa: F401  (registers stmoe-mix)
 from stmoe.predictors import plus as _plus  # noqa: F401  (registers stmoe-plus, hybrid)
 from stmoe.predictors.base import (
     REGISTRY,
@@ -34,9 +35,11 @@ def names() -> list[str]:
 
 
 def names_for(trace: RoutingTrace) -> list[str]:
-    """The predictors that can replay ``trace`` (hybrid needs its gate lookahead)."""
+    """The predictors that can replay ``trace`` with ordinary tables (hybrid needs the
+    trace's gate lookahead; stmoe-mix needs per-domain tables, so it is left out)."""
     has_look = trace.lookahead is not None
-    return [n for n in names() if has_look or not getattr(REGISTRY[n], "uses_lookahead", False)]
+    return [n for n in names()
+            if (has_look or not REGISTRY[n].uses_lookahead) and n != "stmoe-mix"]  # fmt: skip
 
 
 def make(

@@ -10,6 +10,7 @@ baseline and for richer predictors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -46,6 +47,7 @@ class ProfiledTables:
     pair_counts: np.ndarray | None = None  # [D, L-1, N, N]: e at l and f at l+d, d = 1..D
     temporal: np.ndarray | None = None  # [L, N, N]: e at l, then f at l in the next token
     recent: np.ndarray | None = None  # [M, L, K] int16: the last profiled tokens (token memory)
+    per_domain: dict[str, ProfiledTables] | None = None  # tables of each domain (stmoe-mix)
 
     @property
     def row_width(self) -> int:
@@ -119,12 +121,14 @@ def profile(
     traces: RoutingTrace | Sequence[RoutingTrace],
     row_width: int | None = None,
     fit_plus: bool = True,
+    by_domain: bool = False,
 ) -> ProfiledTables:
     """Algorithm 1 over one or more traces of the same model; ``row_width`` defaults to K.
 
     Also counts what stmoe-plus and hybrid use (pairs of layers up to 4 apart,
     consecutive tokens) and, with ``fit_plus``, chooses their signal weights on a
-    held-back tail of these same traces."""
+    held-back tail of these same traces. ``by_domain`` adds tables of each domain
+    (for stmoe-mix)."""
     traces = [traces] if isinstance(traces, RoutingTrace) else list(traces)
     if not traces:
         raise TraceError("nothing to profile", expected="at least one trace")
@@ -165,15 +169,27 @@ def profile(
         },
         pair_counts=pairs,
         temporal=temporal,
+        per_domain=_per_domain(traces, width, fit_plus) if by_domain else None,
         recent=np.concatenate([np.asarray(t.experts) for t in traces])[-RECENT_TOKENS:].astype(
             np.int16
         ),
     )
 
 
+def _arrays(tables: ProfiledTables, prefix: str = "") -> dict[str, np.ndarray]:
+    arrays = {"cct_ids": tables.cct_ids, "cct_conf": tables.cct_conf,
+              "cooccurrence": tables.cooccurrence, "layer_counts": tables.layer_counts}  # fmt: skip
+    for name in ("pair_counts", "temporal", "recent"):
+        if getattr(tables, name) is not None:
+            arrays[name] = getattr(tables, name)
+    return {prefix + k: v for k, v in arrays.items()}
+
+
 def save_tables(tables: ProfiledTables, path: str | Path) -> Path:
-    """Write tables to one versioned, compressed ``.npz`` (atomically)."""
+    """Write tables (and any per-domain tables) to one versioned, compressed ``.npz``
+    (atomically); a domain's arrays are stored under ``domain<i>/``."""
     path = Path(path)
+    domains = list((tables.per_domain or {}).items())
     header = {
         "format": TABLES_FORMAT,
         "version": TABLES_VERSION,
@@ -182,22 +198,16 @@ def save_tables(tables: ProfiledTables, path: str | Path) -> Path:
         "top_k": tables.shape.top_k,
         "row_width": tables.row_width,
         "info": tables.info,
+        "per_domain": [{"domain": d, "info": t.info} for d, t in domains],
     }
+    arrays = _arrays(tables)
+    for i, (_, t) in enumerate(domains):
+        arrays.update(_arrays(t, f"domain{i}/"))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(
-                f,
-                header=np.array(json.dumps(header)),
-                cct_ids=tables.cct_ids,
-                cct_conf=tables.cct_conf,
-                cooccurrence=tables.cooccurrence,
-                layer_counts=tables.layer_counts,
-                **({} if tables.pair_counts is None else {"pair_counts": tables.pair_counts}),
-                **({} if tables.temporal is None else {"temporal": tables.temporal}),
-                **({} if tables.recent is None else {"recent": tables.recent}),
-            )
+            np.savez_compressed(f, header=np.array(json.dumps(header)), **arrays)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -226,8 +236,27 @@ def load_tables(path: str | Path) -> ProfiledTables:
             f"reads ({TABLES_VERSION}); upgrade stmoe"
         )
     shape = ModelShape(header["num_layers"], header["num_experts"], header["top_k"])
+    tables = _tables_from(arrays, shape, header["row_width"], header.get("info", {}), path)
+    per_domain = {}
+    for i, entry in enumerate(header.get("per_domain", [])):
+        part = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(f"domain{i}/")}
+        if not isinstance(entry, dict) or "domain" not in entry or not part:
+            raise PredictorError(f"{path}: per-domain tables {i} are incomplete")
+        per_domain[str(entry["domain"])] = _tables_from(part, shape, header["row_width"],
+                                                        entry.get("info", {}), path)  # fmt: skip
+    if per_domain:
+        tables = dataclasses.replace(tables, per_domain=per_domain)
+    return tables
+
+
+def _tables_from(arrays: dict, shape: ModelShape, row_width: int, info: dict,
+                 path: Path) -> ProfiledTables:  # fmt: skip
+    missing = [k for k in ("cct_ids", "cct_conf", "cooccurrence", "layer_counts")
+               if k not in arrays]  # fmt: skip
+    if missing:
+        raise PredictorError(f"{path}: not an stmoe tables file (no {missing[0]})")
     ids, conf = arrays["cct_ids"], arrays["cct_conf"]
-    want = (max(shape.num_layers - 1, 0), shape.num_experts, header["row_width"])
+    want = (max(shape.num_layers - 1, 0), shape.num_experts, row_width)
     if ids.shape != want or conf.shape != want:
         raise PredictorError(f"{path}: CCT has shape {ids.shape}, expected {want}")
     check_cct(ids, conf, shape.num_experts, str(path))
@@ -237,7 +266,7 @@ def load_tables(path: str | Path) -> ProfiledTables:
         cct_conf=conf.astype(np.int8),
         cooccurrence=arrays["cooccurrence"],
         layer_counts=arrays["layer_counts"],
-        info=header.get("info", {}),
+        info=info,
         pair_counts=_optional(
             arrays, "pair_counts", (pk_d_max(), want[0], shape.num_experts, shape.num_experts), path
         ),
@@ -259,6 +288,21 @@ def _recent(arrays: dict, shape: ModelShape, path: Path) -> np.ndarray | None:
     ):
         raise PredictorError(f"{path}: 'recent' has shape {a.shape} or ids out of range")
     return a.astype(np.int16)
+
+
+def _per_domain(traces: list[RoutingTrace], width: int, fit_plus: bool
+                ) -> dict[str, ProfiledTables]:  # fmt: skip
+    from stmoe.trace import concat, select_domain
+
+    names = list(dict.fromkeys(d for t in traces for d in t.domains))
+    if len(names) < 2:
+        raise TraceError(f"profiling by domain needs at least 2 domains, the traces have {names}",
+                         hint="label sequences with --domain when importing")  # fmt: skip
+    out = {}
+    for d in names:
+        parts = [select_domain(t, d) for t in traces if d in t.domains]
+        out[d] = profile(concat(parts, drop_partial=True), width, fit_plus)
+    return out
 
 
 def pk_d_max() -> int:

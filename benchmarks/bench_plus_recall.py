@@ -1,0 +1,130 @@
+"""Recall at equal bandwidth: stmoe-plus and hybrid against ST-MoE (issue 9's targets).
+
+Targets:
+  * at equal mean set size, stmoe-plus beats ST-MoE's recall by >= 10 points on the
+    shared real sample (profile on its first half of tokens, evaluate on the second)
+    and on traces of stmoe's own model, within a domain and across domains;
+  * hybrid reaches recall >= 0.95 at a mean set of <= 1.5K on stmoe's own model.
+
+Equal mean set size: ST-MoE's sets have the size its rules give; stmoe-plus gets
+that mean as its budget (a fractional budget alternates between the two nearest
+sizes). Own-model traces are captured here from the shipped model on the demo's
+prompts (three domains, greedy, 128 new tokens), split by sequence in halves.
+Writes docs/figures/recall_vs_budget.png with --figure.
+
+    python benchmarks/bench_plus_recall.py [--figure docs/figures/recall_vs_budget.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+
+import stmoe
+from stmoe.predictors import make, profile
+from stmoe.predictors.base import ModelShape
+from stmoe.replay import evaluate
+
+SHARED = Path(os.environ.get("STMOE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+REAL = SHARED / "traces" / "qwen3.6-35b-a3b_chat-1prompt.npz"
+
+
+def compare(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, float]:
+    tables = profile(prof)
+    shape = ModelShape.of(ev)
+    st = evaluate(ev, make("stmoe", shape, tables)).overall
+    plus = evaluate(ev, make("stmoe-plus", shape, tables, budget=st.set_size)).overall
+    out = {"stmoe": st.recall, "size": st.set_size, "plus": plus.recall,
+           "plus_size": plus.set_size}  # fmt: skip
+    if ev.lookahead is not None:
+        k = ev.top_k
+        hy = evaluate(ev, make("hybrid", shape, tables, budget=1.5 * k)).overall
+        out.update(hybrid=hy.recall, hybrid_size=hy.set_size)
+    return out
+
+
+def line(label: str, r: dict[str, float]) -> str:
+    text = (f"{label:<22} ST-MoE {r['stmoe']:.3f} at {r['size']:.2f} experts | stmoe-plus "
+            f"{r['plus']:.3f} at {r['plus_size']:.2f} -> {100 * (r['plus'] - r['stmoe']):+5.1f} "
+            f"points ({'MET' if r['plus'] - r['stmoe'] >= 0.10 else 'NOT MET'})")  # fmt: skip
+    if "hybrid" in r:
+        text += (f" | hybrid {r['hybrid']:.3f} at {r['hybrid_size']:.2f} "
+                 f"({'MET' if r['hybrid'] >= 0.95 else 'NOT MET'} >= 0.95)")  # fmt: skip
+    return text
+
+
+def own_model_trace() -> stmoe.RoutingTrace:
+    from stmoe.capture_generate import capture_text, load_model
+    from stmoe.demo import DEMO_PROMPTS, SHIPPED_MODEL
+
+    model, tok = load_model(SHIPPED_MODEL)
+    return capture_text(model, tok, list(DEMO_PROMPTS), max_new_tokens=128, batch_size=4,
+                        model_name="tiny-moe")  # fmt: skip
+
+
+def figure(curves: dict[str, dict[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.2))
+    for ax, (title, per) in zip(np.atleast_1d(axes), curves.items(), strict=True):
+        for name, c in per.items():
+            ax.plot(c["set_size"], c["recall"], marker=".", label=name)
+        ax.set(title=title, xlabel="mean prefetch set size (experts)", ylabel="recall")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def curves_of(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, dict]:
+    tables = profile(prof)
+    shape = ModelShape.of(ev)
+    budget = min(4 * ev.top_k, ev.num_experts)
+    names = ["stmoe", "stmoe-plus", "cct-online", "previous-token", "frequency"]
+    if ev.lookahead is not None:
+        names.append("hybrid")
+    out = {}
+    for name in names:
+        opts = {"budget": budget} if name in ("stmoe-plus", "hybrid", "frequency") else {}
+        out[name] = evaluate(ev, make(name, shape, tables, **opts)).curve()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--figure", type=Path, help="write the recall-versus-budget figure")
+    args = parser.parse_args()
+    curves = {}
+    if REAL.exists():
+        real = stmoe.load_trace(REAL)
+        a, b = stmoe.split(real, 0.5, by="token")
+        print(line("real sample (Qwen3)", compare(a, b)))
+        curves["real sample (Qwen3.6-35B-A3B), 2nd half"] = curves_of(a, b)
+    else:
+        print(f"real sample not found at {REAL}; skipped")
+    trace = own_model_trace()
+    domains = list(dict.fromkeys(trace.domains))
+    halves = {d: stmoe.split(stmoe.select_domain(trace, d), 0.5) for d in domains}
+    gains = []
+    for src in domains:
+        for dst in domains:
+            r = compare(halves[src][0], halves[dst][1])
+            gains.append(r["plus"] - r["stmoe"])
+            print(line(f"own model {src}->{dst}", r))
+    print(f"own model: stmoe-plus gains {100 * min(gains):+.1f} .. {100 * max(gains):+.1f} points")
+    code = halves[domains[0]]
+    curves[f"stmoe's model, {domains[0]} -> {domains[0]}"] = curves_of(code[0], code[1])
+    if args.figure:
+        figure(curves, args.figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""stmoe-mix: per-domain stmoe-plus tables weighted online by their recent hit rate.
+
+One server may take code and chat at once; tables profiled on one domain
+predict another worse (the cross-domain matrix shows it). stmoe-mix keeps one
+stmoe-plus member per profiled domain (``stmoe profile --by-domain``); each
+scores the experts, and the mixture weighs the members' normalised scores by
+``exp(eta * h_d)``, where ``h_d`` is member d's hit rate on the slot's recent
+steps (an exponential moving average with factor ``memory``). Every member keeps
+learning online. Each slot (sequence) keeps its own weights, so a batch can mix
+domains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stmoe.predictors import plus_kernels as pk
+from stmoe.predictors.base import ModelShape, Predictor, PredictorError, register
+from stmoe.predictors.plus import PlusPredictor
+from stmoe.predictors.tables import ProfiledTables
+
+
+@dataclass(frozen=True)
+class MixConfig:
+    budget: float = 0.0  # experts per prediction (0 = K); fractional means alternate
+    eta: float = 8.0  # sharpness of the weighting by recent hit rate
+    memory: float = 0.9  # per-step weight of the past in each member's hit rate
+
+
+@register
+class MixPredictor(Predictor):
+    """A mixture of per-domain stmoe-plus members; see the module docstring."""
+
+    name = "stmoe-mix"
+    needs_tables = True
+
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None, **knobs: Any) -> None:
+        super().__init__(shape)
+        try:
+            self.config = MixConfig(**knobs)
+        except TypeError:
+            valid = ", ".join(f.name for f in dataclasses.fields(MixConfig))
+            raise PredictorError(f"unknown stmoe-mix option in {sorted(knobs)}; "
+                                 f"valid: {valid}") from None  # fmt: skip
+        if tables is None or not tables.per_domain:
+            raise PredictorError("stmoe-mix needs per-domain tables: profile with "
+                                 "`stmoe profile --by-domain` (2 or more domains)")  # fmt: skip
+        tables.check_fits(shape)
+        self.domains = list(tables.per_domain)
+        self.members = [PlusPredictor(shape, t) for t in tables.per_domain.values()]
+        self.budget = float(self.config.budget) if self.config.budget > 0 else float(shape.top_k)
+        self._hit: dict[int, np.ndarray] = {}  # slot -> [D] recent hit rate per member
+        self._last: dict[tuple[int, int], list[np.ndarray]] = {}  # (slot, layer) -> sets
+        self._ctl = np.zeros(2)
+        self._out = np.zeros(shape.num_experts, dtype=np.int64)
+
+    @classmethod
+    def knobs(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(MixConfig))
+
+    def reset(self, slot: int = 0) -> None:
+        super().reset(slot)
+        for m in self.members:
+            m.reset(slot)
+        self._hit.pop(slot, None)
+
+    def weights(self, slot: int = 0) -> np.ndarray:
+        """The members' current mixture weights for ``slot`` (sum to 1)."""
+        h = self._hit.get(slot)
+        if h is None:
+            return np.full(len(self.members), 1.0 / len(self.members))
+        w = np.exp(self.config.eta * (h - h.max()))
+        return w / w.sum()
+
+    def scores(self, layer: int, slot: int = 0) -> np.ndarray:
+        mixed = np.zeros(self.shape.num_experts)
+        sets = []
+        k = self.shape.top_k
+        for w, m in zip(self.weights(slot), self.members, strict=True):
+            s = m.scores(layer, slot)
+            sets.append(np.argsort(-s, kind="stable")[:k])  # the member's own top-K guess
+            mixed += w * s / max(s.sum(), 1e-300)
+        self._last[(slot, layer)] = sets
+        return mixed
+
+    def predict(self, layer: int, slot: int = 0) -> np.ndarray:
+        scores = self.scores(layer, slot)
+        b = pk.set_size(scores, self.budget, False, self._ctl,
+                        min(self.shape.num_experts, int(np.ceil(self.budget))))  # fmt: skip
+        pk.top_by_score(scores, b, self._out)
+        return self._out[:b].astype(np.int16)
+
+    def predict_batch(self, layer: int, slots: Sequence[int], budget: int = 0) -> np.ndarray:
+        slots = list(slots)
+        if len(slots) <= 1:
+            ids = self.predict(layer, slots[0] if slots else 0)
+            return ids[:budget] if budget > 0 else ids
+        total = sum(self.scores(layer, s) for s in slots)
+        want = budget if budget > 0 else round(self.budget * len(slots))
+        return np.argsort(-total, kind="stable")[: min(want, self.shape.num_experts)].astype(
+            np.int16
+        )
+
+    def update(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
+        experts = np.asarray(experts, dtype=np.int16)
+        super().update(layer, experts, slot)
+        sets = self._last.pop((slot, layer), None)
+        if sets is not None:
+            chosen = set(experts[experts >= 0].tolist())
+            hits = np.array([len(chosen.intersection(s.tolist())) / max(len(chosen), 1)
+                             for s in sets])  # fmt: skip
+            h = self._hit.get(slot)
+            a = self.config.memory
+            self._hit[slot] = hits if h is None else a * h + (1 - a) * hits
+        for m in self.members:
+            m.update(layer, experts, slot)
+        if layer == self.shape.num_layers - 1:
+            super().reset(slot)
