@@ -98,6 +98,28 @@ def curves_of(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, dic
     return out
 
 
+def mixed_stream(trace: stmoe.RoutingTrace, halves: dict) -> None:
+    """Every domain's second half as one stream: horizons, and the domain mixture."""
+    prof = stmoe.concat([p for p, _ in halves.values()])
+    ev = stmoe.concat([e for _, e in halves.values()])
+    tables = profile(prof, by_domain=True)
+    shape = ModelShape.of(ev)
+    budget = 1.5 * ev.top_k
+    rec = [evaluate(ev, make("stmoe-plus", shape, tables, horizon=h, budget=budget)).overall
+           for h in (1, 2, 3)]  # fmt: skip
+    print(f"own model, mixed stream, budget {budget:g}: stmoe-plus recall at horizon 1/2/3 = "
+          + " / ".join(f"{r.recall:.3f}" for r in rec))  # fmt: skip
+    st = evaluate(ev, make("stmoe", shape, tables)).overall
+    size = st.set_size
+    plus = evaluate(ev, make("stmoe-plus", shape, tables, budget=size)).overall
+    mix = evaluate(ev, make("stmoe-mix", shape, tables, budget=size)).overall
+    members = [evaluate(ev, make("stmoe-plus", shape, t, budget=size)).overall.recall
+               for t in tables.per_domain.values()]  # fmt: skip
+    print(f"own model, mixed stream, at ST-MoE's {size:.2f} experts: ST-MoE {st.recall:.3f}, "
+          f"stmoe-plus (all-domain tables) {plus.recall:.3f}, stmoe-mix {mix.recall:.3f}, "
+          f"single-domain members {min(members):.3f}..{max(members):.3f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--figure", type=Path, help="write the recall-versus-budget figure")
@@ -120,6 +142,7 @@ def main() -> None:
             gains.append(r["plus"] - r["stmoe"])
             print(line(f"own model {src}->{dst}", r))
     print(f"own model: stmoe-plus gains {100 * min(gains):+.1f} .. {100 * max(gains):+.1f} points")
+    mixed_stream(trace, halves)
     code = halves[domains[0]]
     curves[f"stmoe's model, {domains[0]} -> {domains[0]}"] = curves_of(code[0], code[1])
     if args.figure:

@@ -75,7 +75,14 @@ def generate_cmd(
     latency: Annotated[
         str, typer.Option(help="Emulated link latency per transfer, e.g. 50us or 2ms.")
     ] = "0",
-    workers: Annotated[int, typer.Option(help="Prefetch worker threads.", min=0)] = 2,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Prefetch worker threads (default: 2 for disk, 1 for the "
+            "single-link emulated and gpu tiers).",
+            min=0,
+        ),
+    ] = None,
     threads: Annotated[
         int | None,
         typer.Option(

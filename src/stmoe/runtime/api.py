@@ -211,7 +211,7 @@ def offload(
     tier: str = "disk",
     bandwidth: float | str | None = None,
     latency: float = 0.0,
-    workers: int = 2,
+    workers: int | None = None,
     budget: int | None = None,
 ) -> OffloadedModel:
     """Offload a model's routed experts (see the module docstring).
@@ -222,7 +222,9 @@ def offload(
     a folder, a temporary one for a loaded model). ``tier``: ``disk`` (real reads
     bypassing the page cache), ``emulated`` (host memory behind a link of
     ``bandwidth`` bytes/s and ``latency`` s, EMULATED) or ``gpu`` (pinned host
-    memory to a CUDA cache).
+    memory to a CUDA cache). ``workers``: prefetch threads; by default 2 for the
+    disk (a device serves reads in parallel) and 1 for the single-link tiers, where
+    a second thread only queues another transfer ahead of the next miss.
     """
     if tier not in TIERS:
         raise StoreError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
@@ -255,6 +257,8 @@ def offload(
         device = torch.device("cuda")
         _move_resident(model, device)
     source = _tier(tier, expert_store, bandwidth, latency)
+    if workers is None:
+        workers = 2 if tier == "disk" else 1
     engine = OffloadEngine(model, expert_store, source, per_layer, pred, policy, workers, device,
                            budget)  # fmt: skip
     model.set_experts_implementation(IMPL_NAME)
