@@ -169,3 +169,18 @@ def test_the_mixture_needs_per_domain_tables():
     one = stmoe.synthesize(tokens=200, layers=3, experts=8, top_k=2, sequences=2)
     with pytest.raises(stmoe.TraceError, match="at least 2 domains"):
         profile(one, by_domain=True)
+
+
+def test_cli_profile_by_domain_eval_mix_and_horizons(cli, tmp_path):
+    trace, tables = tmp_path / "s.npz", tmp_path / "t.npz"
+    stmoe.save_trace(_domains_trace(), trace)
+    res = cli("profile", trace, "--by-domain", "-o", tables)
+    assert res.exit_code == 0, res.output
+    res = cli("eval", trace, "--tables", tables, "--predictor", "stmoe-mix", "--predictor",
+              "stmoe-plus", "--budget", "3", "--json", "-")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    res = cli("eval", trace, "--tables", tables, "--horizon", "2", "--predictor", "stmoe",
+              "--predictor", "stmoe-plus")  # fmt: skip
+    assert res.exit_code == 0 and "skipping stmoe" in res.output, res.output
+    res = cli("eval", trace, "--tables", tables, "--horizon", "2", "--predictor", "stmoe")
+    assert res.exit_code == 1 and "more than one layer ahead" in res.output, res.output
