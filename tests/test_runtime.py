@@ -351,6 +351,12 @@ def test_generate_cli_prints_text_and_writes_the_measurements(cli, tmp_path, mon
         (["--tier", "emulated", "--bandwidth", "fast"], "not a size"),
         (["--predictor", "psychic"], "unknown predictor"),
         (["--store", "nowhere"], "not an expert store"),
+        pytest.param(
+            ["--tier", "gpu"],
+            "needs CUDA",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present"),
+        ),  # fmt: skip
+        (["--capacity", "1KB"], "0 experts per layer"),
     ],
 )
 def test_generate_cli_bad_input(cli, tmp_path, monkeypatch, args, message):

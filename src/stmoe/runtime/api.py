@@ -254,6 +254,9 @@ def offload(
         predictor, shape, tables, model_dir)  # fmt: skip
     device = None
     if tier == "gpu":
+        if not torch.cuda.is_available():
+            raise StoreError("--tier gpu needs CUDA, and torch sees no GPU here; use --tier disk "
+                             "or --tier emulated")  # fmt: skip
         device = torch.device("cuda")
         _move_resident(model, device)
     source = _tier(tier, expert_store, bandwidth, latency)
