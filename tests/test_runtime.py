@@ -355,7 +355,7 @@ def test_generate_cli_prints_text_and_writes_the_measurements(cli, tmp_path, mon
             ["--tier", "gpu"],
             "needs CUDA",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present"),
-        ),  # fmt: skip
+        ),
         (["--capacity", "1KB"], "0 experts per layer"),
     ],
 )
