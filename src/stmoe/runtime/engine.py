@@ -156,12 +156,16 @@ class OffloadEngine:
         """Start a measured run: fresh counters, empty caches (``cold``), predictor slots
         reset. ``future`` (the oracle) maps (forward call, layer) to the experts it needs."""
         with self.cv:
+            self.queue: list[tuple[int, int, int, int]] = []
+            # loads of the previous run still in flight finish first: they must not
+            # land in (or be counted by) the new run
+            while any(st == LOADING for c in self.caches for st in c.state):
+                self.cv.wait(timeout=0.5)
             if cold:
                 for cache in self.caches:
                     for s in range(cache.capacity):
                         if cache.state[s] == READY:
                             cache.abandon(s)
-            self.queue: list[tuple[int, int, int, int]] = []
             self.stats = RuntimeStats(self.num_layers, self.expert_bytes)
             self.fwd = -1
             self.pos = (-1, -1)
