@@ -386,3 +386,37 @@ def test_a_2000_token_generation_keeps_memory_flat_and_the_cache_within_budget(t
     assert len(result.tokens) == 2000
     assert probe.peak_cached <= 4
     assert abs(probe.growth_after(300)) <= 0.05, probe.samples
+
+
+def test_a_run_ends_only_when_its_last_prefetches_have_landed(tmp_path):
+    model, _ = tiny_model("mixtral")
+    store = pack(model, tmp_path / "store")
+    model, _ = tiny_model("mixtral")
+    expert_bytes = (store / "experts.bin").stat().st_size // (3 * 8)
+    with offload(model, store, capacity=4, predictor="random", tier="emulated",
+                 bandwidth=expert_bytes / 0.01, workers=2) as om:  # fmt: skip
+        _, stats = om.measure(lambda: _generate(om.model))
+        assert all(not c.loading() for c in om.engine.caches)
+        moved = stats.bytes_moved
+        import time
+
+        time.sleep(0.1)
+        assert stats.bytes_moved == moved  # final when returned
+
+
+def test_misuse_is_a_clear_error(tmp_path):
+    model, _ = tiny_model("mixtral")
+    store = pack(model, tmp_path / "store")
+    model, _ = tiny_model("mixtral")
+    om = offload(model, store, capacity=2, predictor="ondemand")
+    with pytest.raises(StoreError, match="already offloaded"):
+        offload(model, capacity=2, predictor="ondemand")
+    with pytest.raises(StoreError, match="outside the vocabulary"):
+        om.generate([5, 500], max_new_tokens=1)
+    with pytest.raises(StoreError, match="flat list of token ids"):
+        om.generate([[5, 6]], max_new_tokens=1)
+    om.close()
+    with pytest.raises(StoreError, match="closed"):
+        om.generate([5, 6], max_new_tokens=1)
+    with pytest.raises(StoreError, match="workers must be"):
+        offload(tiny_model("mixtral")[0], store, capacity=2, predictor="ondemand", workers=-1)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from stmoe.capture import experts_modules
@@ -30,7 +31,14 @@ from stmoe.runtime.engine import IMPL_NAME, OffloadEngine, register
 from stmoe.runtime.loading import load_without_experts
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import ExpertStore, StoreError, pack
-from stmoe.runtime.tiers import DiskTier, EmulatedLinkTier, PinnedHostTier, Tier, parse_bytes
+from stmoe.runtime.tiers import (
+    DiskTier,
+    EmulatedLinkTier,
+    PinnedHostTier,
+    Tier,
+    parse_bytes,
+    parse_seconds,
+)
 
 T = TypeVar("T")
 TIERS = ("disk", "emulated", "gpu")
@@ -150,7 +158,7 @@ class OffloadedModel:
                 raise StoreError("this offloaded model has no tokenizer; pass token ids")
             ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         else:
-            ids = torch.tensor([list(map(int, prompt))])
+            ids = _prompt_ids(prompt, self.model.config)
         if ids.shape[1] == 0:
             raise StoreError("the prompt has no tokens")
         ids = ids.to(self.engine.device)
@@ -200,6 +208,23 @@ class OffloadedModel:
                                        do_sample=False, pad_token_id=pad)  # fmt: skip
 
 
+def _prompt_ids(prompt: Any, config: Any) -> torch.Tensor:
+    """[1, S] token ids from a flat list of ints within the vocabulary."""
+    vocab = getattr(config, "vocab_size", None) or getattr(
+        getattr(config, "text_config", None), "vocab_size", None)  # fmt: skip
+    ids = []
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise StoreError(
+                f"prompt token {i} is {t!r}; expected text or a flat list of token ids"
+            )
+        if t < 0 or (vocab is not None and t >= vocab):
+            raise StoreError(f"prompt token {i} is {t}, outside the vocabulary 0..{vocab - 1}"
+                             if vocab else f"prompt token {i} is negative")  # fmt: skip
+        ids.append(int(t))
+    return torch.tensor([ids], dtype=torch.long)
+
+
 def offload(
     model_or_dir: torch.nn.Module | str | Path,
     store: str | Path | None = None,
@@ -210,7 +235,7 @@ def offload(
     policy: str = "predicted",
     tier: str = "disk",
     bandwidth: float | str | None = None,
-    latency: float = 0.0,
+    latency: float | str = 0.0,
     workers: int | None = None,
     budget: int | None = None,
 ) -> OffloadedModel:
@@ -239,11 +264,32 @@ def offload(
         tokenizer = _tokenizer(model_dir)
     else:
         model = model_or_dir
+        if getattr(model.config, "_experts_implementation", None) == IMPL_NAME:
+            raise StoreError("this model is already offloaded (or was, and is closed); "
+                             "offload a freshly loaded model or its folder")  # fmt: skip
         if store is None:
             cleanup = Path(tempfile.mkdtemp(prefix="stmoe-store-"))
-            pack(model, cleanup)
+            try:
+                pack(model, cleanup)
+            except BaseException:
+                shutil.rmtree(cleanup, ignore_errors=True)
+                raise
         store_path = Path(store) if store is not None else cleanup
     assert store_path is not None
+    try:
+        return _offload(model, store_path, tokenizer, model_dir, cleanup, capacity, predictor,
+                        tables, policy, tier, bandwidth, latency, workers, budget)  # fmt: skip
+    except BaseException:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise
+
+
+def _offload(model: torch.nn.Module, store_path: Path, tokenizer: Any, model_dir: Path | None,
+             cleanup: Path | None, capacity: int | str, predictor: str | Predictor,
+             tables: str | Path | None, policy: str, tier: str, bandwidth: float | str | None,
+             latency: float | str, workers: int | None, budget: int | None
+             ) -> OffloadedModel:  # fmt: skip
     expert_store = ExpertStore(store_path)
     expert_store.check_model(model)
     shape = ModelShape(len(experts_modules(model)), int(expert_store.model["num_experts"]),
@@ -262,8 +308,12 @@ def offload(
     source = _tier(tier, expert_store, bandwidth, latency)
     if workers is None:
         workers = 2 if tier == "disk" else 1
-    engine = OffloadEngine(model, expert_store, source, per_layer, pred, policy, workers, device,
-                           budget)  # fmt: skip
+    try:
+        engine = OffloadEngine(model, expert_store, source, per_layer, pred, policy, workers,
+                               device, budget)  # fmt: skip
+    except BaseException:
+        source.close()
+        raise
     model.set_experts_implementation(IMPL_NAME)
     config = {"store": str(store_path), "capacity": per_layer, "capacity_share":
               per_layer / shape.num_experts, "predictor": pred.name, "policy": policy,
@@ -279,7 +329,10 @@ def offload(
     return OffloadedModel(model, engine, tokenizer, config, cleanup)
 
 
-def _tier(name: str, store: ExpertStore, bandwidth: float | str | None, latency: float) -> Tier:
+def _tier(name: str, store: ExpertStore, bandwidth: float | str | None,
+          latency: float | str) -> Tier:  # fmt: skip
+    if isinstance(latency, str):
+        latency = parse_seconds(latency)
     if name == "disk":
         return DiskTier(store)
     if name == "gpu":

@@ -138,6 +138,8 @@ class OffloadEngine:
         self._max_block = max(padded(b) for b in store.blocks.values())
         lock = threading.Lock()
         self.cv = threading.Condition(lock)  # the compute thread waits here for slots
+        self.closed = False
+        self._threads: list[threading.Thread] = []
         self.work = threading.Condition(lock)  # the workers wait here for requests
         self._buf = aligned_buffer(self._max_block)  # the compute thread's read buffer
         self._stream = torch.cuda.Stream() if self.device.type == "cuda" else None
@@ -159,8 +161,7 @@ class OffloadEngine:
             self.queue: list[tuple[int, int, int, int]] = []
             # loads of the previous run still in flight finish first: they must not
             # land in (or be counted by) the new run
-            while any(st == LOADING for c in self.caches for st in c.state):
-                self.cv.wait(timeout=0.5)
+            self._drain()
             if cold:
                 for cache in self.caches:
                     for s in range(cache.capacity):
@@ -180,10 +181,21 @@ class OffloadEngine:
             self._prefill_routing: list[np.ndarray] = []
             self._mask: np.ndarray | None = None
 
+    def _drain(self) -> None:
+        """(lock held) Wait until no worker is loading (workers that died cannot hold a
+        slot: their failures free it)."""
+        while any(st == LOADING for c in self.caches for st in c.state):
+            if not any(t.is_alive() for t in self._threads):
+                break
+            self.cv.wait(timeout=0.5)
+
     def finish(self) -> RuntimeStats:
-        """End of a run: prefetched experts never used count as wasted; the counters."""
+        """End of a run: the last prefetches land (or fail: raised here), prefetched
+        experts never used count as wasted; the final counters."""
         with self.cv:
             self.queue.clear()
+            self._drain()
+            self._raise_worker_error()
             unused = sum(c.unused_prefetches() for c in self.caches)
             self.stats.bytes_wasted += unused * self.expert_bytes
             for c in self.caches:  # count them once only
@@ -196,6 +208,7 @@ class OffloadEngine:
     def close(self) -> None:
         """Stop the workers and the tier; the model cannot run its experts afterwards."""
         with self.cv:
+            self.closed = True
             self._closing = True
             self.work.notify_all()
         for t in self._threads:
@@ -254,6 +267,8 @@ class OffloadEngine:
     def experts_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor,
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        if self.closed:
+            raise StoreError("this offloaded model was closed; offload it again to run it")
         layer = self.layer_of[id(module)]
         rows = top_k_index.detach().to("cpu").numpy()
         if rows.shape[-1] > self.capacity:
@@ -349,6 +364,8 @@ class OffloadEngine:
             cache = self.caches[layer]
             cache.protected = frozenset(experts)
             loads = [e for e in experts if e not in cache.where][: self.budget]
+            if not self._threads:  # no workers: nothing would take the requests
+                loads = []
             for rank, e in enumerate(loads):
                 heapq.heappush(self.queue, (fwd, layer, rank, e))
             if self.queue:
