@@ -21,7 +21,7 @@ from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]  # a batch of two, the second left-padded
 NEW_TOKENS = 6
-PREDICTORS = ("ondemand", "stmoe", "random", "oracle", "stmoe-plus", "hybrid")
+PREDICTORS = ("ondemand", "stmoe", "random", "oracle", "stmoe-plus", "hybrid", "gate-lookahead")
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:

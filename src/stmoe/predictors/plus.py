@@ -414,3 +414,34 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
 def _pack(params: dict[str, float]) -> dict[str, Any]:
     return {"w": [params[n] for n in W_NAMES], "alpha": params["alpha"],
             "gamma": params["gamma"], "power": params["power"]}  # fmt: skip
+
+
+@register
+class LookaheadPredictor(Predictor):
+    """Gate lookahead alone: the next layer's router on this layer's hidden state.
+
+    No tables: the ``budget`` best ids of the lookahead (K by default); nothing at
+    layer 0 or when no lookahead was given. The runtime computes the lookahead
+    live; replay reads the trace's ``lookahead`` array.
+    """
+
+    name = "gate-lookahead"
+    uses_lookahead = True
+
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None,
+                 budget: int = 0) -> None:  # fmt: skip
+        super().__init__(shape)
+        if budget < 0:
+            raise PredictorError(f"budget {budget}: expected 0 (K) or a positive count")
+        self.budget = budget or shape.top_k
+        self._look: dict[tuple[int, int], np.ndarray] = {}
+
+    def lookahead(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
+        self._look[(slot, layer)] = np.asarray(experts, dtype=np.int16)
+
+    def predict(self, layer: int, slot: int = 0) -> np.ndarray:
+        self._check_layer(layer)
+        look = self._look.pop((slot, layer), None)
+        if look is None:
+            return np.zeros(0, dtype=np.int16)
+        return look[look >= 0][: self.budget].copy()
