@@ -39,8 +39,9 @@ def generate_cmd(
     predictor: Annotated[
         str,
         typer.Option(
-            help="Prefetch predictor: stmoe, ondemand (no prefetch), random, oracle "
-            "(a first pass learns the routing), or any `stmoe eval` predictor."
+            help="Prefetch predictor: stmoe, stmoe-plus, hybrid (tables + gate "
+            "lookahead), gate-lookahead, ondemand (no prefetch), random, oracle (a first "
+            "pass learns the routing), or any other `stmoe eval` predictor."
         ),
     ] = "stmoe",
     tables: Annotated[
@@ -59,7 +60,11 @@ def generate_cmd(
     ] = "predicted",
     budget: Annotated[
         int | None,
-        typer.Option(help="Experts prefetched per layer at most. Default: the capacity.", min=0),
+        typer.Option(
+            help="Loads one prediction may start per layer (its most confident "
+            "experts not yet cached). Default: the capacity.",
+            min=0,
+        ),
     ] = None,
     tier: Annotated[
         str,
