@@ -42,7 +42,8 @@ def compare(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, float
     if ev.lookahead is not None:
         k = ev.top_k
         hy = evaluate(ev, make("hybrid", shape, tables, budget=1.5 * k)).overall
-        out.update(hybrid=hy.recall, hybrid_size=hy.set_size)
+        look = evaluate(ev, make("gate-lookahead", shape, None, budget=round(1.5 * k))).overall
+        out.update(hybrid=hy.recall, hybrid_size=hy.set_size, lookahead=look.recall)
     return out
 
 
@@ -52,7 +53,8 @@ def line(label: str, r: dict[str, float]) -> str:
             f"points ({'MET' if r['plus'] - r['stmoe'] >= 0.10 else 'NOT MET'})")  # fmt: skip
     if "hybrid" in r:
         text += (f" | hybrid {r['hybrid']:.3f} at {r['hybrid_size']:.2f} "
-                 f"({'MET' if r['hybrid'] >= 0.95 else 'NOT MET'} >= 0.95)")  # fmt: skip
+                 f"({'MET' if r['hybrid'] >= 0.95 else 'NOT MET'} >= 0.95; gate lookahead "
+                 f"alone {r['lookahead']:.3f})")  # fmt: skip
     return text
 
 
