@@ -38,23 +38,21 @@ import torch
 
 from stmoe.capture_generate import load_model
 from stmoe.demo import SHIPPED_MODEL
-from stmoe.predictors import load_tables, make
-from stmoe.runtime.api import SHIPPED_TABLES, OffloadedModel, ensure_store, offload
+from stmoe.predictors import load_tables
+from stmoe.runtime.api import (
+    COMPARED_SYSTEMS,
+    SHIPPED_TABLES,
+    OffloadedModel,
+    compared_predictor,
+    ensure_store,
+    offload,
+)
 
 PROMPTS = (
     "class Stack:\n    def __init__(self):\n",
     "The river was quiet that morning, and the boats",
     "Problem: What is 12 times 15?\nSolution:",
 )
-SYSTEMS = {  # name: (predictor, policy)
-    "on-demand": ("ondemand", "none"),
-    "lru-only": ("ondemand", "lru"),
-    "stmoe": ("stmoe", "predicted"),
-    "stmoe-plus": ("stmoe-plus", "predicted"),
-    "hybrid": ("hybrid", "predicted"),
-    "oracle": ("oracle", "predicted"),
-}
-PLUS_BUDGET = 1.5  # stmoe-plus and hybrid predict 1.5K experts per layer (ST-MoE: ~1.4K here)
 
 
 def run_system(om: OffloadedModel, tokens: int) -> dict[str, Any]:
@@ -120,7 +118,7 @@ def main() -> None:
     os.environ.setdefault("STMOE_CACHE", str(Path(tempfile.gettempdir()) / "stmoe-bench"))
     store = ensure_store(SHIPPED_MODEL, None)
     tables = load_tables(SHIPPED_MODEL / SHIPPED_TABLES)
-    systems = dict(SYSTEMS)
+    systems = dict(COMPARED_SYSTEMS)
     for name in args.extra:
         systems[name] = (name, "predicted")
     report: dict[str, Any] = {"bandwidth": args.bandwidth, "latency": args.latency,
@@ -136,10 +134,8 @@ def main() -> None:
         for cap in args.capacities.split(","):
             rows[cap] = {}
             for name, (predictor, policy) in systems.items():
-                if predictor in ("stmoe-plus", "hybrid"):
-                    predictor = make(predictor, tables.shape, tables,
-                                     budget=PLUS_BUDGET * tables.shape.top_k)  # fmt: skip
-                with offload(SHIPPED_MODEL, store, capacity=cap, predictor=predictor,
+                with offload(SHIPPED_MODEL, store, capacity=cap,
+                             predictor=compared_predictor(predictor, tables),
                              policy=policy, tier=tier, bandwidth=args.bandwidth,
                              latency=args.latency) as om:  # fmt: skip
                     r = rows[cap][name] = run_system(om, args.tokens)

@@ -105,31 +105,22 @@ def run_demo(
     return summary
 
 
-OFFLOAD_SYSTEMS = {  # name: (predictor, cache policy)
-    "on-demand": ("ondemand", "none"),
-    "lru-only": ("ondemand", "lru"),
-    "stmoe": ("stmoe", "predicted"),
-    "stmoe-plus": ("stmoe-plus", "predicted"),
-    "hybrid": ("hybrid", "predicted"),
-    "oracle": ("oracle", "predicted"),
-}
 OFFLOAD_LINK = "200MB"  # EMULATED link bandwidth of the demo's offloaded generation
 
 
 def offload_section(model: Any, model_dir: str | Path, out: Path, new_tokens: int) -> dict:
     """Pack the experts, then generate with each system at 50% capacity (bit-identical)."""
-    from stmoe.predictors import load_tables, make
-    from stmoe.runtime.api import SHIPPED_TABLES, offload
+    from stmoe.predictors import load_tables
+    from stmoe.runtime.api import COMPARED_SYSTEMS, SHIPPED_TABLES, compared_predictor, offload
     from stmoe.runtime.store import pack
 
     store = pack(model, out / "store")
     tables = load_tables(Path(model_dir) / SHIPPED_TABLES)
     prompt = DEMO_PROMPTS[1].text
     rows = {}
-    for name, (predictor, policy) in OFFLOAD_SYSTEMS.items():
-        if predictor in ("stmoe-plus", "hybrid"):  # at 1.5K experts per prediction
-            predictor = make(predictor, tables.shape, tables, budget=1.5 * tables.shape.top_k)
-        with offload(model_dir, store, capacity="50%", predictor=predictor, policy=policy,
+    for name, (predictor, policy) in COMPARED_SYSTEMS.items():
+        with offload(model_dir, store, capacity="50%", policy=policy,
+                     predictor=compared_predictor(predictor, tables),
                      tier="emulated", bandwidth=OFFLOAD_LINK) as om:  # fmt: skip
             r = om.generate(prompt, max_new_tokens=new_tokens)
         rows[name] = {k: getattr(r, k) for k in ("decode_tokens_per_s", "stall_share",

@@ -39,7 +39,8 @@ def names_for(trace: RoutingTrace) -> list[str]:
     trace's gate lookahead; stmoe-mix needs per-domain tables, so it is left out)."""
     has_look = trace.lookahead is not None
     return [n for n in names()
-            if (has_look or not REGISTRY[n].uses_lookahead) and n != "stmoe-mix"]  # fmt: skip
+            if (has_look or not REGISTRY[n].uses_lookahead)
+            and not REGISTRY[n].needs_domain_tables]  # fmt: skip
 
 
 def make(

@@ -94,6 +94,7 @@ class Predictor:
     needs_tables: ClassVar[bool] = False  # True: built from profiled tables
     sees_future: ClassVar[bool] = False  # True only for the oracle: replay reveals A first
     uses_lookahead: ClassVar[bool] = False  # True: takes the gate lookahead before predict
+    needs_domain_tables: ClassVar[bool] = False  # True: tables profiled with by_domain
 
     def __init__(self, shape: ModelShape, tables: object = None) -> None:
         """Subclasses that learn from profiling take ``ProfiledTables`` as ``tables``."""

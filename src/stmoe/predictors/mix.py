@@ -38,6 +38,7 @@ class MixPredictor(Predictor):
 
     name = "stmoe-mix"
     needs_tables = True
+    needs_domain_tables = True
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None, **knobs: Any) -> None:
         super().__init__(shape)

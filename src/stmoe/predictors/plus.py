@@ -91,13 +91,6 @@ class _Counts:
     z: np.ndarray
 
     @classmethod
-    def empty(cls, shape: ModelShape) -> _Counts:
-        n, layers = shape.num_experts, shape.num_layers
-        return cls(np.zeros((pk.D_MAX, max(layers - 1, 1), n, n)),
-                   np.zeros((pk.D_MAX, max(layers - 1, 1), n)), np.zeros((layers, n, n)),
-                   np.zeros((layers, n)), np.zeros((layers, n)), np.zeros(layers))  # fmt: skip
-
-    @classmethod
     def of(cls, tables: ProfiledTables) -> _Counts:
         if tables.pair_counts is None or tables.temporal is None:
             raise PredictorError("these tables predate stmoe-plus (no pair or temporal counts); "
@@ -332,11 +325,10 @@ def power_table(top_k: int, exponent: float) -> np.ndarray:
 
 
 def _lookahead_of(trace: RoutingTrace) -> np.ndarray:
-    look = getattr(trace, "lookahead", None)
-    if look is None:
+    if trace.lookahead is None:
         raise PredictorError("the hybrid predictor needs gate lookahead in the trace; "
                              "capture it with `stmoe capture`, which records it")  # fmt: skip
-    return np.ascontiguousarray(look, dtype=np.int16)
+    return np.ascontiguousarray(trace.lookahead, dtype=np.int16)
 
 
 # ---- fitting the weights on the profiling trace ---------------------------------------
@@ -379,7 +371,7 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
     experts = np.ascontiguousarray(rest.experts, dtype=np.int16)
     seq_id = np.repeat(np.arange(rest.num_sequences), np.diff(
         np.append(rest.seq_starts, rest.num_tokens))).astype(np.int64)  # fmt: skip
-    look = getattr(rest, "lookahead", None)
+    look = rest.lookahead
     no_look = np.full((1, 1, 1), -1, np.int16)
 
     memory = _Memory.of_routing(ModelShape.of(trace), np.asarray(first.experts))

@@ -24,6 +24,7 @@ import numpy as np
 from stmoe.errors import TraceError
 from stmoe.predictors.base import ModelShape, PredictorError
 from stmoe.predictors.kernels import CONF_NEW
+from stmoe.predictors.plus_kernels import D_MAX
 from stmoe.trace.io import read_npz_arrays
 from stmoe.trace.schema import _CHUNK_TOKENS, RoutingTrace
 from stmoe.trace.summary import expert_load
@@ -94,7 +95,7 @@ def cooccurrence(trace: RoutingTrace) -> np.ndarray:
 
 def pair_counts(trace: RoutingTrace) -> tuple[np.ndarray, np.ndarray]:
     """(pairs [D, L-1, N, N], temporal [L, N, N]) float64 counts of ``trace`` (plus_kernels)."""
-    from stmoe.predictors import plus_kernels
+    from stmoe.predictors import plus_kernels  # compiles only when counting
 
     seq_id = np.repeat(np.arange(trace.num_sequences), np.diff(
         np.append(np.asarray(trace.seq_starts), trace.num_tokens)))  # fmt: skip
@@ -268,7 +269,7 @@ def _tables_from(arrays: dict, shape: ModelShape, row_width: int, info: dict,
         layer_counts=arrays["layer_counts"],
         info=info,
         pair_counts=_optional(
-            arrays, "pair_counts", (pk_d_max(), want[0], shape.num_experts, shape.num_experts), path
+            arrays, "pair_counts", (D_MAX, want[0], shape.num_experts, shape.num_experts), path
         ),
         temporal=_optional(
             arrays, "temporal", (shape.num_layers, shape.num_experts, shape.num_experts), path
@@ -303,12 +304,6 @@ def _per_domain(traces: list[RoutingTrace], width: int, fit_plus: bool
         parts = [select_domain(t, d) for t in traces if d in t.domains]
         out[d] = profile(concat(parts, drop_partial=True), width, fit_plus)
     return out
-
-
-def pk_d_max() -> int:
-    from stmoe.predictors.plus_kernels import D_MAX
-
-    return D_MAX
 
 
 def _optional(arrays: dict, key: str, want: tuple[int, ...], path: Path) -> np.ndarray | None:

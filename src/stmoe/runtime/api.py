@@ -47,6 +47,25 @@ _TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top
                 "experts_per_token", "n_activated_experts")  # fmt: skip
 
 
+# The offloading systems the demo and benchmarks/bench_runtime.py compare, at one cache size.
+COMPARED_SYSTEMS = {  # name: (predictor, cache policy)
+    "on-demand": ("ondemand", "none"),  # no prefetch, no reuse: the usual baseline
+    "lru-only": ("ondemand", "lru"),  # no prefetch, LRU cache
+    "stmoe": ("stmoe", "predicted"),
+    "stmoe-plus": ("stmoe-plus", "predicted"),
+    "hybrid": ("hybrid", "predicted"),
+    "oracle": ("oracle", "predicted"),
+}
+PLUS_BUDGET = 1.5  # stmoe-plus and hybrid predict 1.5K experts per layer in those comparisons
+
+
+def compared_predictor(predictor: str, tables: Any) -> str | Predictor:
+    """The predictor of a compared system: stmoe-plus and hybrid at 1.5K experts."""
+    if predictor in ("stmoe-plus", "hybrid"):
+        return make(predictor, tables.shape, tables, budget=PLUS_BUDGET * tables.shape.top_k)
+    return predictor
+
+
 def top_k_of(config: Any) -> int:
     """The router's K from a transformers config (text sub-config included)."""
     for cfg in (config, getattr(config, "text_config", None)):

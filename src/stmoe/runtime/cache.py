@@ -91,9 +91,6 @@ class LayerCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.slabs.values())
 
-    def resident(self) -> list[int]:
-        return sorted(e for e, s in self.where.items() if self.state[s] == READY)
-
     def loading(self) -> list[int]:
         return sorted(e for e, s in self.where.items() if self.state[s] == LOADING)
 

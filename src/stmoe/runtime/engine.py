@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stmoe.capture import experts_modules
-from stmoe.predictors.base import ModelShape, Predictor
+from stmoe.capture import experts_modules, lookahead_ids
+from stmoe.predictors.base import Predictor
 from stmoe.runtime.cache import LOADING, POLICIES, READY, LayerCache, param_specs
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import Block, ExpertStore, StoreError
@@ -341,8 +341,6 @@ class OffloadEngine:
 
     def _lookahead(self, layer: int, hidden: torch.Tensor) -> None:
         """Gate lookahead: layer ``layer``'s router on the previous layer's hidden state."""
-        from stmoe.capture import lookahead_ids
-
         assert self._routers is not None
         batch, length = self.batch
         last_rows = hidden.reshape(batch, length, -1)[:, -1]
@@ -505,9 +503,6 @@ class OffloadEngine:
         with self.cv:
             for cache in self.caches:
                 cache.check()
-
-    def shape(self) -> ModelShape:
-        return ModelShape(self.num_layers, self.num_experts, self.top_k)
 
 
 def _base_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:

@@ -152,6 +152,15 @@ class ExpertStore:
             raise StoreError(f"{self.path}: packed for {self.model} but the model is {want}; "
                              "pack this model with `stmoe pack`")  # fmt: skip
 
+    def check_block(self, block: Block, data: memoryview) -> None:
+        """Raise a clear StoreError when a block's bytes came back short or corrupt."""
+        if len(data) < block.nbytes:
+            raise StoreError(f"{self.data_path}: short read of layer {block.layer}, expert "
+                             f"{block.expert} ({len(data)} of {block.nbytes} bytes)")  # fmt: skip
+        if zlib.crc32(data[: block.nbytes]) != block.crc32:
+            raise StoreError(f"{self.data_path}: layer {block.layer}, expert {block.expert} fails "
+                             "its checksum; the store is corrupt, pack it again")  # fmt: skip
+
     def read(self, layer: int, expert: int, fd: int | None = None) -> dict[str, np.ndarray]:
         """One expert's tensors (numpy; bfloat16 as raw uint16), read and CRC-checked."""
         block = self.blocks.get((layer, expert))
@@ -164,12 +173,7 @@ class ExpertStore:
         finally:
             if own:
                 os.close(fd)
-        if len(data) != block.nbytes:
-            raise StoreError(f"{self.data_path}: short read of layer {layer}, expert {expert} "
-                             f"({len(data)} of {block.nbytes} bytes)")  # fmt: skip
-        if zlib.crc32(data) != block.crc32:
-            raise StoreError(f"{self.data_path}: layer {layer}, expert {expert} fails its "
-                             "checksum; the store is corrupt, pack it again")  # fmt: skip
+        self.check_block(block, memoryview(data))
         out = {}
         for t in block.tensors:
             dtype = np.dtype("uint16") if t.dtype == "bfloat16" else np.dtype(t.dtype)

@@ -20,7 +20,6 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from typing import Protocol
 
 import torch
@@ -45,16 +44,6 @@ class Tier(Protocol):
     def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor: ...
 
     def close(self) -> None: ...
-
-
-def check_block(store: ExpertStore, block: Block, data: memoryview) -> None:
-    """Raise a clear StoreError when a read came back short or corrupt."""
-    if len(data) < block.nbytes:
-        raise StoreError(f"{store.data_path}: short read of layer {block.layer}, expert "
-                         f"{block.expert} ({len(data)} of {block.nbytes} bytes)")  # fmt: skip
-    if zlib.crc32(data[: block.nbytes]) != block.crc32:
-        raise StoreError(f"{store.data_path}: layer {block.layer}, expert {block.expert} fails "
-                         "its checksum; the store is corrupt, pack it again")  # fmt: skip
 
 
 class DiskTier:
@@ -90,7 +79,7 @@ class DiskTier:
                              f"{block.expert} failed: {exc.strerror}") from None  # fmt: skip
         if not self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, block.offset, size, os.POSIX_FADV_DONTNEED)
-        check_block(self.store, block, memoryview(buf)[: min(got, block.nbytes)])
+        self.store.check_block(block, memoryview(buf)[: min(got, block.nbytes)])
         return torch.frombuffer(buf, dtype=torch.uint8, count=block.nbytes)
 
     def close(self) -> None:
@@ -122,7 +111,7 @@ class EmulatedLinkTier:
         self.latency = float(latency)
         raw = bytearray(store.data_path.read_bytes())
         for block in store.blocks.values():
-            check_block(store, block, memoryview(raw)[block.offset : block.offset + block.nbytes])
+            store.check_block(block, memoryview(raw)[block.offset : block.offset + block.nbytes])
         self.host = (
             torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         )
@@ -160,7 +149,7 @@ class PinnedHostTier:
                              "use --tier disk or --tier emulated")  # fmt: skip
         raw = store.data_path.read_bytes()
         for block in store.blocks.values():
-            check_block(store, block, memoryview(raw)[block.offset : block.offset + block.nbytes])
+            store.check_block(block, memoryview(raw)[block.offset : block.offset + block.nbytes])
         self.host = torch.frombuffer(bytearray(raw), dtype=torch.uint8).pin_memory()
 
     def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
