@@ -20,9 +20,11 @@ def assert_same(a: stmoe.RoutingTrace, b: stmoe.RoutingTrace) -> None:
     assert (a.weights is None) == (b.weights is None)
     if a.weights is not None:
         assert np.array_equal(a.weights, b.weights)
-    assert (a.token_ids is None) == (b.token_ids is None)
-    if a.token_ids is not None:
-        assert np.array_equal(a.token_ids, b.token_ids)
+    for name in ("token_ids", "lookahead", "lookahead_late"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert np.array_equal(x, y), name
     assert a.domains == b.domains
     assert a.meta == b.meta
 
@@ -30,9 +32,12 @@ def assert_same(a: stmoe.RoutingTrace, b: stmoe.RoutingTrace) -> None:
 @pytest.mark.parametrize("compress", [False, True])
 def test_round_trip_is_lossless(tmp_path, compress):
     trace = synthesize(tokens=300, layers=5, experts=16, top_k=3, sequences=3, domains=3, seed=4)
+    look = np.concatenate([trace.experts, (trace.experts + 1) % 16], axis=2)
+    look[:, 0] = -1
     trace = stmoe.RoutingTrace(
-        **{**trace.__dict__, "token_ids": np.arange(300, dtype=np.int64) * 7}
-    )
+        **{**trace.__dict__, "token_ids": np.arange(300, dtype=np.int64) * 7,
+           "lookahead": look, "lookahead_late": look[:, :, ::-1].copy()}
+    )  # fmt: skip
     path = save_trace(trace, tmp_path / "t.npz", compress=compress)
     back = load_trace(path)
     assert_same(trace, back)

@@ -184,3 +184,44 @@ def test_cli_profile_by_domain_eval_mix_and_horizons(cli, tmp_path):
     assert res.exit_code == 0 and "skipping stmoe" in res.output, res.output
     res = cli("eval", trace, "--tables", tables, "--horizon", "2", "--predictor", "stmoe")
     assert res.exit_code == 1 and "more than one layer ahead" in res.output, res.output
+
+
+def _with_late(trace: stmoe.RoutingTrace) -> stmoe.RoutingTrace:
+    """A stand-in late lookahead, better than the early one: the true experts first."""
+    late = np.concatenate([trace.experts, (trace.experts + 5) % 16], axis=2).astype(np.int16)
+    late[:, 0] = -1
+    early = np.concatenate([(trace.experts + 7) % 16, trace.experts], axis=2).astype(np.int16)
+    early[:, 0] = -1
+    return dataclasses.replace(trace, lookahead=early, lookahead_late=late)
+
+
+@pytest.mark.parametrize("name", ["hybrid", "gate-lookahead"])
+def test_the_late_lookahead_is_taken_where_recorded_unless_early_is_asked(name):
+    prof, ev = (_with_late(t) for t in stmoe.split(_trace(tokens=600), 0.5))
+    tables = profile(prof)
+    shape = ModelShape.of(ev)
+    k = shape.top_k
+    recall = {}
+    for point in ("auto", "late", "early"):
+        p = make(name, shape, tables, budget=k, lookahead=point)
+        recall[point] = evaluate(ev, p).overall.recall
+        assert p.point == ("early" if point == "early" else "late")
+    assert recall["auto"] == recall["late"] > recall["early"]
+    if name == "gate-lookahead":
+        assert recall["late"] == 1.0  # the stand-in late lookahead ranks the truth first
+    if name == "hybrid":  # compiled replay and the protocol agree for the late point too
+        fast = make(name, shape, tables, lookahead="late").plan(ev)
+        assert fast.equals(Predictor.plan(make(name, shape, tables, lookahead="late"), ev))
+    # a trace with the early lookahead only: auto falls back, late is refused
+    early_only = dataclasses.replace(ev, lookahead_late=None)
+    assert make(name, shape, tables, lookahead="auto").plan(early_only).ids.size > 0
+    with pytest.raises(PredictorError, match="late gate lookahead"):
+        make(name, shape, tables, lookahead="late").plan(early_only)
+    with pytest.raises(PredictorError, match="expected auto, early or late"):
+        make(name, shape, tables, lookahead="middle")
+
+
+def test_the_fit_weighs_each_lookahead_point_separately():
+    chosen = fit(_with_late(_trace(tokens=600)))
+    assert {"beta", "beta_late"} <= set(chosen)
+    assert chosen["heldout_recall_hybrid_late"] >= chosen["heldout_recall_hybrid"]

@@ -420,3 +420,39 @@ def test_misuse_is_a_clear_error(tmp_path):
         om.generate([5, 6], max_new_tokens=1)
     with pytest.raises(StoreError, match="workers must be"):
         offload(tiny_model("mixtral")[0], store, capacity=2, predictor="ondemand", workers=-1)
+
+
+@pytest.mark.parametrize("point", ["late", "early"])
+def test_the_runtime_computes_the_same_gate_lookahead_as_capture(tmp_path, point):
+    from stmoe.predictors import make
+    from stmoe.predictors.base import ModelShape
+    from stmoe.predictors.plus import LookaheadPredictor
+
+    class Spy(LookaheadPredictor):
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, **k)
+            self.seen: list[tuple[int, list[int]]] = []
+
+        def lookahead(self, layer, experts, slot=0):
+            self.seen.append((layer, experts.tolist()))
+            super().lookahead(layer, experts, slot)
+
+    prompt, new = [5, 6, 7, 8, 9], 5
+    model, _ = tiny_model("qwen3_moe")
+    trace = capture_generation(model, [prompt], max_new_tokens=new)
+    store = pack(model, tmp_path / "store")
+    shape = ModelShape.of(trace)
+    spy = Spy(shape, lookahead=point)
+    assert isinstance(make("gate-lookahead", shape), LookaheadPredictor)
+    model, _ = tiny_model("qwen3_moe")
+    with offload(model, store, capacity=2, predictor=spy, tier="disk") as om:
+        assert (om.engine._late is not None) == (point == "late")
+        with torch.no_grad():
+            om.model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+    recorded = trace.lookahead_late if point == "late" else trace.lookahead
+    # generate's forward calls: the prompt (its last token predicts), then new - 1 tokens
+    expected = [(layer, recorded[t, layer].tolist())
+                for t in range(len(prompt) - 1, len(prompt) - 1 + new)
+                for layer in range(1, trace.num_layers)]  # fmt: skip
+    assert spy.seen == expected

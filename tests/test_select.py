@@ -80,3 +80,23 @@ def test_concat_round_trips_a_split_and_refuses_other_shapes(trace):
     other = synthesize(tokens=40, layers=3, experts=16, top_k=2, sequences=1)
     with pytest.raises(TraceError, match="trace 1 has num_experts 16 but trace 0 has 8"):
         concat([trace, other])
+
+
+def test_both_gate_lookaheads_follow_their_tokens_and_a_bad_one_is_refused(trace):
+    look = np.concatenate([trace.experts, (trace.experts + 1) % 8], axis=2).astype(np.int16)
+    late = look[:, :, ::-1].copy()
+    t = dataclasses.replace(trace, lookahead=look, lookahead_late=late)
+    part = select_sequences(t, [3, 1])
+    assert np.array_equal(part.lookahead_late[:20], late[60:80])
+    a, b = split(t, 0.5, by="token")
+    both = concat([a, b])
+    assert np.array_equal(both.lookahead_late, late) and np.array_equal(both.lookahead, look)
+    early_only = dataclasses.replace(t, lookahead_late=None)
+    with pytest.raises(TraceError, match="trace 1 has no late gate lookahead"):
+        concat([t, early_only])
+    dropped = concat([t, early_only], drop_partial=True)
+    assert dropped.lookahead_late is None and dropped.lookahead is not None
+    from stmoe.trace.schema import validate
+
+    with pytest.raises(TraceError, match="lookahead_late expert id is out of range"):
+        validate(dataclasses.replace(t, lookahead_late=late + 8))

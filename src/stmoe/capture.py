@@ -63,6 +63,8 @@ class _Step:
     mask: np.ndarray | None  # [B, S] bool, real (not padding) positions of this call
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     look: list[torch.Tensor] = field(default_factory=list)  # [B*S, J] per layer 1..L-1
+    look_late: list[torch.Tensor] = field(default_factory=list)  # the same, late lookahead
+    top_k: int = 0  # the router's K (from the first MoE layer's call)
 
 
 def routers(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]
@@ -87,6 +89,39 @@ def routers(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]
     return found
 
 
+# the norm a decoder layer applies right before its MoE block, by the names transformers uses
+PRE_MOE_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "post_attention_layernorm",
+                 "ffn_norm")  # fmt: skip
+
+
+def late_points(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]
+                ) -> list[tuple[torch.nn.Module, torch.nn.Module]] | None:  # fmt: skip
+    """Each MoE layer's (decoder layer, pre-MoE norm), for the *late* gate lookahead
+    (layer l's router on the residual stream entering layer l, through that norm), or
+    None when some layer's cannot be found."""
+    found = []
+    for name, _ in modules:
+        parts = name.split(".")
+        point = None
+        for cut in range(len(parts) - 1, 0, -1):
+            parent = model.get_submodule(".".join(parts[:cut]))
+            norms = [getattr(parent, n, None) for n in PRE_MOE_NORMS]
+            norm = next((m for m in norms if isinstance(m, torch.nn.Module)), None)
+            if norm is not None:
+                point = (parent, norm)
+                break
+        if point is None:
+            return None
+        found.append(point)
+    return found
+
+
+def late_hidden(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The late lookahead's router input: the decoder layer's input through its pre-MoE norm."""
+    with torch.no_grad():
+        return norm(hidden.detach())
+
+
 def lookahead_ids(hidden: torch.Tensor, router: torch.Tensor, width: int) -> torch.Tensor:
     """Top-``width`` experts of ``router`` applied to ``hidden`` ([T, H]), ranked."""
     logits = hidden.detach().to(torch.float32) @ router.detach().to(torch.float32).T
@@ -107,6 +142,7 @@ class RoutingRecorder:
         self.batches: list[list[_Step]] = []
         self._handles: list[Any] = []
         self.routers = routers(model, self.modules)  # for the gate lookahead
+        self.late = late_points(model, self.modules) if self.routers is not None else None
         self._last_cache: int | None = None
 
     # ---- hooks -----------------------------------------------------------------
@@ -118,6 +154,10 @@ class RoutingRecorder:
             self._handles.append(
                 module.register_forward_pre_hook(self._layer_hook(layer), with_kwargs=True)
             )
+        if self.late is not None:
+            for layer, (decoder_layer, _) in enumerate(self.late[1:], start=1):
+                self._handles.append(decoder_layer.register_forward_pre_hook(
+                    self._late_hook(layer), with_kwargs=True))  # fmt: skip
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -158,6 +198,7 @@ class RoutingRecorder:
             )
             if len(step.layers) != layer:
                 raise CaptureError(f"MoE layer {layer} ran out of order in one forward call")
+            step.top_k = int(index.shape[-1])
             step.layers.append((index.detach().to("cpu", copy=True),
                                 weight.detach().to("cpu", torch.float32, copy=True)))  # fmt: skip
             if self.routers is not None and layer + 1 < len(self.modules):
@@ -166,6 +207,22 @@ class RoutingRecorder:
                 router = self.routers[layer + 1]
                 width = min(2 * index.shape[-1], router.shape[0])
                 step.look.append(lookahead_ids(hidden, router, width).to("cpu"))
+
+        return hook
+
+    def _late_hook(self, layer: int):  # type: ignore[no-untyped-def]
+        """Before decoder layer ``layer`` runs: its router on its input (the late lookahead)."""
+
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self.batches:
+                return
+            assert self.late is not None and self.routers is not None
+            step = self.batches[-1][-1]
+            hidden = args[0] if args else kwargs["hidden_states"]
+            router = self.routers[layer]
+            width = min(2 * step.top_k, router.shape[0])  # top-K: known from MoE layer 0
+            x = late_hidden(self.late[layer][1], hidden).reshape(-1, hidden.shape[-1])
+            step.look_late.append(lookahead_ids(x, router, width).to("cpu"))
 
         return hook
 
@@ -189,7 +246,8 @@ class RoutingRecorder:
         if decode_lengths is not None and len(decode_lengths) != len(self.batches):
             raise CaptureError(f"{len(self.batches)} generations were recorded but decode lengths "
                                f"were given for {len(decode_lengths)}")  # fmt: skip
-        experts, weights, decode, starts, looks = [], [], [], [], []
+        experts, weights, decode, starts = [], [], [], []
+        looks: dict[str, list[np.ndarray | None]] = {"look": [], "look_late": []}
         n_tokens = 0
         for g, steps in enumerate(self.batches):
             for b in range(steps[0].batch):
@@ -200,9 +258,11 @@ class RoutingRecorder:
                 experts.append(ex)
                 weights.append(w)
                 decode.append(dec)
-                looks.append(self._look_row(steps, b, keep))
+                for which, rows in looks.items():
+                    rows.append(self._look_row(steps, b, keep, which))
         ex, w = np.concatenate(experts), np.concatenate(weights)
-        look = None if any(x is None for x in looks) else np.concatenate(looks)
+        look, late = (None if any(x is None for x in rows) else np.concatenate(rows)  # type: ignore[arg-type]
+                      for rows in looks.values())  # fmt: skip
         ex, w, _ = order_by_weight(ex, w)  # some routers return top-k unsorted (DeepSeek-V3)
         first = self.modules[0][1]
         meta = TraceMeta(
@@ -224,6 +284,7 @@ class RoutingRecorder:
                 weights=w.astype(np.float32),
                 token_ids=None if token_ids is None else np.concatenate(token_ids).astype(np.int64),
                 lookahead=look,
+                lookahead_late=late,
                 domains=tuple(domains) if domains is not None else (UNLABELLED,) * len(starts),
                 meta=meta,
             )
@@ -248,16 +309,20 @@ class RoutingRecorder:
             dec.append(np.full(int(rows.sum()), j > 0))
         return np.concatenate(ids), np.concatenate(ws), np.concatenate(dec)
 
-    def _look_row(self, steps: list[_Step], b: int, keep: int | None) -> np.ndarray | None:
-        """[T, L, J] gate lookahead of batch row ``b`` (layer 0: -1), or None."""
+    def _look_row(self, steps: list[_Step], b: int, keep: int | None,
+                  which: str = "look") -> np.ndarray | None:  # fmt: skip
+        """[T, L, J] gate lookahead (``which``: "look" or "look_late") of batch row ``b``
+        (layer 0: -1), or None."""
         if self.routers is None or len(self.modules) < 2:
+            return None
+        if which == "look_late" and self.late is None:
             return None
         out = []
         for j, step in enumerate(steps):
             if keep is not None and j > keep:
                 break
             rows = np.ones(step.length, dtype=bool) if step.mask is None else step.mask[b]
-            per = [x.reshape(step.batch, step.length, -1)[b].numpy() for x in step.look]
+            per = [x.reshape(step.batch, step.length, -1)[b].numpy() for x in getattr(step, which)]
             first = np.full_like(per[0], -1)
             out.append(np.stack([first, *per], axis=1)[rows])
         return np.concatenate(out).astype(np.int16)

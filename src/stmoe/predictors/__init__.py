@@ -37,7 +37,7 @@ def names() -> list[str]:
 def names_for(trace: RoutingTrace) -> list[str]:
     """The predictors that can replay ``trace`` with ordinary tables (hybrid needs the
     trace's gate lookahead; stmoe-mix needs per-domain tables, so it is left out)."""
-    has_look = trace.lookahead is not None
+    has_look = trace.lookahead is not None or trace.lookahead_late is not None
     return [n for n in names()
             if (has_look or not REGISTRY[n].uses_lookahead)
             and not REGISTRY[n].needs_domain_tables]  # fmt: skip

@@ -100,6 +100,9 @@ class Predictor:
         """Subclasses that learn from profiling take ``ProfiledTables`` as ``tables``."""
         self.shape = shape
         self._current: dict[int, np.ndarray] = {}  # slot -> [L, K] this token's experts so far
+        # which gate lookahead to take: "early", "late", or "auto" (late where available)
+        self.lookahead_pref = "auto"
+        self.point = "early"  # the lookahead point in use (set by use_lookahead_point)
 
     @classmethod
     def knobs(cls) -> tuple[str, ...]:
@@ -136,6 +139,38 @@ class Predictor:
         """Only for predictors that ``uses_lookahead``: layer ``layer``'s router applied
         to the previous layer's hidden state, its top ids ranked, before ``predict``."""
 
+    def resolve_lookahead_point(self, late_available: bool) -> str:
+        """The lookahead point this predictor takes, given whether the late one exists.
+
+        early: layer l's router on layer l-1's MoE input, known when layer l-1 routes
+        (the prefetch overlaps layer l-1's experts and layer l's attention). late:
+        layer l's router on layer l's input through its pre-MoE norm, known when layer
+        l-1 is done (the prefetch overlaps layer l's attention only), and closer to
+        what the router will see."""
+        pref = self.lookahead_pref
+        if pref == "late" and not late_available:
+            raise PredictorError(f"predictor {self.name!r} was asked for the late gate lookahead "
+                                 "and there is none (record it with `stmoe capture`; the model "
+                                 "needs a pre-MoE norm stmoe recognises)")  # fmt: skip
+        return "late" if pref in ("auto", "late") and late_available else "early"
+
+    def use_lookahead_point(self, point: str) -> None:
+        """Take the ``point`` ("early" or "late") lookahead from now on."""
+        self.point = point
+
+    def lookahead_array(self, trace: RoutingTrace) -> np.ndarray:
+        """The trace's gate lookahead this predictor takes (and switch to its point)."""
+        if trace.lookahead is None and trace.lookahead_late is None:
+            raise PredictorError(f"predictor {self.name!r} needs the trace's gate lookahead; "
+                                 "capture it with `stmoe capture`, which records it")  # fmt: skip
+        point = self.resolve_lookahead_point(trace.lookahead_late is not None)
+        look = trace.lookahead_late if point == "late" else trace.lookahead
+        if look is None:
+            raise PredictorError(f"predictor {self.name!r} was asked for the early gate "
+                                 "lookahead and the trace has only the late one")  # fmt: skip
+        self.use_lookahead_point(point)
+        return np.ascontiguousarray(look, dtype=np.int16)
+
     # ---- conveniences built on the protocol --------------------------------
     def step(self, layer: int, experts: np.ndarray, slot: int = 0) -> np.ndarray | None:
         """``update`` with the router's choice at ``layer``, then the prefetch for ``layer+1``
@@ -167,12 +202,7 @@ class Predictor:
         new_seq = np.zeros(trace.num_tokens, dtype=bool)
         new_seq[trace.seq_starts] = True
         experts = np.asarray(trace.experts)
-        look = None
-        if self.uses_lookahead:
-            if trace.lookahead is None:
-                raise PredictorError(f"predictor {self.name!r} needs the trace's gate lookahead; "
-                                     "capture it with `stmoe capture`")  # fmt: skip
-            look = np.asarray(trace.lookahead)
+        look = self.lookahead_array(trace) if self.uses_lookahead else None
         for t in range(trace.num_tokens):
             if new_seq[t]:
                 self.reset(0)

@@ -67,6 +67,7 @@ class PlusConfig:
     gamma: float | None = None  # recency: weight of the previous token in the moving average
     alpha: float | None = None  # smoothing towards the prior, in tokens
     beta: float | None = None  # hybrid only: weight of the gate lookahead
+    lookahead: str = "auto"  # hybrid only: "early", "late", or "auto" (late where available)
 
     def check(self, shape: ModelShape) -> None:
         if self.budget < 0 or self.budget > shape.num_experts:
@@ -77,6 +78,7 @@ class PlusConfig:
             raise PredictorError(f"decay {self.decay}: expected 0 < decay <= 1")
         if self.beta is not None and not 0.0 <= self.beta <= 1.0:
             raise PredictorError(f"beta {self.beta}: expected 0..1")
+        check_point(self.lookahead)
 
 
 @dataclass
@@ -169,7 +171,11 @@ class PlusPredictor(Predictor):
         self._power = power_table(shape.top_k, self.power)
         self.memory = _Memory.of(tables)
         self.alpha = float(fitted.get("alpha", DEFAULT_ALPHA) if c.alpha is None else c.alpha)
-        self.beta = float(fitted.get("beta", 0.5) if c.beta is None else c.beta)
+        # the lookahead's weight, fitted per lookahead point (the late one when recorded)
+        self._betas = {"early": float(fitted.get("beta", 0.5)),
+                       "late": float(fitted.get("beta_late", fitted.get("beta", 0.5)))}  # fmt: skip
+        self.lookahead_pref = c.lookahead
+        self.beta = self._betas["early"] if c.beta is None else float(c.beta)
         self.budget = float(c.budget) if c.budget > 0 else float(shape.top_k)
         self.ctl = np.zeros(2)  # set sizes: [remainder carried, running mean of flatness]
         self.scale = 1.0
@@ -213,6 +219,11 @@ class PlusPredictor(Predictor):
     def lookahead(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
         """Gate lookahead for ``layer`` (ranked ids; -1 empty), used by the next predict."""
         self._look[(slot, layer)] = np.asarray(experts, dtype=np.int16)
+
+    def use_lookahead_point(self, point: str) -> None:
+        super().use_lookahead_point(point)
+        if self.config.beta is None:
+            self.beta = self._betas[point]
 
     def _args(self, layer: int, slot: int) -> tuple:
         """The kernels' arguments up to the scores buffer, for predicting ``layer``."""
@@ -296,7 +307,7 @@ class PlusPredictor(Predictor):
     def plan(self, trace: RoutingTrace) -> PrefetchPlan:
         """The compiled whole-trace replay (identical to stepping through the protocol)."""
         self.check_shape(ModelShape.of(trace))
-        look = _lookahead_of(trace) if self.uses_lookahead else None
+        look = self.lookahead_array(trace) if self.uses_lookahead else None
         c = self.config
         seq_id = np.repeat(np.arange(trace.num_sequences), np.diff(
             np.append(trace.seq_starts, trace.num_tokens)))  # fmt: skip
@@ -324,11 +335,9 @@ def power_table(top_k: int, exponent: float) -> np.ndarray:
     return np.arange(4 * top_k + 1, dtype=np.float64) ** exponent
 
 
-def _lookahead_of(trace: RoutingTrace) -> np.ndarray:
-    if trace.lookahead is None:
-        raise PredictorError("the hybrid predictor needs gate lookahead in the trace; "
-                             "capture it with `stmoe capture`, which records it")  # fmt: skip
-    return np.ascontiguousarray(trace.lookahead, dtype=np.int16)
+def check_point(point: str) -> None:
+    if point not in ("auto", "early", "late"):
+        raise PredictorError(f"lookahead {point!r}: expected auto, early or late")
 
 
 # ---- fitting the weights on the profiling trace ---------------------------------------
@@ -371,16 +380,15 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
     experts = np.ascontiguousarray(rest.experts, dtype=np.int16)
     seq_id = np.repeat(np.arange(rest.num_sequences), np.diff(
         np.append(rest.seq_starts, rest.num_tokens))).astype(np.int64)  # fmt: skip
-    look = rest.lookahead
     no_look = np.full((1, 1, 1), -1, np.int16)
 
     memory = _Memory.of_routing(ModelShape.of(trace), np.asarray(first.experts))
 
-    def recall(params: dict[str, float], beta: float = 0.0) -> float:
+    def recall(params: dict[str, float], beta: float = 0.0, look: Any = None) -> float:
         counts, mem = base.copy(), memory.copy()
         ptr, ids, _ = pk.plus_replay(
             *counts.arrays(), experts, seq_id,
-            no_look if beta == 0.0 else np.ascontiguousarray(look, dtype=np.int16), beta > 0,
+            no_look if look is None else np.ascontiguousarray(look, dtype=np.int16), beta > 0,
             np.array([params[n] for n in W_NAMES]), beta, params["alpha"], 0.999, True,
             FIT_BUDGET * k, False, np.zeros(2), 1, int(np.ceil(FIT_BUDGET * k)), 1.0,
             params["gamma"], mem.mcol, mem.mset, mem.mstate, power_table(k, params["power"]),
@@ -397,9 +405,10 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
                     params, best = trial, score
     out: dict[str, Any] = {**_pack(params), "fitted": True, "heldout_tokens": int(held),
                            "heldout_recall": best}  # fmt: skip
-    if look is not None:
-        score, beta = max((recall(params, b), b) for b in (0.25, 0.5, 0.75, 0.9, 1.0))
-        out.update(beta=beta, heldout_recall_hybrid=score)
+    for key, look in (("", rest.lookahead), ("_late", rest.lookahead_late)):
+        if look is not None:  # hybrid's lookahead weight, per lookahead point
+            score, beta = max((recall(params, b, look), b) for b in (0.25, 0.5, 0.75, 0.9, 1.0))
+            out.update({f"beta{key}": beta, f"heldout_recall_hybrid{key}": score})
     return out
 
 
@@ -421,10 +430,12 @@ class LookaheadPredictor(Predictor):
     uses_lookahead = True
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None,
-                 budget: int = 0) -> None:  # fmt: skip
+                 budget: int = 0, lookahead: str = "auto") -> None:  # fmt: skip
         super().__init__(shape)
         if budget < 0:
             raise PredictorError(f"budget {budget}: expected 0 (K) or a positive count")
+        check_point(lookahead)
+        self.lookahead_pref = lookahead
         self.budget = budget or shape.top_k
         self._look: dict[tuple[int, int], np.ndarray] = {}
 

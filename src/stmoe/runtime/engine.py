@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stmoe.capture import experts_modules, lookahead_ids
-from stmoe.predictors.base import Predictor
+from stmoe.capture import experts_modules, late_hidden, late_points, lookahead_ids
+from stmoe.predictors.base import Predictor, PredictorError
 from stmoe.runtime.cache import LOADING, POLICIES, READY, LayerCache, param_specs
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import Block, ExpertStore, StoreError
@@ -108,13 +108,22 @@ class OffloadEngine:
         # how many layers ahead predictions are made (stmoe-plus's horizon knob; else 1)
         self.horizon = int(getattr(getattr(predictor, "config", None), "horizon", 1))
         self._routers = None
+        # the late lookahead: (decoder layer, pre-MoE norm) per MoE layer, when in use
+        self._late: list[tuple[torch.nn.Module, torch.nn.Module]] | None = None
         if predictor.uses_lookahead:
             from stmoe.capture import routers
 
-            self._routers = routers(model, experts_modules(model))
+            self._routers = routers(model, modules)
             if self._routers is None:
                 raise StoreError(f"predictor {predictor.name!r} needs each MoE layer's router, "
                                  "and this model's could not be found")  # fmt: skip
+            late = late_points(model, modules) if self.horizon == 1 else None
+            try:
+                point = predictor.resolve_lookahead_point(late is not None)
+            except PredictorError as exc:
+                raise StoreError(str(exc)) from None
+            predictor.use_lookahead_point(point)
+            self._late = late if point == "late" else None
         # loads a prediction may start per layer (the most confident experts not yet cached)
         self.budget = min(capacity, budget if budget is not None else capacity)
         if self.budget < 0:
@@ -151,6 +160,11 @@ class OffloadEngine:
             t.start()
         self._hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        model.register_forward_hook(self._after_forward)]  # fmt: skip
+        if self._late is not None:  # predict layer l as layer l starts (the late lookahead)
+            self._hooks += [decoder_layer.register_forward_pre_hook(self._late_hook(layer),
+                                                                    with_kwargs=True)
+                            for layer, (decoder_layer, _) in enumerate(self._late)
+                            if layer > 0]  # fmt: skip
 
     # ---- runs ----------------------------------------------------------------
     def reset(self, future: dict[tuple[int, int], tuple[int, ...]] | None = None,
@@ -325,10 +339,33 @@ class OffloadEngine:
                 for slot in range(batch):
                     self.predictor.update(layer, rows[slot * length + length - 1], slot)
             targets = self._targets(layer)
-        if self._routers is not None and self.future is None and layer + 1 < self.num_layers:
+        if self._late is not None:  # the next layer is predicted as it starts (_late_hook)
+            targets = [(f, t) for f, t in targets if f != self.fwd]
+        elif self._routers is not None and self.future is None and layer + 1 < self.num_layers:
             self._lookahead(layer + 1, hidden)
         for fwd, target in targets:
             self._prefetch(fwd, target, self._predicted(fwd, target))
+
+    def _late_hook(self, layer: int) -> Callable[..., None]:
+        """Before MoE layer ``layer``'s decoder layer runs: the late lookahead (its router
+        on its input through its pre-MoE norm), then the prefetch for ``layer``."""
+
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.future is not None:
+                return
+            assert self._late is not None and self._routers is not None
+            hidden = args[0] if args else kwargs["hidden_states"]
+            batch, length = self.batch
+            last_rows = late_hidden(self._late[layer][1],
+                                    hidden.reshape(batch, length, -1)[:, -1])  # fmt: skip
+            router = self._routers[layer]
+            ids = lookahead_ids(last_rows, router, min(2 * self.top_k, router.shape[0]))
+            ids_np = ids.to("cpu").numpy()
+            for slot in range(batch):
+                self.predictor.lookahead(layer, ids_np[slot], slot)
+            self._prefetch(self.fwd, layer, self._predicted(self.fwd, layer))
+
+        return hook
 
     def _targets(self, layer: int) -> list[tuple[int, int]]:
         """(forward call, layer) to predict once ``layer`` is known: ``horizon`` ahead,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
-from stmoe.trace.schema import RoutingTrace, TraceMeta, validate
+from stmoe.trace.schema import LOOKAHEAD_FIELDS, RoutingTrace, TraceMeta, validate
 
 FORMAT_NAME = "stmoe-trace"
 FORMAT_VERSION = 1
@@ -56,8 +56,9 @@ def save_trace(trace: RoutingTrace, path: str | Path, *, compress: bool = False)
         arrays["weights"] = np.asarray(trace.weights, dtype=np.float32)
     if trace.token_ids is not None:
         arrays["token_ids"] = np.asarray(trace.token_ids, dtype=np.int64)
-    if trace.lookahead is not None:
-        arrays["lookahead"] = np.asarray(trace.lookahead, dtype=np.int16)
+    for name in LOOKAHEAD_FIELDS:
+        if getattr(trace, name) is not None:
+            arrays[name] = np.asarray(getattr(trace, name), dtype=np.int16)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -145,6 +146,7 @@ def trace_from_arrays(
         weights=arrays.get("weights"),
         token_ids=arrays.get("token_ids"),
         lookahead=arrays.get("lookahead"),
+        lookahead_late=arrays.get("lookahead_late"),
         domains=tuple(domains),
         meta=TraceMeta.from_dict(meta) if not isinstance(meta, TraceMeta) else meta,
     )

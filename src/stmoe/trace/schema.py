@@ -106,6 +106,10 @@ class RoutingTrace:
     # [T, L, J] int16 gate lookahead: layer l's router applied to layer l-1's hidden
     # state, its top-J ids ranked (-1: none, always at layer 0), or None
     lookahead: np.ndarray | None = None
+    # [T, L, J] int16 late gate lookahead: layer l's router applied to layer l-1's
+    # *output* (the residual stream entering layer l) through layer l's pre-MoE norm;
+    # available once layer l-1 is done (later, and closer to the router), or None
+    lookahead_late: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not self.domains:
@@ -211,22 +215,26 @@ def validate(trace: RoutingTrace, *, file: str | None = None) -> RoutingTrace:
         fail("every expert slot is empty (-1)", expected="at least one routed expert")
     if trace.weights is not None:
         _validate_weights(trace, fail)
-    if trace.lookahead is not None:
-        _validate_lookahead(trace, fail)
+    for name in LOOKAHEAD_FIELDS:
+        if getattr(trace, name) is not None:
+            _validate_lookahead(trace, name, fail)
     return trace
 
 
-def _validate_lookahead(trace: RoutingTrace, fail: Any) -> None:
-    look = np.asarray(trace.lookahead)
+LOOKAHEAD_FIELDS = ("lookahead", "lookahead_late")
+
+
+def _validate_lookahead(trace: RoutingTrace, name: str, fail: Any) -> None:
+    look = np.asarray(getattr(trace, name))
     if (
         look.ndim != 3
         or look.shape[:2] != trace.experts.shape[:2]
         or not np.issubdtype(look.dtype, np.integer)
     ):
-        fail(f"lookahead has shape {look.shape}, dtype {look.dtype}",
+        fail(f"{name} has shape {look.shape}, dtype {look.dtype}",
              expected=f"integer [T, L, J] with T, L = {trace.experts.shape[:2]}")  # fmt: skip
     if look.size and (look.min() < EMPTY_SLOT or look.max() >= trace.num_experts):
-        fail("a lookahead expert id is out of range",
+        fail(f"a {name} expert id is out of range",
              expected=f"-1..{trace.num_experts - 1}")  # fmt: skip
 
 

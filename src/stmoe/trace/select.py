@@ -122,7 +122,8 @@ def concat(traces: Sequence[RoutingTrace], *, drop_partial: bool = False) -> Rou
                 )
     complete = {}
     for field, label in (("weights", "gate weights"), ("token_ids", "token ids"),
-                         ("lookahead", "gate lookahead")):  # fmt: skip
+                         ("lookahead", "gate lookahead"),
+                         ("lookahead_late", "late gate lookahead")):  # fmt: skip
         have = [getattr(t, field) is not None for t in traces]
         complete[field] = all(have)
         if any(have) and not all(have) and not drop_partial:
@@ -158,6 +159,9 @@ def concat(traces: Sequence[RoutingTrace], *, drop_partial: bool = False) -> Rou
             lookahead=np.concatenate([np.asarray(t.lookahead) for t in traces])
             if complete["lookahead"]
             else None,
+            lookahead_late=np.concatenate([np.asarray(t.lookahead_late) for t in traces])
+            if complete["lookahead_late"]
+            else None,
             domains=tuple(d for t in traces for d in t.domains),
             meta=meta,
         )
@@ -187,6 +191,7 @@ def _take_tokens(
             weights=take(trace.weights),
             token_ids=take(trace.token_ids),
             lookahead=take(trace.lookahead),
+            lookahead_late=take(trace.lookahead_late),
             domains=domains,
             meta=trace.meta,
         )
