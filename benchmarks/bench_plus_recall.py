@@ -8,11 +8,16 @@ Targets:
 
 Equal mean set size: ST-MoE's sets have the size its rules give; stmoe-plus gets
 that mean as its budget (a fractional budget alternates between the two nearest
-sizes). Own-model traces are captured here from the shipped model on the demo's
-prompts (three domains, greedy, 128 new tokens), split by sequence in halves.
-Writes docs/figures/recall_vs_budget.png with --figure.
+sizes). Own-model traces are captured here from the shipped model, greedy, 128 new
+tokens per prompt, split by sequence in halves: by default on 16 prompts per
+domain cut from the held-out end (last 5%) of its training corpus (needs the
+`train` extra for the math text), with --demo-prompts on the demo's 4 per domain.
+hybrid is shown with the late gate lookahead (the next layer's router on its own
+input) and the early one (on this layer's MoE input). Writes
+docs/figures/recall_vs_budget.png with --figure.
 
-    python benchmarks/bench_plus_recall.py [--figure docs/figures/recall_vs_budget.png]
+    python benchmarks/bench_plus_recall.py [--demo-prompts] \
+        [--figure docs/figures/recall_vs_budget.png]
 """
 
 from __future__ import annotations
@@ -39,11 +44,15 @@ def compare(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, float
     plus = evaluate(ev, make("stmoe-plus", shape, tables, budget=st.set_size)).overall
     out = {"stmoe": st.recall, "size": st.set_size, "plus": plus.recall,
            "plus_size": plus.set_size}  # fmt: skip
-    if ev.lookahead is not None:
-        k = ev.top_k
-        hy = evaluate(ev, make("hybrid", shape, tables, budget=1.5 * k)).overall
-        look = evaluate(ev, make("gate-lookahead", shape, None, budget=round(1.5 * k))).overall
-        out.update(hybrid=hy.recall, hybrid_size=hy.set_size, lookahead=look.recall)
+    k = ev.top_k
+    for point, present in (("late", ev.lookahead_late), ("early", ev.lookahead)):
+        if present is None:
+            continue
+        hy = evaluate(ev, make("hybrid", shape, tables, budget=1.5 * k, lookahead=point)).overall
+        look = evaluate(ev, make("gate-lookahead", shape, None, budget=round(1.5 * k),
+                                 lookahead=point)).overall  # fmt: skip
+        out.update({f"hybrid_{point}": hy.recall, "hybrid_size": hy.set_size,
+                    f"lookahead_{point}": look.recall})  # fmt: skip
     return out
 
 
@@ -51,19 +60,39 @@ def line(label: str, r: dict[str, float]) -> str:
     text = (f"{label:<22} ST-MoE {r['stmoe']:.3f} at {r['size']:.2f} experts | stmoe-plus "
             f"{r['plus']:.3f} at {r['plus_size']:.2f} -> {100 * (r['plus'] - r['stmoe']):+5.1f} "
             f"points ({'MET' if r['plus'] - r['stmoe'] >= 0.10 else 'NOT MET'})")  # fmt: skip
-    if "hybrid" in r:
-        text += (f" | hybrid {r['hybrid']:.3f} at {r['hybrid_size']:.2f} "
-                 f"({'MET' if r['hybrid'] >= 0.95 else 'NOT MET'} >= 0.95; gate lookahead "
-                 f"alone {r['lookahead']:.3f})")  # fmt: skip
+    for point in ("late", "early"):
+        if f"hybrid_{point}" in r:
+            hy = r[f"hybrid_{point}"]
+            text += (f"\n{'':<23}hybrid ({point} lookahead) {hy:.3f} at {r['hybrid_size']:.2f} "
+                     f"({'MET' if hy >= 0.95 else 'NOT MET'} >= 0.95); {point} lookahead alone "
+                     f"{r[f'lookahead_{point}']:.3f}")  # fmt: skip
     return text
 
 
-def own_model_trace() -> stmoe.RoutingTrace:
+def heldout_prompts(tok, per_domain: int = 16, tokens: int = 48) -> list:  # type: ignore[no-untyped-def]
+    """``per_domain`` prompts of ``tokens`` tokens per domain, evenly spaced through the
+    held-out end (last 5%) of the shipped model's training corpus."""
+    from stmoe.demo import Prompt
+    from stmoe.train_tiny import TrainSpec, corpus
+
+    prompts = []
+    for domain, text in corpus(TrainSpec().corpus_chars_per_domain).items():
+        held = text[int(len(text) * 0.95) :]
+        for i in range(per_domain):
+            ids = tok(held[int(i * len(held) / per_domain) :][:2000])["input_ids"][:tokens]
+            prompts.append(Prompt(tok.decode(ids), domain))
+    return prompts
+
+
+def own_model_trace(demo_prompts: bool = False) -> stmoe.RoutingTrace:
     from stmoe.capture_generate import capture_text, load_model
     from stmoe.demo import DEMO_PROMPTS, SHIPPED_MODEL
 
     model, tok = load_model(SHIPPED_MODEL)
-    return capture_text(model, tok, list(DEMO_PROMPTS), max_new_tokens=128, batch_size=4,
+    prompts = list(DEMO_PROMPTS) if demo_prompts else heldout_prompts(tok)
+    source = "demo" if demo_prompts else "held-out training-corpus"
+    print(f"own model: {len(prompts)} prompts ({source}), 128 new tokens each")
+    return capture_text(model, tok, prompts, max_new_tokens=128, batch_size=8,
                         model_name="tiny-moe")  # fmt: skip
 
 
@@ -91,11 +120,12 @@ def curves_of(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, dic
     shape = ModelShape.of(ev)
     budget = min(4 * ev.top_k, ev.num_experts)
     names = ["stmoe", "stmoe-plus", "cct-online", "previous-token", "frequency"]
-    if ev.lookahead is not None:
-        names.append("hybrid")
+    if ev.lookahead is not None or ev.lookahead_late is not None:
+        names += ["hybrid", "gate-lookahead"]
     out = {}
     for name in names:
-        opts = {"budget": budget} if name in ("stmoe-plus", "hybrid", "frequency") else {}
+        capped = name in ("stmoe-plus", "hybrid", "frequency", "gate-lookahead")
+        opts = {"budget": budget} if capped else {}
         out[name] = evaluate(ev, make(name, shape, tables, **opts)).curve()
     return out
 
@@ -125,6 +155,8 @@ def mixed_stream(trace: stmoe.RoutingTrace, halves: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--figure", type=Path, help="write the recall-versus-budget figure")
+    parser.add_argument("--demo-prompts", action="store_true",
+                        help="capture the own-model trace on the demo's 12 prompts")  # fmt: skip
     args = parser.parse_args()
     curves = {}
     if REAL.exists():
@@ -134,7 +166,7 @@ def main() -> None:
         curves["real sample (Qwen3.6-35B-A3B), 2nd half"] = curves_of(a, b)
     else:
         print(f"real sample not found at {REAL}; skipped")
-    trace = own_model_trace()
+    trace = own_model_trace(args.demo_prompts)
     domains = list(dict.fromkeys(trace.domains))
     halves = {d: stmoe.split(stmoe.select_domain(trace, d), 0.5) for d in domains}
     gains = []

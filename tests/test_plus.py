@@ -225,3 +225,19 @@ def test_the_fit_weighs_each_lookahead_point_separately():
     chosen = fit(_with_late(_trace(tokens=600)))
     assert {"beta", "beta_late"} <= set(chosen)
     assert chosen["heldout_recall_hybrid_late"] >= chosen["heldout_recall_hybrid"]
+
+
+def test_eval_cli_takes_the_lookahead_point(cli, tmp_path):
+    import json
+
+    path = stmoe.save_trace(_with_late(_trace(tokens=600)), tmp_path / "t.npz")
+    assert cli("profile", path, "--split", "0.5", "-o", tmp_path / "tab.npz").exit_code == 0
+    recall = {}
+    for point in ("auto", "early", "late"):
+        res = cli("eval", path, "--tables", tmp_path / "tab.npz", "--split", "0.5", "--predictor",
+                  "gate-lookahead", "--lookahead", point, "--json", "-")  # fmt: skip
+        assert res.exit_code == 0, res.output
+        recall[point] = json.loads(res.output)["predictors"]["gate-lookahead"]["recall"]
+    assert recall["auto"] == recall["late"] == 1.0 > recall["early"]
+    res = cli("eval", path, "--predictor", "gate-lookahead", "--lookahead", "middle")
+    assert res.exit_code == 1 and "expected auto, early or late" in res.output

@@ -357,6 +357,8 @@ def test_generate_cli_prints_text_and_writes_the_measurements(cli, tmp_path, mon
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present"),
         ),
         (["--capacity", "1KB"], "0 experts per layer"),
+        (["--lookahead", "late"], "applies to predictors that use the gate lookahead"),
+        (["--predictor", "hybrid", "--lookahead", "middle"], "expected auto, early or late"),
     ],
 )
 def test_generate_cli_bad_input(cli, tmp_path, monkeypatch, args, message):

@@ -66,6 +66,15 @@ def generate_cmd(
             min=0,
         ),
     ] = None,
+    lookahead: Annotated[
+        str,
+        typer.Option(
+            help="Gate lookahead of hybrid and gate-lookahead: late (the next layer's "
+            "router on its own input, predicted as that layer starts: closer to the "
+            "router, less time to load), early (on this layer's MoE input, predicted as "
+            "this layer routes), or auto (late where the model's norms are recognised)."
+        ),
+    ] = "auto",
     tier: Annotated[
         str,
         typer.Option(
@@ -124,7 +133,7 @@ def generate_cmd(
         torch.set_num_threads(threads)
     with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
                  policy=policy, tier=tier, bandwidth=bandwidth, latency=parse_seconds(latency),
-                 workers=workers, budget=budget) as om:  # fmt: skip
+                 workers=workers, budget=budget, lookahead=lookahead) as om:  # fmt: skip
         result = om.generate(prompt, max_new_tokens=max_new_tokens)
     out.print(prompt + result.text, markup=False)
     c = result.config
@@ -133,7 +142,8 @@ def generate_cmd(
         ("tier", tier_label),
         ("cache", f"{c['capacity']} of {c['num_experts']} experts per layer "
                   f"({c['cache_bytes'] / 2**20:.1f} MiB), policy {c['policy']}"),
-        ("predictor", f"{c['predictor']} (prefetch budget {c['prefetch_budget']})"),
+        ("predictor", f"{c['predictor']} (prefetch budget {c['prefetch_budget']}"
+                      + (f", {c['lookahead']} gate lookahead)" if c["lookahead"] else ")")),
         ("tokens", f"{result.prompt_tokens} prompt + {len(result.tokens)} generated"),
         ("time to first token", f"{result.ttft_s * 1000:.1f} ms"),
         ("decode", f"{result.decode_tokens_per_s:.1f} tokens/s"),

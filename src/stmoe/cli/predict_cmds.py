@@ -103,6 +103,13 @@ def eval_cmd(
             max=3,
         ),
     ] = 1,
+    lookahead: Annotated[
+        str,
+        typer.Option(
+            help="Gate lookahead of hybrid and gate-lookahead: the trace's late one "
+            "(lookahead_late), early one (lookahead), or auto (late where recorded)."
+        ),
+    ] = "auto",
     split: SplitOpt = None,
     domain: DomainOpt = None,
     cross_domain: Annotated[
@@ -130,6 +137,8 @@ def eval_cmd(
     options: dict[str, Any] = {"seed": seed}
     if budget:
         options["budget"] = budget
+    if lookahead != "auto":
+        options["lookahead"] = lookahead
     if horizon > 1:
         far = [n for n in chosen if "horizon" in accepted_options(n)]
         if not far:

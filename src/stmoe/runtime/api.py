@@ -257,6 +257,7 @@ def offload(
     latency: float | str = 0.0,
     workers: int | None = None,
     budget: int | None = None,
+    lookahead: str = "auto",
 ) -> OffloadedModel:
     """Offload a model's routed experts (see the module docstring).
 
@@ -269,6 +270,11 @@ def offload(
     memory to a CUDA cache). ``workers``: prefetch threads; by default 2 for the
     disk (a device serves reads in parallel) and 1 for the single-link tiers, where
     a second thread only queues another transfer ahead of the next miss.
+    ``lookahead`` (hybrid, gate-lookahead): which gate lookahead, ``early`` (the
+    next layer's router on this layer's MoE input, predicted as this layer routes)
+    or ``late`` (the next layer's router on its own input through its pre-MoE norm,
+    predicted as that layer starts: closer to the router, less time to load);
+    ``auto``: late where the model's norms are recognised.
     """
     if tier not in TIERS:
         raise StoreError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
@@ -297,7 +303,8 @@ def offload(
     assert store_path is not None
     try:
         return _offload(model, store_path, tokenizer, model_dir, cleanup, capacity, predictor,
-                        tables, policy, tier, bandwidth, latency, workers, budget)  # fmt: skip
+                        tables, policy, tier, bandwidth, latency, workers, budget,
+                        lookahead)  # fmt: skip
     except BaseException:
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
@@ -307,8 +314,8 @@ def offload(
 def _offload(model: torch.nn.Module, store_path: Path, tokenizer: Any, model_dir: Path | None,
              cleanup: Path | None, capacity: int | str, predictor: str | Predictor,
              tables: str | Path | None, policy: str, tier: str, bandwidth: float | str | None,
-             latency: float | str, workers: int | None, budget: int | None
-             ) -> OffloadedModel:  # fmt: skip
+             latency: float | str, workers: int | None, budget: int | None,
+             lookahead: str = "auto") -> OffloadedModel:  # fmt: skip
     expert_store = ExpertStore(store_path)
     expert_store.check_model(model)
     shape = ModelShape(len(experts_modules(model)), int(expert_store.model["num_experts"]),
@@ -316,7 +323,7 @@ def _offload(model: torch.nn.Module, store_path: Path, tokenizer: Any, model_dir
     per_layer = resolve_capacity(capacity, shape.num_layers, shape.num_experts, shape.top_k,
                                  expert_store.blocks[(0, 0)].nbytes)  # fmt: skip
     pred = predictor if isinstance(predictor, Predictor) else _predictor(
-        predictor, shape, tables, model_dir)  # fmt: skip
+        predictor, shape, tables, model_dir, lookahead)  # fmt: skip
     device = None
     if tier == "gpu":
         if not torch.cuda.is_available():
@@ -338,6 +345,7 @@ def _offload(model: torch.nn.Module, store_path: Path, tokenizer: Any, model_dir
               per_layer / shape.num_experts, "predictor": pred.name, "policy": policy,
               "tier": tier, "emulated": source.emulated, "workers": workers,
               "prefetch_budget": engine.budget,
+              "lookahead": pred.point if pred.uses_lookahead else None,
               "num_layers": shape.num_layers, "num_experts": shape.num_experts,
               "top_k": shape.top_k, "expert_bytes": engine.expert_bytes,
               "cache_bytes": engine.cache_bytes}  # fmt: skip
@@ -363,11 +371,17 @@ def _tier(name: str, store: ExpertStore, bandwidth: float | str | None,
 
 
 def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
-               model_dir: Path | None) -> Predictor:  # fmt: skip
+               model_dir: Path | None, lookahead: str = "auto") -> Predictor:  # fmt: skip
     from stmoe.predictors import REGISTRY
     from stmoe.predictors.tables import load_tables
 
     cls = REGISTRY.get(name)
+    options = {}
+    if lookahead != "auto":
+        if cls is None or not cls.uses_lookahead:
+            raise StoreError(f"lookahead {lookahead!r} applies to predictors that use the gate "
+                             f"lookahead (hybrid, gate-lookahead), not {name!r}")  # fmt: skip
+        options["lookahead"] = lookahead
     loaded = None
     if cls is not None and cls.needs_tables:
         if tables is None and model_dir is not None and (model_dir / SHIPPED_TABLES).is_file():
@@ -376,7 +390,7 @@ def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
             raise StoreError(f"predictor {name!r} needs profiled tables: pass --tables "
                              "(write them with `stmoe capture` then `stmoe profile`)")  # fmt: skip
         loaded = load_tables(tables)
-    return make(name, shape, loaded)
+    return make(name, shape, loaded, **options)
 
 
 def _tokenizer(model_dir: Path) -> Any:
