@@ -12,6 +12,7 @@ from conftest import REAL_NPZ, needs_shared
 from stmoe.predictors import PredictorError, load_tables, make, profile, save_tables
 from stmoe.predictors.base import ModelShape, Predictor
 from stmoe.predictors.plus import MEMORY_TOKENS, fit
+from stmoe.predictors.tables import RECENT_TOKENS
 from stmoe.replay import evaluate
 
 
@@ -103,7 +104,7 @@ def test_tables_round_trip_and_older_tables_are_refused_clearly(tmp_path):
     assert np.array_equal(again.pair_counts, tables.pair_counts)
     assert np.array_equal(again.temporal, tables.temporal)
     assert np.array_equal(again.recent, tables.recent)
-    assert again.recent.shape[0] <= 512 and MEMORY_TOKENS <= 512
+    assert again.recent.shape[0] <= RECENT_TOKENS and MEMORY_TOKENS == RECENT_TOKENS
     old = dataclasses.replace(tables, pair_counts=None, temporal=None, recent=None)
     with pytest.raises(PredictorError, match="predate stmoe-plus"):
         make("stmoe-plus", old.shape, old)
@@ -153,6 +154,11 @@ def test_the_mixture_leans_on_the_member_of_the_domain_it_is_fed(tmp_path):
     prof = stmoe.select_sequences(trace, range(6))  # two sequences of each domain
     tables = load_tables(save_tables(profile(prof, by_domain=True), tmp_path / "t.npz"))
     assert sorted(tables.per_domain) == sorted(set(trace.domains))
+    # members with the same (default) weights, so that only their domain's counts differ
+    # (each member's own fit on 80 held-back tokens would add noise to the comparison)
+    tables = dataclasses.replace(tables, per_domain={
+        d: dataclasses.replace(t, info={k: v for k, v in t.info.items() if k != "plus"})
+        for d, t in tables.per_domain.items()})  # fmt: skip
     shape = ModelShape.of(trace)
     for s in range(6, 9):  # an unseen sequence of each domain
         seq = stmoe.select_sequences(trace, [s])
@@ -241,3 +247,26 @@ def test_eval_cli_takes_the_lookahead_point(cli, tmp_path):
     assert recall["auto"] == recall["late"] == 1.0 > recall["early"]
     res = cli("eval", path, "--predictor", "gate-lookahead", "--lookahead", "middle")
     assert res.exit_code == 1 and "expected auto, early or late" in res.output
+
+
+def test_adaptive_sets_take_the_most_probable_experts_anywhere_at_the_mean_budget():
+    from stmoe.predictors import plus_kernels as pk
+
+    rng = np.random.default_rng(3)
+    ctl, sizes, unsure = np.zeros(2), [], []
+    for i in range(6000):
+        # K = 2 of 16: confident scores put two experts far ahead; uncertain ones
+        # spread the same mass over six candidates
+        is_unsure = i % 2 == 0
+        scores = rng.uniform(0.0, 0.02, 16)
+        bumps = rng.choice(16, 6 if is_unsure else 2, replace=False)
+        scores[bumps] += rng.uniform(0.5, 1.0, len(bumps)) / len(bumps)
+        b = pk.set_size(scores, 3.5, True, ctl, 16, 1)
+        cut = np.sort(scores)[::-1][b - 1]
+        assert np.count_nonzero(scores >= cut) == b  # exactly the experts above one cut
+        sizes.append(b)
+        unsure.append(is_unsure)
+    sizes, unsure = np.array(sizes[1000:]), np.array(unsure[1000:])
+    assert abs(sizes.mean() - 3.5) < 0.05  # the mean budget holds
+    assert sizes[unsure].mean() > sizes[~unsure].mean() + 2  # uncertain predictions get more
+    assert pk.set_size(np.ones(16), 3.5, True, np.zeros(2), 16, 0) in (3, 4)  # layer 0: fixed

@@ -92,7 +92,7 @@ class MixPredictor(Predictor):
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         scores = self.scores(layer, slot)
         b = pk.set_size(scores, self.budget, False, self._ctl,
-                        min(self.shape.num_experts, int(np.ceil(self.budget))))  # fmt: skip
+                        min(self.shape.num_experts, int(np.ceil(self.budget))), layer)  # fmt: skip
         pk.top_by_score(scores, b, self._out)
         return self._out[:b].astype(np.int16)
 

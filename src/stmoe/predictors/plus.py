@@ -37,8 +37,9 @@ from stmoe.trace.schema import RoutingTrace
 DEFAULT_W = (1.0, 0.5, 0.25, 0.0, 0.5, 0.25, 0.5, 1.0)
 W_NAMES = ("w_spatial", "w_second", "w_third", "w_fourth", "w_temporal", "w_prior",
            "w_recent", "w_memory")  # fmt: skip
-MEMORY_TOKENS = 256  # the token memory's ring size (and tokens of it kept in the tables)
-DEFAULT_POWER = 4.0
+MEMORY_TOKENS = 1024  # the token memory's ring size (the tables keep as many profiled tokens)
+DEFAULT_POWER = 8.0
+DEFAULT_SIM_DECAY = 1.0
 DEFAULT_ALPHA = 1.0
 DEFAULT_GAMMA = 0.8
 FIT_HOLDOUT = 0.2  # share of the profiling tokens held back to choose the weights
@@ -64,6 +65,7 @@ class PlusConfig:
     w_recent: float | None = None
     w_memory: float | None = None
     power: float | None = None  # token memory: similarity exponent
+    sim_decay: float | None = None  # token memory: per-layer decay of the similarity (1: none)
     gamma: float | None = None  # recency: weight of the previous token in the moving average
     alpha: float | None = None  # smoothing towards the prior, in tokens
     beta: float | None = None  # hybrid only: weight of the gate lookahead
@@ -115,15 +117,15 @@ class _Counts:
 class _Memory:
     """The token memory of plus_kernels (a ring of recent tokens' routing)."""
 
-    mcol: np.ndarray  # [L, N, W] float32
-    mset: np.ndarray  # [W, L, K] int16
+    mcol: np.ndarray  # [L, N, W] uint8
+    mset: np.ndarray  # [L, W, K] int16
     mstate: np.ndarray  # [filled, next slot] int64
 
     @classmethod
     def of_routing(cls, shape: ModelShape, recent: np.ndarray | None) -> _Memory:
         layers, n, k = shape.num_layers, shape.num_experts, shape.top_k
-        mem = cls(np.zeros((layers, n, MEMORY_TOKENS), dtype=np.float32),
-                  np.full((MEMORY_TOKENS, layers, k), -1, dtype=np.int16),
+        mem = cls(np.zeros((layers, n, MEMORY_TOKENS), dtype=np.uint8),
+                  np.full((layers, MEMORY_TOKENS, k), -1, dtype=np.int16),
                   np.zeros(2, dtype=np.int64))  # fmt: skip
         if recent is not None:
             for token in np.asarray(recent, dtype=np.int16)[-MEMORY_TOKENS:]:
@@ -134,8 +136,9 @@ class _Memory:
     def of(cls, tables: ProfiledTables) -> _Memory:
         return cls.of_routing(tables.shape, tables.recent)
 
-    def overlaps(self, num_layers: int) -> np.ndarray:
-        return np.zeros((num_layers, self.mset.shape[0]), dtype=np.float32)
+    def similarity(self, num_layers: int) -> np.ndarray:
+        """A token's [L, W] similarity to every memory token (filled layer by layer)."""
+        return np.zeros((num_layers, self.mset.shape[1]), dtype=np.float32)
 
     def copy(self) -> _Memory:
         return _Memory(self.mcol.copy(), self.mset.copy(), self.mstate.copy())
@@ -168,7 +171,8 @@ class PlusPredictor(Predictor):
         self.w = np.array([w[i] if v is None else v for i, v in enumerate(given)])
         self.gamma = float(fitted.get("gamma", DEFAULT_GAMMA) if c.gamma is None else c.gamma)
         self.power = float(fitted.get("power", DEFAULT_POWER) if c.power is None else c.power)
-        self._power = power_table(shape.top_k, self.power)
+        self.sim_decay = float(fitted.get("sim_decay", DEFAULT_SIM_DECAY)
+                               if c.sim_decay is None else c.sim_decay)  # fmt: skip
         self.memory = _Memory.of(tables)
         self.alpha = float(fitted.get("alpha", DEFAULT_ALPHA) if c.alpha is None else c.alpha)
         # the lookahead's weight, fitted per lookahead point (the late one when recorded)
@@ -182,7 +186,7 @@ class PlusPredictor(Predictor):
         n = shape.num_experts
         self._prev: dict[int, np.ndarray] = {}  # slot -> previous token's [L, K]
         self._recent: dict[int, np.ndarray] = {}  # slot -> recency [L, N] of its sequence
-        self._overlap: dict[int, np.ndarray] = {}  # slot -> [L, W] overlaps with the memory
+        self._sim: dict[int, np.ndarray] = {}  # slot -> [L, W] similarity to the memory
         self._votes = np.zeros(n)
         self._known: dict[int, int] = {}  # slot -> the last layer its token has reported
         self._no_look = np.full(1, -1, dtype=np.int16)
@@ -201,14 +205,14 @@ class PlusPredictor(Predictor):
         super().reset(slot)
         self._prev.pop(slot, None)
         self._recent.pop(slot, None)
-        self._overlap.pop(slot, None)
+        self._sim.pop(slot, None)
         self._known.pop(slot, None)
 
-    def _ov(self, slot: int) -> np.ndarray:
-        ov = self._overlap.get(slot)
-        if ov is None:
-            ov = self._overlap[slot] = self.memory.overlaps(self.shape.num_layers)
-        return ov
+    def _similarity(self, slot: int) -> np.ndarray:
+        sim = self._sim.get(slot)
+        if sim is None:
+            sim = self._sim[slot] = self.memory.similarity(self.shape.num_layers)
+        return sim
 
     def _recency(self, slot: int) -> np.ndarray:
         rc = self._recent.get(slot)
@@ -234,7 +238,7 @@ class PlusPredictor(Predictor):
         return (*self.counts.arrays(), self._empty if cur is None else cur, known,
                 self._empty if prev is None else prev, prev is not None, layer, self.w,
                 self.alpha, self.scale, self._prior, self._scores, self._recency(slot),
-                self.memory.mset, self.memory.mstate, self._ov(slot), self._power,
+                self.memory.mset, self.memory.mstate, self._similarity(slot), self.power,
                 self._votes)  # fmt: skip
 
     def _look_for(self, layer: int, slot: int) -> np.ndarray | None:
@@ -271,7 +275,8 @@ class PlusPredictor(Predictor):
         prev = self._prev.get(slot)
         pk.plus_learn(*self.counts.arrays(), cur, self._empty if prev is None else prev,
                       prev is not None, layer, self.scale, self._recency(slot), self.gamma,
-                      self.memory.mcol, self._ov(slot), self.config.online)  # fmt: skip
+                      self.memory.mcol, self._similarity(slot), self.sim_decay,
+                      self.config.online)  # fmt: skip
         self._known[slot] = layer
         if layer == self.shape.num_layers - 1:
             self._known.pop(slot, None)
@@ -317,7 +322,7 @@ class PlusPredictor(Predictor):
             look if look is not None else np.full((1, 1, 1), -1, np.int16), look is not None,
             self.w, self.beta, self.alpha, c.decay, c.online, self.budget, c.adaptive,
             self.ctl, c.horizon, self._cap(), self.scale, self.gamma, self.memory.mcol,
-            self.memory.mset, self.memory.mstate, self._power,
+            self.memory.mset, self.memory.mstate, self.power, self.sim_decay,
         )  # fmt: skip
         return PrefetchPlan(ptr=ptr, ids=ids, num_layers=trace.num_layers)
 
@@ -328,11 +333,6 @@ class HybridPredictor(PlusPredictor):
 
     name = "hybrid"
     uses_lookahead = True
-
-
-def power_table(top_k: int, exponent: float) -> np.ndarray:
-    """s ** exponent for every overlap s a memory token can have (0..4K)."""
-    return np.arange(4 * top_k + 1, dtype=np.float64) ** exponent
 
 
 def check_point(point: str) -> None:
@@ -348,13 +348,15 @@ _GRIDS: dict[str, tuple[float, ...]] = {
     "w_temporal": (0.0, 0.5, 1.0, 2.0, 4.0),
     "w_prior": (0.0, 0.25, 1.0),
     "w_recent": (0.0, 0.5, 1.0, 2.0, 4.0, 8.0),
-    "alpha": (0.25, 1.0, 4.0),
+    "alpha": (0.25, 1.0, 4.0, 16.0),
     "gamma": (0.5, 0.8, 0.9, 0.97),
-    "w_memory": (0.0, 0.5, 1.0, 2.0, 4.0),
-    "power": (2.0, 4.0, 8.0),
+    "w_memory": (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0),
+    "power": (4.0, 8.0, 16.0, 32.0),
+    "sim_decay": (0.5, 0.8, 1.0),
 }
 _START = {**dict(zip(W_NAMES, DEFAULT_W, strict=True)), "alpha": DEFAULT_ALPHA,
-          "gamma": DEFAULT_GAMMA, "power": DEFAULT_POWER}  # fmt: skip
+          "gamma": DEFAULT_GAMMA, "power": DEFAULT_POWER,
+          "sim_decay": DEFAULT_SIM_DECAY}  # fmt: skip
 
 
 def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
@@ -391,7 +393,8 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
             no_look if look is None else np.ascontiguousarray(look, dtype=np.int16), beta > 0,
             np.array([params[n] for n in W_NAMES]), beta, params["alpha"], 0.999, True,
             FIT_BUDGET * k, False, np.zeros(2), 1, int(np.ceil(FIT_BUDGET * k)), 1.0,
-            params["gamma"], mem.mcol, mem.mset, mem.mstate, power_table(k, params["power"]),
+            params["gamma"], mem.mcol, mem.mset, mem.mstate, params["power"],
+            params["sim_decay"],
         )  # fmt: skip
         return pk.plan_recall(experts, ptr, ids)
 
@@ -414,7 +417,8 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
 
 def _pack(params: dict[str, float]) -> dict[str, Any]:
     return {"w": [params[n] for n in W_NAMES], "alpha": params["alpha"],
-            "gamma": params["gamma"], "power": params["power"]}  # fmt: skip
+            "gamma": params["gamma"], "power": params["power"],
+            "sim_decay": params["sim_decay"]}  # fmt: skip
 
 
 @register

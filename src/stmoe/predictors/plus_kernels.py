@@ -12,15 +12,18 @@ weigh less without touching them (exponential forgetting at O(K^2) per update).
     rc[l, f]          (per sequence) recency: an exponential moving average over the
                       sequence's tokens of "f chosen at l", factor ``gamma``
 
-Token memory (a ring of the last W tokens' routing; a nearest-neighbour vote):
+Token memory (a ring of the last W tokens' routing, the profiling trace's last
+tokens first; a nearest-neighbour vote):
 
-    mcol[l, e, j]     1 if memory token j chose e at layer l
-    mset[j, l, :]     memory token j's experts;  mstate = [filled, next slot]
-    ov[l, j]          overlap of the current token's layer-l experts with token j's
+    mcol[l, e, j]     1 if memory token j chose e at layer l (uint8)
+    mset[l, j, :]     memory token j's experts at layer l;  mstate = [filled, next slot]
+    sim[l, j]         similarity of the current token to memory token j over its
+                      layers 0..l: sum over l' <= l of lam ** (l - l') * overlap at l'
 
-The vote for the target layer weighs each memory token by (its overlap with the
-current token over the last four known layers) ** power: tokens that agree on
-many experts at once dominate, which pairwise counts cannot express.
+The vote for the target layer weighs each memory token by (its similarity over
+the known layers / the best one) ** power: with a high power only the nearest
+neighbours count, tokens that agree on many experts at once, which pairwise
+counts cannot express.
 
 A signal is a linear pool of smoothed conditionals: for source experts S,
 ``mean_{e in S} (C[e, f] + a * prior[f]) / (R[e] + a)``; a missing source falls
@@ -107,61 +110,98 @@ def _add_signal(c, r, src, prior, a, w, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def memory_overlap(mcol, cur, layer, ov):  # pragma: no cover - compiled
-    """ov[layer] := overlap of cur[layer] with every memory token's layer-``layer`` set."""
-    ov[layer, :] = 0.0
+def memory_similarity(mcol, cur, layer, lam, sim):  # pragma: no cover - compiled
+    """sim[layer] := lam * sim[layer - 1] + overlap of cur[layer] with every memory
+    token's layer-``layer`` set: the similarity over the token's layers 0..layer,
+    nearer layers weighing more when lam < 1."""
+    width = sim.shape[1]
+    if layer > 0:
+        for j in range(width):
+            sim[layer, j] = lam * sim[layer - 1, j]
+    else:
+        sim[layer, :] = 0.0
     for e in cur[layer]:
         if e >= 0:
-            ov[layer, :] += mcol[layer, e, :]
+            row = mcol[layer, e]
+            for j in range(width):
+                sim[layer, j] += row[j]
 
 
 @njit(cache=True)
-def memory_vote(mset, mstate, ov, known, target, power, votes):  # pragma: no cover
-    """votes[f] := sum over memory tokens choosing f at ``target`` of similarity**power.
+def _power(x, power):  # pragma: no cover - compiled
+    """x ** power, by squaring for the fitted exponents 4, 8, 16, 32 (pow is slow)."""
+    if power == 4.0 or power == 8.0 or power == 16.0 or power == 32.0:
+        y = x * x
+        y = y * y
+        if power >= 8.0:
+            y = y * y
+        if power >= 16.0:
+            y = y * y
+        if power >= 32.0:
+            y = y * y
+        return y
+    return x**power
 
-    ``power`` is a table: power[s] = s ** exponent for the integer overlaps s."""
+
+@njit(cache=True)
+def memory_vote(mset, mstate, sim, known, target, power, votes):  # pragma: no cover
+    """votes[f] := sum over memory tokens choosing f at ``target`` of
+    (similarity / best similarity) ** power; tokens whose weight would be below
+    1e-3 are skipped (with a high power only the nearest neighbours count)."""
     votes[:] = 0.0
     total = 0.0
     if known < 0:
         return total
-    for j in range(mstate[0]):
-        sim = 0.0
-        for i in range(4):
-            if known - i >= 0:
-                sim += ov[known - i, j]
-        if sim <= 0.0:
+    row = sim[known]
+    filled = mstate[0]
+    best = 0.0
+    for j in range(filled):
+        if row[j] > best:
+            best = row[j]
+    if best <= 0.0:
+        return total
+    cut = best * 0.001 ** (1.0 / power)
+    inv = 1.0 / best
+    k = mset.shape[2]
+    for j in range(filled):
+        if row[j] < cut:
             continue
-        wgt = power[int(sim)]
-        for f in mset[j, target]:
+        wgt = _power(row[j] * inv, power)
+        for a in range(k):  # (indexing, not a row view: this loop is the hot one)
+            f = mset[target, j, a]
             if f >= 0:
                 votes[f] += wgt
-                total += wgt
+        total += wgt * k  # (a memory token's K slots are all filled in practice)
+    if total > 0.0:  # the exact total, should some slots be empty
+        total = 0.0
+        for f in range(votes.shape[0]):
+            total += votes[f]
     return total
 
 
 @njit(cache=True)
 def memory_add(mcol, mset, mstate, cur):  # pragma: no cover - compiled
     """Put a finished token into the ring, evicting the oldest when full."""
-    width = mset.shape[0]
+    width = mset.shape[1]
     slot = mstate[1]
     if mstate[0] == width:
-        for layer in range(mset.shape[1]):
-            for e in mset[slot, layer]:
+        for layer in range(mset.shape[0]):
+            for e in mset[layer, slot]:
                 if e >= 0:
-                    mcol[layer, e, slot] = 0.0
-    for layer in range(mset.shape[1]):
+                    mcol[layer, e, slot] = 0
+    for layer in range(mset.shape[0]):
         for a in range(mset.shape[2]):
             e = cur[layer, a]
-            mset[slot, layer, a] = e
+            mset[layer, slot, a] = e
             if e >= 0:
-                mcol[layer, e, slot] = 1.0
+                mcol[layer, e, slot] = 1
     mstate[1] = (slot + 1) % width
     mstate[0] = min(mstate[0] + 1, width)
 
 
 @njit(cache=True)
 def plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s,
-                prior, out, rc, mset, mstate, ov, power, votes):  # fmt: skip  # pragma: no cover
+                prior, out, rc, mset, mstate, sim, power, votes):  # fmt: skip  # pragma: no cover
     """Scores of every expert for ``target`` given the token's layers 0..known (-1: none).
 
     w = (spatial from layers known, known-1, known-2, known-3; temporal (previous
@@ -190,7 +230,7 @@ def plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alph
     for f in range(n):
         out[f] += w[5] * prior[f] + w[6] * rc[target, f] / k
     if w[7] != 0.0:
-        total = memory_vote(mset, mstate, ov, known, target, power, votes)
+        total = memory_vote(mset, mstate, sim, known, target, power, votes)
         if total > 0.0:
             for f in range(n):
                 out[f] += w[7] * k * votes[f] / total
@@ -262,29 +302,37 @@ def top_by_score(scores, budget, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def set_size(scores, budget, adaptive, ctl, cap):  # pragma: no cover - compiled
+def set_size(scores, budget, adaptive, ctl, cap, target):  # pragma: no cover - compiled
     """How many experts this prediction gets; the mean over predictions is ``budget``.
 
     Fixed: ``budget`` itself, fractional budgets realised by carrying the remainder
-    (5.5 gives 5, 6, 5, 6, ...). Adaptive: in proportion to the scores' effective
-    number of experts exp(entropy) over its running mean, so flat (uncertain)
-    scores get more experts and peaked ones fewer. ctl = [remainder, mean].
+    (5.5 gives 5, 6, 5, 6, ...). Adaptive (layers after the first): every expert
+    whose share of the scores clears one common threshold, steered so the mean
+    size stays ``budget``. The experts most likely to be picked anywhere are taken
+    first (the choice that maximises expected hits for a mean budget): a
+    prediction unsure between several plausible experts gets a larger set, a
+    confident one little more than its K favourites, and one with no plausible
+    expert at all (scores flat over all N) stays small, since no expert there is
+    worth a transfer. ctl = [remainder, log threshold (0: not yet set)].
     """
-    want = budget
-    if adaptive:
+    if adaptive and target > 0:
         total = 0.0
         for f in range(scores.shape[0]):
             total += scores[f]
-        entropy = 0.0
-        if total > 0:
+        if total > 0.0:
+            if ctl[1] == 0.0:  # start at this prediction's budget-th share
+                ranked = np.sort(scores)[::-1]
+                i = min(max(int(budget) - 1, 0), scores.shape[0] - 1)
+                ctl[1] = np.log(max(ranked[i] / total, 1e-300))
+            cut = np.exp(ctl[1]) * total
+            b = 0
             for f in range(scores.shape[0]):
-                q = scores[f] / total
-                if q > 0:
-                    entropy -= q * np.log(q)
-        neff = np.exp(entropy)
-        ctl[1] = neff if ctl[1] <= 0 else 0.99 * ctl[1] + 0.01 * neff
-        want = budget * neff / ctl[1]
-    ctl[0] += want
+                if scores[f] >= cut:
+                    b += 1
+            b = max(1, min(b, cap))
+            ctl[1] += 0.02 * (b - budget) / max(budget, 1e-9)
+            return b
+    ctl[0] += budget
     b = int(np.floor(ctl[0]))
     b = max(1 if budget >= 1 else 0, min(b, cap))
     ctl[0] -= b
@@ -325,7 +373,7 @@ def _fuse(scores, look, beta):  # pragma: no cover - compiled
 @njit(cache=True)
 def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, alpha, decay,
                 online, budget, adaptive, ctl, horizon, cap, scale, gamma, mcol, mset,
-                mstate, power):  # fmt: skip  # pragma: no cover
+                mstate, power, lam):  # fmt: skip  # pragma: no cover
     """The whole-trace replay of the protocol: predict(l) then update(l) for every
     token and layer. Returns (ptr, ids, scale) with PrefetchPlan's CSR arrays."""
     t_len, n_layers, k = experts.shape
@@ -339,7 +387,7 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
     scores = np.zeros(n)
     out = np.zeros(n, dtype=np.int64)
     rc = np.zeros((n_layers, n))
-    ov = np.zeros((n_layers, mset.shape[0]), dtype=np.float32)
+    sim = np.zeros((n_layers, mset.shape[1]), dtype=np.float32)
     votes = np.zeros(n)
     has_prev = False
     pos = 0
@@ -351,10 +399,10 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
         for layer in range(n_layers):
             known = max(layer - horizon, -1)
             plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, layer, w, alpha,
-                        scale, prior, scores, rc, mset, mstate, ov, power, votes)  # fmt: skip
+                        scale, prior, scores, rc, mset, mstate, sim, power, votes)  # fmt: skip
             if use_look and horizon == 1 and layer > 0:
                 _fuse(scores, look[t, layer], beta)
-            b = set_size(scores, budget, adaptive, ctl, cap)
+            b = set_size(scores, budget, adaptive, ctl, cap, layer)
             top_by_score(scores, b, out)
             for i in range(b):
                 ids[pos + i] = out[i]
@@ -362,7 +410,7 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
             ptr[t * n_layers + layer + 1] = pos
             cur[layer] = experts[t, layer]
             recency_update(rc, cur, layer, gamma)
-            memory_overlap(mcol, cur, layer, ov)
+            memory_similarity(mcol, cur, layer, lam, sim)
             if online:
                 plus_update(co, r, tt, rt, p, z, cur, prev, has_prev, layer, scale)
         prev[:, :] = cur
@@ -398,24 +446,24 @@ def plan_recall(experts, ptr, ids):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def plus_learn(co, r, tt, rt, p, z, cur, prev, has_prev, layer, s, rc, gamma, mcol, ov,
-               online):  # fmt: skip  # pragma: no cover - compiled
+def plus_learn(co, r, tt, rt, p, z, cur, prev, has_prev, layer, s, rc, gamma, mcol, sim,
+               lam, online):  # fmt: skip  # pragma: no cover - compiled
     """Everything ``update`` does for one layer, in one compiled call."""
     recency_update(rc, cur, layer, gamma)
-    memory_overlap(mcol, cur, layer, ov)
+    memory_similarity(mcol, cur, layer, lam, sim)
     if online:
         plus_update(co, r, tt, rt, p, z, cur, prev, has_prev, layer, s)
 
 
 @njit(cache=True)
 def plus_predict(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s, prior,
-                 scores, rc, mset, mstate, ov, power, votes, look, use_look, beta, budget,
+                 scores, rc, mset, mstate, sim, power, votes, look, use_look, beta, budget,
                  adaptive, ctl, cap, out):  # fmt: skip  # pragma: no cover - compiled
     """Everything ``predict`` does, in one compiled call; returns the set size."""
     plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s, prior,
-                scores, rc, mset, mstate, ov, power, votes)  # fmt: skip
+                scores, rc, mset, mstate, sim, power, votes)  # fmt: skip
     if use_look:
         _fuse(scores, look, beta)
-    b = set_size(scores, budget, adaptive, ctl, cap)
+    b = set_size(scores, budget, adaptive, ctl, cap, target)
     top_by_score(scores, b, out)
     return b

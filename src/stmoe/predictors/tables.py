@@ -31,7 +31,7 @@ from stmoe.trace.summary import expert_load
 
 TABLES_FORMAT = "stmoe-tables"
 TABLES_VERSION = 1
-RECENT_TOKENS = 512  # profiled tokens kept for stmoe-plus's token memory
+RECENT_TOKENS = 1024  # profiled tokens kept for stmoe-plus's token memory (its ring size)
 
 
 @dataclass(frozen=True, eq=False)
