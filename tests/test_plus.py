@@ -247,6 +247,13 @@ def test_eval_cli_takes_the_lookahead_point(cli, tmp_path):
     assert recall["auto"] == recall["late"] == 1.0 > recall["early"]
     res = cli("eval", path, "--predictor", "gate-lookahead", "--lookahead", "middle")
     assert res.exit_code == 1 and "expected auto, early or late" in res.output
+    # --adaptive: --budget is the mean set size of stmoe-plus and hybrid, not a cap
+    res = cli("eval", path, "--tables", tmp_path / "tab.npz", "--split", "0.5", "--predictor",
+              "stmoe-plus", "--budget", "3", "--adaptive", "--json", "-")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert abs(json.loads(res.output)["predictors"]["stmoe-plus"]["set_size"] - 3) < 0.3
+    res = cli("eval", path, "--predictor", "frequency", "--adaptive")
+    assert res.exit_code == 1 and "sizes its sets adaptively" in res.output
 
 
 def test_adaptive_sets_take_the_most_probable_experts_anywhere_at_the_mean_budget():

@@ -103,6 +103,14 @@ def eval_cmd(
             max=3,
         ),
     ] = 1,
+    adaptive: Annotated[
+        bool,
+        typer.Option(
+            help="stmoe-plus and hybrid: size each set by one probability threshold "
+            "(the experts most likely anywhere first), --budget then being the mean "
+            "set size rather than a cap."
+        ),
+    ] = False,
     lookahead: Annotated[
         str,
         typer.Option(
@@ -139,6 +147,11 @@ def eval_cmd(
         options["budget"] = budget
     if lookahead != "auto":
         options["lookahead"] = lookahead
+    if adaptive:
+        if not any("adaptive" in accepted_options(n) for n in chosen):
+            raise StmoeError(f"--adaptive: none of {', '.join(chosen)} sizes its sets "
+                             "adaptively; use stmoe-plus or hybrid")  # fmt: skip
+        options["adaptive"] = True
     if horizon > 1:
         far = [n for n in chosen if "horizon" in accepted_options(n)]
         if not far:
