@@ -177,3 +177,21 @@ def test_the_lookahead_of_the_trained_model_foresees_most_of_the_next_layers_pic
     early, late = recall(trace.lookahead), recall(trace.lookahead_late)
     assert early > 0.6, early  # random would be K/N = 0.25; measured about 0.8
     assert late > early + 0.03, (early, late)  # closer to the router's input; measured +0.05
+
+
+def test_the_late_lookahead_uses_the_norm_that_feeds_the_moe_block():
+    import transformers
+
+    from stmoe.capture import late_points
+    from tiny_moe import COMMON
+
+    model, _ = tiny_model("qwen3_moe")  # pre-norm: post_attention_layernorm feeds the MoE
+    points = late_points(model, experts_modules(model))
+    assert points is not None
+    assert all(norm is layer.post_attention_layernorm for layer, norm in points)
+    # OLMo-2-style post-norm layers (FlexOlmo) feed the MoE block the raw residual stream
+    config = transformers.FlexOlmoConfig(**{**COMMON, "num_experts": 8, "num_experts_per_tok": 2})
+    flex = transformers.AutoModelForCausalLM.from_config(config).eval()
+    points = late_points(flex, experts_modules(flex))
+    assert points is not None and all(isinstance(n, torch.nn.Identity) for _, n in points)
+    assert capture_generation(flex, [PROMPTS[0]], max_new_tokens=2).lookahead_late is not None

@@ -277,3 +277,46 @@ def test_adaptive_sets_take_the_most_probable_experts_anywhere_at_the_mean_budge
     assert abs(sizes.mean() - 3.5) < 0.05  # the mean budget holds
     assert sizes[unsure].mean() > sizes[~unsure].mean() + 2  # uncertain predictions get more
     assert pk.set_size(np.ones(16), 3.5, True, np.zeros(2), 16, 0) in (3, 4)  # layer 0: fixed
+
+
+def test_the_adaptive_threshold_cannot_wind_up():
+    from stmoe.predictors import plus_kernels as pk
+
+    scores = np.zeros(16)
+    scores[:8] = np.linspace(1.0, 0.5, 8)  # only 8 candidates, a budget of 10
+    ctl = np.zeros(2)
+    sizes = {pk.set_size(scores, 10.0, True, ctl, 16, 1) for _ in range(50_000)}
+    assert sizes == {8} and ctl[1] >= pk.LOG_CUT_MIN  # never the zero-scored experts
+    ctl = np.zeros(2)  # a budget below one: some predictions prefetch nothing
+    small = [pk.set_size(np.linspace(1, 0, 16), 0.5, True, ctl, 16, 1) for _ in range(4000)]
+    assert abs(np.mean(small[1000:]) - 0.5) < 0.05
+
+
+def test_a_full_lookahead_weight_leaves_the_tables_ordering_the_rest():
+    prof, ev = (_with_late(t) for t in stmoe.split(_trace(tokens=600), 0.5))
+    tables = profile(prof)
+    p = make("hybrid", ModelShape.of(ev), tables, budget=10, beta=1.0)
+    p.update(0, ev.experts[0, 0])
+    table_scores = make("stmoe-plus", ModelShape.of(ev), tables)
+    table_scores.update(0, ev.experts[0, 0])
+    plain = table_scores.scores(1)
+    look = ev.lookahead_late[0, 1]
+    p.lookahead(1, look)
+    ids = p.predict(1)
+    assert list(ids[: len(look)]) == list(look)  # the lookahead's ids first, in rank order
+    rest = [e for e in np.argsort(-plain, kind="stable") if e not in set(look.tolist())]
+    assert list(ids[len(look) :]) == rest[: 10 - len(look)]  # then the tables' order
+
+
+def test_fits_of_an_older_stmoe_plus_are_ignored():
+    tables = profile(_trace())
+    assert tables.info["plus"]["version"] == 2
+    old = dataclasses.replace(tables, info={**tables.info, "plus": {
+        **tables.info["plus"], "version": None, "power": 2.0}})  # fmt: skip
+    assert make("stmoe-plus", old.shape, old).power == 8.0  # the default, not the old fit
+    with pytest.raises(PredictorError, match="takes no gate lookahead"):
+        make("stmoe-plus", tables.shape, tables, lookahead="late")
+    with pytest.raises(PredictorError, match="sim_decay"):
+        make("stmoe-plus", tables.shape, tables, sim_decay=0.0)
+    with pytest.raises(PredictorError, match="power"):
+        make("stmoe-plus", tables.shape, tables, power=0.0)

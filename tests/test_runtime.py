@@ -458,3 +458,24 @@ def test_the_runtime_computes_the_same_gate_lookahead_as_capture(tmp_path, point
                 for t in range(len(prompt) - 1, len(prompt) - 1 + new)
                 for layer in range(1, trace.num_layers)]  # fmt: skip
     assert spy.seen == expected
+
+
+def test_offload_applies_the_lookahead_option_to_a_predictor_object(tmp_path):
+    from stmoe.predictors.base import ModelShape
+    from stmoe.predictors.plus import LookaheadPredictor
+
+    model, _ = tiny_model("qwen3_moe")
+    store = pack(model, tmp_path / "store")
+    shape = ModelShape(3, 8, 2)
+    model, _ = tiny_model("qwen3_moe")
+    with offload(model, store, capacity=2, predictor=LookaheadPredictor(shape),
+                 lookahead="early") as om:  # fmt: skip
+        assert om.engine._late is None and om.config["lookahead"] == "early"
+    model, _ = tiny_model("qwen3_moe")
+    with pytest.raises(StoreError, match="applies to predictors that use the gate lookahead"):
+        offload(model, store, capacity=2, predictor="stmoe", tables=None, lookahead="early")
+    model, _ = tiny_model("qwen3_moe")
+    from stmoe.predictors import PredictorError
+
+    with pytest.raises(PredictorError, match="expected auto, early or late"):
+        offload(model, store, capacity=2, predictor=LookaheadPredictor(shape), lookahead="x")

@@ -108,12 +108,21 @@ def late_points(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module
             norms = [getattr(parent, n, None) for n in PRE_MOE_NORMS]
             norm = next((m for m in norms if isinstance(m, torch.nn.Module)), None)
             if norm is not None:
+                if _post_norm_layer(parent):  # the MoE block reads the raw residual stream
+                    norm = torch.nn.Identity()
                 point = (parent, norm)
                 break
         if point is None:
             return None
         found.append(point)
     return found
+
+
+def _post_norm_layer(layer: torch.nn.Module) -> bool:
+    """OLMo-2-style layers normalise each block's *output* (post_attention_layernorm,
+    post_feedforward_layernorm) and feed the blocks the raw residual stream."""
+    return (isinstance(getattr(layer, "post_feedforward_layernorm", None), torch.nn.Module)
+            and getattr(layer, "pre_feedforward_layernorm", None) is None)  # fmt: skip
 
 
 def late_hidden(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -218,6 +227,9 @@ class RoutingRecorder:
                 return
             assert self.late is not None and self.routers is not None
             step = self.batches[-1][-1]
+            if step.top_k == 0 or len(step.look_late) != layer - 1:
+                raise CaptureError(f"decoder layer of MoE layer {layer} ran before MoE layer 0 "
+                                   "or out of order in one forward call")  # fmt: skip
             hidden = args[0] if args else kwargs["hidden_states"]
             router = self.routers[layer]
             width = min(2 * step.top_k, router.shape[0])  # top-K: known from MoE layer 0

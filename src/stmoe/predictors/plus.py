@@ -3,20 +3,25 @@
 stmoe-plus scores every expert of the target layer with smoothed conditional
 frequencies over the *full* co-occurrence counts (not just a top-K row):
 
-* spatial: the experts chosen at the previous layer l -> l+1;
-* second order: the experts chosen at l-1 -> l+1;
+* spatial: the experts chosen at the token's last four known layers;
 * temporal: the previous token's experts at the target layer;
 * a per-layer prior (how often each expert is chosen at that layer);
+* recency: the experts the sequence chose at the target layer lately;
+* a token memory: what the most similar of the last ``MEMORY_TOKENS`` tokens
+  (profiled, then streamed) chose at the target layer, similarity being the
+  overlap over every known layer (nearer layers weighing more, ``sim_decay``);
 
 weighted by ``w`` (fitted on held-back profiling data by ``fit``; never on the
 evaluation trace), learning online with exponential forgetting (``decay`` per
-token). It returns the ``budget`` best experts, or with ``adaptive`` a set
-sized by score mass (more experts where scores are flat), steered so its mean
+token). It returns the ``budget`` best experts, or with ``adaptive`` every
+expert whose share of the scores clears one threshold, steered so the mean set
 size is ``budget``. With ``horizon`` h it predicts layer l+h from layers <= l.
 
-hybrid adds **gate lookahead**: layer l+1's router applied to layer l's hidden
-state (recorded by capture as the trace's ``lookahead`` array, computed live by
-the runtime), fused with the table scores by weight ``beta``.
+hybrid adds **gate lookahead**: the next layer's router applied ahead of time,
+early (on this layer's MoE input: the trace's ``lookahead``) or late (on the
+next layer's own input through its pre-MoE norm: ``lookahead_late``), recorded
+by capture and computed live by the runtime, fused with the table scores by
+weight ``beta``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ DEFAULT_GAMMA = 0.8
 FIT_HOLDOUT = 0.2  # share of the profiling tokens held back to choose the weights
 FIT_MAX_TOKENS = 512  # held-back tokens used at most (the fit's cost)
 FIT_BUDGET = 1.5  # the fit maximises recall at this many experts per prediction, times K
+FIT_VERSION = 2  # fits of other versions are ignored (v2: the similarity memory)
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class PlusConfig:
     """Knobs of stmoe-plus; None = the weights fitted at profiling (or the defaults)."""
 
     budget: float = 0.0  # experts per prediction (mean size when adaptive); 0 = top-K
-    adaptive: bool = False  # size each set by score mass; mean size steered to budget
+    adaptive: bool = False  # size each set by one probability threshold; mean size = budget
     horizon: int = 1  # predict layer l+h from the token's layers <= l
     online: bool = True  # keep counting (with forgetting) while predicting
     decay: float = 0.999  # per-token weight of old counts (1 = never forget)
@@ -80,6 +86,10 @@ class PlusConfig:
             raise PredictorError(f"decay {self.decay}: expected 0 < decay <= 1")
         if self.beta is not None and not 0.0 <= self.beta <= 1.0:
             raise PredictorError(f"beta {self.beta}: expected 0..1")
+        if self.power is not None and not self.power > 0:
+            raise PredictorError(f"power {self.power}: expected > 0")
+        if self.sim_decay is not None and not 0.0 < self.sim_decay <= 1.0:
+            raise PredictorError(f"sim_decay {self.sim_decay}: expected 0 < sim_decay <= 1")
         check_point(self.lookahead)
 
 
@@ -163,8 +173,13 @@ class PlusPredictor(Predictor):
         if tables is None:
             raise PredictorError(f"{self.name!r} needs profiled tables (stmoe profile)")
         tables.check_fits(shape)
+        if self.config.lookahead != "auto" and not self.uses_lookahead:
+            raise PredictorError(f"{self.name} takes no gate lookahead (lookahead="
+                                 f"{self.config.lookahead!r}); hybrid does")  # fmt: skip
         self.counts = _Counts.of(tables)
         fitted = tables.info.get("plus", {})
+        if fitted.get("version") != FIT_VERSION:
+            fitted = {}  # fitted for an older stmoe-plus: its weights mean other things
         c = self.config
         w = fitted.get("w", DEFAULT_W)
         given = [getattr(c, n) for n in W_NAMES]
@@ -181,7 +196,7 @@ class PlusPredictor(Predictor):
         self.lookahead_pref = c.lookahead
         self.beta = self._betas["early"] if c.beta is None else float(c.beta)
         self.budget = float(c.budget) if c.budget > 0 else float(shape.top_k)
-        self.ctl = np.zeros(2)  # set sizes: [remainder carried, running mean of flatness]
+        self.ctl = np.zeros(2)  # set sizes: [remainder carried, log adaptive threshold]
         self.scale = 1.0
         n = shape.num_experts
         self._prev: dict[int, np.ndarray] = {}  # slot -> previous token's [L, K]
@@ -372,7 +387,7 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
     cut = round(trace.num_tokens * (1 - holdout))
     held = min(trace.num_tokens - cut, FIT_MAX_TOKENS)
     if cut < 8 or held < 4:
-        return {**_pack(_START), "fitted": False}
+        return {**_pack(_START), "fitted": False, "version": FIT_VERSION}
     first, rest = _token_range(trace, 0, cut), _token_range(trace, cut, cut + held)
     k = trace.top_k
     co, tt = pair_counts(first)
@@ -406,7 +421,8 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
                 score = recall(trial)
                 if score > best + 1e-12:
                     params, best = trial, score
-    out: dict[str, Any] = {**_pack(params), "fitted": True, "heldout_tokens": int(held),
+    out: dict[str, Any] = {**_pack(params), "fitted": True, "version": FIT_VERSION,
+                           "heldout_tokens": int(held),
                            "heldout_recall": best}  # fmt: skip
     for key, look in (("", rest.lookahead), ("_late", rest.lookahead_late)):
         if look is not None:  # hybrid's lookahead weight, per lookahead point

@@ -37,6 +37,7 @@ import numpy as np
 from stmoe._numba import njit
 
 D_MAX = 4  # farthest layer distance counted: l -> l+4 (second order at horizon 3)
+LOG_CUT_MIN = np.log(1e-12)  # the adaptive threshold's floor (a share of the scores)
 
 
 @njit(cache=True)
@@ -323,14 +324,17 @@ def set_size(scores, budget, adaptive, ctl, cap, target):  # pragma: no cover - 
             if ctl[1] == 0.0:  # start at this prediction's budget-th share
                 ranked = np.sort(scores)[::-1]
                 i = min(max(int(budget) - 1, 0), scores.shape[0] - 1)
-                ctl[1] = np.log(max(ranked[i] / total, 1e-300))
+                ctl[1] = np.log(max(ranked[i] / total, 1e-12))
             cut = np.exp(ctl[1]) * total
             b = 0
             for f in range(scores.shape[0]):
-                if scores[f] >= cut:
+                if scores[f] >= cut and scores[f] > 0.0:  # never an expert scored 0
                     b += 1
-            b = max(1, min(b, cap))
-            ctl[1] += 0.02 * (b - budget) / max(budget, 1e-9)
+            b = max(1 if budget >= 1 else 0, min(b, cap))
+            # steer towards the mean; bounded, so predictions with fewer candidates
+            # than the budget cannot wind the threshold down (or a budget < 1 up) forever
+            step = 0.02 * (b - budget) / max(budget, 1e-9)
+            ctl[1] = min(max(ctl[1] + step, LOG_CUT_MIN), -1e-9)
             return b
     ctl[0] += budget
     b = int(np.floor(ctl[0]))
@@ -351,13 +355,17 @@ def _rescale(co, r, tt, rt, p, z):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def _fuse(scores, look, beta):  # pragma: no cover - compiled
-    """scores := (1 - beta) * scores / sum + beta * rank weights of the lookahead ids."""
+    """scores := (1 - beta) * scores / sum + beta * rank weights of the lookahead ids.
+
+    With beta = 1 the tables keep a vanishing weight: the lookahead's ids come
+    first and the tables still order the rest (not the expert ids)."""
     total = 0.0
     for f in range(scores.shape[0]):
         total += scores[f]
+    keep = max(1.0 - beta, 1e-6)
     if total > 0:
         for f in range(scores.shape[0]):
-            scores[f] *= (1.0 - beta) / total
+            scores[f] *= keep / total
     m = 0
     for f in look:
         if f >= 0:

@@ -322,8 +322,13 @@ def _offload(model: torch.nn.Module, store_path: Path, tokenizer: Any, model_dir
                        top_k_of(model.config))  # fmt: skip
     per_layer = resolve_capacity(capacity, shape.num_layers, shape.num_experts, shape.top_k,
                                  expert_store.blocks[(0, 0)].nbytes)  # fmt: skip
-    pred = predictor if isinstance(predictor, Predictor) else _predictor(
-        predictor, shape, tables, model_dir, lookahead)  # fmt: skip
+    if isinstance(predictor, Predictor):
+        pred = predictor
+        if lookahead != "auto":
+            _check_lookahead_option(pred.name, pred.uses_lookahead, lookahead)
+            pred.lookahead_pref = lookahead
+    else:
+        pred = _predictor(predictor, shape, tables, model_dir, lookahead)
     device = None
     if tier == "gpu":
         if not torch.cuda.is_available():
@@ -378,9 +383,7 @@ def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
     cls = REGISTRY.get(name)
     options = {}
     if lookahead != "auto":
-        if cls is None or not cls.uses_lookahead:
-            raise StoreError(f"lookahead {lookahead!r} applies to predictors that use the gate "
-                             f"lookahead (hybrid, gate-lookahead), not {name!r}")  # fmt: skip
+        _check_lookahead_option(name, cls is not None and cls.uses_lookahead, lookahead)
         options["lookahead"] = lookahead
     loaded = None
     if cls is not None and cls.needs_tables:
@@ -391,6 +394,15 @@ def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
                              "(write them with `stmoe capture` then `stmoe profile`)")  # fmt: skip
         loaded = load_tables(tables)
     return make(name, shape, loaded, **options)
+
+
+def _check_lookahead_option(name: str, uses_lookahead: bool, lookahead: str) -> None:
+    from stmoe.predictors.plus import check_point
+
+    if not uses_lookahead:
+        raise StoreError(f"lookahead {lookahead!r} applies to predictors that use the gate "
+                         f"lookahead (hybrid, gate-lookahead), not {name!r}")  # fmt: skip
+    check_point(lookahead)
 
 
 def _tokenizer(model_dir: Path) -> Any:

@@ -13,7 +13,9 @@ changes. For each MoE layer the engine:
    arithmetic, and so every output bit, is what the resident model computes;
 3. tells the predictor what the router chose and queues the predicted experts
    of the next layer (most confident first) for the prefetch workers, before
-   computing, so loading overlaps this layer's compute.
+   computing, so loading overlaps this layer's compute. With the *late* gate
+   lookahead the next layer is predicted instead as it starts (a pre-hook on
+   its decoder layer runs its router on its input), overlapping its attention.
 
 Prefetch workers drop requests whose layer the compute thread has reached
 (stale); a worker's I/O error is raised on the compute thread at its next
@@ -110,14 +112,14 @@ class OffloadEngine:
         self._routers = None
         # the late lookahead: (decoder layer, pre-MoE norm) per MoE layer, when in use
         self._late: list[tuple[torch.nn.Module, torch.nn.Module]] | None = None
-        if predictor.uses_lookahead:
+        if predictor.uses_lookahead and self.horizon == 1:  # (beyond: the tables alone)
             from stmoe.capture import routers
 
             self._routers = routers(model, modules)
             if self._routers is None:
                 raise StoreError(f"predictor {predictor.name!r} needs each MoE layer's router, "
                                  "and this model's could not be found")  # fmt: skip
-            late = late_points(model, modules) if self.horizon == 1 else None
+            late = late_points(model, modules)
             try:
                 point = predictor.resolve_lookahead_point(late is not None)
             except PredictorError as exc:
