@@ -102,3 +102,14 @@ def test_report_on_the_real_sample(cli, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
         assert f"{name}.png" in (out / "report.md").read_text()
         assert f'src="{name}.png"' in (out / "report.html").read_text()
+
+
+def test_the_predictability_curves_show_every_predictor_ranked_to_4k():
+    from stmoe.analysis.evidence import predictability
+
+    trace = stmoe.synthesize(tokens=400, layers=4, experts=16, top_k=2, sequences=4, seed=2)
+    p = predictability(trace)
+    assert {"stmoe", "stmoe-plus", "frequency", "oracle"} <= set(p["curves"])
+    plus = p["curves"]["stmoe-plus"]
+    assert plus["set_size"][-1] > 2 * trace.top_k  # ranked beyond K for the curve
+    assert abs(p["set_size"]["stmoe-plus"] - trace.top_k) < 1e-9  # the table: its default size

@@ -113,17 +113,30 @@ def domains(trace: RoutingTrace) -> dict[str, Any] | None:
     return {"labels": labels, "per_domain": per_domain, "js_divergence_per_layer": js}
 
 
+# predictors whose ``budget`` sets how many experts they rank (not a cap on a rule's set)
+SIZED_PREDICTORS = ("stmoe-plus", "hybrid", "gate-lookahead", "frequency", "random")
+
+
 def predictability(trace: RoutingTrace, fraction: float = 0.5) -> dict[str, Any] | None:
     """Recall-versus-budget curves: profile on the first part, replay on the rest."""
     if trace.num_tokens < 4:
         return None
     prof, held_out = split_auto(trace, fraction)
-    result = replay(held_out, names_for(held_out), profile(prof), options={"seed": 0}).to_dict()
+    names, tables = names_for(held_out), profile(prof)
+    result = replay(held_out, names, tables, options={"seed": 0}).to_dict()
+    curves = {n: e["budget_curve"] for n, e in result["predictors"].items()}
+    # predictors whose set size is a knob rank every expert: their curves run to 4K
+    # (a second replay; the recall and set size reported stay those of their defaults)
+    sized = [n for n in names if n in SIZED_PREDICTORS]
+    if sized:
+        wide = min(4 * held_out.top_k, held_out.num_experts)
+        longer = replay(held_out, sized, tables, options={"seed": 0, "budget": wide}).to_dict()
+        curves.update({n: e["budget_curve"] for n, e in longer["predictors"].items()})
     return {
         "profiled_tokens": prof.num_tokens,
         "evaluated_tokens": held_out.num_tokens,
         "scope": result["scope"],
-        "curves": {n: e["budget_curve"] for n, e in result["predictors"].items()},
+        "curves": curves,
         "recall": {n: e["recall"] for n, e in result["predictors"].items()},
         "set_size": {n: e["set_size"] for n, e in result["predictors"].items()},
     }

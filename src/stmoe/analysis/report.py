@@ -135,7 +135,9 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
             "5. Predictability",
             [f"Tables profiled on the first {p['profiled_tokens']} tokens, predictors replayed on "
              f"the other {p['evaluated_tokens']} ({p['scope']}). Each curve cuts every prefetch "
-             "set to its B highest-scored experts."],
+             "set to its B highest-scored experts; stmoe-plus, hybrid, gate-lookahead, "
+             "frequency and random rank 4K experts for their curves, and the table gives "
+             "each predictor at its default set size."],
             [("predictability.png", "Recall versus prefetch budget.")],
             (["predictor", "recall", "mean set size"],
              [[n, _fmt(p["recall"][n]), _fmt(p["set_size"][n])] for n in p["recall"]]),
