@@ -63,7 +63,7 @@ def profile_cmd(
     Counts which experts of layer l+1 follow each expert of layer l and keeps the
     most frequent as the cross-layer correlation table, plus per-layer expert
     frequencies for the frequency baseline, the counts stmoe-plus and hybrid use
-    (layer pairs up to 4 apart, consecutive tokens, the last 512 tokens) and their
+    (layer pairs up to 4 apart, consecutive tokens, the last 1,024 tokens) and their
     signal weights, fitted on the last fifth of the profiling tokens.
     """
     trace = _select(import_files(traces), domain, split, 0)

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from stmoe._progress import progress
 from stmoe.predictors import plus_kernels as pk
 from stmoe.predictors.base import ModelShape, Predictor, PredictorError, PrefetchPlan, register
 from stmoe.predictors.tables import ProfiledTables
@@ -414,13 +415,12 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
         return pk.plan_recall(experts, ptr, ids)
 
     params, best = dict(_START), recall(_START)
-    for _ in range(2):
-        for name, grid in _GRIDS.items():
-            for value in grid:
-                trial = {**params, name: value}
-                score = recall(trial)
-                if score > best + 1e-12:
-                    params, best = trial, score
+    trials = [(name, value) for name, grid in _GRIDS.items() for value in grid] * 2
+    for name, value in progress(trials, len(trials), "fitting stmoe-plus's weights"):
+        trial = {**params, name: value}
+        score = recall(trial)
+        if score > best + 1e-12:
+            params, best = trial, score
     out: dict[str, Any] = {**_pack(params), "fitted": True, "version": FIT_VERSION,
                            "heldout_tokens": int(held),
                            "heldout_recall": best}  # fmt: skip
