@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 import stmoe
+from stmoe.analysis.evidence import SIZED_PREDICTORS
 from stmoe.predictors import make, profile
 from stmoe.predictors.base import ModelShape
 from stmoe.replay import evaluate
@@ -148,8 +149,7 @@ def curves_of(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, dic
         names += ["hybrid", "gate-lookahead"]
     out = {}
     for name in names:
-        capped = name in ("stmoe-plus", "hybrid", "frequency", "gate-lookahead")
-        opts = {"budget": budget} if capped else {}
+        opts = {"budget": budget} if name in SIZED_PREDICTORS else {}
         out[name] = evaluate(ev, make(name, shape, tables, **opts)).curve()
     return out
 

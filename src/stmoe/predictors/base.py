@@ -21,9 +21,10 @@ set; subclasses may override it with a compiled path that gives identical sets.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -104,10 +105,23 @@ class Predictor:
         self.lookahead_pref = "auto"
         self.point = "early"  # the lookahead point in use (set by use_lookahead_point)
 
+    config_class: ClassVar[Any] = None  # the dataclass of the knobs ``**knobs`` takes
+
     @classmethod
     def knobs(cls) -> tuple[str, ...]:
-        """Options taken through ``**knobs`` (for predictors whose __init__ has them)."""
-        return ()
+        """Options taken through ``**knobs`` (the fields of ``config_class``)."""
+        if cls.config_class is None:
+            return ()
+        return tuple(f.name for f in dataclasses.fields(cls.config_class))
+
+    def configure(self, knobs: Mapping[str, Any], base: Any = None) -> Any:
+        """``base`` (default: ``config_class()``) with ``knobs`` set; unknown ones are
+        a clear error listing the valid ones."""
+        try:
+            return dataclasses.replace(base or self.config_class(), **knobs)
+        except TypeError:
+            raise PredictorError(f"unknown {self.name} option in {sorted(knobs)}; "
+                                 f"valid: {', '.join(self.knobs())}") from None  # fmt: skip
 
     # ---- the protocol ------------------------------------------------------
     def reset(self, slot: int = 0) -> None:

@@ -12,7 +12,6 @@ domains.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,17 +36,13 @@ class MixPredictor(Predictor):
     """A mixture of per-domain stmoe-plus members; see the module docstring."""
 
     name = "stmoe-mix"
+    config_class = MixConfig
     needs_tables = True
     needs_domain_tables = True
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None, **knobs: Any) -> None:
         super().__init__(shape)
-        try:
-            self.config = MixConfig(**knobs)
-        except TypeError:
-            valid = ", ".join(f.name for f in dataclasses.fields(MixConfig))
-            raise PredictorError(f"unknown stmoe-mix option in {sorted(knobs)}; "
-                                 f"valid: {valid}") from None  # fmt: skip
+        self.config = self.configure(knobs)
         if tables is None or not tables.per_domain:
             raise PredictorError("stmoe-mix needs per-domain tables: profile with "
                                  "`stmoe profile --by-domain` (2 or more domains)")  # fmt: skip
@@ -59,10 +54,6 @@ class MixPredictor(Predictor):
         self._last: dict[tuple[int, int], list[np.ndarray]] = {}  # (slot, layer) -> sets
         self._ctl = np.zeros(2)
         self._out = np.zeros(shape.num_experts, dtype=np.int64)
-
-    @classmethod
-    def knobs(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(MixConfig))
 
     def reset(self, slot: int = 0) -> None:
         super().reset(slot)

@@ -160,16 +160,12 @@ class PlusPredictor(Predictor):
     """Smoothed conditional frequencies over several signals; see the module docstring."""
 
     name = "stmoe-plus"
+    config_class = PlusConfig
     needs_tables = True
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None, **knobs: Any) -> None:
         super().__init__(shape)
-        try:
-            self.config = PlusConfig(**knobs)
-        except TypeError:
-            valid = ", ".join(f.name for f in dataclasses.fields(PlusConfig))
-            raise PredictorError(f"unknown {self.name} option in {sorted(knobs)}; "
-                                 f"valid: {valid}") from None  # fmt: skip
+        self.config = self.configure(knobs)
         self.config.check(shape)
         if tables is None:
             raise PredictorError(f"{self.name!r} needs profiled tables (stmoe profile)")
@@ -211,10 +207,6 @@ class PlusPredictor(Predictor):
         self._scores = np.zeros(n)
         self._out = np.zeros(n, dtype=np.int64)
         self._empty = np.full((shape.num_layers, shape.top_k), -1, dtype=np.int16)
-
-    @classmethod
-    def knobs(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(PlusConfig))
 
     # ---- the protocol ---------------------------------------------------------------
     def reset(self, slot: int = 0) -> None:

@@ -172,11 +172,8 @@ def memory_vote(mset, mstate, sim, known, target, power, votes):  # pragma: no c
             f = mset[target, j, a]
             if f >= 0:
                 votes[f] += wgt
-        total += wgt * k  # (a memory token's K slots are all filled in practice)
-    if total > 0.0:  # the exact total, should some slots be empty
-        total = 0.0
-        for f in range(votes.shape[0]):
-            total += votes[f]
+    for f in range(votes.shape[0]):
+        total += votes[f]
     return total
 
 

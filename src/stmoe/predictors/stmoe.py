@@ -7,7 +7,6 @@ ablation baselines: HT only (previous-token), CCT only (static or online).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,6 +45,7 @@ class STMoEPredictor(Predictor):
     """CCT + HT prediction with 2-bit online updates (SPEC.md Algorithms 2 and 3)."""
 
     name = "stmoe"
+    config_class = STMoEConfig
     needs_tables = True
 
     def __init__(
@@ -57,13 +57,7 @@ class STMoEPredictor(Predictor):
     ) -> None:
         """``knobs`` override fields of ``config`` (e.g. ``threshold=3, budget=8``)."""
         super().__init__(shape)
-        try:
-            self.config = dataclasses.replace(config or STMoEConfig(), **knobs)
-        except TypeError:
-            valid = ", ".join(f.name for f in dataclasses.fields(STMoEConfig))
-            raise PredictorError(
-                f"unknown ST-MoE option in {sorted(knobs)}; valid: {valid}"
-            ) from None
+        self.config = self.configure(knobs, config)
         self.config.check()
         if tables is None:
             if self.config.use_cct:
@@ -83,10 +77,6 @@ class STMoEPredictor(Predictor):
         self._empty = np.full(shape.top_k, -1, dtype=np.int16)
         self._no_row_ids = np.full((1, 1), -1, dtype=np.int16)
         self._no_row_conf = np.zeros((1, 1), dtype=np.int8)
-
-    @classmethod
-    def knobs(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(STMoEConfig))
 
     def reset(self, slot: int = 0) -> None:
         super().reset(slot)

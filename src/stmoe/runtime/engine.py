@@ -355,16 +355,9 @@ class OffloadEngine:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if self.future is not None:
                 return
-            assert self._late is not None and self._routers is not None
+            assert self._late is not None
             hidden = args[0] if args else kwargs["hidden_states"]
-            batch, length = self.batch
-            last_rows = late_hidden(self._late[layer][1],
-                                    hidden.reshape(batch, length, -1)[:, -1])  # fmt: skip
-            router = self._routers[layer]
-            ids = lookahead_ids(last_rows, router, min(2 * self.top_k, router.shape[0]))
-            ids_np = ids.to("cpu").numpy()
-            for slot in range(batch):
-                self.predictor.lookahead(layer, ids_np[slot], slot)
+            self._lookahead(layer, hidden, self._late[layer][1])
             self._prefetch(self.fwd, layer, self._predicted(self.fwd, layer))
 
         return hook
@@ -378,11 +371,15 @@ class OffloadEngine:
             out += [(self.fwd + 1, t) for t in range(min(h, n))]
         return out
 
-    def _lookahead(self, layer: int, hidden: torch.Tensor) -> None:
-        """Gate lookahead: layer ``layer``'s router on the previous layer's hidden state."""
+    def _lookahead(self, layer: int, hidden: torch.Tensor,
+                   norm: torch.nn.Module | None = None) -> None:  # fmt: skip
+        """Gate lookahead: layer ``layer``'s router on ``hidden`` (the previous layer's
+        MoE input; with the late lookahead, layer ``layer``'s input through ``norm``)."""
         assert self._routers is not None
         batch, length = self.batch
         last_rows = hidden.reshape(batch, length, -1)[:, -1]
+        if norm is not None:
+            last_rows = late_hidden(norm, last_rows)
         router = self._routers[layer]
         width = min(2 * self.top_k, router.shape[0])
         ids = lookahead_ids(last_rows, router, width).to("cpu").numpy()
