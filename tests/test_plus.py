@@ -89,7 +89,9 @@ def test_the_fit_picks_weights_on_held_back_profiling_data_only():
     trace = _trace(tokens=600)
     chosen = fit(trace)
     assert chosen["fitted"] and chosen["heldout_tokens"] == 120
-    assert len(chosen["w"]) == 8 and 0 < chosen["heldout_recall"] <= 1
+    assert len(chosen["w"]) == 10 and 0 < chosen["heldout_recall"] <= 1
+    # the logistic weights are kept only where they recall more than the grid's
+    assert chosen["heldout_recall"] >= chosen["heldout_recall_linear"]
     assert "beta" in chosen  # the trace carries a lookahead, so hybrid's weight is fitted
     assert fit(_trace(tokens=8))["fitted"] is False  # too small to hold any back
     # the evaluation half plays no part: profiling the same first half gives the same fit
@@ -310,7 +312,7 @@ def test_a_full_lookahead_weight_leaves_the_tables_ordering_the_rest():
 
 def test_fits_of_an_older_stmoe_plus_are_ignored():
     tables = profile(_trace())
-    assert tables.info["plus"]["version"] == 2
+    assert tables.info["plus"]["version"] == 3
     old = dataclasses.replace(tables, info={**tables.info, "plus": {
         **tables.info["plus"], "version": None, "power": 2.0}})  # fmt: skip
     assert make("stmoe-plus", old.shape, old).power == 8.0  # the default, not the old fit
@@ -320,3 +322,47 @@ def test_fits_of_an_older_stmoe_plus_are_ignored():
         make("stmoe-plus", tables.shape, tables, sim_decay=0.0)
     with pytest.raises(PredictorError, match="power"):
         make("stmoe-plus", tables.shape, tables, power=0.0)
+
+
+def test_the_fit_features_are_exactly_the_terms_the_weights_multiply():
+    from stmoe.predictors import plus_kernels as pk
+
+    prof, ev = stmoe.split(_trace(tokens=300, lookahead=False), 0.5)
+    p = make("stmoe-plus", ModelShape.of(ev), profile(prof))
+    rows = np.arange(ev.num_tokens, dtype=np.int64)
+    feats = np.zeros((ev.num_tokens, ev.num_layers - 1, 10, ev.num_experts), dtype=np.float32)
+    seq_id = np.repeat(np.arange(ev.num_sequences), np.diff(
+        np.append(ev.seq_starts, ev.num_tokens))).astype(np.int64)  # fmt: skip
+    c = p.config
+    pk.plus_replay(*p.counts.copy().arrays(), np.ascontiguousarray(ev.experts, np.int16), seq_id,
+                   np.full((1, 1, 1), -1, np.int16), False, p.w, 0.0, p.alpha, c.decay, True,
+                   4.0, False, np.zeros(2), 1, 4, 1.0, p.gamma, *dataclasses.astuple(
+                   p.memory.copy()), p.power, p.sim_decay, False, rows, feats)  # fmt: skip
+    step = make("stmoe-plus", ModelShape.of(ev), profile(prof))
+    for t in range(ev.num_tokens):
+        if t in set(ev.seq_starts.tolist()):
+            step.reset()
+        for layer in range(ev.num_layers):
+            if layer > 0:
+                raw = step.scores(layer)
+                if step.logistic:
+                    raw = np.log(raw / (1 - raw))
+                assert np.allclose(raw, p.w @ feats[t, layer - 1].astype(np.float64), atol=1e-4)
+            step.update(layer, ev.experts[t, layer])
+
+
+def test_logistic_weights_give_calibrated_probabilities():
+    prof, ev = stmoe.split(_trace(tokens=1200, lookahead=False), 0.5)
+    tables = profile(prof)
+    assert tables.info["plus"]["logistic"]  # on this trace the fit keeps the logistic weights
+    p = make("stmoe-plus", ModelShape.of(ev), tables)
+    expected, chosen = [], []
+    for t in range(ev.num_tokens):
+        if t in set(ev.seq_starts.tolist()):
+            p.reset()
+        for layer in range(ev.num_layers):
+            if layer > 0:
+                expected.append(p.scores(layer).sum())  # expected number of experts chosen
+                chosen.append(np.count_nonzero(ev.experts[t, layer] >= 0))
+            p.update(layer, ev.experts[t, layer])
+    assert abs(np.mean(expected) / np.mean(chosen) - 1) < 0.15

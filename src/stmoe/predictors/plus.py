@@ -40,9 +40,10 @@ from stmoe.predictors.tables import ProfiledTables
 from stmoe.trace.schema import RoutingTrace
 
 # spatial from the last 4 known layers (nearest first), temporal, prior, recency, memory
-DEFAULT_W = (1.0, 0.5, 0.25, 0.0, 0.5, 0.25, 0.5, 1.0)
+# (at power, and narrow: at 4 * power), a constant (logistic weights only)
+DEFAULT_W = (1.0, 0.5, 0.25, 0.0, 0.5, 0.25, 0.5, 1.0, 0.0, 0.0)
 W_NAMES = ("w_spatial", "w_second", "w_third", "w_fourth", "w_temporal", "w_prior",
-           "w_recent", "w_memory")  # fmt: skip
+           "w_recent", "w_memory", "w_narrow", "w_bias")  # fmt: skip
 MEMORY_TOKENS = 1024  # the token memory's ring size (the tables keep as many profiled tokens)
 DEFAULT_POWER = 8.0
 DEFAULT_SIM_DECAY = 1.0
@@ -51,7 +52,9 @@ DEFAULT_GAMMA = 0.8
 FIT_HOLDOUT = 0.2  # share of the profiling tokens held back to choose the weights
 FIT_MAX_TOKENS = 512  # held-back tokens used at most (the fit's cost)
 FIT_BUDGET = 1.5  # the fit maximises recall at this many experts per prediction, times K
-FIT_VERSION = 2  # fits of other versions are ignored (v2: the similarity memory)
+FIT_VERSION = 3  # fits of other versions are ignored (v3: logistic weights)
+FIT_MAX_ROWS = 2_000_000  # (token, layer, expert) rows at most in the logistic fit
+FIT_L2 = 0.01  # the logistic fit's ridge penalty (on standardised signals)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class PlusConfig:
     w_prior: float | None = None
     w_recent: float | None = None
     w_memory: float | None = None
+    w_narrow: float | None = None  # token memory at 4 * power
+    w_bias: float | None = None  # a constant added to every score
     power: float | None = None  # token memory: similarity exponent
     sim_decay: float | None = None  # token memory: per-layer decay of the similarity (1: none)
     gamma: float | None = None  # recency: weight of the previous token in the moving average
@@ -96,7 +101,8 @@ class PlusConfig:
 
 @dataclass
 class _Counts:
-    """The count arrays of plus_kernels (see there), float64, private to one predictor."""
+    """The count arrays of plus_kernels (see there; co and tt float32, the rest float64),
+    private to one predictor."""
 
     co: np.ndarray
     r: np.ndarray
@@ -111,11 +117,12 @@ class _Counts:
             raise PredictorError("these tables predate stmoe-plus (no pair or temporal counts); "
                                  "profile the trace again with this stmoe")  # fmt: skip
         k = tables.shape.top_k
-        co = np.array(tables.pair_counts, dtype=np.float64)
-        tt = np.array(tables.temporal, dtype=np.float64)
+        co = np.array(tables.pair_counts, dtype=np.float32)
+        tt = np.array(tables.temporal, dtype=np.float32)
         p = np.array(tables.layer_counts, dtype=np.float64)
         tokens = np.asarray(tables.info.get("layer_tokens", p.sum(axis=1) / k), dtype=np.float64)
-        return cls(co, co.sum(axis=3) / k, tt, tt.sum(axis=2) / k, p, tokens.copy())
+        return cls(co, co.sum(axis=3, dtype=np.float64) / k, tt,
+                   tt.sum(axis=2, dtype=np.float64) / k, p, tokens.copy())  # fmt: skip
 
     def copy(self) -> _Counts:
         return _Counts(*(np.array(a, copy=True) for a in dataclasses.astuple(self)))
@@ -181,6 +188,8 @@ class PlusPredictor(Predictor):
         w = fitted.get("w", DEFAULT_W)
         given = [getattr(c, n) for n in W_NAMES]
         self.w = np.array([w[i] if v is None else v for i, v in enumerate(given)])
+        # logistic weights make the scores log-odds (probabilities where sets are sized)
+        self.logistic = bool(fitted.get("logistic", False))
         self.gamma = float(fitted.get("gamma", DEFAULT_GAMMA) if c.gamma is None else c.gamma)
         self.power = float(fitted.get("power", DEFAULT_POWER) if c.power is None else c.power)
         self.sim_decay = float(fitted.get("sim_decay", DEFAULT_SIM_DECAY)
@@ -199,7 +208,7 @@ class PlusPredictor(Predictor):
         self._prev: dict[int, np.ndarray] = {}  # slot -> previous token's [L, K]
         self._recent: dict[int, np.ndarray] = {}  # slot -> recency [L, N] of its sequence
         self._sim: dict[int, np.ndarray] = {}  # slot -> [L, W] similarity to the memory
-        self._votes = np.zeros(n)
+        self._votes = np.zeros((2, n))
         self._known: dict[int, int] = {}  # slot -> the last layer its token has reported
         self._no_look = np.full(1, -1, dtype=np.int16)
         self._look: dict[tuple[int, int], np.ndarray] = {}  # (slot, layer) -> lookahead ids
@@ -258,6 +267,8 @@ class PlusPredictor(Predictor):
     def scores(self, layer: int, slot: int = 0) -> np.ndarray:
         """Every expert's score for ``layer`` (higher: more likely), from what is known."""
         pk.plus_scores(*self._args(layer, slot))
+        if self.logistic:
+            pk.to_probability(self._scores)
         look = self._look_for(layer, slot)
         if look is not None:
             pk._fuse(self._scores, look, self.beta)
@@ -267,7 +278,7 @@ class PlusPredictor(Predictor):
         look = self._look_for(layer, slot)
         b = pk.plus_predict(*self._args(layer, slot), self._no_look if look is None else look,
                             look is not None, self.beta, self.budget, self.config.adaptive,
-                            self.ctl, self._cap(), self._out)  # fmt: skip
+                            self.ctl, self._cap(), self._out, self.logistic)  # fmt: skip
         return self._out[:b].astype(np.int16)
 
     def _cap(self) -> int:
@@ -296,10 +307,10 @@ class PlusPredictor(Predictor):
 
     def _age(self) -> None:
         self.scale /= self.config.decay
-        if self.scale > 1e100:
+        if self.scale > pk.RESCALE_AT:
             for a in self.counts.arrays():
-                a *= 1e-100
-            self.scale *= 1e-100
+                a *= pk.RESCALE_BY
+            self.scale *= pk.RESCALE_BY
 
     def predict_batch(self, layer: int, slots: Sequence[int], budget: int = 0) -> np.ndarray:
         """One budget for the batch: experts by the expected number of slots needing them."""
@@ -330,7 +341,8 @@ class PlusPredictor(Predictor):
             look if look is not None else np.full((1, 1, 1), -1, np.int16), look is not None,
             self.w, self.beta, self.alpha, c.decay, c.online, self.budget, c.adaptive,
             self.ctl, c.horizon, self._cap(), self.scale, self.gamma, self.memory.mcol,
-            self.memory.mset, self.memory.mstate, self.power, self.sim_decay,
+            self.memory.mset, self.memory.mstate, self.power, self.sim_decay, self.logistic,
+            _NO_ROWS, _NO_FEATS,
         )  # fmt: skip
         return PrefetchPlan(ptr=ptr, ids=ids, num_layers=trace.num_layers)
 
@@ -341,6 +353,10 @@ class HybridPredictor(PlusPredictor):
 
     name = "hybrid"
     uses_lookahead = True
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_FEATS = np.zeros((1, 1, 1, 1), dtype=np.float32)
 
 
 def check_point(point: str) -> None:
@@ -368,11 +384,17 @@ _START = {**dict(zip(W_NAMES, DEFAULT_W, strict=True)), "alpha": DEFAULT_ALPHA,
 
 
 def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
-    """Choose the weights, smoothing and recency factor (and hybrid's beta) that
-    maximise recall at top-K on the profiling trace's last ``holdout`` share of
-    tokens, counting on the rest and learning online as the predictor does. Two
-    rounds of coordinate search over small grids; never sees evaluation data.
-    Traces too small to hold any back keep the defaults."""
+    """Choose the weights, smoothing and recency factor (and hybrid's beta) on the
+    profiling trace's last ``holdout`` share of tokens, counting on the rest and
+    learning online as the predictor does; never sees evaluation data.
+
+    First two rounds of coordinate search over small grids (a linear pool, the
+    objective: recall at 1.5K); then, with the smoothing, recency and memory found
+    there, a logistic fit of all the weights to whether each expert is chosen
+    (the log-odds: a weighted sum of the signals, so the best pool may subtract the
+    prior, i.e. score lift over base rate). The logistic weights are kept when
+    they recall more on the held-back tokens. Traces too small to hold any back
+    keep the defaults."""
     from stmoe.predictors.tables import layer_tokens, pair_counts
     from stmoe.trace.select import _token_range
     from stmoe.trace.summary import expert_load
@@ -380,12 +402,12 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
     cut = round(trace.num_tokens * (1 - holdout))
     held = min(trace.num_tokens - cut, FIT_MAX_TOKENS)
     if cut < 8 or held < 4:
-        return {**_pack(_START), "fitted": False, "version": FIT_VERSION}
+        return {**_pack(_START), "fitted": False, "version": FIT_VERSION, "logistic": False}
     first, rest = _token_range(trace, 0, cut), _token_range(trace, cut, cut + held)
     k = trace.top_k
     co, tt = pair_counts(first)
-    base = _Counts(co, co.sum(axis=3) / k, tt, tt.sum(axis=2) / k,
-                   expert_load(first).astype(np.float64),
+    base = _Counts(co.astype(np.float32), co.sum(axis=3) / k, tt.astype(np.float32),
+                   tt.sum(axis=2) / k, expert_load(first).astype(np.float64),
                    layer_tokens(first).astype(np.float64))  # fmt: skip
     experts = np.ascontiguousarray(rest.experts, dtype=np.int16)
     seq_id = np.repeat(np.arange(rest.num_sequences), np.diff(
@@ -394,7 +416,8 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
 
     memory = _Memory.of_routing(ModelShape.of(trace), np.asarray(first.experts))
 
-    def recall(params: dict[str, float], beta: float = 0.0, look: Any = None) -> float:
+    def replay(params: dict[str, Any], beta: float = 0.0, look: Any = None,
+               rows: np.ndarray = _NO_ROWS, feats: np.ndarray = _NO_FEATS) -> float:  # fmt: skip
         counts, mem = base.copy(), memory.copy()
         ptr, ids, _ = pk.plus_replay(
             *counts.arrays(), experts, seq_id,
@@ -402,28 +425,80 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
             np.array([params[n] for n in W_NAMES]), beta, params["alpha"], 0.999, True,
             FIT_BUDGET * k, False, np.zeros(2), 1, int(np.ceil(FIT_BUDGET * k)), 1.0,
             params["gamma"], mem.mcol, mem.mset, mem.mstate, params["power"],
-            params["sim_decay"],
+            params["sim_decay"], bool(params.get("logistic", False)), rows, feats,
         )  # fmt: skip
         return pk.plan_recall(experts, ptr, ids)
 
-    params, best = dict(_START), recall(_START)
+    params, best = dict(_START), replay(_START)
     trials = [(name, value) for name, grid in _GRIDS.items() for value in grid] * 2
     for name, value in progress(trials, len(trials), "fitting stmoe-plus's weights"):
         trial = {**params, name: value}
-        score = recall(trial)
+        score = replay(trial)
         if score > best + 1e-12:
             params, best = trial, score
+    linear = best
+    weights = _logistic_weights(replay, params, experts, trace.num_experts)
+    if weights is not None:
+        trial = {**params, **dict(zip(W_NAMES, weights, strict=True)), "logistic": True}
+        score = replay(trial)
+        if score > best:
+            params, best = trial, score
     out: dict[str, Any] = {**_pack(params), "fitted": True, "version": FIT_VERSION,
-                           "heldout_tokens": int(held),
-                           "heldout_recall": best}  # fmt: skip
+                           "logistic": bool(params.get("logistic", False)),
+                           "heldout_tokens": int(held), "heldout_recall": best,
+                           "heldout_recall_linear": linear}  # fmt: skip
     for key, look in (("", rest.lookahead), ("_late", rest.lookahead_late)):
         if look is not None:  # hybrid's lookahead weight, per lookahead point
-            score, beta = max((recall(params, b, look), b) for b in (0.25, 0.5, 0.75, 0.9, 1.0))
+            score, beta = max((replay(params, b, look), b) for b in (0.25, 0.5, 0.75, 0.9, 1.0))
             out.update({f"beta{key}": beta, f"heldout_recall_hybrid{key}": score})
     return out
 
 
-def _pack(params: dict[str, float]) -> dict[str, Any]:
+def _logistic_weights(replay: Any, params: dict[str, Any], experts: np.ndarray,
+                      n: int) -> list[float] | None:  # fmt: skip
+    """Logistic regression of "expert f is chosen at layer l" on the signals'
+    scores (features from the fit's own replay, up to FIT_MAX_ROWS rows), with a
+    small ridge penalty on standardised signals. None when it cannot be fitted."""
+    from scipy.optimize import minimize
+
+    held, n_layers, _ = experts.shape
+    if n_layers < 2:
+        return None
+    take = min(held, max(1, FIT_MAX_ROWS // ((n_layers - 1) * n)))
+    chosen = np.unique(np.linspace(0, held - 1, take).round().astype(np.int64))
+    rows = np.full(held, -1, dtype=np.int64)
+    rows[chosen] = np.arange(chosen.size)
+    feats = np.zeros((chosen.size, n_layers - 1, len(W_NAMES), n), dtype=np.float32)
+    replay(params, rows=rows, feats=feats)
+    x = feats[:, :, :-1].transpose(0, 1, 3, 2).reshape(-1, len(W_NAMES) - 1).astype(np.float64)
+    y = np.zeros((chosen.size, n_layers - 1, n))
+    picks = experts[chosen, 1:].astype(np.int64)
+    t_i, l_i, _ = np.nonzero(picks >= 0)
+    y[t_i, l_i, picks[picks >= 0]] = 1.0
+    y = y.reshape(-1)
+    if not 0 < y.sum() < y.size:
+        return None
+    mean, std = x.mean(axis=0), x.std(axis=0)
+    used = std > 1e-12
+    xs = (x[:, used] - mean[used]) / std[used]
+
+    def loss(theta: np.ndarray) -> tuple[float, np.ndarray]:
+        z = xs @ theta[1:] + theta[0]
+        grad_z = 1.0 / (1.0 + np.exp(-z)) - y
+        ridge = FIT_L2 * theta[1:]
+        value = float(np.sum(np.logaddexp(0.0, z) - y * z) + ridge @ theta[1:])
+        return value, np.concatenate([[grad_z.sum()], xs.T @ grad_z + 2 * ridge])
+
+    found = minimize(loss, np.zeros(1 + int(used.sum())), jac=True, method="L-BFGS-B")
+    if not np.all(np.isfinite(found.x)):
+        return None
+    w = np.zeros(len(W_NAMES))
+    w[:-1][used] = found.x[1:] / std[used]
+    w[-1] = found.x[0] - float(np.sum(found.x[1:] * mean[used] / std[used]))
+    return [float(v) for v in w]
+
+
+def _pack(params: dict[str, Any]) -> dict[str, Any]:
     return {"w": [params[n] for n in W_NAMES], "alpha": params["alpha"],
             "gamma": params["gamma"], "power": params["power"],
             "sim_decay": params["sim_decay"]}  # fmt: skip

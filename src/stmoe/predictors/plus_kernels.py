@@ -27,16 +27,25 @@ counts cannot express.
 
 A signal is a linear pool of smoothed conditionals: for source experts S,
 ``mean_{e in S} (C[e, f] + a * prior[f]) / (R[e] + a)``; a missing source falls
-back to the prior. Scores are a weighted sum of the signals and the prior.
+back to the prior. Scores are a weighted sum of the signals, the prior and a
+constant: with the grid's weights (>= 0) a linear pool of probabilities, with
+logistic weights the log-odds that f is chosen (``to_probability`` turns them
+into probabilities where set sizes or the lookahead fusion need them).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from stmoe._numba import njit
 
 D_MAX = 4  # farthest layer distance counted: l -> l+4 (second order at horizon 3)
+# the pair counts (co, tt) are float32 (half the cache traffic of the hot rows): the
+# scale is brought back by RESCALE_BY whenever it passes RESCALE_AT, far below overflow
+RESCALE_AT = 1e30
+RESCALE_BY = 1e-30
 LOG_CUT_MIN = np.log(1e-12)  # the adaptive threshold's floor (a share of the scores)
 
 
@@ -145,14 +154,19 @@ def _power(x, power):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def memory_vote(mset, mstate, sim, known, target, power, votes):  # pragma: no cover
+def memory_vote(mset, mstate, sim, known, target, power, votes, narrow, votes4):  # pragma: no cover
     """votes[f] := sum over memory tokens choosing f at ``target`` of
     (similarity / best similarity) ** power; tokens whose weight would be below
-    1e-3 are skipped (with a high power only the nearest neighbours count)."""
+    1e-3 are skipped (with a high power only the nearest neighbours count). With
+    ``narrow``, votes4 gets the same at power * 4 (the nearest of the near; weights
+    under 1e-4 skipped). Returns both totals."""
     votes[:] = 0.0
+    if narrow:
+        votes4[:] = 0.0
     total = 0.0
+    total4 = 0.0
     if known < 0:
-        return total
+        return total, total4
     row = sim[known]
     filled = mstate[0]
     best = 0.0
@@ -160,21 +174,37 @@ def memory_vote(mset, mstate, sim, known, target, power, votes):  # pragma: no c
         if row[j] > best:
             best = row[j]
     if best <= 0.0:
-        return total
+        return total, total4
     cut = best * 0.001 ** (1.0 / power)
     inv = 1.0 / best
     k = mset.shape[2]
+    # the near tokens' slots first, without branches (a mispredicted branch per
+    # memory token costs more than the vote itself)
+    near = np.empty(filled, dtype=np.int32)
+    m = 0
     for j in range(filled):
-        if row[j] < cut:
-            continue
+        near[m] = j
+        m += row[j] >= cut
+    for i in range(m):
+        j = near[i]
         wgt = _power(row[j] * inv, power)
         for a in range(k):  # (indexing, not a row view: this loop is the hot one)
             f = mset[target, j, a]
             if f >= 0:
                 votes[f] += wgt
+        if narrow and wgt >= 0.1:  # (below, the narrow weight wgt ** 4 is under 1e-4)
+            w4 = wgt * wgt
+            w4 = w4 * w4
+            for a in range(k):
+                f = mset[target, j, a]
+                if f >= 0:
+                    votes4[f] += w4
     for f in range(votes.shape[0]):
         total += votes[f]
-    return total
+    if narrow:
+        for f in range(votes4.shape[0]):
+            total4 += votes4[f]
+    return total, total4
 
 
 @njit(cache=True)
@@ -203,7 +233,10 @@ def plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alph
     """Scores of every expert for ``target`` given the token's layers 0..known (-1: none).
 
     w = (spatial from layers known, known-1, known-2, known-3; temporal (previous
-    token at the target layer); prior; recency; token memory).
+    token at the target layer); prior; recency; token memory at ``power``; token
+    memory at 4 * ``power``; a constant). The scores are the weighted sum: a
+    linear pool (weights >= 0) or, with logistic weights, the log-odds of each
+    expert being chosen. votes: a [2, N] buffer.
     """
     n = out.shape[0]
     k = cur.shape[1]
@@ -211,30 +244,45 @@ def plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alph
     a = alpha * s
     _prior(p, z, target, s, prior)
     for f in range(n):
-        out[f] = 0.0
+        out[f] = w[9]
     h = target - known
     for j in range(4):  # the token's layers known, known-1, ..., at distance h+j
         src = known - j
         if src >= 0 and 1 <= h + j <= d_max:
             _add_signal(co[h + j - 1, src], r[h + j - 1, src], cur[src], prior, a, w[j], out)
-        else:
+        elif w[j] != 0.0:
             for f in range(n):
                 out[f] += w[j] * prior[f]
     if has_prev:
         _add_signal(tt[target], rt[target], prev[target], prior, a, w[4], out)
-    else:
+    elif w[4] != 0.0:
         for f in range(n):
             out[f] += w[4] * prior[f]
     for f in range(n):
         out[f] += w[5] * prior[f] + w[6] * rc[target, f] / k
-    if w[7] != 0.0:
-        total = memory_vote(mset, mstate, sim, known, target, power, votes)
-        if total > 0.0:
-            for f in range(n):
-                out[f] += w[7] * k * votes[f] / total
-        else:
-            for f in range(n):
-                out[f] += w[7] * prior[f]
+    if w[7] != 0.0 or w[8] != 0.0:
+        total, total4 = memory_vote(mset, mstate, sim, known, target, power, votes[0],
+                                    w[8] != 0.0, votes[1])  # fmt: skip
+        for i in range(2):
+            wi = w[7 + i]
+            if wi == 0.0:
+                continue
+            tot = total if i == 0 else total4
+            if tot > 0.0:
+                c = wi * k / tot
+                for f in range(n):
+                    out[f] += c * votes[i, f]
+            else:
+                for f in range(n):
+                    out[f] += wi * prior[f]
+
+
+@njit(cache=True)
+def to_probability(scores):  # pragma: no cover - compiled
+    """Log-odds to probabilities, in place (logistic weights only; exp in float32,
+    twice as fast, precise enough for sizing sets)."""
+    for f in range(scores.shape[0]):
+        scores[f] = 1.0 / (1.0 + math.exp(np.float32(-scores[f])))
 
 
 @njit(cache=True)
@@ -342,12 +390,12 @@ def set_size(scores, budget, adaptive, ctl, cap, target):  # pragma: no cover - 
 
 @njit(cache=True)
 def _rescale(co, r, tt, rt, p, z):  # pragma: no cover - compiled
-    co *= 1e-100
-    r *= 1e-100
-    tt *= 1e-100
-    rt *= 1e-100
-    p *= 1e-100
-    z *= 1e-100
+    co *= RESCALE_BY
+    r *= RESCALE_BY
+    tt *= RESCALE_BY
+    rt *= RESCALE_BY
+    p *= RESCALE_BY
+    z *= RESCALE_BY
 
 
 @njit(cache=True)
@@ -378,9 +426,13 @@ def _fuse(scores, look, beta):  # pragma: no cover - compiled
 @njit(cache=True)
 def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, alpha, decay,
                 online, budget, adaptive, ctl, horizon, cap, scale, gamma, mcol, mset,
-                mstate, power, lam):  # fmt: skip  # pragma: no cover
+                mstate, power, lam, logistic, rows, feats):  # fmt: skip  # pragma: no cover
     """The whole-trace replay of the protocol: predict(l) then update(l) for every
-    token and layer. Returns (ptr, ids, scale) with PrefetchPlan's CSR arrays."""
+    token and layer. Returns (ptr, ids, scale) with PrefetchPlan's CSR arrays.
+
+    The fit's features: for tokens t with rows[t] >= 0, feats[rows[t], l - 1, i]
+    := signal i's scores for layer l >= 1 (plus_scores with weight 1 on signal i
+    alone), exactly the terms the weights multiply."""
     t_len, n_layers, k = experts.shape
     n = p.shape[1]
     width = cap
@@ -393,7 +445,8 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
     out = np.zeros(n, dtype=np.int64)
     rc = np.zeros((n_layers, n))
     sim = np.zeros((n_layers, mset.shape[1]), dtype=np.float32)
-    votes = np.zeros(n)
+    votes = np.zeros((2, n))
+    unit = np.zeros(w.shape[0])
     has_prev = False
     pos = 0
     for t in range(t_len):
@@ -403,9 +456,20 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
         cur[:, :] = -1
         for layer in range(n_layers):
             known = max(layer - horizon, -1)
+            if layer > 0 and rows.shape[0] > 0 and rows[t] >= 0:
+                for i in range(feats.shape[2]):
+                    unit[:] = 0.0
+                    unit[i] = 1.0
+                    plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, layer, unit,
+                                alpha, scale, prior, scores, rc, mset, mstate, sim, power,
+                                votes)  # fmt: skip
+                    feats[rows[t], layer - 1, i] = scores
             plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, layer, w, alpha,
                         scale, prior, scores, rc, mset, mstate, sim, power, votes)  # fmt: skip
-            if use_look and horizon == 1 and layer > 0:
+            fuse = use_look and horizon == 1 and layer > 0
+            if logistic and (adaptive or fuse):
+                to_probability(scores)
+            if fuse:
                 _fuse(scores, look[t, layer], beta)
             b = set_size(scores, budget, adaptive, ctl, cap, layer)
             top_by_score(scores, b, out)
@@ -423,9 +487,9 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
         if online:
             memory_add(mcol, mset, mstate, cur)
             scale /= decay
-            if scale > 1e100:
+            if scale > RESCALE_AT:
                 _rescale(co, r, tt, rt, p, z)
-                scale *= 1e-100
+                scale *= RESCALE_BY
     return ptr, ids[:pos].copy(), scale
 
 
@@ -463,10 +527,12 @@ def plus_learn(co, r, tt, rt, p, z, cur, prev, has_prev, layer, s, rc, gamma, mc
 @njit(cache=True)
 def plus_predict(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s, prior,
                  scores, rc, mset, mstate, sim, power, votes, look, use_look, beta, budget,
-                 adaptive, ctl, cap, out):  # fmt: skip  # pragma: no cover - compiled
+                 adaptive, ctl, cap, out, logistic):  # fmt: skip  # pragma: no cover - compiled
     """Everything ``predict`` does, in one compiled call; returns the set size."""
     plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s, prior,
                 scores, rc, mset, mstate, sim, power, votes)  # fmt: skip
+    if logistic and (adaptive or use_look):
+        to_probability(scores)
     if use_look:
         _fuse(scores, look, beta)
     b = set_size(scores, budget, adaptive, ctl, cap, target)
