@@ -29,7 +29,8 @@ def _trace(seed: int = 5, tokens: int = 400, lookahead: bool = True) -> stmoe.Ro
 @pytest.mark.parametrize(
     "knobs",
     [{}, {"budget": 3.5}, {"adaptive": True, "budget": 3}, {"horizon": 2}, {"horizon": 3},
-     {"online": False}, {"decay": 0.9, "w_memory": 0.0}],
+     {"online": False}, {"decay": 0.9, "w_memory": 0.0}, {"logistic": False},
+     {"logistic": False, "adaptive": True, "budget": 3}],
 )  # fmt: skip
 @pytest.mark.parametrize("name", ["stmoe-plus", "hybrid"])
 def test_compiled_replay_equals_the_step_by_step_protocol(name, knobs):
@@ -366,3 +367,20 @@ def test_logistic_weights_give_calibrated_probabilities():
                 chosen.append(np.count_nonzero(ev.experts[t, layer] >= 0))
             p.update(layer, ev.experts[t, layer])
     assert abs(np.mean(expected) / np.mean(chosen) - 1) < 0.15
+
+
+def test_the_linear_pool_stays_available_beside_the_logistic_weights():
+    prof, ev = stmoe.split(_trace(tokens=600), 0.5)
+    tables = profile(prof)
+    plus = tables.info["plus"]
+    assert plus["logistic"] and len(plus["w_linear"]) == 10
+    linear = make("stmoe-plus", ModelShape.of(ev), tables, logistic=False)
+    assert not linear.logistic and list(linear.w) == plus["w_linear"]
+    assert min(plus["w_linear"]) >= 0  # the grid's pool: weights never negative
+    bare = {k: v for k, v in plus.items() if k != "w_linear"}
+    old = dataclasses.replace(tables, info={**tables.info, "plus": bare})
+    with pytest.raises(PredictorError, match="profile again"):
+        make("stmoe-plus", old.shape, old, logistic=False)
+    small = profile(stmoe.split(_trace(tokens=16), 0.5)[0])  # too small to fit
+    with pytest.raises(PredictorError, match="no logistic weights"):
+        make("stmoe-plus", small.shape, small, logistic=True)

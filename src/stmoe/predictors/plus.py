@@ -82,6 +82,7 @@ class PlusConfig:
     alpha: float | None = None  # smoothing towards the prior, in tokens
     beta: float | None = None  # hybrid only: weight of the gate lookahead
     lookahead: str = "auto"  # hybrid only: "early", "late", or "auto" (late where available)
+    logistic: bool | None = None  # None: as fitted; False: the grid's linear pool
 
     def check(self, shape: ModelShape) -> None:
         if self.budget < 0 or self.budget > shape.num_experts:
@@ -185,11 +186,21 @@ class PlusPredictor(Predictor):
         if fitted.get("version") != FIT_VERSION:
             fitted = {}  # fitted for an older stmoe-plus: its weights mean other things
         c = self.config
+        # logistic weights make the scores log-odds (probabilities where sets are sized);
+        # logistic=False takes the grid's linear pool instead (kept beside them)
+        self.logistic = bool(fitted.get("logistic", False)) and c.logistic is not False
+        if c.logistic and not self.logistic:
+            raise PredictorError("these tables hold no logistic weights for stmoe-plus "
+                                 "(too few profiling tokens, or the linear pool recalled "
+                                 "more); drop logistic=True")  # fmt: skip
         w = fitted.get("w", DEFAULT_W)
+        if fitted.get("logistic") and not self.logistic:
+            if "w_linear" not in fitted:
+                raise PredictorError("these tables keep no linear weights beside the "
+                                     "logistic ones; profile again")  # fmt: skip
+            w = fitted["w_linear"]
         given = [getattr(c, n) for n in W_NAMES]
         self.w = np.array([w[i] if v is None else v for i, v in enumerate(given)])
-        # logistic weights make the scores log-odds (probabilities where sets are sized)
-        self.logistic = bool(fitted.get("logistic", False))
         self.gamma = float(fitted.get("gamma", DEFAULT_GAMMA) if c.gamma is None else c.gamma)
         self.power = float(fitted.get("power", DEFAULT_POWER) if c.power is None else c.power)
         self.sim_decay = float(fitted.get("sim_decay", DEFAULT_SIM_DECAY)
@@ -436,7 +447,7 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
         score = replay(trial)
         if score > best + 1e-12:
             params, best = trial, score
-    linear = best
+    linear, linear_w = best, [params[n] for n in W_NAMES]
     weights = _logistic_weights(replay, params, experts, trace.num_experts)
     if weights is not None:
         trial = {**params, **dict(zip(W_NAMES, weights, strict=True)), "logistic": True}
@@ -446,7 +457,7 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
     out: dict[str, Any] = {**_pack(params), "fitted": True, "version": FIT_VERSION,
                            "logistic": bool(params.get("logistic", False)),
                            "heldout_tokens": int(held), "heldout_recall": best,
-                           "heldout_recall_linear": linear}  # fmt: skip
+                           "heldout_recall_linear": linear, "w_linear": linear_w}  # fmt: skip
     for key, look in (("", rest.lookahead), ("_late", rest.lookahead_late)):
         if look is not None:  # hybrid's lookahead weight, per lookahead point
             score, beta = max((replay(params, b, look), b) for b in (0.25, 0.5, 0.75, 0.9, 1.0))
