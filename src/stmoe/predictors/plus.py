@@ -1,4 +1,5 @@
-"""stmoe-plus and hybrid: probabilistic table predictors (no network, no gradients).
+"""stmoe-plus and hybrid: probabilistic table predictors (no neural network: counts,
+a memory of routing, and ten weights fitted at profiling).
 
 stmoe-plus scores every expert of the target layer with smoothed conditional
 frequencies over the *full* co-occurrence counts (not just a top-K row):
@@ -10,12 +11,15 @@ frequencies over the *full* co-occurrence counts (not just a top-K row):
 * a token memory: what the most similar of the last ``MEMORY_TOKENS`` tokens
   (profiled, then streamed) chose at the target layer, similarity being the
   overlap over every known layer (nearer layers weighing more, ``sim_decay``);
+* the same vote narrowed to the nearest of the near (power x 4), and a constant;
 
-weighted by ``w`` (fitted on held-back profiling data by ``fit``; never on the
-evaluation trace), learning online with exponential forgetting (``decay`` per
-token). It returns the ``budget`` best experts, or with ``adaptive`` every
-expert whose share of the scores clears one threshold, steered so the mean set
-size is ``budget``. With ``horizon`` h it predicts layer l+h from layers <= l.
+weighted by ``w`` (fitted on held-back profiling data by ``fit``, never on the
+evaluation trace: a grid search for a linear pool, then a logistic fit that
+makes the scores each expert's log-odds of being chosen), learning online with
+exponential forgetting (``decay`` per token). It returns the ``budget`` best
+experts, or with ``adaptive`` every expert whose share of the scores (of the
+probabilities, with logistic weights) clears one threshold, steered so the mean
+set size is ``budget``. With ``horizon`` h it predicts layer l+h from layers <= l.
 
 hybrid adds **gate lookahead**: the next layer's router applied ahead of time,
 early (on this layer's MoE input: the trace's ``lookahead``) or late (on the
