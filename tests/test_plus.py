@@ -338,7 +338,7 @@ def test_the_fit_features_are_exactly_the_terms_the_weights_multiply():
     pk.plus_replay(*p.counts.copy().arrays(), np.ascontiguousarray(ev.experts, np.int16), seq_id,
                    np.full((1, 1, 1), -1, np.int16), False, p.w, 0.0, p.alpha, c.decay, True,
                    4.0, False, np.zeros(2), 1, 4, 1.0, p.gamma, *dataclasses.astuple(
-                   p.memory.copy()), p.power, p.sim_decay, False, rows, feats)  # fmt: skip
+                   p.memory.copy()), p.power, p.sim_decay, False, False, rows, feats)  # fmt: skip
     step = make("stmoe-plus", ModelShape.of(ev), profile(prof))
     for t in range(ev.num_tokens):
         if t in set(ev.seq_starts.tolist()):
@@ -384,3 +384,35 @@ def test_the_linear_pool_stays_available_beside_the_logistic_weights():
     small = profile(stmoe.split(_trace(tokens=16), 0.5)[0])  # too small to fit
     with pytest.raises(PredictorError, match="no logistic weights"):
         make("stmoe-plus", small.shape, small, logistic=True)
+
+
+def _noisy_lookahead(trace: stmoe.RoutingTrace, seed: int = 0) -> stmoe.RoutingTrace:
+    """A stand-in late lookahead that is right only part of the time: each of the
+    true experts is replaced by a random one with probability 0.4."""
+    rng = np.random.default_rng(seed)
+    true = np.asarray(trace.experts).astype(np.int16)
+    noisy = np.where(rng.random(true.shape) < 0.4, rng.integers(0, 16, true.shape), true)
+    look = np.concatenate([noisy, (true + 5) % 16], axis=2).astype(np.int16)
+    look[:, 0] = -1
+    return dataclasses.replace(trace, lookahead_late=look)
+
+
+@pytest.mark.parametrize("knobs", [{"budget": 3}, {"budget": 4}, {"adaptive": True, "budget": 3}])
+def test_hybrid_fits_the_lookahead_into_its_log_odds_where_that_recalls_more(knobs):
+    prof, ev = (_noisy_lookahead(t) for t in stmoe.split(_trace(tokens=1200), 0.5))
+    tables = profile(prof)
+    joint = tables.info["plus"]["hybrid_late"]  # the joint fit won on the held-back tokens
+    shape = ModelShape.of(ev)
+    p = make("hybrid", shape, tables, **knobs)
+    fast = p.plan(ev)
+    assert p.look_logit and p.beta == joint["w_look"] > 0 and list(p.w) == joint["w"]
+    assert fast.equals(Predictor.plan(make("hybrid", shape, tables, **knobs), ev))
+    fused = make("hybrid", shape, tables, beta=0.5, **knobs)  # a given beta: the fusion
+    fused.plan(ev)
+    assert not fused.look_logit
+    budget = knobs["budget"]  # at and above the fit's 1.5K (here 3)
+    hy = evaluate(ev, p).overall.recall
+    plus = evaluate(ev, make("stmoe-plus", shape, tables, budget=budget)).overall.recall
+    look = evaluate(ev, make("gate-lookahead", shape, None, budget=budget)).overall.recall
+    assert hy > max(plus, look)  # the joint fit beats either alone
+    assert hy > evaluate(ev, fused).overall.recall - 0.005  # and is no worse than the fusion

@@ -214,8 +214,14 @@ class PlusPredictor(Predictor):
         # the lookahead's weight, fitted per lookahead point (the late one when recorded)
         self._betas = {"early": float(fitted.get("beta", 0.5)),
                        "late": float(fitted.get("beta_late", fitted.get("beta", 0.5)))}  # fmt: skip
+        # hybrid with logistic weights: table weights refitted with the lookahead as one
+        # more signal (its weight in the log-odds: "w_look"), per lookahead point
+        self._table_w = self.w
+        self._look_fits = {"early": fitted.get("hybrid"), "late": fitted.get("hybrid_late")}
+        self.look_logit = False
         self.lookahead_pref = c.lookahead
         self.beta = self._betas["early"] if c.beta is None else float(c.beta)
+        self.use_lookahead_point(self.point)
         self.budget = float(c.budget) if c.budget > 0 else float(shape.top_k)
         self.ctl = np.zeros(2)  # set sizes: [remainder carried, log adaptive threshold]
         self.scale = 1.0
@@ -258,8 +264,16 @@ class PlusPredictor(Predictor):
 
     def use_lookahead_point(self, point: str) -> None:
         super().use_lookahead_point(point)
-        if self.config.beta is None:
-            self.beta = self._betas[point]
+        fitted = self._look_fits.get(point) if self.uses_lookahead and self.logistic else None
+        self.look_logit = fitted is not None and self.config.beta is None
+        if self.look_logit:
+            given = [getattr(self.config, n) for n in W_NAMES]
+            self.w = np.array([fitted["w"][i] if v is None else v for i, v in enumerate(given)])
+            self.beta = float(fitted["w_look"])
+        else:  # the fusion, with beta given or fitted for this point
+            self.w = self._table_w
+            if self.config.beta is None:
+                self.beta = self._betas[point]
 
     def _args(self, layer: int, slot: int) -> tuple:
         """The kernels' arguments up to the scores buffer, for predicting ``layer``."""
@@ -282,18 +296,17 @@ class PlusPredictor(Predictor):
     def scores(self, layer: int, slot: int = 0) -> np.ndarray:
         """Every expert's score for ``layer`` (higher: more likely), from what is known."""
         pk.plus_scores(*self._args(layer, slot))
-        if self.logistic:
-            pk.to_probability(self._scores)
         look = self._look_for(layer, slot)
-        if look is not None:
-            pk._fuse(self._scores, look, self.beta)
+        pk.with_lookahead(self._scores, self._no_look if look is None else look,
+                          look is not None, self.beta, self.logistic, self.look_logit, True)
         return self._scores.copy()
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         look = self._look_for(layer, slot)
         b = pk.plus_predict(*self._args(layer, slot), self._no_look if look is None else look,
                             look is not None, self.beta, self.budget, self.config.adaptive,
-                            self.ctl, self._cap(), self._out, self.logistic)  # fmt: skip
+                            self.ctl, self._cap(), self._out, self.logistic,
+                            self.look_logit)  # fmt: skip
         return self._out[:b].astype(np.int16)
 
     def _cap(self) -> int:
@@ -357,7 +370,7 @@ class PlusPredictor(Predictor):
             self.w, self.beta, self.alpha, c.decay, c.online, self.budget, c.adaptive,
             self.ctl, c.horizon, self._cap(), self.scale, self.gamma, self.memory.mcol,
             self.memory.mset, self.memory.mstate, self.power, self.sim_decay, self.logistic,
-            _NO_ROWS, _NO_FEATS,
+            self.look_logit, _NO_ROWS, _NO_FEATS,
         )  # fmt: skip
         return PrefetchPlan(ptr=ptr, ids=ids, num_layers=trace.num_layers)
 
@@ -432,15 +445,16 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
     memory = _Memory.of_routing(ModelShape.of(trace), np.asarray(first.experts))
 
     def replay(params: dict[str, Any], beta: float = 0.0, look: Any = None,
-               rows: np.ndarray = _NO_ROWS, feats: np.ndarray = _NO_FEATS) -> float:  # fmt: skip
+               rows: np.ndarray = _NO_ROWS, feats: np.ndarray = _NO_FEATS,
+               look_logit: bool = False) -> float:  # fmt: skip
         counts, mem = base.copy(), memory.copy()
         ptr, ids, _ = pk.plus_replay(
             *counts.arrays(), experts, seq_id,
-            no_look if look is None else np.ascontiguousarray(look, dtype=np.int16), beta > 0,
-            np.array([params[n] for n in W_NAMES]), beta, params["alpha"], 0.999, True,
-            FIT_BUDGET * k, False, np.zeros(2), 1, int(np.ceil(FIT_BUDGET * k)), 1.0,
-            params["gamma"], mem.mcol, mem.mset, mem.mstate, params["power"],
-            params["sim_decay"], bool(params.get("logistic", False)), rows, feats,
+            no_look if look is None else np.ascontiguousarray(look, dtype=np.int16),
+            look is not None, np.array([params[n] for n in W_NAMES]), beta, params["alpha"],
+            0.999, True, FIT_BUDGET * k, False, np.zeros(2), 1, int(np.ceil(FIT_BUDGET * k)),
+            1.0, params["gamma"], mem.mcol, mem.mset, mem.mstate, params["power"],
+            params["sim_decay"], bool(params.get("logistic", False)), look_logit, rows, feats,
         )  # fmt: skip
         return pk.plan_recall(experts, ptr, ids)
 
@@ -452,7 +466,8 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
         if score > best + 1e-12:
             params, best = trial, score
     linear, linear_w = best, [params[n] for n in W_NAMES]
-    weights = _logistic_weights(replay, params, experts, trace.num_experts)
+    data = _fit_data(replay, params, experts, trace.num_experts)
+    weights = None if data is None else _logistic(data[0], data[1])
     if weights is not None:
         trial = {**params, **dict(zip(W_NAMES, weights, strict=True)), "logistic": True}
         score = replay(trial)
@@ -463,19 +478,31 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
                            "heldout_tokens": int(held), "heldout_recall": best,
                            "heldout_recall_linear": linear, "w_linear": linear_w}  # fmt: skip
     for key, look in (("", rest.lookahead), ("_late", rest.lookahead_late)):
-        if look is not None:  # hybrid's lookahead weight, per lookahead point
-            score, beta = max((replay(params, b, look), b) for b in (0.25, 0.5, 0.75, 0.9, 1.0))
-            out.update({f"beta{key}": beta, f"heldout_recall_hybrid{key}": score})
+        if look is None:
+            continue
+        # hybrid's lookahead weight for the fusion, per lookahead point
+        score, beta = max((replay(params, b, look), b) for b in (0.25, 0.5, 0.75, 0.9, 1.0))
+        out.update({f"beta{key}": beta, f"heldout_recall_hybrid{key}": score})
+        if out["logistic"] and data is not None:
+            # or the lookahead's rank weights as one more signal of a joint logistic fit
+            ranks = _rank_weights(np.asarray(look)[data[2]], trace.num_experts)
+            joint = _logistic(np.hstack([data[0], ranks]), data[1])
+            if joint is not None:
+                trial = {**params, **dict(zip(W_NAMES, joint[:-2] + joint[-1:], strict=True))}
+                joint_score = replay(trial, joint[-2], look, look_logit=True)
+                if joint_score > score:
+                    out.update({f"hybrid{key}": {"w": joint[:-2] + joint[-1:],
+                                                 "w_look": joint[-2]},
+                                f"heldout_recall_hybrid{key}": joint_score})  # fmt: skip
     return out
 
 
-def _logistic_weights(replay: Any, params: dict[str, Any], experts: np.ndarray,
-                      n: int) -> list[float] | None:  # fmt: skip
-    """Logistic regression of "expert f is chosen at layer l" on the signals'
-    scores (features from the fit's own replay, up to FIT_MAX_ROWS rows), with a
-    small ridge penalty on standardised signals. None when it cannot be fitted."""
-    from scipy.optimize import minimize
-
+def _fit_data(replay: Any, params: dict[str, Any], experts: np.ndarray,
+              n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:  # fmt: skip
+    """The logistic fit's data from the fit's own replay: x [rows, 9] the signals'
+    scores (the terms the weights multiply, the constant left out), y whether each
+    expert was chosen, and the held-back tokens used (at most FIT_MAX_ROWS rows of
+    (token, layer >= 1, expert)). None when there is nothing to fit."""
     held, n_layers, _ = experts.shape
     if n_layers < 2:
         return None
@@ -493,6 +520,25 @@ def _logistic_weights(replay: Any, params: dict[str, Any], experts: np.ndarray,
     y = y.reshape(-1)
     if not 0 < y.sum() < y.size:
         return None
+    return x, y, chosen
+
+
+def _rank_weights(look: np.ndarray, n: int) -> np.ndarray:
+    """[rows, 1]: the lookahead's rank weights (as the kernels add them) over layers
+    >= 1 of ``look`` [T, L, J], in _fit_data's row order."""
+    t_len, n_layers, _ = look.shape
+    out = np.zeros((t_len, n_layers - 1, n))
+    for t in range(t_len):
+        for layer in range(1, n_layers):
+            pk.add_rank_weights(out[t, layer - 1], np.ascontiguousarray(look[t, layer]), 1.0)
+    return out.reshape(-1, 1)
+
+
+def _logistic(x: np.ndarray, y: np.ndarray) -> list[float] | None:
+    """Logistic regression of y on x with a small ridge penalty on standardised
+    columns: the coefficients of x's columns, then the constant. None if it fails."""
+    from scipy.optimize import minimize
+
     mean, std = x.mean(axis=0), x.std(axis=0)
     used = std > 1e-12
     xs = (x[:, used] - mean[used]) / std[used]
@@ -507,7 +553,7 @@ def _logistic_weights(replay: Any, params: dict[str, Any], experts: np.ndarray,
     found = minimize(loss, np.zeros(1 + int(used.sum())), jac=True, method="L-BFGS-B")
     if not np.all(np.isfinite(found.x)):
         return None
-    w = np.zeros(len(W_NAMES))
+    w = np.zeros(x.shape[1] + 1)
     w[:-1][used] = found.x[1:] / std[used]
     w[-1] = found.x[0] - float(np.sum(found.x[1:] * mean[used] / std[used]))
     return [float(v) for v in w]

@@ -411,6 +411,13 @@ def _fuse(scores, look, beta):  # pragma: no cover - compiled
     if total > 0:
         for f in range(scores.shape[0]):
             scores[f] *= keep / total
+    add_rank_weights(scores, look, beta)
+
+
+@njit(cache=True)
+def add_rank_weights(scores, look, weight):  # pragma: no cover - compiled
+    """scores += weight * the lookahead's rank weights: m, m-1, ..., 1 over its m
+    ranked ids (-1 skipped), normalised to sum 1."""
     m = 0
     for f in look:
         if f >= 0:
@@ -419,14 +426,36 @@ def _fuse(scores, look, beta):  # pragma: no cover - compiled
     i = 0
     for f in look:
         if f >= 0:
-            scores[f] += beta * (m - i) / norm
+            scores[f] += weight * (m - i) / norm
             i += 1
+
+
+@njit(cache=True)
+def with_lookahead(scores, look, use_look, beta, logistic, look_logit,
+                   adaptive):  # fmt: skip  # pragma: no cover - compiled
+    """Turn the table scores into what the set is chosen from, in place.
+
+    look_logit (hybrid with logistic weights fitted with the lookahead): the
+    lookahead's rank weights times ``beta`` join the log-odds as one more signal.
+    Otherwise logistic log-odds become probabilities where set sizes or the
+    fusion need them, and the lookahead is fused by ``_fuse`` with weight beta.
+    With ``adaptive`` the result is always a probability-like score (>= 0)."""
+    if use_look and look_logit:
+        add_rank_weights(scores, look, beta)
+        if adaptive:
+            to_probability(scores)
+        return
+    if logistic and (adaptive or use_look):
+        to_probability(scores)
+    if use_look:
+        _fuse(scores, look, beta)
 
 
 @njit(cache=True)
 def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, alpha, decay,
                 online, budget, adaptive, ctl, horizon, cap, scale, gamma, mcol, mset,
-                mstate, power, lam, logistic, rows, feats):  # fmt: skip  # pragma: no cover
+                mstate, power, lam, logistic, look_logit, rows,
+                feats):  # fmt: skip  # pragma: no cover - compiled
     """The whole-trace replay of the protocol: predict(l) then update(l) for every
     token and layer. Returns (ptr, ids, scale) with PrefetchPlan's CSR arrays.
 
@@ -466,11 +495,9 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
                     feats[rows[t], layer - 1, i] = scores
             plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, layer, w, alpha,
                         scale, prior, scores, rc, mset, mstate, sim, power, votes)  # fmt: skip
-            fuse = use_look and horizon == 1 and layer > 0
-            if logistic and (adaptive or fuse):
-                to_probability(scores)
-            if fuse:
-                _fuse(scores, look[t, layer], beta)
+            with_lookahead(scores, look[t, layer] if use_look else look[0, 0],
+                           use_look and horizon == 1 and layer > 0, beta, logistic, look_logit,
+                           adaptive)  # fmt: skip
             b = set_size(scores, budget, adaptive, ctl, cap, layer)
             top_by_score(scores, b, out)
             for i in range(b):
@@ -527,14 +554,11 @@ def plus_learn(co, r, tt, rt, p, z, cur, prev, has_prev, layer, s, rc, gamma, mc
 @njit(cache=True)
 def plus_predict(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s, prior,
                  scores, rc, mset, mstate, sim, power, votes, look, use_look, beta, budget,
-                 adaptive, ctl, cap, out, logistic):  # fmt: skip  # pragma: no cover - compiled
+                 adaptive, ctl, cap, out, logistic, look_logit):  # fmt: skip  # pragma: no cover
     """Everything ``predict`` does, in one compiled call; returns the set size."""
     plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s, prior,
                 scores, rc, mset, mstate, sim, power, votes)  # fmt: skip
-    if logistic and (adaptive or use_look):
-        to_probability(scores)
-    if use_look:
-        _fuse(scores, look, beta)
+    with_lookahead(scores, look, use_look, beta, logistic, look_logit, adaptive)
     b = set_size(scores, budget, adaptive, ctl, cap, target)
     top_by_score(scores, b, out)
     return b
