@@ -25,7 +25,8 @@ hybrid adds **gate lookahead**: the next layer's router applied ahead of time,
 early (on this layer's MoE input: the trace's ``lookahead``) or late (on the
 next layer's own input through its pre-MoE norm: ``lookahead_late``), recorded
 by capture and computed live by the runtime, fused with the table scores by
-weight ``beta``.
+weight ``beta`` or, where the fit found it better, joined to the log-odds as one
+more signal of a joint logistic fit (``look_logit``; only where it is added).
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class PlusConfig:
             raise PredictorError(f"budget {self.budget}: expected 0 (top-K) .. {shape.num_experts}")
         if not 1 <= self.horizon <= pk.D_MAX - 1:
             raise PredictorError(f"horizon {self.horizon}: expected 1..{pk.D_MAX - 1}")
-        if not 0.0 < self.decay <= 1.0:
-            raise PredictorError(f"decay {self.decay}: expected 0 < decay <= 1")
+        if not 1e-6 <= self.decay <= 1.0:
+            raise PredictorError(f"decay {self.decay}: expected 1e-6 <= decay <= 1")
         if self.beta is not None and not 0.0 <= self.beta <= 1.0:
             raise PredictorError(f"beta {self.beta}: expected 0..1")
         if self.power is not None and not self.power > 0:
@@ -195,8 +196,9 @@ class PlusPredictor(Predictor):
         self.logistic = bool(fitted.get("logistic", False)) and c.logistic is not False
         if c.logistic and not self.logistic:
             raise PredictorError("these tables hold no logistic weights for stmoe-plus "
-                                 "(too few profiling tokens, or the linear pool recalled "
-                                 "more); drop logistic=True")  # fmt: skip
+                                 "(fitted by an older stmoe, too few profiling tokens, or "
+                                 "the linear pool recalled as much): profile again, or drop "
+                                 "logistic=True")  # fmt: skip
         w = fitted.get("w", DEFAULT_W)
         if fitted.get("logistic") and not self.logistic:
             if "w_linear" not in fitted:
@@ -205,6 +207,11 @@ class PlusPredictor(Predictor):
             w = fitted["w_linear"]
         given = [getattr(c, n) for n in W_NAMES]
         self.w = np.array([w[i] if v is None else v for i, v in enumerate(given)])
+        # where nothing of the token is known yet (layer 0; layers < horizon) the logistic
+        # weights of the known-layer fit do not apply: their own fit ("w_start")
+        self.w_start = np.array(fitted["w_start"]) if self.logistic else self.w
+        # and at a sequence's first token, before its layers, only the prior is known
+        self.w_fresh = np.array(fitted["w_fresh"]) if self.logistic else self.w
         self.gamma = float(fitted.get("gamma", DEFAULT_GAMMA) if c.gamma is None else c.gamma)
         self.power = float(fitted.get("power", DEFAULT_POWER) if c.power is None else c.power)
         self.sim_decay = float(fitted.get("sim_decay", DEFAULT_SIM_DECAY)
@@ -215,9 +222,10 @@ class PlusPredictor(Predictor):
         self._betas = {"early": float(fitted.get("beta", 0.5)),
                        "late": float(fitted.get("beta_late", fitted.get("beta", 0.5)))}  # fmt: skip
         # hybrid with logistic weights: table weights refitted with the lookahead as one
-        # more signal (its weight in the log-odds: "w_look"), per lookahead point
-        self._table_w = self.w
+        # more signal (its weight in the log-odds: "w_look"), per lookahead point; used
+        # only where the lookahead is added (the table weights elsewhere)
         self._look_fits = {"early": fitted.get("hybrid"), "late": fitted.get("hybrid_late")}
+        self.w_joint = self.w
         self.look_logit = False
         self.lookahead_pref = c.lookahead
         self.beta = self._betas["early"] if c.beta is None else float(c.beta)
@@ -267,43 +275,56 @@ class PlusPredictor(Predictor):
         fitted = self._look_fits.get(point) if self.uses_lookahead and self.logistic else None
         self.look_logit = fitted is not None and self.config.beta is None
         if self.look_logit:
-            given = [getattr(self.config, n) for n in W_NAMES]
-            self.w = np.array([fitted["w"][i] if v is None else v for i, v in enumerate(given)])
+            self.w_joint = np.array(fitted["w"])
             self.beta = float(fitted["w_look"])
         else:  # the fusion, with beta given or fitted for this point
-            self.w = self._table_w
+            self.w_joint = self.w
             if self.config.beta is None:
                 self.beta = self._betas[point]
 
-    def _args(self, layer: int, slot: int) -> tuple:
+    def weight_rows(self) -> np.ndarray:
+        """[4, 10]: the weights for known layers, for none known, with the lookahead
+        joined to the log-odds, and for a sequence's first token before its layers
+        (the kernels pick one per prediction)."""
+        return np.stack([self.w, self.w_start, self.w_joint, self.w_fresh])
+
+    def _args(self, layer: int, slot: int, look: np.ndarray | None) -> tuple:
         """The kernels' arguments up to the scores buffer, for predicting ``layer``."""
         self._check_layer(layer)
         cur = self.token_so_far(slot)
         known = -1 if cur is None else min(layer - self.config.horizon, self._known.get(slot, -1))
         prev = self._prev.get(slot)
+        if known < 0:
+            w = self.w_start if prev is not None else self.w_fresh
+        else:
+            w = self.w_joint if look is not None and self.look_logit else self.w
         return (*self.counts.arrays(), self._empty if cur is None else cur, known,
-                self._empty if prev is None else prev, prev is not None, layer, self.w,
+                self._empty if prev is None else prev, prev is not None, layer, w,
                 self.alpha, self.scale, self._prior, self._scores, self._recency(slot),
                 self.memory.mset, self.memory.mstate, self._similarity(slot), self.power,
                 self._votes)  # fmt: skip
 
     def _look_for(self, layer: int, slot: int) -> np.ndarray | None:
+        """The lookahead for ``layer`` if it takes part (hybrid, horizon 1, layer > 0,
+        at least one id)."""
         look = self._look.pop((slot, layer), None)
-        if self.uses_lookahead and self.config.horizon == 1 and layer > 0:
+        if (self.uses_lookahead and self.config.horizon == 1 and layer > 0
+                and look is not None and pk.has_ids(look)):  # fmt: skip
             return look
         return None
 
     def scores(self, layer: int, slot: int = 0) -> np.ndarray:
-        """Every expert's score for ``layer`` (higher: more likely), from what is known."""
-        pk.plus_scores(*self._args(layer, slot))
+        """Every expert's score for ``layer`` (higher: more likely), from what is known
+        (probabilities with logistic weights)."""
         look = self._look_for(layer, slot)
+        pk.plus_scores(*self._args(layer, slot, look))
         pk.with_lookahead(self._scores, self._no_look if look is None else look,
                           look is not None, self.beta, self.logistic, self.look_logit, True)
         return self._scores.copy()
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         look = self._look_for(layer, slot)
-        b = pk.plus_predict(*self._args(layer, slot), self._no_look if look is None else look,
+        b = pk.plus_predict(*self._args(layer, slot, look), self._no_look if look is None else look,
                             look is not None, self.beta, self.budget, self.config.adaptive,
                             self.ctl, self._cap(), self._out, self.logistic,
                             self.look_logit)  # fmt: skip
@@ -336,8 +357,7 @@ class PlusPredictor(Predictor):
     def _age(self) -> None:
         self.scale /= self.config.decay
         if self.scale > pk.RESCALE_AT:
-            for a in self.counts.arrays():
-                a *= pk.RESCALE_BY
+            pk._rescale(*self.counts.arrays())  # (the kernel's own rounding, as in replay)
             self.scale *= pk.RESCALE_BY
 
     def predict_batch(self, layer: int, slots: Sequence[int], budget: int = 0) -> np.ndarray:
@@ -367,7 +387,7 @@ class PlusPredictor(Predictor):
             *self.counts.arrays(), np.ascontiguousarray(trace.experts, dtype=np.int16),
             seq_id.astype(np.int64),
             look if look is not None else np.full((1, 1, 1), -1, np.int16), look is not None,
-            self.w, self.beta, self.alpha, c.decay, c.online, self.budget, c.adaptive,
+            self.weight_rows(), self.beta, self.alpha, c.decay, c.online, self.budget, c.adaptive,
             self.ctl, c.horizon, self._cap(), self.scale, self.gamma, self.memory.mcol,
             self.memory.mset, self.memory.mstate, self.power, self.sim_decay, self.logistic,
             self.look_logit, _NO_ROWS, _NO_FEATS,
@@ -451,7 +471,7 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
         ptr, ids, _ = pk.plus_replay(
             *counts.arrays(), experts, seq_id,
             no_look if look is None else np.ascontiguousarray(look, dtype=np.int16),
-            look is not None, np.array([params[n] for n in W_NAMES]), beta, params["alpha"],
+            look is not None, _rows(params), beta, params["alpha"],
             0.999, True, FIT_BUDGET * k, False, np.zeros(2), 1, int(np.ceil(FIT_BUDGET * k)),
             1.0, params["gamma"], mem.mcol, mem.mset, mem.mstate, params["power"],
             params["sim_decay"], bool(params.get("logistic", False)), look_logit, rows, feats,
@@ -467,9 +487,19 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
             params, best = trial, score
     linear, linear_w = best, [params[n] for n in W_NAMES]
     data = _fit_data(replay, params, experts, trace.num_experts)
-    weights = None if data is None else _logistic(data[0], data[1])
-    if weights is not None:
-        trial = {**params, **dict(zip(W_NAMES, weights, strict=True)), "logistic": True}
+    weights = start = fresh = None
+    if data is not None:
+        prior = [START_SIGNALS.index(5)]
+        weights, start, fresh = (_logistic(data["x"], data["y"]),
+                                 _logistic(data["x_start"], data["y_start"]),
+                                 _logistic(data["x_start"][:, prior], data["y_start"]))  # fmt: skip
+    if weights is not None and start is not None and fresh is not None:
+        w_start, w_fresh = [0.0] * len(W_NAMES), [0.0] * len(W_NAMES)
+        for i, coef in zip(START_SIGNALS, start[:-1], strict=True):
+            w_start[i] = coef
+        w_start[-1], w_fresh[5], w_fresh[-1] = start[-1], fresh[0], fresh[1]
+        trial = {**params, **dict(zip(W_NAMES, weights, strict=True)), "logistic": True,
+                 "w_start": w_start, "w_fresh": w_fresh}  # fmt: skip
         score = replay(trial)
         if score > best:
             params, best = trial, score
@@ -477,6 +507,8 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
                            "logistic": bool(params.get("logistic", False)),
                            "heldout_tokens": int(held), "heldout_recall": best,
                            "heldout_recall_linear": linear, "w_linear": linear_w}  # fmt: skip
+    if out["logistic"]:
+        out.update(w_start=params["w_start"], w_fresh=params["w_fresh"])
     for key, look in (("", rest.lookahead), ("_late", rest.lookahead_late)):
         if look is None:
             continue
@@ -485,10 +517,10 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
         out.update({f"beta{key}": beta, f"heldout_recall_hybrid{key}": score})
         if out["logistic"] and data is not None:
             # or the lookahead's rank weights as one more signal of a joint logistic fit
-            ranks = _rank_weights(np.asarray(look)[data[2]], trace.num_experts)
-            joint = _logistic(np.hstack([data[0], ranks]), data[1])
+            ranks = _rank_weights(np.asarray(look)[data["tokens"]], trace.num_experts)
+            joint = _logistic(np.hstack([data["x"], ranks]), data["y"])
             if joint is not None:
-                trial = {**params, **dict(zip(W_NAMES, joint[:-2] + joint[-1:], strict=True))}
+                trial = {**params, "w_joint": joint[:-2] + joint[-1:]}
                 joint_score = replay(trial, joint[-2], look, look_logit=True)
                 if joint_score > score:
                     out.update({f"hybrid{key}": {"w": joint[:-2] + joint[-1:],
@@ -497,30 +529,44 @@ def fit(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> dict[str, Any]:
     return out
 
 
+def _rows(params: dict[str, Any]) -> np.ndarray:
+    """The kernels' [4, 10] weight rows (known layers, none known, lookahead joined,
+    a first token) of a fit's trial parameters."""
+    main = [params[n] for n in W_NAMES]
+    return np.array([main, params.get("w_start", main), params.get("w_joint", main),
+                     params.get("w_fresh", main)])  # fmt: skip
+
+
+START_SIGNALS = (4, 5, 6)  # temporal, prior, recency: what exists before a token's layers
+
+
 def _fit_data(replay: Any, params: dict[str, Any], experts: np.ndarray,
-              n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:  # fmt: skip
-    """The logistic fit's data from the fit's own replay: x [rows, 9] the signals'
-    scores (the terms the weights multiply, the constant left out), y whether each
-    expert was chosen, and the held-back tokens used (at most FIT_MAX_ROWS rows of
-    (token, layer >= 1, expert)). None when there is nothing to fit."""
+              n: int) -> dict[str, np.ndarray] | None:  # fmt: skip
+    """The logistic fits' data from the fit's own replay, on the held-back tokens
+    (at most FIT_MAX_ROWS rows of (token, layer, expert)): ``x`` the signals'
+    scores at layers >= 1 (the terms the weights multiply, the constant left out)
+    and ``y`` whether each expert was chosen; ``x_start``/``y_start`` the signals
+    that exist before any of the token's layers (START_SIGNALS) at every layer;
+    ``tokens`` the held-back tokens used. None when there is nothing to fit."""
     held, n_layers, _ = experts.shape
     if n_layers < 2:
         return None
-    take = min(held, max(1, FIT_MAX_ROWS // ((n_layers - 1) * n)))
+    take = min(held, max(1, FIT_MAX_ROWS // (n_layers * n)))
     chosen = np.unique(np.linspace(0, held - 1, take).round().astype(np.int64))
     rows = np.full(held, -1, dtype=np.int64)
     rows[chosen] = np.arange(chosen.size)
-    feats = np.zeros((chosen.size, n_layers - 1, len(W_NAMES), n), dtype=np.float32)
+    feats = np.zeros((chosen.size, n_layers, len(W_NAMES), n), dtype=np.float32)
     replay(params, rows=rows, feats=feats)
-    x = feats[:, :, :-1].transpose(0, 1, 3, 2).reshape(-1, len(W_NAMES) - 1).astype(np.float64)
-    y = np.zeros((chosen.size, n_layers - 1, n))
-    picks = experts[chosen, 1:].astype(np.int64)
+    y = np.zeros((chosen.size, n_layers, n))
+    picks = experts[chosen].astype(np.int64)
     t_i, l_i, _ = np.nonzero(picks >= 0)
     y[t_i, l_i, picks[picks >= 0]] = 1.0
-    y = y.reshape(-1)
-    if not 0 < y.sum() < y.size:
+    if not 0 < y[:, 1:].sum() < y[:, 1:].size:
         return None
-    return x, y, chosen
+    signals = feats[:, :, :-1].transpose(0, 1, 3, 2).astype(np.float64)  # [T, L, N, 9]
+    return {"x": signals[:, 1:].reshape(-1, len(W_NAMES) - 1), "y": y[:, 1:].reshape(-1),
+            "x_start": signals[..., list(START_SIGNALS)].reshape(-1, len(START_SIGNALS)),
+            "y_start": y.reshape(-1), "tokens": chosen}  # fmt: skip
 
 
 def _rank_weights(look: np.ndarray, n: int) -> np.ndarray:

@@ -415,6 +415,15 @@ def _fuse(scores, look, beta):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def has_ids(look):  # pragma: no cover - compiled
+    """Whether a lookahead row holds any expert id (-1 is empty)."""
+    for f in look:  # noqa: SIM110 - a plain loop compiles to no allocation
+        if f >= 0:
+            return True
+    return False
+
+
+@njit(cache=True)
 def add_rank_weights(scores, look, weight):  # pragma: no cover - compiled
     """scores += weight * the lookahead's rank weights: m, m-1, ..., 1 over its m
     ranked ids (-1 skipped), normalised to sum 1."""
@@ -458,10 +467,13 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
                 feats):  # fmt: skip  # pragma: no cover - compiled
     """The whole-trace replay of the protocol: predict(l) then update(l) for every
     token and layer. Returns (ptr, ids, scale) with PrefetchPlan's CSR arrays.
+    w: [4, 10] weight rows, for known layers, for none known (layer 0, layers below
+    the horizon), with the lookahead joined to the log-odds (look_logit), and for
+    a sequence's first token before any of its layers (nothing but the prior).
 
-    The fit's features: for tokens t with rows[t] >= 0, feats[rows[t], l - 1, i]
-    := signal i's scores for layer l >= 1 (plus_scores with weight 1 on signal i
-    alone), exactly the terms the weights multiply."""
+    The fit's features: for tokens t with rows[t] >= 0, feats[rows[t], l, i] :=
+    signal i's scores for layer l (plus_scores with weight 1 on signal i alone),
+    exactly the terms the weights multiply."""
     t_len, n_layers, k = experts.shape
     n = p.shape[1]
     width = cap
@@ -475,7 +487,7 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
     rc = np.zeros((n_layers, n))
     sim = np.zeros((n_layers, mset.shape[1]), dtype=np.float32)
     votes = np.zeros((2, n))
-    unit = np.zeros(w.shape[0])
+    unit = np.zeros(w.shape[1])
     has_prev = False
     pos = 0
     for t in range(t_len):
@@ -485,19 +497,20 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
         cur[:, :] = -1
         for layer in range(n_layers):
             known = max(layer - horizon, -1)
-            if layer > 0 and rows.shape[0] > 0 and rows[t] >= 0:
+            if rows.shape[0] > 0 and rows[t] >= 0:
                 for i in range(feats.shape[2]):
                     unit[:] = 0.0
                     unit[i] = 1.0
                     plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, layer, unit,
                                 alpha, scale, prior, scores, rc, mset, mstate, sim, power,
                                 votes)  # fmt: skip
-                    feats[rows[t], layer - 1, i] = scores
-            plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, layer, w, alpha,
+                    feats[rows[t], layer, i] = scores
+            lk = look[t, layer] if use_look else look[0, 0]
+            added = use_look and horizon == 1 and layer > 0 and has_ids(lk)
+            row = (3 if not has_prev else 1) if known < 0 else 2 if added and look_logit else 0
+            plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, layer, w[row], alpha,
                         scale, prior, scores, rc, mset, mstate, sim, power, votes)  # fmt: skip
-            with_lookahead(scores, look[t, layer] if use_look else look[0, 0],
-                           use_look and horizon == 1 and layer > 0, beta, logistic, look_logit,
-                           adaptive)  # fmt: skip
+            with_lookahead(scores, lk, added, beta, logistic, look_logit, adaptive)
             b = set_size(scores, budget, adaptive, ctl, cap, layer)
             top_by_score(scores, b, out)
             for i in range(b):
