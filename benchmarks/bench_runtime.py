@@ -20,7 +20,8 @@ profiled on) from a cold cache, after one untimed warm-up generation (so
 compiling a predictor's kernels is not timed); figures are totals over prompts. The disk tier
 reads the store with O_DIRECT (or drops the page cache) so misses are real reads.
 
-    python benchmarks/bench_runtime.py [--bandwidth 200MB] [--tokens 64] [--json out.json]
+    python benchmarks/bench_runtime.py [--bandwidth 200MB] [--tokens 64] [--rounds 3]
+                                       [--capacities 50%] [--json out.json]
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def run_system(om: OffloadedModel, tokens: int) -> dict[str, Any]:
     }
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over repeated runs of one system (the tokens of the first)."""
+    return {key: runs[0][key] if key == "tokens" else statistics.median(r[key] for r in runs)
+            for key in runs[0]}  # fmt: skip
+
+
 def resident_ratio(tokens: int, repeats: int) -> dict[str, float]:
     """Plain transformers vs the runtime holding every expert (warm), interleaved."""
     model, tok = load_model(SHIPPED_MODEL)
@@ -111,6 +118,9 @@ def main() -> None:
     parser.add_argument("--tiers", default="emulated,disk")
     parser.add_argument("--extra", action="append", default=[], help="another predictor")
     parser.add_argument("--repeats", type=int, default=5, help="resident comparison repeats")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every system this many times, interleaved, and report "
+                             "the median of each figure (tok/s varies run to run)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
@@ -132,18 +142,27 @@ def main() -> None:
               f"{'prec':>6} {'moved MB':>9} {'wasted MB':>9} {'ampl':>5}")  # fmt: skip
         rows: dict[str, dict[str, Any]] = {}
         for cap in args.capacities.split(","):
-            rows[cap] = {}
-            for name, (predictor, policy) in systems.items():
-                with offload(SHIPPED_MODEL, store, capacity=cap,
-                             predictor=compared_predictor(predictor, tables),
-                             policy=policy, tier=tier, bandwidth=args.bandwidth,
-                             latency=args.latency) as om:  # fmt: skip
-                    r = rows[cap][name] = run_system(om, args.tokens)
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+            for _ in range(args.rounds):  # interleaved, so drift hits every system alike
+                for name, (predictor, policy) in systems.items():
+                    with offload(SHIPPED_MODEL, store, capacity=cap,
+                                 predictor=compared_predictor(predictor, tables),
+                                 policy=policy, tier=tier, bandwidth=args.bandwidth,
+                                 latency=args.latency) as om:  # fmt: skip
+                        runs[name].append(run_system(om, args.tokens))
+            rows[cap] = {name: median_run(r) for name, r in runs.items()}
+            for name, r in rows[cap].items():
+                spread = ""
+                if args.rounds > 1:
+                    speeds = [x["decode_tokens_per_s"] for x in runs[name]]
+                    spread = f"  (tok/s {min(speeds):.1f}-{max(speeds):.1f})"
                 print(f"{cap:>8} {name:<12} {r['decode_tokens_per_s']:7.1f} "
                       f"{r['stall_share']:6.1%} {r['hit_rate']:6.3f} {r['prefetch_recall']:6.3f} "
                       f"{r['prefetch_precision']:6.3f} {r['bytes_moved'] / 1e6:9.1f} "
-                      f"{r['bytes_wasted'] / 1e6:9.1f} {r['read_amplification']:5.2f}")  # fmt: skip
-            same = all(s["tokens"] == rows[cap]["on-demand"]["tokens"] for s in rows[cap].values())
+                      f"{r['bytes_wasted'] / 1e6:9.1f} {r['read_amplification']:5.2f}"
+                      f"{spread}")  # fmt: skip
+            same = all(x["tokens"] == rows[cap]["on-demand"]["tokens"]
+                       for r in runs.values() for x in r)  # fmt: skip
             print(f"{'':>8} every system generated the same tokens: {same}")
             assert same, "lossless violated"
         report["tiers"][tier] = rows
