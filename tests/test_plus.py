@@ -463,3 +463,15 @@ def test_counts_stay_identical_in_replay_and_steps_across_rescaling():
     assert fast.scale == slow.scale < 1e30
     for a, b in zip(fast.counts.arrays(), slow.counts.arrays(), strict=True):
         assert np.array_equal(a, b)
+
+
+def test_eval_notes_when_the_replayed_tokens_were_profiled(cli, tmp_path):
+    trace, whole, half = tmp_path / "s.npz", tmp_path / "w.npz", tmp_path / "h.npz"
+    stmoe.save_trace(_trace(tokens=300, lookahead=False), trace)
+    assert cli("profile", trace, "-o", whole).exit_code == 0
+    assert cli("profile", trace, "--split", "0.5", "-o", half).exit_code == 0
+    res = cli("eval", trace, "--tables", whole, "--predictor", "stmoe-plus")
+    assert res.exit_code == 0 and "300 of the 300 tokens" in res.output, res.output
+    assert "in-sample" in res.output
+    res = cli("eval", trace, "--split", "0.5", "--tables", half, "--predictor", "stmoe-plus")
+    assert res.exit_code == 0 and "in-sample" not in res.output, res.output

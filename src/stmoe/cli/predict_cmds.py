@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any
 
+import numpy as np
 import typer
 from rich.table import Table
 
@@ -20,6 +21,8 @@ from stmoe.predictors import (
     profile,
     save_tables,
 )
+from stmoe.predictors.base import ModelShape
+from stmoe.predictors.tables import ProfiledTables
 from stmoe.replay import ReplayResult, cross_domain_matrix, replay
 from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
 
@@ -73,6 +76,22 @@ def profile_cmd(
         f"wrote {output}: CCT for {tables.shape.describe()}, row width {tables.row_width}, "
         f"profiled on {trace.num_tokens} tokens" + (" (SYNTHETIC)" if trace.meta.synthetic else "")
     )
+
+
+def _warn_in_sample(trace: RoutingTrace, tables: ProfiledTables) -> None:
+    """A note when most replayed tokens were profiled into ``tables`` (their exact
+    routing is in the tables' token memory): recall would be in-sample, and
+    stmoe-plus's memory recalls nearly everything it has seen."""
+    if tables.recent is None or tables.shape != ModelShape.of(trace):
+        return
+    seen = {row.tobytes() for row in np.asarray(tables.recent, dtype=np.int16)}
+    routing = np.asarray(trace.experts, dtype=np.int16)
+    known = sum(routing[t].tobytes() in seen for t in range(trace.num_tokens))
+    if known > trace.num_tokens / 2:
+        err.print(f"note: {known} of the {trace.num_tokens} tokens replayed were profiled into "
+                  "these tables (their routing is in the tables' memory), so recall is "
+                  "in-sample; profile and evaluate different parts, e.g. the same --split "
+                  "for both")  # fmt: skip
 
 
 def eval_cmd(
@@ -137,6 +156,8 @@ def eval_cmd(
     """
     trace = _select(import_files([trace_path]), domain, split, 1)
     tables = load_tables(tables_path) if tables_path is not None else None
+    if tables is not None:
+        _warn_in_sample(trace, tables)
     chosen = predictor or names_for(trace)
     if tables is None and predictor is None:
         skipped = [n for n in chosen if REGISTRY[n].needs_tables]
