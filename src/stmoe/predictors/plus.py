@@ -225,8 +225,6 @@ class PlusPredictor(Predictor):
         # more signal (its weight in the log-odds: "w_look"), per lookahead point; used
         # only where the lookahead is added (the table weights elsewhere)
         self._look_fits = {"early": fitted.get("hybrid"), "late": fitted.get("hybrid_late")}
-        self.w_joint = self.w
-        self.look_logit = False
         self.lookahead_pref = c.lookahead
         self.beta = self._betas["early"] if c.beta is None else float(c.beta)
         self.use_lookahead_point(self.point)
@@ -281,35 +279,31 @@ class PlusPredictor(Predictor):
             self.w_joint = self.w
             if self.config.beta is None:
                 self.beta = self._betas[point]
+        self._rows = np.stack([self.w, self.w_start, self.w_joint, self.w_fresh])
 
     def weight_rows(self) -> np.ndarray:
-        """[4, 10]: the weights for known layers, for none known, with the lookahead
-        joined to the log-odds, and for a sequence's first token before its layers
-        (the kernels pick one per prediction)."""
-        return np.stack([self.w, self.w_start, self.w_joint, self.w_fresh])
+        """[4, 10]: the weight rows the kernels pick from per prediction, in
+        ``pk.weight_row``'s order (layers known, none known, the lookahead joined to
+        the log-odds, a sequence's first token)."""
+        return self._rows
 
-    def _args(self, layer: int, slot: int, look: np.ndarray | None) -> tuple:
-        """The kernels' arguments up to the scores buffer, for predicting ``layer``."""
+    def _args(self, layer: int, slot: int) -> tuple:
+        """The kernels' arguments up to the votes buffer, for predicting ``layer``."""
         self._check_layer(layer)
         cur = self.token_so_far(slot)
         known = -1 if cur is None else min(layer - self.config.horizon, self._known.get(slot, -1))
         prev = self._prev.get(slot)
-        if known < 0:
-            w = self.w_start if prev is not None else self.w_fresh
-        else:
-            w = self.w_joint if look is not None and self.look_logit else self.w
         return (*self.counts.arrays(), self._empty if cur is None else cur, known,
-                self._empty if prev is None else prev, prev is not None, layer, w,
+                self._empty if prev is None else prev, prev is not None, layer, self._rows,
                 self.alpha, self.scale, self._prior, self._scores, self._recency(slot),
                 self.memory.mset, self.memory.mstate, self._similarity(slot), self.power,
                 self._votes)  # fmt: skip
 
     def _look_for(self, layer: int, slot: int) -> np.ndarray | None:
-        """The lookahead for ``layer`` if it takes part (hybrid, horizon 1, layer > 0,
-        at least one id)."""
+        """The lookahead for ``layer`` if it may take part (hybrid, horizon 1, layer > 0;
+        the kernels skip one without ids)."""
         look = self._look.pop((slot, layer), None)
-        if (self.uses_lookahead and self.config.horizon == 1 and layer > 0
-                and look is not None and pk.has_ids(look)):  # fmt: skip
+        if self.uses_lookahead and self.config.horizon == 1 and layer > 0:
             return look
         return None
 
@@ -317,14 +311,13 @@ class PlusPredictor(Predictor):
         """Every expert's score for ``layer`` (higher: more likely), from what is known
         (probabilities with logistic weights)."""
         look = self._look_for(layer, slot)
-        pk.plus_scores(*self._args(layer, slot, look))
-        pk.with_lookahead(self._scores, self._no_look if look is None else look,
-                          look is not None, self.beta, self.logistic, self.look_logit, True)
+        pk.scores_for(*self._args(layer, slot), self._no_look if look is None else look,
+                      look is not None, self.beta, self.logistic, self.look_logit, True)
         return self._scores.copy()
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         look = self._look_for(layer, slot)
-        b = pk.plus_predict(*self._args(layer, slot, look), self._no_look if look is None else look,
+        b = pk.plus_predict(*self._args(layer, slot), self._no_look if look is None else look,
                             look is not None, self.beta, self.budget, self.config.adaptive,
                             self.ctl, self._cap(), self._out, self.logistic,
                             self.look_logit)  # fmt: skip

@@ -415,6 +415,17 @@ def _fuse(scores, look, beta):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def weight_row(known, has_prev, added, look_logit):  # pragma: no cover - compiled
+    """Which of the [4, 10] weight rows a prediction takes: 0 with layers of the token
+    known, 1 with none known yet (layer 0, layers below the horizon), 2 with the
+    lookahead joined to the log-odds, 3 at a sequence's first token before its
+    layers (nothing but the prior known)."""
+    if known < 0:
+        return 1 if has_prev else 3
+    return 2 if added and look_logit else 0
+
+
+@njit(cache=True)
 def has_ids(look):  # pragma: no cover - compiled
     """Whether a lookahead row holds any expert id (-1 is empty)."""
     for f in look:  # noqa: SIM110 - a plain loop compiles to no allocation
@@ -467,9 +478,7 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
                 feats):  # fmt: skip  # pragma: no cover - compiled
     """The whole-trace replay of the protocol: predict(l) then update(l) for every
     token and layer. Returns (ptr, ids, scale) with PrefetchPlan's CSR arrays.
-    w: [4, 10] weight rows, for known layers, for none known (layer 0, layers below
-    the horizon), with the lookahead joined to the log-odds (look_logit), and for
-    a sequence's first token before any of its layers (nothing but the prior).
+    w: [4, 10] weight rows, one per prediction as ``weight_row`` picks.
 
     The fit's features: for tokens t with rows[t] >= 0, feats[rows[t], l, i] :=
     signal i's scores for layer l (plus_scores with weight 1 on signal i alone),
@@ -506,11 +515,10 @@ def plus_replay(co, r, tt, rt, p, z, experts, seq_id, look, use_look, w, beta, a
                                 votes)  # fmt: skip
                     feats[rows[t], layer, i] = scores
             lk = look[t, layer] if use_look else look[0, 0]
-            added = use_look and horizon == 1 and layer > 0 and has_ids(lk)
-            row = (3 if not has_prev else 1) if known < 0 else 2 if added and look_logit else 0
-            plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, layer, w[row], alpha,
-                        scale, prior, scores, rc, mset, mstate, sim, power, votes)  # fmt: skip
-            with_lookahead(scores, lk, added, beta, logistic, look_logit, adaptive)
+            added = use_look and horizon == 1 and layer > 0
+            scores_for(co, r, tt, rt, p, z, cur, known, prev, has_prev, layer, w, alpha, scale,
+                       prior, scores, rc, mset, mstate, sim, power, votes, lk, added, beta,
+                       logistic, look_logit, adaptive)  # fmt: skip
             b = set_size(scores, budget, adaptive, ctl, cap, layer)
             top_by_score(scores, b, out)
             for i in range(b):
@@ -565,13 +573,27 @@ def plus_learn(co, r, tt, rt, p, z, cur, prev, has_prev, layer, s, rc, gamma, mc
 
 
 @njit(cache=True)
-def plus_predict(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s, prior,
+def scores_for(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, rows, alpha, s, prior,
+               scores, rc, mset, mstate, sim, power, votes, look, use_look, beta, logistic,
+               look_logit, adaptive):  # fmt: skip  # pragma: no cover - compiled
+    """The scores a set is chosen from: plus_scores with the prediction's weight row
+    (``weight_row`` of the [4, 10] ``rows``), then ``with_lookahead``. A lookahead
+    without any id (all -1) takes no part."""
+    use_look = use_look and has_ids(look)
+    row = weight_row(known, has_prev, use_look, look_logit)
+    plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, rows[row], alpha, s,
+                prior, scores, rc, mset, mstate, sim, power, votes)  # fmt: skip
+    with_lookahead(scores, look, use_look, beta, logistic, look_logit, adaptive)
+
+
+@njit(cache=True)
+def plus_predict(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, rows, alpha, s, prior,
                  scores, rc, mset, mstate, sim, power, votes, look, use_look, beta, budget,
                  adaptive, ctl, cap, out, logistic, look_logit):  # fmt: skip  # pragma: no cover
     """Everything ``predict`` does, in one compiled call; returns the set size."""
-    plus_scores(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, w, alpha, s, prior,
-                scores, rc, mset, mstate, sim, power, votes)  # fmt: skip
-    with_lookahead(scores, look, use_look, beta, logistic, look_logit, adaptive)
+    scores_for(co, r, tt, rt, p, z, cur, known, prev, has_prev, target, rows, alpha, s, prior,
+               scores, rc, mset, mstate, sim, power, votes, look, use_look, beta, logistic,
+               look_logit, adaptive)  # fmt: skip
     b = set_size(scores, budget, adaptive, ctl, cap, target)
     top_by_score(scores, b, out)
     return b
