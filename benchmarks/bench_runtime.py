@@ -9,7 +9,7 @@ and, with every expert resident, the runtime >= 0.9x plain transformers.
 Systems (same cache size per layer):
   on-demand  no prefetch, no reuse: each layer loads the experts it needs
   lru-only   no prefetch, LRU cache
-  stmoe      ST-MoE prefetch (SPEC rules, tables shipped with the model) + prediction-aware LRU
+  stmoe      ST-MoE prefetch (the paper's rules, shipped tables) + prediction-aware LRU
   stmoe-plus stmoe's probabilistic table predictor (same tables), 1.5K experts per prediction
   hybrid     stmoe-plus fused with gate lookahead (the next router on this layer's state)
   oracle     prefetches exactly the experts the router will pick (a first pass records them)

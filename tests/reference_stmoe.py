@@ -1,4 +1,4 @@
-"""A literal, slow, pure-Python reading of SPEC.md's ST-MoE, written independently of
+"""A literal, slow, pure-Python reading of docs/method.md's ST-MoE, written independently of
 the package's compiled kernels so tests can compare the two."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def row_as_list(row):
 def replay_reference(
     experts, seq_starts, cct, width, *, use_ht=True, online=True, threshold=2.0, w_ht=1.0
 ):
-    """Every (token, layer) prefetch set, SPEC replay order, layer 0 = all of HT[0]."""
+    """Every (token, layer) prefetch set, docs/method.md order, layer 0 = all of HT[0]."""
     t_count, n_layers, _ = experts.shape
     starts = set(int(s) for s in seq_starts)
     ht = None

@@ -1,4 +1,4 @@
-"""ST-MoE exactly as SPEC.md: the worked example, a hand-worked update sequence, and
+"""ST-MoE exactly as docs/method.md: the worked example, a hand-worked update sequence, and
 agreement with an independent pure-Python reading of the algorithms."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def tables_with(rows: dict[int, list[tuple[int, int]]], n: int, layers: int = 2,
 
 
 def test_spec_worked_example_prefetches_12_and_3():
-    # SPEC.md: router chose {7, 21} at l; CCT[l][7] = [(12,2),(3,2)], CCT[l][21] =
+    # docs/method.md: router chose {7, 21} at l; CCT[l][7] = [(12,2),(3,2)], CCT[l][21] =
     # [(12,2),(45,1)]; HT[l+1] = {12, 3}. Scores 12 -> 5, 3 -> 3, 45 -> 1; threshold 2.
     tables = tables_with({7: [(12, 2), (3, 2)], 21: [(12, 2), (45, 1)]}, n=64)
     p = STMoEPredictor(tables.shape, tables, online=False)
@@ -68,7 +68,7 @@ def test_hand_worked_update_sequence_with_replacements():
     for layer0, layer1 in tokens:
         p.update(0, np.array(layer0))
         p.update(1, np.array(layer1))
-    # Derivation (each step in SPEC Algorithm 3):
+    # Derivation (each step in docs/method.md Algorithm 3):
     # t1: row1 4 taken 2->3, 5 not 2->1; row2 empty -> filled [4,6] at 2.
     # t2: row1 4:3->2, 5:1->0; row3 filled [6,7].
     # t3: row1 4:2->1, 5 at 0 freed, 7 fills it at 2; row3 6:2->1, 7:2->3.

@@ -2,7 +2,7 @@
 
 Every error a user can cause carries where it happened (file, position) and what
 was expected, so the CLI can print one line and exit non-zero instead of a
-traceback (DESIGN.md principle 9).
+traceback (docs/architecture.md).
 """
 
 from __future__ import annotations

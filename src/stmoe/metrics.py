@@ -1,4 +1,4 @@
-r"""The field's prediction metrics over (token, layer) counts, named as in SPEC.md.
+r"""The field's prediction metrics over (token, layer) counts, named as in docs/method.md.
 
 Per (token, layer) with actual set A and prefetch set P:
 recall = sum |P ∩ A| / sum |A| (the paper's "prediction accuracy", also the
@@ -82,7 +82,7 @@ def scope_tokens(trace: RoutingTrace) -> np.ndarray:
 
 
 def scope_layers(trace: RoutingTrace) -> np.ndarray:
-    """[L] bool: layers 1..L-1 (layer 0 has no earlier layer to predict from), SPEC.md."""
+    """[L] bool: layers 1..L-1 (layer 0 has no earlier layer to predict from), docs/method.md."""
     layers = np.ones(trace.num_layers, dtype=bool)
     if trace.num_layers > 1:
         layers[0] = False

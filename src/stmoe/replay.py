@@ -1,6 +1,6 @@
 """Replay evaluation: run predictors over a trace and measure them (pure: no I/O).
 
-Order (SPEC.md): tokens one at a time in trace order, prefill included, so online
+Order (docs/method.md): tokens one at a time in trace order, prefill included, so online
 tables learn from the prompt too; within a token, layer by layer. Headline
 figures cover decode tokens (when the trace marks them) at layers 1..L-1.
 """

@@ -47,7 +47,7 @@ def spatial(trace: RoutingTrace) -> dict[str, Any]:
 def temporal(trace: RoutingTrace) -> dict[str, Any]:
     """Consecutive-token overlap per layer against random routing, and reuse distances."""
     k, n = trace.top_k, trace.num_experts
-    expected = k * k / n  # SPEC.md: E[overlap] = K^2 / N for random top-K routing
+    expected = k * k / n  # docs/method.md: E[overlap] = K^2 / N for random top-K routing
     overlap = consecutive_overlap(trace)  # [P, L]
     load = expert_load(trace)
     share = load / max(trace.num_tokens, 1)  # P(expert chosen) per layer

@@ -1,4 +1,4 @@
-"""The statistics behind ST-MoE's two observations (SPEC.md), pure numpy/scipy.
+"""The statistics behind ST-MoE's two observations (docs/method.md), pure numpy/scipy.
 
 Spatial: is the expert set at layer l+1 independent of the set at layer l?
 Temporal: do consecutive tokens share more experts than random routing would?
@@ -15,7 +15,7 @@ from scipy.spatial.distance import jensenshannon
 
 from stmoe.trace.schema import RoutingTrace
 
-ALPHA = 0.01  # significance level of the independence tests (SPEC.md: p < 0.01)
+ALPHA = 0.01  # significance level of the independence tests (docs/method.md: p < 0.01)
 MIN_EXPECTED = 5.0  # every expected count of the pooled table at least this (Cochran, strict)
 
 

@@ -1,4 +1,4 @@
-"""The ``stmoe`` command line: thin commands over the library (DESIGN.md principle 14).
+"""The ``stmoe`` command line: thin commands over the library (docs/architecture.md).
 
 Each command parses its options, calls one library function, and prints or
 saves. Bad input exits 1 with one line naming the file and position; usage

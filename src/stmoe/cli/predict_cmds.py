@@ -61,7 +61,7 @@ def profile_cmd(
         typer.Option(help="Also keep tables of each domain (needed by stmoe-mix)."),
     ] = False,
 ) -> None:
-    """Build ST-MoE's tables from routing traces (SPEC.md Algorithm 1).
+    """Build ST-MoE's tables from routing traces (docs/method.md Algorithm 1).
 
     Counts which experts of layer l+1 follow each expert of layer l and keeps the
     most frequent as the cross-layer correlation table, plus per-layer expert
@@ -149,7 +149,7 @@ def eval_cmd(
     """Replay predictors over a trace and compare them side by side.
 
     Reports recall (the paper's prediction accuracy), precision and mean prefetch
-    set size over decode tokens at layers 1..L-1 (SPEC.md), plus per layer, per
+    set size over decode tokens at layers 1..L-1 (docs/method.md), plus per layer, per
     domain, decode vs prefill and a recall-versus-budget curve in the JSON; with
     --capacity, a cache replay's hit rate, experts moved per token, wasted loads
     and read amplification.

@@ -1,7 +1,7 @@
 """The field's baselines, behind the same interface as ST-MoE.
 
 - ``ondemand``: prefetch nothing; every expert loads when the router asks.
-- ``previous-token``, ``cct-static``, ``cct-online``: ST-MoE's ablations (SPEC.md:
+- ``previous-token``, ``cct-static``, ``cct-online``: ST-MoE's ablations (docs/method.md:
   HT-only uses threshold = w_ht).
 - ``frequency``: the B experts each layer used most during profiling.
 - ``random``: B experts drawn uniformly per (token, layer), seeded.

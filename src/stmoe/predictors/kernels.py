@@ -5,7 +5,7 @@ sequential loop over T x L steps with a few dozen operations each; numpy cannot
 vectorise it across tokens, and a Python loop runs ~20x below the replay target.
 The same jitted ``predict_next`` / ``update_row`` serve both the one-step path
 (the runtime's ``Predictor.step``) and the whole-trace replay kernel, so the two
-paths run one implementation of SPEC.md's algorithms.
+paths run one implementation of docs/method.md's algorithms.
 
 Conventions: expert ids are int16 with ``-1`` for an empty slot; CCT rows are
 ``ids[N, R]`` (int16) and ``conf[N, R]`` (int8, 0..3); scratch arrays are passed in
@@ -19,8 +19,8 @@ import numpy as np
 from stmoe._numba import njit
 
 EMPTY = -1
-CONF_MAX = 3  # 2-bit saturating counter: 0b11, strongly taken (SPEC.md)
-CONF_NEW = 2  # new candidates start weakly taken, 0b10 (SPEC.md, Algorithms 1 and 3)
+CONF_MAX = 3  # 2-bit saturating counter: 0b11, strongly taken (docs/method.md)
+CONF_NEW = 2  # new candidates start weakly taken, 0b10 (docs/method.md, Algorithms 1 and 3)
 
 
 @njit(cache=True)
@@ -158,7 +158,7 @@ def plan_trace(
     budget,
     num_experts,
 ):  # pragma: no cover - compiled
-    """Replay a whole trace in SPEC.md's order; return the ranked prefetch set of every
+    """Replay a whole trace in docs/method.md's order; return the ranked prefetch set of every
     (token, layer) as CSR arrays ``ptr [T*L+1]``, ``ids [M]``.
 
     Per token: for each layer l, predict l's set (layer 0 from HT[0] alone), then

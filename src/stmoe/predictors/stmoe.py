@@ -1,6 +1,6 @@
 """ST-MoE: the cross-layer correlation table (CCT) plus the history table (HT).
 
-Implements SPEC.md's Algorithms 2 (predict) and 3 (online update) over tables
+Implements docs/method.md's Algorithms 2 (predict) and 3 (online update) over tables
 from Algorithm 1 (``tables.profile``). The same class, configured, gives the
 ablation baselines: HT only (previous-token), CCT only (static or online).
 """
@@ -21,13 +21,13 @@ from stmoe.trace.schema import RoutingTrace
 
 @dataclass(frozen=True)
 class STMoEConfig:
-    """Every knob SPEC.md lists for ST-MoE; defaults are SPEC's."""
+    """Every knob docs/method.md lists for ST-MoE; defaults are the paper's."""
 
     use_cct: bool = True  # spatial signal: CCT rows of the experts chosen at l
     use_ht: bool = True  # temporal signal: the previous token's experts at l+1
     online: bool = True  # Algorithm 3 updates after every token (False: static tables)
-    w_ht: float = 1.0  # score each HT expert adds (SPEC default 1)
-    threshold: float = 2.0  # prefetch f when score[f] >= threshold (SPEC default 2)
+    w_ht: float = 1.0  # score each HT expert adds (the paper's default 1)
+    threshold: float = 2.0  # prefetch f when score[f] >= threshold (the paper's default 2)
     layer0: Literal["ht", "none"] = "ht"  # layer 0 prefetches all of HT[0], or nothing
     budget: int = 0  # at most this many experts, highest score first; 0 = no cap
 
@@ -42,7 +42,7 @@ class STMoEConfig:
 
 @register
 class STMoEPredictor(Predictor):
-    """CCT + HT prediction with 2-bit online updates (SPEC.md Algorithms 2 and 3)."""
+    """CCT + HT prediction with 2-bit online updates (docs/method.md Algorithms 2 and 3)."""
 
     name = "stmoe"
     config_class = STMoEConfig
@@ -119,7 +119,7 @@ class STMoEPredictor(Predictor):
                 self.cct_ids[layer - 1], self.cct_conf[layer - 1], cur[layer - 1], cur[layer],
                 self._scratch[2],
             )  # fmt: skip
-        if layer == self.shape.num_layers - 1:  # token done: HT := its experts (SPEC.md)
+        if layer == self.shape.num_layers - 1:  # token done: HT := its experts (docs/method.md)
             self._history[slot] = cur.copy()
             super().reset(slot)
 

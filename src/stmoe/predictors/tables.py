@@ -1,4 +1,4 @@
-"""Profiled tables: SPEC.md's Algorithm 1, and the one file they live in.
+"""Profiled tables: docs/method.md's Algorithm 1, and the one file they live in.
 
 ``profile(traces)`` counts, for every adjacent layer pair (l, l+1), how often
 expert e at l co-occurs with expert f at l+1 in the same token, and keeps for each

@@ -1,6 +1,6 @@
 """What the runtime measures, per phase (prefill / decode) and per MoE layer.
 
-Vocabulary as in SPEC.md: for every (forward call, layer), A is the set of
+Vocabulary as in docs/method.md: for every (forward call, layer), A is the set of
 experts the router picked (over the whole batch) and P the prefetch set issued
 for it; a *hit* is an expert of A already in the cache or on its way when the
 layer asks, a *miss* one the compute thread had to load itself.

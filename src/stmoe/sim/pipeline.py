@@ -1,4 +1,4 @@
-"""The per-layer timing model of SPEC.md's pipeline, compiled (numba).
+"""The per-layer timing model of docs/method.md's pipeline, compiled (numba).
 
 One *step* is one token of each of B sequences decoding together (B = 1: one
 token). For every step and MoE layer l, on two resources, the compute unit and
@@ -100,7 +100,7 @@ def simulate_steps(
     for s in range(step_ptr.shape[0] - 1):
         toks = step_tok[step_ptr[s] : step_ptr[s + 1]]
         b = toks.shape[0]
-        # Layer 0's prefetch is issued when the step starts (HT[0], SPEC.md).
+        # Layer 0's prefetch is issued when the step starts (HT[0], docs/method.md).
         issue = t_c + (params[P_EPU] if use_predictor else 0.0)
         out[C_EPU] += params[P_EPU] if use_predictor else 0.0
         free_before = link_free

@@ -1,6 +1,6 @@
 """``simulate``: every requested system on one trace, model and hardware, as JSON-ready data.
 
-Also the ablation (SPEC.md: static dataflow, dynamic dataflow, + temporal HT,
+Also the ablation (docs/method.md: static dataflow, dynamic dataflow, + temporal HT,
 + spatial CCT), the EPU's storage and area estimate, and parameter sweeps.
 """
 

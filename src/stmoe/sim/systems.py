@@ -32,7 +32,7 @@ from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
 from stmoe.trace.schema import RoutingTrace
 
 PAPER_SYSTEMS = ("gpu-baseline", "adap-gating", "pregated", "stmoe", "oracle")
-ABLATION = (  # SPEC.md: dataflow -> + temporal HT -> + spatial CCT
+ABLATION = (  # docs/method.md: dataflow -> + temporal HT -> + spatial CCT
     ("static dataflow", "gpu-baseline"),
     ("dynamic dataflow", "ondemand"),
     ("+ temporal (HT)", "previous-token"),
@@ -91,7 +91,7 @@ def kernel_params(model: ModelSpec, hw: HardwareSpec, use_predictor_row_width: i
     p[pl.P_ROUTER] = hw.router_macs_per_cycle * hw.clock_hz
     p[pl.P_BW] = hw.link_bytes_per_s
     p[pl.P_LAT] = hw.link_latency_s
-    candidates = model.top_k * use_predictor_row_width + model.top_k  # CCT rows + HT (SPEC.md)
+    candidates = model.top_k * use_predictor_row_width + model.top_k  # CCT rows + HT
     p[pl.P_EPU] = (hw.epu_fixed_cycles + hw.epu_cycles_per_candidate * candidates) / hw.clock_hz
     p[pl.P_VERIFY] = hw.verify_cycles / hw.clock_hz
     p[pl.P_EMU] = hw.emu_stages_per_group * np.log2(max(hw.pe_groups, 1)) / hw.clock_hz
@@ -188,7 +188,7 @@ def run_system(
 def energy(c: dict[str, float], model: ModelSpec, hw: HardwareSpec) -> dict[str, float]:
     """Joules by part: MACs, on-chip SRAM, off-chip DRAM, link, EPU lookups, static.
 
-    An EPU lookup reads K CCT rows plus the HT entry (SPEC.md) from its SRAM.
+    An EPU lookup reads K CCT rows plus the HT entry (docs/method.md) from its SRAM.
     """
     pj = 1e-12
     moved = c["loaded"] * model.expert_bytes

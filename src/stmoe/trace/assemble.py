@@ -27,7 +27,7 @@ def layer_numbering(layer_ids: Iterable[int]) -> tuple[dict[int, int], dict[str,
 def order_by_weight(experts: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """Put each routing's slots in router rank order (highest gate weight first).
 
-    SPEC.md defines a trace's slot order as router rank order; some tracers write
+    docs/method.md defines a trace's slot order as router rank order; some tracers write
     ascending weights. The sort is stable, so equal weights keep their file order.
     Returns the reordered arrays and how many routings changed.
     """

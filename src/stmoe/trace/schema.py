@@ -1,6 +1,6 @@
 """The routing trace: what every other part of stmoe reads.
 
-Axes, named once for the whole project (DESIGN.md principle 7):
+Axes, named once for the whole project (docs/architecture.md):
 
     T  tokens, all sequences laid end to end in trace order
     L  MoE layers, 0..L-1 in model order (dense layers are not counted)

@@ -14,7 +14,7 @@ The generator has the two structures ST-MoE relies on, each with one knob:
   experts at the same layer is kept with this probability.
 
 With ``skew = 0`` the prior is uniform, so ``spatial = temporal = 0`` gives
-independent uniform top-K routing (the null model of SPEC.md: consecutive-token
+independent uniform top-K routing (the null model of docs/method.md: consecutive-token
 overlap K^2/N).
 """
 
