@@ -78,7 +78,8 @@ def test_report_with_domains(cli, tmp_path):
     trace = tmp_path / "s.npz"
     cli("synth", "-o", trace, "--tokens", "1200", "--layers", "4", "--experts", "16",
         "--top-k", "2", "--sequences", "6", "--domains", "3")  # fmt: skip
-    result = cli("analyze", trace, "-o", tmp_path / "rep", "--json")
+    rep = tmp_path / "rep"
+    result = cli("analyze", trace, "-o", rep, "--json", rep / "analysis.json")
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "rep" / "analysis.json").read_text())
     assert set(data["domains"]["per_domain"]) == {"synth-0", "synth-1", "synth-2"}
@@ -90,7 +91,7 @@ def test_report_with_domains(cli, tmp_path):
 @needs_shared
 def test_report_on_the_real_sample(cli, tmp_path):
     out = tmp_path / "rep"
-    result = cli("analyze", REAL_ROUTES, "-o", out, "--json")
+    result = cli("analyze", REAL_ROUTES, "-o", out, "--json", out / "analysis.json")
     assert result.exit_code == 0, result.output
     data = json.loads((out / "analysis.json").read_text())
     assert data["spatial"]["pairs_total"] == 39

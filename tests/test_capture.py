@@ -133,7 +133,7 @@ def test_capture_command_end_to_end(cli, tmp_path, checkpoint):
     result = cli("capture", "--model", checkpoint, "--prompts", prompts, "--domain", "prose",
                  "--max-new-tokens", "4", "--batch-size", "2", "-o", out)  # fmt: skip
     assert result.exit_code == 0, result.output
-    info = json.loads(cli("info", out, "--json").stdout)
+    info = json.loads(cli("info", out, "--json", "-").stdout)
     assert info["sequences"] == 2 and info["decode_tokens"] <= 8 and info["layers"] == 3
     assert set(info["domains"]) == {"code", "prose"}
 

@@ -66,7 +66,7 @@ def test_synth_then_info_json_has_the_contract_keys(cli, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "SYNTHETIC" in result.output
-    result = cli("info", path, "--json")
+    result = cli("info", path, "--json", "-")
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
     assert {k: info[k] for k in ("tokens", "layers", "top_k", "num_experts", "sequences")} == {
@@ -103,7 +103,7 @@ def test_import_real_routes_matches_the_npz_sample(cli, tmp_path):
     assert np.array_equal(a.is_decode, b.is_decode)
     assert np.array_equal(a.seq_starts, b.seq_starts)
     assert a.domains == ("chat",)
-    info = json.loads(cli("info", out, "--json").stdout)
+    info = json.loads(cli("info", out, "--json", "-").stdout)
     assert (info["tokens"], info["decode_tokens"], info["layers"], info["top_k"]) == (
         164,
         128,

@@ -8,6 +8,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import typer
@@ -63,6 +64,24 @@ def print_json(data: Any) -> None:
     """Machine-readable output: stdout carries the JSON and nothing else."""
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
     sys.stdout.flush()
+
+
+# One convention for every command: --json PATH writes the results there; '-' prints
+# them on stdout instead of the human-readable output (which then goes nowhere).
+JSON_HELP = "Write the results as JSON to this file ('-': print them on stdout instead)."
+
+
+def write_json(data: Any, dest: Path | None) -> bool:
+    """Honour ``--json``: True when the JSON went to stdout (print nothing else)."""
+    if dest is None:
+        return False
+    if str(dest) == "-":
+        print_json(data)
+        return True
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(data, indent=2) + "\n")
+    out.print(f"wrote {escape(str(dest))}")
+    return False
 
 
 def key_value_table(title: str, rows: list[tuple[str, Any]]) -> Table:

@@ -7,15 +7,13 @@ from typing import Annotated
 
 import typer
 
-from stmoe.cli._common import out
+from stmoe.cli._common import JSON_HELP, out, write_json
 
 
 def analyze_cmd(
     traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help="Traces of one model.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the report.")],
-    json_out: Annotated[
-        bool, typer.Option("--json", help="Also write the figures as DIR/analysis.json.")
-    ] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help=JSON_HELP)] = None,
 ) -> None:
     """Test and plot the correlations ST-MoE relies on, on your own routing.
 
@@ -29,7 +27,9 @@ def analyze_cmd(
     from stmoe.trace import import_files
 
     trace = import_files(traces)
-    data = write_report(trace, output, with_json=json_out)
+    data = write_report(trace, output)
+    if write_json(data, json_out):
+        return
     s, t = data["spatial"], data["temporal"]
     synthetic = " [SYNTHETIC]" if trace.meta.synthetic else ""
     out.print(
@@ -37,5 +37,4 @@ def analyze_cmd(
         f"reject independence (p < {s['alpha']}); consecutive-token overlap "
         f"{t['overlap_ratio']:.2f}x random"
     )
-    out.print(f"wrote {output / 'report.html'} and {output / 'report.md'}"
-              + (f" and {output / 'analysis.json'}" if json_out else ""))  # fmt: skip
+    out.print(f"wrote {output / 'report.html'} and {output / 'report.md'}")

@@ -10,7 +10,7 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from stmoe.cli._common import key_value_table, out, print_json
+from stmoe.cli._common import JSON_HELP, key_value_table, out, write_json
 from stmoe.trace import (
     FORMATS,
     SynthSpec,
@@ -80,7 +80,7 @@ def import_traces(
 
 def info(
     trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="Any supported trace file.")],
-    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help=JSON_HELP)] = None,
 ) -> None:
     """Describe a trace: model, shape, sequences, domains and expert load balance.
 
@@ -89,8 +89,7 @@ def info(
     balance (max/mean tokens per expert). --json keys are a stable contract.
     """
     summary = summarize(load_trace(trace_path, mmap=True))
-    if json_out:
-        print_json(summary)
+    if write_json(summary, json_out):
         return
     balance = np.asarray(summary["load_balance_max_over_mean"])
     rows = [
