@@ -47,7 +47,7 @@ def matched(ev: stmoe.RoutingTrace, name: str, tables, size: float, **knobs):  #
     shape = ModelShape.of(ev)
     budget = size
     for _ in range(6):
-        r = evaluate(ev, make(name, shape, tables, budget=budget, adaptive=True, **knobs)).overall
+        r = evaluate(ev, make(name, shape, tables, set_size=budget, adaptive=True, **knobs)).overall
         if abs(r.set_size - size) < 0.01:
             break
         budget = min(budget * size / r.set_size, float(ev.num_experts))
@@ -58,7 +58,7 @@ def compare(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, float
     tables = profile(prof)
     shape = ModelShape.of(ev)
     st = evaluate(ev, make("stmoe", shape, tables)).overall
-    plus = evaluate(ev, make("stmoe-plus", shape, tables, budget=st.set_size)).overall
+    plus = evaluate(ev, make("stmoe-plus", shape, tables, set_size=st.set_size)).overall
     adaptive = matched(ev, "stmoe-plus", tables, st.set_size)
     out = {"stmoe": st.recall, "size": st.set_size, "plus": plus.recall,
            "plus_size": plus.set_size, "plus_adaptive": adaptive.recall,
@@ -67,9 +67,9 @@ def compare(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, float
     for point, present in (("late", ev.lookahead_late), ("early", ev.lookahead)):
         if present is None:
             continue
-        hy = evaluate(ev, make("hybrid", shape, tables, budget=1.5 * k, lookahead=point)).overall
+        hy = evaluate(ev, make("hybrid", shape, tables, set_size=1.5 * k, lookahead=point)).overall
         hy_ad = matched(ev, "hybrid", tables, 1.5 * k, lookahead=point)
-        look = evaluate(ev, make("gate-lookahead", shape, None, budget=round(1.5 * k),
+        look = evaluate(ev, make("gate-lookahead", shape, None, set_size=round(1.5 * k),
                                  lookahead=point)).overall  # fmt: skip
         out.update({f"hybrid_{point}": hy.recall, "hybrid_size": hy.set_size,
                     f"hybrid_adaptive_{point}": hy_ad.recall,
@@ -111,7 +111,8 @@ def heldout_prompts(tok, per_domain: int = 16, tokens: int = 48) -> list:  # typ
 
 def own_model_trace(demo_prompts: bool = False) -> stmoe.RoutingTrace:
     from stmoe.capture_generate import capture_text, load_model
-    from stmoe.demo import DEMO_PROMPTS, SHIPPED_MODEL
+    from stmoe.demo import DEMO_PROMPTS
+    from stmoe.models import SHIPPED_MODEL
 
     model, tok = load_model(SHIPPED_MODEL)
     prompts = list(DEMO_PROMPTS) if demo_prompts else heldout_prompts(tok)
@@ -149,7 +150,7 @@ def curves_of(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, dic
         names += ["hybrid", "gate-lookahead"]
     out = {}
     for name in names:
-        opts = {"budget": budget} if name in SIZED_PREDICTORS else {}
+        opts = {"set_size": budget} if name in SIZED_PREDICTORS else {}
         out[name] = evaluate(ev, make(name, shape, tables, **opts)).curve()
     return out
 
@@ -161,15 +162,15 @@ def mixed_stream(trace: stmoe.RoutingTrace, halves: dict) -> None:
     tables = profile(prof, by_domain=True)
     shape = ModelShape.of(ev)
     budget = 1.5 * ev.top_k
-    rec = [evaluate(ev, make("stmoe-plus", shape, tables, horizon=h, budget=budget)).overall
+    rec = [evaluate(ev, make("stmoe-plus", shape, tables, horizon=h, set_size=budget)).overall
            for h in (1, 2, 3)]  # fmt: skip
     print(f"own model, mixed stream, budget {budget:g}: stmoe-plus recall at horizon 1/2/3 = "
           + " / ".join(f"{r.recall:.3f}" for r in rec))  # fmt: skip
     st = evaluate(ev, make("stmoe", shape, tables)).overall
     size = st.set_size
-    plus = evaluate(ev, make("stmoe-plus", shape, tables, budget=size)).overall
-    mix = evaluate(ev, make("stmoe-mix", shape, tables, budget=size)).overall
-    members = [evaluate(ev, make("stmoe-plus", shape, t, budget=size)).overall.recall
+    plus = evaluate(ev, make("stmoe-plus", shape, tables, set_size=size)).overall
+    mix = evaluate(ev, make("stmoe-mix", shape, tables, set_size=size)).overall
+    members = [evaluate(ev, make("stmoe-plus", shape, t, set_size=size)).overall.recall
                for t in tables.per_domain.values()]  # fmt: skip
     print(f"own model, mixed stream, at ST-MoE's {size:.2f} experts: ST-MoE {st.recall:.3f}, "
           f"stmoe-plus (all-domain tables) {plus.recall:.3f}, stmoe-mix {mix.recall:.3f}, "

@@ -38,16 +38,11 @@ from typing import Any
 import torch
 
 from stmoe.capture_generate import load_model
-from stmoe.demo import SHIPPED_MODEL
+from stmoe.models import SHIPPED_MODEL, SHIPPED_TABLES
 from stmoe.predictors import load_tables
-from stmoe.runtime.api import (
-    COMPARED_SYSTEMS,
-    SHIPPED_TABLES,
-    OffloadedModel,
-    compared_predictor,
-    ensure_store,
-    offload,
-)
+from stmoe.runtime.api import OffloadedModel, offload
+from stmoe.runtime.store import ensure_store
+from stmoe.runtime.systems import COMPARED_SYSTEMS, compared_predictor
 
 PROMPTS = (
     "class Stack:\n    def __init__(self):\n",
@@ -130,7 +125,7 @@ def main() -> None:
     tables = load_tables(SHIPPED_MODEL / SHIPPED_TABLES)
     systems = dict(COMPARED_SYSTEMS)
     for name in args.extra:
-        systems[name] = (name, "predicted")
+        systems[name] = (name, "lru")
     report: dict[str, Any] = {"bandwidth": args.bandwidth, "latency": args.latency,
                               "tokens": args.tokens, "threads": args.threads,
                               "prompts": list(PROMPTS), "tiers": {}}  # fmt: skip

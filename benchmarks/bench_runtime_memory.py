@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from stmoe.demo import SHIPPED_MODEL
+from stmoe.models import SHIPPED_MODEL
 from stmoe.runtime.api import offload
 from stmoe.runtime.memory import MemoryProbe, rss_bytes
 

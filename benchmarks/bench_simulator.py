@@ -16,7 +16,7 @@ import time
 import stmoe
 from stmoe.predictors import profile
 from stmoe.sim.specs import load_hardware, load_model
-from stmoe.sim.systems import PAPER_SYSTEMS, run_system
+from stmoe.sim.systems import PAPER_SYSTEMS, RunOptions, run_system
 
 TARGET_S = 10.0
 
@@ -31,12 +31,12 @@ def main() -> None:
     tables = profile(trace)
     small = stmoe.select_sequences(trace, [0])
     for name in PAPER_SYSTEMS:  # compile once
-        run_system(name, small, model, hw, tables=tables)
+        run_system(name, small, model, hw, RunOptions(tables=tables))
     print(f"SYNTHETIC trace: {trace.num_tokens} tokens x {trace.num_layers} layers "
           f"({int(trace.is_decode.sum())} decode), {model.name} on {hw.name}")  # fmt: skip
     for name in PAPER_SYSTEMS:
         start = time.perf_counter()
-        result = run_system(name, trace, model, hw, tables=tables)
+        result = run_system(name, trace, model, hw, RunOptions(tables=tables))
         elapsed = time.perf_counter() - start
         verdict = "PASS" if elapsed <= TARGET_S else "FAIL"
         print(f"{name:13s} {elapsed:6.2f} s ({elapsed / TARGET_S:.2f} of the {TARGET_S:.0f} s "

@@ -10,8 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stmoe.capture import RoutingRecorder, experts_modules  # noqa: E402
+from stmoe.capture import RoutingRecorder  # noqa: E402
 from stmoe.capture_generate import capture_generation  # noqa: E402
+from stmoe.model_introspect import experts_modules  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
@@ -162,7 +163,7 @@ def test_capture_records_the_gate_lookahead(family):
 
 def test_the_lookahead_of_the_trained_model_foresees_most_of_the_next_layers_picks():
     from stmoe.capture_generate import DEFAULT_PROMPTS, capture_text, load_model
-    from stmoe.demo import SHIPPED_MODEL
+    from stmoe.models import SHIPPED_MODEL
 
     model, tok = load_model(SHIPPED_MODEL)
     trace = capture_text(model, tok, list(DEFAULT_PROMPTS[:2]), max_new_tokens=16)
@@ -182,7 +183,7 @@ def test_the_lookahead_of_the_trained_model_foresees_most_of_the_next_layers_pic
 def test_the_late_lookahead_uses_the_norm_that_feeds_the_moe_block():
     import transformers
 
-    from stmoe.capture import late_points
+    from stmoe.model_introspect import late_points
     from tiny_moe import COMMON
 
     model, _ = tiny_model("qwen3_moe")  # pre-norm: post_attention_layernorm feeds the MoE

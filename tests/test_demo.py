@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stmoe.demo import SHIPPED_MODEL
+from stmoe.models import SHIPPED_MODEL
 
 
 def test_shipped_model_loads_with_plain_transformers():

@@ -143,7 +143,7 @@ def test_cross_domain_survives_a_domain_too_small_to_split():
     tiny = stmoe.RoutingTrace(big.experts[:1], np.array([0]), np.array([True]), big.meta,
                               domains=("tiny",))  # fmt: skip
     joined = stmoe.concat([big, tiny], drop_partial=True)  # tiny has no gate weights
-    m = cross_domain_matrix(joined, "stmoe", budget=2)
+    m = cross_domain_matrix(joined, "stmoe", max_set_size=2)
     assert m["profiled_on"] == ["unlabelled", "tiny"]
     assert m["recall"][0][0] is not None and m["recall"][1] == [None, None]
     assert m["recall"][0][1] is None

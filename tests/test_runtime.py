@@ -10,11 +10,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stmoe.capture import experts_modules  # noqa: E402
 from stmoe.capture_generate import capture_generation  # noqa: E402
-from stmoe.predictors.tables import profile, save_tables  # noqa: E402
-from stmoe.runtime.api import offload, resolve_capacity  # noqa: E402
+from stmoe.model_introspect import experts_modules  # noqa: E402
+from stmoe.predictors import profile, save_tables  # noqa: E402
+from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.cache import READY, LayerCache, ParamSpec  # noqa: E402
+from stmoe.runtime.options import resolve_capacity  # noqa: E402
 from stmoe.runtime.store import StoreError, pack  # noqa: E402
 from stmoe.runtime.tiers import parse_bytes, parse_seconds  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
@@ -300,7 +301,7 @@ def test_a_slow_link_drops_stale_prefetches_and_still_matches(tmp_path):
 
 def test_shipped_model_offloaded_with_its_shipped_tables_matches_plain_generation():
     from stmoe.capture_generate import load_model
-    from stmoe.demo import SHIPPED_MODEL
+    from stmoe.models import SHIPPED_MODEL
 
     model, tok = load_model(SHIPPED_MODEL)
     ids = tok("def mean(values):\n", return_tensors="pt").input_ids

@@ -14,7 +14,7 @@ import stmoe
 from stmoe.predictors import names_for, profile
 from stmoe.sim.simulate import simulate
 from stmoe.sim.specs import SpecError, load_hardware, load_model, preset_names
-from stmoe.sim.systems import run_system
+from stmoe.sim.systems import RunOptions, run_system
 
 MODEL = dataclasses.replace(load_model("olmoe-1b-7b"), layers=4, num_experts=16, top_k=2)
 ASIC = load_hardware("stmoe-asic")
@@ -48,7 +48,7 @@ def test_every_expert_resident_costs_compute_alone():
     trace = trace_for()
     hw = dataclasses.replace(ASIC, cache_experts_per_layer=MODEL.num_experts)
     for system in ("oracle", "ondemand", "stmoe"):
-        r = run_system(system, trace, MODEL, hw, tables=profile(trace), warm=True)
+        r = run_system(system, trace, MODEL, hw, RunOptions(tables=profile(trace), warm=True))
         assert r.counters["stall"] == pytest.approx(0.0, abs=1e-15)
         assert r.counters["loaded"] == 0
         assert r.time == pytest.approx(per_token_compute(trace, MODEL, hw, best_util(hw)), rel=1e-9)
@@ -69,8 +69,8 @@ def test_batch_one_equals_the_single_token_model():
 def test_prediction_off_equals_on_demand():
     trace = trace_for()
     tables = profile(trace)
-    silent = run_system("stmoe", trace, MODEL, ASIC, tables=tables,
-                        predictor_options={"threshold": 1e9, "layer0": "none"})  # fmt: skip
+    silent = run_system("stmoe", trace, MODEL, ASIC, RunOptions(
+        tables=tables, predictor_options={"threshold": 1e9, "layer0": "none"}))  # fmt: skip
     ondemand = run_system("ondemand", trace, MODEL, ASIC)
     assert silent.counters["prefetched"] == 0
     assert silent.time == ondemand.time
@@ -92,12 +92,13 @@ def test_the_oracle_is_never_slower_than_any_predictor(seed, spatial, temporal):
     tables = profile(trace)
     oracle = run_system("oracle", trace, MODEL, ASIC).time
     for name in names_for(trace):
-        assert oracle <= run_system(name, trace, MODEL, ASIC, tables=tables, seed=seed).time + 1e-12
+        assert oracle <= run_system(name, trace, MODEL, ASIC,
+                                     RunOptions(tables=tables, seed=seed)).time + 1e-12  # fmt: skip
 
 
 def test_adaptive_gating_is_lossy_and_says_so():
     trace = trace_for()
-    r = run_system("adap-gating", trace, MODEL, ASIC, adap_threshold=0.5)
+    r = run_system("adap-gating", trace, MODEL, ASIC, RunOptions(adap_threshold=0.5))
     assert 1 <= r.quality["experts_per_token_layer"] <= MODEL.top_k
     assert 0 < r.quality["dropped_gate_mass"] < 1
     with pytest.raises(SpecError, match="needs gate weights"):
@@ -113,8 +114,8 @@ def test_perfect_pregate_hits_everything_after_layer_zero():
 
 def test_batches_union_their_experts():
     trace = trace_for(tokens=400, sequences=4)
-    one = run_system("gpu-baseline", trace, MODEL, ASIC, batch=1)
-    four = run_system("gpu-baseline", trace, MODEL, ASIC, batch=4)
+    one = run_system("gpu-baseline", trace, MODEL, ASIC, RunOptions(batch=1))
+    four = run_system("gpu-baseline", trace, MODEL, ASIC, RunOptions(batch=4))
     assert four.counters["loaded"] < one.counters["loaded"]  # shared experts load once per step
     assert four.time < one.time
 
@@ -168,5 +169,5 @@ def test_prefetches_that_arrive_too_late_cost_nothing():
 
 def test_a_pregate_that_is_always_wrong_never_hits():
     trace = trace_for()
-    r = run_system("pregated", trace, MODEL, ASIC, pregate_accuracy=0.0)
+    r = run_system("pregated", trace, MODEL, ASIC, RunOptions(pregate_accuracy=0.0))
     assert r.counters["predicted_hits"] == 0 and r.counters["wasted"] > 0

@@ -50,7 +50,7 @@ def test_spec_worked_example_prefetches_12_and_3():
     q.update(1, np.array([12, 3]))
     assert q.step(0, np.array([7, 21])).tolist() == [12, 3, 45]
     # A budget of 1 keeps the highest score.
-    r = STMoEPredictor(tables.shape, tables, online=False, budget=1)
+    r = STMoEPredictor(tables.shape, tables, online=False, max_set_size=1)
     r.update(0, np.array([12, 3]))
     r.update(1, np.array([12, 3]))
     assert r.step(0, np.array([7, 21])).tolist() == [12]
@@ -195,13 +195,13 @@ def test_bad_settings_and_shapes_are_clear_errors():
 def test_batch_union_respects_the_budget():
     trace = stmoe.synthesize(tokens=200, layers=3, experts=16, top_k=2, sequences=2, seed=7)
     tables = profile(trace)
-    p = STMoEPredictor(tables.shape, tables, budget=1, online=False)
+    p = STMoEPredictor(tables.shape, tables, max_set_size=1, online=False)
     for slot, t in ((0, 0), (1, 100)):
         for layer in range(3):
             p.update(layer, trace.experts[t, layer], slot)
         p.update(0, trace.experts[t + 1, 0], slot)
     assert len(p.predict_batch(1, [0, 1])) <= 1
-    assert len(p.predict_batch(1, [0, 1], budget=0)) >= len(p.predict(1, 0))
+    assert len(p.predict_batch(1, [0, 1], max_size=0)) >= len(p.predict(1, 0))
 
 
 def test_corrupt_tables_are_refused_before_the_kernels_see_them(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stmoe.capture import experts_modules  # noqa: E402
+from stmoe.model_introspect import experts_modules  # noqa: E402
 from stmoe.runtime.store import ALIGN, ExpertStore, StoreError, pack  # noqa: E402
 from tiny_moe import tiny_model  # noqa: E402
 
@@ -59,7 +59,7 @@ def test_damage_and_mismatch_are_clear_errors(packed, tmp_path):
 
 
 def test_pack_command(cli, tmp_path):
-    from stmoe.demo import SHIPPED_MODEL
+    from stmoe.models import SHIPPED_MODEL
 
     result = cli("pack", SHIPPED_MODEL, "-o", tmp_path / "store")
     assert result.exit_code == 0, result.output

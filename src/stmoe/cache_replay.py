@@ -8,11 +8,10 @@ Each MoE layer has its own cache of ``capacity`` experts. At every (token, layer
 2. the router's experts are demanded: resident ones are hits; the others are
    misses, loaded on demand, never evicting another expert of the same demand.
 
-Eviction picks a victim among the residents: ``lru`` (least recently used or
-loaded), ``lfu`` (fewest demands, then least recent) or ``belady`` (next demanded
-farthest in the future at that layer; it also declines a prefetch needed no
-sooner than its victim, which makes it the offline bound on hits for the same
-prefetch stream). Ties go to the smaller expert id.
+Eviction picks a victim among the unprotected residents with a policy of
+``stmoe.cache_policy`` (``lru``, ``lfu`` or ``belady``; the names and their rules
+are documented there). Every (token, layer) is one use stamp: its prefetched and
+demanded experts share it, and ties go to the smaller expert id.
 
 A load is *useful* once the router demands it while resident, *wasted* if it is
 evicted (or the trace ends) first. Counters cover the tokens in ``count_mask``
@@ -26,12 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stmoe import cache_policy as cp
 from stmoe._numba import njit
 from stmoe.predictors.base import PredictorError, PrefetchPlan
 from stmoe.trace.schema import RoutingTrace
 
-POLICIES = ("lru", "lfu", "belady")
-_NEVER = np.iinfo(np.int64).max
+POLICIES = cp.names_for(cp.REPLAY)  # the policy names a replay accepts
 
 
 @dataclass(frozen=True)
@@ -90,8 +89,7 @@ def replay_cache(
     count_mask: np.ndarray | None = None,
 ) -> CacheStats:
     """Run the per-layer caches over ``trace`` with ``plan``'s prefetches."""
-    if policy not in POLICIES:
-        raise PredictorError(f"unknown cache policy {policy!r}; choose from {', '.join(POLICIES)}")
+    code = cp.policy_code(policy, cp.REPLAY, PredictorError)
     if capacity < trace.top_k:
         raise PredictorError(
             f"cache capacity {capacity} is below top-k {trace.top_k}: one token's experts "
@@ -100,14 +98,14 @@ def replay_cache(
     if count_mask is None:
         count_mask = np.ones(trace.num_tokens, dtype=bool)
     experts = np.ascontiguousarray(trace.experts, dtype=np.int16)
-    occ_ptr, occ = _occurrences(experts, trace.num_experts)
     counts = _replay(
-        experts, plan.ptr, plan.ids, min(capacity, trace.num_experts), POLICIES.index(policy),
-        np.asarray(count_mask, dtype=np.bool_), occ_ptr, occ, trace.num_experts,
+        experts, (plan.ptr, plan.ids), (min(capacity, trace.num_experts), code),
+        np.asarray(count_mask, dtype=np.bool_), _occurrences(experts, trace.num_experts),
+        trace.num_experts,
     )  # fmt: skip
     demanded, hits, moved, prefetched, useful, wasted = (int(x) for x in counts)
     return CacheStats(
-        capacity=capacity, policy=policy, tokens=int(np.count_nonzero(count_mask)),
+        capacity=capacity, policy=cp.POLICIES[code], tokens=int(np.count_nonzero(count_mask)),
         demanded=demanded, hits=hits, moved=moved, prefetched=prefetched, useful=useful,
         wasted=wasted,
     )  # fmt: skip
@@ -128,25 +126,6 @@ def _occurrences(experts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @njit(cache=True)
-def _victim(layer_res, protect, last, freq, nxt, policy):  # pragma: no cover - compiled
-    best = -1
-    for e in range(layer_res.shape[0]):
-        if not layer_res[e] or protect[e]:
-            continue
-        if best < 0:
-            best = e
-        elif policy == 0:
-            if last[e] < last[best]:
-                best = e
-        elif policy == 1:
-            if freq[e] < freq[best] or (freq[e] == freq[best] and last[e] < last[best]):
-                best = e
-        elif nxt[e] > nxt[best]:
-            best = e
-    return best
-
-
-@njit(cache=True)
 def _drop(layer, v, res, unused, counted_load):  # pragma: no cover - compiled
     """Evict ``v``; 1 if it was a counted load never used (waste), else 0."""
     res[v] = False
@@ -154,7 +133,14 @@ def _drop(layer, v, res, unused, counted_load):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _replay(experts, ptr, ids, capacity, policy, count_mask, occ_ptr, occ, n):  # pragma: no cover
+def _replay(experts, plan, cache, count_mask, occurrences, n):  # pragma: no cover - compiled
+    """The counters of ``replay_cache``: (demanded, hits, moved, prefetched, useful, wasted).
+
+    plan: the prefetch sets as CSR (ptr, ids); cache: (experts kept per layer,
+    ``cache_policy`` code); occurrences: ``_occurrences``'s CSR, for Belady."""
+    ptr, ids = plan
+    capacity, policy = cache
+    occ_ptr, occ = occurrences
     t_count, n_layers = experts.shape[0], experts.shape[1]
     resident = np.zeros((n_layers, n), dtype=np.bool_)
     unused = np.zeros((n_layers, n), dtype=np.bool_)  # loaded, not yet demanded
@@ -171,12 +157,12 @@ def _replay(experts, ptr, ids, capacity, policy, count_mask, occ_ptr, occ, n):  
         counted = count_mask[t]
         for layer in range(n_layers):
             clock += 1
-            if policy == 2:  # next demand at or after t, per expert of this layer
+            if policy == cp.BELADY:  # next demand at or after t, per expert of this layer
                 for e in range(n):
                     c = layer * n + e
                     while cursor[c] < occ_ptr[c + 1] and occ[cursor[c]] < t:
                         cursor[c] += 1
-                    nxt[e] = occ[cursor[c]] if cursor[c] < occ_ptr[c + 1] else _NEVER
+                    nxt[e] = occ[cursor[c]] if cursor[c] < occ_ptr[c + 1] else cp.NEVER
             res = resident[layer]
             start, stop = ptr[t * n_layers + layer], ptr[t * n_layers + layer + 1]
             for i in range(start, stop):  # 1. prefetch, most confident first
@@ -185,10 +171,10 @@ def _replay(experts, ptr, ids, capacity, policy, count_mask, occ_ptr, occ, n):  
                 if res[p]:
                     continue
                 if size[layer] >= capacity:
-                    v = _victim(res, protect, last[layer], freq[layer], nxt, policy)
+                    v = cp.choose_victim(res, protect, last[layer], freq[layer], nxt, policy)
                     if v < 0:
                         break  # only this prefetch set is resident: drop the rest of it
-                    if policy == 2 and nxt[p] >= nxt[v]:
+                    if not cp.admits(policy, nxt[p], nxt[v]):
                         continue  # Belady declines a load needed no sooner than its victim
                     wasted += _drop(layer, v, res, unused, counted_load)
                     size[layer] -= 1
@@ -217,7 +203,7 @@ def _replay(experts, ptr, ids, capacity, policy, count_mask, occ_ptr, occ, n):  
                         useful += 1
                 else:
                     if size[layer] >= capacity:  # a victim exists: capacity >= K > demanded
-                        v = _victim(res, protect, last[layer], freq[layer], nxt, policy)
+                        v = cp.choose_victim(res, protect, last[layer], freq[layer], nxt, policy)
                         wasted += _drop(layer, v, res, unused, counted_load)
                         size[layer] -= 1
                     res[a] = True

@@ -8,7 +8,9 @@ layers have no experts module, so MoE layer numbers come out right; shared
 experts are plain MLPs and are never recorded. A hook on the model's own forward
 tells the recorder the batch shape, the attention mask (padding is never
 recorded) and when a new generation starts. Hooks only read: outputs are
-bit-identical with and without recording (tested).
+bit-identical with and without recording (tested). Where the experts modules,
+routers and pre-MoE norms are is ``stmoe.model_introspect``'s knowledge, shared
+with the runtime; this module only records.
 
     with RoutingRecorder(model) as rec:
         model.generate(**inputs)          # or any loop of model(...) calls
@@ -17,8 +19,6 @@ bit-identical with and without recording (tested).
 
 from __future__ import annotations
 
-import inspect
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,31 +27,20 @@ import numpy as np
 import torch
 
 from stmoe.errors import StmoeError
+from stmoe.model_introspect import (
+    experts_modules,
+    late_hidden,
+    late_points,
+    layer_number,
+    lookahead_ids,
+    routers,
+)
 from stmoe.trace.assemble import order_by_weight
 from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, validate
 
 
 class CaptureError(StmoeError):
     """The model cannot be recorded (no experts modules, inconsistent calls)."""
-
-
-def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The routed-experts modules of ``model`` in layer order (one per MoE layer).
-
-    A module counts when its class was decorated by transformers'
-    ``use_experts_implementation`` (it carries ``_is_expert_parallel``) and its
-    forward takes the routing (hidden states, top-k indices, top-k weights); an
-    enclosing block decorated too (GraniteMoe's) is skipped for its experts.
-    """
-    found = []
-    for name, module in model.named_modules():
-        if not hasattr(module, "_is_expert_parallel"):
-            continue
-        forward = inspect.unwrap(type(module).forward)
-        params = [p for p in inspect.signature(forward).parameters if p != "self"]
-        if len(params) >= 3:
-            found.append((name, module))
-    return found
 
 
 @dataclass
@@ -65,76 +54,6 @@ class _Step:
     look: list[torch.Tensor] = field(default_factory=list)  # [B*S, J] per layer 1..L-1
     look_late: list[torch.Tensor] = field(default_factory=list)  # the same, late lookahead
     top_k: int = 0  # the router's K (from the first MoE layer's call)
-
-
-def routers(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]
-            ) -> list[torch.Tensor] | None:  # fmt: skip
-    """Each MoE layer's router weight [N, H] (the gate next to its experts), or None
-    when some layer's cannot be found (then no gate lookahead)."""
-    found = []
-    for name, experts in modules:
-        n = int(getattr(experts, "num_experts", 0))
-        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        weight = None
-        for child_name, child in parent.named_children():
-            w = getattr(child, "weight", None)
-            if child is experts or not isinstance(w, torch.Tensor) or w.dim() != 2:
-                continue
-            if w.shape[0] == n and child_name in ("gate", "router", "gate_proj", "wg"):
-                weight = w
-                break
-        if weight is None:
-            return None
-        found.append(weight)
-    return found
-
-
-# the norm a decoder layer applies right before its MoE block, by the names transformers uses
-PRE_MOE_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "post_attention_layernorm",
-                 "ffn_norm")  # fmt: skip
-
-
-def late_points(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]
-                ) -> list[tuple[torch.nn.Module, torch.nn.Module]] | None:  # fmt: skip
-    """Each MoE layer's (decoder layer, pre-MoE norm), for the *late* gate lookahead
-    (layer l's router on the residual stream entering layer l, through that norm), or
-    None when some layer's cannot be found."""
-    found = []
-    for name, _ in modules:
-        parts = name.split(".")
-        point = None
-        for cut in range(len(parts) - 1, 0, -1):
-            parent = model.get_submodule(".".join(parts[:cut]))
-            norms = [getattr(parent, n, None) for n in PRE_MOE_NORMS]
-            norm = next((m for m in norms if isinstance(m, torch.nn.Module)), None)
-            if norm is not None:
-                if _post_norm_layer(parent):  # the MoE block reads the raw residual stream
-                    norm = torch.nn.Identity()
-                point = (parent, norm)
-                break
-        if point is None:
-            return None
-        found.append(point)
-    return found
-
-
-def _post_norm_layer(layer: torch.nn.Module) -> bool:
-    """OLMo-2-style layers normalise each block's *output* (post_attention_layernorm,
-    post_feedforward_layernorm) and feed the blocks the raw residual stream."""
-    return (isinstance(getattr(layer, "post_feedforward_layernorm", None), torch.nn.Module)
-            and getattr(layer, "pre_feedforward_layernorm", None) is None)  # fmt: skip
-
-
-def late_hidden(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The late lookahead's router input: the decoder layer's input through its pre-MoE norm."""
-    with torch.no_grad():
-        return norm(hidden.detach())
-
-
-def lookahead_ids(hidden: torch.Tensor, router: torch.Tensor, width: int) -> torch.Tensor:
-    """Top-``width`` experts of ``router`` applied to ``hidden`` ([T, H]), ranked."""
-    logits = hidden.detach().to(torch.float32) @ router.detach().to(torch.float32).T
-    return torch.topk(logits, width, dim=-1).indices
 
 
 class RoutingRecorder:
@@ -285,7 +204,7 @@ class RoutingRecorder:
             source="stmoe capture (transformers)",
             extra={
                 "model_type": getattr(self.model.config, "model_type", ""),
-                "model_layer_ids": [_layer_number(n) for n, _ in self.modules],
+                "model_layer_ids": [layer_number(n) for n, _ in self.modules],
             },
         )
         return validate(
@@ -353,8 +272,3 @@ def _cache_length(cache: Any) -> int | None:
         return int(cache.get_seq_length())
     except (AttributeError, TypeError, ValueError):
         return None
-
-
-def _layer_number(name: str) -> int:
-    match = re.search(r"layers\.(\d+)\.", name)
-    return int(match.group(1)) if match else -1

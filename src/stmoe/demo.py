@@ -16,9 +16,8 @@ import numpy as np
 
 from stmoe.capture_generate import Prompt
 from stmoe.errors import StmoeError
+from stmoe.models import SHIPPED_MODEL, SHIPPED_TABLES
 from stmoe.trace.schema import RoutingTrace
-
-SHIPPED_MODEL = Path(__file__).parent / "models" / "tiny-moe"
 
 DEMO_PROMPTS = (
     Prompt('def read_config(path):\n    """Read a configuration file."""\n', "code"),
@@ -111,8 +110,9 @@ OFFLOAD_LINK = "200MB"  # EMULATED link bandwidth of the demo's offloaded genera
 def offload_section(model: Any, model_dir: str | Path, out: Path, new_tokens: int) -> dict:
     """Pack the experts, then generate with each system at 50% capacity (bit-identical)."""
     from stmoe.predictors import load_tables
-    from stmoe.runtime.api import COMPARED_SYSTEMS, SHIPPED_TABLES, compared_predictor, offload
+    from stmoe.runtime.api import offload
     from stmoe.runtime.store import pack
+    from stmoe.runtime.systems import COMPARED_SYSTEMS, compared_predictor
 
     store = pack(model, out / "store")
     tables = load_tables(Path(model_dir) / SHIPPED_TABLES)

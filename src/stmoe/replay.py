@@ -174,7 +174,7 @@ def replay(
 
 
 def _options_for(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """Shared options (budget) go to every predictor; ``seed`` only to those taking it."""
+    """Shared options (set_size, max_set_size, seed) go to the predictors taking them."""
     accepted = accepted_options(name)
     return {k: v for k, v in options.items() if k in accepted}
 
@@ -189,7 +189,7 @@ def cross_domain_matrix(
     measured on held-out data too. Every cell covers the same tokens as the
     headline recall of the whole trace (decode tokens when it marks any) at layers
     1..L-1; a cell is None when a domain is too small to split or has no such
-    token. ``options`` go to the predictor (e.g. ``budget``).
+    token. ``options`` go to the predictor (e.g. ``set_size``).
     """
     domains = list(dict.fromkeys(trace.domains))
     decode_scope = bool(np.asarray(trace.is_decode).any())

@@ -113,7 +113,7 @@ def domains(trace: RoutingTrace) -> dict[str, Any] | None:
     return {"labels": labels, "per_domain": per_domain, "js_divergence_per_layer": js}
 
 
-# predictors whose ``budget`` sets how many experts they rank (not a cap on a rule's set)
+# predictors whose ``set_size`` sets how many experts they rank (not a cap on a rule's set)
 SIZED_PREDICTORS = ("stmoe-plus", "hybrid", "gate-lookahead", "frequency", "random")
 
 
@@ -130,7 +130,7 @@ def predictability(trace: RoutingTrace, fraction: float = 0.5) -> dict[str, Any]
     sized = [n for n in names if n in SIZED_PREDICTORS]
     if sized:
         wide = min(4 * held_out.top_k, held_out.num_experts)
-        longer = replay(held_out, sized, tables, options={"seed": 0, "budget": wide}).to_dict()
+        longer = replay(held_out, sized, tables, options={"seed": 0, "set_size": wide}).to_dict()
         curves.update({n: e["budget_curve"] for n, e in longer["predictors"].items()})
     return {
         "profiled_tokens": prof.num_tokens,

@@ -55,7 +55,7 @@ def capture_cmd(
         chosen = [dataclasses.replace(p, domain=domain) if p.domain == UNLABELLED else p
                   for p in chosen]  # fmt: skip
     if model is None:
-        from stmoe.demo import SHIPPED_MODEL
+        from stmoe.models import SHIPPED_MODEL
 
         model = SHIPPED_MODEL
     trace = capture_prompts(model, chosen, max_new_tokens=max_new_tokens, batch_size=batch_size)

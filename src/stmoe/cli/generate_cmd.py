@@ -32,7 +32,7 @@ def generate_cmd(
         str,
         typer.Option(
             help="Cache size: experts per layer (8), a share of the experts (50%), "
-            "or a byte budget for the whole model (64MB). At least the router's "
+            "or a total size in bytes for the whole model (64MB). At least the router's "
             "top-k."
         ),
     ] = "50%",
@@ -54,11 +54,12 @@ def generate_cmd(
     policy: Annotated[
         str,
         typer.Option(
-            help="Eviction: predicted (LRU that never evicts a predicted expert), "
-            "lru, lfu, or none (no reuse: plain on-demand offloading)."
+            help="Eviction: lru (never evicting an expert predicted for the coming layer; "
+            "'predicted' is its former name), lfu, or none (no reuse: plain on-demand "
+            "offloading). See stmoe.cache_policy."
         ),
-    ] = "predicted",
-    budget: Annotated[
+    ] = "lru",
+    max_loads: Annotated[
         int | None,
         typer.Option(
             help="Loads one prediction may start per layer (its most confident "
@@ -126,14 +127,14 @@ def generate_cmd(
         raise StmoeError(f"generate needs torch and transformers ({exc}); install them with "
                          "pip install -e '.[hf]'") from None  # fmt: skip
     if model is None:
-        from stmoe.demo import SHIPPED_MODEL
+        from stmoe.models import SHIPPED_MODEL
 
         model = SHIPPED_MODEL
     if threads is not None:
         torch.set_num_threads(threads)
     with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
                  policy=policy, tier=tier, bandwidth=bandwidth, latency=parse_seconds(latency),
-                 workers=workers, budget=budget, lookahead=lookahead) as om:  # fmt: skip
+                 workers=workers, max_loads=max_loads, lookahead=lookahead) as om:  # fmt: skip
         result = om.generate(prompt, max_new_tokens=max_new_tokens)
     out.print(prompt + result.text, markup=False)
     c = result.config
@@ -142,7 +143,7 @@ def generate_cmd(
         ("tier", tier_label),
         ("cache", f"{c['capacity']} of {c['num_experts']} experts per layer "
                   f"({c['cache_bytes'] / 2**20:.1f} MiB), policy {c['policy']}"),
-        ("predictor", f"{c['predictor']} (prefetch budget {c['prefetch_budget']}"
+        ("predictor", f"{c['predictor']} (at most {c['max_loads']} loads per prediction"
                       + (f", {c['lookahead']} gate lookahead)" if c["lookahead"] else ")")),
         ("tokens", f"{result.prompt_tokens} prompt + {len(result.tokens)} generated"),
         ("time to first token", f"{result.ttft_s * 1000:.1f} ms"),

@@ -108,9 +108,18 @@ def eval_cmd(
     capacity: Annotated[
         int | None, typer.Option(help="Also replay a cache of C experts per layer.", min=1)
     ] = None,
-    policy: Annotated[str, typer.Option(help="Cache eviction: lru, lfu or belady.")] = "lru",
-    budget: Annotated[
-        int, typer.Option(help="Cap every prefetch set at B experts, highest scores first.", min=0)
+    policy: Annotated[
+        str, typer.Option(help="Cache eviction: lru, lfu or belady (stmoe.cache_policy).")
+    ] = "lru",
+    set_size: Annotated[
+        int,
+        typer.Option(
+            help="Experts per prediction: predictors that rank experts (stmoe-plus, "
+            "hybrid, frequency, random, gate-lookahead) predict this many (the mean "
+            "with --adaptive); ST-MoE and its ablations, whose "
+            "rules size their sets, are capped at it. 0: K, and no cap.",
+            min=0,
+        ),
     ] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the random baseline.")] = 0,
     horizon: Annotated[
@@ -126,8 +135,8 @@ def eval_cmd(
         bool,
         typer.Option(
             help="stmoe-plus and hybrid: size each set by one probability threshold "
-            "(the experts most likely anywhere first), --budget then being the mean "
-            "set size rather than a cap."
+            "(the experts most likely anywhere first), --set-size then being the "
+            "mean set size."
         ),
     ] = False,
     lookahead: Annotated[
@@ -164,8 +173,9 @@ def eval_cmd(
         chosen = [n for n in chosen if not REGISTRY[n].needs_tables]
         err.print(f"note: no --tables, so skipping {', '.join(skipped)}")
     options: dict[str, Any] = {"seed": seed}
-    if budget:
-        options["budget"] = budget
+    if set_size:
+        options["set_size"] = set_size
+        options["max_set_size"] = set_size
     if lookahead != "auto":
         options["lookahead"] = lookahead
     if adaptive:

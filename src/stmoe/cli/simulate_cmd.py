@@ -33,6 +33,9 @@ def simulate_cmd(
         ),
     ] = None,
     batch: Annotated[int, typer.Option(help="Sequences decoding together.", min=1)] = 1,
+    policy: Annotated[
+        str, typer.Option(help="Expert cache eviction: lru, lfu or none (stmoe.cache_policy).")
+    ] = "lru",
     pregate_accuracy: Annotated[
         float, typer.Option(help="Accuracy of the pre-gated system's pre-gate.", min=0, max=1)
     ] = 1.0,
@@ -62,15 +65,16 @@ def simulate_cmd(
     from stmoe.sim import plots
     from stmoe.sim.simulate import simulate, sweep
     from stmoe.sim.specs import load_hardware, load_model
-    from stmoe.sim.systems import PAPER_SYSTEMS
+    from stmoe.sim.systems import PAPER_SYSTEMS, RunOptions
     from stmoe.trace import import_files
 
     trace = import_files([trace_path])
     spec_m, spec_h = load_model(model), load_hardware(hardware)
     systems = system or list(PAPER_SYSTEMS)
-    opts = dict(tables=load_tables(tables) if tables else None, batch=batch,
-                pregate_accuracy=pregate_accuracy, adap_threshold=adap_threshold)  # fmt: skip
-    data = simulate(trace, spec_m, spec_h, systems, **opts)
+    opts = RunOptions(tables=load_tables(tables) if tables else None, batch=batch,
+                      pregate_accuracy=pregate_accuracy, adap_threshold=adap_threshold,
+                      policy=policy)  # fmt: skip
+    data = simulate(trace, spec_m, spec_h, systems, opts)
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
         plots.normalized_time(data, output_dir / "normalized_time.png")
@@ -82,11 +86,9 @@ def simulate_cmd(
             "cache_experts_per_layer": ([0, 2, 4, 8, 16, 32], "cache capacity (experts per layer)"),
             "batch": ([1, 2, 4, 8], "batch size (sequences)"),
         }  # fmt: skip
-        sweep_opts = {k: v for k, v in opts.items() if k != "batch"}
         data["sweeps"] = {}
-        for parameter, (values, label) in sweeps.items():
-            result = sweep(trace, spec_m, spec_h, systems, parameter, values,
-                           **(sweep_opts if parameter == "batch" else opts))  # fmt: skip
+        for parameter, (values, label) in sweeps.items():  # the batch sweep sets its own batch
+            result = sweep(trace, spec_m, spec_h, systems, parameter, values, opts)
             data["sweeps"][parameter] = result
             plots.sweep(result, data, output_dir / f"sweep_{parameter}.png", label)
     if json_out is not None and str(json_out) == "-":

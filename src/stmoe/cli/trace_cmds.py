@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -10,7 +11,7 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from stmoe.cli._common import JSON_HELP, key_value_table, out, write_json
+from stmoe.cli._common import JSON_HELP, err, key_value_table, out, write_json
 from stmoe.trace import (
     FORMATS,
     SynthSpec,
@@ -20,6 +21,7 @@ from stmoe.trace import (
     summarize,
     synthesize,
 )
+from stmoe.trace.engines import EngineOptions, ImportNote
 from stmoe.trace.export import EXPORT_FORMATS, export_trace
 
 _SPEC = SynthSpec()
@@ -52,6 +54,35 @@ def import_traces(
         ),
     ] = None,
     model: Annotated[str | None, typer.Option(help="Model name to record in the metadata.")] = None,
+    prompt_lengths: Annotated[
+        str | None,
+        typer.Option(
+            help="Prompt length of each sequence, in file order, as '512,300,77': tokens at "
+            "positions >= P are decode. Default: the file's own (JSON responses), else none."
+        ),
+    ] = None,
+    layers: Annotated[
+        int | None,
+        typer.Option(help="SGLang response: model layers per token (num_hidden_layers)."),
+    ] = None,
+    top_k: Annotated[
+        int | None,
+        typer.Option(
+            help="SGLang response, transformers router logits: experts per token "
+            "(num_experts_per_tok)."
+        ),
+    ] = None,
+    layout: Annotated[
+        str | None,
+        typer.Option(help="Bare array axis order: tlk ([T, L, K], default) or ltk."),
+    ] = None,
+    moe_layers: Annotated[
+        str | None,
+        typer.Option(
+            help="Model layers that route, as '1-23' or '0,2,4-7'; the others are dropped. "
+            "Default: drop layers that hold only the fill value (dense layers)."
+        ),
+    ] = None,
     drop_partial: Annotated[
         bool,
         typer.Option(
@@ -60,21 +91,33 @@ def import_traces(
         ),
     ] = False,
 ) -> None:
-    """Convert routing traces (npy, JSON Lines, routes JSON, npz) into stmoe's native file.
+    """Convert routing traces into stmoe's native file.
 
-    Every file is validated: a malformed input stops the import with one error that
-    names the file, the position and what was expected.
+    Reads npy, JSON Lines, routes JSON and npz, and what serving engines hand out:
+    vLLM (routed_experts arrays and completions responses, routing profiles), SGLang
+    (/generate responses, expert-distribution recorder dumps), transformers router
+    logits (torch.save) and MoE-Infinity expert-drop traces; docs/trace-format.md
+    says how to make each engine write them. Every file is validated: a malformed
+    input stops the import with one error that names the file, the position and
+    what was expected.
     """
-    trace = import_files(
-        sources,
-        format=format,
-        domain=domain,
-        num_experts=num_experts,
-        seq_starts=seq_starts,
-        model=model,
-        drop_partial=drop_partial,
-    )
+    engine = EngineOptions.parse(prompt_lengths, layers, top_k, layout, moe_layers)
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", ImportNote)
+        trace = import_files(
+            sources,
+            format=format,
+            domain=domain,
+            num_experts=num_experts,
+            seq_starts=seq_starts,
+            model=model,
+            drop_partial=drop_partial,
+            engine=engine,
+        )
     save_trace(trace, output)
+    for n in notes:  # after success only: a refusal stays one line
+        if issubclass(n.category, ImportNote):
+            err.print(f"note: {n.message}", markup=False, soft_wrap=True)
     out.print(f"wrote {output}: {trace!r}")
 
 
@@ -175,7 +218,9 @@ def export(
 
     jsonl: one record per (token, layer) with weights, phase and domain (lossless
     but for metadata). npy: the raw [T, L, K] expert ids plus a .seq_starts.npy
-    side file.
+    side file. vllm: a vLLM completions response (choices[].routed_experts).
+    sglang: an SGLang /generate response, or a batch's list (import it back with
+    --layers L --top-k K).
     """
     path = export_trace(load_trace(trace_path), output, format)
     out.print(f"wrote {path}")

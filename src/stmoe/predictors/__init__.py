@@ -12,7 +12,7 @@ from typing import Any
 
 from stmoe.predictors import baselines as _baselines  # noqa: F401  (registers)
 from stmoe.predictors import mix as _mix  # noqa: F401  (registers stmoe-mix)
-from stmoe.predictors import plus as _plus  # noqa: F401  (registers stmoe-plus, hybrid)
+from stmoe.predictors import plus as _plus  # noqa: F401  (registers stmoe-plus, hybrid, gate-lookahead)
 from stmoe.predictors.base import (
     REGISTRY,
     ModelShape,
@@ -21,8 +21,9 @@ from stmoe.predictors.base import (
     PrefetchPlan,
     register,
 )
+from stmoe.predictors.profiling import profile
 from stmoe.predictors.stmoe import STMoEConfig, STMoEPredictor
-from stmoe.predictors.tables import ProfiledTables, load_tables, profile, save_tables
+from stmoe.predictors.tables import ProfiledTables, load_tables, save_tables
 from stmoe.trace.schema import RoutingTrace
 
 DEFAULT_SET = ("stmoe", "ondemand", "previous-token", "cct-static", "cct-online", "frequency",
@@ -46,7 +47,7 @@ def names_for(trace: RoutingTrace) -> list[str]:
 def make(
     name: str, shape: ModelShape, tables: ProfiledTables | None = None, **options: Any
 ) -> Predictor:
-    """Build the predictor ``name``; ``options`` are its knobs (``budget``, ``seed``, ...)."""
+    """Build the predictor ``name``; ``options`` are its knobs (``set_size``, ``seed``, ...)."""
     cls = _lookup(name)
     if cls.needs_tables and tables is None:
         raise PredictorError(f"predictor {name!r} needs profiled tables (stmoe profile, --tables)")

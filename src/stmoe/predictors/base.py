@@ -29,6 +29,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from stmoe.errors import StmoeError
+from stmoe.predictors.union import union_of_scores, union_of_sets
 from stmoe.trace.schema import RoutingTrace
 
 
@@ -96,6 +97,11 @@ class Predictor:
     sees_future: ClassVar[bool] = False  # True only for the oracle: replay reveals A first
     uses_lookahead: ClassVar[bool] = False  # True: takes the gate lookahead before predict
     needs_domain_tables: ClassVar[bool] = False  # True: tables profiled with by_domain
+    prefetches: ClassVar[bool] = True  # False: predicts nothing, so nothing to learn or queue
+    # True: scores(layer, slot) gives [N] scores over every expert (batches sum them),
+    # and ``mean_set_size`` is the experts one prediction takes on average
+    scores_experts: ClassVar[bool] = False
+    mean_set_size: float
 
     def __init__(self, shape: ModelShape, tables: object = None) -> None:
         """Subclasses that learn from profiling take ``ProfiledTables`` as ``tables``."""
@@ -106,6 +112,13 @@ class Predictor:
         self.point = "early"  # the lookahead point in use (set by use_lookahead_point)
 
     config_class: ClassVar[Any] = None  # the dataclass of the knobs ``**knobs`` takes
+    config: Any = None  # the knobs in use (a ``config_class``), set by predictors that take any
+
+    @property
+    def horizon(self) -> int:
+        """How many layers ahead a prediction is made: ``predict(l + h)`` once the token's
+        layers <= l are known (the ``horizon`` knob where there is one, else 1)."""
+        return int(self.config.horizon) if "horizon" in self.knobs() else 1
 
     @classmethod
     def knobs(cls) -> tuple[str, ...]:
@@ -194,18 +207,25 @@ class Predictor:
             return None
         return self.predict(layer + 1, slot)
 
-    def predict_batch(self, layer: int, slots: Sequence[int], budget: int = 0) -> np.ndarray:
-        """The union of the slots' prefetch sets for ``layer``: experts wanted by more
-        slots first, then by their best rank, then by id; cut to ``budget`` experts
-        when it is > 0 (one budget for the whole batch)."""
-        votes: dict[int, list[int]] = {}
-        for slot in slots:
-            for rank, e in enumerate(self.predict(layer, slot).tolist()):
-                entry = votes.setdefault(e, [0, rank])
-                entry[0] += 1
-                entry[1] = min(entry[1], rank)
-        order = sorted(votes, key=lambda e: (-votes[e][0], votes[e][1], e))
-        return np.asarray(order[:budget] if budget > 0 else order, dtype=np.int16)
+    def predict_batch(self, layer: int, slots: Sequence[int], max_size: int = 0) -> np.ndarray:
+        """The union of the slots' prefetch sets for ``layer`` by the one batch rule of
+        ``stmoe.predictors.union``: experts by the expected number of slots needing
+        them (normalised scores where the predictor ``scores_experts``, else one vote
+        per predicted expert), then by their best rank, then by id; cut to ``max_size``
+        experts when it is > 0 (one cap for the whole batch), else, for scoring
+        predictors, to their mean set size times the slots."""
+        slots = list(slots)
+        if self.scores_experts and len(slots) > 1:
+            size = max_size if max_size > 0 else min(
+                self.shape.num_experts, round(self.mean_set_size * len(slots)))  # fmt: skip
+            if size <= 0:
+                return np.zeros(0, dtype=np.int16)
+            return union_of_scores([self.scores(layer, slot) for slot in slots], size)
+        return union_of_sets([self.predict(layer, slot) for slot in slots], max_size)
+
+    def scores(self, layer: int, slot: int = 0) -> np.ndarray:
+        """[N] scores of every expert for ``layer`` (predictors that ``scores_experts``)."""
+        raise NotImplementedError(f"{self.name} does not score every expert")
 
     def plan(self, trace: RoutingTrace) -> PrefetchPlan:
         """Replay ``trace`` step by step through the protocol; every prefetch set."""

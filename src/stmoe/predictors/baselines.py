@@ -30,6 +30,7 @@ class OnDemandPredictor(Predictor):
     """Prefetch nothing: the baseline every method is compared against."""
 
     name = "ondemand"
+    prefetches = False
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         return np.zeros(0, dtype=np.int16)
@@ -48,8 +49,9 @@ class PreviousTokenPredictor(STMoEPredictor):
     needs_tables = False
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None, w_ht: float = 1.0,
-                 budget: int = 0) -> None:  # fmt: skip
-        config = STMoEConfig(use_cct=False, online=False, w_ht=w_ht, threshold=w_ht, budget=budget)
+                 max_set_size: int = 0) -> None:  # fmt: skip
+        config = STMoEConfig(use_cct=False, online=False, w_ht=w_ht, threshold=w_ht,
+                             max_set_size=max_set_size)  # fmt: skip
         super().__init__(shape, None, config)
 
 
@@ -59,8 +61,10 @@ class CCTStaticPredictor(STMoEPredictor):
 
     name = "cct-static"
 
-    def __init__(self, shape: ModelShape, tables: ProfiledTables | None, budget: int = 0) -> None:
-        super().__init__(shape, tables, STMoEConfig(use_ht=False, online=False, budget=budget))
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None,
+                 max_set_size: int = 0) -> None:  # fmt: skip
+        super().__init__(shape, tables, STMoEConfig(use_ht=False, online=False,
+                                                    max_set_size=max_set_size))  # fmt: skip
 
 
 @register
@@ -69,23 +73,25 @@ class CCTOnlinePredictor(STMoEPredictor):
 
     name = "cct-online"
 
-    def __init__(self, shape: ModelShape, tables: ProfiledTables | None, budget: int = 0) -> None:
-        super().__init__(shape, tables, STMoEConfig(use_ht=False, online=True, budget=budget))
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None,
+                 max_set_size: int = 0) -> None:  # fmt: skip
+        super().__init__(shape, tables, STMoEConfig(use_ht=False, online=True,
+                                                    max_set_size=max_set_size))  # fmt: skip
 
 
 @register
 class FrequencyPredictor(Predictor):
-    """Per layer, the ``budget`` experts most used in profiling (ties to the smaller id)."""
+    """Per layer, the ``set_size`` experts most used in profiling (ties to the smaller id)."""
 
     name = "frequency"
     needs_tables = True
 
-    def __init__(self, shape: ModelShape, tables: ProfiledTables | None, budget: int = 0) -> None:
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None, set_size: int = 0) -> None:
         super().__init__(shape)
         if tables is None:
             raise PredictorError("'frequency' needs profiled tables (stmoe profile)")
         tables.check_fits(shape)
-        b = budget or shape.top_k
+        b = set_size or shape.top_k
         order = np.argsort(-tables.layer_counts, axis=1, kind="stable")[:, :b]
         used = np.take_along_axis(tables.layer_counts, order, axis=1) > 0
         self.top = [order[layer][used[layer]].astype(np.int16) for layer in range(shape.num_layers)]
@@ -106,24 +112,24 @@ class FrequencyPredictor(Predictor):
 
 @register
 class RandomPredictor(Predictor):
-    """``budget`` distinct experts drawn uniformly for every (token, layer), seeded.
+    """``set_size`` distinct experts drawn uniformly for every (token, layer), seeded.
 
-    Draws N uniforms per call and keeps the ``budget`` largest, so the compiled
+    Draws N uniforms per call and keeps the ``set_size`` largest, so the compiled
     plan (which draws the same stream in blocks) gives the same sets.
     """
 
     name = "random"
 
-    def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None, budget: int = 0,
+    def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None, set_size: int = 0,
                  seed: int = 0) -> None:  # fmt: skip
         super().__init__(shape)
-        self.budget = min(budget or shape.top_k, shape.num_experts)
+        self.set_size = min(set_size or shape.top_k, shape.num_experts)
         self.rng = np.random.default_rng(seed)
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         self._check_layer(layer)
         draw = self.rng.random(self.shape.num_experts)
-        return np.argsort(-draw, kind="stable")[: self.budget].astype(np.int16)
+        return np.argsort(-draw, kind="stable")[: self.set_size].astype(np.int16)
 
     def plan(self, trace: RoutingTrace) -> PrefetchPlan:
         self.check_shape(ModelShape.of(trace))
@@ -134,7 +140,7 @@ class RandomPredictor(Predictor):
         for a in range(0, trace.num_tokens, block):
             count = min(block, trace.num_tokens - a)
             draw = self.rng.random((count, n_layers, n))  # same stream as per-call draws
-            sets.append(np.argsort(-draw, axis=2, kind="stable")[:, :, : self.budget])
+            sets.append(np.argsort(-draw, axis=2, kind="stable")[:, :, : self.set_size])
         all_sets = np.concatenate(sets)
         return plan_from_sets(all_sets, np.ones(all_sets.shape, dtype=bool), n_layers)
 

@@ -14,6 +14,8 @@ so a step allocates nothing but its result.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from stmoe._numba import njit
@@ -21,6 +23,25 @@ from stmoe._numba import njit
 EMPTY = -1
 CONF_MAX = 3  # 2-bit saturating counter: 0b11, strongly taken (docs/method.md)
 CONF_NEW = 2  # new candidates start weakly taken, 0b10 (docs/method.md, Algorithms 1 and 3)
+
+
+class Scoring(NamedTuple):
+    """Algorithm 2's knobs, as ``predict_next`` and ``plan_trace`` take them.
+
+    Pass ``tuple(scoring)`` from Python: numba types a plain tuple in C but a
+    namedtuple in Python (~0.7 us a call, measured), and ``predict_next`` runs at
+    every layer. The kernels unpack it by position, in this order.
+    """
+
+    w_ht: float  # score each HT expert adds
+    threshold: float  # keep f when score[f] >= threshold (-inf: every scored expert)
+    use_cct: bool  # score the CCT rows of the experts chosen at l
+    use_ht: bool  # score HT[l+1]
+    max_size: int  # > 0: keep the top ones only
+
+    def for_layer0(self) -> Scoring:
+        """Layer 0's scoring: every expert of HT[0] (no CCT row precedes it)."""
+        return self._replace(threshold=-np.inf, use_cct=False, use_ht=True)
 
 
 @njit(cache=True)
@@ -43,16 +64,15 @@ def _rank(cands, n, scores):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def predict_next(
-    row_ids, row_conf, chosen, ht, w_ht, threshold, use_cct, use_ht, budget, scratch, out
-):  # pragma: no cover - compiled
+def predict_next(row_ids, row_conf, chosen, ht, scoring, scratch, out):  # pragma: no cover
     """Algorithm 2 for one token: the prefetch set of layer l+1, most confident first.
 
     row_ids/row_conf: CCT[l] ([N, R]); chosen: the router's experts at layer l [K];
-    ht: HT[l+1] [K]; scratch: ``new_scratch(N)`` (left clean on return); out:
-    int16 [N] for the result. Returns its length. ``threshold = -inf`` keeps every
-    scored expert (layer 0's "all of HT[0]" policy). ``budget > 0`` keeps the top ones.
+    ht: HT[l+1] [K]; scoring: a ``Scoring`` as a plain tuple; scratch:
+    ``new_scratch(N)`` (left clean on return); out: int16 [N] for the result.
+    Returns its length.
     """
+    w_ht, threshold, use_cct, use_ht, max_size = scoring
     scores, touched, seen = scratch
     # The "note f when first scored" lines repeat below on purpose: a shared helper
     # measured ~30% slower replay (bench_predictor.py), the hot loop of the project.
@@ -86,8 +106,8 @@ def predict_next(
             out[n] = f
             n += 1
     _rank(out, n, scores)
-    if 0 < budget < n:
-        n = budget
+    if 0 < max_size < n:
+        n = max_size
     for i in range(n_touched):  # leave the scratch clean for the next call
         scores[touched[i]] = 0.0
         seen[touched[i]] = False
@@ -145,27 +165,19 @@ def update_row(row_ids, row_conf, chosen, actual, in_actual):  # pragma: no cove
 
 @njit(cache=True)
 def plan_trace(
-    experts,
-    new_seq,
-    cct_ids,
-    cct_conf,
-    w_ht,
-    threshold,
-    use_cct,
-    use_ht,
-    online,
-    layer0_ht,
-    budget,
-    num_experts,
+    experts, new_seq, cct_ids, cct_conf, scoring, online, layer0_ht, num_experts
 ):  # pragma: no cover - compiled
     """Replay a whole trace in docs/method.md's order; return the ranked prefetch set of every
     (token, layer) as CSR arrays ``ptr [T*L+1]``, ``ids [M]``.
 
-    Per token: for each layer l, predict l's set (layer 0 from HT[0] alone), then
-    learn CCT[l-1] from (chosen at l-1, chosen at l) when ``online``; after the
-    token, HT = its experts. HT empties at each sequence start; the CCT is shared.
-    ``cct_ids``/``cct_conf`` are updated in place.
+    Per token: for each layer l, predict l's set (layer 0 from HT[0] alone, when
+    ``layer0_ht``), then learn CCT[l-1] from (chosen at l-1, chosen at l) when
+    ``online``; after the token, HT = its experts. HT empties at each sequence
+    start; the CCT is shared. ``cct_ids``/``cct_conf`` are updated in place.
+    ``scoring``: a ``Scoring`` as a plain tuple.
     """
+    w_ht, _, _, use_ht, max_size = scoring
+    layer0 = (w_ht, -np.inf, False, True, max_size)  # Scoring.for_layer0
     t_count, n_layers, k = experts.shape
     ptr = np.zeros(t_count * n_layers + 1, dtype=np.int64)
     ids = np.empty(max(16, t_count * n_layers * k), dtype=np.int16)
@@ -183,33 +195,11 @@ def plan_trace(
             if layer == 0:
                 n = 0
                 if layer0_ht and use_ht:
-                    n = predict_next(
-                        empty_row_ids,
-                        empty_row_conf,
-                        no_chosen,
-                        ht[0],
-                        w_ht,
-                        -np.inf,
-                        False,
-                        True,
-                        budget,
-                        scratch,
-                        out,
-                    )
+                    n = predict_next(empty_row_ids, empty_row_conf, no_chosen, ht[0], layer0,
+                                     scratch, out)  # fmt: skip
             else:
-                n = predict_next(
-                    cct_ids[layer - 1],
-                    cct_conf[layer - 1],
-                    experts[t, layer - 1],
-                    ht[layer],
-                    w_ht,
-                    threshold,
-                    use_cct,
-                    use_ht,
-                    budget,
-                    scratch,
-                    out,
-                )
+                n = predict_next(cct_ids[layer - 1], cct_conf[layer - 1], experts[t, layer - 1],
+                                 ht[layer], scoring, scratch, out)  # fmt: skip
             start = ptr[idx]
             if start + n > ids.shape[0]:
                 grown = np.empty(2 * ids.shape[0] + n, dtype=np.int16)
@@ -230,15 +220,15 @@ def plan_trace(
 
 
 @njit(cache=True)
-def plan_hits(experts, ptr, ids, num_experts, budgets, curve_mask):  # pragma: no cover
+def plan_hits(experts, ptr, ids, num_experts, max_sizes, curve_mask):  # pragma: no cover
     """Per (token, layer): |P ∩ A|, |P|, |A|; and, over ``curve_mask``, the hits and
-    set sizes when each set is cut to its first ``b`` experts, for every b in ``budgets``."""
+    set sizes when each set is cut to its first ``b`` experts, for every b in ``max_sizes``."""
     t_count, n_layers = experts.shape[0], experts.shape[1]
     hits = np.zeros((t_count, n_layers), dtype=np.int32)
     sizes = np.zeros((t_count, n_layers), dtype=np.int32)
     actual = np.zeros((t_count, n_layers), dtype=np.int32)
-    curve_hits = np.zeros(budgets.shape[0], dtype=np.int64)
-    curve_sizes = np.zeros(budgets.shape[0], dtype=np.int64)
+    curve_hits = np.zeros(max_sizes.shape[0], dtype=np.int64)
+    curve_sizes = np.zeros(max_sizes.shape[0], dtype=np.int64)
     in_actual = np.zeros(num_experts, dtype=np.bool_)
     prefix = np.zeros(num_experts + 1, dtype=np.int64)
     for t in range(t_count):
@@ -259,8 +249,8 @@ def plan_hits(experts, ptr, ids, num_experts, budgets, curve_mask):  # pragma: n
             sizes[t, layer] = n
             actual[t, layer] = a_count
             if curve_mask[t, layer]:
-                for j in range(budgets.shape[0]):
-                    b = min(budgets[j], n)
+                for j in range(max_sizes.shape[0]):
+                    b = min(max_sizes[j], n)
                     curve_hits[j] += prefix[b]
                     curve_sizes[j] += b
             for a in experts[t, layer]:

@@ -12,21 +12,20 @@ domains.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from stmoe.predictors import plus_kernels as pk
 from stmoe.predictors.base import ModelShape, Predictor, PredictorError, register
 from stmoe.predictors.plus import PlusPredictor
+from stmoe.predictors.plus import sizing as pk
 from stmoe.predictors.tables import ProfiledTables
 
 
 @dataclass(frozen=True)
 class MixConfig:
-    budget: float = 0.0  # experts per prediction (0 = K); fractional means alternate
+    set_size: float = 0.0  # experts per prediction (0 = K); fractional means alternate
     eta: float = 8.0  # sharpness of the weighting by recent hit rate
     memory: float = 0.9  # per-step weight of the past in each member's hit rate
 
@@ -36,6 +35,7 @@ class MixPredictor(Predictor):
     """A mixture of per-domain stmoe-plus members; see the module docstring."""
 
     name = "stmoe-mix"
+    scores_experts = True
     config_class = MixConfig
     needs_tables = True
     needs_domain_tables = True
@@ -49,7 +49,8 @@ class MixPredictor(Predictor):
         tables.check_fits(shape)
         self.domains = list(tables.per_domain)
         self.members = [PlusPredictor(shape, t) for t in tables.per_domain.values()]
-        self.budget = float(self.config.budget) if self.config.budget > 0 else float(shape.top_k)
+        self.mean_set_size = (float(self.config.set_size) if self.config.set_size > 0
+                              else float(shape.top_k))  # fmt: skip
         self._hit: dict[int, np.ndarray] = {}  # slot -> [D] recent hit rate per member
         self._last: dict[tuple[int, int], list[np.ndarray]] = {}  # (slot, layer) -> sets
         self._ctl = np.zeros(2)
@@ -82,21 +83,11 @@ class MixPredictor(Predictor):
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         scores = self.scores(layer, slot)
-        b = pk.set_size(scores, self.budget, False, self._ctl,
-                        min(self.shape.num_experts, int(np.ceil(self.budget))), layer)  # fmt: skip
+        b = pk.set_size(scores, self.mean_set_size, False, self._ctl,
+                        min(self.shape.num_experts, int(np.ceil(self.mean_set_size))),
+                        layer)  # fmt: skip
         pk.top_by_score(scores, b, self._out)
         return self._out[:b].astype(np.int16)
-
-    def predict_batch(self, layer: int, slots: Sequence[int], budget: int = 0) -> np.ndarray:
-        slots = list(slots)
-        if len(slots) <= 1:
-            ids = self.predict(layer, slots[0] if slots else 0)
-            return ids[:budget] if budget > 0 else ids
-        total = sum(self.scores(layer, s) for s in slots)
-        want = budget if budget > 0 else round(self.budget * len(slots))
-        return np.argsort(-total, kind="stable")[: min(want, self.shape.num_experts)].astype(
-            np.int16
-        )
 
     def update(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
         experts = np.asarray(experts, dtype=np.int16)

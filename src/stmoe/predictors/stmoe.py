@@ -29,15 +29,16 @@ class STMoEConfig:
     w_ht: float = 1.0  # score each HT expert adds (the paper's default 1)
     threshold: float = 2.0  # prefetch f when score[f] >= threshold (the paper's default 2)
     layer0: Literal["ht", "none"] = "ht"  # layer 0 prefetches all of HT[0], or nothing
-    budget: int = 0  # at most this many experts, highest score first; 0 = no cap
+    max_set_size: int = 0  # at most this many experts, highest score first; 0 = no cap
 
     def check(self) -> None:
         if not (self.use_cct or self.use_ht):
             raise PredictorError("ST-MoE needs the CCT, the HT or both")
         if self.layer0 not in ("ht", "none"):
             raise PredictorError(f"layer0 policy {self.layer0!r}: expected 'ht' or 'none'")
-        if self.budget < 0:
-            raise PredictorError(f"budget {self.budget}: expected 0 (no cap) or a positive count")
+        if self.max_set_size < 0:
+            raise PredictorError(f"max_set_size {self.max_set_size}: expected 0 (no cap) or a "
+                                 "positive count")  # fmt: skip
 
 
 @register
@@ -55,7 +56,7 @@ class STMoEPredictor(Predictor):
         config: STMoEConfig | None = None,
         **knobs: Any,
     ) -> None:
-        """``knobs`` override fields of ``config`` (e.g. ``threshold=3, budget=8``)."""
+        """``knobs`` override fields of ``config`` (e.g. ``threshold=3, max_set_size=8``)."""
         super().__init__(shape)
         self.config = self.configure(knobs, config)
         self.config.check()
@@ -72,6 +73,12 @@ class STMoEPredictor(Predictor):
         self.cct_ids = np.array(ids, dtype=np.int16, copy=True)  # [L-1, N, R]
         self.cct_conf = np.array(conf, dtype=np.int8, copy=True)  # [L-1, N, R]
         self._history: dict[int, np.ndarray] = {}  # slot -> HT [L, K]
+        c = self.config
+        scoring = kernels.Scoring(float(c.w_ht), float(c.threshold), bool(c.use_cct),
+                                  bool(c.use_ht), int(c.max_set_size))  # fmt: skip
+        # Plain tuples, built once: predict runs at every layer (kernels.Scoring says why).
+        self._scoring = tuple(scoring)
+        self._scoring0 = tuple(scoring.for_layer0())
         self._scratch = kernels.new_scratch(shape.num_experts)
         self._out = np.empty(shape.num_experts, dtype=np.int16)
         self._empty = np.full(shape.top_k, -1, dtype=np.int16)
@@ -83,10 +90,11 @@ class STMoEPredictor(Predictor):
         self._history.pop(slot, None)
 
     def predict_batch(
-        self, layer: int, slots: Sequence[int], budget: int | None = None
+        self, layer: int, slots: Sequence[int], max_size: int | None = None
     ) -> np.ndarray:
-        """The batch's union, cut to the configured budget unless one is given."""
-        return super().predict_batch(layer, slots, self.config.budget if budget is None else budget)
+        """The batch's union, cut to the configured cap unless one is given."""
+        cap = self.config.max_set_size if max_size is None else max_size
+        return super().predict_batch(layer, slots, cap)
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         self._check_layer(layer)
@@ -96,17 +104,13 @@ class STMoEPredictor(Predictor):
         if layer == 0:
             if c.layer0 != "ht" or not c.use_ht:
                 return self._out[:0].copy()
-            n = kernels.predict_next(
-                self._no_row_ids, self._no_row_conf, self._empty, ht, c.w_ht, -np.inf,
-                False, True, c.budget, self._scratch, self._out,
-            )  # fmt: skip
+            n = kernels.predict_next(self._no_row_ids, self._no_row_conf, self._empty, ht,
+                                     self._scoring0, self._scratch, self._out)  # fmt: skip
             return self._out[:n].copy()
         cur = self.token_so_far(slot)
         chosen = self._empty if cur is None else cur[layer - 1]
-        n = kernels.predict_next(
-            self.cct_ids[layer - 1], self.cct_conf[layer - 1], chosen, ht, c.w_ht, c.threshold,
-            c.use_cct, c.use_ht, c.budget, self._scratch, self._out,
-        )  # fmt: skip
+        n = kernels.predict_next(self.cct_ids[layer - 1], self.cct_conf[layer - 1], chosen, ht,
+                                 self._scoring, self._scratch, self._out)  # fmt: skip
         return self._out[:n].copy()
 
     def update(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
@@ -134,8 +138,7 @@ class STMoEPredictor(Predictor):
         c = self.config
         ptr, ids = kernels.plan_trace(
             np.ascontiguousarray(trace.experts, dtype=np.int16), new_seq, self.cct_ids,
-            self.cct_conf, float(c.w_ht), float(c.threshold), c.use_cct, c.use_ht, c.online,
-            c.layer0 == "ht", int(c.budget), self.shape.num_experts,
+            self.cct_conf, self._scoring, c.online, c.layer0 == "ht", self.shape.num_experts,
         )  # fmt: skip
         # The replay leaves slot 0 holding the last token as history, as the step path does.
         self._history[0] = np.asarray(trace.experts[-1], dtype=np.int16).copy()

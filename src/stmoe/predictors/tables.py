@@ -1,11 +1,11 @@
-"""Profiled tables: docs/method.md's Algorithm 1, and the one file they live in.
+"""Profiled tables (what ``profiling.profile`` learns), and the one file they live in.
 
-``profile(traces)`` counts, for every adjacent layer pair (l, l+1), how often
-expert e at l co-occurs with expert f at l+1 in the same token, and keeps for each
-e the ``row_width`` most frequent f (ties to the smaller id, counts > 0) at
-confidence 2: the cross-layer correlation table (CCT). The full co-occurrence
-counts and each layer's expert frequencies are kept too, for the frequency
-baseline and for richer predictors.
+Algorithm 1's cross-layer correlation table (CCT: for every adjacent layer pair
+(l, l+1) and expert e at l, the ``row_width`` most frequent experts at l+1), the
+full co-occurrence counts and each layer's expert frequencies (the frequency
+baseline), and what stmoe-plus and hybrid use (pair counts up to D_MAX layers
+apart, consecutive tokens, the last profiled tokens, the fit in
+``info["plus"]``). ``save_tables`` / ``load_tables`` write and read them.
 """
 
 from __future__ import annotations
@@ -14,20 +14,17 @@ import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from stmoe.errors import TraceError
 from stmoe.predictors.base import ModelShape, PredictorError
+from stmoe.predictors.counting import D_MAX
 from stmoe.predictors.kernels import CONF_NEW
-from stmoe.predictors.plus_kernels import D_MAX
 from stmoe.trace.io import read_npz_arrays
 from stmoe.trace.schema import _CHUNK_TOKENS, RoutingTrace
-from stmoe.trace.summary import expert_load
 
 TABLES_FORMAT = "stmoe-tables"
 TABLES_VERSION = 1
@@ -93,22 +90,6 @@ def cooccurrence(trace: RoutingTrace) -> np.ndarray:
     return co.reshape(-1, n, n)
 
 
-def pair_counts(trace: RoutingTrace) -> tuple[np.ndarray, np.ndarray]:
-    """(pairs [D, L-1, N, N], temporal [L, N, N]) float64 counts of ``trace`` (plus_kernels)."""
-    from stmoe.predictors import plus_kernels  # compiles only when counting
-
-    seq_id = np.repeat(np.arange(trace.num_sequences), np.diff(
-        np.append(np.asarray(trace.seq_starts), trace.num_tokens)))  # fmt: skip
-    return plus_kernels.count_pairs(np.ascontiguousarray(trace.experts, dtype=np.int16),
-                                    seq_id.astype(np.int64), trace.num_experts,
-                                    plus_kernels.D_MAX)  # fmt: skip
-
-
-def layer_tokens(trace: RoutingTrace) -> np.ndarray:
-    """[L] int64: tokens with at least one expert at each layer."""
-    return (np.asarray(trace.experts) >= 0).any(axis=2).sum(axis=0).astype(np.int64)
-
-
 def cct_from_counts(co: np.ndarray, row_width: int) -> tuple[np.ndarray, np.ndarray]:
     """Algorithm 1's table from counts: top ``row_width`` per row, ties to the smaller id."""
     order = np.argsort(-co, axis=2, kind="stable")[:, :, :row_width]  # stable: smaller id first
@@ -116,65 +97,6 @@ def cct_from_counts(co: np.ndarray, row_width: int) -> tuple[np.ndarray, np.ndar
     ids = np.where(top > 0, order, -1).astype(np.int16)
     conf = np.where(top > 0, CONF_NEW, 0).astype(np.int8)
     return ids, conf
-
-
-def profile(
-    traces: RoutingTrace | Sequence[RoutingTrace],
-    row_width: int | None = None,
-    fit_plus: bool = True,
-    by_domain: bool = False,
-) -> ProfiledTables:
-    """Algorithm 1 over one or more traces of the same model; ``row_width`` defaults to K.
-
-    Also counts what stmoe-plus and hybrid use (pairs of layers up to 4 apart,
-    consecutive tokens) and, with ``fit_plus``, chooses their signal weights on a
-    held-back tail of these same traces. ``by_domain`` adds tables of each domain
-    (for stmoe-mix)."""
-    traces = [traces] if isinstance(traces, RoutingTrace) else list(traces)
-    if not traces:
-        raise TraceError("nothing to profile", expected="at least one trace")
-    shape = ModelShape.of(traces[0])
-    for i, t in enumerate(traces[1:], start=1):
-        if ModelShape.of(t) != shape:
-            raise PredictorError(
-                f"trace {i} has {ModelShape.of(t).describe()} but trace 0 has {shape.describe()}"
-            )
-    width = shape.top_k if row_width is None else int(row_width)
-    if not 1 <= width <= shape.num_experts:
-        raise PredictorError(f"row width {width}: expected 1..{shape.num_experts}")
-    co = sum(cooccurrence(t) for t in traces)
-    ids, conf = cct_from_counts(co, width)
-    counted = [pair_counts(t) for t in traces]
-    pairs = sum(c[0] for c in counted).astype(np.int64)
-    temporal = sum(c[1] for c in counted).astype(np.int64)
-    extra: dict[str, Any] = {
-        "layer_tokens": sum(layer_tokens(t) for t in traces).tolist(),
-    }
-    if fit_plus:
-        from stmoe.predictors.plus import fit
-
-        extra["plus"] = fit(traces[-1])
-    return ProfiledTables(
-        shape=shape,
-        cct_ids=ids,
-        cct_conf=conf,
-        cooccurrence=co,
-        layer_counts=sum(expert_load(t) for t in traces),
-        info={
-            "model": traces[0].meta.model,
-            "tokens": int(sum(t.num_tokens for t in traces)),
-            "sources": [t.meta.source for t in traces],
-            "domains": sorted({d for t in traces for d in t.domains}),
-            "synthetic": any(t.meta.synthetic for t in traces),
-            **extra,
-        },
-        pair_counts=pairs,
-        temporal=temporal,
-        per_domain=_per_domain(traces, width, fit_plus) if by_domain else None,
-        recent=np.concatenate([np.asarray(t.experts) for t in traces])[-RECENT_TOKENS:].astype(
-            np.int16
-        ),
-    )
 
 
 def _arrays(tables: ProfiledTables, prefix: str = "") -> dict[str, np.ndarray]:
@@ -289,21 +211,6 @@ def _recent(arrays: dict, shape: ModelShape, path: Path) -> np.ndarray | None:
     ):
         raise PredictorError(f"{path}: 'recent' has shape {a.shape} or ids out of range")
     return a.astype(np.int16)
-
-
-def _per_domain(traces: list[RoutingTrace], width: int, fit_plus: bool
-                ) -> dict[str, ProfiledTables]:  # fmt: skip
-    from stmoe.trace import concat, select_domain
-
-    names = list(dict.fromkeys(d for t in traces for d in t.domains))
-    if len(names) < 2:
-        raise TraceError(f"profiling by domain needs at least 2 domains, the traces have {names}",
-                         hint="label sequences with --domain when importing")  # fmt: skip
-    out = {}
-    for d in names:
-        parts = [select_domain(t, d) for t in traces if d in t.domains]
-        out[d] = profile(concat(parts, drop_partial=True), width, fit_plus)
-    return out
 
 
 def _optional(arrays: dict, key: str, want: tuple[int, ...], path: Path) -> np.ndarray | None:

@@ -11,8 +11,6 @@ by the predictor. Outputs are bit-identical to the resident model.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -23,102 +21,18 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from stmoe.capture import experts_modules
-from stmoe.predictors import make
+from stmoe.model_introspect import experts_modules
 from stmoe.predictors.base import ModelShape, Predictor
-from stmoe.runtime.cache import POLICIES
-from stmoe.runtime.engine import IMPL_NAME, OffloadEngine, register
+from stmoe.runtime.engine import OffloadEngine
+from stmoe.runtime.hf_glue import IMPL_NAME, move_resident, register
 from stmoe.runtime.loading import load_without_experts
+from stmoe.runtime.options import OffloadOptions, resolve_capacity, resolve_predictor, top_k_of
+from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
-from stmoe.runtime.store import ExpertStore, StoreError, pack
-from stmoe.runtime.tiers import (
-    DiskTier,
-    EmulatedLinkTier,
-    PinnedHostTier,
-    Tier,
-    parse_bytes,
-    parse_seconds,
-)
+from stmoe.runtime.store import ExpertStore, StoreError, ensure_store, pack
+from stmoe.runtime.tiers import open_tier
 
 T = TypeVar("T")
-TIERS = ("disk", "emulated", "gpu")
-SHIPPED_TABLES = "stmoe-tables.npz"  # next to the shipped model: profiled on DEFAULT_PROMPTS
-_TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k",
-                "experts_per_token", "n_activated_experts")  # fmt: skip
-
-
-# The offloading systems the demo and benchmarks/bench_runtime.py compare, at one cache size.
-COMPARED_SYSTEMS = {  # name: (predictor, cache policy)
-    "on-demand": ("ondemand", "none"),  # no prefetch, no reuse: the usual baseline
-    "lru-only": ("ondemand", "lru"),  # no prefetch, LRU cache
-    "stmoe": ("stmoe", "predicted"),
-    "stmoe-plus": ("stmoe-plus", "predicted"),
-    "hybrid": ("hybrid", "predicted"),
-    "oracle": ("oracle", "predicted"),
-}
-PLUS_BUDGET = 1.5  # stmoe-plus and hybrid predict 1.5K experts per layer in those comparisons
-
-
-def compared_predictor(predictor: str, tables: Any) -> str | Predictor:
-    """The predictor of a compared system: stmoe-plus and hybrid at 1.5K experts."""
-    if predictor in ("stmoe-plus", "hybrid"):
-        return make(predictor, tables.shape, tables, budget=PLUS_BUDGET * tables.shape.top_k)
-    return predictor
-
-
-def top_k_of(config: Any) -> int:
-    """The router's K from a transformers config (text sub-config included)."""
-    for cfg in (config, getattr(config, "text_config", None)):
-        for name in _TOP_K_NAMES:
-            value = getattr(cfg, name, None) if cfg is not None else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    raise StoreError(f"cannot tell the router's top-k from the {type(config).__name__}; "
-                     f"expected one of {', '.join(_TOP_K_NAMES)}")  # fmt: skip
-
-
-def resolve_capacity(capacity: int | str, num_layers: int, num_experts: int, top_k: int,
-                     expert_bytes: int) -> int:  # fmt: skip
-    """Experts per layer from a count (8), a share of the experts ('50%'), or a byte
-    budget for the whole model ('64MB'); below top-K is an error."""
-    text = str(capacity).strip()
-    try:
-        if isinstance(capacity, int) or text.isdigit():
-            count = int(text)
-        elif text.endswith("%"):
-            count = round(float(text[:-1]) / 100 * num_experts)
-        else:
-            count = int(parse_bytes(text) // (expert_bytes * num_layers))
-    except (ValueError, StoreError):
-        raise StoreError(f"capacity {capacity!r}: expected experts per layer (8), a share "
-                         "of the experts (50%) or a byte budget (64MB)") from None  # fmt: skip
-    if count < top_k:
-        raise StoreError(f"capacity {capacity!r} gives {count} experts per layer, below the "
-                         f"router's top-{top_k}; one token's experts must fit, so use at least "
-                         f"{top_k} (of {num_experts})")  # fmt: skip
-    return min(count, num_experts)
-
-
-def default_store_dir(model_dir: Path) -> Path:
-    """Where a model folder's store is packed on first use (``STMOE_CACHE`` overrides)."""
-    root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "stores"
-    h = hashlib.sha256(str(model_dir.resolve()).encode())
-    for f in [*sorted(model_dir.glob("*.safetensors")), model_dir / "config.json"]:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return root / f"{model_dir.name}-{h.hexdigest()[:16]}"
-
-
-def ensure_store(model_dir: Path, store: str | Path | None) -> Path:
-    """The given store, or the model's cached one, packed now if missing."""
-    if store is not None:
-        return Path(store)
-    out = default_store_dir(model_dir)
-    if not (out / "index.json").is_file():
-        from stmoe.capture_generate import load_causal_lm
-
-        pack(load_causal_lm(model_dir), out)
-    return out
 
 
 @dataclass
@@ -182,8 +96,8 @@ class OffloadedModel:
             raise StoreError("the prompt has no tokens")
         ids = ids.to(self.engine.device)
         out, stats = self.measure(lambda: self._run(ids, max_new_tokens), cold=cold)
-        ends = self.engine.forward_ends
-        ttft = ends[0] - self.engine.started
+        ends = self.engine.run.forward_ends
+        ttft = ends[0] - self.engine.run.started
         decode_tokens = len(ends) - 1
         decode_s = ends[-1] - ends[0] if decode_tokens else 0.0
         new = out[0, ids.shape[1] :].tolist()
@@ -210,7 +124,7 @@ class OffloadedModel:
         if self.engine.predictor.sees_future:
             self.engine.reset(future={}, cold=cold)
             fn()
-            self.engine.reset(future=dict(self.engine.routing_log), cold=cold)
+            self.engine.reset(future=dict(self.engine.run.routing_log), cold=cold)
         else:
             self.engine.reset(future=None, cold=cold)
         result = fn()
@@ -251,12 +165,12 @@ def offload(
     capacity: int | str = "50%",
     predictor: str | Predictor = "stmoe",
     tables: str | Path | None = None,
-    policy: str = "predicted",
+    policy: str = "lru",
     tier: str = "disk",
     bandwidth: float | str | None = None,
     latency: float | str = 0.0,
     workers: int | None = None,
-    budget: int | None = None,
+    max_loads: int | None = None,
     lookahead: str = "auto",
 ) -> OffloadedModel:
     """Offload a model's routed experts (see the module docstring).
@@ -276,10 +190,9 @@ def offload(
     predicted as that layer starts: closer to the router, less time to load);
     ``auto``: late where the model's norms are recognised.
     """
-    if tier not in TIERS:
-        raise StoreError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
-    if policy not in POLICIES:
-        raise StoreError(f"unknown cache policy {policy!r}; choose from {', '.join(POLICIES)}")
+    options = OffloadOptions(capacity, predictor, tables, policy, tier, bandwidth, latency,
+                             workers, max_loads, lookahead)  # fmt: skip
+    options.check()
     register()
     tokenizer, cleanup, model_dir = None, None, None
     if isinstance(model_or_dir, (str, Path)):
@@ -302,107 +215,51 @@ def offload(
         store_path = Path(store) if store is not None else cleanup
     assert store_path is not None
     try:
-        return _offload(model, store_path, tokenizer, model_dir, cleanup, capacity, predictor,
-                        tables, policy, tier, bandwidth, latency, workers, budget,
-                        lookahead)  # fmt: skip
+        return _offload(model, ExpertStore(store_path), options, model_dir, tokenizer, cleanup)
     except BaseException:
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
         raise
 
 
-def _offload(model: torch.nn.Module, store_path: Path, tokenizer: Any, model_dir: Path | None,
-             cleanup: Path | None, capacity: int | str, predictor: str | Predictor,
-             tables: str | Path | None, policy: str, tier: str, bandwidth: float | str | None,
-             latency: float | str, workers: int | None, budget: int | None,
-             lookahead: str = "auto") -> OffloadedModel:  # fmt: skip
-    expert_store = ExpertStore(store_path)
+def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: OffloadOptions,
+             model_dir: Path | None, tokenizer: Any,
+             cleanup: Path | None) -> OffloadedModel:  # fmt: skip
     expert_store.check_model(model)
     shape = ModelShape(len(experts_modules(model)), int(expert_store.model["num_experts"]),
                        top_k_of(model.config))  # fmt: skip
-    per_layer = resolve_capacity(capacity, shape.num_layers, shape.num_experts, shape.top_k,
-                                 expert_store.blocks[(0, 0)].nbytes)  # fmt: skip
-    if isinstance(predictor, Predictor):
-        pred = predictor
-        if lookahead != "auto":
-            _check_lookahead_option(pred.name, pred.uses_lookahead, lookahead)
-            pred.lookahead_pref = lookahead
-    else:
-        pred = _predictor(predictor, shape, tables, model_dir, lookahead)
+    per_layer = resolve_capacity(options.capacity, shape.num_layers, shape.num_experts,
+                                 shape.top_k, expert_store.blocks[(0, 0)].nbytes)  # fmt: skip
+    pred = resolve_predictor(options, shape, model_dir)
     device = None
-    if tier == "gpu":
+    if options.tier == "gpu":
         if not torch.cuda.is_available():
             raise StoreError("--tier gpu needs CUDA, and torch sees no GPU here; use --tier disk "
                              "or --tier emulated")  # fmt: skip
         device = torch.device("cuda")
-        _move_resident(model, device)
-    source = _tier(tier, expert_store, bandwidth, latency)
-    if workers is None:
-        workers = 2 if tier == "disk" else 1
+        move_resident(model, device)
+    source = open_tier(options.tier, expert_store, options.bandwidth, options.latency)
+    settings = EngineSettings(per_layer, options.policy, options.worker_count(), device,
+                              options.max_loads)  # fmt: skip
     try:
-        engine = OffloadEngine(model, expert_store, source, per_layer, pred, policy, workers,
-                               device, budget)  # fmt: skip
+        engine = OffloadEngine(model, expert_store, source, pred, settings)
     except BaseException:
         source.close()
         raise
     model.set_experts_implementation(IMPL_NAME)
-    config = {"store": str(store_path), "capacity": per_layer, "capacity_share":
-              per_layer / shape.num_experts, "predictor": pred.name, "policy": policy,
-              "tier": tier, "emulated": source.emulated, "workers": workers,
-              "prefetch_budget": engine.budget,
+    config = {"store": str(expert_store.path), "capacity": per_layer, "capacity_share":
+              per_layer / shape.num_experts, "predictor": pred.name, "policy": settings.policy,
+              "tier": options.tier, "emulated": source.emulated, "workers": settings.workers,
+              "max_loads": engine.max_loads,
               "lookahead": pred.point if pred.uses_lookahead else None,
               "num_layers": shape.num_layers, "num_experts": shape.num_experts,
               "top_k": shape.top_k, "expert_bytes": engine.expert_bytes,
               "cache_bytes": engine.cache_bytes}  # fmt: skip
-    if tier == "emulated":
+    if options.tier == "emulated":
         config.update(bandwidth=source.bandwidth, latency=source.latency)  # type: ignore[attr-defined]
-    if tier == "disk":
+    if options.tier == "disk":
         config.update(direct_io=source.direct)  # type: ignore[attr-defined]
     return OffloadedModel(model, engine, tokenizer, config, cleanup)
-
-
-def _tier(name: str, store: ExpertStore, bandwidth: float | str | None,
-          latency: float | str) -> Tier:  # fmt: skip
-    if isinstance(latency, str):
-        latency = parse_seconds(latency)
-    if name == "disk":
-        return DiskTier(store)
-    if name == "gpu":
-        return PinnedHostTier(store)
-    if bandwidth is None:
-        raise StoreError("the emulated tier needs a bandwidth (bytes/s, e.g. 200MB)")
-    bw = parse_bytes(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
-    return EmulatedLinkTier(store, bw, latency)
-
-
-def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
-               model_dir: Path | None, lookahead: str = "auto") -> Predictor:  # fmt: skip
-    from stmoe.predictors import REGISTRY
-    from stmoe.predictors.tables import load_tables
-
-    cls = REGISTRY.get(name)
-    options = {}
-    if lookahead != "auto":
-        _check_lookahead_option(name, cls is not None and cls.uses_lookahead, lookahead)
-        options["lookahead"] = lookahead
-    loaded = None
-    if cls is not None and cls.needs_tables:
-        if tables is None and model_dir is not None and (model_dir / SHIPPED_TABLES).is_file():
-            tables = model_dir / SHIPPED_TABLES
-        if tables is None:
-            raise StoreError(f"predictor {name!r} needs profiled tables: pass --tables "
-                             "(write them with `stmoe capture` then `stmoe profile`)")  # fmt: skip
-        loaded = load_tables(tables)
-    return make(name, shape, loaded, **options)
-
-
-def _check_lookahead_option(name: str, uses_lookahead: bool, lookahead: str) -> None:
-    from stmoe.predictors.plus import check_point
-
-    if not uses_lookahead:
-        raise StoreError(f"lookahead {lookahead!r} applies to predictors that use the gate "
-                         f"lookahead (hybrid, gate-lookahead), not {name!r}")  # fmt: skip
-    check_point(lookahead)
 
 
 def _tokenizer(model_dir: Path) -> Any:
@@ -412,15 +269,3 @@ def _tokenizer(model_dir: Path) -> Any:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError):
         return None
-
-
-def _move_resident(model: torch.nn.Module, device: torch.device) -> None:
-    """Move every non-meta parameter and buffer (the experts stay in the store)."""
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and not p.is_meta:
-                module._parameters[name] = torch.nn.Parameter(p.data.to(device),
-                                                              requires_grad=False)  # fmt: skip
-        for name, b in module._buffers.items():
-            if b is not None and not b.is_meta:
-                module._buffers[name] = b.to(device)

@@ -1,22 +1,24 @@
 """A bounded cache of one MoE layer's experts in fast memory.
 
 The cache owns fixed slabs (one tensor per expert parameter, ``capacity`` rows),
-allocated once: it can never hold more than its budget, and resident memory
+allocated once: it can never hold more than its capacity, and resident memory
 stays flat however long generation runs. Each slot is FREE, LOADING (a thread is
 writing it; nobody else may touch it) or READY.
 
 Every method except ``write`` must be called with the engine's lock held; the
 lock guards the bookkeeping, never a copy.
 
-Eviction policies (the victim is always a READY slot whose expert is not being
-gathered by the compute thread):
-
-* ``lru``: least recently used;
-* ``lfu``: least often used (ties: least recently used);
-* ``predicted`` (prediction-aware): LRU, but an expert predicted for the coming
-  layer is never evicted;
-* ``none``: no reuse: the compute thread frees every slot after each use
-  (plain on-demand offloading, the baseline).
+The victim of an eviction is chosen by a policy of ``stmoe.cache_policy`` (the
+names and their rules are documented there, once for every cache), with the
+same rules as the cache replay, so both give the same hits on the same requests
+(``tests/test_cache_policy.py``): only a READY slot may be a victim; never an
+expert being gathered by the compute thread (``pinned``) nor one predicted for
+the coming layer (``protected``: the prefetch set being inserted; given ranked,
+as a tuple, a prefetch protects the set's experts up to its own, literally the
+replay's rule, where a frozenset protects all of them). A use is
+stamped with the cache's step: setting ``pinned`` to a demand starts a step,
+every expert of that demand shares its stamp, and a prefetched expert is stamped
+with the step it was loaded for (the next one); ties go to the smaller id.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from stmoe import cache_policy as cp
 from stmoe.runtime.store import Block
 
 FREE, LOADING, READY = 0, 1, 2
-POLICIES = ("predicted", "lru", "lfu", "none")
+POLICIES = cp.names_for(cp.RUNTIME)  # the policy names the runtime accepts
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ def param_specs(block: Block) -> list[ParamSpec]:
     return specs
 
 
+_NO_FUTURE = np.zeros(0, dtype=np.int64)  # the runtime cannot see next uses (no belady)
+
+
 class LayerCache:
     """``capacity`` slots for one layer's experts; see the module docstring."""
 
@@ -70,6 +77,7 @@ class LayerCache:
         self.capacity = capacity
         self.params = params
         self.policy = policy
+        self._code = cp.policy_code(policy, cp.RUNTIME)
         self.device = device
         self.slabs = {p.name: torch.empty((capacity, *p.shape), dtype=p.dtype, device=device)
                       for p in params}  # fmt: skip
@@ -81,11 +89,25 @@ class LayerCache:
         self.state = [FREE] * capacity
         self.prefetched = [False] * capacity  # loaded by a prefetch ...
         self.used = [False] * capacity  # ... and used since it was loaded
-        self.last_use = [0] * capacity
-        self.freq = [0] * num_experts  # uses per expert, for LFU
-        self.clock = 0
-        self.protected: frozenset[int] = frozenset()  # predicted for the coming layer
-        self.pinned: frozenset[int] = frozenset()  # being gathered by the compute thread
+        # per expert, as the policies take them: stamp of the last use or load, and uses
+        self.last_use = np.zeros(num_experts, dtype=np.int64)
+        self.uses = np.zeros(num_experts, dtype=np.int64)
+        self.clock = 0  # the current step (see the module docstring)
+        self._in_step = False  # a demand is pinned: its uses share one stamp
+        # predicted for the coming layer: the prefetch set being inserted (a tuple: ranked)
+        self.protected: frozenset[int] | tuple[int, ...] = frozenset()
+        self._pinned: frozenset[int] = frozenset()  # being gathered by the compute thread
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        """Experts the compute thread is gathering; setting a demand starts a step."""
+        return self._pinned
+
+    @pinned.setter
+    def pinned(self, experts: frozenset[int]) -> None:
+        self._pinned = experts
+        self._in_step = bool(experts)
+        self.clock += self._in_step
 
     @property
     def nbytes(self) -> int:
@@ -108,7 +130,7 @@ class LayerCache:
             slot = next((s for s in range(self.capacity) if self.state[s] == FREE), None)
         wasted = False
         if slot is None:
-            slot = self._victim()
+            slot = self._victim(expert if prefetch else None)
             if slot is None:
                 return None, False
             wasted = self.prefetched[slot] and not self.used[slot]
@@ -118,20 +140,24 @@ class LayerCache:
         self.state[slot] = LOADING
         self.prefetched[slot] = prefetch
         self.used[slot] = False
+        if prefetch:  # a load is a use for LRU, stamped with the step it is loaded for
+            self.last_use[expert] = self.clock + 1
         return slot, wasted
 
-    def _victim(self) -> int | None:
-        best, best_key = None, None
+    def _victim(self, prefetching: int | None) -> int | None:
+        """(a full cache) The slot of the policy's victim, or None when all are protected."""
+        ranked = self.protected
+        if isinstance(ranked, tuple) and prefetching in ranked:  # the set up to this expert
+            ranked = ranked[: ranked.index(prefetching) + 1]
+        evictable = np.zeros(len(self.uses), dtype=np.bool_)
         for s in range(self.capacity):
-            e = self.holder[s]
-            if self.state[s] != READY or e in self.pinned:
-                continue
-            if self.policy == "predicted" and e in self.protected:
-                continue
-            key = (self.freq[e], self.last_use[s]) if self.policy == "lfu" else (self.last_use[s],)
-            if best_key is None or key < best_key:
-                best, best_key = s, key
-        return best
+            if self.state[s] == READY:
+                evictable[self.holder[s]] = True
+        keep = np.zeros(len(self.uses), dtype=np.bool_)
+        for e in self.pinned.union(ranked):
+            keep[e] = True
+        e = cp.choose_victim(evictable, keep, self.last_use, self.uses, _NO_FUTURE, self._code)
+        return self.where[e] if e >= 0 else None
 
     def write(self, slot: int, src: torch.Tensor, stream: object = None) -> None:
         """Copy a block's bytes (CPU uint8) into ``slot``; the caller holds the slot LOADING."""
@@ -157,10 +183,14 @@ class LayerCache:
         self.prefetched[slot] = self.used[slot] = False
 
     def touch(self, slot: int) -> None:
-        self.clock += 1
-        self.last_use[slot] = self.clock
+        """A use of the slot's expert: in the current step when a demand is pinned,
+        else a step of its own."""
+        if not self._in_step:
+            self.clock += 1
+        expert = self.holder[slot]
+        self.last_use[expert] = self.clock
         self.used[slot] = True
-        self.freq[self.holder[slot]] += 1
+        self.uses[expert] += 1
 
     def drop_ready(self) -> int:
         """Policy ``none``: free every READY slot; returns how many held a wasted prefetch."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from stmoe.capture import experts_modules
+from stmoe.model_introspect import experts_modules
 from stmoe.runtime.store import StoreError
 
 

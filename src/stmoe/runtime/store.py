@@ -8,11 +8,13 @@
 Blocks are aligned so a reader can bypass the page cache (O_DIRECT needs aligned
 offsets and sizes). Packing is deterministic: the same model gives the same
 bytes. The non-expert weights are not in the store; they load from the model
-folder as usual.
+folder as usual. A model folder offloaded without a store gets one packed on
+first use, in a cache directory (``ensure_store``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zlib
@@ -53,7 +55,7 @@ class Block:
 
 def fingerprint(model: Any) -> dict[str, Any]:
     """What a store must agree with to serve ``model``."""
-    from stmoe.capture import experts_modules
+    from stmoe.model_introspect import experts_modules
 
     modules = experts_modules(model)
     c = model.config
@@ -69,7 +71,7 @@ def pack(model: Any, out_dir: str | Path) -> Path:
     """Write ``model``'s routed experts as a store; returns its folder."""
     import torch
 
-    from stmoe.capture import experts_modules
+    from stmoe.model_introspect import experts_modules
 
     modules = experts_modules(model)
     if not modules:
@@ -112,6 +114,28 @@ def pack(model: Any, out_dir: str | Path) -> Path:
         "blocks": [_block_json(b) for b in blocks],
     }
     (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def default_store_dir(model_dir: Path) -> Path:
+    """Where a model folder's store is packed on first use (``STMOE_CACHE`` overrides)."""
+    root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "stores"
+    h = hashlib.sha256(str(model_dir.resolve()).encode())
+    for f in [*sorted(model_dir.glob("*.safetensors")), model_dir / "config.json"]:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return root / f"{model_dir.name}-{h.hexdigest()[:16]}"
+
+
+def ensure_store(model_dir: Path, store: str | Path | None) -> Path:
+    """The given store, or the model's cached one, packed now if missing."""
+    if store is not None:
+        return Path(store)
+    out = default_store_dir(model_dir)
+    if not (out / "index.json").is_file():
+        from stmoe.capture_generate import load_causal_lm
+
+        pack(load_causal_lm(model_dir), out)
     return out
 
 

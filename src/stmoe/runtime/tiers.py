@@ -12,6 +12,8 @@ CPU uint8 tensor, using ``buf`` (a page-aligned, writable buffer at least
   on one shared link, as a PCIe or network link would serialise transfers.
 * ``PinnedHostTier`` keeps the store in pinned host memory for a GPU cache: the
   copy to the device is the transfer (made on a copy stream by the cache).
+
+``open_tier`` makes one by the name ``stmoe.offload`` takes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Protocol
 import torch
 
 from stmoe.runtime.store import ALIGN, Block, ExpertStore, StoreError
+
+TIERS = ("disk", "emulated", "gpu")  # the names stmoe.offload's ``tier`` takes
 
 
 def padded(block: Block) -> int:
@@ -157,6 +161,21 @@ class PinnedHostTier:
 
     def close(self) -> None:
         self.host = torch.empty(0, dtype=torch.uint8)
+
+
+def open_tier(name: str, store: ExpertStore, bandwidth: float | str | None,
+              latency: float | str) -> Tier:  # fmt: skip
+    """The tier ``name`` (one of TIERS) over ``store``; the emulated one needs a bandwidth."""
+    if isinstance(latency, str):
+        latency = parse_seconds(latency)
+    if name == "disk":
+        return DiskTier(store)
+    if name == "gpu":
+        return PinnedHostTier(store)
+    if bandwidth is None:
+        raise StoreError("the emulated tier needs a bandwidth (bytes/s, e.g. 200MB)")
+    bw = parse_bytes(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
+    return EmulatedLinkTier(store, bw, latency)
 
 
 def parse_bytes(text: str) -> float:

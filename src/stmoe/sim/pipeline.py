@@ -15,20 +15,29 @@ the off-chip link:
    it serves (or one fixed dataflow), plus the shared experts and the EMU's
    permutation-network latency;
 5. when layer l's gating is known (after the EPU's lookup latency for predictors)
-   the prefetch for layer l+1 is queued on the link, most confident first,
-   behind layer l's misses: it overlaps layer l's expert compute and layer l+1's
-   attention. Layer 0's prefetch is issued at the start of the step.
+   the prefetch for layer l+1 is queued on the link, behind layer l's misses: it
+   overlaps layer l's expert compute and layer l+1's attention. Layer 0's
+   prefetch is issued at the start of the step. With several tokens in a step the
+   queue is the union of their sets by the batch rule of ``stmoe.predictors.union``
+   (experts more tokens predict first, then by best rank, then by id).
 
 The critical path is compute + stall (waiting for weights); link time that
 overlaps compute is hidden. A per-layer cache keeps up to C experts resident
-across steps (LRU; C = 0: the buffer holds only experts in use and prefetched).
+across steps (C = 0: the buffer holds only experts in use and prefetched); its
+victims are chosen by a policy of ``stmoe.cache_policy`` (``lru`` or ``lfu``),
+never among the step's routed experts. Used experts are kept, then prefetched
+ones that went unused (stamped just before the step's use).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
+from stmoe import cache_policy as cp
 from stmoe._numba import njit
+from stmoe.predictors.union import vote_union
 
 # Indices into the parameter vector handed to the kernel.
 P_PE, P_ROUTER, P_BW, P_LAT, P_EPU, P_VERIFY, P_EMU = 0, 1, 2, 3, 4, 5, 6
@@ -41,6 +50,43 @@ N_PARAMS = 13
 (C_TIME, C_COMPUTE, C_STALL, C_LINK, C_EPU, C_MACS, C_SRAM, C_LOADED, C_PREFETCHED,
  C_WASTED, C_DEMANDED, C_HITS, C_PREDICTED_HITS) = range(13)  # fmt: skip
 N_COUNTERS = 13
+_NO_FUTURE = np.zeros(0, dtype=np.int64)  # next uses: belady is not simulated (cache_policy)
+
+
+# What ``simulate_steps`` takes, in four groups (built once per run, so NamedTuples).
+class Steps(NamedTuple):
+    """What runs: the routing, and the tokens of each step."""
+
+    experts: np.ndarray  # [T, L, K] int16: the routed experts (-1 empty)
+    pos: np.ndarray  # [T] int64: each token's position in its sequence (attention context)
+    ptr: np.ndarray  # [S+1] int64: step s holds tok[ptr[s]:ptr[s+1]]
+    tok: np.ndarray  # int64 token indices
+
+
+class Prefetch(NamedTuple):
+    """What is prefetched: every (token, layer)'s ranked set, as PrefetchPlan's CSR."""
+
+    ptr: np.ndarray  # [T*L+1] int64
+    ids: np.ndarray  # int16
+    use_predictor: bool  # a prediction unit sits in the pipeline (EPU lookup, verify)
+
+
+class Machine(NamedTuple):
+    """The model on the hardware: costs and the PE array's dataflows."""
+
+    params: np.ndarray  # [N_PARAMS] float: see ``P_*``
+    peak: np.ndarray  # [D] each dataflow's peak utilisation
+    half: np.ndarray  # [D] tokens at which each reaches half its peak
+    fixed: int  # the one dataflow used, or -1: the best for each expert (reconfigurable)
+    num_experts: int  # N, experts per layer
+
+
+class Cache(NamedTuple):
+    """The per-layer expert cache."""
+
+    capacity: int  # experts kept per layer (0: only those in use and prefetched)
+    policy: int  # ``cache_policy`` code
+    warm: bool  # starts full: the first min(C, N) experts of each layer resident
 
 
 @njit(cache=True)
@@ -57,32 +103,23 @@ def _util(n, peak, half, fixed):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def simulate_steps(
-    experts,
-    pos,
-    step_ptr,
-    step_tok,
-    plan_ptr,
-    plan_ids,
-    params,
-    peak,
-    half,
-    fixed,
-    cache_cap,
-    use_predictor,
-    num_experts,
-    warm,
-):  # pragma: no cover - compiled
+def simulate_steps(steps, prefetch, machine, cache):  # pragma: no cover - compiled
     """Run every step through every layer; returns the counters (see ``C_*``).
 
-    ``warm``: the cache starts full (every expert resident when the capacity allows).
+    ``steps``, ``prefetch``, ``machine``, ``cache``: a ``Steps``, ``Prefetch``,
+    ``Machine`` and ``Cache``.
     """
+    experts, pos, step_ptr, step_tok = steps
+    plan_ptr, plan_ids, use_predictor = prefetch
+    params, peak, half, fixed, n = machine
+    cache_cap, policy, warm = cache
     n_layers = experts.shape[1]
-    n = num_experts
     out = np.zeros(N_COUNTERS)
     resident = np.zeros((n_layers, n), dtype=np.bool_)
     last_use = np.zeros((n_layers, n))
+    uses = np.zeros((n_layers, n))
     n_res = np.zeros(n_layers, dtype=np.int64)
+    state = (resident, last_use, uses, n_res, cache_cap, policy)
     if warm:  # the first min(C, N) experts of each layer start resident
         resident[:, : min(cache_cap, n)] = True
         n_res[:] = min(cache_cap, n)
@@ -104,8 +141,8 @@ def simulate_steps(
         issue = t_c + (params[P_EPU] if use_predictor else 0.0)
         out[C_EPU] += params[P_EPU] if use_predictor else 0.0
         free_before = link_free
-        q_n, q_start, link_free, n_pred = _queue(toks, 0, plan_ptr, plan_ids, n_layers, resident,
-                                                 in_p, q_e, issue, link_free, xfer)  # fmt: skip
+        order, n_pred = _step_union(toks, 0, plan_ptr, plan_ids, n_layers)
+        q_n, q_start, link_free = _queue(order, resident[0], in_p, q_e, issue, link_free, xfer)
         for layer in range(n_layers):
             clock += 1.0
             attn = 0.0
@@ -156,7 +193,7 @@ def simulate_steps(
                         out[C_PREDICTED_HITS] += 1
                     else:
                         out[C_WASTED] += 1
-                        _insert(layer, e, resident, last_use, n_res, in_u, cache_cap, clock - 0.5)
+                        _insert(layer, e, clock - 0.5, state, in_u)
                 in_p[e] = False
             # Cancelled transfers give their link time back.
             link_free = r if kept > 0 else free_before
@@ -189,9 +226,10 @@ def simulate_steps(
             out[C_COMPUTE] += (t_gate - t_c) + comp
             out[C_STALL] += ready - t_gate
             t_c = ready + comp
-            # The used experts stay resident (LRU) while the cache has room.
+            # The used experts stay resident while the cache has (or can make) room.
             for i in range(n_u):
-                _insert(layer, u_list[i], resident, last_use, n_res, in_u, cache_cap, clock)
+                uses[layer, u_list[i]] += 1
+                _insert(layer, u_list[i], clock, state, in_u)
             for i in range(n_u):
                 in_u[u_list[i]] = 0
             # Prefetch for the next layer, once this layer's gating is known.
@@ -199,65 +237,53 @@ def simulate_steps(
                 issue = t_gate + (params[P_EPU] if use_predictor else 0.0)
                 out[C_EPU] += params[P_EPU] if use_predictor else 0.0
                 free_before = link_free
-                q_n, q_start, link_free, n_pred = _queue(
-                    toks,
-                    layer + 1,
-                    plan_ptr,
-                    plan_ids,
-                    n_layers,
-                    resident,
-                    in_p,
-                    q_e,
-                    issue,
-                    link_free,
-                    xfer,
-                )
+                order, n_pred = _step_union(toks, layer + 1, plan_ptr, plan_ids, n_layers)
+                q_n, q_start, link_free = _queue(order, resident[layer + 1], in_p, q_e, issue,
+                                                 link_free, xfer)  # fmt: skip
     out[C_TIME] = t_c
     return out
 
 
 @njit(cache=True)
-def _queue(
-    toks, layer, plan_ptr, plan_ids, n_layers, resident, in_p, q_e, issue, link_free, xfer
-):  # pragma: no cover - compiled
-    """Queue the step's prefetch for ``layer``: the union of its tokens' sets, rank by
-    rank (most confident first), minus what is resident.
-    Returns (queued, start, tentative link end, predicted experts incl. resident ones)."""
-    n_q = 0
+def _step_union(toks, layer, plan_ptr, plan_ids, n_layers):  # pragma: no cover - compiled
+    """The step's prefetch for ``layer``: the union of its tokens' sets by the batch
+    rule (one vote per predicted expert). Returns (ids in order, predictions made)."""
+    sets = toks * n_layers + layer
     n_pred = 0
-    longest = 0
-    for t in toks:
-        size = plan_ptr[t * n_layers + layer + 1] - plan_ptr[t * n_layers + layer]
-        if size > longest:
-            longest = size
-    for rank in range(longest):
-        for t in toks:
-            a = plan_ptr[t * n_layers + layer]
-            if a + rank < plan_ptr[t * n_layers + layer + 1]:
-                e = plan_ids[a + rank]
-                n_pred += 1
-                if not in_p[e] and not resident[layer, e]:
-                    in_p[e] = True
-                    q_e[n_q] = e
-                    n_q += 1
-    start = max(issue, link_free)
-    return n_q, start, start + n_q * xfer if n_q else link_free, n_pred
+    for i in sets:
+        n_pred += plan_ptr[i + 1] - plan_ptr[i]
+    return vote_union(plan_ids, plan_ptr, sets), n_pred
 
 
 @njit(cache=True)
-def _insert(layer, e, resident, last_use, n_res, in_use, cap, stamp):  # pragma: no cover
-    """Keep ``e`` resident at ``layer`` if the cache has (or can make, by LRU) room."""
+def _queue(order, resident, in_p, q_e, issue, link_free, xfer):  # pragma: no cover - compiled
+    """Queue ``order`` minus what is resident at the layer (``resident``) on the link.
+    Returns (queued, start, tentative link end)."""
+    n_q = 0
+    for e in order:
+        if not in_p[e] and not resident[e]:
+            in_p[e] = True
+            q_e[n_q] = e
+            n_q += 1
+    start = max(issue, link_free)
+    return n_q, start, start + n_q * xfer if n_q else link_free
+
+
+@njit(cache=True)
+def _insert(layer, e, stamp, state, in_use):  # pragma: no cover - compiled
+    """Keep ``e`` resident at ``layer`` if the cache has (or its policy can make) room.
+
+    ``state``: (resident, last_use, uses, resident count per layer, capacity, policy);
+    the step's routed experts (``in_use`` > 0) are never victims."""
+    resident, last_use, uses, n_res, cap, policy = state
     if cap <= 0:
         return
     if resident[layer, e]:
         last_use[layer, e] = stamp
         return
     if n_res[layer] >= cap:
-        victim = -1
-        for x in range(resident.shape[1]):
-            older = victim < 0 or last_use[layer, x] < last_use[layer, victim]
-            if resident[layer, x] and in_use[x] == 0 and older:
-                victim = x
+        victim = cp.choose_victim(resident[layer], in_use, last_use[layer], uses[layer],
+                                  _NO_FUTURE, policy)  # fmt: skip
         if victim < 0:
             return
         resident[layer, victim] = False
@@ -265,3 +291,4 @@ def _insert(layer, e, resident, last_use, n_res, in_use, cap, stamp):  # pragma:
     resident[layer, e] = True
     last_use[layer, e] = stamp
     n_res[layer] += 1
+

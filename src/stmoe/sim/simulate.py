@@ -14,7 +14,7 @@ import numpy as np
 
 from stmoe.predictors import ModelShape, ProfiledTables, profile
 from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
-from stmoe.sim.systems import ABLATION, PAPER_SYSTEMS, run_system
+from stmoe.sim.systems import ABLATION, PAPER_SYSTEMS, RunOptions, run_system
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import split_auto
 
@@ -69,23 +69,20 @@ def simulate(
     model: ModelSpec,
     hw: HardwareSpec,
     systems: Sequence[str] = PAPER_SYSTEMS,
+    options: RunOptions | None = None,
     *,
-    tables: ProfiledTables | None = None,
-    batch: int = 1,
-    pregate_accuracy: float = 1.0,
-    adap_threshold: float = 0.8,
-    seed: int = 0,
     ablation: bool = True,
 ) -> dict[str, Any]:
-    """Simulate ``systems`` (the GPU baseline is always run: it normalises the rest)."""
+    """Simulate ``systems`` (the GPU baseline is always run: it normalises the rest)
+    with ``options`` (default ``RunOptions()``; without tables, ``prepare_tables``'s)."""
+    options = options or RunOptions()
     check_model_fits(trace, model)
-    if batch < 1:
-        raise SpecError(f"batch {batch}: expected >= 1")
-    trace, tables, note = prepare_tables(trace, tables)
-    run = dict(tables=tables, batch=batch, pregate_accuracy=pregate_accuracy,
-               adap_threshold=adap_threshold, seed=seed)  # fmt: skip
+    if options.batch < 1:
+        raise SpecError(f"batch {options.batch}: expected >= 1")
+    trace, tables, note = prepare_tables(trace, options.tables)
+    run = dataclasses.replace(options, tables=tables)
     names = list(dict.fromkeys(["gpu-baseline", *systems]))
-    results = {n: run_system(n, trace, model, hw, **run) for n in names}
+    results = {n: run_system(n, trace, model, hw, run) for n in names}
     base = results["gpu-baseline"].time
     out: dict[str, Any] = {
         "model": model.name,
@@ -96,7 +93,8 @@ def simulate(
             "tokens": trace.num_tokens,
             "decode_tokens": int(np.count_nonzero(trace.is_decode)),
         },
-        "batch": batch,
+        "batch": run.batch,
+        "cache_policy": run.policy,
         "tables": note,
         "systems": {n: r.to_dict(base) for n, r in results.items() if n in systems},
         "epu": epu_storage(model, hw, tables.row_width),
@@ -104,7 +102,7 @@ def simulate(
     if ablation:
         steps = {}
         for label, name in ABLATION:
-            r = results.get(name) or run_system(name, trace, model, hw, **run)
+            r = results.get(name) or run_system(name, trace, model, hw, run)
             steps[label] = r.to_dict(base)
         out["ablation"] = steps
     return out
@@ -117,22 +115,23 @@ def sweep(
     systems: Sequence[str],
     parameter: str,
     values: Sequence[float],
-    **options: Any,
+    options: RunOptions | None = None,
 ) -> dict[str, Any]:
     """Normalized time of ``systems`` as one hardware or run parameter varies."""
-    trace, tables, _ = prepare_tables(trace, options.pop("tables", None))  # once, not per point
-    options["tables"] = tables
+    options = options or RunOptions()
+    trace, tables, _ = prepare_tables(trace, options.tables)  # once, not per point
+    options = dataclasses.replace(options, tables=tables)
     table: dict[str, list[float]] = {n: [] for n in systems}
     for value in values:
-        spec, opts = hw, dict(options)
+        spec, opts = hw, options
         if parameter == "batch":
-            opts["batch"] = int(value)
+            opts = dataclasses.replace(options, batch=int(value))
         elif parameter in ("link_bytes_per_s", "cache_experts_per_layer"):
             cast = int if parameter == "cache_experts_per_layer" else float
             spec = dataclasses.replace(hw, **{parameter: cast(value)})
         else:
             raise SpecError(f"cannot sweep {parameter!r}")
-        data = simulate(trace, model, spec, systems, ablation=False, **opts)
+        data = simulate(trace, model, spec, systems, opts, ablation=False)
         for n in systems:
             table[n].append(data["systems"][n]["normalized_time"])
     return {"parameter": parameter, "values": list(values), "normalized_time": table}

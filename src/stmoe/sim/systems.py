@@ -19,11 +19,13 @@ dataflow, and (Adaptive-Gating only) which experts run:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from stmoe import cache_policy as cp
 from stmoe.metrics import scope_tokens
 from stmoe.predictors import REGISTRY, ModelShape, PrefetchPlan, ProfiledTables, make
 from stmoe.predictors.baselines import plan_from_sets
@@ -38,6 +40,20 @@ ABLATION = (  # docs/method.md: dataflow -> + temporal HT -> + spatial CCT
     ("+ temporal (HT)", "previous-token"),
     ("+ spatial (CCT) = ST-MoE", "stmoe"),
 )
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the systems run, beyond the trace, model and hardware (``run_system``, ``simulate``)."""
+
+    batch: int = 1  # sequences decoding together, one token each per step
+    tables: ProfiledTables | None = None  # the predictors' profiled tables
+    pregate_accuracy: float = 1.0  # pregated: the chance each pre-gated expert is right
+    adap_threshold: float = 0.8  # adap-gating: the gate mass a token's kept experts reach
+    seed: int = 0  # pregated's errors, the random predictor
+    warm: bool = False  # the cache starts full
+    predictor_options: Mapping[str, Any] | None = None  # knobs of the predictor (stmoe: threshold)
+    policy: str = "lru"  # the cache's eviction (``stmoe.cache_policy``; ``none``: keep nothing)
 
 
 @dataclass(frozen=True)
@@ -124,59 +140,40 @@ def run_system(
     trace: RoutingTrace,
     model: ModelSpec,
     hw: HardwareSpec,
-    *,
-    batch: int = 1,
-    tables: ProfiledTables | None = None,
-    pregate_accuracy: float = 1.0,
-    adap_threshold: float = 0.8,
-    seed: int = 0,
-    warm: bool = False,
-    predictor_options: dict[str, Any] | None = None,
+    options: RunOptions | None = None,
 ) -> SystemResult:
-    """Simulate one system on ``trace``. ``warm`` starts with the cache full;
-    ``predictor_options`` go to the predictor (e.g. ``threshold`` for stmoe)."""
+    """Simulate one system on ``trace`` (``options``: default ``RunOptions()``)."""
+    o = options or RunOptions()
+    code = cp.policy_code(o.policy, cp.SIMULATOR, SpecError)
+    cache = pl.Cache(0 if code == cp.NONE else hw.cache_experts_per_layer, code, o.warm)
     experts = np.ascontiguousarray(trace.experts, dtype=np.int16)
     quality: dict[str, float] = {}
     predictor_name, use_predictor, dynamic = _system(name)
     if name == "adap-gating":
-        experts, quality = adaptive_gating(trace, adap_threshold)
+        experts, quality = adaptive_gating(trace, o.adap_threshold)
     if name == "pregated":
-        plan = pregate_plan(trace, pregate_accuracy, seed)
+        plan = pregate_plan(trace, o.pregate_accuracy, o.seed)
     else:
-        options: dict[str, Any] = {"seed": seed} if predictor_name == "random" else {}
-        options.update(predictor_options or {})
-        plan = make(predictor_name, ModelShape.of(trace), tables, **options).plan(trace)
+        knobs: dict[str, Any] = {"seed": o.seed} if predictor_name == "random" else {}
+        knobs.update(o.predictor_options or {})
+        plan = make(predictor_name, ModelShape.of(trace), o.tables, **knobs).plan(trace)
     decode = scope_tokens(trace)  # decode tokens, or all when none is marked
-    fixed = _fixed_dataflow(hw, dynamic)
-    row_width = tables.row_width if tables is not None else model.top_k
+    row_width = o.tables.row_width if o.tables is not None else model.top_k
     params = kernel_params(model, hw, row_width)
-    peak = np.array([d.peak for d in hw.dataflows.values()])
-    half = np.array([d.half for d in hw.dataflows.values()])
+    machine = pl.Machine(params, np.array([d.peak for d in hw.dataflows.values()]),
+                         np.array([d.half for d in hw.dataflows.values()]),
+                         _fixed_dataflow(hw, dynamic), model.num_experts)  # fmt: skip
     pos = _positions(trace)
-    ptr, tok = steps_of(trace, decode, batch)
-    out = pl.simulate_steps(
-        experts,
-        pos,
-        ptr,
-        tok,
-        plan.ptr,
-        plan.ids,
-        params,
-        peak,
-        half,
-        fixed,
-        hw.cache_experts_per_layer,
-        use_predictor,
-        model.num_experts,
-        warm,
-    )
+    out = pl.simulate_steps(pl.Steps(experts, pos, *steps_of(trace, decode, o.batch)),
+                            pl.Prefetch(plan.ptr, plan.ids, use_predictor), machine,
+                            cache)  # fmt: skip
     prefill_time = 0.0
     if (~decode).any():  # prefill: each prompt as one step, on demand
-        pptr, ptok = _one_step_per_sequence(trace, ~decode)
         none = np.zeros(trace.num_tokens * trace.num_layers + 1, dtype=np.int64)
-        prefill = pl.simulate_steps(experts, pos, pptr, ptok, none, np.zeros(0, np.int16), params,
-                                    peak, half, fixed, hw.cache_experts_per_layer, False,
-                                    model.num_experts, warm)  # fmt: skip
+        prefill = pl.simulate_steps(
+            pl.Steps(experts, pos, *_one_step_per_sequence(trace, ~decode)),
+            pl.Prefetch(none, np.zeros(0, np.int16), False), machine, cache,
+        )  # fmt: skip
         prefill_time = float(prefill[pl.C_TIME])
     counters = {k: float(out[i]) for i, k in enumerate(
         ("time", "compute", "stall", "link", "epu", "macs", "sram", "loaded", "prefetched",

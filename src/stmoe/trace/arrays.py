@@ -1,4 +1,5 @@
-"""Array formats in: a raw ``[T, L, K]`` ``.npy`` and a header-less ``.npz``."""
+"""Array formats in: a raw ``[T, L, K]`` ``.npy`` (vLLM's offline routed experts, either
+axis order) and a header-less ``.npz``."""
 
 from __future__ import annotations
 
@@ -10,17 +11,21 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
+from stmoe.trace.engines.common import Columns, EngineOptions, finish, note, refuse_counts
 from stmoe.trace.io import read_npz_arrays, trace_from_arrays
-from stmoe.trace.schema import RoutingTrace, TraceMeta, validate
-
-_ID_MAX = int(np.iinfo(np.int16).max)
+from stmoe.trace.schema import RoutingTrace
 
 
 def read_npy(
-    path: Path, num_experts: int | None, seq_starts: str | Sequence[int] | None
+    path: Path,
+    num_experts: int | None,
+    seq_starts: str | Sequence[int] | None,
+    opts: EngineOptions | None = None,
 ) -> RoutingTrace:
-    """A raw integer array [T, L, K] (vLLM's routed experts); sequence starts from the
-    option, a side file ``NAME.seq_starts.npy``/``.txt``, or one sequence."""
+    """A raw integer array [T, L, K] (vLLM's ``CompletionOutput.routed_experts``, saved
+    with ``np.save``); sequence starts from the option, a side file
+    ``NAME.seq_starts.npy``/``.txt``, or one sequence; ``--prompt-lengths`` marks decode."""
+    opts = opts or EngineOptions()
     starts = resolve_seq_starts(path, seq_starts)
     try:
         ex = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -40,24 +45,53 @@ def read_npy(
     if ex.ndim != 3:
         raise TraceError(f"the array has rank {ex.ndim}, shape {tuple(ex.shape)}",
                          expected="rank 3, [T tokens, L MoE layers, K experts]")  # fmt: skip
+    if np.issubdtype(ex.dtype, np.floating) and looks_like_counts(ex):
+        raise refuse_counts(f"a {ex.dtype} array of shape {tuple(ex.shape)}")
     if not np.issubdtype(ex.dtype, np.integer):
         raise TraceError(f"the array has dtype {ex.dtype}", expected="integer expert ids")
-    extra: dict[str, Any] = {}
-    if num_experts is None:
-        if ex.size and ex.max() >= _ID_MAX:
-            t, layer, slot = (int(i) for i in np.argwhere(np.asarray(ex) >= _ID_MAX)[0])
-            raise TraceError(f"expert id {int(ex[t, layer, slot])} is out of range",
-                             position=f"token {t}, layer {layer}, slot {slot}",
-                             expected=f"ids below {_ID_MAX} (int16)")  # fmt: skip
-        num_experts = max(int(ex.max()) + 1 if ex.size else 1, 1)
-        extra["num_experts_inferred"] = True
-    meta = TraceMeta(num_experts=int(num_experts), top_k=ex.shape[2], num_layers=ex.shape[1],
-                     source=f"imported from {path.name}", extra=extra)  # fmt: skip
-    trace = RoutingTrace(experts=np.asarray(ex), seq_starts=starts,
-                         is_decode=np.zeros(ex.shape[0], dtype=bool), meta=meta)  # fmt: skip
-    validate(trace, file=str(path))  # range-checks ids before they are narrowed to int16
-    return RoutingTrace(experts=np.asarray(ex, dtype=np.int16), seq_starts=starts,
-                        is_decode=trace.is_decode, meta=meta)  # fmt: skip
+    ex = oriented(ex, opts.layout)
+    return finish(
+        Columns(experts=np.asarray(ex), seq_starts=starts,
+                is_decode=decode_by_prompt(starts, ex.shape[0], opts.prompt_lengths)),
+        opts, num_experts, {"source": f"imported from {path.name}", "file": str(path)},
+    )  # fmt: skip
+
+
+def oriented(ex: np.ndarray, layout: str) -> np.ndarray:
+    """A bare array as [T, L, K]: transposed for ``ltk``; a note when ``tlk`` looks wrong."""
+    if layout == "ltk":
+        return ex.transpose(1, 0, 2)
+    if 0 < ex.shape[0] < ex.shape[1]:
+        note(f"the array's first axis ({ex.shape[0]}) is smaller than its second "
+             f"({ex.shape[1]}): read as [T tokens, L layers, K]; pass --layout ltk "
+             "if it is [L, T, K]")  # fmt: skip
+    return ex
+
+
+def looks_like_counts(arr: np.ndarray) -> bool:
+    """A float array of counts (``[.., L, E]``): fractional values, or one column per
+    expert (wider than any router's top-k)."""
+    sample = np.asarray(arr[: 1 << 12])
+    return sample.shape[-1] >= 32 or bool(np.any(sample != np.round(sample)))
+
+
+def decode_by_prompt(
+    starts: np.ndarray, n_tokens: int, prompt_lengths: Sequence[int] | None
+) -> np.ndarray:
+    """[T] bool: token ``i`` of sequence ``s`` is decode when ``i >= prompt_lengths[s]``."""
+    decode = np.zeros(n_tokens, dtype=bool)
+    if prompt_lengths is None:
+        return decode
+    if len(prompt_lengths) != len(starts):
+        raise TraceError(f"{len(prompt_lengths)} prompt lengths for {len(starts)} sequences",
+                         expected="--prompt-lengths with one length per sequence, "
+                         "in file order")  # fmt: skip
+    ends = np.append(starts[1:], n_tokens)
+    if np.any(ends <= starts):
+        return decode  # bad starts: validation names them
+    for a, b, p in zip(starts, ends, prompt_lengths, strict=True):
+        decode[a + min(int(p), int(b - a)) : b] = True
+    return decode
 
 
 def read_headerless_npz(path: Path, num_experts: int | None) -> RoutingTrace:
@@ -72,6 +106,12 @@ def read_headerless_npz(path: Path, num_experts: int | None) -> RoutingTrace:
         if not isinstance(meta, dict):
             raise TraceError(f"member 'meta' is {type(meta).__name__}", expected="a JSON object")
     ex = arrays.get("experts")
+    if ex is None:
+        counts = [
+            k for k, a in arrays.items() if a.ndim == 3 and np.issubdtype(a.dtype, np.floating)
+        ]
+        if counts:
+            raise refuse_counts(f"member {counts[0]!r}: a float [.., L, E] array")
     if ex is None or ex.ndim != 3:
         raise TraceError(
             "member 'experts' is missing or not [T, L, K]", expected="experts [T, L, K]"

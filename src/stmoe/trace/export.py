@@ -2,7 +2,8 @@
 
 The native format (``io.save_trace``) is the one lossless format; these exports
 carry what their format can (JSON Lines: all but token ids; npy: expert ids and
-sequence starts only).
+sequence starts only; vllm and sglang: the engines' response layouts, see
+``engines.writers``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import numpy as np
 
 from stmoe._progress import progress
 from stmoe.errors import TraceError
+from stmoe.trace.engines.writers import export_sglang, export_vllm
 from stmoe.trace.schema import RoutingTrace
 
-EXPORT_FORMATS = ("jsonl", "npy")
+EXPORT_FORMATS = ("jsonl", "npy", "vllm", "sglang")
 
 
 def export_jsonl(trace: RoutingTrace, path: str | Path) -> Path:
@@ -57,4 +59,8 @@ def export_trace(trace: RoutingTrace, path: str | Path, format: str) -> Path:
         return export_jsonl(trace, path)
     if format == "npy":
         return export_npy(trace, path)
+    if format == "vllm":
+        return export_vllm(trace, path)
+    if format == "sglang":
+        return export_sglang(trace, path)
     raise TraceError(f"unknown export format {format!r}", expected=f"one of {EXPORT_FORMATS}")

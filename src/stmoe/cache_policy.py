@@ -1,0 +1,100 @@
+"""Cache policies: which resident expert to evict, the one vocabulary every cache uses.
+
+Three caches hold a layer's experts: the cache replay (``stmoe eval --capacity``,
+``stmoe.cache_replay``), the simulator's pipeline (``stmoe simulate``) and the
+runtime's slabs (``stmoe generate``, ``stmoe.runtime.cache``). Like a cachetools
+cache, a policy here only chooses the victim (``choose_victim``, compiled, called
+by all three); storage, accounting and *protection* (what may never be evicted:
+the experts a demand or the compute thread is using, the prefetch set being
+inserted, which is the set predicted for the coming layer) live in each cache.
+One use stamp per layer step: every expert a step loads or uses shares it, and
+ties go to the smaller expert id. The policies:
+
+* ``lru``: the least recently used or loaded expert. Because every cache protects
+  the prefetch set it is inserting, this is LRU that never evicts an expert
+  predicted for the coming layer. Valid everywhere; the runtime's default.
+* ``lfu``: the fewest uses (demands), then the least recent. Valid everywhere.
+* ``belady``: the one next needed farthest in the future at that layer; it also
+  declines a load needed no sooner than its victim (``admits``), which makes it
+  the offline bound on hits for the same prefetch stream. It needs the future:
+  cache replay only (the runtime cannot see it; the simulator does not model it).
+* ``none``: no reuse; every expert is dropped once used (plain on-demand
+  offloading, the baseline; victims, while a prefetch fills the cache, as LRU).
+  Runtime and simulator only (the simulator: a cache of 0 experts).
+
+``predicted`` is the former name of the runtime's default and stays accepted
+everywhere as ``lru`` (``ALIASES``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stmoe._numba import njit
+from stmoe.errors import StmoeError
+
+POLICIES = ("lru", "lfu", "belady", "none")
+ALIASES = {"predicted": "lru"}
+LRU, LFU, BELADY, NONE = range(4)  # the codes ``choose_victim`` takes: POLICIES' indices
+REPLAY, SIMULATOR, RUNTIME = "the cache replay", "the simulator", "the runtime"
+VALID_IN = {
+    "lru": (REPLAY, SIMULATOR, RUNTIME),
+    "lfu": (REPLAY, SIMULATOR, RUNTIME),
+    "belady": (REPLAY,),  # needs the future
+    "none": (SIMULATOR, RUNTIME),
+}
+NEVER = np.iinfo(np.int64).max  # next use of an expert no later step needs
+
+
+class CachePolicyError(StmoeError, ValueError):
+    """An unknown cache policy, or one that cannot apply where it was asked for."""
+
+
+def names_for(where: str) -> tuple[str, ...]:
+    """The policy names ``where`` accepts (aliases included)."""
+    valid = tuple(p for p in POLICIES if where in VALID_IN[p])
+    return valid + tuple(a for a, p in ALIASES.items() if p in valid)
+
+
+def policy_code(name: str, where: str, error: type[Exception] = CachePolicyError) -> int:
+    """The code of policy ``name`` for ``where`` (REPLAY, SIMULATOR or RUNTIME); else
+    ``error`` naming the policy and where it is valid."""
+    canonical = ALIASES.get(name, name)
+    if canonical not in POLICIES:
+        raise error(f"unknown cache policy {name!r}; choose from {', '.join(names_for(where))}")
+    if where not in VALID_IN[canonical]:
+        raise error(f"cache policy {name!r} applies in {' and '.join(VALID_IN[canonical])} only, "
+                    f"not in {where}; choose from {', '.join(names_for(where))}")  # fmt: skip
+    return POLICIES.index(canonical)
+
+
+@njit(cache=True)
+def choose_victim(resident, protected, last_use, uses, next_use, policy):  # pragma: no cover
+    """The expert to evict, or -1 when every resident one is protected.
+
+    Per-expert arrays of one layer: ``resident`` (evictable when true), ``protected``
+    (nonzero: may not be evicted), ``last_use`` (stamp of the last use or load),
+    ``uses`` (LFU), ``next_use`` (BELADY; ``NEVER`` when not needed again). Ties go
+    to the smaller expert id.
+    """
+    best = -1
+    for e in range(resident.shape[0]):
+        if not resident[e] or protected[e]:
+            continue
+        if best < 0:
+            best = e
+        elif policy == LFU:
+            if uses[e] < uses[best] or (uses[e] == uses[best] and last_use[e] < last_use[best]):
+                best = e
+        elif policy == BELADY:
+            if next_use[e] > next_use[best]:
+                best = e
+        elif last_use[e] < last_use[best]:  # LRU (and NONE's rare victims)
+            best = e
+    return best
+
+
+@njit(cache=True)
+def admits(policy, next_new, next_victim):  # pragma: no cover - compiled
+    """Whether a load should evict the victim: BELADY declines one needed no sooner."""
+    return policy != BELADY or next_new < next_victim

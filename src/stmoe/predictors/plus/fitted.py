@@ -1,0 +1,189 @@
+"""The values the stmoe-plus fit chose, typed: what ``tables.info["plus"]`` holds.
+
+The tables file keeps the fit in its JSON header as a plain dict (``to_dict``);
+``PlusFit.from_dict`` reads it back, checks every value (numeric, finite, the
+right number of weights) and names what is wrong, so the predictor never reads
+loose keys. A fit of another ``FIT_VERSION`` is ignored (its weights mean other
+things): the predictor then takes the defaults, as for tables profiled without
+a fit. The layout of the dict (keys, order, version 3) is the file format.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from stmoe.predictors.base import PredictorError
+from stmoe.predictors.plus.layout import NUM_SIGNALS
+
+FIT_VERSION = 3  # fits of other versions are ignored (v3: logistic weights)
+# by Signal: spatial from the last 4 known layers (nearest first), temporal, prior,
+# recency, memory (at power, and narrow: at 4 * power), a constant (logistic only)
+DEFAULT_W = (1.0, 0.5, 0.25, 0.0, 0.5, 0.25, 0.5, 1.0, 0.0, 0.0)
+DEFAULT_POWER = 8.0
+DEFAULT_SIM_DECAY = 1.0
+DEFAULT_ALPHA = 1.0
+DEFAULT_GAMMA = 0.8
+DEFAULT_BETA = 0.5  # hybrid's lookahead weight where none was fitted
+
+Weights = tuple[float, ...]  # NUM_SIGNALS weights, indexed by Signal
+
+
+@dataclass(frozen=True)
+class JointFit:
+    """hybrid's joint logistic fit at one lookahead point: the table weights refitted
+    with the lookahead's rank weights as one more signal of the log-odds."""
+
+    w: Weights
+    w_look: float  # the lookahead's weight in the log-odds
+
+
+@dataclass(frozen=True)
+class LookaheadFit:
+    """hybrid's fit at one lookahead point (early or late)."""
+
+    beta: float  # the lookahead's weight in the fusion with the table scores
+    heldout_recall: float | None  # on the held-back tokens (the joint fit's if kept)
+    joint: JointFit | None = None  # kept where it recalled more than the fusion
+
+
+@dataclass(frozen=True)
+class PlusFit:
+    """The weights, smoothing, recency and memory settings of stmoe-plus (and hybrid's
+    lookahead weights), as fitted on held-back profiling tokens or the defaults."""
+
+    w: Weights = DEFAULT_W
+    alpha: float = DEFAULT_ALPHA  # smoothing towards the prior, in tokens
+    gamma: float = DEFAULT_GAMMA  # recency: weight of the previous token
+    power: float = DEFAULT_POWER  # token memory: similarity exponent
+    sim_decay: float = DEFAULT_SIM_DECAY  # token memory: per-layer decay of the similarity
+    fitted: bool = False  # False: the defaults (too few profiling tokens to hold any back)
+    logistic: bool = False  # True: ``w`` are logistic weights (scores are log-odds)
+    heldout_tokens: int | None = None
+    heldout_recall: float | None = None
+    heldout_recall_linear: float | None = None  # of the grid's linear pool
+    w_linear: Weights | None = None  # the grid's linear pool, kept beside logistic weights
+    w_start: Weights | None = None  # logistic: a token with no known layer (its own fit)
+    w_fresh: Weights | None = None  # logistic: a sequence's first token (the prior alone)
+    early: LookaheadFit | None = None  # hybrid, where the trace recorded the early lookahead
+    late: LookaheadFit | None = None  # ... the late one
+    version: int = field(default=FIT_VERSION, init=False)
+
+    def beta(self, point: str) -> float:
+        """The fusion's lookahead weight at ``point``; the late one falls back to the early."""
+        found = self.late if point == "late" else None
+        found = found or self.early
+        return found.beta if found is not None else DEFAULT_BETA
+
+    def joint(self, point: str) -> JointFit | None:
+        found = self.late if point == "late" else self.early
+        return found.joint if found is not None else None
+
+    # ---- the tables file's JSON form ------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"w": list(self.w), "alpha": self.alpha, "gamma": self.gamma,
+                               "power": self.power, "sim_decay": self.sim_decay,
+                               "fitted": self.fitted, "version": self.version,
+                               "logistic": self.logistic}  # fmt: skip
+        for key in ("heldout_tokens", "heldout_recall", "heldout_recall_linear", "w_linear",
+                    "w_start", "w_fresh"):  # fmt: skip
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = list(value) if isinstance(value, tuple) else value
+        for suffix, look in (("", self.early), ("_late", self.late)):
+            if look is None:
+                continue
+            out[f"beta{suffix}"] = look.beta
+            if look.heldout_recall is not None:
+                out[f"heldout_recall_hybrid{suffix}"] = look.heldout_recall
+            if look.joint is not None:
+                out[f"hybrid{suffix}"] = {"w": list(look.joint.w), "w_look": look.joint.w_look}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PlusFit | None:
+        """The fit a tables file holds; None for a fit of another version (or none).
+        A damaged entry is a PredictorError naming the key."""
+        if data is None:
+            return None
+        if not isinstance(data, dict):
+            raise PredictorError(f"{_WHERE}: expected a JSON object, found {type(data).__name__}")
+        if data.get("version") != FIT_VERSION:
+            return None
+        r = _Reader(data)
+        logistic = r.flag("logistic")
+        return cls(w=r.weights("w", DEFAULT_W), alpha=r.number("alpha", DEFAULT_ALPHA),
+                   gamma=r.number("gamma", DEFAULT_GAMMA), power=r.number("power", DEFAULT_POWER),
+                   sim_decay=r.number("sim_decay", DEFAULT_SIM_DECAY), fitted=r.flag("fitted"),
+                   logistic=logistic, heldout_tokens=r.count("heldout_tokens"),
+                   heldout_recall=r.number("heldout_recall"),
+                   heldout_recall_linear=r.number("heldout_recall_linear"),
+                   w_linear=r.weights("w_linear"), w_start=r.weights("w_start", required=logistic),
+                   w_fresh=r.weights("w_fresh", required=logistic),
+                   early=r.lookahead(""), late=r.lookahead("_late"))  # fmt: skip
+
+
+_WHERE = "the tables' stmoe-plus fit (info['plus'])"
+
+
+class _Reader:
+    """Checked reads of a fit's JSON dict; every failure names the key."""
+
+    def __init__(self, data: dict[str, Any], where: str = _WHERE) -> None:
+        self.data, self.where = data, where
+
+    def _fail(self, key: str, expected: str) -> PredictorError:
+        return PredictorError(f"{self.where}: {key!r} is {self.data[key]!r}, expected {expected}; "
+                              "profile the trace again")  # fmt: skip
+
+    def number(self, key: str, default: float | None = None) -> Any:
+        if key not in self.data:
+            return default
+        v = self.data[key]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise self._fail(key, "a finite number")
+        return v
+
+    def count(self, key: str) -> int | None:
+        v = self.number(key)
+        if v is not None and (not isinstance(v, int) or v < 0):
+            raise self._fail(key, "a token count")
+        return v
+
+    def flag(self, key: str) -> bool:
+        v = self.data.get(key, False)
+        if not isinstance(v, bool):
+            raise self._fail(key, "true or false")
+        return v
+
+    def weights(self, key: str, default: Weights | None = None,
+                required: bool = False) -> Weights | None:  # fmt: skip
+        if key not in self.data:
+            if required:
+                raise PredictorError(f"{self.where}: no {key!r}; profile the trace again")
+            return default
+        v = self.data[key]
+        if not (isinstance(v, list) and len(v) == NUM_SIGNALS and all(
+                not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x)
+                for x in v)):  # fmt: skip
+            raise self._fail(key, f"{NUM_SIGNALS} finite numbers")
+        return tuple(v)
+
+    def lookahead(self, suffix: str) -> LookaheadFit | None:
+        beta = self.number(f"beta{suffix}")
+        recall = self.number(f"heldout_recall_hybrid{suffix}")
+        joint = self.data.get(f"hybrid{suffix}")
+        if beta is None:
+            if recall is not None or joint is not None:
+                raise PredictorError(f"{self.where}: hybrid's fit{suffix} without 'beta{suffix}'")
+            return None
+        if joint is not None:
+            if not isinstance(joint, dict):
+                raise self._fail(f"hybrid{suffix}", "an object with 'w' and 'w_look'")
+            inner = _Reader(joint, f"{self.where}['hybrid{suffix}']")
+            w, w_look = inner.weights("w", required=True), inner.number("w_look")
+            if w_look is None:
+                raise PredictorError(f"{inner.where}: no 'w_look'")
+            joint = JointFit(w, w_look)  # type: ignore[arg-type]
+        return LookaheadFit(beta, recall, joint)

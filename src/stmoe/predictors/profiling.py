@@ -1,0 +1,98 @@
+"""Profiling: docs/method.md's Algorithm 1, and what the richer predictors learn.
+
+``profile(traces)`` counts, for every adjacent layer pair (l, l+1), how often
+expert e at l co-occurs with expert f at l+1 in the same token, and keeps for each
+e the ``row_width`` most frequent f (ties to the smaller id, counts > 0) at
+confidence 2: the cross-layer correlation table (CCT). The full co-occurrence
+counts and each layer's expert frequencies are kept too, for the frequency
+baseline and for richer predictors. It lives apart from ``tables`` (the tables
+and their file) because it calls stmoe-plus's fit, which itself reads tables:
+tables -> nothing of stmoe-plus; plus -> tables; profiling -> both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from stmoe.errors import TraceError
+from stmoe.predictors.base import ModelShape, PredictorError
+from stmoe.predictors.counting import layer_tokens, pair_counts
+from stmoe.predictors.plus.fitting import fit_weights
+from stmoe.predictors.tables import RECENT_TOKENS, ProfiledTables, cct_from_counts, cooccurrence
+from stmoe.trace.schema import RoutingTrace
+from stmoe.trace.summary import expert_load
+
+
+def profile(
+    traces: RoutingTrace | Sequence[RoutingTrace],
+    row_width: int | None = None,
+    fit_plus: bool = True,
+    by_domain: bool = False,
+) -> ProfiledTables:
+    """Algorithm 1 over one or more traces of the same model; ``row_width`` defaults to K.
+
+    Also counts what stmoe-plus and hybrid use (pairs of layers up to 4 apart,
+    consecutive tokens) and, with ``fit_plus``, chooses their signal weights on a
+    held-back tail of these same traces. ``by_domain`` adds tables of each domain
+    (for stmoe-mix)."""
+    traces = [traces] if isinstance(traces, RoutingTrace) else list(traces)
+    if not traces:
+        raise TraceError("nothing to profile", expected="at least one trace")
+    shape = ModelShape.of(traces[0])
+    for i, t in enumerate(traces[1:], start=1):
+        if ModelShape.of(t) != shape:
+            raise PredictorError(
+                f"trace {i} has {ModelShape.of(t).describe()} but trace 0 has {shape.describe()}"
+            )
+    width = shape.top_k if row_width is None else int(row_width)
+    if not 1 <= width <= shape.num_experts:
+        raise PredictorError(f"row width {width}: expected 1..{shape.num_experts}")
+    co = sum(cooccurrence(t) for t in traces)
+    ids, conf = cct_from_counts(co, width)
+    counted = [pair_counts(t) for t in traces]
+    pairs = sum(c[0] for c in counted).astype(np.int64)
+    temporal = sum(c[1] for c in counted).astype(np.int64)
+    extra: dict[str, Any] = {
+        "layer_tokens": sum(layer_tokens(t) for t in traces).tolist(),
+    }
+    if fit_plus:  # (the tables file keeps the fit as a plain dict: PlusFit.to_dict)
+        extra["plus"] = fit_weights(traces[-1]).to_dict()
+    return ProfiledTables(
+        shape=shape,
+        cct_ids=ids,
+        cct_conf=conf,
+        cooccurrence=co,
+        layer_counts=sum(expert_load(t) for t in traces),
+        info={
+            "model": traces[0].meta.model,
+            "tokens": int(sum(t.num_tokens for t in traces)),
+            "sources": [t.meta.source for t in traces],
+            "domains": sorted({d for t in traces for d in t.domains}),
+            "synthetic": any(t.meta.synthetic for t in traces),
+            **extra,
+        },
+        pair_counts=pairs,
+        temporal=temporal,
+        per_domain=_per_domain(traces, width, fit_plus) if by_domain else None,
+        recent=np.concatenate([np.asarray(t.experts) for t in traces])[-RECENT_TOKENS:].astype(
+            np.int16
+        ),
+    )
+
+
+def _per_domain(traces: list[RoutingTrace], width: int, fit_plus: bool
+                ) -> dict[str, ProfiledTables]:  # fmt: skip
+    from stmoe.trace import concat, select_domain
+
+    names = list(dict.fromkeys(d for t in traces for d in t.domains))
+    if len(names) < 2:
+        raise TraceError(f"profiling by domain needs at least 2 domains, the traces have {names}",
+                         hint="label sequences with --domain when importing")  # fmt: skip
+    out = {}
+    for d in names:
+        parts = [select_domain(t, d) for t in traces if d in t.domains]
+        out[d] = profile(concat(parts, drop_partial=True), width, fit_plus)
+    return out

@@ -1,0 +1,149 @@
+"""Where the offload engine meets transformers: the experts interface and the hooks.
+
+``register()`` adds the ``stmoe_offload`` implementation to transformers'
+``ExpertsInterface``; with it selected, every experts module's forward comes to
+its engine with the router's decision, the model keeping its own routing code.
+``take_over`` releases a module's per-expert weights to storage-free meta tensors
+and points the module at the engine; ``base_forward`` is the implementation it
+used before (its arithmetic, which the engine calls on the gathered experts).
+``ForwardHooks`` follows the model's forward calls: which call, its batch shape
+and padding mask, prefill (a prompt) or decode (one token per row), and tells
+the prefetch planner as each call starts and ends and as each decoder layer
+with a late gate lookahead starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from stmoe.runtime.planning import PrefetchPlanner
+from stmoe.runtime.state import EngineState
+from stmoe.runtime.store import StoreError
+
+IMPL_NAME = "stmoe_offload"
+
+
+def _offloaded_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
+                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                       *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    engine = getattr(self, "_stmoe_engine", None)
+    if engine is None:
+        raise StoreError(f"{type(self).__name__} uses experts implementation {IMPL_NAME!r} but "
+                         "is not offloaded; call stmoe.offload(model, ...)")  # fmt: skip
+    return engine.experts_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+
+
+def register() -> None:
+    """Make ``stmoe_offload`` a valid ``config._experts_implementation`` (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _offloaded_forward)
+
+
+def base_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """The experts implementation the module used before offloading (its arithmetic)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    original = inspect.unwrap(type(module).forward)
+    impl = getattr(module.config, "_experts_implementation", None) or "eager"
+    if impl == IMPL_NAME:
+        raise StoreError("this model is already offloaded")
+    return ALL_EXPERTS_FUNCTIONS.get_interface(impl, original)
+
+
+def take_over(module: torch.nn.Module, engine: Any, num_experts: int) -> None:
+    """Release the module's per-expert parameters (storage-free meta tensors from now on)
+    and send its experts calls to ``engine.experts_forward``."""
+    for name, p in list(module.named_parameters(recurse=False)):
+        if p.dim() >= 1 and p.shape[0] == num_experts:
+            module._parameters[name] = torch.nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False
+            )
+    module._stmoe_engine = engine  # type: ignore[assignment]
+
+
+class GatheredExperts:
+    """Stands in for an experts module: the gathered experts' weights, all else delegated."""
+
+    def __init__(self, module: torch.nn.Module, params: dict[str, torch.Tensor], n: int) -> None:
+        self.__dict__.update(params)
+        self.__dict__["num_experts"] = n
+        self.__dict__["_module"] = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_module"], name)
+
+
+def resident_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's resident (non-meta) weights are; the CPU when there are none."""
+    for p in model.parameters():
+        if not p.is_meta:
+            return p.device
+    return torch.device("cpu")
+
+
+def move_resident(model: torch.nn.Module, device: torch.device) -> None:
+    """Move every non-meta parameter and buffer (the experts stay in the store)."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and not p.is_meta:
+                module._parameters[name] = torch.nn.Parameter(p.data.to(device),
+                                                              requires_grad=False)  # fmt: skip
+        for name, b in module._buffers.items():
+            if b is not None and not b.is_meta:
+                module._buffers[name] = b.to(device)
+
+
+class ForwardHooks:
+    """The model's forward calls followed (``state.run``), the planner told of each."""
+
+    def __init__(self, model: torch.nn.Module, state: EngineState,
+                 planner: PrefetchPlanner) -> None:  # fmt: skip
+        self.state, self.planner = state, planner
+        self._handles = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+                         model.register_forward_hook(self._after_forward)]  # fmt: skip
+        if planner.late is not None:  # predict layer l as layer l starts (the late lookahead)
+            self._handles += [decoder_layer.register_forward_pre_hook(self._layer_start(layer),
+                                                                      with_kwargs=True)
+                              for layer, (decoder_layer, _) in enumerate(planner.late)
+                              if layer > 0]  # fmt: skip
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids")
+        if ids is None and args:
+            ids = args[0]
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None:
+            raise StoreError("an offloaded model needs input_ids or inputs_embeds")
+        batch, length = int(ids.shape[0]), int(ids.shape[1])
+        mask = kwargs.get("attention_mask")
+        with self.state.cv:
+            run = self.state.run
+            run.fwd += 1
+            run.batch = (batch, length)
+            run.phase = "prefill" if length > 1 or run.fwd == 0 else "decode"
+            run.prefill_routing = []
+            run.mask = None
+            if mask is not None and mask.dim() == 2:
+                run.mask = mask[:, -length:].detach().to("cpu").bool().numpy()
+        self.planner.forward_started()
+
+    def _after_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self.state.run.forward_ends.append(time.perf_counter())
+        self.planner.forward_ended()
+
+    def _layer_start(self, layer: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            self.planner.layer_started(layer, args[0] if args else kwargs["hidden_states"])
+
+        return hook

@@ -1,0 +1,173 @@
+"""What to prefetch, for which layer, and when: the predictor driven through a run.
+
+After each MoE layer routes, the predictor learns the router's choice (for every
+row of the batch, in the protocol's order) and is asked for the experts of the
+layer ``horizon`` ahead, wrapping to the next token's first layers after the last;
+the answer goes to the prefetch queue before the layer computes, so loading
+overlaps its compute. A prompt (prefill) is routed all at once, so its routing
+is kept and taught token by token when the forward call ends. With the gate
+lookahead, the next layer's router runs on this layer's MoE input (*early*), or
+on the next layer's own input through its pre-MoE norm as that layer starts
+(*late*: a hook per decoder layer; closer to what the router sees, less time to
+load). The oracle (``run.future``) is asked nothing: it knows each layer's set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stmoe.model_introspect import late_hidden, late_points, lookahead_ids, routers
+from stmoe.predictors.base import Predictor, PredictorError
+from stmoe.runtime.prefetch import Prefetcher
+from stmoe.runtime.state import EngineState
+from stmoe.runtime.store import StoreError
+
+
+@dataclass(frozen=True)
+class GateLookahead:
+    """The gate lookahead a run computes: each MoE layer's router, and with the late
+    point each layer's (decoder layer, pre-MoE norm)."""
+
+    routers: list[torch.Tensor]
+    late: list[tuple[torch.nn.Module, torch.nn.Module]] | None
+
+
+def gate_lookahead(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]],
+                   predictor: Predictor) -> GateLookahead | None:  # fmt: skip
+    """The lookahead ``predictor`` takes from ``model`` (its point settled), or None when
+    it takes none (beyond horizon 1: the tables alone)."""
+    if not (predictor.uses_lookahead and predictor.horizon == 1):
+        return None
+    found = routers(model, modules)
+    if found is None:
+        raise StoreError(f"predictor {predictor.name!r} needs each MoE layer's router, "
+                         "and this model's could not be found")  # fmt: skip
+    late = late_points(model, modules)
+    try:
+        point = predictor.resolve_lookahead_point(late is not None)
+    except PredictorError as exc:
+        raise StoreError(str(exc)) from None
+    predictor.use_lookahead_point(point)
+    return GateLookahead(found, late if point == "late" else None)
+
+
+class PrefetchPlanner:
+    """Teaches ``predictor`` the routing and queues its predictions on ``prefetcher``."""
+
+    def __init__(self, state: EngineState, predictor: Predictor, prefetcher: Prefetcher,
+                 lookahead: GateLookahead | None, max_loads: int,
+                 capacity: int) -> None:  # fmt: skip
+        self.state, self.predictor, self.prefetcher = state, predictor, prefetcher
+        self.predicts = predictor.prefetches  # else nothing to learn or queue
+        self.horizon = predictor.horizon
+        self.top_k = predictor.shape.top_k
+        self.routers = lookahead.routers if lookahead is not None else None
+        self.late = lookahead.late if lookahead is not None else None  # the late point's
+        self.max_loads = max_loads  # loads one prediction may start (its most confident first)
+        self.capacity = capacity
+
+    # ---- the model's forward calls (hf_glue.ForwardHooks) ----------------------------
+    def forward_started(self) -> None:
+        """A forward call started: a prompt starts each row's sequence afresh."""
+        run = self.state.run
+        if run.phase == "prefill" and run.future is None:
+            for slot in range(run.batch[0]):
+                self.predictor.reset(slot)
+
+    def forward_ended(self) -> None:
+        """A forward call ended: after a prompt, teach it and predict the next token's."""
+        run = self.state.run
+        if run.phase == "prefill" and run.future is None and run.prefill_routing:
+            self._replay_prefill()
+            for fwd, target in self._targets(self.state.num_layers - 1)[-self.horizon :]:
+                self._prefetch(fwd, target, self._predicted(fwd, target))
+
+    def layer_started(self, layer: int, hidden: torch.Tensor) -> None:
+        """Before MoE layer ``layer``'s decoder layer runs: the late lookahead (its router
+        on its input through its pre-MoE norm), then the prefetch for ``layer``."""
+        run = self.state.run
+        if run.future is not None:
+            return
+        assert self.late is not None
+        self._lookahead(layer, hidden, self.late[layer][1])
+        self._prefetch(run.fwd, layer, self._predicted(run.fwd, layer))
+
+    # ---- each MoE layer (serve.LayerServer) ------------------------------------------
+    def after_routing(self, layer: int, rows: np.ndarray, hidden: torch.Tensor) -> None:
+        """Learn what the router chose and queue the prefetch ``horizon`` layers ahead."""
+        if not self.predicts:
+            return
+        run = self.state.run
+        last = layer == self.state.num_layers - 1
+        if run.phase == "prefill" and run.future is None:
+            run.prefill_routing.append(rows.astype(np.int16))
+            targets = [] if last else self._targets(layer)
+        else:
+            if run.future is None:
+                batch, length = run.batch
+                for slot in range(batch):
+                    self.predictor.update(layer, rows[slot * length + length - 1], slot)
+            targets = self._targets(layer)
+        if self.late is not None:  # the next layer is predicted as it starts (layer_started)
+            targets = [(f, t) for f, t in targets if f != run.fwd]
+        elif (self.routers is not None and run.future is None
+              and layer + 1 < self.state.num_layers):  # fmt: skip
+            self._lookahead(layer + 1, hidden)
+        for fwd, target in targets:
+            self._prefetch(fwd, target, self._predicted(fwd, target))
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _replay_prefill(self) -> None:
+        """Teach the predictor the prompt token by token (the protocol's order)."""
+        run = self.state.run
+        batch, length = run.batch
+        routing = np.stack(run.prefill_routing, axis=1)  # [B*S, L, K]
+        for slot in range(batch):
+            self.predictor.reset(slot)
+            for t in range(length):
+                if run.mask is not None and not run.mask[slot, t]:
+                    continue
+                for layer in range(self.state.num_layers):
+                    self.predictor.update(layer, routing[slot * length + t, layer], slot)
+
+    def _targets(self, layer: int) -> list[tuple[int, int]]:
+        """(forward call, layer) to predict once ``layer`` is known: ``horizon`` ahead,
+        wrapping to the next token's first layers after the last."""
+        h, n, fwd = self.horizon, self.state.num_layers, self.state.run.fwd
+        out = [(fwd, layer + h)] if layer + h < n else []
+        if layer == n - 1:
+            out += [(fwd + 1, t) for t in range(min(h, n))]
+        return out
+
+    def _lookahead(self, layer: int, hidden: torch.Tensor,
+                   norm: torch.nn.Module | None = None) -> None:  # fmt: skip
+        """Gate lookahead: layer ``layer``'s router on ``hidden`` (the previous layer's
+        MoE input; with the late lookahead, layer ``layer``'s input through ``norm``)."""
+        assert self.routers is not None
+        batch, length = self.state.run.batch
+        last_rows = hidden.reshape(batch, length, -1)[:, -1]
+        if norm is not None:
+            last_rows = late_hidden(norm, last_rows)
+        router = self.routers[layer]
+        width = min(2 * self.top_k, router.shape[0])
+        ids = lookahead_ids(last_rows, router, width).to("cpu").numpy()
+        for slot in range(batch):
+            self.predictor.lookahead(layer, ids[slot], slot)
+
+    def _predicted(self, fwd: int, layer: int) -> list[int]:
+        run = self.state.run
+        if run.future is not None:
+            return list(run.future.get((fwd, layer), ()))[: self.capacity]
+        ids = self.predictor.predict_batch(layer, range(run.batch[0]), max_size=self.capacity)
+        return [int(e) for e in ids[: self.capacity]]
+
+    def _prefetch(self, fwd: int, layer: int, experts: list[int]) -> None:
+        """Record the prediction for (``fwd``, ``layer``), keep its experts from eviction
+        and queue the loads of those not cached."""
+        with self.state.cv:
+            self.state.run.pending[layer] = (fwd, frozenset(experts))
+            self.state.caches[layer].protected = frozenset(experts)
+            self.prefetcher.request(fwd, layer, experts, self.max_loads)

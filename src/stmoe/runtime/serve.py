@@ -1,0 +1,191 @@
+"""The compute thread's path through one MoE layer call, from the router to the output.
+
+``LayerServer.serve`` is what an experts module's forward becomes once offloaded:
+
+1. make sure the experts the router picked are in the layer's cache, waiting for
+   in-flight prefetches or loading misses itself (this wait is the *stall*);
+2. gather those experts into a compact tensor (ids renumbered in the same order)
+   and run the model's own experts implementation on it, so the arithmetic, and
+   so every output bit, is what the resident model computes;
+3. before computing, hand the routing to the planner, which queues the next
+   prefetches so loading overlaps this layer's compute.
+
+An expert beyond the cache's capacity (a long prompt may route to more experts
+than fit) is read into a transient buffer and used once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from stmoe.runtime.cache import LOADING, READY, LayerCache
+from stmoe.runtime.hf_glue import GatheredExperts
+from stmoe.runtime.planning import PrefetchPlanner
+from stmoe.runtime.prefetch import Prefetcher
+from stmoe.runtime.state import EngineSettings, EngineState
+from stmoe.runtime.store import StoreError
+from stmoe.runtime.tiers import aligned_buffer
+
+Slots = dict[int, int]  # expert -> cache slot
+Overflow = dict[int, dict[str, torch.Tensor]]  # expert -> its tensors, outside the cache
+# each MoE layer's experts module and the experts implementation it had before offloading
+Layers = list[tuple[torch.nn.Module, Callable[..., torch.Tensor]]]
+
+
+class LayerServer:
+    """Serves every MoE layer's experts calls from the caches of ``state``."""
+
+    def __init__(self, state: EngineState, layers: Layers, settings: EngineSettings,
+                 prefetcher: Prefetcher, planner: PrefetchPlanner) -> None:  # fmt: skip
+        self.state, self.prefetcher, self.planner = state, prefetcher, planner
+        self.layer_of = {id(module): i for i, (module, _) in enumerate(layers)}
+        self.base = [forward for _, forward in layers]
+        self.capacity, self.policy = settings.capacity, settings.policy
+        self._buf = aligned_buffer(state.max_block)  # the compute thread's read buffer
+        self._stream = torch.cuda.Stream() if state.device.type == "cuda" else None
+
+    def serve(self, module: torch.nn.Module, hidden_states: torch.Tensor,
+              top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        state = self.state
+        if state.closed:
+            raise StoreError("this offloaded model was closed; offload it again to run it")
+        layer = self.layer_of[id(module)]
+        rows = top_k_index.detach().to("cpu").numpy()
+        if rows.shape[-1] > self.capacity:
+            raise StoreError(f"the router picks {rows.shape[-1]} experts per token but the "
+                             f"cache holds {self.capacity} per layer")  # fmt: skip
+        # sorted distinct ids: plain Python beats torch.unique on a decode step's few ids
+        needed = sorted(set(rows.ravel().tolist())) if rows.size <= 64 else np.unique(rows).tolist()
+        cache = state.caches[layer]
+        predicted = self._begin(layer, cache, needed)
+        start = time.perf_counter()
+        slots, overflow, hits, late = self._ensure(cache, needed)
+        state.run.stats.phases[state.run.phase].add(
+            layer, time.perf_counter() - start, len(needed), hits, late, len(predicted),
+            len(predicted.intersection(needed)),
+        )  # fmt: skip
+        if cache.identity:  # every expert has its own slot: the slabs are the full tensors
+            params, n, index = cache.slabs, state.num_experts, top_k_index
+        else:
+            params = gather(cache, needed, slots, overflow)
+            compact = np.searchsorted(np.asarray(needed), rows)  # same order, ids 0..U-1
+            n = len(needed)
+            index = torch.from_numpy(compact).to(top_k_index.device, top_k_index.dtype)
+        self._release(cache, slots)
+        self.planner.after_routing(layer, rows, hidden_states)
+        weights = GatheredExperts(module, params, n)
+        return self.base[layer](weights, hidden_states, index, top_k_weights, *args, **kwargs)
+
+    def _begin(self, layer: int, cache: LayerCache, needed: list[int]) -> frozenset[int]:
+        """The compute thread reaches ``layer``: a worker's failure is raised, requests for
+        this layer turn stale, the needed experts are pinned; the prediction made for it."""
+        with self.state.cv:
+            self.prefetcher.raise_error()
+            run = self.state.run
+            run.pos = (run.fwd, layer)
+            pending, run.pending[layer] = run.pending[layer], None
+            predicted = pending[1] if pending is not None and pending[0] == run.fwd else frozenset()
+            cache.protected = frozenset()
+            cache.pinned = frozenset(needed)
+            if run.future is not None and not run.future:  # the oracle's recording pass
+                run.routing_log[(run.fwd, layer)] = tuple(needed)
+        return predicted
+
+    def _release(self, cache: LayerCache, slots: Slots) -> None:
+        """The layer has its experts: unpin them, recently used now (no reuse: dropped)."""
+        state = self.state
+        with state.cv:
+            for s in slots.values():
+                cache.touch(s)
+            cache.pinned = frozenset()
+            if self.policy == "none":
+                state.run.stats.bytes_wasted += cache.drop_ready() * state.expert_bytes
+
+    def _ensure(self, cache: LayerCache, needed: list[int]) -> tuple[Slots, Overflow, int, int]:
+        """Every needed expert READY in a slot (or, beyond capacity, in a transient buffer)."""
+        slots: Slots = {}
+        overflow: Overflow = {}
+        todo = list(needed)
+        state = self.state
+        with state.cv:
+            hits = sum(e in cache.where for e in needed)
+            late = sum(e in cache.where and cache.state[cache.where[e]] == LOADING for e in needed)
+            while todo:
+                self.prefetcher.raise_error()
+                progressed = False
+                for e in list(todo):
+                    s = cache.where.get(e)
+                    if s is not None:
+                        if cache.state[s] == READY:
+                            slots[e] = s
+                            todo.remove(e)
+                            progressed = True
+                        continue
+                    slot, wasted = cache.claim(e, prefetch=False)
+                    if slot is None:
+                        if any(st == LOADING and cache.holder[i] not in cache.pinned
+                               for i, st in enumerate(cache.state)):  # fmt: skip
+                            continue  # a worker is filling a slot we could take next
+                        overflow[e] = self._load_transient(cache, e)
+                    else:
+                        state.run.stats.bytes_wasted += wasted * state.expert_bytes
+                        self._load_into(cache, slot, e)
+                        slots[e] = slot
+                    todo.remove(e)
+                    progressed = True
+                if todo and not progressed:
+                    state.cv.wait(timeout=1.0)
+        return slots, overflow, hits, late
+
+    def _load_into(self, cache: LayerCache, slot: int, expert: int) -> None:
+        """Load a miss on the compute thread (lock held on entry and exit, not during I/O)."""
+        state = self.state
+        block = state.store.blocks[(cache.layer, expert)]
+        state.cv.release()
+        try:
+            cache.write(slot, state.fetch(block, self._buf), self._stream)
+        except BaseException:
+            state.cv.acquire()
+            cache.abandon(slot)
+            raise
+        state.cv.acquire()
+        cache.filled(slot)
+        state.run.stats.bytes_moved += block.nbytes
+        state.run.stats.demand_loads += 1
+
+    def _load_transient(self, cache: LayerCache, expert: int) -> dict[str, torch.Tensor]:
+        """An expert beyond the capacity (a long prefill): read outside the cache, used once."""
+        state = self.state
+        block = state.store.blocks[(cache.layer, expert)]
+        state.cv.release()
+        try:
+            src = state.fetch(block, self._buf)
+            out = {}
+            for p in cache.params:
+                t = torch.empty(p.shape, dtype=p.dtype, device=cache.device)
+                t.view(-1).view(torch.uint8).copy_(src[p.offset : p.offset + p.nbytes])
+                out[p.name] = t
+        finally:
+            state.cv.acquire()
+        stats = state.run.stats
+        stats.bytes_moved += block.nbytes
+        stats.demand_loads += 1
+        stats.overflow_loads += 1
+        return out
+
+
+def gather(cache: LayerCache, needed: list[int], slots: Slots,
+           overflow: Overflow) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The needed experts' weights as compact [U, ...] tensors, in expert-id order."""
+    if not overflow:
+        order = torch.tensor([slots[e] for e in needed], device=cache.device)
+        return {p.name: cache.slabs[p.name].index_select(0, order) for p in cache.params}
+    return {p.name: torch.stack([cache.slabs[p.name][slots[e]] if e in slots
+                                 else overflow[e][p.name] for e in needed])
+            for p in cache.params}  # fmt: skip

@@ -1,0 +1,32 @@
+"""The offloading systems the demo and benchmarks/bench_runtime.py compare.
+
+Each system is a predictor and a cache policy, run at one cache size; the two
+no-prefetch baselines differ only in whether the cache reuses experts. Kept in
+one place so the demo's report and the benchmark's table compare the same set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stmoe.predictors import make
+from stmoe.predictors.base import Predictor
+
+COMPARED_SYSTEMS = {  # name: (predictor, cache policy)
+    "on-demand": ("ondemand", "none"),  # no prefetch, no reuse: the usual baseline
+    "lru-only": ("ondemand", "lru"),  # no prefetch, LRU cache
+    "stmoe": ("stmoe", "lru"),
+    "stmoe-plus": ("stmoe-plus", "lru"),
+    "hybrid": ("hybrid", "lru"),
+    "oracle": ("oracle", "lru"),
+}
+PLUS_SET_SIZE_IN_K = 1.5  # stmoe-plus and hybrid predict 1.5K experts per layer there
+_SIZED_AT_PLUS_SET_SIZE = ("stmoe-plus", "hybrid")
+
+
+def compared_predictor(predictor: str, tables: Any) -> str | Predictor:
+    """The predictor of a compared system: stmoe-plus and hybrid at 1.5K experts."""
+    if predictor in _SIZED_AT_PLUS_SET_SIZE:
+        size = PLUS_SET_SIZE_IN_K * tables.shape.top_k
+        return make(predictor, tables.shape, tables, set_size=size)
+    return predictor

@@ -1,0 +1,283 @@
+"""What every engine reader shares: the options a file cannot answer, and the assembly.
+
+Engines hand out routing per request, over the model's *every* layer (dense ones
+hold a fill value), with the prompt length somewhere else or nowhere. Each reader
+turns its layout into ``Request`` objects; ``assemble`` applies the same rules to
+all of them: the user's ``--prompt-lengths`` against the file's own, dense layers
+dropped with a note (``--moe-layers`` overrides the guess), empty trailing slots
+trimmed, ids range-checked before they are narrowed to int16.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from stmoe.errors import TraceError
+from stmoe.trace.assemble import order_by_weight
+from stmoe.trace.schema import RoutingTrace, TraceMeta, validate
+
+_ID_MAX = int(np.iinfo(np.int16).max)
+LAYOUTS = ("tlk", "ltk")
+
+
+class ImportNote(UserWarning):
+    """Something an importer decided for the user (dense layers dropped, a guessed
+    layout): worth one line, not worth refusing the file."""
+
+
+def note(message: str) -> None:
+    warnings.warn(message, ImportNote, stacklevel=3)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a file may not say itself (``stmoe import`` options)."""
+
+    prompt_lengths: tuple[int, ...] | None = None  # one per sequence, in file order
+    layers: int | None = None  # SGLang's flat bytes: model layers per token
+    top_k: int | None = None  # SGLang's flat bytes; transformers' router logits
+    layout: str = "tlk"  # bare arrays: tokens first (tlk) or layers first (ltk)
+    moe_layers: tuple[int, ...] | None = None  # model layers that route; others dropped
+
+    @classmethod
+    def parse(
+        cls,
+        prompt_lengths: str | Sequence[int] | None = None,
+        layers: int | None = None,
+        top_k: int | None = None,
+        layout: str | None = None,
+        moe_layers: str | Sequence[int] | None = None,
+    ) -> EngineOptions:
+        """Options as a user types them: "512,300,77" and "1-23,25"."""
+        if layout is not None and layout not in LAYOUTS:
+            raise TraceError(f"--layout {layout!r}", expected="tlk or ltk")
+        for name, value in (("--layers", layers), ("--top-k", top_k)):
+            if value is not None and not 0 < value <= 1 << 16:
+                raise TraceError(f"{name} {value}", expected="a positive integer")
+        return cls(
+            prompt_lengths=None if prompt_lengths is None
+            else int_list(prompt_lengths, "--prompt-lengths"),
+            layers=layers,
+            top_k=top_k,
+            layout=layout or "tlk",
+            moe_layers=None if moe_layers is None else layer_list(moe_layers),
+        )  # fmt: skip
+
+    def given(self) -> set[str]:
+        """The option names a user set, as typed on the command line."""
+        names = {"prompt_lengths": "--prompt-lengths", "layers": "--layers",
+                 "top_k": "--top-k", "moe_layers": "--moe-layers"}  # fmt: skip
+        out = {flag for key, flag in names.items() if getattr(self, key) is not None}
+        return out | ({"--layout"} if self.layout != "tlk" else set())
+
+
+def int_list(value: str | Sequence[int], what: str) -> tuple[int, ...]:
+    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    out = []
+    for i, item in enumerate(items):
+        try:
+            n = int(item)
+        except (TypeError, ValueError):
+            raise TraceError(f"{what} item {i} is {item!r}", expected="integers") from None
+        if not 0 <= n < 2**62:
+            raise TraceError(f"{what} item {i} is {n}", expected="integers >= 0")
+        out.append(n)
+    if not out:
+        raise TraceError(f"{what} is empty", expected="e.g. 512,300,77")
+    return tuple(out)
+
+
+def layer_list(value: str | Sequence[int]) -> tuple[int, ...]:
+    """``"1-23"``, ``"0,2,4-7"`` or a list of ints: sorted, distinct layer numbers."""
+    if not isinstance(value, str):
+        return tuple(sorted(set(int_list(value, "--moe-layers"))))
+    out: set[int] = set()
+    for part in value.replace(" ", "").split(","):
+        lo, dash, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise TraceError(f"--moe-layers part {part!r}",
+                             expected="layer numbers and ranges, e.g. 1-23 or 0,2,4-7"
+                             ) from None  # fmt: skip
+        if not 0 <= a <= b < 1 << 16:
+            raise TraceError(f"--moe-layers part {part!r}", expected="ranges low-high, >= 0")
+        out.update(range(a, b + 1))
+    return tuple(sorted(out))
+
+
+@dataclass
+class Request:
+    """One sequence's routing as an engine laid it out.
+
+    Row ``i`` of ``experts`` ([rows, model layers, slots], any integer dtype) is the
+    token at position ``start + i``; tokens at positions ``>= prompt_len`` are decode.
+    """
+
+    experts: np.ndarray
+    prompt_len: int | None = None  # None: the file does not say
+    start: int = 0
+    token_ids: np.ndarray | None = None
+    weights: np.ndarray | None = None
+    where: str = ""  # how an error names this request ("choice 2")
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Columns:
+    """A whole file's routing as trace columns, before layers are chosen and ids checked."""
+
+    experts: np.ndarray  # [T, model layers, slots], any integer dtype
+    seq_starts: np.ndarray
+    is_decode: np.ndarray
+    weights: np.ndarray | None = None
+    token_ids: np.ndarray | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def assemble(
+    requests: Sequence[Request],
+    opts: EngineOptions,
+    num_experts: int | None,
+    meta: dict[str, Any],
+) -> RoutingTrace:
+    """Requests -> one validated trace; ``meta`` gives ``source`` and optionally ``model``."""
+    if not requests:
+        raise TraceError("the file holds no routing", expected="at least one request")
+    prompts = _prompt_lengths(requests, opts.prompt_lengths)
+    lengths = [len(r.experts) for r in requests]
+    if 0 in lengths:
+        i = lengths.index(0)
+        raise TraceError("a request has no routed token", position=requests[i].where or None,
+                         expected="at least one row per request")  # fmt: skip
+    weights = None
+    if all(r.weights is not None for r in requests):
+        weights = np.concatenate([np.asarray(r.weights, np.float32) for r in requests])
+    ids = [r.token_ids for r in requests]
+    extra: dict[str, Any] = {}
+    for r in requests:
+        extra.update(r.extra)
+    cols = Columns(
+        experts=np.concatenate([np.asarray(r.experts) for r in requests]),
+        seq_starts=np.cumsum([0, *lengths[:-1]]).astype(np.int64),
+        is_decode=np.concatenate([
+            np.zeros(n, bool) if p is None else r.start + np.arange(n) >= p
+            for r, n, p in zip(requests, lengths, prompts, strict=True)
+        ]),
+        weights=weights,
+        token_ids=None if any(t is None for t in ids) else np.concatenate(ids).astype(np.int64),
+        extra=extra,
+    )  # fmt: skip
+    return finish(cols, opts, num_experts, meta)
+
+
+def finish(
+    cols: Columns, opts: EngineOptions, num_experts: int | None, meta: dict[str, Any]
+) -> RoutingTrace:
+    """Drop dense layers and unused slots, check ids, narrow to int16, validate."""
+    keep, extra = _moe_layers(cols.experts, opts.moe_layers)
+    extra.update(cols.extra)
+    experts = np.asarray(cols.experts)[:, keep]
+    weights = None if cols.weights is None else np.asarray(cols.weights)[:, keep]
+    filled = np.flatnonzero((experts >= 0).any(axis=(0, 1)))
+    width = int(filled[-1]) + 1 if len(filled) else experts.shape[2]
+    experts = experts[:, :, :width]  # slots beyond top-k that no token ever filled
+    if weights is not None:
+        experts, weights, changed = order_by_weight(experts, weights[:, :, :width])
+        if changed:
+            extra["reordered_by_weight"] = changed
+    if num_experts is None:
+        if experts.size and experts.max() >= _ID_MAX:
+            t, layer, slot = (int(i) for i in np.argwhere(experts >= _ID_MAX)[0])
+            raise TraceError(f"expert id {int(experts[t, layer, slot])} is out of range",
+                             position=f"token {t}, layer {layer}, slot {slot}",
+                             expected=f"ids below {_ID_MAX} (int16)")  # fmt: skip
+        num_experts = max(int(experts.max()) + 1 if experts.size else 1, 1)
+        extra["num_experts_inferred"] = True
+    trace_meta = TraceMeta(num_experts=int(num_experts), top_k=experts.shape[2],
+                           num_layers=experts.shape[1], model=str(meta.get("model", "unknown")),
+                           source=str(meta["source"]), extra=extra)  # fmt: skip
+    trace = RoutingTrace(experts=experts, seq_starts=cols.seq_starts, is_decode=cols.is_decode,
+                         weights=weights, token_ids=cols.token_ids, meta=trace_meta)  # fmt: skip
+    validate(trace, file=meta.get("file"))  # range-checks ids before they are narrowed
+    return RoutingTrace(experts=experts.astype(np.int16), seq_starts=trace.seq_starts,
+                        is_decode=trace.is_decode, weights=weights, token_ids=cols.token_ids,
+                        meta=trace_meta)  # fmt: skip
+
+
+def _prompt_lengths(requests: Sequence[Request], given: tuple[int, ...] | None) -> list[int | None]:
+    """Each request's prompt length: the file's, else the option's; both must agree."""
+    if given is not None and len(given) != len(requests):
+        raise TraceError(f"{len(given)} prompt lengths for {len(requests)} sequences",
+                         expected="--prompt-lengths with one length per sequence, "
+                         "in file order")  # fmt: skip
+    out: list[int | None] = []
+    for i, r in enumerate(requests):
+        opt = None if given is None else given[i]
+        if opt is not None and r.prompt_len is not None and opt != r.prompt_len:
+            raise TraceError(f"--prompt-lengths gives {opt} but the file says {r.prompt_len}",
+                             position=r.where or f"sequence {i}",
+                             expected="the file's own prompt length")  # fmt: skip
+        out.append(r.prompt_len if opt is None else opt)
+    return out
+
+
+def _moe_layers(experts: np.ndarray, chosen: tuple[int, ...] | None) -> tuple[list[int], dict]:
+    """The model layers that route, and the metadata that keeps their numbers.
+
+    A dense layer never routes, so an engine's buffer keeps its fill there (0 in older
+    vLLM, -1 in newer vLLM and SGLang) for every token. When every layer looks like
+    that the file is simply empty, which validation reports.
+    """
+    n_layers = experts.shape[1]
+    if chosen is not None:
+        if chosen[-1] >= n_layers:
+            raise TraceError(f"--moe-layers names layer {chosen[-1]}",
+                             expected=f"layers 0..{n_layers - 1} "
+                             f"(the file has {n_layers})")  # fmt: skip
+        keep = list(chosen)
+    else:
+        dense = [
+            layer for layer in range(n_layers)
+            if len(experts) and (np.all(experts[:, layer] == -1) or np.all(experts[:, layer] == 0))
+        ]  # fmt: skip
+        keep = [layer for layer in range(n_layers) if layer not in dense]
+        if not keep:
+            return list(range(n_layers)), {}
+        if dense:
+            note(f"dropped dense layer{'s' if len(dense) > 1 else ''} {_ranges(dense)} "
+                 "(only the fill value for every token); --moe-layers overrides")  # fmt: skip
+    extra = {} if keep == list(range(len(keep))) else {"model_layer_ids": keep}
+    return keep, extra
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    parts, start = [], ids[0]
+    for a, b in zip(ids, [*ids[1:], None], strict=True):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(parts)
+
+
+def check_size(needed: int, available: int, what: str, position: str | None = None) -> None:
+    """Refuse a declared size the file cannot hold, before anything is allocated."""
+    if needed > available:
+        raise TraceError(f"{what} needs {needed} bytes but only {available} remain",
+                         position=position, expected="a complete file",
+                         hint="the file looks truncated")  # fmt: skip
+
+
+def refuse_counts(what: str) -> TraceError:
+    """The one message for files that count experts instead of routing tokens."""
+    return TraceError(
+        f"this is an expert-count summary, not per-token routing ({what})",
+        expected="per-token routing",
+        hint="record per-token routing instead: vLLM enable_return_routed_experts, SGLang "
+        "--enable-return-routed-experts or --expert-distribution-recorder-mode per_token",
+    )

@@ -1,0 +1,130 @@
+"""MoE-Infinity's expert-drop trace (``benchmarks/expert_drop``): the ``MOEDROPT`` binary
+and the compressed ``.npz`` its parser flattens it into.
+
+Binary (little-endian), written by ``ExpertDispatcher::DumpExpertDropTrace``: magic
+``MOEDROPT``, int32 version, E, L, reserved, int64 record count, int64 byte sizes
+``[L * E]``, then per record int64 seq, int32 layer, int32 rows, uint8
+residency-known, f32 weights ``[rows * E]``, u8 mask ``[rows * E]``, u8 resident ``[E]``.
+The ``.npz`` keeps decode records only: ``weights``/``mask``/``resident`` ``[R, E]``,
+``layer``/``seq`` ``[R]``, ``byte_size`` and scalars. A record is one (forward pass,
+layer); its routed experts are the mask's, ordered by weight. A pass with several
+rows is a prompt (prefill), which starts a new sequence; one-row passes are decode.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from stmoe.errors import TraceError
+from stmoe.trace.assemble import layer_numbering
+from stmoe.trace.engines.common import EngineOptions, Request, assemble, check_size
+
+MAGIC = b"MOEDROPT"
+NPZ_KEYS = {"weights", "mask", "layer", "seq"}
+_HEADER = struct.Struct("<8siiiiq")
+
+Record = tuple[int, int, np.ndarray, np.ndarray]  # seq, layer, weights [rows, E], mask
+
+
+def read_binary(path: Path, opts: EngineOptions, num_experts: int | None):
+    buf = path.read_bytes()
+    check_size(_HEADER.size, len(buf), "the header")
+    _, version, ne, nl, _, nrec = _HEADER.unpack_from(buf, 0)
+    if not (0 < ne <= 1 << 15 and 0 < nl <= 1 << 16 and nrec >= 0):
+        raise TraceError(f"the header says {ne} experts, {nl} layers, {nrec} records",
+                         position="header", expected="positive sizes")  # fmt: skip
+    off = _HEADER.size + nl * ne * 8  # byte sizes: not routing
+    check_size(off, len(buf), f"byte_size [{nl} x {ne}]", "header")
+    check_size(nrec * (17 + ne), len(buf) - off, f"{nrec} records", "header")
+    records: list[Record] = []
+    for i in range(nrec):
+        where = f"record {i}"
+        check_size(17, len(buf) - off, "a record header", where)
+        seq, layer, rows = struct.unpack_from("<qii", buf, off)
+        off += 17
+        if rows < 0:
+            raise TraceError(f"rows is {rows}", position=where, expected="rows >= 0")
+        cells = rows * ne
+        check_size(cells * 5 + ne, len(buf) - off, f"{rows} rows of {ne} experts", where)
+        w = np.frombuffer(buf, "<f4", cells, off).reshape(rows, ne)
+        m = np.frombuffer(buf, np.uint8, cells, off + cells * 4).reshape(rows, ne)
+        off += cells * 5 + ne
+        records.append((seq, layer, w, m))
+    if off != len(buf):
+        raise TraceError(f"{len(buf) - off} bytes after the last record", position="end",
+                         expected=f"exactly {nrec} records")  # fmt: skip
+    meta = {"source": f"imported from {path.name} (MoE-Infinity expert-drop trace v{version})",
+            "file": str(path)}  # fmt: skip
+    return _trace(records, opts, num_experts or ne, meta)
+
+
+def read_npz(arrays: dict[str, np.ndarray], path: Path, opts: EngineOptions,
+             num_experts: int | None):  # fmt: skip
+    w, m = np.asarray(arrays["weights"]), np.asarray(arrays["mask"])
+    layer, seq = np.asarray(arrays["layer"]), np.asarray(arrays["seq"])
+    n = len(layer)
+    if w.ndim != 2 or m.shape != w.shape or len(w) != n or seq.shape != (n,):
+        raise TraceError(f"weights {w.shape}, mask {m.shape}, layer {layer.shape}, "
+                         f"seq {seq.shape}",
+                         expected="weights and mask [R, E], layer and seq [R]")  # fmt: skip
+    records = [(int(seq[i]), int(layer[i]), w[i : i + 1], m[i : i + 1]) for i in range(n)]
+    ne = int(arrays["num_experts"]) if "num_experts" in arrays else w.shape[1]
+    meta = {"source": f"imported from {path.name} (MoE-Infinity expert-drop trace)",
+            "file": str(path)}  # fmt: skip
+    return _trace(records, opts, num_experts or ne, meta)
+
+
+def _trace(records: list[Record], opts: EngineOptions, num_experts: int, meta: dict):
+    if not records:
+        raise TraceError("the trace holds no records", expected="at least one routed token")
+    passes: dict[int, list[Record]] = {}
+    for rec in records:
+        passes.setdefault(rec[0], []).append(rec)  # first-appearance order
+    mapping, layer_extra = layer_numbering(r[1] for r in records)
+    k = max(int(m.sum(axis=1).max(initial=0)) for _, _, _, m in records)
+    requests: list[Request] = []
+    blocks: list[tuple[np.ndarray, np.ndarray]] = []
+    prompt = 0
+    for seq, recs in passes.items():
+        rows = _pass_rows(seq, recs, mapping)
+        if rows > 1 and blocks:
+            requests.append(_request(blocks, prompt, len(requests), layer_extra))
+            blocks = []
+        if not blocks:
+            prompt = rows if rows > 1 else 0
+        blocks.append(_routing(recs, rows, mapping, k))
+    requests.append(_request(blocks, prompt, len(requests), layer_extra))
+    return assemble(requests, opts, num_experts, meta)
+
+
+def _pass_rows(seq: int, recs: list[Record], mapping: dict[int, int]) -> int:
+    layers = [r[1] for r in recs]
+    rows = {len(r[2]) for r in recs}
+    if sorted(layers) != sorted(mapping) or len(rows) != 1:
+        missing = sorted(set(mapping) - set(layers))
+        raise TraceError(f"step seq={seq} has layers {sorted(layers)} with rows {sorted(rows)}",
+                         position=f"seq {seq}", expected=f"one record for each of layers "
+                         f"{sorted(mapping)} (missing {missing}), equal rows")  # fmt: skip
+    return rows.pop()
+
+
+def _routing(recs: Iterable[Record], rows: int, mapping: dict[int, int], k: int):
+    experts = np.full((rows, len(mapping), k), -1, dtype=np.int32)
+    weights = np.zeros(experts.shape, dtype=np.float32)
+    for _, layer, w, m in recs:
+        masked = np.where(m > 0, w, -np.inf)
+        order = np.argsort(-masked, axis=1, kind="stable")[:, :k]
+        chosen = np.take_along_axis(m > 0, order, axis=1)
+        experts[:, mapping[layer]] = np.where(chosen, order, -1)
+        weights[:, mapping[layer]] = np.where(chosen, np.take_along_axis(w, order, axis=1), 0)
+    return experts, weights
+
+
+def _request(blocks: list, prompt: int, i: int, extra: dict) -> Request:
+    return Request(np.concatenate([b[0] for b in blocks]), prompt,
+                   weights=np.concatenate([b[1] for b in blocks]),
+                   where=f"sequence {i}", extra=dict(extra))  # fmt: skip

@@ -1,0 +1,170 @@
+"""vLLM's routing: the OpenAI server's completions response, and published routing profiles.
+
+With ``enable_return_routed_experts`` vLLM returns, per request, an int array
+``[prompt + generated - 1, num_hidden_layers, top_k]`` (rows are token positions;
+the last sampled token never ran through the model). Offline,
+``CompletionOutput.routed_experts`` is that array (``np.save`` it and it is a bare
+``.npy``, read by ``arrays.read_npy``); the OpenAI server puts it in
+``choices[].routed_experts`` as base64 of ``.npy`` bytes. Dense layers hold the
+buffer's fill (0, or -1 in newer versions); ``common`` drops them.
+
+Routing profiles published from vLLM runs are JSON Lines, one record per token and
+layer: ``problem_id``, ``layer``, ``token_pos`` (or ``token_idx``: the index inside
+the forward batch, 0..P-1 in prefill and 0 for every decode step), ``experts`` and
+``gating_probs``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stmoe._progress import progress_bytes
+from stmoe.errors import TraceError
+from stmoe.trace.assemble import expert_ids, gate_weights, layer_numbering
+from stmoe.trace.engines.common import EngineOptions, Request, assemble
+from stmoe.trace.engines.jsonio import b64_bytes, id_list, load_json, opt_int
+from stmoe.trace.schema import RoutingTrace
+
+
+def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> RoutingTrace:
+    """A ``/v1/completions`` response: one sequence per choice, in index order."""
+    doc = load_json(path)
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    if not isinstance(choices, list) or not choices:
+        raise TraceError("the response has no 'choices' list",
+                         expected="a vLLM completions response")  # fmt: skip
+    if all(isinstance(c, dict) and isinstance(c.get("index"), int) for c in choices):
+        choices = sorted(choices, key=lambda c: c["index"])
+    usage_prompt = opt_int(doc.get("usage"), "prompt_tokens", "usage")
+    top_ids = id_list(doc.get("prompt_token_ids"), "prompt_token_ids", "response")
+    requests = []
+    for i, choice in enumerate(choices):
+        where = f"choices[{i}]"
+        if not isinstance(choice, dict):
+            raise TraceError(f"a JSON {type(choice).__name__}", position=where,
+                             expected="a choice object")  # fmt: skip
+        experts = _routed(choice.get("routed_experts"), where)
+        prompt_ids = id_list(choice.get("prompt_token_ids"), "prompt_token_ids", where)
+        if prompt_ids is None and len(choices) == 1:
+            prompt_ids = top_ids
+        prompt = len(prompt_ids) if prompt_ids is not None else None
+        if prompt is None and len(choices) == 1:
+            prompt = usage_prompt  # the total over choices: only one choice's own length
+        gen_ids = id_list(choice.get("token_ids"), "token_ids", where) or []
+        known = (prompt_ids or []) + gen_ids
+        tokens = np.asarray(known[: len(experts)]) if prompt_ids and len(known) >= len(experts) \
+            else None  # fmt: skip
+        requests.append(Request(experts, prompt, token_ids=tokens, where=where))
+    meta = {"source": f"imported from {path.name} (vLLM response)", "file": str(path),
+            "model": doc.get("model", "unknown")}  # fmt: skip
+    return assemble(requests, opts, num_experts, meta)
+
+
+def _routed(value: Any, where: str) -> np.ndarray:
+    """``routed_experts``: base64 of ``.npy`` bytes (the server) or nested lists."""
+    if value is None:
+        raise TraceError("the choice has no 'routed_experts'", position=where,
+                         expected="routing (start vLLM with "
+                         "enable_return_routed_experts)")  # fmt: skip
+    if isinstance(value, list):
+        try:
+            arr = np.asarray(value)
+        except ValueError:
+            arr = np.zeros(0)
+    else:
+        raw = b64_bytes(value, f"{where}.routed_experts")
+        try:
+            arr = np.load(io.BytesIO(raw), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise TraceError(f"'routed_experts' is not a readable .npy array ({exc})",
+                             position=f"{where}.routed_experts",
+                             expected="base64 of .npy bytes",
+                             hint="the response looks truncated") from None  # fmt: skip
+    if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
+        raise TraceError(f"'routed_experts' has shape {arr.shape}, dtype {arr.dtype}",
+                         position=f"{where}.routed_experts",
+                         expected="integer [tokens - 1, layers, top_k]")  # fmt: skip
+    return arr.astype(np.int32)
+
+
+_PROFILE_FIELDS = ("problem_id", "layer", "experts")
+
+
+def read_profile(path: Path, opts: EngineOptions, num_experts: int | None) -> RoutingTrace:
+    """Routing-profile JSON Lines: tokens rebuilt per (problem, layer) in file order."""
+    rows: dict[Any, dict[int, list[tuple[int, list[int], list[float] | None, int]]]] = {}
+    for lineno, rec in _lines(path):
+        where = f"line {lineno}"
+        missing = [k for k in _PROFILE_FIELDS if k not in rec]
+        pos = rec.get("token_pos", rec.get("token_idx"))
+        if missing or pos is None:
+            raise TraceError(f"the record lacks {', '.join(missing) or 'token_pos'}",
+                             position=where,
+                             expected="problem_id, layer, token_pos (or token_idx), "
+                             "experts")  # fmt: skip
+        layer, pos = opt_int(rec, "layer", where), opt_int({"p": pos}, "p", where)
+        ids = expert_ids(rec["experts"], where)
+        probs = rec.get("gating_probs")
+        w = None if probs is None else gate_weights(probs, len(ids), where)
+        key = rec["problem_id"]
+        if not isinstance(key, int | str) or isinstance(key, bool):
+            raise TraceError(f"'problem_id' is {key!r}", position=where,
+                             expected="an integer or string id")  # fmt: skip
+        rows.setdefault(key, {}).setdefault(int(layer or 0), []).append((pos, ids, w, lineno))
+    if not rows:
+        raise TraceError("the file holds no records", expected="routing-profile records")
+    all_layers = sorted({layer for per in rows.values() for layer in per})
+    mapping, layer_extra = layer_numbering(all_layers)
+    requests = [_profile_request(key, per, mapping, layer_extra) for key, per in rows.items()]
+    meta = {"source": f"imported from {path.name} (vLLM routing profile)", "file": str(path)}
+    return assemble(requests, opts, num_experts, meta)
+
+
+def _profile_request(key: Any, per: dict, mapping: dict[int, int], extra: dict) -> Request:
+    counts = {layer: len(recs) for layer, recs in per.items()}
+    first = min(per)
+    bad = next((layer for layer in mapping if counts.get(layer, 0) != counts[first]), None)
+    if bad is not None:
+        raise TraceError(f"problem {key!r} has {counts.get(bad, 0)} records for layer {bad} "
+                         f"but {counts[first]} for layer {first}",
+                         position=f"line {per[first][0][3]}",
+                         expected="one record per token for every layer")  # fmt: skip
+    n, k = counts[first], len(per[first][0][1])
+    experts = np.full((n, len(mapping), k), -1, dtype=np.int32)
+    has_w = all(r[2] is not None for recs in per.values() for r in recs)
+    weights = np.zeros(experts.shape, np.float32) if has_w else None
+    for layer, recs in per.items():
+        for t, (_, ids, w, lineno) in enumerate(recs):
+            if len(ids) != k:
+                raise TraceError(f"{len(ids)} experts here but {k} elsewhere",
+                                 position=f"line {lineno}", expected=f"K={k} experts")  # fmt: skip
+            experts[t, mapping[layer]] = ids
+            if weights is not None:
+                weights[t, mapping[layer]] = w
+    # The prefill pass numbers its tokens 0..P-1; every decode step restarts at 0.
+    positions = [r[0] for r in per[first]]
+    prompt = next((i for i, p in enumerate(positions) if p != i), len(positions))
+    return Request(experts, prompt, weights=weights, where=f"problem {key!r}", extra=dict(extra))
+
+
+def _lines(path: Path):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(progress_bytes(f, path, "reading JSON Lines"), start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+                raise TraceError(f"not valid JSON ({exc})", position=f"line {lineno}",
+                                 expected="one JSON object per line",
+                                 hint=None if raw.endswith(b"\n")
+                                 else "the file looks truncated") from None  # fmt: skip
+            if not isinstance(obj, dict):
+                raise TraceError(f"a JSON {type(obj).__name__}", position=f"line {lineno}",
+                                 expected="one JSON object per line")  # fmt: skip
+            yield lineno, obj

@@ -1,0 +1,93 @@
+"""A trace written back in vLLM's and SGLang's response layouts.
+
+So tests can round-trip the readers, and users can feed tools built for those
+engines. Each sequence becomes one request of prompt ``P`` (its prefill tokens)
+and ``G = T - P + 1`` generated tokens, since engines route every token but the
+last sampled one. Only the layout's fields are written: vLLM's choice carries
+``prompt_token_ids`` (and the known generated ``token_ids``) when the trace has
+token ids, else ``usage.prompt_tokens`` says the prompt length of a one-sequence
+trace; SGLang's ``meta_info`` always says ``prompt_tokens`` and ``completion_tokens``
+but not L and K (import it with ``--layers L --top-k K``).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stmoe.errors import TraceError
+from stmoe.trace.schema import RoutingTrace
+
+
+def _requests(trace: RoutingTrace) -> list[dict[str, Any]]:
+    """Per sequence: the routing over the model's layers (dense ones, known from
+    ``model_layer_ids``, hold -1 as an engine's buffer does), prompt length, token ids."""
+    layer_ids = list(trace.meta.extra.get("model_layer_ids") or range(trace.num_layers))
+    out = []
+    for s, sl in trace.sequences():
+        experts = np.full((sl.stop - sl.start, max(layer_ids) + 1, trace.top_k), -1, np.int32)
+        experts[:, layer_ids] = np.asarray(trace.experts[sl])
+        decode = np.asarray(trace.is_decode[sl])
+        prompt = int(np.argmax(decode)) if decode.any() else len(decode)
+        if decode[prompt:].size and not decode[prompt:].all():
+            raise TraceError(f"sequence {s} has prefill tokens after decode ones",
+                             expected="prompt tokens, then generated ones "
+                             "(an engine's order)")  # fmt: skip
+        ids = None if trace.token_ids is None else np.asarray(trace.token_ids[sl]).tolist()
+        out.append({"experts": experts, "prompt": prompt, "ids": ids})
+    return out
+
+
+def _npy_b64(experts: np.ndarray) -> str:
+    """vLLM's encoding: the ``.npy`` bytes of the smallest dtype that holds the ids."""
+    lo, hi = int(experts.min()), int(experts.max())
+    dtype = np.uint8 if lo >= 0 and hi < 256 else np.uint16 if lo >= 0 and hi < 65536 \
+        else np.int32  # fmt: skip
+    buf = io.BytesIO()
+    np.save(buf, experts.astype(dtype))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def export_vllm(trace: RoutingTrace, path: str | Path) -> Path:
+    """A ``/v1/completions`` response: one choice per sequence."""
+    choices, prompt_total, gen_total = [], 0, 0
+    for i, req in enumerate(_requests(trace)):
+        gen = len(req["experts"]) - req["prompt"] + 1
+        choice: dict[str, Any] = {"index": i, "text": "", "finish_reason": "length",
+                                  "routed_experts": _npy_b64(req["experts"])}  # fmt: skip
+        if req["ids"] is not None:
+            choice["prompt_token_ids"] = req["ids"][: req["prompt"]]
+            choice["token_ids"] = req["ids"][req["prompt"] :]  # all but the last sampled one
+        choices.append(choice)
+        prompt_total += req["prompt"]
+        gen_total += gen
+    doc = {"id": "cmpl-stmoe-export", "object": "text_completion", "model": trace.meta.model,
+           "choices": choices,
+           "usage": {"prompt_tokens": prompt_total, "completion_tokens": gen_total,
+                     "total_tokens": prompt_total + gen_total}}  # fmt: skip
+    return _write(doc, path)
+
+
+def export_sglang(trace: RoutingTrace, path: str | Path) -> Path:
+    """A ``/generate`` response (one sequence) or a batch's list of them."""
+    docs = []
+    for i, req in enumerate(_requests(trace)):
+        gen = len(req["experts"]) - req["prompt"] + 1
+        raw = np.ascontiguousarray(req["experts"], dtype="<i4").tobytes()
+        docs.append({"text": "", "meta_info": {
+            "id": f"stmoe-export-{i}", "prompt_tokens": req["prompt"], "completion_tokens": gen,
+            "finish_reason": {"type": "length", "length": gen},
+            "routed_experts": base64.b64encode(raw).decode("ascii"),
+            "routed_experts_dtype": "int32"}})  # fmt: skip
+    return _write(docs[0] if len(docs) == 1 else docs, path)
+
+
+def _write(doc: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(doc) + "\n", encoding="utf-8")
+    return path
