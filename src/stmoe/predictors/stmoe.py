@@ -1,7 +1,7 @@
 """ST-MoE: the cross-layer correlation table (CCT) plus the history table (HT).
 
 Implements docs/method.md's Algorithms 2 (predict) and 3 (online update) over tables
-from Algorithm 1 (``tables.profile``). The same class, configured, gives the
+from Algorithm 1 (``profiling.profile``). The same class, configured, gives the
 ablation baselines: HT only (previous-token), CCT only (static or online).
 """
 
