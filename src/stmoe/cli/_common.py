@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stmoe.errors import StmoeError
+from stmoe.trace.engines import ImportNote
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,9 +45,12 @@ def friendly(fn: F) -> F:
         if os.environ.get("STMOE_DEBUG"):
             return fn(*args, **kwargs)
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("ignore", RuntimeWarning)  # one line, not numpy's too
-                return fn(*args, **kwargs)
+                warnings.simplefilter("always", ImportNote)
+                result = fn(*args, **kwargs)
+            _show(caught)  # after success only: a refusal stays one line
+            return result
         except StmoeError as exc:
             _fail(str(exc))
         except OSError as exc:
@@ -58,6 +62,15 @@ def friendly(fn: F) -> F:
                   "please report it, and rerun with STMOE_DEBUG=1 for the traceback")  # fmt: skip
 
     return wrapper  # type: ignore[return-value]
+
+
+def _show(caught: list[warnings.WarningMessage]) -> None:
+    """An importer's notes as one ``note:`` line each; other warnings as Python shows them."""
+    for w in caught:
+        if issubclass(w.category, ImportNote):
+            err.print(f"note: {w.message}", markup=False, soft_wrap=True)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def print_json(data: Any) -> None:

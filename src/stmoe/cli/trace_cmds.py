@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +10,7 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from stmoe.cli._common import JSON_HELP, err, key_value_table, out, write_json
+from stmoe.cli._common import JSON_HELP, key_value_table, out, write_json
 from stmoe.trace import (
     FORMATS,
     SynthSpec,
@@ -21,7 +20,7 @@ from stmoe.trace import (
     summarize,
     synthesize,
 )
-from stmoe.trace.engines import EngineOptions, ImportNote
+from stmoe.trace.engines import EngineOptions
 from stmoe.trace.export import EXPORT_FORMATS, export_trace
 
 _SPEC = SynthSpec()
@@ -102,22 +101,17 @@ def import_traces(
     what was expected.
     """
     engine = EngineOptions.parse(prompt_lengths, layers, top_k, layout, moe_layers)
-    with warnings.catch_warnings(record=True) as notes:
-        warnings.simplefilter("always", ImportNote)
-        trace = import_files(
-            sources,
-            format=format,
-            domain=domain,
-            num_experts=num_experts,
-            seq_starts=seq_starts,
-            model=model,
-            drop_partial=drop_partial,
-            engine=engine,
-        )
-    save_trace(trace, output)
-    for n in notes:  # after success only: a refusal stays one line
-        if issubclass(n.category, ImportNote):
-            err.print(f"note: {n.message}", markup=False, soft_wrap=True)
+    trace = import_files(
+        sources,
+        format=format,
+        domain=domain,
+        num_experts=num_experts,
+        seq_starts=seq_starts,
+        model=model,
+        drop_partial=drop_partial,
+        engine=engine,
+    )
+    save_trace(trace, output)  # the importer's notes print after this (cli._common.friendly)
     out.print(f"wrote {output}: {trace!r}")
 
 

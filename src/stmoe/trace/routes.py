@@ -11,7 +11,6 @@ has every MoE layer. See ``../shared/traces/README.md`` for a real example.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from stmoe.trace.assemble import (
     layer_numbering,
     order_by_weight,
 )
+from stmoe.trace.engines.jsonio import load_json
 from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, meta_int, validate
 
 
@@ -181,21 +181,7 @@ def _fill_layers(
 
 
 def _load_json(path: Path) -> dict[str, Any]:
-    text = path.read_bytes()
-    try:
-        doc = json.loads(text)
-    except UnicodeDecodeError as exc:
-        raise TraceError(f"not UTF-8 text ({exc})", expected="a JSON document") from None
-    except RecursionError:
-        raise TraceError("JSON nested too deeply", expected="a routes document") from None
-    except json.JSONDecodeError as exc:
-        truncated = exc.pos >= len(text.rstrip()) - 1
-        raise TraceError(
-            f"not valid JSON: {exc.msg}",
-            position=f"line {exc.lineno}, column {exc.colno}",
-            expected="a complete JSON object",
-            hint="the file looks truncated" if truncated else None,
-        ) from None
+    doc = load_json(path, "a routes document")
     if not isinstance(doc, dict) or "routes" not in doc:
         raise TraceError(
             "the JSON has no 'routes' list", expected="an object {'meta': ..., 'routes': [...]}"

@@ -16,20 +16,21 @@ from typing import Any
 from stmoe.errors import TraceError
 
 
-def load_json(path: Path) -> Any:
-    """The whole JSON document, or one clear error (truncation named as such)."""
+def load_json(path: Path, what: str = "an engine's response") -> Any:
+    """The whole JSON document, or one clear error (truncation named as such);
+    ``what`` names the document expected."""
     text = path.read_bytes()
     try:
         return json.loads(text)
     except UnicodeDecodeError as exc:
         raise TraceError(f"not UTF-8 text ({exc})", expected="a JSON document") from None
     except RecursionError:
-        raise TraceError("JSON nested too deeply", expected="an engine's response") from None
+        raise TraceError("JSON nested too deeply", expected=what) from None
     except json.JSONDecodeError as exc:
         truncated = exc.pos >= len(text.rstrip()) - 1
         raise TraceError(f"not valid JSON: {exc.msg}",
                          position=f"line {exc.lineno}, column {exc.colno}",
-                         expected="a complete JSON response",
+                         expected=f"{what}, complete",
                          hint="the file looks truncated" if truncated else None
                          ) from None  # fmt: skip
 
