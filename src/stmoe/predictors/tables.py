@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from stmoe.atomic import atomic_write
 from stmoe.predictors.base import ModelShape, PredictorError
 from stmoe.predictors.counting import D_MAX
 from stmoe.predictors.kernels import CONF_NEW
@@ -126,15 +125,9 @@ def save_tables(tables: ProfiledTables, path: str | Path) -> Path:
     arrays = _arrays(tables)
     for i, (_, t) in enumerate(domains):
         arrays.update(_arrays(t, f"domain{i}/"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, header=np.array(json.dumps(header)), **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(
+        path, lambda f: np.savez_compressed(f, header=np.array(json.dumps(header)), **arrays)
+    )
     return path
 
 

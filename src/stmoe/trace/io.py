@@ -10,9 +10,7 @@ describes the layout; ``FORMAT_VERSION`` is checked on every read.
 from __future__ import annotations
 
 import json
-import os
 import struct
-import tempfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from stmoe.atomic import atomic_write
 from stmoe.errors import TraceError
 from stmoe.trace.schema import LOOKAHEAD_FIELDS, RoutingTrace, TraceMeta, validate
 
@@ -59,15 +58,7 @@ def save_trace(trace: RoutingTrace, path: str | Path, *, compress: bool = False)
     for name in LOOKAHEAD_FIELDS:
         if getattr(trace, name) is not None:
             arrays[name] = np.asarray(getattr(trace, name), dtype=np.int16)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            (np.savez_compressed if compress else np.savez)(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: (np.savez_compressed if compress else np.savez)(f, **arrays))
     return path
 
 

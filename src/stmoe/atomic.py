@@ -1,0 +1,110 @@
+"""Writing a file so that a reader sees the old one or the new one, never half of one.
+
+Every file stmoe writes (traces, tables, the store's files, JSON results) goes
+through ``atomic_write``: the bytes go to a temporary file beside the target,
+are flushed to the device, and replace the target in one ``rename``. A process
+killed mid-write leaves the old file intact and a temporary file whose name
+carries the writer's pid; the next write to the same target removes such
+leftovers once their writer is gone, so a killed ``import`` does not leave
+hundreds of MB behind for good. The result gets the mode a plain ``open``
+would give (``0o666`` less the umask), not ``mkstemp``'s private ``0o600``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from stmoe.errors import StmoeError
+
+_SUFFIX = ".tmp"
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the system allows."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no /proc: the classic read-and-restore (not thread-safe)
+    os.umask(mask)
+    return mask
+
+
+def check_output_path(path: str | Path) -> Path:
+    """``path`` as a file to write: refused when it is a directory (``-o /tmp``)."""
+    p = Path(path)
+    if p.is_dir():
+        raise StmoeError(f"{p}: is a directory; give the name of the file to write")
+    if not p.name or p.name in (".", ".."):
+        raise StmoeError(f"{p}: not a file name")
+    return p
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Delete temporary files of earlier writes to ``path`` whose writer has exited."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for tmp in path.parent.glob(f".{path.name}.*{_SUFFIX}"):
+            pid = _writer_pid(tmp, path.name)
+            if pid is not None and not _alive(pid):
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                    removed.append(tmp)
+    return removed
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
+    """Call ``write(f)`` on a temporary file, then move it onto ``path`` in one rename."""
+    target = check_output_path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}.",
+                               suffix=_SUFFIX)  # fmt: skip
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """``atomic_write`` of a ready byte string."""
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """``atomic_write`` of text, UTF-8."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _writer_pid(tmp: Path, name: str) -> int | None:
+    """The pid embedded in a temporary file's name (``.NAME.PID.RANDOM.tmp``)."""
+    rest = tmp.name[len(name) + 2 :]
+    head = rest.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

@@ -1,0 +1,61 @@
+"""atomic_write: old or new file, never half; umask respected; a killed writer's leftovers removed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stmoe.atomic import atomic_write, atomic_write_text, current_umask
+from stmoe.errors import StmoeError
+
+
+def test_mode_follows_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        assert current_umask() == 0o027
+        p = atomic_write_text(tmp_path / "a.json", "{}")
+        assert p.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old)
+    p = atomic_write_text(tmp_path / "b.json", "{}")
+    assert p.stat().st_mode & 0o777 == 0o666 & ~old
+
+
+def test_a_directory_is_refused_and_nothing_is_written_beside_it(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    target.mkdir()
+    with pytest.raises(StmoeError, match="is a directory"):
+        atomic_write_text(target, "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_failing_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    p = atomic_write_text(tmp_path / "t.npz", "old")
+
+    def boom(f: object) -> None:
+        f.write(b"half")  # type: ignore[attr-defined]
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(p, boom)
+    assert p.read_text() == "old"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["t.npz"]
+
+
+def test_a_killed_writers_temp_is_removed_on_the_next_write(tmp_path: Path) -> None:
+    # a process that has exited: its pid names a temp file it left behind
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = int(done.stdout)
+    stale = tmp_path / f".t.npz.{dead}.abc123.tmp"
+    stale.write_bytes(b"\0" * 1000)
+    live = tmp_path / f".t.npz.{os.getpid()}.xyz.tmp"  # a writer still running: kept
+    live.write_bytes(b"\0")
+    atomic_write_text(tmp_path / "t.npz", "new")
+    assert not stale.exists()
+    assert live.exists()
+    assert (tmp_path / "t.npz").read_text() == "new"
