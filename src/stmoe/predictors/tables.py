@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from stmoe.atomic import atomic_write
+from stmoe.fileio import atomic_write
 from stmoe.predictors.base import ModelShape, PredictorError
 from stmoe.predictors.counting import D_MAX
 from stmoe.predictors.kernels import CONF_NEW

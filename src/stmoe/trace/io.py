@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from stmoe.atomic import atomic_write
 from stmoe.errors import TraceError
+from stmoe.fileio import atomic_write
 from stmoe.trace.schema import LOOKAHEAD_FIELDS, RoutingTrace, TraceMeta, validate
 
 FORMAT_NAME = "stmoe-trace"

@@ -1,4 +1,8 @@
-"""Writing a file so that a reader sees the old one or the new one, never half of one.
+"""Files stmoe reads and writes: inputs checked before opening, outputs written atomically.
+
+``check_input_file`` refuses, in one line, what ``open`` would hang on or fail
+on less clearly: a missing path, a directory, a FIFO or device (reading one
+blocks forever), a file this user may not read.
 
 Every file stmoe writes (traces, tables, the store's files, JSON results) goes
 through ``atomic_write``: the bytes go to a temporary file beside the target,
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +50,24 @@ def check_output_path(path: str | Path) -> Path:
         raise StmoeError(f"{p}: is a directory; give the name of the file to write")
     if not p.name or p.name in (".", ".."):
         raise StmoeError(f"{p}: not a file name")
+    return p
+
+
+def check_input_file(path: str | Path, what: str = "an input file") -> Path:
+    """``path`` as a regular, readable file, or one clear error naming it."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise StmoeError(f"{p}: no such file; expected {what}") from None
+    except OSError as exc:
+        raise StmoeError(f"{p}: cannot be read ({exc.strerror}); expected {what}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise StmoeError(f"{p}: is a directory; expected {what}")
+    if not stat.S_ISREG(st.st_mode):
+        raise StmoeError(f"{p}: not a regular file (a FIFO, socket or device); expected {what}")
+    if not os.access(p, os.R_OK):
+        raise StmoeError(f"{p}: permission denied; expected {what} this user may read")
     return p
 
 

@@ -1,4 +1,4 @@
-"""atomic_write: old or new file, never half; umask respected; a killed writer's leftovers removed."""
+"""stmoe.fileio: atomic writes (old or new, never half; umask; leftovers gone), checked inputs."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from stmoe.atomic import atomic_write, atomic_write_text, current_umask
 from stmoe.errors import StmoeError
+from stmoe.fileio import atomic_write, atomic_write_text, check_input_file, current_umask
 
 
 def test_mode_follows_the_umask(tmp_path: Path) -> None:
@@ -59,3 +59,21 @@ def test_a_killed_writers_temp_is_removed_on_the_next_write(tmp_path: Path) -> N
     assert not stale.exists()
     assert live.exists()
     assert (tmp_path / "t.npz").read_text() == "new"
+
+
+def test_inputs_that_would_hang_or_fail_are_refused_in_one_line(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(StmoeError, match="not a regular file"):
+        check_input_file(fifo, "a trace")
+    with pytest.raises(StmoeError, match="is a directory; expected a trace"):
+        check_input_file(tmp_path, "a trace")
+    with pytest.raises(StmoeError, match="no such file"):
+        check_input_file(tmp_path / "missing.npz")
+    ok = tmp_path / "ok.npz"
+    ok.write_bytes(b"x")
+    assert check_input_file(ok) == ok
+    if os.geteuid() != 0:  # root reads anything
+        ok.chmod(0)
+        with pytest.raises(StmoeError, match="permission denied"):
+            check_input_file(ok)
