@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TypeVar
 
@@ -61,3 +62,14 @@ def progress_bytes(f: IO[bytes], path: Path, description: str) -> Iterator[bytes
         for line in f:
             yield line
             bar.advance(task, len(line))
+
+
+@contextmanager
+def byte_progress(total: int, description: str) -> Iterator[Callable[[int], None]]:
+    """A bar over ``total`` bytes (when on a terminal); yields ``advance(nbytes)``."""
+    if not _enabled():
+        yield lambda nbytes: None
+        return
+    with _bar(in_bytes=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda nbytes: bar.advance(task, nbytes)

@@ -17,6 +17,7 @@ from stmoe.cli import (
     capture_cmd,
     demo,
     generate_cmd,
+    make_model_cmd,
     pack_cmd,
     predict_cmds,
     simulate_cmd,
@@ -60,6 +61,7 @@ app.command("eval")(friendly(predict_cmds.eval_cmd))
 app.command("simulate")(friendly(simulate_cmd.simulate_cmd))
 app.command("analyze")(friendly(analyze_cmd.analyze_cmd))
 app.command("demo")(friendly(demo.demo))
+app.command("make-model")(friendly(make_model_cmd.make_model_cmd))
 app.command("pack")(friendly(pack_cmd.pack_cmd))
 app.command("generate")(friendly(generate_cmd.generate_cmd))
 app.command("train-tiny")(friendly(train_cmd.train_tiny_cmd))
