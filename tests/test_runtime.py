@@ -16,7 +16,7 @@ from stmoe.predictors import profile, save_tables  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.cache import READY, LayerCache, ParamSpec  # noqa: E402
 from stmoe.runtime.options import resolve_capacity  # noqa: E402
-from stmoe.runtime.store import StoreError, pack  # noqa: E402
+from stmoe.runtime.store import ExpertStore, StoreError, pack  # noqa: E402
 from stmoe.runtime.tiers import parse_bytes, parse_seconds  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
@@ -83,7 +83,7 @@ def test_offloaded_generation_is_bit_identical_to_the_resident_model(family, pre
 def test_experts_are_never_materialised_and_the_cache_is_the_only_expert_memory(tmp_path):
     model, _ = tiny_model("mixtral")
     model.save_pretrained(tmp_path / "model")
-    pack(model, tmp_path / "store")
+    pack(model, tmp_path / "store", source=tmp_path / "model")
     ref = _generate(model)
     from stmoe.runtime.loading import load_without_experts
 
@@ -271,7 +271,7 @@ def test_a_truncated_store_file_is_a_short_read_error(tmp_path):
     store = pack(model, tmp_path / "store")
     model, _ = tiny_model("mixtral")
     with offload(model, store, capacity=2, predictor="ondemand", tier="disk") as om:
-        data = store / "experts.bin"
+        data = om.engine.store.data_path
         data.write_bytes(data.read_bytes()[:4096])  # only the first block survives
         with pytest.raises(StoreError, match="short read"):
             om.measure(lambda: _generate(om.model))
@@ -283,7 +283,7 @@ def test_a_slow_link_drops_stale_prefetches_and_still_matches(tmp_path):
     ref = _generate(model)
     store = pack(model, tmp_path / "store")
     model, _ = tiny_model("qwen3_moe")
-    expert_bytes = (store / "experts.bin").stat().st_size // (3 * 8)
+    expert_bytes = ExpertStore(store).data_path.stat().st_size // (3 * 8)
     with offload(
         model,
         store,
@@ -395,7 +395,7 @@ def test_a_run_ends_only_when_its_last_prefetches_have_landed(tmp_path):
     model, _ = tiny_model("mixtral")
     store = pack(model, tmp_path / "store")
     model, _ = tiny_model("mixtral")
-    expert_bytes = (store / "experts.bin").stat().st_size // (3 * 8)
+    expert_bytes = ExpertStore(store).data_path.stat().st_size // (3 * 8)
     with offload(model, store, capacity=4, predictor="random", tier="emulated",
                  bandwidth=expert_bytes / 0.01, workers=2) as om:  # fmt: skip
         _, stats = om.measure(lambda: _generate(om.model))

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
 from stmoe.model_introspect import experts_modules  # noqa: E402
+from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.store import ALIGN, ExpertStore, StoreError, pack  # noqa: E402
+from stmoe.runtime.store_index import checksum  # noqa: E402
 from tiny_moe import tiny_model  # noqa: E402
 
 
@@ -33,7 +42,8 @@ def test_blocks_hold_each_experts_weights_aligned(packed):
 def test_packing_twice_gives_the_same_bytes(packed, tmp_path):
     model, path = packed
     again = pack(model, tmp_path / "again")
-    assert (again / "experts.bin").read_bytes() == (path / "experts.bin").read_bytes()
+    data = ExpertStore(path).data_path
+    assert (again / data.name).read_bytes() == data.read_bytes()
     assert (again / "index.json").read_text() == (path / "index.json").read_text()
 
 
@@ -42,12 +52,13 @@ def test_damage_and_mismatch_are_clear_errors(packed, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "index.json").write_text((path / "index.json").read_text())
-    data = bytearray((path / "experts.bin").read_bytes())
+    name = ExpertStore(path).data_path.name
+    data = bytearray((path / name).read_bytes())
     data[10] ^= 0xFF
-    (broken / "experts.bin").write_bytes(bytes(data))
+    (broken / name).write_bytes(bytes(data))
     with pytest.raises(StoreError, match="layer 0, expert 0 fails its checksum"):
         ExpertStore(broken).read(0, 0)
-    (broken / "experts.bin").write_bytes(bytes(data[: len(data) // 2]))
+    (broken / name).write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(StoreError, match="truncated"):
         ExpertStore(broken)
     with pytest.raises(StoreError, match="not an expert store"):
@@ -67,3 +78,84 @@ def test_pack_command(cli, tmp_path):
     assert len(store.blocks) == 8 * 16
     bad = cli("pack", tmp_path, "-o", tmp_path / "x")
     assert bad.exit_code == 1 and "no config.json" in bad.output
+
+
+# ---- a fuzzed index: one clear line, or the resident model's exact tokens --------------------
+PROMPT = [5, 6, 7, 8]
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+
+
+def _paths(node, prefix=()):
+    """Every place in a parsed index: (path to it, as keys and list positions)."""
+    yield prefix
+    if isinstance(node, (dict, list)):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            yield from _paths(child, (*prefix, key))
+
+
+def _at(index, path):
+    for key in path:
+        index = index[key]
+    return index
+
+
+def _mutated(text: str, data) -> str:
+    kind = data.draw(st.sampled_from(["flip", "replace", "nudge", "delete", "layout"]))
+    if kind == "flip":
+        raw = bytearray(text.encode())
+        raw[data.draw(st.integers(0, len(raw) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+        return raw.decode("utf-8", "surrogateescape")
+    if kind == "layout":  # the same index, other white space
+        return text.replace("\n", data.draw(st.sampled_from(["", "\n\n", " \r\n"])))
+    index = json.loads(text)
+    paths = [p for p in _paths(index) if p and (kind != "delete" or isinstance(p[-1], str))]
+    if kind == "nudge":  # a number a little off, as one changed digit makes it
+        paths = [p for p in paths if type(_at(index, p)) is int]
+    path = data.draw(st.sampled_from(paths))
+    node = _at(index, path[:-1])
+    if kind == "replace":
+        node[path[-1]] = data.draw(JSON)
+    elif kind == "nudge":
+        node[path[-1]] += data.draw(st.sampled_from([-4096, -2, -1, 1, 2, 4096, 1 << 20]))
+    else:
+        del node[path[-1]]
+    if data.draw(st.booleans()):  # a hand-made index: its checksum made to agree
+        index["checksum"] = checksum(index)
+    return json.dumps(index, indent=data.draw(st.sampled_from([None, 1])))
+
+
+@pytest.fixture(scope="module")
+def fuzz_base(tmp_path_factory):
+    model, _ = tiny_model("mixtral")
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=3, min_new_tokens=3,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+    ref = out[0, len(PROMPT) :].tolist()
+    return pack(model, tmp_path_factory.mktemp("fuzz")), ref, model
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_a_fuzzed_index_is_one_clear_error_or_the_same_tokens(fuzz_base, data):
+    store, ref, resident = fuzz_base
+    with tempfile.TemporaryDirectory() as tmp:
+        bad = Path(tmp) / "store"
+        shutil.copytree(store, bad)
+        text = _mutated((store / "index.json").read_text(), data)
+        (bad / "index.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+        try:
+            ExpertStore(bad).check_model(resident)  # cheap first: most mutations end here
+            model, _ = tiny_model("mixtral")
+            with offload(model, bad, capacity="100%", predictor="ondemand") as om:
+                got = om.generate(PROMPT, max_new_tokens=3).tokens
+        except StoreError as exc:
+            msg = str(exc)
+            assert "\n" not in msg and str(bad) in msg, msg
+            return
+        assert got == ref

@@ -114,7 +114,7 @@ def offload_section(model: Any, model_dir: str | Path, out: Path, new_tokens: in
     from stmoe.runtime.store import pack
     from stmoe.runtime.systems import COMPARED_SYSTEMS, compared_predictor
 
-    store = pack(model, out / "store")
+    store = pack(model, out / "store", source=model_dir)  # model: model_dir, as loaded
     tables = load_tables(Path(model_dir) / SHIPPED_TABLES)
     prompt = DEMO_PROMPTS[1].text
     rows = {}

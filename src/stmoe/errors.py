@@ -14,6 +14,11 @@ class StmoeError(Exception):
     """Base class of every error the CLI reports as a one-line message."""
 
 
+class StmoeNote(UserWarning):
+    """Something stmoe decided for the user (a guessed layout, a cached store packed
+    again): worth one line, which the CLI prints as ``note: ...``, not worth refusing."""
+
+
 class TraceError(StmoeError, ValueError):
     """A routing trace, or a file meant to hold one, is malformed.
 

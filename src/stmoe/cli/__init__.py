@@ -1,8 +1,11 @@
 """The ``stmoe`` command line: thin commands over the library (docs/architecture.md).
 
 Each command parses its options, calls one library function, and prints or
-saves. Bad input exits 1 with one line naming the file and position; usage
-errors exit 2.
+saves. Bad input exits 1 with one line naming the file and position, and so does
+an option's value outside its range (``error: --seed -1: expected an integer >= 0``;
+NaN and infinity never pass); usage errors (an unknown option, a missing argument,
+a value of the wrong type) exit 2. Whatever a file or the user named (models,
+domains, paths) is printed as plain text: ``cli._common.clean_label``.
 """
 
 from __future__ import annotations

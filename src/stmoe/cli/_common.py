@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -16,18 +18,40 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from stmoe.errors import StmoeError
-from stmoe.trace.engines import ImportNote
+from stmoe.errors import StmoeError, StmoeNote
+from stmoe.fileio import atomic_write_text, check_input_file, check_output_path
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Off a terminal rich would wrap at 80 columns; results tables read better wider.
-out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, highlight=False)
+# Off a terminal rich would wrap at 80 columns; results tables read better wider. No emoji
+# codes: a label such as "a:smile:b" is printed as written.
+out = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, emoji=False)
+
+# What a label read from a file or the command line must not send to the terminal: C0 and
+# C1 control characters (ESC starts sequences that clear the screen, move the cursor or set
+# the window title; BEL rings), DEL, line and paragraph separators, bidirectional overrides.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_CONTROL_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f"
+                                "\u202a-\u202e\u2066-\u2069]")  # fmt: skip
+
+
+def plain_label(text: object, *, multiline: bool = False) -> str:
+    """``text`` without the characters that move the cursor or drive the terminal.
+
+    For output printed with ``markup=False``; ``multiline`` keeps newlines and tabs
+    (generated text)."""
+    return (_CONTROL_BUT_LINES if multiline else _CONTROL).sub("", str(text))
+
+
+def clean_label(text: object) -> str:
+    """``text`` (a model name, domain, path, anything a user or a file chose) made safe to
+    print through rich markup: control characters removed, ``[...]`` shown literally."""
+    return escape(plain_label(text))
 
 
 def _fail(message: str) -> NoReturn:
-    err.print("[bold red]error:[/] " + escape(message), markup=True, soft_wrap=True)
+    err.print("[bold red]error:[/] " + clean_label(message), markup=True, soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -47,7 +71,7 @@ def friendly(fn: F) -> F:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("ignore", RuntimeWarning)  # one line, not numpy's too
-                warnings.simplefilter("always", ImportNote)
+                warnings.simplefilter("always", StmoeNote)
                 result = fn(*args, **kwargs)
             _show(caught)  # after success only: a refusal stays one line
             return result
@@ -65,12 +89,13 @@ def friendly(fn: F) -> F:
 
 
 def _show(caught: list[warnings.WarningMessage]) -> None:
-    """An importer's notes as one ``note:`` line each; other warnings as Python shows them."""
+    """stmoe's notes as one ``note:`` line each; other warnings as Python shows them."""
     for w in caught:
-        if issubclass(w.category, ImportNote):
-            err.print(f"note: {w.message}", markup=False, soft_wrap=True)
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        if issubclass(w.category, StmoeNote):
+            err.print(f"note: {plain_label(w.message)}", markup=False, soft_wrap=True)
+        else:  # as Python shows them, less any control character a label brought in
+            text = warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line)
+            sys.stderr.write(plain_label(text, multiline=True))
 
 
 def print_json(data: Any) -> None:
@@ -84,23 +109,61 @@ def print_json(data: Any) -> None:
 JSON_HELP = "Write the results as JSON to this file ('-': print them on stdout instead)."
 
 
+def json_to_stdout(dest: Path | None) -> bool:
+    """True for ``--json -``; a ``--json`` file that cannot be written (a directory) is
+    refused here, before the command computes anything."""
+    if dest is None:
+        return False
+    if str(dest) == "-":
+        return True
+    check_output_path(dest)
+    return False
+
+
 def write_json(data: Any, dest: Path | None) -> bool:
     """Honour ``--json``: True when the JSON went to stdout (print nothing else)."""
     if dest is None:
         return False
-    if str(dest) == "-":
+    if json_to_stdout(dest):
         print_json(data)
         return True
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(data, indent=2) + "\n")
-    out.print(f"wrote {escape(str(dest))}")
+    atomic_write_text(dest, json.dumps(data, indent=2) + "\n")
+    out.print(f"wrote {clean_label(dest)}")
     return False
 
 
+def check_range(option: str, value: float | None, low: float | None = None,
+                high: float | None = None, *, exclusive: bool = False,
+                why: str = "") -> None:  # fmt: skip
+    """Refuse an option's NaN, infinite or out-of-range value in one line naming the option
+    and the range (``exclusive``: the bounds themselves are refused too). None passes."""
+    if value is None:
+        return
+    above = low is None or (value > low if exclusive else value >= low)
+    below = high is None or (value < high if exclusive else value <= high)
+    if math.isfinite(value) and above and below:
+        return
+    lo, hi = (x if x is None or isinstance(x, int) else f"{x:g}" for x in (low, high))
+    if low is not None and high is not None:
+        span = f"strictly between {lo} and {hi}" if exclusive else f"from {lo} to {hi}"
+    else:
+        sign = (">" if low is not None else "<") + ("" if exclusive else "=")
+        span = f"{sign} {lo if hi is None else hi}"
+    kind = "an integer" if isinstance(value, int) else "a number"
+    raise StmoeError(f"{option} {value}: expected {kind} {span}" + (f" ({why})" if why else ""))
+
+
+def check_inputs(what: str, paths: list[Path] | Path | None) -> None:
+    """Each input file regular and readable, checked before any work (``check_input_file``)."""
+    for path in [paths] if isinstance(paths, Path) else paths or []:
+        check_input_file(path, what)
+
+
 def key_value_table(title: str, rows: list[tuple[str, Any]]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
+    """A two-column table; the title, keys and values are taken as plain text (cleaned)."""
+    table = Table(title=clean_label(title), show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     for key, value in rows:
-        table.add_row(key, str(value))
+        table.add_row(clean_label(key), clean_label(value))
     return table

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from stmoe.cli._common import JSON_HELP, out, write_json
+from stmoe.cli._common import JSON_HELP, check_inputs, clean_label, json_to_stdout, out, write_json
 
 
 def analyze_cmd(
@@ -26,6 +26,8 @@ def analyze_cmd(
     from stmoe.analysis.report import write_report  # matplotlib loads only here
     from stmoe.trace import import_files
 
+    check_inputs("a trace file", traces)
+    json_to_stdout(json_out)
     trace = import_files(traces)
     data = write_report(trace, output)
     if write_json(data, json_out):
@@ -33,8 +35,9 @@ def analyze_cmd(
     s, t = data["spatial"], data["temporal"]
     synthetic = " [SYNTHETIC]" if trace.meta.synthetic else ""
     out.print(
-        f"{trace.meta.model}{synthetic}: {s['pairs_significant']}/{s['pairs_total']} layer pairs "
-        f"reject independence (p < {s['alpha']}); consecutive-token overlap "
-        f"{t['overlap_ratio']:.2f}x random"
+        f"{clean_label(trace.meta.model)}{synthetic}: {s['pairs_significant']}/"
+        f"{s['pairs_total']} layer pairs reject independence (p < {s['alpha']}); "
+        f"consecutive-token overlap {t['overlap_ratio']:.2f}x random"
     )
-    out.print(f"wrote {output / 'report.html'} and {output / 'report.md'}")
+    report = clean_label(output / "report")
+    out.print(f"wrote {report}.html and {report}.md")

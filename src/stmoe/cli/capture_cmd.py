@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from stmoe.cli._common import out
+from stmoe.cli._common import check_inputs, check_range, clean_label, out
 from stmoe.errors import StmoeError
 
 
@@ -31,8 +31,8 @@ def capture_cmd(
     domain: Annotated[
         str | None, typer.Option(help="Domain label for prompts that carry none.")
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.", min=1)] = 32,
-    batch_size: Annotated[int, typer.Option(help="Prompts per generate() call.", min=1)] = 1,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt (>= 1).")] = 32,
+    batch_size: Annotated[int, typer.Option(help="Prompts per generate() call (>= 1).")] = 1,
 ) -> None:
     """Generate greedily and record which experts the router chose for every token.
 
@@ -42,6 +42,9 @@ def capture_cmd(
     whose experts use transformers' experts interface (Mixtral, Qwen2/3-MoE,
     DeepSeek-V2/V3, OLMoE, GPT-OSS, GraniteMoE, PhiMoE, ...).
     """
+    check_range("--max-new-tokens", max_new_tokens, 1)
+    check_range("--batch-size", batch_size, 1)
+    check_inputs("a prompts file (text or JSON Lines)", prompts)
     try:
         from stmoe.capture_generate import DEFAULT_PROMPTS, capture_prompts, read_prompts
     except ImportError as exc:
@@ -60,4 +63,4 @@ def capture_cmd(
         model = SHIPPED_MODEL
     trace = capture_prompts(model, chosen, max_new_tokens=max_new_tokens, batch_size=batch_size)
     save_trace(trace, output)
-    out.print(f"wrote {output}: {trace!r}")
+    out.print(f"wrote {clean_label(output)}: {clean_label(repr(trace))}")

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from stmoe.cli._common import err, out
+from stmoe.cli._common import clean_label, err, out
 from stmoe.errors import StmoeError
 
 
@@ -38,17 +38,17 @@ def demo(
     with err.status("starting") as status:
 
         def stage(text: str) -> None:
-            out.print(f"[{time.perf_counter() - start:5.1f} s] {text}")
-            status.update(text)
+            out.print(f"[{time.perf_counter() - start:5.1f} s] {clean_label(text)}")
+            status.update(clean_label(text))
 
         summary = run_demo(output_dir, quick=quick, stage=stage)
     table = Table(title="ST-MoE recall per domain (held-out half)", title_justify="left")
     table.add_column("predictor")
     domains = list(summary["recall"])
     for d in domains:
-        table.add_column(d, justify="right")
+        table.add_column(clean_label(d), justify="right")
     for name in summary["recall"][domains[0]]:
-        table.add_row(name, *(f"{summary['recall'][d][name]:.3f}" for d in domains))
+        table.add_row(clean_label(name), *(f"{summary['recall'][d][name]:.3f}" for d in domains))
     out.print(table)
     out.print(
         f"{summary['pairs_significant']}/{summary['pairs_total']} layer pairs reject independence; "
@@ -62,4 +62,6 @@ def demo(
         + ", ".join(f"{n} {r['decode_tokens_per_s']:.1f}" for n, r in off.items())
         + f" tokens/s; identical tokens: {summary['offload']['identical_tokens']}"
     )
-    out.print(f"report: {output_dir / 'index.html'}  ({time.perf_counter() - start:.0f} s)")
+    out.print(
+        f"report: {clean_label(output_dir / 'index.html')}  ({time.perf_counter() - start:.0f} s)"
+    )

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from stmoe.cli._common import key_value_table, out
+from stmoe.cli._common import (
+    check_inputs,
+    check_range,
+    json_to_stdout,
+    key_value_table,
+    out,
+    plain_label,
+    print_json,
+    write_json,
+)
 from stmoe.errors import StmoeError
 
 
@@ -27,12 +35,13 @@ def generate_cmd(
             "~/.cache/stmoe/stores (STMOE_CACHE overrides)."
         ),
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.", min=1)] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (>= 1).")] = 32,
     capacity: Annotated[
         str,
         typer.Option(
-            help="Cache size: experts per layer (8), a share of the experts (50%), "
-            "or a total size in bytes for the whole model (64MB). At least the router's "
+            help="Cache size: experts per layer (8, at most the model's N), a share of "
+            "the experts (50%, at most 100%), or a total size in bytes for the whole model "
+            "(64MB; a larger budget than all experts caches them all). At least the router's "
             "top-k."
         ),
     ] = "50%",
@@ -63,8 +72,7 @@ def generate_cmd(
         int | None,
         typer.Option(
             help="Loads one prediction may start per layer (its most confident "
-            "experts not yet cached). Default: the capacity.",
-            min=0,
+            "experts not yet cached; >= 0). Default: the capacity."
         ),
     ] = None,
     lookahead: Annotated[
@@ -85,29 +93,40 @@ def generate_cmd(
         ),
     ] = "disk",
     bandwidth: Annotated[
-        str | None, typer.Option(help="Emulated link bandwidth in bytes/s, e.g. 200MB.")
+        str | None,
+        typer.Option(
+            help="Emulated link bandwidth in bytes/s, e.g. 200MB (at least 1KB; --tier "
+            "emulated only)."
+        ),
     ] = None,
     latency: Annotated[
-        str, typer.Option(help="Emulated link latency per transfer, e.g. 50us or 2ms.")
+        str,
+        typer.Option(
+            help="Emulated link latency per transfer, e.g. 50us or 2ms (0 to 60 s; --tier "
+            "emulated only)."
+        ),
     ] = "0",
     workers: Annotated[
         int | None,
         typer.Option(
-            help="Prefetch worker threads (default: 2 for disk, 1 for the "
-            "single-link emulated and gpu tiers).",
-            min=0,
+            help="Prefetch worker threads, 0 (no prefetching) to 64 (default: 2 for "
+            "disk, 1 for the single-link emulated and gpu tiers)."
         ),
     ] = None,
     threads: Annotated[
         int | None,
         typer.Option(
-            help="torch compute threads (default: torch's). One leaves a core to the "
-            "prefetch workers on small machines.",
-            min=1,
+            help="torch compute threads, 1 to 1024 (default: torch's). One leaves a core "
+            "to the prefetch workers on small machines."
         ),
     ] = None,
     json_out: Annotated[
-        Path | None, typer.Option("--json", help="Write the measurements (and tokens) as JSON.")
+        Path | None,
+        typer.Option(
+            "--json",
+            help="Write the measurements (and tokens) as JSON ('-': print them on stdout "
+            "instead of the text and tables).",
+        ),
     ] = None,
 ) -> None:
     """Generate greedily with the model's routed experts offloaded, and measure it.
@@ -118,11 +137,16 @@ def generate_cmd(
     Prints the text, then decode tokens/s, time to first token, hit rate,
     prefetch recall and precision, bytes moved and wasted, and stall share.
     """
+    _check_generate_options(max_new_tokens, max_loads, workers, threads)
+    check_inputs("a tables file (write one with `stmoe profile`)", tables)
+    if model is not None and not model.is_dir():
+        raise StmoeError(f"{model}: not a folder; --model expects a local transformers "
+                         "checkpoint folder")  # fmt: skip
+    to_stdout = json_to_stdout(json_out)
     try:
         import torch
 
         from stmoe.runtime.api import offload
-        from stmoe.runtime.tiers import parse_seconds
     except ImportError as exc:
         raise StmoeError(f"generate needs torch and transformers ({exc}); install them with "
                          "pip install -e '.[hf]'") from None  # fmt: skip
@@ -133,10 +157,13 @@ def generate_cmd(
     if threads is not None:
         torch.set_num_threads(threads)
     with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
-                 policy=policy, tier=tier, bandwidth=bandwidth, latency=parse_seconds(latency),
+                 policy=policy, tier=tier, bandwidth=bandwidth, latency=latency,
                  workers=workers, max_loads=max_loads, lookahead=lookahead) as om:  # fmt: skip
         result = om.generate(prompt, max_new_tokens=max_new_tokens)
-    out.print(prompt + result.text, markup=False)
+    if to_stdout:
+        print_json(result.to_dict())
+        return
+    out.print(plain_label(prompt + result.text, multiline=True), markup=False)
     c = result.config
     tier_label = c["tier"] + (" (EMULATED)" if c["emulated"] else "")
     rows = [
@@ -156,7 +183,13 @@ def generate_cmd(
         ("stall (decode)", f"{result.stall_s:.3f} s = {result.stall_share:.1%} of decode time"),
     ]  # fmt: skip
     out.print(key_value_table("offloaded generation", rows))
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
-        out.print(f"wrote {json_out}")
+    write_json(result.to_dict(), json_out)
+
+
+def _check_generate_options(max_new_tokens: int, max_loads: int | None, workers: int | None,
+                            threads: int | None) -> None:  # fmt: skip
+    """The numeric options, refused before the model loads."""
+    check_range("--max-new-tokens", max_new_tokens, 1)
+    check_range("--max-loads", max_loads, 0)
+    check_range("--workers", workers, 0, 64)
+    check_range("--threads", threads, 1, 1024)

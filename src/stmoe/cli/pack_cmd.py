@@ -19,12 +19,15 @@ def pack_cmd(
     """Write every (layer, expert)'s weights as one contiguous, 4 KiB-aligned block.
 
     One expert is then one read (page-cache bypass possible); an index records
-    offsets, shapes and checksums. Packing the same model twice gives the same bytes.
+    offsets, shapes, checksums and the checkpoint files' SHA-256, so the store is
+    only ever used with this model's weights. Packing the same model twice gives the
+    same bytes; packing over an existing store replaces it in one step (a killed pack
+    leaves the old store whole).
     """
     from stmoe.capture_generate import load_causal_lm
-    from stmoe.runtime.store import pack
+    from stmoe.runtime.store import ExpertStore, pack
 
     model = load_causal_lm(model_dir)
-    path = pack(model, output)
-    size = (path / "experts.bin").stat().st_size
+    path = pack(model, output, source=model_dir)
+    size = ExpertStore(path).data_path.stat().st_size
     out.print(f"wrote {path}: {size / 2**20:.1f} MiB of experts")

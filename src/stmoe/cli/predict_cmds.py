@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -10,7 +9,16 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from stmoe.cli._common import err, out, print_json
+from stmoe.cli._common import (
+    check_inputs,
+    check_range,
+    clean_label,
+    err,
+    json_to_stdout,
+    out,
+    print_json,
+    write_json,
+)
 from stmoe.errors import StmoeError
 from stmoe.predictors import (
     REGISTRY,
@@ -29,11 +37,9 @@ from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
 SplitOpt = Annotated[
     float | None,
     typer.Option(
-        help="Use the first FRACTION of the trace for profiling and the rest for evaluation "
-        "(by sequence when there are several, else by token). Give the same value to "
-        "`profile` and `eval`.",
-        min=0.0,
-        max=1.0,
+        help="Use the first FRACTION (strictly between 0 and 1) of the trace for profiling "
+        "and the rest for evaluation (by sequence when there are several, else by token). "
+        "Give the same value to `profile` and `eval`.",
     ),
 ]
 _NAMES = ", ".join(names())
@@ -69,12 +75,15 @@ def profile_cmd(
     (layer pairs up to 4 apart, consecutive tokens, the last 1,024 tokens) and their
     signal weights, fitted on the last fifth of the profiling tokens.
     """
+    check_inputs("a trace file", traces)
+    check_range("--split", split, 0, 1, exclusive=True)
     trace = _select(import_files(traces), domain, split, 0)
     tables = profile(trace, row_width=row_width, by_domain=by_domain)
     save_tables(tables, output)
     out.print(
-        f"wrote {output}: CCT for {tables.shape.describe()}, row width {tables.row_width}, "
-        f"profiled on {trace.num_tokens} tokens" + (" (SYNTHETIC)" if trace.meta.synthetic else "")
+        f"wrote {clean_label(output)}: CCT for {tables.shape.describe()}, row width "
+        f"{tables.row_width}, profiled on {trace.num_tokens} tokens"
+        + (" (SYNTHETIC)" if trace.meta.synthetic else "")
     )
 
 
@@ -106,7 +115,8 @@ def eval_cmd(
         ),
     ] = None,
     capacity: Annotated[
-        int | None, typer.Option(help="Also replay a cache of C experts per layer.", min=1)
+        int | None,
+        typer.Option(help="Also replay a cache of C experts per layer (1 to the trace's N)."),
     ] = None,
     policy: Annotated[
         str, typer.Option(help="Cache eviction: lru, lfu or belady (stmoe.cache_policy).")
@@ -117,18 +127,16 @@ def eval_cmd(
             help="Experts per prediction: predictors that rank experts (stmoe-plus, "
             "hybrid, frequency, random, gate-lookahead) predict this many (the mean "
             "with --adaptive); ST-MoE and its ablations, whose "
-            "rules size their sets, are capped at it. 0: K, and no cap.",
-            min=0,
+            "rules size their sets, are capped at it. 0: K, and no cap. At most the "
+            "trace's N.",
         ),
     ] = 0,
-    seed: Annotated[int, typer.Option(help="Seed of the random baseline.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the random baseline (>= 0).")] = 0,
     horizon: Annotated[
         int,
         typer.Option(
-            help="Predict layer l+H from layers <= l (stmoe-plus and hybrid; 1 for "
-            "the others, which are skipped when H > 1).",
-            min=1,
-            max=3,
+            help="Predict layer l+H (1 to 3) from layers <= l (stmoe-plus and hybrid; 1 "
+            "for the others, which are skipped when H > 1).",
         ),
     ] = 1,
     adaptive: Annotated[
@@ -163,8 +171,17 @@ def eval_cmd(
     --capacity, a cache replay's hit rate, experts moved per token, wasted loads
     and read amplification.
     """
+    check_inputs("a trace file", trace_path)
+    json_to_stdout(json_out)
+    check_range("--seed", seed, 0)
+    check_range("--horizon", horizon, 1, 3)
+    check_range("--split", split, 0, 1, exclusive=True)
+    tables = load_tables(tables_path) if tables_path is not None else None  # before the trace
     trace = _select(import_files([trace_path]), domain, split, 1)
-    tables = load_tables(tables_path) if tables_path is not None else None
+    n = trace.meta.num_experts
+    why = f"the trace has {n} experts per layer"
+    check_range("--capacity", capacity, 1, n, why=why)
+    check_range("--set-size", set_size, 0, n, why=why)
     if tables is not None:
         _warn_in_sample(trace, tables)
     chosen = predictor or names_for(trace)
@@ -198,13 +215,11 @@ def eval_cmd(
         result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace, **shared))
     data = result.to_dict()
     data["horizon"] = horizon
-    if json_out is not None and str(json_out) == "-":
+    if json_to_stdout(json_out):
         print_json(data)
         return
     print_results(data, trace)
-    if json_out is not None:
-        json_out.write_text(json.dumps(data, indent=2) + "\n")
-        out.print(f"wrote {json_out}")
+    write_json(data, json_out)
 
 
 def _recall(group: dict[str, Any]) -> str:
@@ -213,7 +228,8 @@ def _recall(group: dict[str, Any]) -> str:
 
 def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
     synthetic = " [SYNTHETIC]" if trace.meta.synthetic else ""
-    table = Table(title=f"{trace.meta.model}{synthetic}: {data['scope']}", title_justify="left")
+    table = Table(title=f"{clean_label(trace.meta.model)}{synthetic}: {clean_label(data['scope'])}",
+                  title_justify="left")  # fmt: skip
     for col in ("predictor", "recall", "precision", "set size", "decode", "prefill"):
         table.add_column(col, justify="left" if col == "predictor" else "right")
     has_cache = any("cache" in e for e in data["predictors"].values())
@@ -221,8 +237,8 @@ def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
         for col in ("hit rate", "moved/token", "wasted/token", "read amp"):
             table.add_column(col, justify="right")
     for name, e in data["predictors"].items():
-        row = [name, f"{e['recall']:.3f}", f"{e['precision']:.3f}", f"{e['set_size']:.2f}",
-               _recall(e["decode"]), _recall(e["prefill"])]  # fmt: skip
+        row = [clean_label(name), f"{e['recall']:.3f}", f"{e['precision']:.3f}",
+               f"{e['set_size']:.2f}", _recall(e["decode"]), _recall(e["prefill"])]  # fmt: skip
         if has_cache:
             c = e["cache"]
             row += [f"{c['hit_rate']:.3f}", f"{c['moved_per_token']:.1f}",
@@ -231,11 +247,11 @@ def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
     out.print(table)
     matrix = data.get("cross_domain")
     if matrix:
-        grid = Table(title=f"cross-domain recall ({matrix['predictor']}): rows profiled on, "
-                     "columns evaluated on", title_justify="left")  # fmt: skip
+        grid = Table(title=f"cross-domain recall ({clean_label(matrix['predictor'])}): rows "
+                     "profiled on, columns evaluated on", title_justify="left")  # fmt: skip
         grid.add_column("")
         for d in matrix["evaluated_on"]:
-            grid.add_column(d, justify="right")
+            grid.add_column(clean_label(d), justify="right")
         for d, row in zip(matrix["profiled_on"], matrix["recall"], strict=True):
-            grid.add_row(d, *("-" if x is None else f"{x:.3f}" for x in row))
+            grid.add_row(clean_label(d), *("-" if x is None else f"{x:.3f}" for x in row))
         out.print(grid)

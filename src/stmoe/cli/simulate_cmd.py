@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from stmoe.cli._common import out, print_json
+from stmoe.cli._common import (
+    check_inputs,
+    check_range,
+    clean_label,
+    json_to_stdout,
+    out,
+    print_json,
+    write_json,
+)
 
 
 def simulate_cmd(
@@ -32,15 +39,15 @@ def simulate_cmd(
             "the trace and simulate the second half."
         ),
     ] = None,
-    batch: Annotated[int, typer.Option(help="Sequences decoding together.", min=1)] = 1,
+    batch: Annotated[int, typer.Option(help="Sequences decoding together (>= 1).")] = 1,
     policy: Annotated[
         str, typer.Option(help="Expert cache eviction: lru, lfu or none (stmoe.cache_policy).")
     ] = "lru",
     pregate_accuracy: Annotated[
-        float, typer.Option(help="Accuracy of the pre-gated system's pre-gate.", min=0, max=1)
+        float, typer.Option(help="Accuracy of the pre-gated system's pre-gate, 0 to 1.")
     ] = 1.0,
     adap_threshold: Annotated[
-        float, typer.Option(help="Adaptive-Gating: gate mass a token keeps (lossy).", min=0, max=1)
+        float, typer.Option(help="Adaptive-Gating: gate mass a token keeps (lossy), 0 to 1.")
     ] = 0.8,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Write the results as JSON ('-': stdout).")
@@ -68,10 +75,19 @@ def simulate_cmd(
     from stmoe.sim.systems import PAPER_SYSTEMS, RunOptions
     from stmoe.trace import import_files
 
+    check_inputs("a trace file", trace_path)
+    for spec in (model, hardware):
+        if spec.endswith(".toml"):
+            check_inputs("a .toml spec file", Path(spec))
+    check_range("--batch", batch, 1)
+    check_range("--pregate-accuracy", pregate_accuracy, 0.0, 1.0)
+    check_range("--adap-threshold", adap_threshold, 0.0, 1.0)
+    json_to_stdout(json_out)
+    loaded = load_tables(tables) if tables else None  # checked before the trace is read
     trace = import_files([trace_path])
     spec_m, spec_h = load_model(model), load_hardware(hardware)
     systems = system or list(PAPER_SYSTEMS)
-    opts = RunOptions(tables=load_tables(tables) if tables else None, batch=batch,
+    opts = RunOptions(tables=loaded, batch=batch,
                       pregate_accuracy=pregate_accuracy, adap_threshold=adap_threshold,
                       policy=policy)  # fmt: skip
     data = simulate(trace, spec_m, spec_h, systems, opts)
@@ -91,31 +107,31 @@ def simulate_cmd(
             result = sweep(trace, spec_m, spec_h, systems, parameter, values, opts)
             data["sweeps"][parameter] = result
             plots.sweep(result, data, output_dir / f"sweep_{parameter}.png", label)
-    if json_out is not None and str(json_out) == "-":
+    if json_to_stdout(json_out):
         print_json(data)
         return
     _print(data)
-    if json_out is not None:
-        json_out.write_text(json.dumps(data, indent=2) + "\n")
-        out.print(f"wrote {json_out}")
+    write_json(data, json_out)
     if output_dir is not None:
-        out.print(f"wrote figures to {output_dir}/")
+        out.print(f"wrote figures to {clean_label(output_dir)}/")
 
 
 def _print(data: dict) -> None:
     synthetic = " [SYNTHETIC TRACE]" if data["trace"]["synthetic"] else ""
-    table = Table(title=f"{data['model']} on {data['hardware']}, batch {data['batch']}{synthetic}",
-                  title_justify="left")  # fmt: skip
+    title = (
+        f"{clean_label(data['model'])} on {clean_label(data['hardware'])}, batch {data['batch']}"
+    )
+    table = Table(title=title + synthetic, title_justify="left")
     for col in ("system", "time (s)", "normalized", "compute", "stall", "link", "energy (J)",
                 "EDP (J s)", "hit rate"):  # fmt: skip
         table.add_column(col, justify="left" if col == "system" else "right")
     for name, r in data["systems"].items():
         b = r["breakdown"]
-        table.add_row(name, f"{r['time']:.4g}", f"{r['normalized_time']:.3f}",
+        table.add_row(clean_label(name), f"{r['time']:.4g}", f"{r['normalized_time']:.3f}",
                       f"{b['compute']:.3g}", f"{b['stall']:.3g}", f"{b['communication']:.3g}",
                       f"{r['energy']:.4g}", f"{r['edp']:.4g}", f"{r['hit_rate']:.2f}")  # fmt: skip
     out.print(table)
-    out.print(f"tables: {data['tables']}")
+    out.print(f"tables: {clean_label(data['tables'])}")
     q = data["systems"].get("adap-gating", {}).get("quality")
     if q:
         kept, dropped = q["experts_per_token_layer"], q["dropped_gate_mass"]

@@ -10,7 +10,16 @@ import numpy as np
 import typer
 from rich.table import Table
 
-from stmoe.cli._common import JSON_HELP, key_value_table, out, write_json
+from stmoe.cli._common import (
+    JSON_HELP,
+    check_inputs,
+    check_range,
+    clean_label,
+    json_to_stdout,
+    key_value_table,
+    out,
+    write_json,
+)
 from stmoe.trace import (
     FORMATS,
     SynthSpec,
@@ -100,6 +109,9 @@ def import_traces(
     input stops the import with one error that names the file, the position and
     what was expected.
     """
+    check_inputs("a trace file", sources)
+    for option, value in (("--num-experts", num_experts), ("--layers", layers), ("--top-k", top_k)):
+        check_range(option, value, 1)
     engine = EngineOptions.parse(prompt_lengths, layers, top_k, layout, moe_layers)
     trace = import_files(
         sources,
@@ -112,7 +124,7 @@ def import_traces(
         engine=engine,
     )
     save_trace(trace, output)  # the importer's notes print after this (cli._common.friendly)
-    out.print(f"wrote {output}: {trace!r}")
+    out.print(f"wrote {clean_label(output)}: {clean_label(repr(trace))}")
 
 
 def info(
@@ -125,6 +137,8 @@ def info(
     sequences, tokens per domain, prefill/decode counts and each layer's expert load
     balance (max/mean tokens per expert). --json keys are a stable contract.
     """
+    check_inputs("a trace file", trace_path)
+    json_to_stdout(json_out)
     summary = summarize(load_trace(trace_path, mmap=True))
     if write_json(summary, json_out):
         return
@@ -152,7 +166,8 @@ def info(
         "domain", "sequences", "tokens", "decode tokens", title="per domain", title_justify="left"
     )
     for name, d in summary["domains"].items():
-        table.add_row(name, str(d["sequences"]), str(d["tokens"]), str(d["decode_tokens"]))
+        table.add_row(clean_label(name), str(d["sequences"]), str(d["tokens"]),
+                      str(d["decode_tokens"]))  # fmt: skip
     out.print(table)
 
 
@@ -200,7 +215,7 @@ def synth(
     given = {k: v for k, v in locals().items() if k != "output" and v is not None}
     trace = synthesize(dataclasses.replace(_SPEC, **given))
     save_trace(trace, output)
-    out.print(f"wrote {output}: SYNTHETIC {trace!r}")
+    out.print(f"wrote {clean_label(output)}: SYNTHETIC {clean_label(repr(trace))}")
 
 
 def export(
@@ -216,5 +231,6 @@ def export(
     sglang: an SGLang /generate response, or a batch's list (import it back with
     --layers L --top-k K).
     """
+    check_inputs("a trace file", trace_path)
     path = export_trace(load_trace(trace_path), output, format)
-    out.print(f"wrote {path}")
+    out.print(f"wrote {clean_label(path)}")

@@ -7,13 +7,15 @@ from typing import Annotated
 
 import typer
 
-from stmoe.cli._common import out
+from stmoe.cli._common import check_range, clean_label, out
 
 
 def train_tiny_cmd(
     output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint folder to write.")],
-    minutes: Annotated[float, typer.Option(help="Wall-clock training budget.", min=0.1)] = 38.0,
-    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    minutes: Annotated[
+        float, typer.Option(help="Wall-clock training budget, 0.1 to 10080 (a week).")
+    ] = 38.0,
+    seed: Annotated[int, typer.Option(help="Random seed (>= 0).")] = 0,
 ) -> None:
     """Train stmoe's small Qwen2-MoE model on CPU from text the package registries ship.
 
@@ -23,9 +25,12 @@ def train_tiny_cmd(
     """
     import dataclasses
 
+    check_range("--minutes", minutes, 0.1, 10080.0)
+    check_range("--seed", seed, 0)
+
     from stmoe.train_tiny import TrainSpec, train
 
     report = train(output, dataclasses.replace(TrainSpec(), minutes=minutes, seed=seed),
-                   log=out.print)  # fmt: skip
-    out.print(f"wrote {output}: {report['steps']} steps, validation loss "
+                   log=lambda line: out.print(clean_label(line)))  # fmt: skip
+    out.print(f"wrote {clean_label(output)}: {report['steps']} steps, validation loss "
               f"{report['validation_loss']}")  # fmt: skip

@@ -12,21 +12,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from stmoe.fileio import atomic_write
+from stmoe.fileio import atomic_write, check_input_file
 from stmoe.predictors.base import ModelShape, PredictorError
-from stmoe.predictors.counting import D_MAX
 from stmoe.predictors.kernels import CONF_NEW
+from stmoe.predictors.tables_check import (
+    TABLES_FORMAT,
+    TABLES_VERSION,
+    check_arrays,
+    check_cct,
+    check_domains,
+    check_info,
+    header_dims,
+    read_header,
+)
 from stmoe.trace.io import read_npz_arrays
 from stmoe.trace.schema import _CHUNK_TOKENS, RoutingTrace
 
-TABLES_FORMAT = "stmoe-tables"
-TABLES_VERSION = 1
+__all__ = ["RECENT_TOKENS", "TABLES_FORMAT", "TABLES_VERSION", "ProfiledTables", "cct_from_counts",
+           "check_cct", "cooccurrence", "load_tables", "save_tables"]  # fmt: skip
 RECENT_TOKENS = 1024  # profiled tokens kept for stmoe-plus's token memory (its ring size)
 
 
@@ -45,6 +55,7 @@ class ProfiledTables:
     temporal: np.ndarray | None = None  # [L, N, N]: e at l, then f at l in the next token
     recent: np.ndarray | None = None  # [M, L, K] int16: the last profiled tokens (token memory)
     per_domain: dict[str, ProfiledTables] | None = None  # tables of each domain (stmoe-mix)
+    source: str | None = None  # the file (and domain) read from, for messages; not saved
 
     @property
     def row_width(self) -> int:
@@ -57,23 +68,6 @@ class ProfiledTables:
                 f"{where}: profiled for {self.shape.describe()} but the trace has "
                 f"{shape.describe()}; profile tables on a trace of this model"
             )
-
-
-def check_cct(ids: np.ndarray, conf: np.ndarray, num_experts: int, where: str = "tables") -> None:
-    """Refuse a CCT the compiled kernels could not trust (they index by these ids)."""
-    if not (np.issubdtype(ids.dtype, np.integer) and np.issubdtype(conf.dtype, np.integer)):
-        raise PredictorError(f"{where}: CCT ids/confidences are not integers")
-    bad = (ids < -1) | (ids >= num_experts)
-    if bad.any():
-        layer, e, s = (int(i) for i in np.argwhere(bad)[0])
-        raise PredictorError(f"{where}: CCT[{layer}][{e}] slot {s} holds expert "
-                             f"{int(ids[layer, e, s])}, "
-                             f"expected -1..{num_experts - 1}")  # fmt: skip
-    if ((conf < 0) | (conf > 3)).any():
-        raise PredictorError(f"{where}: a CCT confidence lies outside 0..3 (2-bit counters)")
-    ordered = np.sort(ids, axis=2)
-    if ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any():
-        raise PredictorError(f"{where}: a CCT row holds the same expert twice")
 
 
 def cooccurrence(trace: RoutingTrace) -> np.ndarray:
@@ -132,86 +126,37 @@ def save_tables(tables: ProfiledTables, path: str | Path) -> Path:
 
 
 def load_tables(path: str | Path) -> ProfiledTables:
-    """Read tables written by ``save_tables``; clear errors for other or damaged files."""
+    """Read tables written by ``save_tables``, every field checked (``tables_check``)
+    before a predictor's compiled kernels can see it; one clear line otherwise."""
     path = Path(path)
     if not path.exists():
         raise PredictorError(f"{path}: no such tables file (write one with `stmoe profile`)")
-    arrays = read_npz_arrays(path, mmap=False)
+    check_input_file(path, "a tables file (write one with `stmoe profile`)")
+    where = str(path)
     try:
-        header = json.loads(str(arrays["header"][()]))
-    except (KeyError, json.JSONDecodeError):
-        raise PredictorError(f"{path}: not an stmoe tables file (no valid header)") from None
-    if header.get("format") != TABLES_FORMAT:
-        raise PredictorError(
-            f"{path}: not an stmoe tables file (format {header.get('format')!r}, expected "
-            f"{TABLES_FORMAT!r}); write tables with `stmoe profile`"
-        )
-    if not isinstance(header.get("version"), int) or header["version"] > TABLES_VERSION:
-        raise PredictorError(
-            f"{path}: tables version {header.get('version')!r} is newer than this stmoe "
-            f"reads ({TABLES_VERSION}); upgrade stmoe"
-        )
-    shape = ModelShape(header["num_layers"], header["num_experts"], header["top_k"])
-    tables = _tables_from(arrays, shape, header["row_width"], header.get("info", {}), path)
+        arrays = read_npz_arrays(path, mmap=False)
+    except (zlib.error, NotImplementedError, RuntimeError) as exc:  # damaged, odd or encrypted
+        raise PredictorError(f"{where}: not a readable tables file ({exc})") from None
+    header = read_header(arrays.get("header"), where)
+    dims = header_dims(header, where)
+    info = check_info(header.get("info", {}), dims.shape.num_layers, where)
+    domains = check_domains(header.get("per_domain", []), where)
+    tables = _tables_from(check_arrays(arrays, dims, where), dims.shape, info, where)
     per_domain = {}
-    for i, entry in enumerate(header.get("per_domain", [])):
-        part = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith(f"domain{i}/")}
-        if not isinstance(entry, dict) or "domain" not in entry or not part:
-            raise PredictorError(f"{path}: per-domain tables {i} are incomplete")
-        per_domain[str(entry["domain"])] = _tables_from(part, shape, header["row_width"],
-                                                        entry.get("info", {}), path)  # fmt: skip
+    for i, (name, domain_info) in enumerate(domains):
+        field_ = f"per_domain[{i}]"
+        domain_info = check_info(domain_info, dims.shape.num_layers, where, f"{field_}.info")
+        part = check_arrays(arrays, dims, where, prefix=f"domain{i}/")
+        per_domain[name] = _tables_from(part, dims.shape, domain_info, f"{where}: domain {name!r}")
     if per_domain:
         tables = dataclasses.replace(tables, per_domain=per_domain)
     return tables
 
 
-def _tables_from(arrays: dict, shape: ModelShape, row_width: int, info: dict,
-                 path: Path) -> ProfiledTables:  # fmt: skip
-    missing = [k for k in ("cct_ids", "cct_conf", "cooccurrence", "layer_counts")
-               if k not in arrays]  # fmt: skip
-    if missing:
-        raise PredictorError(f"{path}: not an stmoe tables file (no {missing[0]})")
-    ids, conf = arrays["cct_ids"], arrays["cct_conf"]
-    want = (max(shape.num_layers - 1, 0), shape.num_experts, row_width)
-    if ids.shape != want or conf.shape != want:
-        raise PredictorError(f"{path}: CCT has shape {ids.shape}, expected {want}")
-    check_cct(ids, conf, shape.num_experts, str(path))
-    return ProfiledTables(
-        shape=shape,
-        cct_ids=ids.astype(np.int16),
-        cct_conf=conf.astype(np.int8),
-        cooccurrence=arrays["cooccurrence"],
-        layer_counts=arrays["layer_counts"],
-        info=info,
-        pair_counts=_optional(
-            arrays, "pair_counts", (D_MAX, want[0], shape.num_experts, shape.num_experts), path
-        ),
-        temporal=_optional(
-            arrays, "temporal", (shape.num_layers, shape.num_experts, shape.num_experts), path
-        ),
-        recent=_recent(arrays, shape, path),
-    )
-
-
-def _recent(arrays: dict, shape: ModelShape, path: Path) -> np.ndarray | None:
-    a = arrays.get("recent")
-    if a is None:
-        return None
-    if (
-        a.ndim != 3
-        or a.shape[1:] != (shape.num_layers, shape.top_k)
-        or (a.size and (a.min() < -1 or a.max() >= shape.num_experts))
-    ):
-        raise PredictorError(f"{path}: 'recent' has shape {a.shape} or ids out of range")
-    return a.astype(np.int16)
-
-
-def _optional(arrays: dict, key: str, want: tuple[int, ...], path: Path) -> np.ndarray | None:
-    """An optional count array, checked against the model shape."""
-    a = arrays.get(key)
-    if a is None:
-        return None
-    want = (want[0], max(want[1], 1), *want[2:]) if key == "pair_counts" else want
-    if a.shape != want or not np.issubdtype(a.dtype, np.number):
-        raise PredictorError(f"{path}: {key} has shape {a.shape}, expected {want}")
-    return a
+def _tables_from(arrays: dict[str, np.ndarray | None], shape: ModelShape, info: dict[str, Any],
+                 source: str) -> ProfiledTables:  # fmt: skip
+    return ProfiledTables(shape=shape, cct_ids=arrays["cct_ids"], cct_conf=arrays["cct_conf"],
+                          cooccurrence=arrays["cooccurrence"], layer_counts=arrays["layer_counts"],
+                          info=info, pair_counts=arrays["pair_counts"],
+                          temporal=arrays["temporal"], recent=arrays["recent"],
+                          source=source)  # type: ignore[arg-type]  # fmt: skip

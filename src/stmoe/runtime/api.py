@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,7 +31,7 @@ from stmoe.runtime.loading import load_without_experts
 from stmoe.runtime.options import OffloadOptions, resolve_capacity, resolve_predictor, top_k_of
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
-from stmoe.runtime.store import ExpertStore, StoreError, ensure_store, pack
+from stmoe.runtime.store import ExpertStore, StoreError, open_store, pack
 from stmoe.runtime.tiers import open_tier
 
 T = TypeVar("T")
@@ -61,12 +63,18 @@ class GenerationResult:
 
 
 class OffloadedModel:
-    """A model whose experts are served by an ``OffloadEngine``; close() (or ``with``) ends it."""
+    """A model whose experts are served by an ``OffloadEngine``; close() (or ``with``) ends it.
+
+    Safe to share between threads: ``generate``, ``measure`` and ``close`` take one lock,
+    so calls run one after the other, each exactly as it would alone. A forward of
+    ``model`` called directly while another thread's call runs is refused (one line).
+    """
 
     def __init__(self, model: torch.nn.Module, engine: OffloadEngine, tokenizer: Any,
                  config: dict[str, Any], cleanup: Path | None = None) -> None:  # fmt: skip
         self.model, self.engine, self.tokenizer, self.config = model, engine, tokenizer, config
         self._cleanup = cleanup
+        self._serial = threading.Lock()  # one measured run at a time
 
     def __enter__(self) -> OffloadedModel:
         return self
@@ -75,9 +83,28 @@ class OffloadedModel:
         self.close()
 
     def close(self) -> None:
-        self.engine.close()
+        """End the model, after a call another thread is running (called from inside a
+        run, it ends that run at its next layer)."""
+        inside = self.engine.state.owner is threading.current_thread()
+        with nullcontext() if inside else self._serial:
+            self.engine.close()
         if self._cleanup is not None:
             shutil.rmtree(self._cleanup, ignore_errors=True)
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """This thread's measured run: after any other thread's, the engine claimed."""
+        engine = self.engine
+        with engine.cv:  # before the lock: waiting for ourselves would hang
+            engine.state.refuse_nested()
+        with self._serial:
+            with engine.cv:
+                engine.state.enter_run()  # refused while another thread's direct call runs
+            try:
+                yield
+            finally:
+                with engine.cv:
+                    engine.state.leave_run()
 
     def generate(
         self, prompt: str | list[int], max_new_tokens: int = 32, cold: bool = True
@@ -95,9 +122,11 @@ class OffloadedModel:
         if ids.shape[1] == 0:
             raise StoreError("the prompt has no tokens")
         ids = ids.to(self.engine.device)
-        out, stats = self.measure(lambda: self._run(ids, max_new_tokens), cold=cold)
-        ends = self.engine.run.forward_ends
-        ttft = ends[0] - self.engine.run.started
+        with self._exclusive():  # the run is read after it, before another starts
+            out, stats = self._measure(lambda: self._run(ids, max_new_tokens), cold)
+            run = self.engine.run
+        ends = run.forward_ends
+        ttft = ends[0] - run.started
         decode_tokens = len(ends) - 1
         decode_s = ends[-1] - ends[0] if decode_tokens else 0.0
         new = out[0, ids.shape[1] :].tolist()
@@ -119,8 +148,13 @@ class OffloadedModel:
         cache when ``cold`` (else the experts left by the previous run stay).
 
         For the oracle, ``fn`` runs twice: a first pass records the routing the
-        oracle then knows in advance (outputs are the same, being lossless).
+        oracle then knows in advance (outputs are the same, being lossless). Runs
+        of several threads are serialised (see the class docstring).
         """
+        with self._exclusive():
+            return self._measure(fn, cold)
+
+    def _measure(self, fn: Callable[[], T], cold: bool) -> tuple[T, RuntimeStats]:
         if self.engine.predictor.sees_future:
             self.engine.reset(future={}, cold=cold)
             fn()
@@ -194,28 +228,28 @@ def offload(
                              workers, max_loads, lookahead)  # fmt: skip
     options.check()
     register()
-    tokenizer, cleanup, model_dir = None, None, None
     if isinstance(model_or_dir, (str, Path)):
         model_dir = Path(model_or_dir)
-        store_path = ensure_store(model_dir, store)
+        # the store matched to the folder's checkpoint before anything is loaded
+        expert_store = open_store(model_dir, store)
         model = load_without_experts(model_dir).model
-        tokenizer = _tokenizer(model_dir)
-    else:
-        model = model_or_dir
-        if getattr(model.config, "_experts_implementation", None) == IMPL_NAME:
-            raise StoreError("this model is already offloaded (or was, and is closed); "
-                             "offload a freshly loaded model or its folder")  # fmt: skip
-        if store is None:
-            cleanup = Path(tempfile.mkdtemp(prefix="stmoe-store-"))
-            try:
-                pack(model, cleanup)
-            except BaseException:
-                shutil.rmtree(cleanup, ignore_errors=True)
-                raise
-        store_path = Path(store) if store is not None else cleanup
+        return _offload(model, expert_store, options, model_dir, _tokenizer(model_dir), None)
+    model = model_or_dir
+    if getattr(model.config, "_experts_implementation", None) == IMPL_NAME:
+        raise StoreError("this model is already offloaded (or was, and is closed); "
+                         "offload a freshly loaded model or its folder")  # fmt: skip
+    cleanup = None
+    if store is None:
+        cleanup = Path(tempfile.mkdtemp(prefix="stmoe-store-"))
+        try:
+            pack(model, cleanup)
+        except BaseException:
+            shutil.rmtree(cleanup, ignore_errors=True)
+            raise
+    store_path = Path(store) if store is not None else cleanup
     assert store_path is not None
-    try:
-        return _offload(model, ExpertStore(store_path), options, model_dir, tokenizer, cleanup)
+    try:  # the model's own expert bytes are compared with the store's (``check_model``)
+        return _offload(model, ExpertStore(store_path), options, None, None, cleanup)
     except BaseException:
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
@@ -225,7 +259,7 @@ def offload(
 def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: OffloadOptions,
              model_dir: Path | None, tokenizer: Any,
              cleanup: Path | None) -> OffloadedModel:  # fmt: skip
-    expert_store.check_model(model)
+    expert_store.check_model(model)  # every block's layout, and the weights, before any token
     shape = ModelShape(len(experts_modules(model)), int(expert_store.model["num_experts"]),
                        top_k_of(model.config))  # fmt: skip
     per_layer = resolve_capacity(options.capacity, shape.num_layers, shape.num_experts,

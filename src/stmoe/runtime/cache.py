@@ -3,7 +3,9 @@
 The cache owns fixed slabs (one tensor per expert parameter, ``capacity`` rows),
 allocated once: it can never hold more than its capacity, and resident memory
 stays flat however long generation runs. Each slot is FREE, LOADING (a thread is
-writing it; nobody else may touch it) or READY.
+writing it; nobody else may touch it) or READY. A LOADING slot records its loader
+thread and since when, so a waiter can tell a slow load from one that will never
+finish (its thread died) and bound its wait (``prefetch.Prefetcher.reap``).
 
 Every method except ``write`` must be called with the engine's lock held; the
 lock guards the bookkeeping, never a copy.
@@ -23,6 +25,8 @@ with the step it was loaded for (the next one); ties go to the smaller id.
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -30,7 +34,7 @@ import numpy as np
 import torch
 
 from stmoe import cache_policy as cp
-from stmoe.runtime.store import Block
+from stmoe.runtime.store import Block, StoreError
 
 FREE, LOADING, READY = 0, 1, 2
 POLICIES = cp.names_for(cp.RUNTIME)  # the policy names the runtime accepts
@@ -89,6 +93,9 @@ class LayerCache:
         self.state = [FREE] * capacity
         self.prefetched = [False] * capacity  # loaded by a prefetch ...
         self.used = [False] * capacity  # ... and used since it was loaded
+        # a LOADING slot's loader thread and when it claimed the slot (time.monotonic)
+        self.loader: list[threading.Thread | None] = [None] * capacity
+        self.since = [0.0] * capacity
         # per expert, as the policies take them: stamp of the last use or load, and uses
         self.last_use = np.zeros(num_experts, dtype=np.int64)
         self.uses = np.zeros(num_experts, dtype=np.int64)
@@ -120,10 +127,14 @@ class LayerCache:
         """A slot for ``expert`` (now LOADING), and whether the expert it displaced
         had been prefetched and never used (wasted bytes).
 
-        ``(None, False)`` when the expert is already here or every slot is busy.
+        ``(None, False)`` when the expert is already here or every slot is busy. An id
+        outside the layer's experts is refused before anything changes.
         """
         if expert in self.where:
             return None, False
+        if not 0 <= expert < len(self.uses):
+            raise StoreError(f"layer {self.layer}: expert {expert} is outside its experts "
+                             f"0..{len(self.uses) - 1}")  # fmt: skip
         if self.identity:
             slot: int | None = expert
         else:
@@ -138,6 +149,8 @@ class LayerCache:
         self.where[expert] = slot
         self.holder[slot] = expert
         self.state[slot] = LOADING
+        self.loader[slot] = threading.current_thread()  # the claimer loads it
+        self.since[slot] = time.monotonic()
         self.prefetched[slot] = prefetch
         self.used[slot] = False
         if prefetch:  # a load is a use for LRU, stamped with the step it is loaded for
@@ -172,6 +185,7 @@ class LayerCache:
 
     def filled(self, slot: int) -> None:
         self.state[slot] = READY
+        self.loader[slot] = None
 
     def abandon(self, slot: int) -> None:
         """A load failed: the slot goes back to FREE and holds nothing."""
@@ -180,6 +194,7 @@ class LayerCache:
             del self.where[expert]
         self.holder[slot] = -1
         self.state[slot] = FREE
+        self.loader[slot] = None
         self.prefetched[slot] = self.used[slot] = False
 
     def touch(self, slot: int) -> None:
@@ -212,6 +227,7 @@ class LayerCache:
         for e, s in self.where.items():
             assert self.holder[s] == e and self.state[s] != FREE
         for s in range(self.capacity):
+            assert (self.loader[s] is not None) == (self.state[s] == LOADING)
             if self.state[s] == FREE:
                 assert self.holder[s] == -1
             else:

@@ -9,7 +9,10 @@ used before (its arithmetic, which the engine calls on the gathered experts).
 ``ForwardHooks`` follows the model's forward calls: which call, its batch shape
 and padding mask, prefill (a prompt) or decode (one token per row), and tells
 the prefetch planner as each call starts and ends and as each decoder layer
-with a late gate lookahead starts.
+with a late gate lookahead starts. Each forward call claims the engine for its
+thread before touching the run (``EngineState.enter_forward``: another thread's
+call in progress is a clear busy error) and lets it go when it ends, failed or
+not (a hook with ``always_call``).
 """
 
 from __future__ import annotations
@@ -106,7 +109,9 @@ class ForwardHooks:
                  planner: PrefetchPlanner) -> None:  # fmt: skip
         self.state, self.planner = state, planner
         self._handles = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-                         model.register_forward_hook(self._after_forward)]  # fmt: skip
+                         model.register_forward_hook(self._after_forward),
+                         model.register_forward_hook(self._forward_done,
+                                                     always_call=True)]  # fmt: skip
         if planner.late is not None:  # predict layer l as layer l starts (the late lookahead)
             self._handles += [decoder_layer.register_forward_pre_hook(self._layer_start(layer),
                                                                       with_kwargs=True)
@@ -128,6 +133,7 @@ class ForwardHooks:
         batch, length = int(ids.shape[0]), int(ids.shape[1])
         mask = kwargs.get("attention_mask")
         with self.state.cv:
+            self.state.enter_forward()  # refuses while another thread's call runs
             run = self.state.run
             run.fwd += 1
             run.batch = (batch, length)
@@ -141,6 +147,11 @@ class ForwardHooks:
     def _after_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self.state.run.forward_ends.append(time.perf_counter())
         self.planner.forward_ended()
+
+    def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        """Every forward call's end, even a failed one: its thread lets the engine go."""
+        with self.state.cv:
+            self.state.leave_forward()
 
     def _layer_start(self, layer: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

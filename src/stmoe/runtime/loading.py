@@ -11,7 +11,6 @@ says which happened.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 from stmoe.model_introspect import experts_modules
-from stmoe.runtime.store import StoreError
+from stmoe.runtime.store_check import checkpoint_files
 
 
 @dataclass
@@ -50,14 +49,8 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise StoreError(f"{index}: not a safetensors index (no weight_map)") from None
-        return [model_dir / s for s in shards]
-    return sorted(model_dir.glob("*.safetensors"))
+    """The checkpoint's safetensors files (another format loads through transformers)."""
+    return [f for f in checkpoint_files(model_dir) if f.suffix == ".safetensors"]
 
 
 def _renamer(model: torch.nn.Module) -> Callable[[str], str | None]:

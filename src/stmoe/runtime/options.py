@@ -9,6 +9,7 @@ shipped next to a model folder when none are given) or as a ready object.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from stmoe.models import SHIPPED_TABLES
 from stmoe.predictors import make
 from stmoe.predictors.base import ModelShape, Predictor
 from stmoe.runtime.store import StoreError
-from stmoe.runtime.tiers import TIERS, parse_bytes
+from stmoe.runtime.tiers import TIERS, check_link, parse_bytes
 
 _TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k",
                 "experts_per_token", "n_activated_experts")  # fmt: skip
@@ -40,10 +41,15 @@ class OffloadOptions:
     lookahead: str = "auto"
 
     def check(self) -> None:
-        """Refuse an unknown tier or cache policy before anything is loaded."""
+        """Refuse an unknown tier or cache policy, a link setting the tier does not take or
+        an absurd one, and a negative count, before anything is loaded."""
         if self.tier not in TIERS:
             raise StoreError(f"unknown tier {self.tier!r}; choose from {', '.join(TIERS)}")
         policy_code(self.policy, RUNTIME, StoreError)
+        check_link(self.tier, self.bandwidth, self.latency)
+        for name, value in (("workers", self.workers), ("max_loads", self.max_loads)):
+            if value is not None and (isinstance(value, bool) or value < 0):
+                raise StoreError(f"{name} must be >= 0, got {value!r}")
 
     def worker_count(self) -> int:
         """Prefetch threads: a disk serves reads in parallel; on a single link a second
@@ -67,23 +73,42 @@ def top_k_of(config: Any) -> int:
 def resolve_capacity(capacity: int | str, num_layers: int, num_experts: int, top_k: int,
                      expert_bytes: int) -> int:  # fmt: skip
     """Experts per layer from a count (8), a share of the experts ('50%'), or a byte
-    budget for the whole model ('64MB'); below top-K is an error."""
+    budget for the whole model ('64MB'). Below top-K is an error, and so are a count
+    above N and a share above 100%; a byte budget above what all experts take caches
+    them all (a budget is a ceiling, not a request)."""
     text = str(capacity).strip()
+    expected = ("expected experts per layer (8), a share of the experts (50%) or a size in "
+                "bytes (64MB)")  # fmt: skip
+    if isinstance(capacity, bool):
+        raise StoreError(f"capacity {capacity!r}: {expected}")
     try:
         if isinstance(capacity, int) or text.isdigit():
             count = int(text)
+            if count > num_experts:
+                raise StoreError(f"capacity {capacity!r}: the model has {num_experts} experts "
+                                 f"per layer, so at most {num_experts} (or 100%)")  # fmt: skip
         elif text.endswith("%"):
-            count = round(float(text[:-1]) / 100 * num_experts)
+            share = float(text[:-1])
+            if not (math.isfinite(share) and 0 <= share <= 100):
+                raise StoreError(f"capacity {capacity!r}: expected a share from 0% to 100%")
+            count = round(share / 100 * num_experts)
         else:
-            count = int(parse_bytes(text) // (expert_bytes * num_layers))
-    except (ValueError, StoreError):
-        raise StoreError(f"capacity {capacity!r}: expected experts per layer (8), a share "
-                         "of the experts (50%) or a size in bytes (64MB)") from None  # fmt: skip
+            budget = _parse_budget(text, expected) // (expert_bytes * num_layers)
+            count = int(min(budget, num_experts))
+    except ValueError:
+        raise StoreError(f"capacity {capacity!r}: {expected}") from None
     if count < top_k:
         raise StoreError(f"capacity {capacity!r} gives {count} experts per layer, below the "
                          f"router's top-{top_k}; one token's experts must fit, so use at least "
                          f"{top_k} (of {num_experts})")  # fmt: skip
-    return min(count, num_experts)
+    return count
+
+
+def _parse_budget(text: str, expected: str) -> float:
+    try:
+        return parse_bytes(text)
+    except StoreError as exc:
+        raise StoreError(f"capacity {text!r}: {expected} ({exc})") from None
 
 
 def resolve_predictor(options: OffloadOptions, shape: ModelShape,

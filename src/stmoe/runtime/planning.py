@@ -10,6 +10,8 @@ lookahead, the next layer's router runs on this layer's MoE input (*early*), or
 on the next layer's own input through its pre-MoE norm as that layer starts
 (*late*: a hook per decoder layer; closer to what the router sees, less time to
 load). The oracle (``run.future``) is asked nothing: it knows each layer's set.
+A predicted id outside the model's experts is a clear error here, on the compute
+thread, before any of it is queued.
 """
 
 from __future__ import annotations
@@ -162,7 +164,14 @@ class PrefetchPlanner:
         if run.future is not None:
             return list(run.future.get((fwd, layer), ()))[: self.capacity]
         ids = self.predictor.predict_batch(layer, range(run.batch[0]), max_size=self.capacity)
-        return [int(e) for e in ids[: self.capacity]]
+        out = [int(e) for e in ids[: self.capacity]]
+        n = self.state.num_experts
+        if out and (min(out) < 0 or max(out) >= n):  # checked here, not as a worker's KeyError
+            bad = next(e for e in out if not 0 <= e < n)
+            raise StoreError(f"predictor {self.predictor.name!r} predicted expert {bad} for layer "
+                             f"{layer}, outside this model's experts 0..{n - 1} (its tables were "
+                             "profiled on another model?)")  # fmt: skip
+        return out
 
     def _prefetch(self, fwd: int, layer: int, experts: list[int]) -> None:
         """Record the prediction for (``fwd``, ``layer``), keep its experts from eviction

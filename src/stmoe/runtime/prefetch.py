@@ -5,22 +5,36 @@ layer the compute thread reaches next comes first, and within a layer the
 predictor's most confident expert. A worker claims a cache slot, reads the
 expert through the engine's tier without holding the lock, and marks the slot
 READY. A request whose layer the compute thread has already reached is *stale*
-and dropped (the layer loaded its misses itself). A worker's I/O error is kept
-and raised on the compute thread at its next layer (``raise_error``), with the
-slot freed so the cache stays consistent.
+and dropped (the layer loaded its misses itself). Any failure of a worker,
+anywhere in its loop (a read, a bad request, the bookkeeping), is kept, its slot
+freed so the cache stays consistent, and the compute thread woken: it raises the
+error at once if it is waiting, else at its next layer (``raise_error``); the
+worker goes on serving.
+
+No wait is unbounded: the compute thread waits for a slot at most ``WAIT_S`` at a
+time, then raises a kept failure, frees slots whose loader thread died (it loads
+those experts itself) and refuses a load stuck longer than ``stall_limit_s``
+(``reap``); ``drain`` and ``close`` are bounded the same way.
 """
 
 from __future__ import annotations
 
 import heapq
 import threading
+import time
 
 import torch
 
-from stmoe.runtime.cache import LOADING
+from stmoe.runtime.cache import LOADING, LayerCache
 from stmoe.runtime.state import EngineState
 from stmoe.runtime.store import StoreError
 from stmoe.runtime.tiers import aligned_buffer
+
+WAIT_S = 0.5  # the longest a waiter sleeps before checking for failures and dead loaders
+STALL_LIMIT_S = 300.0  # a load taking longer is refused: the tier is not answering
+CLOSE_WAIT_S = 10.0  # close() waits this long for the workers' loads in flight
+
+Job = tuple[LayerCache, int, int, int]  # (cache, slot, layer, expert) a worker loads
 
 
 class Prefetcher:
@@ -32,6 +46,7 @@ class Prefetcher:
         self.error: BaseException | None = None  # a worker's failure, for the compute thread
         self.work = threading.Condition(state.lock)  # the workers wait here for requests
         self._closing = False
+        self.stall_limit_s = STALL_LIMIT_S
         self._threads = [threading.Thread(target=self._worker, name=f"stmoe-prefetch-{i}",
                                           daemon=True) for i in range(workers)]  # fmt: skip
 
@@ -56,64 +71,112 @@ class Prefetcher:
         self.queue.clear()
 
     def drain(self) -> None:
-        """(lock held) Wait until no worker is loading (workers that died cannot hold a
-        slot: their failures free it)."""
+        """(lock held) Wait until no thread is loading into a cache (bounded: slots of
+        dead loaders are freed, a stuck load is refused; see ``reap``)."""
         state = self.state
-        while any(st == LOADING for c in state.caches for st in c.state):
-            if not any(t.is_alive() for t in self._threads):
-                break
-            state.cv.wait(timeout=0.5)
+        while True:
+            for cache in state.caches:
+                self.reap(cache)
+            if not any(st == LOADING for c in state.caches for st in c.state):
+                return
+            state.cv.wait(timeout=WAIT_S)
+
+    def wait_for_loads(self, cache: LayerCache) -> None:
+        """(lock held) The compute thread waits for a slot of ``cache`` being loaded:
+        at most ``WAIT_S``, then a worker's failure is raised and ``cache`` reaped."""
+        self.state.cv.wait(timeout=WAIT_S)
+        self.raise_error()
+        self.reap(cache)
+
+    def reap(self, cache: LayerCache) -> None:
+        """(lock held) Free ``cache``'s LOADING slots whose loader thread died (they would
+        never become READY); a load older than ``stall_limit_s`` is a StoreError."""
+        now = time.monotonic()
+        for s, st in enumerate(cache.state):
+            if st != LOADING:
+                continue
+            loader = cache.loader[s]
+            if loader is None or not loader.is_alive():
+                cache.abandon(s)
+            elif now - cache.since[s] > self.stall_limit_s:
+                self.queue.clear()
+                raise StoreError(f"layer {cache.layer}'s expert {cache.holder[s]} has been "
+                                 f"loading for more than {self.stall_limit_s:g} s on thread "
+                                 f"{loader.name!r}: the tier is not answering")  # fmt: skip
 
     def raise_error(self) -> None:
         """(lock held) Re-raise a worker's failure here, on the compute thread."""
         exc, self.error = self.error, None
         if exc is not None:
             self.queue.clear()
-            raise StoreError(f"a prefetch worker failed: {exc}") from exc
+            detail = exc if isinstance(exc, (StoreError, OSError)) else repr(exc)
+            raise StoreError(f"a prefetch worker failed: {detail}") from exc
 
     def discard_error(self) -> None:
         """(lock held) A new run starts: a failure of the previous one is not raised."""
         self.error = None
 
     def close(self) -> None:
-        """Stop the workers (a load in flight finishes first)."""
+        """Stop the workers (loads in flight finish first, for at most ``CLOSE_WAIT_S``:
+        the threads are daemons, a stuck one cannot keep the process alive)."""
         with self.state.cv:
             self._closing = True
             self.work.notify_all()
+        deadline = time.monotonic() + CLOSE_WAIT_S
         for t in self._threads:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _worker(self) -> None:
-        state = self.state
-        buf = aligned_buffer(state.max_block)
-        stream = torch.cuda.Stream() if state.device.type == "cuda" else None
-        while True:
-            with state.cv:
-                while not self.queue and not self._closing:
-                    self.work.wait()
-                if self._closing:
-                    return
-                fwd, layer, _rank, expert = heapq.heappop(self.queue)
-                if (fwd, layer) <= state.run.pos:
-                    state.run.stats.stale_dropped += 1
-                    continue
-                cache = state.caches[layer]
-                slot, wasted = cache.claim(expert, prefetch=True)
-                if slot is None:
-                    continue
-                state.run.stats.bytes_wasted += wasted * state.expert_bytes
-            block = state.store.blocks[(layer, expert)]
+        buf = aligned_buffer(self.state.max_block)
+        stream = torch.cuda.Stream() if self.state.device.type == "cuda" else None
+        while not self._closing:
+            job = None
             try:
-                cache.write(slot, state.fetch(block, buf), stream)
-            except BaseException as exc:  # raised on the compute thread at its next layer
-                with state.cv:
+                with self.state.cv:
+                    job = self._next_job()
+                if job is not None:
+                    self._load(job, buf, stream)
+            except BaseException as exc:  # anything, anywhere: the compute thread raises it
+                self._failed(job, exc)
+
+    def _next_job(self) -> Job | None:
+        """(lock held) The most urgent request that still matters, its slot claimed; None
+        when there is none (yet) or the workers are closing."""
+        state = self.state
+        if not self.queue and not self._closing:
+            self.work.wait(timeout=WAIT_S)
+        if self._closing or not self.queue:
+            return None
+        fwd, layer, _rank, expert = heapq.heappop(self.queue)
+        if (fwd, layer) <= state.run.pos:
+            state.run.stats.stale_dropped += 1
+            return None
+        cache = state.caches[layer]
+        slot, wasted = cache.claim(expert, prefetch=True)
+        if slot is None:
+            return None
+        state.run.stats.bytes_wasted += wasted * state.expert_bytes
+        return cache, slot, layer, expert
+
+    def _load(self, job: Job, buf: object, stream: object) -> None:
+        """Read the job's expert through the tier (lock not held) and mark its slot READY."""
+        state = self.state
+        cache, slot, layer, expert = job
+        block = state.store.blocks[(layer, expert)]
+        cache.write(slot, state.fetch(block, buf), stream)
+        with state.cv:
+            cache.filled(slot)
+            state.run.stats.bytes_moved += block.nbytes
+            state.run.stats.prefetch_loads += 1
+            state.cv.notify_all()
+
+    def _failed(self, job: Job | None, exc: BaseException) -> None:
+        """Keep the failure for the compute thread, free the job's slot, wake the waiter."""
+        with self.state.cv:
+            if job is not None:  # its slot, unless the load had already landed
+                cache, slot = job[0], job[1]
+                if cache.loader[slot] is threading.current_thread():
                     cache.abandon(slot)
-                    if self.error is None:
-                        self.error = exc
-                    state.cv.notify_all()
-                continue
-            with state.cv:
-                cache.filled(slot)
-                state.run.stats.bytes_moved += block.nbytes
-                state.run.stats.prefetch_loads += 1
-                state.cv.notify_all()
+            if self.error is None:
+                self.error = exc
+            self.state.cv.notify_all()

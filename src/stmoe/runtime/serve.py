@@ -12,10 +12,15 @@
 
 An expert beyond the cache's capacity (a long prompt may route to more experts
 than fit) is read into a transient buffer and used once.
+
+The path is one caller's at a time (its read buffer, the pins, the run's position):
+a layer called outside its thread's forward call claims the engine for that call
+(``EngineState.enter_forward``), so another thread's call gets a clear busy error.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +60,21 @@ class LayerServer:
         state = self.state
         if state.closed:
             raise StoreError("this offloaded model was closed; offload it again to run it")
+        if state.owner is not threading.current_thread():  # a layer called on its own
+            with state.cv:
+                state.enter_forward()
+            try:
+                return self._serve(module, hidden_states, top_k_index, top_k_weights,
+                                   *args, **kwargs)  # fmt: skip
+            finally:
+                with state.cv:
+                    state.leave_forward()
+        return self._serve(module, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+
+    def _serve(self, module: torch.nn.Module, hidden_states: torch.Tensor,
+               top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+               *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        state = self.state
         layer = self.layer_of[id(module)]
         rows = top_k_index.detach().to("cpu").numpy()
         if rows.shape[-1] > self.capacity:
@@ -139,8 +159,8 @@ class LayerServer:
                         slots[e] = slot
                     todo.remove(e)
                     progressed = True
-                if todo and not progressed:
-                    state.cv.wait(timeout=1.0)
+                if todo and not progressed:  # bounded: failures raised, dead loads freed
+                    self.prefetcher.wait_for_loads(cache)
         return slots, overflow, hits, late
 
     def _load_into(self, cache: LayerCache, slot: int, expert: int) -> None:

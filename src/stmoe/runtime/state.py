@@ -8,6 +8,12 @@ thread waits on ``cv`` for slots and the workers on their own condition of the s
 lock. ``EngineSettings`` are the engine's knobs. ``RunState`` is one measured
 run's progress; ``reset`` replaces it whole, so nothing of a run is carried into
 the next.
+
+One engine serves one caller at a time: its caches, read buffer and run state
+are one computation's. ``EngineState.owner`` is the thread it serves now, for a
+measured run (``OffloadedModel.generate``/``measure``) or one forward call; any
+other thread that reaches it meanwhile gets ``busy_error`` (one line) instead of
+mixing the two.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import torch
 
 from stmoe.runtime.cache import LayerCache
 from stmoe.runtime.stats import RuntimeStats
-from stmoe.runtime.store import Block, ExpertStore
+from stmoe.runtime.store import Block, ExpertStore, StoreError
 from stmoe.runtime.tiers import padded
 
 
@@ -83,3 +89,57 @@ class EngineState:
         self.closed = False
         self.run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), None,
                             self.num_layers)  # fmt: skip
+        self.owner: threading.Thread | None = None  # the thread the engine serves now
+        self.owner_run = False  # its claim is a measured run (else forward calls)
+        self.depth = 0  # forward calls in progress under a forward claim
+
+    # ---- who the engine serves (every method: lock held) -------------------------------
+    def enter_run(self) -> None:
+        """Claim the engine for the calling thread's measured run."""
+        me = threading.current_thread()
+        self.refuse_nested()
+        self._refuse_others(me)
+        self.owner, self.owner_run, self.depth = me, True, 0
+
+    def refuse_nested(self) -> None:
+        """A measured run inside the thread's own run or forward call is an error (it
+        would reset the run in progress, or wait for itself)."""
+        if self.owner is threading.current_thread():
+            raise StoreError("OffloadedModel.generate or measure was called inside a measured "
+                             "run (or a forward call) of this model on the same thread; "
+                             "call them one after the other")  # fmt: skip
+
+    def leave_run(self) -> None:
+        if self.owner is threading.current_thread():
+            self.owner, self.owner_run = None, False
+
+    def enter_forward(self) -> None:
+        """Claim the engine for one forward call (nested calls and calls inside the
+        thread's measured run share its claim)."""
+        me = threading.current_thread()
+        if self.owner is not me:
+            self._refuse_others(me)
+            self.owner, self.owner_run, self.depth = me, False, 0
+        if not self.owner_run:
+            self.depth += 1
+
+    def leave_forward(self) -> None:
+        """The calling thread's forward call ended (or failed); a no-op for any other
+        thread, so a refused call cannot release the claim it was refused by."""
+        if self.owner is threading.current_thread() and not self.owner_run:
+            self.depth -= 1
+            if self.depth <= 0:
+                self.owner, self.depth = None, 0
+
+    def _refuse_others(self, me: threading.Thread) -> None:
+        owner = self.owner
+        if owner is not None and owner is not me and owner.is_alive():  # a dead one lets go
+            raise busy_error(owner, self.owner_run)
+
+
+def busy_error(owner: threading.Thread, run: bool) -> StoreError:
+    what = "a measured run (OffloadedModel.generate or measure)" if run else "a forward call"
+    return StoreError(f"this offloaded model is busy: thread {owner.name!r} is running {what}; "
+                      "one offloaded model serves one call at a time: use "
+                      "OffloadedModel.generate or measure, which wait for each other, or give "
+                      "each thread its own offloaded model")  # fmt: skip

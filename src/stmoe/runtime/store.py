@@ -1,120 +1,145 @@
 """The expert store: every (layer, expert)'s weights as one aligned block, one read each.
 
-    STORE/index.json    format, version, the model's fingerprint, and per block:
-                        layer, expert, offset, nbytes, crc32 and its tensors
-                        (name, dtype, shape, offset inside the block)
-    STORE/experts.bin   the blocks, each starting at a multiple of ALIGN bytes
+    STORE/index.json              format, version, the model's shape, where its weights
+                                  came from (``source``), the data file's name, per block:
+                                  layer, expert, offset, nbytes, crc32 and its tensors
+                                  (name, dtype, shape, offset inside the block); and a
+                                  SHA-256 of all that (``store_index``)
+    STORE/experts-<sha256>.bin    the blocks, each starting at a multiple of ALIGN bytes
 
 Blocks are aligned so a reader can bypass the page cache (O_DIRECT needs aligned
 offsets and sizes). Packing is deterministic: the same model gives the same
-bytes. The non-expert weights are not in the store; they load from the model
-folder as usual. A model folder offloaded without a store gets one packed on
-first use, in a cache directory (``ensure_store``).
+bytes. Packing again is atomic: the new data file is written beside the old one
+under its own name (its content's hash), then index.json, which names it, is
+replaced in one rename (the switch); the old data file is removed afterwards, and
+whatever a killed pack left is removed by the next one. A store is checked
+before the first token: the index entry by entry (``store_index``), then against
+the model's shapes and weights (``store_check``). The non-expert weights are not in
+the store; they load from the model folder as usual. A model folder offloaded
+without a store gets one packed on first use, in a cache directory (``open_store``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+import tempfile
+import warnings
+import weakref
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from stmoe.errors import StmoeError
+from stmoe.errors import StmoeError, StmoeNote
+from stmoe.fileio import atomic_write_text, check_input_file, current_umask, remove_stale_temps
+from stmoe.runtime.store_check import (
+    architecture,
+    check_layout,
+    check_source,
+    check_weights,
+    expert_params,
+    file_records,
+    materialised,
+)
+from stmoe.runtime.store_index import (
+    ALIGN,
+    DATA_NAME,
+    DTYPE_SIZES,
+    STORE_FORMAT,
+    STORE_VERSION,
+    Block,
+    StoreError,
+    TensorSlot,
+    index_text,
+    read_index,
+)
 
-STORE_FORMAT = "stmoe-expert-store"
-STORE_VERSION = 1
-ALIGN = 4096  # bytes: the page / O_DIRECT alignment of every block
+__all__ = ["ALIGN", "STORE_FORMAT", "STORE_VERSION", "Block", "ExpertStore", "StoreError",
+           "TensorSlot", "ensure_store", "open_store", "pack"]  # fmt: skip
 
-
-class StoreError(StmoeError):
-    """An expert store is missing, damaged, or belongs to another model."""
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    name: str  # parameter name inside the experts module, e.g. "gate_up_proj"
-    dtype: str  # numpy dtype string
-    shape: tuple[int, ...]  # one expert's slice
-    offset: int  # bytes from the block start
-
-
-@dataclass(frozen=True)
-class Block:
-    layer: int  # MoE layer 0..L-1
-    expert: int
-    offset: int  # bytes from the start of experts.bin
-    nbytes: int  # payload bytes (the block occupies nbytes rounded up to ALIGN)
-    crc32: int
-    tensors: tuple[TensorSlot, ...]
-
-
-def fingerprint(model: Any) -> dict[str, Any]:
-    """What a store must agree with to serve ``model``."""
-    from stmoe.model_introspect import experts_modules
-
-    modules = experts_modules(model)
-    c = model.config
-    return {
-        "model_type": getattr(c, "model_type", ""),
-        "hidden_size": getattr(c, "hidden_size", 0),
-        "moe_layers": len(modules),
-        "num_experts": int(getattr(modules[0][1], "num_experts", 0)) if modules else 0,
-    }
+DATA_TEMP = "experts.bin"  # a pack's temporary data file: .experts.bin.<pid>.<random>.tmp
+_OLD_DATA = ("experts.bin", "experts.bin.tmp")  # version 1's data file and its temporary
 
 
-def pack(model: Any, out_dir: str | Path) -> Path:
-    """Write ``model``'s routed experts as a store; returns its folder."""
-    import torch
+def pack(model: Any, out_dir: str | Path, source: str | Path | None = None) -> Path:
+    """Write ``model``'s routed experts as a store; returns its folder.
 
+    ``source``: the model folder ``model`` was just loaded from, unchanged. Its
+    checkpoint files are recorded so that offloading that folder with this store
+    can tell its weights are the store's (without it, only the model in memory can).
+    """
     from stmoe.model_introspect import experts_modules
 
     modules = experts_modules(model)
     if not modules:
         raise StoreError(f"{type(model).__name__} has no routed-experts modules to pack")
     num_experts = int(getattr(modules[0][1], "num_experts", 0))
+    layers = [expert_params(module, num_experts) for _, module in modules]
+    for layer, params in enumerate(layers):
+        if not params:
+            raise StoreError(f"MoE layer {layer}: no per-expert parameters found")
+    record = file_records(Path(source)) if source is not None else {"kind": "module"}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    blocks: list[Block] = []
-    offset = 0
-    tmp = out / "experts.bin.tmp"
-    with open(tmp, "wb") as f:
-        for layer, (_, module) in enumerate(modules):
-            params = sorted((n, p) for n, p in module.named_parameters(recurse=False)
-                            if p.dim() >= 1 and p.shape[0] == num_experts)  # fmt: skip
-            if not params:
-                raise StoreError(f"MoE layer {layer}: no per-expert parameters found")
-            for expert in range(num_experts):
-                payload, slots, inner = [], [], 0
-                for name, p in params:
-                    arr = p.detach()[expert].to("cpu").contiguous()
-                    data = arr.reshape(-1).view(torch.uint8).numpy().tobytes()
-                    dtype = str(arr.dtype).removeprefix("torch.")
-                    slots.append(TensorSlot(name, dtype, tuple(arr.shape), inner))
-                    payload.append(data)
-                    inner += len(data)
-                blob = b"".join(payload)
-                f.write(blob)
-                pad = (-len(blob)) % ALIGN
-                f.write(b"\0" * pad)
-                blocks.append(
-                    Block(layer, expert, offset, len(blob), zlib.crc32(blob), tuple(slots))
-                )
-                offset += len(blob) + pad
-    os.replace(tmp, out / "experts.bin")
-    index = {
-        "format": STORE_FORMAT,
-        "version": STORE_VERSION,
-        "align": ALIGN,
-        "model": fingerprint(model),
-        "blocks": [_block_json(b) for b in blocks],
-    }
-    (out / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    remove_stale_temps(out / DATA_TEMP)  # a killed pack's, once its process is gone
+    data, size, blocks = _write_data(layers, num_experts, out)
+    text = index_text(architecture(model), record, data, size, blocks)
+    atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
+    _remove_unnamed(out, data)
     return out
+
+
+def _write_data(layers: list[list[tuple[str, Any]]], num_experts: int,
+                out: Path) -> tuple[str, int, list[Block]]:  # fmt: skip
+    """The blocks into a temporary file renamed to its content's name; (name, size, blocks)."""
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{DATA_TEMP}.{os.getpid()}.", suffix=".tmp")
+    blocks: list[Block] = []
+    offset, digest = 0, hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for layer, params in enumerate(layers):
+                for expert in range(num_experts):
+                    blob, slots = _block_bytes(params, expert)
+                    padded = blob + b"\0" * ((-len(blob)) % ALIGN)
+                    f.write(padded)
+                    digest.update(padded)
+                    blocks.append(Block(layer, expert, offset, len(blob), zlib.crc32(blob),
+                                        slots))  # fmt: skip
+                    offset += len(padded)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())
+        name = f"experts-{digest.hexdigest()[:16]}.bin"
+        os.replace(tmp, out / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return name, offset, blocks
+
+
+def _block_bytes(params: list[tuple[str, Any]],
+                 expert: int) -> tuple[bytes, tuple[TensorSlot, ...]]:  # fmt: skip
+    """One expert's tensors end to end, and where each sits in the block."""
+    import torch
+
+    payload, slots, inner = [], [], 0
+    for name, p in params:
+        arr = p.detach()[expert].to("cpu").contiguous()
+        data = arr.reshape(-1).view(torch.uint8).numpy().tobytes()
+        slots.append(TensorSlot(name, str(arr.dtype).removeprefix("torch."), tuple(arr.shape),
+                                inner))  # fmt: skip
+        payload.append(data)
+        inner += len(data)
+    return b"".join(payload), tuple(slots)
+
+
+def _remove_unnamed(out: Path, keep: str) -> None:
+    """Data files the index does not name: the replaced one, a killed pack's, version 1's."""
+    for f in out.iterdir():
+        if f.name != keep and (DATA_NAME.fullmatch(f.name) or f.name in _OLD_DATA):
+            f.unlink(missing_ok=True)
 
 
 def default_store_dir(model_dir: Path) -> Path:
@@ -127,16 +152,39 @@ def default_store_dir(model_dir: Path) -> Path:
     return root / f"{model_dir.name}-{h.hexdigest()[:16]}"
 
 
-def ensure_store(model_dir: Path, store: str | Path | None) -> Path:
-    """The given store, or the model's cached one, packed now if missing."""
+def open_store(model_dir: str | Path, store: str | Path | None) -> ExpertStore:
+    """The store for ``model_dir``, opened and matched to its checkpoint: the given one
+    (refused when damaged or foreign, never overwritten), or the model's cached one,
+    packed now when missing, and packed again, with a note, when damaged, of an older
+    version or half-written (a killed pack)."""
+    model_dir = Path(model_dir)
     if store is not None:
-        return Path(store)
+        opened = ExpertStore(store)
+        opened.check_source(model_dir)
+        return opened
     out = default_store_dir(model_dir)
-    if not (out / "index.json").is_file():
-        from stmoe.capture_generate import load_causal_lm
+    if (out / "index.json").exists():
+        try:
+            opened = ExpertStore(out)
+            opened.check_source(model_dir)
+            return opened
+        except StoreError as exc:
+            warnings.warn(f"the cached store is unusable ({exc}); packing it again",
+                          StmoeNote, stacklevel=2)  # fmt: skip
+    elif out.is_dir() and any(out.iterdir()):
+        warnings.warn(f"{out}: a half-written store (no index.json); packing it again",
+                      StmoeNote, stacklevel=2)  # fmt: skip
+    from stmoe.capture_generate import load_causal_lm
 
-        pack(load_causal_lm(model_dir), out)
-    return out
+    pack(load_causal_lm(model_dir), out, source=model_dir)
+    opened = ExpertStore(out)
+    opened.check_source(model_dir)
+    return opened
+
+
+def ensure_store(model_dir: str | Path, store: str | Path | None) -> Path:
+    """``open_store``'s folder (the given store, or the model's cached one)."""
+    return open_store(model_dir, store).path
 
 
 class ExpertStore:
@@ -144,37 +192,52 @@ class ExpertStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        index_path, data_path = self.path / "index.json", self.path / "experts.bin"
-        if not index_path.is_file() or not data_path.is_file():
-            raise StoreError(f"{self.path}: not an expert store (no index.json and experts.bin); "
+        index_path = self.path / "index.json"
+        if not index_path.exists():
+            raise StoreError(f"{self.path}: not an expert store (no index.json); "
                              "write one with `stmoe pack`")  # fmt: skip
         try:
-            index = json.loads(index_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise StoreError(f"{index_path}: not valid JSON ({exc.msg})") from None
-        if not isinstance(index, dict) or index.get("format") != STORE_FORMAT:
-            raise StoreError(f"{index_path}: not an stmoe expert store index")
-        if index.get("version") != STORE_VERSION:
-            raise StoreError(f"{index_path}: store version {index.get('version')!r}, this stmoe "
-                             f"reads {STORE_VERSION}; pack the model again")  # fmt: skip
-        if index.get("align") != ALIGN:
-            raise StoreError(f"{index_path}: blocks aligned to {index.get('align')!r} bytes, "
-                             f"this stmoe expects {ALIGN}; pack the model again")  # fmt: skip
-        self.model = index["model"]
-        self.blocks = {(b["layer"], b["expert"]): _block(b) for b in index["blocks"]}
-        size = data_path.stat().st_size
-        end = max((b.offset + b.nbytes for b in self.blocks.values()), default=0)
-        if size < end:
-            raise StoreError(f"{data_path}: {size} bytes but the index needs {end}; "
-                             "the store is truncated, pack it again")  # fmt: skip
-        self.data_path = data_path
+            check_input_file(index_path, "an expert store's index.json (write one with "
+                                         "`stmoe pack`)")  # fmt: skip
+            self.index = read_index(index_path)
+            self.data_path = self.path / self.index.data
+            if not self.data_path.exists():
+                raise StoreError(f"{self.data_path}: missing, though index.json names it; "
+                                 "the store is damaged, pack it again")  # fmt: skip
+            check_input_file(self.data_path, "an expert store's data file")
+        except StoreError:
+            raise
+        except StmoeError as exc:  # check_input_file's own: the same line, as a StoreError
+            raise StoreError(str(exc)) from None
+        self.model = self.index.model
+        self.blocks = self.index.blocks
+        size, want = self.data_path.stat().st_size, self.index.data_bytes
+        if size != want:
+            state = "truncated" if size < want else "longer than its index says"
+            raise StoreError(f"{self.data_path}: {size} bytes but the index needs {want}; "
+                             f"the store is {state}, pack it again")  # fmt: skip
+        self.source: Path | None = None  # the model folder the store was matched to
+        self._checked: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def check_source(self, model_dir: str | Path) -> None:
+        """Refuse a store packed from other weights than ``model_dir``'s checkpoint."""
+        check_source(self.path, self.index, Path(model_dir))
+        self.source = Path(model_dir)
 
     def check_model(self, model: Any) -> None:
-        """Refuse to serve a model the store was not packed from."""
-        want = fingerprint(model)
-        if want != self.model:
-            raise StoreError(f"{self.path}: packed for {self.model} but the model is {want}; "
-                             "pack this model with `stmoe pack`")  # fmt: skip
+        """Refuse to serve a model the store was not packed from: its shapes and dtypes,
+        block by block, and its weights (the CRC32 of its experts while they are in
+        memory, else the checkpoint matched by ``check_source``)."""
+        if model in self._checked:
+            return
+        per_layer = check_layout(self.path, self.index, model)
+        if materialised(per_layer):
+            check_weights(self.path, self.index, per_layer)
+        elif self.source is None:
+            raise StoreError(f"{self.path}: the model's experts are not in memory, so the "
+                             "store cannot be matched to its weights; offload the model "
+                             "folder instead")  # fmt: skip
+        self._checked.add(model)
 
     def check_block(self, block: Block, data: memoryview) -> None:
         """Raise a clear StoreError when a block's bytes came back short or corrupt."""
@@ -186,7 +249,8 @@ class ExpertStore:
                              "its checksum; the store is corrupt, pack it again")  # fmt: skip
 
     def read(self, layer: int, expert: int, fd: int | None = None) -> dict[str, np.ndarray]:
-        """One expert's tensors (numpy; bfloat16 as raw uint16), read and CRC-checked."""
+        """One expert's tensors (numpy; a dtype numpy lacks, e.g. bfloat16, as raw unsigned
+        integers of its width), read and CRC-checked."""
         block = self.blocks.get((layer, expert))
         if block is None:
             raise StoreError(f"{self.path}: no block for layer {layer}, expert {expert}")
@@ -200,7 +264,7 @@ class ExpertStore:
         self.check_block(block, memoryview(data))
         out = {}
         for t in block.tensors:
-            dtype = np.dtype("uint16") if t.dtype == "bfloat16" else np.dtype(t.dtype)
+            dtype = _numpy_dtype(t.dtype)
             count = int(np.prod(t.shape))
             out[t.name] = np.frombuffer(data, dtype=dtype, count=count, offset=t.offset).reshape(
                 t.shape
@@ -208,16 +272,8 @@ class ExpertStore:
         return out
 
 
-def _block_json(b: Block) -> dict[str, Any]:
-    return {"layer": b.layer, "expert": b.expert, "offset": b.offset, "nbytes": b.nbytes,
-            "crc32": b.crc32, "tensors": [[t.name, t.dtype, list(t.shape), t.offset]
-                                          for t in b.tensors]}  # fmt: skip
-
-
-def _block(d: dict[str, Any]) -> Block:
+def _numpy_dtype(name: str) -> np.dtype:
     try:
-        return Block(int(d["layer"]), int(d["expert"]), int(d["offset"]), int(d["nbytes"]),
-                     int(d["crc32"]), tuple(TensorSlot(n, str(t), tuple(s), int(o))
-                                            for n, t, s, o in d["tensors"]))  # fmt: skip
-    except (KeyError, TypeError, ValueError):
-        raise StoreError(f"a malformed block entry in the index: {str(d)[:80]}") from None
+        return np.dtype(name)
+    except TypeError:
+        return np.dtype(f"uint{8 * DTYPE_SIZES[name]}")

@@ -18,10 +18,12 @@ CPU uint8 tensor, using ``buf`` (a page-aligned, writable buffer at least
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -163,23 +165,58 @@ class PinnedHostTier:
         self.host = torch.empty(0, dtype=torch.uint8)
 
 
+# The emulated link's sane range: below 1 KB/s, or above a minute per transfer, one expert
+# would take hours to arrive and a run would look hung.
+MIN_BANDWIDTH = 1e3
+MAX_LATENCY = 60.0
+
+
+def check_link(name: str, bandwidth: float | str | None,
+               latency: float | str) -> tuple[float | None, float]:  # fmt: skip
+    """The emulated link's (bandwidth bytes/s, latency s), parsed and checked; other tiers
+    take neither (a bandwidth given to the disk would be ignored, so it is refused)."""
+    lat = _parsed("--latency", latency, parse_seconds)
+    if name != "emulated":
+        if bandwidth is not None:
+            raise StoreError(f"--bandwidth applies to --tier emulated only, not --tier {name}")
+        if lat != 0:
+            raise StoreError(f"--latency applies to --tier emulated only, not --tier {name}")
+        return None, 0.0
+    if bandwidth is None:
+        raise StoreError("the emulated tier needs a bandwidth (bytes/s, e.g. 200MB)")
+    bw = _parsed("--bandwidth", bandwidth, parse_bytes)
+    if not (math.isfinite(bw) and bw >= MIN_BANDWIDTH):
+        raise StoreError(f"--bandwidth {bandwidth}: expected at least 1KB (bytes/s), and finite")
+    if not (math.isfinite(lat) and 0 <= lat <= MAX_LATENCY):
+        raise StoreError(f"--latency {latency}: expected 0 to {MAX_LATENCY:g} s")
+    return bw, lat
+
+
+def _parsed(option: str, value: float | str, parse: Callable[[str], float]) -> float:
+    """A link setting as a number; a refused text names its option."""
+    if not isinstance(value, str):
+        return float(value)
+    try:
+        return parse(value)
+    except StoreError as exc:
+        raise StoreError(f"{option} {exc}") from None
+
+
 def open_tier(name: str, store: ExpertStore, bandwidth: float | str | None,
               latency: float | str) -> Tier:  # fmt: skip
     """The tier ``name`` (one of TIERS) over ``store``; the emulated one needs a bandwidth."""
-    if isinstance(latency, str):
-        latency = parse_seconds(latency)
+    bw, lat = check_link(name, bandwidth, latency)
     if name == "disk":
         return DiskTier(store)
     if name == "gpu":
         return PinnedHostTier(store)
-    if bandwidth is None:
-        raise StoreError("the emulated tier needs a bandwidth (bytes/s, e.g. 200MB)")
-    bw = parse_bytes(bandwidth) if isinstance(bandwidth, str) else float(bandwidth)
-    return EmulatedLinkTier(store, bw, latency)
+    assert bw is not None
+    return EmulatedLinkTier(store, bw, lat)
 
 
 def parse_bytes(text: str) -> float:
-    """'200MB' -> 2e8, '1.5GiB' -> 1.5 * 2**30, '5e7' -> 5e7 (bytes, or bytes per second)."""
+    """'200MB' -> 2e8, '1.5GiB' -> 1.5 * 2**30, '5e7' -> 5e7 (bytes, or bytes per second):
+    a finite amount above zero."""
     units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20,
              "gib": 2**30}  # fmt: skip
     s = text.strip().lower().removesuffix("/s")
@@ -192,11 +229,13 @@ def parse_bytes(text: str) -> float:
                          "such as 200MB, 1.5GiB or 5e7") from None  # fmt: skip
     if unit not in units:
         raise StoreError(f"{text!r}: unknown unit {unit!r}; use B, KB, MB, GB, KiB, MiB or GiB")
+    if not (math.isfinite(value * units[unit]) and value > 0):
+        raise StoreError(f"{text!r}: expected a finite size above zero, such as 200MB")
     return value * units[unit]
 
 
 def parse_seconds(text: str) -> float:
-    """'50us' -> 5e-5, '2ms' -> 0.002, '0.1' -> 0.1 (seconds)."""
+    """'50us' -> 5e-5, '2ms' -> 0.002, '0.1' -> 0.1 (seconds): finite, not negative."""
     s = text.strip().lower()
     for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
         if s.endswith(unit):
@@ -205,6 +244,9 @@ def parse_seconds(text: str) -> float:
     else:
         mult = 1.0
     try:
-        return float(s) * mult
+        seconds = float(s) * mult
     except ValueError:
         raise StoreError(f"{text!r} is not a duration; expected e.g. 50us, 2ms or 0.1") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise StoreError(f"{text!r}: expected a finite duration >= 0, e.g. 50us, 2ms or 0.1")
+    return seconds

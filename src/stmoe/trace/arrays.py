@@ -12,7 +12,8 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.engines.common import Columns, EngineOptions, finish, note, refuse_counts
-from stmoe.trace.io import read_npz_arrays, trace_from_arrays
+from stmoe.trace.io import checked_input, trace_from_arrays
+from stmoe.trace.npfiles import load_npy, read_npz_arrays
 from stmoe.trace.schema import RoutingTrace
 
 
@@ -27,21 +28,7 @@ def read_npy(
     ``NAME.seq_starts.npy``/``.txt``, or one sequence; ``--prompt-lengths`` marks decode."""
     opts = opts or EngineOptions()
     starts = resolve_seq_starts(path, seq_starts)
-    try:
-        ex = np.load(path, mmap_mode="r", allow_pickle=False)
-    except EOFError as exc:
-        raise TraceError(
-            f"not a readable .npy array ({exc})", hint="the file looks truncated"
-        ) from None
-    except (ValueError, OSError) as exc:
-        short = "mmap length" in str(exc)  # the header promises more data than the file has
-        raise TraceError(
-            f"not a readable .npy array ({exc})",
-            expected="a plain integer array",
-            hint="the file looks truncated" if short else None,
-        ) from None
-    if not isinstance(ex, np.ndarray):
-        raise TraceError("holds several arrays (an .npz archive?)", expected="one .npy array")
+    ex = load_npy(path, mmap=True)
     if ex.ndim != 3:
         raise TraceError(f"the array has rank {ex.ndim}, shape {tuple(ex.shape)}",
                          expected="rank 3, [T tokens, L MoE layers, K experts]")  # fmt: skip
@@ -101,6 +88,9 @@ def read_headerless_npz(path: Path, num_experts: int | None) -> RoutingTrace:
     if "meta" in arrays:
         try:
             meta = json.loads(str(arrays["meta"][()]))
+        except RecursionError:
+            raise TraceError("member 'meta' is JSON nested too deeply",
+                             expected="a flat JSON object") from None  # fmt: skip
         except (json.JSONDecodeError, ValueError) as exc:
             raise TraceError(f"member 'meta' is not valid JSON ({exc})") from None
         if not isinstance(meta, dict):
@@ -151,18 +141,10 @@ def resolve_seq_starts(path: Path, value: str | Sequence[int] | None) -> np.ndar
 
 
 def _read_starts_file(path: Path) -> np.ndarray:
-    if path.is_dir():
-        raise TraceError("is a directory", file=path, expected="a file of sequence starts")
+    checked_input(path, "a file of sequence starts")
     if path.suffix == ".npy":
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as exc:
-            raise TraceError(f"not a readable .npy array ({exc})", file=path) from None
-        if (
-            not isinstance(arr, np.ndarray)
-            or arr.ndim != 1
-            or not np.issubdtype(arr.dtype, np.integer)
-        ):
+        arr = load_npy(path)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise TraceError("sequence starts are not a 1-D integer array", file=path,
                              expected="int [S], the first token of each sequence")  # fmt: skip
         return _parse_ints(arr.tolist(), str(path))

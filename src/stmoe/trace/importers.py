@@ -35,7 +35,8 @@ from stmoe.trace.arrays import read_headerless_npz, read_npy
 from stmoe.trace.engines import moe_infinity, sglang, torchfile, vllm
 from stmoe.trace.engines.common import EngineOptions
 from stmoe.trace.engines.jsonio import load_json
-from stmoe.trace.io import read_native, read_npz_arrays
+from stmoe.trace.io import checked_input, read_native
+from stmoe.trace.npfiles import ZIP_ERRORS, read_npz_arrays, short
 from stmoe.trace.schema import UNLABELLED, RoutingTrace
 from stmoe.trace.select import concat
 
@@ -122,11 +123,7 @@ def _zip_kind(path: Path) -> str:
 
 
 def _readable(path: Path) -> Path:
-    if not path.exists():
-        raise TraceError("no such file", file=path)
-    if path.is_dir():
-        raise TraceError("is a directory", file=path, expected="a trace file")
-    return path
+    return checked_input(path, "a trace file")
 
 
 def load_trace(path: str | Path, *, mmap: bool = False, **options: Any) -> RoutingTrace:
@@ -270,7 +267,7 @@ def _npz_member_names(path: Path) -> set[str] | None:
             if any(n.endswith("data.pkl") for n in names):
                 return None
             return {n[: -len(".npy")] for n in names if n.endswith(".npy")}
-    except zipfile.BadZipFile as exc:
+    except ZIP_ERRORS as exc:
         raise TraceError(
-            f"not a readable .npz file ({exc})", file=path, hint="the file may be truncated"
+            f"not a readable .npz file ({short(exc)})", file=path, hint="the file may be truncated"
         ) from None

@@ -10,26 +10,24 @@ describes the layout; ``FORMAT_VERSION`` is checked on every read.
 from __future__ import annotations
 
 import json
-import struct
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from stmoe.errors import TraceError
-from stmoe.fileio import atomic_write
+from stmoe.errors import StmoeError, TraceError
+from stmoe.fileio import atomic_write, check_input_file
+from stmoe.trace.npfiles import read_npz_arrays
 from stmoe.trace.schema import LOOKAHEAD_FIELDS, RoutingTrace, TraceMeta, validate
 
 FORMAT_NAME = "stmoe-trace"
 FORMAT_VERSION = 1
-_ZIP_MAGIC = b"PK\x03\x04"
-# Members smaller than this are read whole: mapping them saves nothing.
-_MMAP_MIN_BYTES = 1 << 20
 # Files smaller than this are read whole even when mapping is asked for.
 _MMAP_MIN_FILE = 64 << 20
-_LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header, 30 bytes
+# The only members a native file has; anything else (a renamed member) is damage.
+MEMBERS = ("header", "experts", "seq_starts", "is_decode", "weights", "token_ids",
+           *LOOKAHEAD_FIELDS)  # fmt: skip
 
 
 def save_trace(trace: RoutingTrace, path: str | Path, *, compress: bool = False) -> Path:
@@ -64,9 +62,10 @@ def save_trace(trace: RoutingTrace, path: str | Path, *, compress: bool = False)
 
 def read_native(path: str | Path, *, mmap: bool = False) -> RoutingTrace:
     """Read a native trace file; ``mmap=True`` maps the big arrays instead of copying them."""
-    path = Path(path)
-    # Small files load whole, which also verifies the zip checksums mapping skips.
-    arrays = read_npz_arrays(path, mmap=mmap and path.stat().st_size >= _MMAP_MIN_FILE)
+    path = checked_input(path, "a native stmoe trace (.npz)")
+    # Every member's CRC-32 is verified, mapped ones too (npfiles).
+    mmap = mmap and path.stat().st_size >= _MMAP_MIN_FILE
+    arrays = read_npz_arrays(path, mmap=mmap, known=MEMBERS)
     if "header" not in arrays:
         raise TraceError(
             "not a native stmoe trace (no 'header' member)",
@@ -75,6 +74,9 @@ def read_native(path: str | Path, *, mmap: bool = False) -> RoutingTrace:
         )
     try:
         header = json.loads(str(arrays["header"][()]))
+    except RecursionError:
+        raise TraceError("the header's JSON is nested too deeply", file=path,
+                         expected="a flat JSON object") from None  # fmt: skip
     except (json.JSONDecodeError, ValueError) as exc:
         raise TraceError(f"the header is not valid JSON ({exc})", file=path) from None
     if not isinstance(header, dict):
@@ -144,55 +146,11 @@ def trace_from_arrays(
     return validate(trace, file=str(path))
 
 
-def read_npz_arrays(path: Path, *, mmap: bool) -> dict[str, np.ndarray]:
-    """Every member of an ``.npz`` as an array, memory-mapped where stored uncompressed."""
+def checked_input(path: str | Path, what: str) -> Path:
+    """``path`` as a regular readable file (``fileio.check_input_file``), refused as a
+    ``TraceError``: a FIFO would block the reader forever, a directory fail unclearly."""
     try:
-        with zipfile.ZipFile(path) as zf:
-            infos = [i for i in zf.infolist() if i.filename.endswith(".npy")]
-            arrays = {}
-            for info in infos:
-                name = info.filename[: -len(".npy")]
-                mapped = _map_member(path, info) if mmap else None
-                if mapped is None:
-                    with zf.open(info) as f:
-                        mapped = np.lib.format.read_array(f, allow_pickle=False)
-                arrays[name] = mapped
-            return arrays
-    except zipfile.BadZipFile as exc:
-        raise TraceError(
-            f"not a readable .npz file ({exc})",
-            file=path,
-            hint="the file may be truncated; write it again",
-        ) from None
-    except (ValueError, OSError, EOFError) as exc:
-        raise TraceError(
-            f"a member of the .npz cannot be read ({exc})",
-            file=path,
-            hint="the file may be truncated or corrupt",
-        ) from None
-
-
-def _map_member(path: Path, info: zipfile.ZipInfo) -> np.ndarray | None:
-    """Memory-map one stored (uncompressed) ``.npy`` member; None when it can't be."""
-    if info.compress_type != zipfile.ZIP_STORED:
-        return None
-    with open(path, "rb") as f:
-        f.seek(info.header_offset)
-        fields = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
-        if fields[0] != _ZIP_MAGIC:
-            raise ValueError(f"bad local header for member {info.filename}")
-        name_len, extra_len = fields[-2], fields[-1]
-        f.seek(info.header_offset + _LOCAL_HEADER.size + name_len + extra_len)
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            return None
-        offset = f.tell()
-    if dtype.hasobject or int(np.prod(shape)) * dtype.itemsize < _MMAP_MIN_BYTES:
-        return None
-    return np.memmap(
-        path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C"
-    )
+        return check_input_file(path, what)
+    except StmoeError as exc:
+        text = str(exc).removeprefix(f"{Path(path)}: ")
+        raise TraceError(text, file=path) from None

@@ -30,7 +30,14 @@ from stmoe.trace.assemble import (
     layer_numbering,
     order_by_weight,
 )
-from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, meta_int, validate
+from stmoe.trace.schema import (
+    UNLABELLED,
+    RoutingTrace,
+    TraceMeta,
+    inferred_num_experts,
+    meta_int,
+    validate,
+)
 
 _FIELDS = ("seq", "token", "layer", "experts", "weights", "phase", "decode", "domain")
 
@@ -261,8 +268,11 @@ def _assemble(rec: _Records, path: Path, num_experts: int | None) -> RoutingTrac
         if changed:
             extra["reordered_by_weight"] = changed
     _check_ids(experts, num_experts, line[tok_first], rec, layer_map)
-    n = num_experts if num_experts is not None else int(experts.max()) + 1
-    if num_experts is None:
+    n = num_experts
+    if n is None:
+        token_lines = line[tok_first]
+        n = inferred_num_experts(experts, lambda t, layer, _: "line " + str(
+            _line_of(rec, int(token_lines[t]), layer, layer_map)))  # fmt: skip
         extra["num_experts_inferred"] = True
     labels = {rank[sid]: lab for sid, (lab, _) in rec.domain.items()}
     trace = RoutingTrace(

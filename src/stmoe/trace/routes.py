@@ -25,7 +25,14 @@ from stmoe.trace.assemble import (
     order_by_weight,
 )
 from stmoe.trace.engines.jsonio import load_json
-from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, meta_int, validate
+from stmoe.trace.schema import (
+    UNLABELLED,
+    RoutingTrace,
+    TraceMeta,
+    inferred_num_experts,
+    meta_int,
+    validate,
+)
 
 
 def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
@@ -43,6 +50,9 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
     first_entry = next(iter(first_layers.values()))
     first_ids, _ = _entry(first_entry, None, "route 0")
     top_k = meta_int(meta, "top_k", len(first_ids))
+    if top_k != len(first_ids):  # checked before [T, L, top_k] is allocated
+        raise TraceError(f"{len(first_ids)} experts but the metadata's top_k is {top_k}",
+                         position="route 0", expected=f"K={top_k} experts per layer")  # fmt: skip
     layers_key = "num_moe_layers" if "num_moe_layers" in meta else "num_layers"
     expected_layers = meta_int(meta, layers_key, n_layers)
     if expected_layers != n_layers:
@@ -93,7 +103,7 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
     if n is not None:
         n = meta_int({"num_experts": n}, "num_experts")
     else:
-        n = int(experts.max()) + 1
+        n = inferred_num_experts(experts, lambda t, layer, _: f"route {t}, layer {layer}")
         extra["num_experts_inferred"] = True
     trace = RoutingTrace(
         experts=experts,

@@ -16,7 +16,7 @@ empty slot.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,11 @@ UNLABELLED = "unlabelled"
 # Validation walks big traces in chunks of this many tokens so a memory-mapped
 # trace of tens of millions of token-layers is checked without loading it whole.
 _CHUNK_TOKENS = 1 << 16
+_WEIGHT_MAX = float(np.finfo(np.float32).max)  # weights are stored as float32
+# N taken as the largest id + 1 (the file does not say N) must stay below this: no
+# router has as many experts, and a flipped byte in an unchecked file makes ids huge
+# sooner than plausible; an N-sized table per layer would cost gigabytes.
+INFERRED_EXPERTS_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,24 @@ def _first(mask: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argwhere(mask)[0])
 
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def inferred_num_experts(experts: np.ndarray, where: Callable[..., str] | None = None) -> int:
+    """N as the largest id + 1 when the file does not say N, refused when absurd before
+    anything N-sized is built; ``where(token, layer, slot)`` names the first such id."""
+    top = int(experts.max()) if experts.size else 0
+    if top < INFERRED_EXPERTS_MAX:
+        return max(top + 1, 1)
+    t, layer, slot = (int(i) for i in np.argwhere(experts >= INFERRED_EXPERTS_MAX)[0])
+    raise TraceError(f"expert id {int(experts[t, layer, slot])} would make N (the largest id "
+                     f"+ 1) {top + 1}", position=where(t, layer, slot) if where
+                     else f"token {t}, layer {layer}, slot {slot}",
+                     expected=f"ids below {INFERRED_EXPERTS_MAX} when N is inferred",
+                     hint="the file may be damaged; pass --num-experts N if the model "
+                     "really has that many experts")  # fmt: skip
+
+
 def validate(trace: RoutingTrace, *, file: str | None = None) -> RoutingTrace:
     """Check every invariant of a trace; raise ``TraceError`` on the first broken one.
 
@@ -275,6 +298,9 @@ def _validate_sequences(trace: RoutingTrace, fail: Any) -> None:
     ):
         fail(f"token_ids has shape {trace.token_ids.shape}, dtype {trace.token_ids.dtype}",
              expected=f"integer [{t}]")  # fmt: skip
+    if trace.token_ids is not None and t and int(np.max(trace.token_ids)) > _INT64_MAX:
+        fail(f"token id {int(np.max(trace.token_ids))} does not fit int64",
+             expected="ids as stored, int64")  # fmt: skip
 
 
 def _validate_ids(trace: RoutingTrace, fail: Any) -> None:
@@ -307,11 +333,15 @@ def _validate_weights(trace: RoutingTrace, fail: Any) -> None:
     if not np.issubdtype(w.dtype, np.floating):
         fail(f"weights has dtype {w.dtype}", expected="floating-point gate weights")
     for sl in _chunks(trace.num_tokens):
-        bad = ~np.isfinite(np.asarray(w[sl]))
+        # Checked as written: a float64 1e300 is finite here but inf once stored as float32.
+        block = np.asarray(w[sl])
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(block) | (np.abs(block) > _WEIGHT_MAX)
         if bad.any():
             tok, layer, slot = _first(bad)
             fail(
-                f"gate weight is {float(w[sl][tok, layer, slot])}",
+                f"gate weight is {float(block[tok, layer, slot])}",
                 position=f"token {tok + sl.start}, layer {layer}, slot {slot}",
-                expected="a finite number",
+                expected=f"a finite number (|w| <= {_WEIGHT_MAX:.3g}: weights are stored "
+                "as float32)",
             )

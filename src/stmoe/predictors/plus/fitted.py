@@ -1,22 +1,30 @@
 """The values the stmoe-plus fit chose, typed: what ``tables.info["plus"]`` holds.
 
 The tables file keeps the fit in its JSON header as a plain dict (``to_dict``);
-``PlusFit.from_dict`` reads it back, checks every value (numeric, finite, the
-right number of weights) and names what is wrong, so the predictor never reads
-loose keys. A fit of another ``FIT_VERSION`` is ignored (its weights mean other
-things): the predictor then takes the defaults, as for tables profiled without
-a fit. The layout of the dict (keys, order, version 3) is the file format.
+``PlusFit.from_dict`` reads it back, checks every value (numeric, finite, in the
+range its knob takes, the right number of weights) and names what is wrong, so
+the predictor never reads loose keys; ``of_tables`` names the tables' file too.
+(Loading checks only that the fit holds numbers and flags, ``tables_check``: the
+tables module may not import stmoe-plus, which imports it.) A fit of another
+``FIT_VERSION`` is ignored (its weights mean other things): the predictor then
+takes the defaults, as for tables profiled without a fit. The layout of the dict
+(keys, order, version 3) is the file format.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stmoe.predictors.base import PredictorError
 from stmoe.predictors.plus.layout import NUM_SIGNALS
 
+if TYPE_CHECKING:
+    from stmoe.predictors.tables import ProfiledTables
+
+_WHERE = "the tables' stmoe-plus fit (info['plus'])"
 FIT_VERSION = 3  # fits of other versions are ignored (v3: logistic weights)
 # by Signal: spatial from the last 4 known layers (nearest first), temporal, prior,
 # recency, memory (at power, and narrow: at 4 * power), a constant (logistic only)
@@ -28,6 +36,13 @@ DEFAULT_GAMMA = 0.8
 DEFAULT_BETA = 0.5  # hybrid's lookahead weight where none was fitted
 
 Weights = tuple[float, ...]  # NUM_SIGNALS weights, indexed by Signal
+# a setting's range, as PlusConfig.check takes the same knobs: (test, what it expects)
+Range = tuple[Callable[[float], bool], str]
+_ANY: Range = (lambda v: True, "a finite number")
+_AT_LEAST_0: Range = (lambda v: v >= 0, "a finite number >= 0")
+_POSITIVE: Range = (lambda v: v > 0, "a finite number > 0")
+_FRACTION: Range = (lambda v: 0 <= v <= 1, "a number 0..1")
+_DECAY: Range = (lambda v: 0 < v <= 1, "a number 0 < x <= 1")
 
 
 @dataclass(frozen=True)
@@ -102,29 +117,35 @@ class PlusFit:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any) -> PlusFit | None:
+    def of_tables(cls, tables: ProfiledTables) -> PlusFit | None:
+        """The fit ``tables`` hold (``from_dict``), errors naming the tables' file."""
+        where = f"{tables.source}: info['plus']" if tables.source else _WHERE
+        return cls.from_dict(tables.info.get("plus"), where)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = _WHERE) -> PlusFit | None:
         """The fit a tables file holds; None for a fit of another version (or none).
-        A damaged entry is a PredictorError naming the key."""
+        A damaged entry (or a setting out of its range) is a PredictorError naming the key:
+        the kernels would compute NaN from it, or index by it."""
         if data is None:
             return None
         if not isinstance(data, dict):
-            raise PredictorError(f"{_WHERE}: expected a JSON object, found {type(data).__name__}")
+            raise PredictorError(f"{where}: expected a JSON object, found {type(data).__name__}")
         if data.get("version") != FIT_VERSION:
             return None
-        r = _Reader(data)
+        r = _Reader(data, where)
         logistic = r.flag("logistic")
-        return cls(w=r.weights("w", DEFAULT_W), alpha=r.number("alpha", DEFAULT_ALPHA),
-                   gamma=r.number("gamma", DEFAULT_GAMMA), power=r.number("power", DEFAULT_POWER),
-                   sim_decay=r.number("sim_decay", DEFAULT_SIM_DECAY), fitted=r.flag("fitted"),
-                   logistic=logistic, heldout_tokens=r.count("heldout_tokens"),
-                   heldout_recall=r.number("heldout_recall"),
-                   heldout_recall_linear=r.number("heldout_recall_linear"),
+        return cls(w=r.weights("w", DEFAULT_W), alpha=r.number("alpha", DEFAULT_ALPHA, _AT_LEAST_0),
+                   gamma=r.number("gamma", DEFAULT_GAMMA, _FRACTION),
+                   power=r.number("power", DEFAULT_POWER, _POSITIVE),
+                   sim_decay=r.number("sim_decay", DEFAULT_SIM_DECAY, _DECAY),
+                   fitted=r.flag("fitted"), logistic=logistic,
+                   heldout_tokens=r.count("heldout_tokens"),
+                   heldout_recall=r.number("heldout_recall", None, _FRACTION),
+                   heldout_recall_linear=r.number("heldout_recall_linear", None, _FRACTION),
                    w_linear=r.weights("w_linear"), w_start=r.weights("w_start", required=logistic),
                    w_fresh=r.weights("w_fresh", required=logistic),
                    early=r.lookahead(""), late=r.lookahead("_late"))  # fmt: skip
-
-
-_WHERE = "the tables' stmoe-plus fit (info['plus'])"
 
 
 class _Reader:
@@ -137,12 +158,12 @@ class _Reader:
         return PredictorError(f"{self.where}: {key!r} is {self.data[key]!r}, expected {expected}; "
                               "profile the trace again")  # fmt: skip
 
-    def number(self, key: str, default: float | None = None) -> Any:
+    def number(self, key: str, default: float | None = None, within: Range = _ANY) -> Any:
         if key not in self.data:
             return default
-        v = self.data[key]
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise self._fail(key, "a finite number")
+        v, (test, expected) = self.data[key], within
+        if isinstance(v, bool) or not isinstance(v, int | float) or not _finite(v) or not test(v):
+            raise self._fail(key, expected)
         return v
 
     def count(self, key: str) -> int | None:
@@ -165,14 +186,14 @@ class _Reader:
             return default
         v = self.data[key]
         if not (isinstance(v, list) and len(v) == NUM_SIGNALS and all(
-                not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x)
+                not isinstance(x, bool) and isinstance(x, int | float) and _finite(x)
                 for x in v)):  # fmt: skip
             raise self._fail(key, f"{NUM_SIGNALS} finite numbers")
         return tuple(v)
 
     def lookahead(self, suffix: str) -> LookaheadFit | None:
-        beta = self.number(f"beta{suffix}")
-        recall = self.number(f"heldout_recall_hybrid{suffix}")
+        beta = self.number(f"beta{suffix}", None, _FRACTION)
+        recall = self.number(f"heldout_recall_hybrid{suffix}", None, _FRACTION)
         joint = self.data.get(f"hybrid{suffix}")
         if beta is None:
             if recall is not None or joint is not None:
@@ -187,3 +208,11 @@ class _Reader:
                 raise PredictorError(f"{inner.where}: no 'w_look'")
             joint = JointFit(w, w_look)  # type: ignore[arg-type]
         return LookaheadFit(beta, recall, joint)
+
+
+def _finite(v: int | float) -> bool:
+    """Finite, and within float64 (the kernels' type): JSON integers have no bound."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False

@@ -55,7 +55,7 @@ class PlusPredictor(Predictor):
                                  f"{self.config.lookahead!r}); hybrid does")  # fmt: skip
         self.counts = Counts.of(tables)
         # a fit of an older stmoe-plus is ignored (its weights mean other things)
-        self.fitted = PlusFit.from_dict(tables.info.get("plus")) or PlusFit()
+        self.fitted = PlusFit.of_tables(tables) or PlusFit()
         fit, c = self.fitted, self.config
         # logistic weights make the scores log-odds (probabilities where sets are sized);
         # logistic=False takes the grid's linear pool instead (kept beside them)

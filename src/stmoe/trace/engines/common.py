@@ -17,15 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from stmoe.errors import TraceError
+from stmoe.errors import StmoeNote, TraceError
 from stmoe.trace.assemble import order_by_weight
-from stmoe.trace.schema import RoutingTrace, TraceMeta, validate
+from stmoe.trace.schema import RoutingTrace, TraceMeta, inferred_num_experts, validate
 
-_ID_MAX = int(np.iinfo(np.int16).max)
 LAYOUTS = ("tlk", "ltk")
 
 
-class ImportNote(UserWarning):
+class ImportNote(StmoeNote):
     """Something an importer decided for the user (dense layers dropped, a guessed
     layout): worth one line, not worth refusing the file."""
 
@@ -192,12 +191,7 @@ def finish(
         if changed:
             extra["reordered_by_weight"] = changed
     if num_experts is None:
-        if experts.size and experts.max() >= _ID_MAX:
-            t, layer, slot = (int(i) for i in np.argwhere(experts >= _ID_MAX)[0])
-            raise TraceError(f"expert id {int(experts[t, layer, slot])} is out of range",
-                             position=f"token {t}, layer {layer}, slot {slot}",
-                             expected=f"ids below {_ID_MAX} (int16)")  # fmt: skip
-        num_experts = max(int(experts.max()) + 1 if experts.size else 1, 1)
+        num_experts = inferred_num_experts(experts)
         extra["num_experts_inferred"] = True
     trace_meta = TraceMeta(num_experts=int(num_experts), top_k=experts.shape[2],
                            num_layers=experts.shape[1], model=str(meta.get("model", "unknown")),

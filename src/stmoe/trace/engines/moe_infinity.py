@@ -72,7 +72,13 @@ def read_npz(arrays: dict[str, np.ndarray], path: Path, opts: EngineOptions,
                          f"seq {seq.shape}",
                          expected="weights and mask [R, E], layer and seq [R]")  # fmt: skip
     records = [(int(seq[i]), int(layer[i]), w[i : i + 1], m[i : i + 1]) for i in range(n)]
-    ne = int(arrays["num_experts"]) if "num_experts" in arrays else w.shape[1]
+    ne = w.shape[1]
+    if "num_experts" in arrays:
+        declared = np.asarray(arrays["num_experts"])
+        if declared.shape != () or not np.issubdtype(declared.dtype, np.integer):
+            raise TraceError(f"member 'num_experts' has shape {declared.shape}, dtype "
+                             f"{declared.dtype}", expected="one integer")  # fmt: skip
+        ne = int(declared)
     meta = {"source": f"imported from {path.name} (MoE-Infinity expert-drop trace)",
             "file": str(path)}  # fmt: skip
     return _trace(records, opts, num_experts or ne, meta)

@@ -16,7 +16,6 @@ the forward batch, 0..P-1 in prefill and 0 for every decode step), ``experts`` a
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from stmoe.errors import TraceError
 from stmoe.trace.assemble import expert_ids, gate_weights, layer_numbering
 from stmoe.trace.engines.common import EngineOptions, Request, assemble
 from stmoe.trace.engines.jsonio import b64_bytes, id_list, load_json, opt_int
+from stmoe.trace.npfiles import load_npy_bytes, short
 from stmoe.trace.schema import RoutingTrace
 
 
@@ -79,9 +79,9 @@ def _routed(value: Any, where: str) -> np.ndarray:
     else:
         raw = b64_bytes(value, f"{where}.routed_experts")
         try:
-            arr = np.load(io.BytesIO(raw), allow_pickle=False)
+            arr = load_npy_bytes(raw)
         except (ValueError, OSError, EOFError) as exc:
-            raise TraceError(f"'routed_experts' is not a readable .npy array ({exc})",
+            raise TraceError(f"'routed_experts' is not a readable .npy array ({short(exc)})",
                              position=f"{where}.routed_experts",
                              expected="base64 of .npy bytes",
                              hint="the response looks truncated") from None  # fmt: skip

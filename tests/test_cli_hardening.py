@@ -1,0 +1,256 @@
+"""The CLI prints what files and users name as plain text, and refuses absurd option values.
+
+Issue 16, items 8 and 10: a model name or domain holding rich markup (``[/]``) or
+terminal escapes crashed ``import``/``info``/``eval``/``analyze`` after their output
+was written, or reached the terminal; NaN, infinite, negative and out-of-range
+values were accepted silently or failed with a raw numpy error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from stmoe.cli._common import clean_label, plain_label
+from stmoe.trace import save_trace, synthesize
+from stmoe.trace.synth import SynthSpec
+from test_trace_hardening import one_line_error  # exit 1, one `error:` line, no traceback
+
+EVIL_MODEL = "evil[/]model[bold red]x\x1b[2J\x07"
+EVIL_DOMAINS = ("d[/]one\x1b[2J", "[bold red]x\x07")
+SHOWN = ("evil[/]model[bold red]x[2J", "d[/]one[2J", "[bold red]x")  # literally, no controls
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A synthetic trace, N=8 experts, two domains."""
+    path = tmp_path_factory.mktemp("traces") / "small.npz"
+    spec = SynthSpec(tokens=160, layers=4, experts=8, top_k=2, sequences=2, domains=2)
+    save_trace(synthesize(spec), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def evil(small, tmp_path_factory):
+    """The same trace, its model and domain names full of markup and terminal escapes."""
+    from stmoe import load_trace
+
+    trace = load_trace(small)
+    meta = dataclasses.replace(trace.meta, model=EVIL_MODEL)
+    path = tmp_path_factory.mktemp("evil") / "evil.npz"
+    save_trace(dataclasses.replace(trace, meta=meta, domains=EVIL_DOMAINS), path)
+    return path
+
+
+def assert_literal(result, *shown: str) -> None:
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    assert "\x1b" not in result.output and "\x07" not in result.output
+    for text in shown:
+        assert text in result.output, (text, result.output)
+
+
+def test_clean_label_drops_terminal_controls_and_escapes_markup():
+    assert plain_label("a\x1b[2Jb\x07\x9bc\u202ed\ne") == "a[2Jbcde"
+    assert plain_label("line\none\ttab\x1b", multiline=True) == "line\none\ttab"
+    assert clean_label("[bold red]x[/]") == "\\[bold red]x\\[/]"
+
+
+def test_markup_and_escapes_in_labels_print_literally(cli, evil, tmp_path):
+    out = tmp_path / "imported.npz"
+    assert_literal(cli("import", evil, "-o", out), "evil[/]model[bold red]x")
+    assert out.is_file()
+    assert_literal(cli("info", evil), *SHOWN)
+    assert_literal(cli("eval", evil, "--cross-domain"), *SHOWN)
+    report = tmp_path / "report"
+    assert_literal(cli("analyze", evil, "-o", report), SHOWN[0])
+    assert (report / "report.html").is_file() and (report / "report.md").is_file()
+
+
+def test_emoji_codes_in_labels_print_literally(cli, small, tmp_path):
+    from stmoe import load_trace
+
+    trace = load_trace(small)
+    path = tmp_path / "emoji.npz"
+    save_trace(dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, model="a:smile:b")),
+               path)  # fmt: skip
+    assert_literal(cli("info", path), "a:smile:b")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["eval", "{t}", "--seed", "-1"], ["--seed -1", "integer >= 0"]),
+        (["eval", "{t}", "--capacity", "100"], ["--capacity 100", "from 1 to 8", "8 experts"]),
+        (["eval", "{t}", "--capacity", "0"], ["--capacity 0", "from 1 to 8"]),
+        (["eval", "{t}", "--set-size", "9"], ["--set-size 9", "from 0 to 8"]),
+        (["eval", "{t}", "--set-size", "-1"], ["--set-size -1", "from 0 to 8"]),
+        (["eval", "{t}", "--horizon", "4"], ["--horizon 4", "from 1 to 3"]),
+        (["eval", "{t}", "--split", "nan"], ["--split nan", "strictly between 0 and 1"]),
+        (["profile", "{t}", "-o", "{d}/t.npz", "--split", "1"], ["--split 1.0", "strictly"]),
+        (["import", "{t}", "-o", "{d}/x.npz", "--num-experts", "0"], ["--num-experts 0", ">= 1"]),
+        (["simulate", "{t}", "--model", "x", "--batch", "0"], ["--batch 0", ">= 1"]),
+        (["simulate", "{t}", "--model", "x", "--pregate-accuracy", "nan"],
+         ["--pregate-accuracy nan", "from 0 to 1"]),
+        (["simulate", "{t}", "--model", "x", "--adap-threshold", "inf"],
+         ["--adap-threshold inf", "from 0 to 1"]),
+        (["train-tiny", "-o", "{d}/m", "--minutes", "inf"], ["--minutes inf", "from 0.1 to"]),
+        (["train-tiny", "-o", "{d}/m", "--minutes", "nan"], ["--minutes nan"]),
+        (["train-tiny", "-o", "{d}/m", "--seed", "-3"], ["--seed -3", ">= 0"]),
+        (["capture", "-o", "{d}/c.npz", "--max-new-tokens", "0"], ["--max-new-tokens 0"]),
+        (["capture", "-o", "{d}/c.npz", "--batch-size", "-1"], ["--batch-size -1", ">= 1"]),
+        (["generate", "--prompt", "x", "--workers", "-1"], ["--workers -1", "from 0 to 64"]),
+        (["generate", "--prompt", "x", "--workers", "100000"], ["--workers 100000"]),
+        (["generate", "--prompt", "x", "--threads", "0"], ["--threads 0", "from 1 to 1024"]),
+        (["generate", "--prompt", "x", "--max-loads", "-2"], ["--max-loads -2", ">= 0"]),
+        (["generate", "--prompt", "x", "--max-new-tokens", "0"], ["--max-new-tokens 0", ">= 1"]),
+    ],
+)  # fmt: skip
+def test_absurd_option_values_are_one_clear_line(cli, small, tmp_path, args, fragments):
+    args = [a.format(t=small, d=tmp_path) for a in args]
+    one_line_error(cli(*args), *fragments)
+
+
+@pytest.mark.parametrize("command", ["info", "eval", "simulate"])
+def test_json_into_a_directory_is_refused_before_any_work(cli, small, tmp_path, command):
+    extra = ["--model", "qwen1.5-moe-a2.7b"] if command == "simulate" else []
+    one_line_error(cli(command, small, *extra, "--json", tmp_path), "is a directory")
+
+
+def test_json_files_are_written_whole(cli, small, tmp_path):
+    dest = tmp_path / "sub" / "eval.json"
+    result = cli("eval", small, "--predictor", "oracle", "--json", dest)
+    assert result.exit_code == 0, result.output
+    assert json.loads(dest.read_text())["predictors"]["oracle"]["recall"] == 1.0
+    assert [p.name for p in dest.parent.iterdir()] == ["eval.json"]  # no temporary left
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["info", "{m}"],
+        ["eval", "{m}"],
+        ["analyze", "{m}", "-o", "{d}/r"],
+        ["profile", "{m}", "-o", "{d}/t.npz"],
+        ["export", "{m}", "-o", "{d}/e.jsonl"],
+        ["import", "{m}", "-o", "{d}/x.npz"],
+        ["simulate", "{t}", "--model", "{m}.toml"],
+        ["capture", "-o", "{d}/c.npz", "--prompts", "{m}"],
+        ["generate", "--prompt", "x", "--tables", "{m}"],
+    ],
+)
+def test_a_missing_input_file_is_exit_1(cli, small, tmp_path, args):
+    missing = tmp_path / "missing"
+    args = [a.format(m=missing, t=small, d=tmp_path) for a in args]
+    one_line_error(cli(*args), str(missing), "no such file")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["capture", "-o", "{d}/c.npz", "--prompts", "{f}"],
+        ["generate", "--prompt", "x", "--tables", "{f}"],
+        ["simulate", "{f}", "--model", "qwen1.5-moe-a2.7b"],
+        ["eval", "{f}"],
+    ],
+)
+def test_a_fifo_input_is_refused_not_read(cli, tmp_path, args):
+    fifo = tmp_path / "pipe.toml"
+    os.mkfifo(fifo)
+    one_line_error(cli(*[a.format(f=fifo, d=tmp_path) for a in args]), "not a regular file")
+
+
+def test_generate_refuses_a_model_path_that_is_not_a_folder(cli, small):
+    one_line_error(cli("generate", "--prompt", "x", "--model", small), "not a folder")
+
+
+# The runtime's own checks (stmoe.offload takes the same values as the CLI).
+
+
+@pytest.mark.parametrize(
+    ("capacity", "message"),
+    [
+        ("inf%", "from 0% to 100%"),
+        ("nan%", "from 0% to 100%"),
+        ("200%", "from 0% to 100%"),
+        (17, "at most 16"),
+        ("17", "at most 16"),
+        ("-5", "above zero"),
+        ("1e400", "above zero"),
+        (True, "expected experts per layer"),
+    ],
+)
+def test_capacity_beyond_the_experts_is_refused(capacity, message):
+    pytest.importorskip("torch")
+    from stmoe.runtime.options import resolve_capacity
+    from stmoe.runtime.store import StoreError
+
+    with pytest.raises(StoreError, match=message):
+        resolve_capacity(capacity, 4, 16, 2, 1000)
+
+
+def test_capacity_that_fits_everything_is_all_experts():
+    pytest.importorskip("torch")
+    from stmoe.runtime.options import resolve_capacity
+
+    assert resolve_capacity("100%", 4, 16, 2, 1000) == 16
+    assert resolve_capacity(16, 4, 16, 2, 1000) == 16
+    assert resolve_capacity("64GB", 4, 16, 2, 1000) == 16  # a budget is a ceiling
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "0", "-1MB", "1e400", "infMB"])
+def test_parse_bytes_refuses_non_finite_and_non_positive(text):
+    pytest.importorskip("torch")
+    from stmoe.runtime.store import StoreError
+    from stmoe.runtime.tiers import parse_bytes
+
+    with pytest.raises(StoreError):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "-5s", "-1ms", "1e400"])
+def test_parse_seconds_refuses_non_finite_and_negative(text):
+    pytest.importorskip("torch")
+    from stmoe.runtime.store import StoreError
+    from stmoe.runtime.tiers import parse_seconds
+
+    with pytest.raises(StoreError, match="finite duration >= 0"):
+        parse_seconds(text)
+
+
+@pytest.mark.parametrize(
+    ("tier", "bandwidth", "latency", "message"),
+    [
+        ("disk", "abc", 0.0, "--bandwidth applies to --tier emulated only"),
+        ("gpu", "1GB", 0.0, "--bandwidth applies to --tier emulated only"),
+        ("disk", None, "2ms", "--latency applies to --tier emulated only"),
+        ("emulated", None, 0.0, "needs a bandwidth"),
+        ("emulated", "1GB", "inf", "--latency 'inf'"),
+        ("emulated", "1GB", "-5s", "--latency '-5s'"),
+        ("emulated", "1GB", "2h", "--latency '2h'"),
+        ("emulated", "1GB", 100.0, "0 to 60 s"),
+        ("emulated", float("nan"), 0.0, "--bandwidth nan"),
+        ("emulated", "10B", 0.0, "at least 1KB"),
+        ("emulated", "abc", 0.0, "--bandwidth 'abc'"),
+    ],
+)
+def test_link_settings_are_checked_before_anything_loads(tier, bandwidth, latency, message):
+    pytest.importorskip("torch")
+    from stmoe.runtime.options import OffloadOptions
+    from stmoe.runtime.store import StoreError
+
+    options = OffloadOptions(tier=tier, bandwidth=bandwidth, latency=latency)
+    with pytest.raises(StoreError, match=message.replace("(", r"\(")):
+        options.check()
+    assert OffloadOptions(tier="emulated", bandwidth="200MB", latency="50us").check() is None
+
+
+def test_generate_refuses_a_bandwidth_on_the_disk_tier(cli, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
+    result = cli("generate", "--prompt", "x", "--bandwidth", "abc")
+    one_line_error(result, "--bandwidth applies to --tier emulated only")

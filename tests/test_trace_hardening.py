@@ -1,0 +1,405 @@
+"""Hostile trace files (issue 16): refused in one line before they cost memory or give
+wrong data; sizes checked before allocation, checksums before trust, paths before opening.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import tempfile
+import threading
+import time
+import tracemalloc
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stmoe import synthesize
+from stmoe.errors import TraceError
+from stmoe.trace import import_file, read_native, save_trace, validate
+from stmoe.trace.io import MEMBERS
+
+
+def one_line_error(result, *fragments: str) -> None:
+    """The CLI refused with exit 1 and one ``error:`` line holding every fragment."""
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: ") and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    for fragment in fragments:
+        assert fragment in result.output, (fragment, result.output)
+
+
+def npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+def ids(tokens: int = 40, layers: int = 3, k: int = 2, n: int = 64) -> np.ndarray:
+    """Distinct ids per routing that reach up to ``n - 1``."""
+    t = np.arange(tokens)[:, None, None]
+    layer = np.arange(layers)[None, :, None]
+    slot = np.arange(k)[None, None, :]
+    return ((t * 7 + layer * 3 + slot * 5) % n).astype(np.int16)
+
+
+# ---- item 7: what import writes, it can read back ---------------------------------------
+
+
+def test_weights_beyond_float32_are_refused_before_they_are_written(cli, tmp_path):
+    ex = ids(n=8)
+    np.savez(tmp_path / "w.npz", experts=ex, weights=np.full(ex.shape, 1e300),
+             meta=json.dumps({"num_experts": 8}))  # fmt: skip
+    result = cli("import", tmp_path / "w.npz", "-o", tmp_path / "out.npz")
+    one_line_error(result, "w.npz", "token 0, layer 0, slot 0", "gate weight is 1e+300",
+                   "float32")  # fmt: skip
+    assert not (tmp_path / "out.npz").exists()
+    trace = synthesize(tokens=20, layers=2, experts=8, top_k=2)
+    big = dataclasses.replace(trace, weights=trace.weights.astype(np.float64) * 1e300)
+    with pytest.raises(TraceError, match=r"gate weight is .*float32"):
+        save_trace(big, tmp_path / "api.npz")
+    assert not (tmp_path / "api.npz").exists()
+
+
+# ---- item 8: a damaged compressed member --------------------------------------------------
+
+
+def test_corrupted_compressed_member_is_named(cli, tmp_path):
+    path = save_trace(synthesize(tokens=200, layers=3, experts=8, top_k=2), tmp_path / "c.npz",
+                      compress=True)  # fmt: skip
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("experts.npy")
+    data = bytearray(path.read_bytes())
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+    for i in range(start + 4, start + 24):
+        data[i] ^= 0x55
+    path.write_bytes(bytes(data))
+    one_line_error(cli("info", path), "c.npz", "damaged compressed array 'experts'")
+    with pytest.raises(TraceError, match="damaged compressed array 'experts'"):
+        read_native(path)
+
+
+# ---- item 9: declared sizes checked before allocating -------------------------------------
+
+
+def write_bomb(path: Path, megabytes: int = 100) -> None:
+    """An .npz whose 'experts' member is ``megabytes`` MiB of zeros, deflated to ~1/1000."""
+    n = megabytes << 19  # int16 values
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<i2", "fortran_order": False, "shape": (n, 1, 1)}
+    )
+    chunk = bytes(1 << 20)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        with zf.open("experts.npy", "w", force_zip64=True) as f:
+            f.write(header.getvalue())
+            for _ in range(megabytes):
+                f.write(chunk)
+        zf.writestr("meta.npy", npy_bytes(np.array(json.dumps({"num_experts": 8}))))
+
+
+def test_zip_bomb_is_refused_without_decompressing_it(cli, tmp_path):
+    path = tmp_path / "bomb.npz"
+    write_bomb(path)
+    assert path.stat().st_size < 200_000
+    tracemalloc.start()
+    began = time.perf_counter()
+    with pytest.raises(TraceError) as caught:
+        import_file(path)
+    elapsed = time.perf_counter() - began
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert "decompression bomb" in str(caught.value) and "bomb.npz" in str(caught.value)
+    assert elapsed < 1.0 and peak < 16 << 20, (elapsed, peak)
+    one_line_error(cli("import", path, "-o", tmp_path / "o.npz"), "bomb.npz", "times the file's")
+
+
+def test_npz_member_whose_header_disagrees_with_the_zip_directory(tmp_path):
+    """A member whose .npy header promises less than it holds (its CRC intact): refused,
+    not read short (numpy alone would return the first 20 tokens and stop)."""
+    member = npy_bytes(ids()).replace(b"(40, 3, 2)", b"(20, 3, 2)")
+    with zipfile.ZipFile(tmp_path / "m.npz", "w") as zf:
+        zf.writestr("experts.npy", member)
+        zf.writestr("meta.npy", npy_bytes(np.array(json.dumps({"num_experts": 64}))))
+    with pytest.raises(TraceError, match=r"damaged array 'experts'.*declares shape \(20, 3, 2\)"):
+        import_file(tmp_path / "m.npz")
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragments"),
+    [
+        # a shape digit: the header promises less (or more) than the file holds
+        (lambda h: h.replace(b"(40, 3, 2)", b"(20, 3, 2)"), ["declares shape (20, 3, 2)", "more"]),
+        (
+            lambda h: h.replace(b"(40, 3, 2)", b"(90, 3, 2)"),
+            ["declares shape (90, 3, 2)", "truncated"],
+        ),
+        # the dtype's size: i2 read as i4 would pair ids up
+        (lambda h: h.replace(b"<i2", b"<i4"), ["of int32", "bytes remain"]),
+        # the byte order: ids become id * 256, an absurd N
+        (lambda h: h.replace(b"<i2", b">i2"), ["would make N", "--num-experts"]),
+    ],
+)
+def test_flipped_npy_header_byte_is_refused(cli, tmp_path, edit, fragments):
+    raw = npy_bytes(ids())
+    (tmp_path / "x.npy").write_bytes(edit(raw))
+    assert len(edit(raw)) == len(raw)
+    one_line_error(cli("import", tmp_path / "x.npy", "-o", tmp_path / "o.npz"), "x.npy",
+                   *fragments)  # fmt: skip
+    # analyze reads through the same importer: refused before any N-sized table
+    one_line_error(cli("analyze", tmp_path / "x.npy", "-o", tmp_path / "report"), "x.npy")
+
+
+def test_inferred_n_is_bounded_in_every_reader(tmp_path):
+    from test_importers import routes_doc
+
+    rows = [{"seq": 0, "token": 0, "layer": 0, "experts": [5000, 1]}]
+    (tmp_path / "x.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(TraceError, match="line 1: expert id 5000 would make N"):
+        import_file(tmp_path / "x.jsonl")
+    doc = routes_doc(n_tokens=3, layers=(0, 1), k=2)
+    doc["meta"].pop("num_experts", None)
+    doc["routes"][2]["layers"]["1"]["experts"] = [9000, 1]
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match="route 2, layer 1: expert id 9000 would make N"):
+        import_file(tmp_path / "r.json")
+    ex = ids()
+    ex[5, 1, 0] = 4096
+    np.save(tmp_path / "a.npy", ex)
+    with pytest.raises(TraceError, match="token 5, layer 1, slot 0: expert id 4096"):
+        import_file(tmp_path / "a.npy")
+    assert import_file(tmp_path / "a.npy", num_experts=5000).num_experts == 5000
+
+
+def test_routes_declaring_a_huge_top_k_is_refused_before_allocating(cli, tmp_path):
+    from test_importers import routes_doc
+
+    doc = routes_doc(n_tokens=3, layers=(0, 1), k=2)
+    doc["meta"]["top_k"] = 10**8
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    tracemalloc.start()
+    with pytest.raises(TraceError, match="route 0: 2 experts but the metadata's top_k is"):
+        import_file(tmp_path / "r.json")
+    assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    tracemalloc.stop()
+    one_line_error(cli("import", tmp_path / "r.json", "-o", tmp_path / "o.npz"), "r.json",
+                   "top_k is 100000000")  # fmt: skip
+
+
+def test_mapped_members_have_their_checksum_verified(tmp_path, monkeypatch):
+    monkeypatch.setattr("stmoe.trace.io._MMAP_MIN_FILE", 0)
+    monkeypatch.setattr("stmoe.trace.npfiles._MMAP_MIN_BYTES", 0)
+    trace = synthesize(tokens=300, layers=4, experts=16, top_k=2)
+    path = save_trace(trace, tmp_path / "t.npz")
+    assert isinstance(read_native(path, mmap=True).experts, np.memmap)
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("experts.npy")
+    data = bytearray(path.read_bytes())
+    at = info.header_offset + 30 + len(info.filename) + len(info.extra) + 128 + 100
+    data[at] ^= 0x01  # one id's low bit: still in range, not a duplicate, wrong
+    path.write_bytes(bytes(data))
+    for mmap in (True, False):
+        with pytest.raises(TraceError, match=r"damaged array 'experts'.*CRC"):
+            read_native(path, mmap=mmap)
+
+
+def test_a_renamed_native_member_is_refused_not_ignored(tmp_path):
+    path = save_trace(synthesize(tokens=30, layers=2, experts=8, top_k=2), tmp_path / "t.npz")
+    data = path.read_bytes().replace(b"weights.npy", b"weightz.npy")
+    path.write_bytes(data)
+    with pytest.raises(TraceError, match=r"unexpected member 'weightz\.npy'"):
+        read_native(path)
+
+
+# ---- item 10: deep JSON, FIFOs, directories, temp files -----------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_deeply_nested_json_is_one_clear_error(cli, tmp_path):
+    trace = synthesize(tokens=20, layers=2, experts=8, top_k=2)
+    native = save_trace(trace, tmp_path / "n.npz")
+    arrays = dict(np.load(native))
+    arrays["header"] = np.array(DEEP)
+    np.savez(tmp_path / "deep.npz", **arrays)
+    one_line_error(cli("info", tmp_path / "deep.npz"), "deep.npz", "nested too deeply")
+    np.savez(tmp_path / "meta.npz", experts=ids(), meta=np.array(DEEP))
+    one_line_error(cli("import", tmp_path / "meta.npz", "-o", tmp_path / "o.npz"), "meta.npz",
+                   "nested too deeply")  # fmt: skip
+    record = {"seq": 0, "token": 0, "layer": 0, "experts": [1, 2]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(record) + '\n{"seq": ' + DEEP + "}\n")
+    one_line_error(cli("import", tmp_path / "d.jsonl", "-o", tmp_path / "o.npz"), "d.jsonl",
+                   "line 2", "nested too deeply")  # fmt: skip
+    (tmp_path / "d.json").write_text('{"routes": ' + DEEP + "}")
+    one_line_error(cli("import", tmp_path / "d.json", "-o", tmp_path / "o.npz"), "d.json",
+                   "nested too deeply")  # fmt: skip
+    np.save(tmp_path / "x.npy", ids())
+    side = npy_bytes(np.array([0, 10]))
+    nest = "[" * 3000 + "]" * 3000
+    header = "{'descr': '<i8', 'fortran_order': False, 'shape': (2,), 'x': " + nest + "}"
+    header += " " * (63 - (len(header) + 10) % 64) + "\n"
+    side = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + side[-16:]
+    (tmp_path / "x.seq_starts.npy").write_bytes(side)
+    one_line_error(cli("import", tmp_path / "x.npy", "-o", tmp_path / "o.npz"),
+                   "x.seq_starts.npy", "not a readable .npy array")  # fmt: skip
+    assert not (tmp_path / "o.npz").exists()
+
+
+def run_with_deadline(cli, *args, seconds: float = 20.0, fifo: Path | None = None):
+    """``cli(*args)`` in a thread; a hang fails the test instead of blocking it forever."""
+    box = []
+    worker = threading.Thread(target=lambda: box.append(cli(*args)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive() and fifo is not None:
+        with open(fifo, "wb"):  # unblock the reader so the thread can end
+            pass
+    assert box, f"stmoe {' '.join(map(str, args))} hung on its input"
+    return box[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_fifo_and_directory_inputs_are_refused_at_once(cli, tmp_path):
+    fifo = tmp_path / "pipe.npz"
+    os.mkfifo(fifo)
+    for args in (("info", fifo), ("import", fifo, "-o", tmp_path / "o.npz")):
+        one_line_error(run_with_deadline(cli, *args, fifo=fifo), "pipe.npz", "not a regular file")
+    np.save(tmp_path / "x.npy", ids())
+    os.mkfifo(tmp_path / "x.seq_starts.npy")
+    result = run_with_deadline(cli, "import", tmp_path / "x.npy", "-o", tmp_path / "o.npz",
+                               fifo=tmp_path / "x.seq_starts.npy")  # fmt: skip
+    one_line_error(result, "x.seq_starts.npy", "not a regular file")
+    one_line_error(cli("info", tmp_path), str(tmp_path), "is a directory")
+    with pytest.raises(TraceError, match="not a regular file"):
+        read_native(fifo)
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_killed_import_leftover_is_removed_by_the_next_import(cli, tmp_path):
+    np.save(tmp_path / "x.npy", ids())
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = tmp_path / f".out.npz.{dead.pid}.k2j4x9.tmp"
+    leftover.write_bytes(b"\0" * 4096)  # what a killed import leaves
+    result = cli("import", tmp_path / "x.npy", "-o", tmp_path / "out.npz")
+    assert result.exit_code == 0, result.output
+    assert not leftover.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.npz", "x.npy"]
+    assert np.array_equal(read_native(tmp_path / "out.npz").experts, ids())
+
+
+def test_output_that_is_a_directory_is_refused_and_nothing_written_beside_it(cli, tmp_path):
+    np.save(tmp_path / "x.npy", ids())
+    root_before = sorted(os.listdir("/"))
+    one_line_error(cli("import", tmp_path / "x.npy", "-o", "/tmp"), "/tmp", "is a directory")
+    assert sorted(os.listdir("/")) == root_before
+    (tmp_path / "sub").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    one_line_error(cli("import", tmp_path / "x.npy", "-o", tmp_path / "sub"), "is a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert not any((tmp_path / "sub").iterdir())
+
+
+# ---- the native reader under random damage ------------------------------------------------
+
+_TRACE = synthesize(tokens=24, layers=2, experts=8, top_k=2, sequences=2, seed=3)
+_TRACE = dataclasses.replace(_TRACE, token_ids=np.arange(24, dtype=np.int64) * 11)
+_FILES: dict[bool, bytes] = {}
+
+
+def native_bytes(compress: bool) -> bytes:
+    """The fuzzed trace as its native file, plain or compressed (written once)."""
+    if compress not in _FILES:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = save_trace(_TRACE, Path(tmp) / "t.npz", compress=compress)
+            _FILES[compress] = path.read_bytes()
+    return _FILES[compress]
+
+
+def same_arrays(a, b) -> bool:
+    names = ("experts", "seq_starts", "is_decode", "weights", "token_ids")
+    return all(np.array_equal(np.asarray(getattr(a, n)), np.asarray(getattr(b, n))) for n in names)
+
+
+def read_or_refuse(path: Path, mmap: bool):
+    """The trace, or None after checking the refusal is one line naming the file."""
+    try:
+        return read_native(path, mmap=mmap)
+    except TraceError as exc:
+        text = str(exc)
+        assert "\n" not in text and str(path) in text, text
+        return None
+
+
+_mutation = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 10**6), st.integers(0, 7)),
+    st.tuples(st.just("cut"), st.integers(0, 10**6), st.just(0)),
+    st.tuples(st.just("insert"), st.integers(0, 10**6), st.integers(0, 255)),
+)
+
+
+@settings(
+    max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(compress=st.booleans(), mmap=st.booleans(), edits=st.lists(_mutation, min_size=1,
+                                                                  max_size=4))  # fmt: skip
+def test_fuzzed_native_bytes_are_refused_or_read_unchanged(tmp_path, monkeypatch, compress,
+                                                           mmap, edits):  # fmt: skip
+    monkeypatch.setattr("stmoe.trace.io._MMAP_MIN_FILE", 0)  # exercise the mapped path too
+    monkeypatch.setattr("stmoe.trace.npfiles._MMAP_MIN_BYTES", 0)
+    data = bytearray(native_bytes(compress))
+    for kind, pos, value in edits:
+        at = pos % (len(data) + 1)
+        if kind == "flip" and at < len(data):
+            data[at] ^= 1 << value
+        elif kind == "cut":
+            del data[at:]
+        elif kind == "insert":
+            data[at:at] = bytes([value])
+    path = tmp_path / "fuzz.npz"
+    path.write_bytes(bytes(data))
+    trace = read_or_refuse(path, mmap)
+    if trace is not None:  # the zip checksums leave no other way to read it
+        validate(trace)
+        assert same_arrays(trace, _TRACE)
+        assert trace.meta == _TRACE.meta and trace.domains == _TRACE.domains
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                 max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+_FIELDS = ["format", "version", "meta", "domains", "meta.num_experts", "meta.top_k",
+           "meta.num_layers", "meta.model", "meta.synthetic", "meta.extra",
+           "meta.source"]  # fmt: skip
+
+
+@settings(
+    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(changes=st.dictionaries(st.sampled_from(_FIELDS), _json, min_size=1, max_size=3))
+def test_fuzzed_native_header_fields_are_refused_or_harmless(tmp_path, changes):
+    with np.load(io.BytesIO(native_bytes(False))) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    header = json.loads(str(arrays["header"][()]))
+    for field, value in changes.items():
+        where, _, key = field.rpartition(".")
+        target = header["meta"] if where and isinstance(header.get("meta"), dict) else header
+        target[key or field] = value
+    arrays["header"] = np.array(json.dumps(header))
+    assert set(arrays) <= set(MEMBERS)
+    path = tmp_path / "fuzz.npz"
+    np.savez(path, **arrays)
+    trace = read_or_refuse(path, mmap=False)
+    if trace is not None:  # a header may say other harmless things, never other routing
+        validate(trace)
+        assert same_arrays(trace, _TRACE)
