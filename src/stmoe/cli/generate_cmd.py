@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -21,7 +21,9 @@ from stmoe.errors import StmoeError
 
 
 def generate_cmd(
-    prompt: Annotated[str, typer.Option(help="The prompt text.")],
+    prompt: Annotated[
+        str | None, typer.Option(help="The prompt text (required unless --routing is given).")
+    ] = None,
     model: Annotated[
         Path | None,
         typer.Option(
@@ -35,7 +37,26 @@ def generate_cmd(
             "~/.cache/stmoe/stores (STMOE_CACHE overrides)."
         ),
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (>= 1).")] = 32,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens to generate (>= 1). Default: 32, or with --routing the "
+            "sequence's decode tokens + 1."
+        ),
+    ] = None,
+    routing: Annotated[
+        Path | None,
+        typer.Option(
+            help="A routing trace (any format `stmoe import` reads) whose expert choices "
+            "replace the model's router at every token and MoE layer: the prompt is the "
+            "sequence's prefill, then its decode tokens in order (the model's first L "
+            "layers). Measures real routing at this model's sizes, e.g. on a `stmoe "
+            "make-model` checkpoint; the text is meaningless and not shown."
+        ),
+    ] = None,
+    sequence: Annotated[
+        int, typer.Option(help="Which sequence of the --routing trace to replay (0 = first).")
+    ] = 0,
     capacity: Annotated[
         str,
         typer.Option(
@@ -138,7 +159,14 @@ def generate_cmd(
     prefetch recall and precision, bytes moved and wasted, and stall share.
     """
     _check_generate_options(max_new_tokens, max_loads, workers, threads)
+    check_range("--sequence", sequence, 0)
     check_inputs("a tables file (write one with `stmoe profile`)", tables)
+    check_inputs("a routing trace", routing)
+    if (prompt is None) == (routing is None):
+        raise StmoeError("give either --prompt (generate from text) or --routing (replay a "
+                         "trace's routing), not both" if prompt is not None
+                         else "give --prompt TEXT, or --routing TRACE to replay a trace's "
+                         "routing")  # fmt: skip
     if model is not None and not model.is_dir():
         raise StmoeError(f"{model}: not a folder; --model expects a local transformers "
                          "checkpoint folder")  # fmt: skip
@@ -159,11 +187,19 @@ def generate_cmd(
     with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
                  policy=policy, tier=tier, bandwidth=bandwidth, latency=latency,
                  workers=workers, max_loads=max_loads, lookahead=lookahead) as om:  # fmt: skip
-        result = om.generate(prompt, max_new_tokens=max_new_tokens)
+        if routing is not None:
+            result = _replay(om, routing, sequence, max_new_tokens)
+        else:
+            assert prompt is not None
+            result = om.generate(prompt, max_new_tokens=max_new_tokens or 32)
     if to_stdout:
         print_json(result.to_dict())
         return
-    out.print(plain_label(prompt + result.text, multiline=True), markup=False)
+    if routing is not None:
+        out.print(f"replayed the routing of {plain_label(str(routing))}, sequence {sequence} "
+                  "(the generated text is meaningless: not shown)", markup=False)  # fmt: skip
+    else:
+        out.print(plain_label((prompt or "") + result.text, multiline=True), markup=False)
     c = result.config
     tier_label = c["tier"] + (" (EMULATED)" if c["emulated"] else "")
     rows = [
@@ -186,7 +222,19 @@ def generate_cmd(
     write_json(result.to_dict(), json_out)
 
 
-def _check_generate_options(max_new_tokens: int, max_loads: int | None, workers: int | None,
+def _replay(om: Any, routing: Path, sequence: int, max_new_tokens: int | None) -> Any:
+    """The trace's sequence replayed through the offloaded model (``OffloadedModel.replay``)."""
+    from stmoe.runtime.routing_replay import plan_replay
+    from stmoe.trace import load_trace
+
+    trace = load_trace(routing)
+    c = om.config
+    vocab = int(getattr(om.model.config, "vocab_size", 0) or 1)
+    plan = plan_replay(trace, sequence, c["num_layers"], c["num_experts"], c["top_k"], vocab)
+    return om.replay(plan, max_new_tokens)
+
+
+def _check_generate_options(max_new_tokens: int | None, max_loads: int | None, workers: int | None,
                             threads: int | None) -> None:  # fmt: skip
     """The numeric options, refused before the model loads."""
     check_range("--max-new-tokens", max_new_tokens, 1)

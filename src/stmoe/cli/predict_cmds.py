@@ -33,6 +33,7 @@ from stmoe.predictors.base import ModelShape
 from stmoe.predictors.tables import ProfiledTables
 from stmoe.replay import ReplayResult, cross_domain_matrix, replay
 from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
+from stmoe.trace.select import first_layers
 
 SplitOpt = Annotated[
     float | None,
@@ -66,6 +67,13 @@ def profile_cmd(
         bool,
         typer.Option(help="Also keep tables of each domain (needed by stmoe-mix)."),
     ] = False,
+    layers: Annotated[
+        int | None,
+        typer.Option(
+            help="Profile the first N MoE layers only (for a model with N of the "
+            "trace's layers, e.g. `stmoe make-model --layers N`)."
+        ),
+    ] = None,
 ) -> None:
     """Build ST-MoE's tables from routing traces (docs/method.md Algorithm 1).
 
@@ -78,6 +86,8 @@ def profile_cmd(
     check_inputs("a trace file", traces)
     check_range("--split", split, 0, 1, exclusive=True)
     trace = _select(import_files(traces), domain, split, 0)
+    if layers is not None:
+        trace = first_layers(trace, layers)
     tables = profile(trace, row_width=row_width, by_domain=by_domain)
     save_tables(tables, output)
     out.print(

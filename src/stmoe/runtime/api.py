@@ -29,6 +29,7 @@ from stmoe.runtime.engine import OffloadEngine
 from stmoe.runtime.hf_glue import IMPL_NAME, move_resident, register
 from stmoe.runtime.loading import load_without_experts
 from stmoe.runtime.options import OffloadOptions, resolve_capacity, resolve_predictor, top_k_of
+from stmoe.runtime.routing_replay import ReplayPlan, RoutingReplay
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import ExpertStore, StoreError, open_store, pack
@@ -121,9 +122,37 @@ class OffloadedModel:
             ids = _prompt_ids(prompt, self.model.config)
         if ids.shape[1] == 0:
             raise StoreError("the prompt has no tokens")
+        return self._generate(ids, max_new_tokens, cold, None)
+
+    def replay(self, plan: ReplayPlan, max_new_tokens: int | None = None,
+               cold: bool = True) -> GenerationResult:  # fmt: skip
+        """Generate with ``plan``'s recorded routing in place of the router's
+        (``runtime.routing_replay``): the time, stalls, hits and bytes of that routing
+        at this model's sizes. The text is meaningless and left empty."""
+        if self.engine.predictor.uses_lookahead:
+            raise StoreError(f"predictor {self.engine.predictor.name!r} reads the model's own "
+                             "routers, which a routing replay overrides; replay with a "
+                             "predictor that learns from the routing (stmoe, stmoe-plus, "
+                             "...)")  # fmt: skip
+        steps = plan.new_tokens if max_new_tokens is None else min(max_new_tokens, plan.new_tokens)
+        if steps < 1:
+            raise StoreError("max_new_tokens must be at least 1")
+        ids = torch.tensor([plan.token_ids], device=self.engine.device)
+        result = self._generate(ids, steps, cold, RoutingReplay(plan))
+        result.text = ""
+        result.config["routing_replay"] = True
+        return result
+
+    def _generate(self, ids: torch.Tensor, max_new_tokens: int, cold: bool,
+                  replay: RoutingReplay | None) -> GenerationResult:  # fmt: skip
         ids = ids.to(self.engine.device)
+        state = self.engine.state
         with self._exclusive():  # the run is read after it, before another starts
-            out, stats = self._measure(lambda: self._run(ids, max_new_tokens), cold)
+            state.replay = replay
+            try:
+                out, stats = self._measure(lambda: self._run(ids, max_new_tokens), cold)
+            finally:
+                state.replay = None
             run = self.engine.run
         ends = run.forward_ends
         ttft = ends[0] - run.started

@@ -76,6 +76,9 @@ class LayerServer:
                *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
         state = self.state
         layer = self.layer_of[id(module)]
+        if state.replay is not None:  # a recorded routing in place of the router's
+            top_k_index, top_k_weights = state.replay.routing(state.run.fwd, layer, top_k_index,
+                                                              top_k_weights)  # fmt: skip
         rows = top_k_index.detach().to("cpu").numpy()
         if rows.shape[-1] > self.capacity:
             raise StoreError(f"the router picks {rows.shape[-1]} experts per token but the "

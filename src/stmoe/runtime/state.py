@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from stmoe.runtime.cache import LayerCache
+from stmoe.runtime.routing_replay import RoutingReplay
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import Block, ExpertStore, StoreError
 from stmoe.runtime.tiers import padded
@@ -92,6 +93,7 @@ class EngineState:
         self.owner: threading.Thread | None = None  # the thread the engine serves now
         self.owner_run = False  # its claim is a measured run (else forward calls)
         self.depth = 0  # forward calls in progress under a forward claim
+        self.replay: RoutingReplay | None = None  # a trace's routing replacing the router's
 
     # ---- who the engine serves (every method: lock held) -------------------------------
     def enter_run(self) -> None:

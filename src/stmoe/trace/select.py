@@ -196,3 +196,21 @@ def _take_tokens(
             meta=trace.meta,
         )
     )
+
+
+def first_layers(trace: RoutingTrace, n: int) -> RoutingTrace:
+    """The trace's first ``n`` MoE layers only: what a model with ``n`` of its layers (a
+    ``stmoe make-model --layers n`` checkpoint) routes."""
+    if not 1 <= n <= trace.num_layers:
+        raise TraceError(f"--layers {n}: the trace has {trace.num_layers} MoE layers",
+                         expected=f"1..{trace.num_layers}")  # fmt: skip
+    if n == trace.num_layers:
+        return trace
+
+    def cut(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.asarray(a)[:, :n]
+
+    return validate(dataclasses.replace(
+        trace, experts=cut(trace.experts), weights=cut(trace.weights),
+        lookahead=cut(trace.lookahead), lookahead_late=cut(trace.lookahead_late),
+        meta=dataclasses.replace(trace.meta, num_layers=n)))  # fmt: skip

@@ -1,0 +1,180 @@
+"""Routing replay: a trace's choices, forward call by forward call, in place of the router's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from stmoe.runtime.routing_replay import (  # noqa: E402
+    RoutingReplay,
+    RoutingReplayError,
+    plan_replay,
+)
+from stmoe.trace.schema import RoutingTrace, TraceMeta  # noqa: E402
+
+
+def _trace(prefill: int = 3, decode: int = 4, layers: int = 5, weights: bool = True):
+    rng = np.random.default_rng(0)
+    t = prefill + decode
+    experts = np.stack([np.stack([rng.choice(16, 4, replace=False) for _ in range(layers)])
+                        for _ in range(t)]).astype(np.int16)  # fmt: skip
+    w = rng.random((t, layers, 4)).astype(np.float32) if weights else None
+    return RoutingTrace(experts, np.array([0]), np.arange(t) >= prefill,
+                        TraceMeta(num_experts=16, top_k=4, num_layers=layers, model="m"),
+                        weights=w, token_ids=np.arange(100, 100 + t))  # fmt: skip
+
+
+def test_each_forward_call_gets_its_tokens_routing():
+    trace = _trace()
+    plan = plan_replay(trace, 0, num_layers=3, num_experts=16, top_k=4, vocab_size=4096)
+    assert plan.prefill == 3 and plan.decode_steps == 4 and plan.new_tokens == 5
+    assert plan.token_ids == [100, 101, 102]
+    replay = RoutingReplay(plan)
+    ids = torch.zeros((3, 4), dtype=torch.long)
+    w = torch.zeros((3, 4), dtype=torch.bfloat16)
+    got_ids, got_w = replay.routing(0, 2, ids, w)
+    assert got_ids.tolist() == trace.experts[0:3, 2].tolist()
+    assert got_w.dtype == torch.bfloat16
+    assert torch.equal(got_w, torch.from_numpy(trace.weights[0:3, 2]).to(torch.bfloat16))
+    for step in range(1, 5):  # decode call j: the trace's decode token j - 1
+        got_ids, _ = replay.routing(step, 1, ids[:1], w[:1])
+        assert got_ids.tolist() == trace.experts[2 + step : 3 + step, 1].tolist()
+    with pytest.raises(RoutingReplayError, match="forward call 5"):
+        replay.routing(5, 0, ids[:1], w[:1])
+    with pytest.raises(RoutingReplayError, match="computes 2"):
+        replay.routing(1, 0, ids[:2], w[:2])
+
+
+def test_uniform_weights_and_foreign_vocabulary():
+    plan = plan_replay(_trace(weights=False), 0, 5, 16, 4, vocab_size=50)
+    assert np.all(plan.weights == 0.25)
+    assert all(0 <= t < 50 for t in plan.token_ids)
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"num_experts": 8}, "top-4 of 16 experts but the model top-4 of 8"),
+    ({"top_k": 2}, "top-2 of"),
+    ({"num_layers": 6}, "at most 5"),
+    ({"sequence": 1}, r"outside 0\.\.0"),
+])  # fmt: skip
+def test_a_trace_of_another_shape_is_refused(kw, message):
+    args = {"sequence": 0, "num_layers": 5, "num_experts": 16, "top_k": 4, "vocab_size": 99}
+    args.update(kw)
+    with pytest.raises(RoutingReplayError, match=message):
+        plan_replay(_trace(), **args)
+
+
+@pytest.fixture(scope="module")
+def replay_setup(tmp_path_factory):
+    """A 3-layer random checkpoint of the shipped model's shape, a SYNTHETIC trace of
+    that shape, its tables and the store."""
+    pytest.importorskip("transformers")
+    from stmoe.checkpoints import make_checkpoint, plan_checkpoint
+    from stmoe.predictors import profile, save_tables
+    from stmoe.runtime.store import pack
+    from stmoe.trace import save_trace
+    from stmoe.trace.synth import synthesize
+
+    root = tmp_path_factory.mktemp("replay")
+    model_dir = make_checkpoint(plan_checkpoint("stmoe-tiny", layers=3, dtype="float32"),
+                                root / "m")  # fmt: skip
+    trace = synthesize(tokens=60, layers=5, experts=16, top_k=4, sequences=2, seed=1)
+    save_trace(trace, root / "t.npz")
+    from stmoe.trace.select import first_layers
+
+    save_tables(profile(first_layers(trace, 3)), root / "tables.npz")
+    from stmoe.capture_generate import load_causal_lm
+
+    pack(load_causal_lm(model_dir), root / "store", source=model_dir)
+    return root, model_dir, trace
+
+
+def _resident_replay(model_dir, plan):
+    """Plain transformers with the same routing forced on every experts module."""
+    from transformers import AutoModelForCausalLM
+
+    from stmoe.model_introspect import experts_modules
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    replay = RoutingReplay(plan)
+    calls = {"fwd": -1}
+    model.register_forward_pre_hook(lambda m, a: calls.__setitem__("fwd", calls["fwd"] + 1))
+    for layer, (_, module) in enumerate(experts_modules(model)):
+
+        def force(mod, args, kwargs, layer=layer):
+            hidden, index, weights = args[:3]
+            index, weights = replay.routing(calls["fwd"], layer, index, weights)
+            return (hidden, index, weights, *args[3:]), kwargs
+
+        module.register_forward_pre_hook(force, with_kwargs=True)
+    ids = torch.tensor([plan.token_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=plan.new_tokens, min_new_tokens=plan.new_tokens,
+                             pad_token_id=0)  # fmt: skip
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("predictor", ["stmoe-plus", "oracle"])
+def test_replay_feeds_the_trace_to_cache_and_predictor_losslessly(replay_setup, predictor):
+    from stmoe.runtime.api import offload
+
+    root, model_dir, trace = replay_setup
+    plan = plan_replay(trace, 1, num_layers=3, num_experts=16, top_k=4, vocab_size=4096)
+    seen = {}
+    with offload(model_dir, root / "store", capacity=8, predictor=predictor,
+                 tables=root / "tables.npz", tier="emulated", bandwidth="200MB") as om:  # fmt: skip
+        after = om.engine.planner.after_routing
+
+        def record(layer, rows, hidden):
+            seen[(om.engine.run.fwd, layer)] = rows.copy()
+            return after(layer, rows, hidden)
+
+        om.engine.planner.after_routing = record
+        result = om.replay(plan)
+    assert result.text == "" and result.config["routing_replay"]
+    assert len(result.tokens) == plan.new_tokens
+    a = int(trace.seq_starts[1])
+    for layer in range(3):  # the prompt, then every decode token, as recorded
+        assert seen[(0, layer)].tolist() == trace.experts[a : a + plan.prefill, layer].tolist()
+        for step in range(1, plan.new_tokens):
+            pos = a + plan.prefill + step - 1
+            assert seen[(step, layer)].tolist() == [trace.experts[pos, layer].tolist()]
+    assert result.tokens == _resident_replay(model_dir, plan)  # bit for bit
+
+
+def test_generate_cli_replays_and_refuses_a_foreign_shape(replay_setup, cli):
+    root, model_dir, _ = replay_setup
+    args = ["generate", "--model", model_dir, "--store", root / "store", "--capacity", "8",
+            "--predictor", "stmoe", "--tables", root / "tables.npz", "--routing",
+            root / "t.npz", "--sequence", "1"]  # fmt: skip
+    res = cli(*args, "--json", "-")
+    assert res.exit_code == 0, res.output
+    import json
+
+    data = json.loads(res.stdout)
+    assert data["text"] == "" and data["config"]["routing_replay"] is True
+    res = cli(*args[:-2], "--sequence", "5")
+    assert res.exit_code == 1 and "outside 0..1" in res.output
+    res = cli(*args, "--prompt", "hi")
+    assert res.exit_code == 1 and "not both" in res.output
+    from stmoe.trace import save_trace
+    from stmoe.trace.synth import synthesize
+
+    save_trace(synthesize(tokens=20, layers=3, experts=32, top_k=4, sequences=1),
+               root / "wide.npz")  # fmt: skip
+    res = cli(*args[:-4], "--routing", root / "wide.npz")
+    assert res.exit_code == 1 and "top-4 of 32 experts" in res.output
+
+
+def test_profile_the_first_layers_for_a_cut_model(replay_setup, cli):
+    from stmoe.predictors import load_tables
+
+    root, _, _ = replay_setup
+    res = cli("profile", root / "t.npz", "--layers", "3", "-o", root / "t3.npz")
+    assert res.exit_code == 0, res.output
+    assert load_tables(root / "t3.npz").shape.num_layers == 3
+    res = cli("profile", root / "t.npz", "--layers", "9", "-o", root / "t9.npz")
+    assert res.exit_code == 1 and "1..5" in res.output
