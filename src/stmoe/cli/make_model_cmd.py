@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from stmoe.cli._common import out
+from stmoe.cli._common import check_range, clean_label, out
 
 
 def make_model_cmd(
@@ -30,7 +30,7 @@ def make_model_cmd(
     dtype: Annotated[
         str, typer.Option("--dtype", help="Weight dtype: bfloat16, float16 or float32.")
     ] = "bfloat16",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.", min=0)] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights (>= 0).")] = 0,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the shape and size only; write nothing.")
     ] = False,
@@ -46,14 +46,17 @@ def make_model_cmd(
     """
     from stmoe.checkpoints import make_checkpoint, plan_checkpoint
 
+    check_range("--seed", seed, 0)
+    check_range("--layers", layers, 1)
+
     plan = plan_checkpoint(like, layers, dtype)
     spec, cfg = plan.spec, plan.config
     expert_mib = 3 * spec.hidden * spec.expert_intermediate * (2 if dtype != "float32" else 4)
-    out.print(f"{like}: {cfg.model_type}, {cfg.num_hidden_layers} MoE layers x "
+    out.print(f"{clean_label(like)}: {cfg.model_type}, {cfg.num_hidden_layers} MoE layers x "
               f"{spec.num_experts} experts (top-{spec.top_k}), experts of "
               f"{expert_mib / 2**20:.1f} MiB, {plan.nbytes / 2**30:.2f} GiB in all ({dtype}, "
               "RANDOM weights)")  # fmt: skip
     if dry_run:
         return
     path = make_checkpoint(plan, output, seed=seed)
-    out.print(f"wrote {path}")
+    out.print(f"wrote {clean_label(path)}")
