@@ -25,6 +25,7 @@ with the step it was loaded for (the next one); ties go to the smaller id.
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from contextlib import nullcontext
@@ -83,8 +84,13 @@ class LayerCache:
         self.policy = policy
         self._code = cp.policy_code(policy, cp.RUNTIME)
         self.device = device
-        self.slabs = {p.name: torch.empty((capacity, *p.shape), dtype=p.dtype, device=device)
-                      for p in params}  # fmt: skip
+        self._memory: list[mmap.mmap] = []  # what the CPU slabs live in (page-aligned)
+        self.slabs = {p.name: self._slab(capacity, p, device) for p in params}
+        # a slot can be read into straight from the store when its tensors sit end to end
+        # in the block, in this order (one read, no copy: ``slot_parts``)
+        ends = [p.offset + p.nbytes for p in params]
+        self.in_block_order = device.type == "cpu" and all(
+            p.offset == (ends[i - 1] if i else 0) for i, p in enumerate(params))  # fmt: skip
         # With room for every expert, expert e always lives in slot e: the slabs are then
         # the model's own [N, ...] tensors and the compute needs no gather (fast path).
         self.identity = capacity == num_experts
@@ -104,6 +110,23 @@ class LayerCache:
         # predicted for the coming layer: the prefetch set being inserted (a tuple: ranked)
         self.protected: frozenset[int] | tuple[int, ...] = frozenset()
         self._pinned: frozenset[int] = frozenset()  # being gathered by the compute thread
+
+    def _slab(self, capacity: int, p: ParamSpec, device: torch.device) -> torch.Tensor:
+        """``capacity`` rows of parameter ``p``; on the CPU in page-aligned memory, so that
+        O_DIRECT can read into a slot (rows of page-multiple size stay aligned)."""
+        if device.type != "cpu":
+            return torch.empty((capacity, *p.shape), dtype=p.dtype, device=device)
+        memory = mmap.mmap(-1, max(1, capacity * p.nbytes))
+        self._memory.append(memory)
+        flat = torch.frombuffer(memory, dtype=torch.uint8, count=capacity * p.nbytes)
+        return flat.view(p.dtype).view(capacity, *p.shape)
+
+    def slot_parts(self, slot: int) -> list[np.ndarray] | None:
+        """The slot's memory as one uint8 array per tensor, in block order (a tier reads
+        into them); None where the slabs are not CPU memory in block order."""
+        if not self.in_block_order:
+            return None
+        return [self.slabs[p.name][slot].view(-1).view(torch.uint8).numpy() for p in self.params]
 
     @property
     def pinned(self) -> frozenset[int]:

@@ -32,7 +32,7 @@ from stmoe.runtime.hf_glue import ForwardHooks, base_forward, resident_device, t
 from stmoe.runtime.planning import PrefetchPlanner, gate_lookahead
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.serve import LayerServer
-from stmoe.runtime.state import EngineSettings, EngineState, Future, RunState
+from stmoe.runtime.state import EngineSettings, EngineState, Future, Loads, RunState
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import Block, ExpertStore, StoreError
 from stmoe.runtime.tiers import Tier
@@ -61,7 +61,7 @@ class OffloadEngine:
                   for layer in range(self.num_layers)]  # fmt: skip
         for module, _ in layers:
             take_over(module, self, self.num_experts)
-        self.state = EngineState(caches, store, self._fetch, self.device)
+        self.state = EngineState(caches, store, Loads(self._fetch, self._fill), self.device)
         self.caches, self.cv, self.expert_bytes = caches, self.state.cv, self.state.expert_bytes
         self.prefetcher = Prefetcher(self.state, settings.workers)
         self.planner = PrefetchPlanner(self.state, predictor, self.prefetcher, lookahead,
@@ -138,6 +138,16 @@ class OffloadEngine:
                         *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
         return self.server.serve(module, hidden_states, top_k_index, top_k_weights,
                                  *args, **kwargs)  # fmt: skip
+
+    def _fill(self, cache: LayerCache, slot: int, block: Block, buf: Any, stream: Any) -> None:
+        """Bring ``block`` into ``slot`` (held LOADING by the caller): read straight into
+        the slot's memory where the tier and the cache allow (one read, no copy), else
+        read into ``buf`` and copied."""
+        read_into = getattr(self.tier, "read_into", None)
+        parts = cache.slot_parts(slot) if read_into is not None else None
+        if parts is not None and read_into(block, parts):
+            return
+        cache.write(slot, self._fetch(block, buf), stream)
 
     def _fetch(self, block: Block, buf: Any) -> torch.Tensor:
         """The tier's bytes for ``block``, refused unless complete."""

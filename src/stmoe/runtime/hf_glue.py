@@ -59,6 +59,19 @@ def base_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
     return ALL_EXPERTS_FUNCTIONS.get_interface(impl, original)
 
 
+# transformers' experts implementations that sum each token's top-k expert outputs in
+# routing order (reshape + sum), whatever the experts' numbering: the result is the same
+# bits when the weights are the cache's slots and the ids slot numbers. The eager loop
+# accumulates in expert-id order, so it is not one of them.
+_ORDER_FREE = ("grouped_mm", "batched_mm")
+
+
+def any_expert_numbering(module: torch.nn.Module) -> bool:
+    """Whether the module's experts implementation gives the same bits under any numbering
+    of its experts (so the engine may compute on cache slots in place)."""
+    return getattr(module.config, "_experts_implementation", None) in _ORDER_FREE
+
+
 def take_over(module: torch.nn.Module, engine: Any, num_experts: int) -> None:
     """Release the module's per-expert parameters (storage-free meta tensors from now on)
     and send its experts calls to ``engine.experts_forward``."""

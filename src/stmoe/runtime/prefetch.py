@@ -163,7 +163,7 @@ class Prefetcher:
         state = self.state
         cache, slot, layer, expert = job
         block = state.store.blocks[(layer, expert)]
-        cache.write(slot, state.fetch(block, buf), stream)
+        state.fill(cache, slot, block, buf, stream)
         with state.cv:
             cache.filled(slot)
             state.run.stats.bytes_moved += block.nbytes

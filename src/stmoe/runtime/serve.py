@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from stmoe.runtime.cache import LOADING, READY, LayerCache
-from stmoe.runtime.hf_glue import GatheredExperts
+from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering
 from stmoe.runtime.planning import PrefetchPlanner
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.state import EngineSettings, EngineState
@@ -50,6 +50,10 @@ class LayerServer:
         self.state, self.prefetcher, self.planner = state, prefetcher, planner
         self.layer_of = {id(module): i for i, (module, _) in enumerate(layers)}
         self.base = [forward for _, forward in layers]
+        # implementations whose result does not depend on how experts are numbered (each
+        # token's top-k outputs summed in routing order): they compute on the cache's
+        # slots in place, where the others get a compact copy (``gather``)
+        self.any_numbering = [any_expert_numbering(module) for module, _ in layers]
         self.capacity, self.policy = settings.capacity, settings.policy
         self._buf = aligned_buffer(state.max_block)  # the compute thread's read buffer
         self._stream = torch.cuda.Stream() if state.device.type == "cuda" else None
@@ -93,17 +97,27 @@ class LayerServer:
             layer, time.perf_counter() - start, len(needed), hits, late, len(predicted),
             len(predicted.intersection(needed)),
         )  # fmt: skip
+        in_place = not overflow and (cache.identity or self.any_numbering[layer])
         if cache.identity:  # every expert has its own slot: the slabs are the full tensors
             params, n, index = cache.slabs, state.num_experts, top_k_index
-        else:
-            params = gather(cache, needed, slots, overflow)
-            compact = np.searchsorted(np.asarray(needed), rows)  # same order, ids 0..U-1
-            n = len(needed)
-            index = torch.from_numpy(compact).to(top_k_index.device, top_k_index.dtype)
-        self._release(cache, slots)
+        elif in_place:  # the slabs as they are, the router's ids renumbered to slots
+            params, n = cache.slabs, cache.capacity
+            slot_of = np.array([slots[e] for e in needed])
+            index = torch.from_numpy(slot_of[np.searchsorted(needed, rows)])
+        else:  # a copy of the needed experts, ids renumbered 0..U-1 in the same order
+            params, n = gather(cache, needed, slots, overflow), len(needed)
+            index = torch.from_numpy(np.searchsorted(needed, rows))
+        index = index.to(top_k_index.device, top_k_index.dtype)
+        self._touch(cache, slots)
+        if not in_place:  # the copy is made: the slots may change
+            self._unpin(cache)
         self.planner.after_routing(layer, rows, hidden_states)
         weights = GatheredExperts(module, params, n)
-        return self.base[layer](weights, hidden_states, index, top_k_weights, *args, **kwargs)
+        try:
+            return self.base[layer](weights, hidden_states, index, top_k_weights, *args, **kwargs)
+        finally:
+            if in_place:  # computed from the slots: they stay pinned until now
+                self._unpin(cache)
 
     def _begin(self, layer: int, cache: LayerCache, needed: list[int]) -> frozenset[int]:
         """The compute thread reaches ``layer``: a worker's failure is raised, requests for
@@ -120,12 +134,16 @@ class LayerServer:
                 run.routing_log[(run.fwd, layer)] = tuple(needed)
         return predicted
 
-    def _release(self, cache: LayerCache, slots: Slots) -> None:
-        """The layer has its experts: unpin them, recently used now (no reuse: dropped)."""
-        state = self.state
-        with state.cv:
+    def _touch(self, cache: LayerCache, slots: Slots) -> None:
+        """The layer has its experts: recently used now."""
+        with self.state.cv:
             for s in slots.values():
                 cache.touch(s)
+
+    def _unpin(self, cache: LayerCache) -> None:
+        """The layer no longer reads its slots: they may be evicted (no reuse: dropped)."""
+        state = self.state
+        with state.cv:
             cache.pinned = frozenset()
             if self.policy == "none":
                 state.run.stats.bytes_wasted += cache.drop_ready() * state.expert_bytes
@@ -172,7 +190,7 @@ class LayerServer:
         block = state.store.blocks[(cache.layer, expert)]
         state.cv.release()
         try:
-            cache.write(slot, state.fetch(block, self._buf), self._stream)
+            state.fill(cache, slot, block, self._buf, self._stream)
         except BaseException:
             state.cv.acquire()
             cache.abandon(slot)

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +43,16 @@ class EngineSettings:
     workers: int = 2  # prefetch threads (0: every expert loads on demand)
     device: torch.device | None = None  # where the caches live; default: the resident weights'
     max_loads: int | None = None  # loads one prediction may start per layer; default: capacity
+
+
+class Loads(NamedTuple):
+    """How the engine's tier is read: a block's checked bytes (``fetch(block, buf)``: CPU
+    uint8, ``buf`` a reading thread's aligned buffer), and a block brought into a cache
+    slot (``fill(cache, slot, block, buf, stream)``: straight into the slot's memory
+    where the tier can, else fetched and copied)."""
+
+    fetch: Callable[[Block, Any], torch.Tensor]
+    fill: Callable[[LayerCache, int, Block, Any, Any], None]
 
 
 Future = dict[tuple[int, int], tuple[int, ...]]  # (forward call, layer) -> the experts it needs
@@ -74,14 +84,14 @@ class RunState:
 class EngineState:
     """The lock, the per-layer caches, the store and how to read it, and the run."""
 
-    def __init__(self, caches: list[LayerCache], store: ExpertStore,
-                 fetch: Callable[[Block, Any], torch.Tensor],
+    def __init__(self, caches: list[LayerCache], store: ExpertStore, loads: Loads,
                  device: torch.device) -> None:  # fmt: skip
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)  # the compute thread waits here for slots
         self.caches = caches
         self.store = store
-        self.fetch = fetch  # a block's bytes through the engine's tier, refused unless complete
+        self.fetch = loads.fetch  # a block's checked bytes through the engine's tier
+        self.fill = loads.fill  # a block brought into a cache slot (lock not held)
         self.device = device
         self.num_layers = len(caches)
         self.num_experts = int(store.model["num_experts"])

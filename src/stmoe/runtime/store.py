@@ -244,7 +244,17 @@ class ExpertStore:
         if len(data) < block.nbytes:
             raise StoreError(f"{self.data_path}: short read of layer {block.layer}, expert "
                              f"{block.expert} ({len(data)} of {block.nbytes} bytes)")  # fmt: skip
-        if zlib.crc32(data[: block.nbytes]) != block.crc32:
+        self._check_crc(block, zlib.crc32(data[: block.nbytes]))
+
+    def check_parts(self, block: Block, parts: list[memoryview]) -> None:
+        """``check_block`` for a block read in pieces (straight into a cache slot's tensors)."""
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        self._check_crc(block, crc)
+
+    def _check_crc(self, block: Block, crc: int) -> None:
+        if crc != block.crc32:
             raise StoreError(f"{self.data_path}: layer {block.layer}, expert {block.expert} fails "
                              "its checksum; the store is corrupt, pack it again")  # fmt: skip
 

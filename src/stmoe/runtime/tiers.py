@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from stmoe.runtime.store import ALIGN, Block, ExpertStore, StoreError
@@ -88,6 +89,26 @@ class DiskTier:
         self.store.check_block(block, memoryview(buf)[: min(got, block.nbytes)])
         return torch.frombuffer(buf, dtype=torch.uint8, count=block.nbytes)
 
+    def read_into(self, block: Block, parts: list[np.ndarray]) -> bool:
+        """Read ``block`` straight into ``parts`` (its tensors' destinations in block order,
+        uint8: a cache slot's memory), checked: one read, no copy. False (nothing read)
+        where O_DIRECT cannot (a part not page-aligned in address or length)."""
+        if self.direct and any(p.ctypes.data % ALIGN or p.nbytes % ALIGN for p in parts):
+            return False
+        views = [memoryview(p) for p in parts]
+        try:
+            got = os.preadv(self.fd, views, block.offset)
+        except OSError as exc:
+            raise StoreError(f"{self.store.data_path}: reading layer {block.layer}, expert "
+                             f"{block.expert} failed: {exc.strerror}") from None  # fmt: skip
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, block.offset, block.nbytes, os.POSIX_FADV_DONTNEED)
+        if got < block.nbytes:
+            raise StoreError(f"{self.store.data_path}: short read of layer {block.layer}, expert "
+                             f"{block.expert} ({got} of {block.nbytes} bytes)")  # fmt: skip
+        self.store.check_parts(block, views)
+        return True
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -115,11 +136,13 @@ class EmulatedLinkTier:
         self.store = store
         self.bandwidth = float(bandwidth)
         self.latency = float(latency)
-        raw = bytearray(store.data_path.read_bytes())
+        raw = _host_copy(store)
         for block in store.blocks.values():
             store.check_block(block, memoryview(raw)[block.offset : block.offset + block.nbytes])
         self.host = (
-            torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            torch.frombuffer(raw, dtype=torch.uint8)
+            if len(raw)
+            else torch.empty(0, dtype=torch.uint8)
         )
         self._lock = threading.Lock()
         self._free_at = 0.0  # time.perf_counter() when the link is next idle
@@ -138,6 +161,14 @@ class EmulatedLinkTier:
 
     def close(self) -> None:
         self.host = torch.empty(0, dtype=torch.uint8)
+
+
+def _host_copy(store: ExpertStore) -> mmap.mmap | bytearray:
+    """The store's data in host memory: a private mapping of the file (its pages come from
+    the page cache, nothing is copied twice; writes, never made, would stay private)."""
+    with open(store.data_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray()
 
 
 class PinnedHostTier:

@@ -1,0 +1,258 @@
+"""Offloading at real expert sizes, on real routing: the shared sample's model shape.
+
+Builds once (cached in ``STMOE_BENCH_DIR``, default ~/.cache/stmoe/bench) a
+checkpoint with the exact dimensions of Qwen3.6-35B-A3B's MoE layers (2048
+hidden, 256 experts of 512 width, top-8; bfloat16, experts of 6 MiB) with
+RANDOM weights and its first ``--layers`` MoE layers (8: 12 GiB of experts),
+packs its store, and replays the real routing recorded from that model
+(``../shared/traces``: one chat prompt, 36 prefill + 128 decode tokens) through
+the runtime (``OffloadedModel.replay``): every cache, prefetch, read and expert
+matmul is real; only the router's choice comes from the trace.
+
+Each (round, tier, system) runs in its own process (so its peak memory is its
+own), rounds interleave the systems, and figures are medians with [min, max].
+Systems at 50% of each layer's experts cached (same cache, same reads):
+
+  on-demand   no prefetch, no reuse       lru-only   no prefetch, LRU cache
+  stmoe       ST-MoE prefetch + LRU       stmoe-plus probabilistic tables, 1.5K per layer
+  oracle      prefetches exactly what the router will pick (a first pass records it)
+
+Tiers: ``disk`` (O_DIRECT reads of the store) and ``emulated`` (host memory behind
+a link of ``--bandwidth``; EMULATED). Also: every expert cached, warm, against
+plain transformers with the whole model in RAM (same routing forced).
+
+The tables of the table predictors are profiled on the same (only) sequence
+replayed: IN-SAMPLE, an upper bound of their recall here (out-of-sample recall
+is measured by bench_plus_recall.py); the printed recall says what they achieved.
+
+    python benchmarks/bench_offload_real.py [--layers 8] [--tokens 64] [--rounds 2]
+                                            [--tiers disk,emulated] [--bandwidth 1GB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+SAMPLE = SHARED / "qwen3.6-35b-a3b_chat-1prompt.npz"
+PRESET = "qwen3.6-35b-a3b"
+SYSTEMS = {  # name: (predictor, cache policy)
+    "on-demand": ("ondemand", "none"),
+    "lru-only": ("ondemand", "lru"),
+    "stmoe": ("stmoe", "lru"),
+    "stmoe-plus": ("stmoe-plus", "lru"),
+    "oracle": ("oracle", "lru"),
+}
+
+
+def bench_dir() -> Path:
+    return Path(os.environ.get("STMOE_BENCH_DIR", Path.home() / ".cache" / "stmoe" / "bench"))
+
+
+def prepare(layers: int) -> tuple[Path, Path, Path]:
+    """The checkpoint, its store and the tables (built once, then reused)."""
+    from stmoe.checkpoints import make_checkpoint, plan_checkpoint
+    from stmoe.predictors import profile, save_tables
+    from stmoe.trace import load_trace
+    from stmoe.trace.select import first_layers
+
+    root = bench_dir()
+    model = root / f"{PRESET}-L{layers}"
+    if not (model / "config.json").is_file():
+        print(f"writing {model} (random weights, real shape) ...", flush=True)
+        make_checkpoint(plan_checkpoint(PRESET, layers), model)
+    store = root / f"{PRESET}-L{layers}.store"
+    if not (store / "index.json").is_file():
+        print(f"packing {store} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "stmoe", "pack", str(model), "-o", str(store)],
+                       check=True)  # fmt: skip
+    tables = root / f"{PRESET}-L{layers}.tables.npz"
+    if not tables.is_file():
+        save_tables(profile(first_layers(load_trace(SAMPLE), layers)), tables)
+    return model, store, tables
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    """One system on one tier (this process): the replay's figures and the peak memory."""
+    import torch
+
+    from stmoe.predictors import load_tables
+    from stmoe.runtime.api import offload
+    from stmoe.runtime.routing_replay import plan_replay
+    from stmoe.runtime.systems import compared_predictor
+    from stmoe.trace import load_trace
+
+    torch.set_num_threads(args.threads)
+    model, store, tables = prepare(args.layers)
+    predictor, policy = SYSTEMS.get(args.one, ("ondemand", "lru"))
+    pred = (
+        predictor if predictor == "ondemand" else compared_predictor(predictor, load_tables(tables))
+    )
+    link = {"bandwidth": args.bandwidth} if args.tier == "emulated" else {}
+    capacity = "100%" if args.one == "all-cached" else args.capacity
+    with offload(model, store, capacity=capacity, predictor=pred, tables=tables, policy=policy,
+                 tier=args.tier, **link) as om:  # fmt: skip
+        plan = plan_replay(load_trace(SAMPLE), 0, args.layers, 256, 8, om.model.config.vocab_size)
+        r = om.replay(plan, max_new_tokens=args.tokens)
+        if args.one == "all-cached":  # every expert now in the cache: the warm run counts
+            r = om.replay(plan, max_new_tokens=args.tokens, cold=False)
+        out = {key: getattr(r, key) for key in ("decode_tokens_per_s", "ttft_s", "hit_rate",
+               "prefetch_recall", "prefetch_precision", "bytes_moved", "bytes_wasted",
+               "stall_share")}  # fmt: skip
+        out["cache_bytes"] = om.config["cache_bytes"]
+        out["resident_bytes"] = sum(p.numel() * p.element_size() for p in om.model.parameters()
+                                    if not p.is_meta)  # fmt: skip
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def run_resident(args: argparse.Namespace) -> dict[str, Any]:
+    """Plain transformers, the whole model in RAM, the same routing forced on its layers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stmoe.model_introspect import experts_modules
+    from stmoe.runtime.routing_replay import RoutingReplay, plan_replay
+    from stmoe.trace import load_trace
+
+    torch.set_num_threads(args.threads)
+    model_dir, _, _ = prepare(args.layers)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    for p in model.parameters():  # every weight read once: in RAM, not a lazy mapping
+        p.data.sum()
+    plan = plan_replay(load_trace(SAMPLE), 0, args.layers, 256, 8, model.config.vocab_size)
+    replay, calls, ends = RoutingReplay(plan), [-1], []
+    model.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
+    model.register_forward_hook(lambda m, a, o: ends.append(time.perf_counter()))
+    for layer, (_, module) in enumerate(experts_modules(model)):
+
+        def force(mod: Any, a: tuple, kw: dict, layer: int = layer) -> tuple[tuple, dict]:
+            index, weights = replay.routing(calls[0], layer, a[1], a[2])
+            return (a[0], index, weights, *a[3:]), kw
+
+        module.register_forward_pre_hook(force, with_kwargs=True)
+    ids = torch.tensor([plan.token_ids])
+    steps = min(args.tokens, plan.new_tokens)
+    speeds = []
+    for _ in range(2):  # the first warms up
+        calls[0], ends[:] = -1, []
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0)  # fmt: skip
+        speeds.append((len(ends) - 1) / (ends[-1] - ends[0]))
+    return {"decode_tokens_per_s": speeds[-1],
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # fmt: skip
+
+
+def spawn(args: argparse.Namespace, system: str, tier: str) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--one", system, "--tier", tier, "--layers", str(args.layers),
+           "--tokens", str(args.tokens), "--bandwidth", args.bandwidth, "--capacity",
+           args.capacity, "--threads", str(args.threads)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{system} on {tier} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def spread(values: list[float], fmt: str = ".2f") -> str:
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
+
+
+def verdict(ok: bool) -> str:
+    return "MET" if ok else "NOT MET"
+
+
+def report(tier: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    med = {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}
+    print(f"\n## tier {tier}{' (EMULATED)' if tier == 'emulated' else ''}")
+    print(f"{'system':12} {'decode tok/s':>22} {'hit':>6} {'recall':>7} {'prec':>6} {'stall':>6}"
+          f" {'moved GiB':>10} {'wasted':>7} {'peak GiB':>9}")  # fmt: skip
+    for s, rs in runs.items():
+        m = med[s]
+        print(f"{s:12} {spread([r['decode_tokens_per_s'] for r in rs]):>22} {m['hit_rate']:6.3f} "
+              f"{m['prefetch_recall']:7.3f} {m['prefetch_precision']:6.3f} "
+              f"{m['stall_share']:6.2f} {m['bytes_moved'] / 2**30:10.2f} "
+              f"{m['bytes_wasted'] / max(1, m['bytes_moved']):7.1%} "
+              f"{m['peak_rss'] / 2**30:9.2f}")  # fmt: skip
+    t = {s: 1 / m["decode_tokens_per_s"] for s, m in med.items()}  # seconds per decode token
+    best = min(("stmoe", "stmoe-plus"), key=lambda s: t[s])
+    room = t["lru-only"] - t["oracle"]
+    gap = (t["lru-only"] - t[best]) / room if room > 0 else float("nan")
+    plus = med["stmoe-plus"]
+    mem = max(m["peak_rss"] / (m["resident_bytes"] + m["cache_bytes"]) for m in med.values())
+    targets = {
+        "every predictor faster than lru-only": all(
+            t[s] < t["lru-only"] for s in ("stmoe", "stmoe-plus")
+        ),
+        f"best ({best}) closes >= 70% of lru-only -> oracle": gap >= 0.7,
+        "stmoe >= 1.5x on-demand": t["on-demand"] / t["stmoe"] >= 1.5,
+        "stmoe-plus wasted <= 25% of moved": plus["bytes_wasted"] <= 0.25 * plus["bytes_moved"],
+        "peak memory <= (resident + cache) x 1.15": mem <= 1.15,
+    }
+    print(f"on-demand stall share {med['on-demand']['stall_share']:.0%}; stmoe / on-demand "
+          f"{t['on-demand'] / t['stmoe']:.2f}x; stmoe-plus / on-demand "
+          f"{t['on-demand'] / t['stmoe-plus']:.2f}x; gap closed by {best} {gap:.0%}; "
+          f"peak / (resident + cache) {mem:.2f}")  # fmt: skip
+    for name, ok in targets.items():
+        print(f"  {verdict(ok):8} {name}")
+    return {"median": med, "targets": targets, "gap_closed": gap}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per replay (<= 129)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tiers", default="disk,emulated")
+    ap.add_argument("--bandwidth", default="1GB", help="the emulated link (bytes/s)")
+    ap.add_argument("--capacity", default="50%")
+    ap.add_argument("--threads", type=int, default=1, help="torch compute threads")
+    ap.add_argument("--json", type=Path, help="write every run's figures here")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--tier", default="disk", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:  # a child process: one run, its JSON on the last line
+        fn = run_resident if args.one == "resident" else run_one
+        print(json.dumps(fn(args)))
+        return
+    prepare(args.layers)
+    results: dict[str, Any] = {}
+    for tier in args.tiers.split(","):
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+        for rnd in range(args.rounds):
+            for system in SYSTEMS:
+                runs[system].append(spawn(args, system, tier))
+                print(
+                    f"[{tier} round {rnd + 1}] {system}: "
+                    f"{runs[system][-1]['decode_tokens_per_s']:.2f} tok/s",
+                    flush=True,
+                )
+        results[tier] = {"runs": runs, **report(tier, runs)}
+    cached = [spawn(args, "all-cached", "disk") for _ in range(args.rounds)]
+    plain = [spawn(args, "resident", "disk") for _ in range(args.rounds)]
+    ratio = statistics.median(c["decode_tokens_per_s"] for c in cached) / statistics.median(
+        p["decode_tokens_per_s"] for p in plain)  # fmt: skip
+    print(
+        f"\nevery expert cached (warm): {spread([c['decode_tokens_per_s'] for c in cached])} "
+        f"tok/s; plain transformers (whole model in RAM): "
+        f"{spread([p['decode_tokens_per_s'] for p in plain])} tok/s; ratio {ratio:.2f}"
+    )
+    print(f"  {verdict(ratio >= 0.9):8} every expert cached >= 0.9x plain transformers")
+    results["all_cached"] = {"stmoe": cached, "plain": plain, "ratio": ratio}
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
