@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -254,3 +257,53 @@ def test_generate_refuses_a_bandwidth_on_the_disk_tier(cli, tmp_path, monkeypatc
     monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
     result = cli("generate", "--prompt", "x", "--bandwidth", "abc")
     one_line_error(result, "--bandwidth applies to --tier emulated only")
+
+
+# Outputs: never an input of the same command, never a device or FIFO; links written through.
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["profile", "{t}", "-o", "{t}"],
+        ["export", "{t}", "--format", "jsonl", "-o", "{t}"],
+        ["info", "{t}", "--json", "{t}"],
+        ["import", "{t}", "-o", "{t}"],
+    ],
+)
+def test_an_output_that_is_an_input_is_refused_and_the_input_kept(cli, small, tmp_path, args):
+    trace = tmp_path / "t.npz"
+    trace.write_bytes(small.read_bytes())
+    one_line_error(cli(*[a.format(t=trace) for a in args]), str(trace), "is also an input")
+    assert trace.read_bytes() == small.read_bytes()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize("args", [["profile", "{t}", "-o", "{f}"], ["info", "{t}", "--json", "{f}"],
+                                  ["synth", "--tokens", "50", "-o", "{f}"]])  # fmt: skip
+def test_an_output_that_is_a_fifo_or_device_is_refused_not_replaced(cli, small, tmp_path, args):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    one_line_error(cli(*[a.format(t=small, f=fifo) for a in args]), "not a regular file")
+    assert fifo.is_fifo()
+
+
+def test_an_output_link_is_written_through(cli, small, tmp_path):
+    target, link = tmp_path / "real.npz", tmp_path / "link.npz"
+    link.symlink_to(target)
+    assert cli("profile", small, "-o", link).exit_code == 0
+    assert link.is_symlink() and target.is_file()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="needs root and setpriv to make a file unreadable to stmoe")  # fmt: skip
+def test_an_unreadable_input_is_exit_1_not_a_usage_error(small, tmp_path):
+    locked = tmp_path / "locked.npz"
+    locked.write_bytes(small.read_bytes())
+    locked.chmod(0)
+    stmoe = [sys.executable, "-m", "stmoe"]
+    drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--ambient-caps=-all"]
+    done = subprocess.run([*drop, *stmoe, "info", str(locked)], capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: ") and "permission denied" in done.stderr

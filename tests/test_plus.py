@@ -107,7 +107,7 @@ def test_tables_round_trip_and_older_tables_are_refused_clearly(tmp_path):
     assert np.array_equal(again.recent, tables.recent)
     assert again.recent.shape[0] <= RECENT_TOKENS and MEMORY_TOKENS == RECENT_TOKENS
     old = dataclasses.replace(tables, pair_counts=None, temporal=None, recent=None)
-    with pytest.raises(PredictorError, match="predate stmoe-plus"):
+    with pytest.raises(PredictorError, match="no pair or temporal counts"):
         make("stmoe-plus", old.shape, old)
 
 

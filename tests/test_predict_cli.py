@@ -106,7 +106,7 @@ def test_eval_cross_domain_matrix(cli, tmp_path):
         (["--capacity", "1"], "capacity 1 is below top-k 2"),
         (
             ["--tables", "{other}"],
-            "profiled for L=4 layers, N=8 experts, top-2 but the trace has "
+            "profiled for L=4 layers, N=8 experts, top-2 but the trace or model has "
             "L=4 layers, N=16 experts, top-2",
         ),
         (["--tables", "{missing}"], "no such tables file"),

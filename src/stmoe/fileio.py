@@ -43,11 +43,20 @@ def current_umask() -> int:
     return mask
 
 
-def check_output_path(path: str | Path) -> Path:
-    """``path`` as a file to write: refused when it is a directory (``-o /tmp``)."""
+def check_output_path(path: str | Path, folder_ok: bool = False) -> Path:
+    """``path`` as a file to write (or, ``folder_ok``, a folder): refused when it is a
+    directory (``-o /tmp``) or a device, FIFO or socket, which a rename would replace by a
+    regular file (``-o /dev/null``). A symbolic link is written through (its target)."""
     p = Path(path)
+    if p.is_symlink():
+        p = Path(os.path.realpath(p))
     if p.is_dir():
+        if folder_ok:
+            return p
         raise StmoeError(f"{p}: is a directory; give the name of the file to write")
+    if p.exists() and not p.is_file():
+        raise StmoeError(f"{p}: not a regular file (a device, FIFO or socket); give the "
+                         "path of a file to write")  # fmt: skip
     if not p.name or p.name in (".", ".."):
         raise StmoeError(f"{p}: not a file name")
     return p

@@ -72,6 +72,7 @@ def friendly(fn: F) -> F:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("ignore", RuntimeWarning)  # one line, not numpy's too
                 warnings.simplefilter("always", StmoeNote)
+                check_outputs_apart(kwargs)
                 result = fn(*args, **kwargs)
             _show(caught)  # after success only: a refusal stays one line
             return result
@@ -86,6 +87,28 @@ def friendly(fn: F) -> F:
                   "please report it, and rerun with STMOE_DEBUG=1 for the traceback")  # fmt: skip
 
     return wrapper  # type: ignore[return-value]
+
+
+OUTPUT_OPTIONS = ("output", "json_out")  # the parameters every command writes through
+
+
+def check_outputs_apart(options: dict[str, Any]) -> None:
+    """Refuse, before any work, an output that is one of the command's inputs (``profile
+    t.npz -o t.npz`` would replace the trace) or a device, FIFO or socket."""
+    inputs = []
+    for name, value in options.items():
+        if name not in OUTPUT_OPTIONS:
+            inputs += [v for v in (value if isinstance(value, list) else [value])
+                       if isinstance(v, Path)]  # fmt: skip
+    for name in OUTPUT_OPTIONS:
+        dest = options.get(name)
+        if not isinstance(dest, Path) or str(dest) == "-" or not dest.exists():
+            continue
+        check_output_path(dest, folder_ok=True)
+        for src in inputs:
+            if src.exists() and os.path.samefile(src, dest):
+                raise StmoeError(f"{dest}: is also an input of this command; write the "
+                                 "result to another path")  # fmt: skip
 
 
 def _show(caught: list[warnings.WarningMessage]) -> None:
@@ -130,6 +153,17 @@ def write_json(data: Any, dest: Path | None) -> bool:
     atomic_write_text(dest, json.dumps(data, indent=2) + "\n")
     out.print(f"wrote {clean_label(dest)}")
     return False
+
+
+def path_option(*decls: str, **kwargs: Any) -> Any:
+    """``typer.Option`` for a path: typer's own readability check (exit 2, a usage box)
+    off, since every command checks its files first (exit 1, one line: ``check_inputs``)."""
+    return typer.Option(*decls, readable=False, **kwargs)
+
+
+def path_argument(*decls: str, **kwargs: Any) -> Any:
+    """``typer.Argument`` for a path (see ``path_option``)."""
+    return typer.Argument(*decls, readable=False, **kwargs)
 
 
 def check_range(option: str, value: float | None, low: float | None = None,

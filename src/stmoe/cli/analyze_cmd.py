@@ -5,15 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
-from stmoe.cli._common import JSON_HELP, check_inputs, clean_label, json_to_stdout, out, write_json
+from stmoe.cli._common import (
+    JSON_HELP,
+    check_inputs,
+    clean_label,
+    json_to_stdout,
+    out,
+    path_argument,
+    path_option,
+    write_json,
+)
 
 
 def analyze_cmd(
-    traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help="Traces of one model.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for the report.")],
-    json_out: Annotated[Path | None, typer.Option("--json", help=JSON_HELP)] = None,
+    traces: Annotated[list[Path], path_argument(metavar="TRACE...", help="Traces of one model.")],
+    output: Annotated[Path, path_option("--output", "-o", help="Folder for the report.")],
+    json_out: Annotated[Path | None, path_option("--json", help=JSON_HELP)] = None,
 ) -> None:
     """Test and plot the correlations ST-MoE relies on, on your own routing.
 

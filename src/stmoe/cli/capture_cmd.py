@@ -8,22 +8,22 @@ from typing import Annotated
 
 import typer
 
-from stmoe.cli._common import check_inputs, check_range, clean_label, out
+from stmoe.cli._common import check_inputs, check_range, clean_label, out, path_option
 from stmoe.errors import StmoeError
 
 
 def capture_cmd(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Native .npz trace to write.")],
+    output: Annotated[Path, path_option("--output", "-o", help="Native .npz trace to write.")],
     model: Annotated[
         Path | None,
-        typer.Option(
+        path_option(
             help="Local transformers MoE checkpoint folder (never downloaded). "
             "Default: stmoe's own shipped model."
         ),
     ] = None,
     prompts: Annotated[
         Path | None,
-        typer.Option(
+        path_option(
             help="Plain text (one prompt per line) or JSON Lines with 'prompt' and "
             "optional 'domain'. Default: built-in code, prose and math prompts."
         ),

@@ -9,13 +9,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from stmoe.cli._common import clean_label, err, out
+from stmoe.cli._common import clean_label, err, out, path_option
 from stmoe.errors import StmoeError
 
 
 def demo(
     output_dir: Annotated[
-        Path, typer.Option("--output", "-o", help="Folder for the report and its files.")
+        Path, path_option("--output", "-o", help="Folder for the report and its files.")
     ] = Path("stmoe-demo"),
     quick: Annotated[
         bool, typer.Option(help="A reduced run: 3 prompts, 8 new tokens (for tests and CI).")

@@ -13,6 +13,7 @@ from stmoe.cli._common import (
     json_to_stdout,
     key_value_table,
     out,
+    path_option,
     plain_label,
     print_json,
     write_json,
@@ -26,13 +27,13 @@ def generate_cmd(
     ] = None,
     model: Annotated[
         Path | None,
-        typer.Option(
+        path_option(
             help="Local transformers MoE checkpoint folder. Default: stmoe's shipped model."
         ),
     ] = None,
     store: Annotated[
         Path | None,
-        typer.Option(
+        path_option(
             help="Expert store from `stmoe pack`. Default: packed on first use into "
             "~/.cache/stmoe/stores (STMOE_CACHE overrides)."
         ),
@@ -46,7 +47,7 @@ def generate_cmd(
     ] = None,
     routing: Annotated[
         Path | None,
-        typer.Option(
+        path_option(
             help="A routing trace (any format `stmoe import` reads) whose expert choices "
             "replace the model's router at every token and MoE layer: the prompt is the "
             "sequence's prefill, then its decode tokens in order (the model's first L "
@@ -76,7 +77,7 @@ def generate_cmd(
     ] = "stmoe",
     tables: Annotated[
         Path | None,
-        typer.Option(
+        path_option(
             help="Profiled tables (`stmoe profile`) for table predictors. Default: "
             "those shipped with the default model."
         ),
@@ -143,7 +144,7 @@ def generate_cmd(
     ] = None,
     json_out: Annotated[
         Path | None,
-        typer.Option(
+        path_option(
             "--json",
             help="Write the measurements (and tokens) as JSON ('-': print them on stdout "
             "instead of the text and tables).",

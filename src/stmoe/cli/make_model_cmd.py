@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from stmoe.cli._common import check_range, clean_label, out
+from stmoe.cli._common import check_range, clean_label, out, path_option
 
 
 def make_model_cmd(
@@ -20,7 +20,7 @@ def make_model_cmd(
             "qwen1.5-moe-a2.7b, mixtral-8x7b) or a spec .toml file.",
         ),
     ],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint folder to write.")],
+    output: Annotated[Path, path_option("--output", "-o", help="Checkpoint folder to write.")],
     layers: Annotated[
         int | None,
         typer.Option(

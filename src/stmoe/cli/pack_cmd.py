@@ -5,16 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
-from stmoe.cli._common import out
+from stmoe.cli._common import out, path_argument, path_option
 
 
 def pack_cmd(
-    model_dir: Annotated[
-        Path, typer.Argument(metavar="MODEL_DIR", help="Local checkpoint folder.")
-    ],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Store folder to write.")],
+    model_dir: Annotated[Path, path_argument(metavar="MODEL_DIR", help="Local checkpoint folder.")],
+    output: Annotated[Path, path_option("--output", "-o", help="Store folder to write.")],
 ) -> None:
     """Write every (layer, expert)'s weights as one contiguous, 4 KiB-aligned block.
 

@@ -16,6 +16,8 @@ from stmoe.cli._common import (
     err,
     json_to_stdout,
     out,
+    path_argument,
+    path_option,
     print_json,
     write_json,
 )
@@ -56,8 +58,8 @@ def _select(
 
 
 def profile_cmd(
-    traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help="Traces of one model.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Tables file to write (.npz).")],
+    traces: Annotated[list[Path], path_argument(metavar="TRACE...", help="Traces of one model.")],
+    output: Annotated[Path, path_option("--output", "-o", help="Tables file to write (.npz).")],
     row_width: Annotated[
         int | None, typer.Option(help="Candidates kept per CCT row (default: the model's top-k).")
     ] = None,
@@ -114,9 +116,9 @@ def _warn_in_sample(trace: RoutingTrace, tables: ProfiledTables) -> None:
 
 
 def eval_cmd(
-    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="The trace to replay.")],
+    trace_path: Annotated[Path, path_argument(metavar="TRACE", help="The trace to replay.")],
     tables_path: Annotated[
-        Path | None, typer.Option("--tables", help="Tables from `stmoe profile`.")
+        Path | None, path_option("--tables", help="Tables from `stmoe profile`.")
     ] = None,
     predictor: Annotated[
         list[str] | None,
@@ -170,7 +172,7 @@ def eval_cmd(
         bool, typer.Option(help="Add a profile-on-A, evaluate-on-B recall matrix over domains.")
     ] = False,
     json_out: Annotated[
-        Path | None, typer.Option("--json", help="Write all results as JSON here ('-': stdout).")
+        Path | None, path_option("--json", help="Write all results as JSON here ('-': stdout).")
     ] = None,
 ) -> None:
     """Replay predictors over a trace and compare them side by side.

@@ -14,13 +14,15 @@ from stmoe.cli._common import (
     clean_label,
     json_to_stdout,
     out,
+    path_argument,
+    path_option,
     print_json,
     write_json,
 )
 
 
 def simulate_cmd(
-    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="Trace of the model.")],
+    trace_path: Annotated[Path, path_argument(metavar="TRACE", help="Trace of the model.")],
     model: Annotated[str, typer.Option(help="Model preset (e.g. qwen1.5-moe-a2.7b) or a .toml.")],
     hardware: Annotated[
         str, typer.Option(help="Hardware preset: stmoe-asic, gpu-offload, edge-ssd, or a .toml.")
@@ -34,7 +36,7 @@ def simulate_cmd(
     ] = None,
     tables: Annotated[
         Path | None,
-        typer.Option(
+        path_option(
             help="ST-MoE tables (stmoe profile). Default: profile on the first half of "
             "the trace and simulate the second half."
         ),
@@ -50,11 +52,11 @@ def simulate_cmd(
         float, typer.Option(help="Adaptive-Gating: gate mass a token keeps (lossy), 0 to 1.")
     ] = 0.8,
     json_out: Annotated[
-        Path | None, typer.Option("--json", help="Write the results as JSON ('-': stdout).")
+        Path | None, path_option("--json", help="Write the results as JSON ('-': stdout).")
     ] = None,
     output_dir: Annotated[
         Path | None,
-        typer.Option(
+        path_option(
             "--output",
             "-o",
             help="Folder for the figures (normalized time, ablation, "

@@ -18,6 +18,8 @@ from stmoe.cli._common import (
     json_to_stdout,
     key_value_table,
     out,
+    path_argument,
+    path_option,
     write_json,
 )
 from stmoe.trace import (
@@ -37,9 +39,9 @@ _SPEC = SynthSpec()
 
 def import_traces(
     sources: Annotated[
-        list[Path], typer.Argument(help="Trace files to import; several become one trace.")
+        list[Path], path_argument(help="Trace files to import; several become one trace.")
     ],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Native .npz trace to write.")],
+    output: Annotated[Path, path_option("--output", "-o", help="Native .npz trace to write.")],
     format: Annotated[
         str,
         typer.Option(help=f"Input format, one of {', '.join(FORMATS)}; auto looks at the content."),
@@ -128,8 +130,8 @@ def import_traces(
 
 
 def info(
-    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="Any supported trace file.")],
-    json_out: Annotated[Path | None, typer.Option("--json", help=JSON_HELP)] = None,
+    trace_path: Annotated[Path, path_argument(metavar="TRACE", help="Any supported trace file.")],
+    json_out: Annotated[Path | None, path_option("--json", help=JSON_HELP)] = None,
 ) -> None:
     """Describe a trace: model, shape, sequences, domains and expert load balance.
 
@@ -172,7 +174,7 @@ def info(
 
 
 def synth(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Native .npz trace to write.")],
+    output: Annotated[Path, path_option("--output", "-o", help="Native .npz trace to write.")],
     tokens: Annotated[int | None, typer.Option(help=f"Tokens T. (default: {_SPEC.tokens})")] = None,
     layers: Annotated[
         int | None, typer.Option(help=f"MoE layers L. (default: {_SPEC.layers})")
@@ -219,8 +221,8 @@ def synth(
 
 
 def export(
-    trace_path: Annotated[Path, typer.Argument(metavar="TRACE", help="Any supported trace file.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="File to write.")],
+    trace_path: Annotated[Path, path_argument(metavar="TRACE", help="Any supported trace file.")],
+    output: Annotated[Path, path_option("--output", "-o", help="File to write.")],
     format: Annotated[str, typer.Option(help=f"One of {', '.join(EXPORT_FORMATS)}.")] = "jsonl",
 ) -> None:
     """Write a trace in a foreign format for tools that don't read stmoe's file.

@@ -7,11 +7,11 @@ from typing import Annotated
 
 import typer
 
-from stmoe.cli._common import check_range, clean_label, out
+from stmoe.cli._common import check_range, clean_label, out, path_option
 
 
 def train_tiny_cmd(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint folder to write.")],
+    output: Annotated[Path, path_option("--output", "-o", help="Checkpoint folder to write.")],
     minutes: Annotated[
         float, typer.Option(help="Wall-clock training budget, 0.1 to 10080 (a week).")
     ] = 38.0,

@@ -65,8 +65,9 @@ class ProfiledTables:
         """Refuse tables profiled for another model shape."""
         if shape != self.shape:
             raise PredictorError(
-                f"{where}: profiled for {self.shape.describe()} but the trace has "
-                f"{shape.describe()}; profile tables on a trace of this model"
+                f"{self.source or where}: profiled for {self.shape.describe()} but the "
+                f"trace or model has {shape.describe()}; profile tables on a trace of this "
+                "model"
             )
 
 

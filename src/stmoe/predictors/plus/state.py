@@ -35,8 +35,9 @@ class Counts(NamedTuple):
     @classmethod
     def of(cls, tables: ProfiledTables) -> Counts:
         if tables.pair_counts is None or tables.temporal is None:
-            raise PredictorError("these tables predate stmoe-plus (no pair or temporal counts); "
-                                 "profile the trace again with this stmoe")  # fmt: skip
+            raise PredictorError(f"{tables.source or 'these tables'}: no pair or temporal counts "
+                                 "(profiled before stmoe-plus existed); profile the trace "
+                                 "again with this stmoe")  # fmt: skip
         k = tables.shape.top_k
         co = np.array(tables.pair_counts, dtype=np.float32)
         tt = np.array(tables.temporal, dtype=np.float32)
