@@ -307,3 +307,19 @@ def test_an_unreadable_input_is_exit_1_not_a_usage_error(small, tmp_path):
                           check=False)  # fmt: skip
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith("error: ") and "permission denied" in done.stderr
+
+
+def test_an_unknown_policy_is_refused_even_without_a_capacity(cli, small):
+    one_line_error(cli("eval", small, "--policy", "xyz"), "unknown cache policy 'xyz'")
+
+
+def test_a_fit_of_another_version_is_said_not_silently_replaced(cli, small, tmp_path):
+    from stmoe.predictors import profile, save_tables
+    from stmoe.trace import load_trace
+
+    tables = profile(load_trace(small))
+    info = {**tables.info, "plus": {**tables.info["plus"], "version": 99}}
+    save_tables(dataclasses.replace(tables, info=info), tmp_path / "t99.npz")
+    res = cli("eval", small, "--tables", tmp_path / "t99.npz", "--predictor", "stmoe-plus")
+    assert res.exit_code == 0, res.output
+    assert "fit of version 99" in res.output and "default weights" in res.output

@@ -9,6 +9,7 @@ import numpy as np
 import typer
 from rich.table import Table
 
+from stmoe.cache_policy import REPLAY, policy_code
 from stmoe.cli._common import (
     check_inputs,
     check_range,
@@ -193,6 +194,7 @@ def eval_cmd(
     n = trace.meta.num_experts
     why = f"the trace has {n} experts per layer"
     check_range("--capacity", capacity, 1, n, why=why)
+    policy_code(policy, REPLAY, StmoeError)  # checked even where no --capacity uses it
     check_range("--set-size", set_size, 0, n, why=why)
     if tables is not None:
         _warn_in_sample(trace, tables)

@@ -14,10 +14,12 @@ takes the defaults, as for tables profiled without a fit. The layout of the dict
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from stmoe.errors import StmoeNote
 from stmoe.predictors.base import PredictorError
 from stmoe.predictors.plus.layout import NUM_SIGNALS
 
@@ -131,7 +133,10 @@ class PlusFit:
             return None
         if not isinstance(data, dict):
             raise PredictorError(f"{where}: expected a JSON object, found {type(data).__name__}")
-        if data.get("version") != FIT_VERSION:
+        if data.get("version") != FIT_VERSION:  # said, not silent: the defaults then apply
+            warnings.warn(f"{where} is a fit of version {data.get('version')!r}; this stmoe "
+                          f"reads version {FIT_VERSION}, so stmoe-plus uses its default weights "
+                          "(profile again to fit them)", StmoeNote, stacklevel=2)  # fmt: skip
             return None
         r = _Reader(data, where)
         logistic = r.flag("logistic")
