@@ -15,6 +15,7 @@ Systems at 50% of each layer's experts cached (same cache, same reads):
 
   on-demand   no prefetch, no reuse       lru-only   no prefetch, LRU cache
   stmoe       ST-MoE prefetch + LRU       stmoe-plus probabilistic tables, 1.5K per layer
+  stmoe-plus-h2  stmoe-plus predicting two layers ahead (its loads get two layers' time)
   oracle      prefetches exactly what the router will pick (a first pass records it)
 
 Tiers: ``disk`` (O_DIRECT reads of the store) and ``emulated`` (host memory behind
@@ -50,8 +51,10 @@ SYSTEMS = {  # name: (predictor, cache policy)
     "lru-only": ("ondemand", "lru"),
     "stmoe": ("stmoe", "lru"),
     "stmoe-plus": ("stmoe-plus", "lru"),
+    "stmoe-plus-h2": ("stmoe-plus", "lru"),  # predicting two layers ahead: more time to load
     "oracle": ("oracle", "lru"),
 }
+PREDICTING = ("stmoe", "stmoe-plus", "stmoe-plus-h2")
 
 
 def bench_dir() -> Path:
@@ -85,7 +88,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One system on one tier (this process): the replay's figures and the peak memory."""
     import torch
 
-    from stmoe.predictors import load_tables
+    from stmoe.predictors import load_tables, make
     from stmoe.runtime.api import offload
     from stmoe.runtime.routing_replay import plan_replay
     from stmoe.runtime.systems import compared_predictor
@@ -94,9 +97,12 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     model, store, tables = prepare(args.layers)
     predictor, policy = SYSTEMS.get(args.one, ("ondemand", "lru"))
-    pred = (
-        predictor if predictor == "ondemand" else compared_predictor(predictor, load_tables(tables))
-    )
+    pred = predictor
+    if predictor != "ondemand":
+        pred = compared_predictor(predictor, load_tables(tables))
+    if args.one == "stmoe-plus-h2":
+        loaded = load_tables(tables)
+        pred = make("stmoe-plus", loaded.shape, loaded, set_size=1.5 * 8, horizon=2)
     link = {"bandwidth": args.bandwidth} if args.tier == "emulated" else {}
     capacity = "100%" if args.one == "all-cached" else args.capacity
     with offload(model, store, capacity=capacity, predictor=pred, tables=tables, policy=policy,
@@ -184,15 +190,13 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
               f"{m['bytes_wasted'] / max(1, m['bytes_moved']):7.1%} "
               f"{m['peak_rss'] / 2**30:9.2f}")  # fmt: skip
     t = {s: 1 / m["decode_tokens_per_s"] for s, m in med.items()}  # seconds per decode token
-    best = min(("stmoe", "stmoe-plus"), key=lambda s: t[s])
+    best = min(PREDICTING, key=lambda s: t[s])
     room = t["lru-only"] - t["oracle"]
     gap = (t["lru-only"] - t[best]) / room if room > 0 else float("nan")
     plus = med["stmoe-plus"]
     mem = max(m["peak_rss"] / (m["resident_bytes"] + m["cache_bytes"]) for m in med.values())
     targets = {
-        "every predictor faster than lru-only": all(
-            t[s] < t["lru-only"] for s in ("stmoe", "stmoe-plus")
-        ),
+        "every predictor faster than lru-only": all(t[s] < t["lru-only"] for s in PREDICTING),
         f"best ({best}) closes >= 70% of lru-only -> oracle": gap >= 0.7,
         "stmoe >= 1.5x on-demand": t["on-demand"] / t["stmoe"] >= 1.5,
         "stmoe-plus wasted <= 25% of moved": plus["bytes_wasted"] <= 0.25 * plus["bytes_moved"],
