@@ -71,6 +71,7 @@ def test_markup_and_escapes_in_labels_print_literally(cli, evil, tmp_path):
     report = tmp_path / "report"
     assert_literal(cli("analyze", evil, "-o", report), SHOWN[0])
     assert (report / "report.html").is_file() and (report / "report.md").is_file()
+    assert "\x1b" not in (report / "report.html").read_text()  # no terminal escapes in HTML
 
 
 def test_emoji_codes_in_labels_print_literally(cli, small, tmp_path):

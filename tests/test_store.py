@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -140,7 +141,10 @@ def fuzz_base(tmp_path_factory):
     return pack(model, tmp_path_factory.mktemp("fuzz")), ref, model
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+_EXAMPLES = int(os.environ.get("STMOE_FUZZ_EXAMPLES", "100"))  # ~7 s; more to explore
+
+
+@settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_a_fuzzed_index_is_one_clear_error_or_the_same_tokens(fuzz_base, data):
     store, ref, resident = fuzz_base

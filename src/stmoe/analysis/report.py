@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,30 +161,35 @@ def _markdown(title: str, sections: list[Section]) -> str:
     return "\n".join(lines)
 
 
+# control characters (a label's terminal escapes) have no place in HTML: dropped
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _text(text: str) -> str:
+    """``text`` for HTML: control characters dropped, markup escaped."""
+    return html.escape(_CONTROL.sub("", text))
+
+
 def _html(title: str, sections: list[Section]) -> str:
     def para(text: str) -> str:
-        parts = html.escape(text).split("**")
+        parts = _text(text).split("**")
         return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
 
-    body = [f"<h1>{html.escape(title)}</h1>"]
+    body = [f"<h1>{_text(title)}</h1>"]
     for sec in sections:
-        body.append(f"<h2>{html.escape(sec.title)}</h2>")
+        body.append(f"<h2>{_text(sec.title)}</h2>")
         body += [f"<p>{para(p)}</p>" for p in sec.text]
         for name, caption in sec.figures:
-            body.append(f'<figure><img src="{name}" alt="{html.escape(caption)}">'
-                        f"<figcaption>{html.escape(caption)}</figcaption></figure>")  # fmt: skip
+            body.append(f'<figure><img src="{name}" alt="{_text(caption)}">'
+                        f"<figcaption>{_text(caption)}</figcaption></figure>")  # fmt: skip
         if sec.table:
             head, rows = sec.table
-            body.append(
-                "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
-            )
-            body += [
-                "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows
-            ]
+            body.append("<table><tr>" + "".join(f"<th>{_text(h)}</th>" for h in head) + "</tr>")
+            body += ["<tr>" + "".join(f"<td>{_text(c)}</td>" for c in r) + "</tr>" for r in rows]
             body.append("</table>")
     style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;line-height:1.45}"
              "img{max-width:100%}table{border-collapse:collapse;font-size:0.9em}"
              "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
              "figcaption{font-style:italic;color:#555}")  # fmt: skip
-    head = f"<meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style>"
+    head = f"<meta charset='utf-8'><title>{_text(title)}</title><style>{style}</style>"
     return f"<!doctype html><html><head>{head}</head><body>{''.join(body)}</body></html>\n"
