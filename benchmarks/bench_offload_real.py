@@ -126,8 +126,7 @@ def run_resident(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stmoe.model_introspect import experts_modules
-    from stmoe.runtime.routing_replay import RoutingReplay, plan_replay
+    from stmoe.runtime.routing_replay import ForcedRouting, plan_replay
     from stmoe.trace import load_trace
 
     torch.set_num_threads(args.threads)
@@ -136,21 +135,14 @@ def run_resident(args: argparse.Namespace) -> dict[str, Any]:
     for p in model.parameters():  # every weight read once: in RAM, not a lazy mapping
         p.data.sum()
     plan = plan_replay(load_trace(SAMPLE), 0, args.layers, 256, 8, model.config.vocab_size)
-    replay, calls, ends = RoutingReplay(plan), [-1], []
-    model.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
+    forced, ends = ForcedRouting(model, plan), []
     model.register_forward_hook(lambda m, a, o: ends.append(time.perf_counter()))
-    for layer, (_, module) in enumerate(experts_modules(model)):
-
-        def force(mod: Any, a: tuple, kw: dict, layer: int = layer) -> tuple[tuple, dict]:
-            index, weights = replay.routing(calls[0], layer, a[1], a[2])
-            return (a[0], index, weights, *a[3:]), kw
-
-        module.register_forward_pre_hook(force, with_kwargs=True)
     ids = torch.tensor([plan.token_ids])
     steps = min(args.tokens, plan.new_tokens)
     speeds = []
     for _ in range(2):  # the first warms up
-        calls[0], ends[:] = -1, []
+        forced.reset()
+        ends[:] = []
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                            max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0)  # fmt: skip

@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from stmoe.runtime.routing_replay import (  # noqa: E402
+    ForcedRouting,
     RoutingReplay,
     RoutingReplayError,
     plan_replay,
@@ -95,20 +96,8 @@ def _resident_replay(model_dir, plan):
     """Plain transformers with the same routing forced on every experts module."""
     from transformers import AutoModelForCausalLM
 
-    from stmoe.model_introspect import experts_modules
-
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    replay = RoutingReplay(plan)
-    calls = {"fwd": -1}
-    model.register_forward_pre_hook(lambda m, a: calls.__setitem__("fwd", calls["fwd"] + 1))
-    for layer, (_, module) in enumerate(experts_modules(model)):
-
-        def force(mod, args, kwargs, layer=layer):
-            hidden, index, weights = args[:3]
-            index, weights = replay.routing(calls["fwd"], layer, index, weights)
-            return (hidden, index, weights, *args[3:]), kwargs
-
-        module.register_forward_pre_hook(force, with_kwargs=True)
+    ForcedRouting(model, plan)
     ids = torch.tensor([plan.token_ids])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

@@ -20,7 +20,6 @@ on the seed and its name.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stmoe.errors import StmoeError
-from stmoe.fileio import atomic_write_text, current_umask
+from stmoe.fileio import atomic_write_text, publish, temp_beside
 from stmoe.sim.specs import ModelSpec, load_model, preset_names
 
 # transformers architecture that has each preset's layer structure (routed experts,
@@ -121,10 +120,9 @@ def make_checkpoint(plan: CheckpointPlan, out_dir: str | Path, seed: int = 0,
             fname = (f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
                      else "model.safetensors")  # fmt: skip
             tensors = {name: _random_tensor(name, shape, dtype, seed) for name, shape in names}
-            tmp = out / f".{fname}.{os.getpid()}.tmp"
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-            os.chmod(tmp, 0o666 & ~current_umask())
-            os.replace(tmp, out / fname)
+            with temp_beside(out / fname) as tmp:
+                save_file(tensors, str(tmp), metadata={"format": "pt"})
+                publish(tmp, out / fname)
             weight_map.update(dict.fromkeys(tensors, fname))
             advance(sum(t.numel() * t.element_size() for t in tensors.values()))
             del tensors

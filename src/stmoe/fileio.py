@@ -20,7 +20,8 @@ import contextlib
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -93,23 +94,42 @@ def remove_stale_temps(path: Path) -> list[Path]:
     return removed
 
 
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
-    """Call ``write(f)`` on a temporary file, then move it onto ``path`` in one rename."""
+@contextmanager
+def temp_beside(path: str | Path) -> Iterator[Path]:
+    """A fresh temporary file beside ``path``, named with this pid (so a later write can
+    tell a dead writer's leftover); removed unless ``publish`` moved it first."""
     target = check_output_path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}.",
-                               suffix=_SUFFIX)  # fmt: skip
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}.",
+                                suffix=_SUFFIX)  # fmt: skip
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "wb") as f:
+        yield tmp
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def publish(tmp: Path, dest: Path) -> None:
+    """Make a written temporary file durable, give it the mode ``open`` would (the umask's),
+    and move it onto ``dest`` in one rename."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, 0o666 & ~current_umask())
+    os.replace(tmp, dest)
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
+    """Call ``write(f)`` on a temporary file, then move it onto ``path`` in one rename."""
+    target = check_output_path(path)
+    with temp_beside(target) as tmp:
+        with open(tmp, "wb") as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        publish(tmp, target)
     return target
 
 

@@ -152,9 +152,7 @@ class OffloadEngine:
     def _fetch(self, block: Block, buf: Any) -> torch.Tensor:
         """The tier's bytes for ``block``, refused unless complete."""
         src = self.tier.fetch(block, buf)
-        if src.numel() != block.nbytes:
-            raise StoreError(f"{self.store.data_path}: short read of layer {block.layer}, expert "
-                             f"{block.expert} ({src.numel()} of {block.nbytes} bytes)")  # fmt: skip
+        self.store.check_size(block, src.numel())
         return src
 
     def check(self) -> None:

@@ -14,6 +14,7 @@ are uniform (1/K): they change the arithmetic's values, never its cost.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,3 +115,34 @@ class RoutingReplay:
         weights = torch.from_numpy(self.plan.weights[span, layer])
         return (ids.to(top_k_index.device, top_k_index.dtype),
                 weights.to(top_k_weights.device, top_k_weights.dtype))  # fmt: skip
+
+
+class ForcedRouting:
+    """``plan``'s routing forced on a resident transformers model (forward hooks on its
+    experts modules): the plain-transformers reference a replay through the runtime is
+    compared with, bit for bit (tests) and in speed (benchmarks). ``reset`` before each
+    generation; ``remove`` to take the hooks off."""
+
+    def __init__(self, model: torch.nn.Module, plan: ReplayPlan) -> None:
+        from stmoe.model_introspect import experts_modules
+
+        self.replay, self.fwd = RoutingReplay(plan), -1
+        self.handles = [model.register_forward_pre_hook(self._count)]
+        for layer, (_, module) in enumerate(experts_modules(model)):
+            self.handles.append(module.register_forward_pre_hook(
+                functools.partial(self._force, layer), with_kwargs=True))  # fmt: skip
+
+    def reset(self) -> None:
+        self.fwd = -1
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _count(self, module: torch.nn.Module, args: tuple) -> None:
+        self.fwd += 1
+
+    def _force(self, layer: int, module: torch.nn.Module, args: tuple,
+               kwargs: dict) -> tuple[tuple, dict]:  # fmt: skip
+        index, weights = self.replay.routing(self.fwd, layer, args[1], args[2])
+        return (args[0], index, weights, *args[3:]), kwargs

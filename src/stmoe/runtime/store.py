@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import warnings
 import weakref
 import zlib
@@ -33,7 +32,12 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import StmoeError, StmoeNote
-from stmoe.fileio import atomic_write_text, check_input_file, current_umask, remove_stale_temps
+from stmoe.fileio import (
+    atomic_write_text,
+    check_input_file,
+    publish,
+    temp_beside,
+)
 from stmoe.runtime.store_check import (
     architecture,
     check_layout,
@@ -83,7 +87,6 @@ def pack(model: Any, out_dir: str | Path, source: str | Path | None = None) -> P
     record = file_records(Path(source)) if source is not None else {"kind": "module"}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out / DATA_TEMP)  # a killed pack's, once its process is gone
     data, size, blocks = _write_data(layers, num_experts, out)
     text = index_text(architecture(model), record, data, size, blocks)
     atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
@@ -94,11 +97,10 @@ def pack(model: Any, out_dir: str | Path, source: str | Path | None = None) -> P
 def _write_data(layers: list[list[tuple[str, Any]]], num_experts: int,
                 out: Path) -> tuple[str, int, list[Block]]:  # fmt: skip
     """The blocks into a temporary file renamed to its content's name; (name, size, blocks)."""
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{DATA_TEMP}.{os.getpid()}.", suffix=".tmp")
     blocks: list[Block] = []
     offset, digest = 0, hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as f:
+    with temp_beside(out / DATA_TEMP) as tmp:
+        with open(tmp, "wb") as f:
             for layer, params in enumerate(layers):
                 for expert in range(num_experts):
                     blob, slots = _block_bytes(params, expert)
@@ -108,14 +110,8 @@ def _write_data(layers: list[list[tuple[str, Any]]], num_experts: int,
                     blocks.append(Block(layer, expert, offset, len(blob), zlib.crc32(blob),
                                         slots))  # fmt: skip
                     offset += len(padded)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())
         name = f"experts-{digest.hexdigest()[:16]}.bin"
-        os.replace(tmp, out / name)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        publish(tmp, out / name)
     return name, offset, blocks
 
 
@@ -241,10 +237,14 @@ class ExpertStore:
 
     def check_block(self, block: Block, data: memoryview) -> None:
         """Raise a clear StoreError when a block's bytes came back short or corrupt."""
-        if len(data) < block.nbytes:
-            raise StoreError(f"{self.data_path}: short read of layer {block.layer}, expert "
-                             f"{block.expert} ({len(data)} of {block.nbytes} bytes)")  # fmt: skip
+        self.check_size(block, len(data))
         self._check_crc(block, zlib.crc32(data[: block.nbytes]))
+
+    def check_size(self, block: Block, got: int) -> None:
+        """Refuse a read of ``block`` that brought fewer than its bytes."""
+        if got < block.nbytes:
+            raise StoreError(f"{self.data_path}: short read of layer {block.layer}, expert "
+                             f"{block.expert} ({got} of {block.nbytes} bytes)")  # fmt: skip
 
     def check_parts(self, block: Block, parts: list[memoryview]) -> None:
         """``check_block`` for a block read in pieces (straight into a cache slot's tensors)."""

@@ -79,13 +79,7 @@ class DiskTier:
 
     def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
         size = padded(block) if self.direct else block.nbytes
-        try:
-            got = os.preadv(self.fd, [memoryview(buf)[:size]], block.offset)
-        except OSError as exc:
-            raise StoreError(f"{self.store.data_path}: reading layer {block.layer}, expert "
-                             f"{block.expert} failed: {exc.strerror}") from None  # fmt: skip
-        if not self.direct and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, block.offset, size, os.POSIX_FADV_DONTNEED)
+        got = self._read(block, [memoryview(buf)[:size]])
         self.store.check_block(block, memoryview(buf)[: min(got, block.nbytes)])
         return torch.frombuffer(buf, dtype=torch.uint8, count=block.nbytes)
 
@@ -96,18 +90,22 @@ class DiskTier:
         if self.direct and any(p.ctypes.data % ALIGN or p.nbytes % ALIGN for p in parts):
             return False
         views = [memoryview(p) for p in parts]
+        self.store.check_size(block, self._read(block, views))
+        self.store.check_parts(block, views)
+        return True
+
+    def _read(self, block: Block, views: list[memoryview]) -> int:
+        """One ``preadv`` of ``block`` into ``views`` (page cache dropped after it where
+        O_DIRECT is off); the bytes read."""
         try:
             got = os.preadv(self.fd, views, block.offset)
         except OSError as exc:
             raise StoreError(f"{self.store.data_path}: reading layer {block.layer}, expert "
                              f"{block.expert} failed: {exc.strerror}") from None  # fmt: skip
         if not self.direct and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, block.offset, block.nbytes, os.POSIX_FADV_DONTNEED)
-        if got < block.nbytes:
-            raise StoreError(f"{self.store.data_path}: short read of layer {block.layer}, expert "
-                             f"{block.expert} ({got} of {block.nbytes} bytes)")  # fmt: skip
-        self.store.check_parts(block, views)
-        return True
+            os.posix_fadvise(self.fd, block.offset, sum(map(len, views)),
+                             os.POSIX_FADV_DONTNEED)  # fmt: skip
+        return got
 
     def close(self) -> None:
         if self.fd >= 0:
