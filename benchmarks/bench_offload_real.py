@@ -36,10 +36,10 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ SYSTEMS = {  # name: (predictor, cache policy)
     "oracle": ("oracle", "lru"),
 }
 PREDICTING = ("stmoe", "stmoe-plus", "stmoe-plus-h2")
+BASELINES = ("resident", "mmap", "accelerate")  # offload_baselines.py
+BOUNDED = ("stmoe", "stmoe-plus", "mmap", "accelerate")  # compared at one memory bound
 
 
 def bench_dir() -> Path:
@@ -121,44 +123,96 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def run_resident(args: argparse.Namespace) -> dict[str, Any]:
-    """Plain transformers, the whole model in RAM, the same routing forced on its layers."""
+def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """A system a user would pick instead (``offload_baselines``), the same routing forced
+    on its layers; bounded by the cgroup the parent made, or by dropping pages."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from offload_baselines import decode_speed, drop_pages, enter_cgroup, load_baseline
 
-    from stmoe.runtime.routing_replay import ForcedRouting, plan_replay
+    from stmoe.runtime.routing_replay import plan_replay
     from stmoe.trace import load_trace
 
+    if args.cgroup:
+        enter_cgroup(Path(args.cgroup))
     torch.set_num_threads(args.threads)
     model_dir, _, _ = prepare(args.layers)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    for p in model.parameters():  # every weight read once: in RAM, not a lazy mapping
-        p.data.sum()
-    plan = plan_replay(load_trace(SAMPLE), 0, args.layers, 256, 8, model.config.vocab_size)
-    forced, ends = ForcedRouting(model, plan), []
-    model.register_forward_hook(lambda m, a, o: ends.append(time.perf_counter()))
-    ids = torch.tensor([plan.token_ids])
-    steps = min(args.tokens, plan.new_tokens)
-    speeds = []
-    for _ in range(2):  # the first warms up
-        forced.reset()
-        ends[:] = []
-        with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0)  # fmt: skip
-        speeds.append((len(ends) - 1) / (ends[-1] - ends[0]))
-    return {"decode_tokens_per_s": speeds[-1],
+    offload_dir = bench_dir() / f"accelerate-offload-{os.getpid()}"
+    try:
+        model = load_baseline(args.one, model_dir, args.budget, offload_dir)
+        plan = plan_replay(load_trace(SAMPLE), 0, args.layers, 256, 8, model.config.vocab_size)
+        drop = (lambda: drop_pages(model_dir)) if args.drop_pages else None
+        steps = min(args.tokens, plan.new_tokens)
+        speeds = decode_speed(model, plan, steps, 1 if args.cgroup or drop else 2, drop)
+    finally:
+        shutil.rmtree(offload_dir, ignore_errors=True)
+    return {"decode_tokens_per_s": speeds[-1], "tokens": steps,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # fmt: skip
 
 
-def spawn(args: argparse.Namespace, system: str, tier: str) -> dict[str, Any]:
+def spawn(args: argparse.Namespace, system: str, tier: str, bound: Path | None = None,
+          tokens: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """One run in a child process (in the memory cgroup ``bound`` if given)."""
     cmd = [sys.executable, __file__, "--one", system, "--tier", tier, "--layers", str(args.layers),
-           "--tokens", str(args.tokens), "--bandwidth", args.bandwidth, "--capacity",
-           args.capacity, "--threads", str(args.threads)]  # fmt: skip
+           "--tokens", str(tokens or args.tokens), "--bandwidth", args.bandwidth, "--capacity",
+           args.capacity, "--threads", str(args.threads), "--budget", str(args.budget)]  # fmt: skip
+    if bound is not None:
+        cmd += ["--cgroup", str(bound)]
+    elif args.drop_pages and system in BASELINES:
+        cmd += ["--drop-pages"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"{system} on {tier} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{system} on {tier} failed (exit {done.returncode}):\n"
+                         f"{done.stderr[-3000:]}")  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def spawn_bounded(args: argparse.Namespace, system: str, limit: int) -> dict[str, Any]:
+    """``system`` with the whole process (page cache included) bounded to ``limit`` bytes:
+    a fresh cgroup per run, the checkpoint's pages dropped first (charged to none)."""
+    from offload_baselines import cgroup_peak, drop_pages, make_cgroup, remove_cgroup
+
+    model_dir, _, _ = prepare(args.layers)
+    drop_pages(model_dir)
+    group = None if args.drop_pages else make_cgroup(f"stmoe-bench-{os.getpid()}", limit)
+    if group is None and not args.drop_pages:
+        args.drop_pages = True
+        print("no memory cgroup can be made here: the baselines drop the checkpoint's pages "
+              "before every forward call instead (the bound's worst case)", flush=True)  # fmt: skip
+    tokens = args.baseline_tokens if system in BASELINES else None
+    try:
+        out = spawn(args, system, "disk", group, tokens)
+        if group is not None:
+            out["peak_rss"] = cgroup_peak(group) or out["peak_rss"]
+    finally:
+        if group is not None:
+            remove_cgroup(group)
+    return out
+
+
+def memory_budget(layers: int, capacity: str) -> tuple[int, int]:
+    """(the bytes stmoe keeps resident at ``capacity``: non-expert weights + cache, the
+    bound: 1.15x that), from the checkpoint's and store's headers."""
+    from safetensors import safe_open
+
+    from stmoe.runtime.store import ExpertStore
+
+    model_dir, store_dir, _ = prepare(layers)
+    total = 0
+    for shard in model_dir.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                sl = f.get_slice(name)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                total += n * (2 if sl.get_dtype() in ("BF16", "F16") else 4)
+    store = ExpertStore(store_dir)
+    experts = sum(b.nbytes for b in store.blocks.values())
+    per_layer = int(store.model["num_experts"])
+    share = float(capacity.rstrip("%")) / 100
+    cache = sum(b.nbytes for b in store.blocks.values()) * round(per_layer * share) // per_layer
+    resident = total - experts + cache
+    return resident, int(1.15 * resident)
 
 
 def spread(values: list[float], fmt: str = ".2f") -> str:
@@ -203,6 +257,45 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"median": med, "targets": targets, "gap_closed": gap}
 
 
+def bounded(args: argparse.Namespace, limit: int) -> dict[str, Any]:
+    """stmoe against what a user would pick instead, the whole process bounded alike."""
+    print(f"\n## at one memory bound: {limit / 2**30:.2f} GiB for the whole process, page cache "
+          f"included (1.15 x stmoe's resident weights + cache; disk tier; mmap and accelerate "
+          f"decode {args.baseline_tokens} tokens)", flush=True)  # fmt: skip
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in BOUNDED}
+    for rnd in range(args.rounds):
+        for system in BOUNDED:
+            runs[system].append(spawn_bounded(args, system, limit))
+            print(f"[bounded round {rnd + 1}] {system}: "
+                  f"{runs[system][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)  # fmt: skip
+    speed = {s: statistics.median(r["decode_tokens_per_s"] for r in rs) for s, rs in runs.items()}
+    for s, rs in runs.items():
+        print(f"{s:12} {spread([r['decode_tokens_per_s'] for r in rs]):>22} tok/s, peak "
+              f"{max(r['peak_rss'] for r in rs) / 2**30:.2f} GiB")  # fmt: skip
+    how = "pages dropped before every forward" if args.drop_pages else "memory cgroup"
+    ok = speed["stmoe"] > max(speed["mmap"], speed["accelerate"])
+    print(f"stmoe / mmap {speed['stmoe'] / speed['mmap']:.2f}x, stmoe / accelerate "
+          f"{speed['stmoe'] / speed['accelerate']:.2f}x ({how})")  # fmt: skip
+    print(f"  {verdict(ok):8} stmoe at {args.capacity} faster than mmap and accelerate at the "
+          "same bound")  # fmt: skip
+    return {"runs": runs, "bound_by": how, "met": ok}
+
+
+def all_cached(args: argparse.Namespace) -> dict[str, Any]:
+    """Every expert cached (warm) against plain transformers with the whole model in RAM."""
+    cached = [spawn(args, "all-cached", "disk") for _ in range(args.rounds)]
+    plain = [spawn(args, "resident", "disk") for _ in range(args.rounds)]
+    ratio = statistics.median(c["decode_tokens_per_s"] for c in cached) / statistics.median(
+        p["decode_tokens_per_s"] for p in plain)  # fmt: skip
+    print(
+        f"\nevery expert cached (warm): {spread([c['decode_tokens_per_s'] for c in cached])} "
+        f"tok/s; plain transformers (whole model in RAM): "
+        f"{spread([p['decode_tokens_per_s'] for p in plain])} tok/s; ratio {ratio:.2f}"
+    )
+    print(f"  {verdict(ratio >= 0.9):8} every expert cached >= 0.9x plain transformers")
+    return {"stmoe": cached, "plain": plain, "ratio": ratio}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -214,17 +307,35 @@ def main() -> None:
     ap.add_argument("--bandwidth", default="1GB", help="the emulated link (bytes/s)")
     ap.add_argument("--capacity", default="50%")
     ap.add_argument("--threads", type=int, default=1, help="torch compute threads")
+    ap.add_argument(
+        "--baseline-tokens",
+        type=int,
+        default=16,
+        help="new tokens per run of mmap and accelerate at the bound (slow)",
+    )
+    ap.add_argument(
+        "--drop-pages",
+        action="store_true",
+        help="bound the baselines by dropping the checkpoint's pages before every "
+        "forward call instead of a memory cgroup (the bound's worst case)",
+    )
+    ap.add_argument("--skip", default="", help="sections to skip: tiers,bounded,cached")
     ap.add_argument("--json", type=Path, help="write every run's figures here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--tier", default="disk", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--cgroup", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:  # a child process: one run, its JSON on the last line
-        fn = run_resident if args.one == "resident" else run_one
+        fn = run_baseline if args.one in BASELINES else run_one
         print(json.dumps(fn(args)))
         return
     prepare(args.layers)
-    results: dict[str, Any] = {}
-    for tier in args.tiers.split(","):
+    resident, limit = memory_budget(args.layers, args.capacity)
+    args.budget = resident
+    skip = set(args.skip.split(","))
+    results: dict[str, Any] = {"budget": resident, "bound": limit}
+    for tier in [] if "tiers" in skip else args.tiers.split(","):
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
         for rnd in range(args.rounds):
             for system in SYSTEMS:
@@ -235,17 +346,10 @@ def main() -> None:
                     flush=True,
                 )
         results[tier] = {"runs": runs, **report(tier, runs)}
-    cached = [spawn(args, "all-cached", "disk") for _ in range(args.rounds)]
-    plain = [spawn(args, "resident", "disk") for _ in range(args.rounds)]
-    ratio = statistics.median(c["decode_tokens_per_s"] for c in cached) / statistics.median(
-        p["decode_tokens_per_s"] for p in plain)  # fmt: skip
-    print(
-        f"\nevery expert cached (warm): {spread([c['decode_tokens_per_s'] for c in cached])} "
-        f"tok/s; plain transformers (whole model in RAM): "
-        f"{spread([p['decode_tokens_per_s'] for p in plain])} tok/s; ratio {ratio:.2f}"
-    )
-    print(f"  {verdict(ratio >= 0.9):8} every expert cached >= 0.9x plain transformers")
-    results["all_cached"] = {"stmoe": cached, "plain": plain, "ratio": ratio}
+    if "bounded" not in skip:
+        results["bounded"] = bounded(args, limit)
+    if "cached" not in skip:
+        results["all_cached"] = all_cached(args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
