@@ -15,12 +15,16 @@ Systems at 50% of each layer's experts cached (same cache, same reads):
 
   on-demand   no prefetch, no reuse       lru-only   no prefetch, LRU cache
   stmoe       ST-MoE prefetch + LRU       stmoe-plus probabilistic tables, 1.5K per layer
-  stmoe-plus-h2  stmoe-plus predicting two layers ahead (its loads get two layers' time)
+  stmoe-plus-2k  stmoe-plus with 2K experts per prediction (higher recall, more loads)
   oracle      prefetches exactly what the router will pick (a first pass records it)
 
 Tiers: ``disk`` (O_DIRECT reads of the store) and ``emulated`` (host memory behind
-a link of ``--bandwidth``; EMULATED). Also: every expert cached, warm, against
-plain transformers with the whole model in RAM (same routing forced).
+a link of ``--bandwidth``; EMULATED). Then, at one memory bound for the whole
+process, page cache included (a memory cgroup per run; ``offload_baselines.py``):
+stmoe and stmoe-plus against what a user would pick instead, plain transformers on
+the memory-mapped checkpoint and accelerate's disk offload (``pip install -e
+'.[bench]'``). Last, every expert cached, warm, against plain transformers with
+the whole model in RAM (same routing forced).
 
 The tables of the table predictors are profiled on the same (only) sequence
 replayed: IN-SAMPLE, an upper bound of their recall here (out-of-sample recall
@@ -28,11 +32,18 @@ is measured by bench_plus_recall.py); the printed recall says what they achieved
 
     python benchmarks/bench_offload_real.py [--layers 8] [--tokens 64] [--rounds 2]
                                             [--tiers disk,emulated] [--bandwidth 1GB]
+
+Another model's shape on routing recorded from it (a trace captured with ``stmoe
+capture`` or imported from vLLM/SGLang with ``stmoe import``; its first sequence):
+
+    python benchmarks/bench_offload_real.py --like qwen1.5-moe-a2.7b --trace mine.npz \
+        --layers 4
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -43,6 +54,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stmoe.errors import StmoeError
+
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SAMPLE = SHARED / "qwen3.6-35b-a3b_chat-1prompt.npz"
 PRESET = "qwen3.6-35b-a3b"
@@ -51,10 +64,10 @@ SYSTEMS = {  # name: (predictor, cache policy)
     "lru-only": ("ondemand", "lru"),
     "stmoe": ("stmoe", "lru"),
     "stmoe-plus": ("stmoe-plus", "lru"),
-    "stmoe-plus-h2": ("stmoe-plus", "lru"),  # predicting two layers ahead: more time to load
+    "stmoe-plus-2k": ("stmoe-plus", "lru"),  # 2K experts per prediction: more recall, more loads
     "oracle": ("oracle", "lru"),
 }
-PREDICTING = ("stmoe", "stmoe-plus", "stmoe-plus-h2")
+PREDICTING = ("stmoe", "stmoe-plus", "stmoe-plus-2k")
 BASELINES = ("resident", "mmap", "accelerate")  # offload_baselines.py
 BOUNDED = ("stmoe", "stmoe-plus", "mmap", "accelerate")  # compared at one memory bound
 
@@ -63,7 +76,7 @@ def bench_dir() -> Path:
     return Path(os.environ.get("STMOE_BENCH_DIR", Path.home() / ".cache" / "stmoe" / "bench"))
 
 
-def prepare(layers: int) -> tuple[Path, Path, Path]:
+def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     """The checkpoint, its store and the tables (built once, then reused)."""
     from stmoe.checkpoints import make_checkpoint, plan_checkpoint
     from stmoe.predictors import profile, save_tables
@@ -71,19 +84,33 @@ def prepare(layers: int) -> tuple[Path, Path, Path]:
     from stmoe.trace.select import first_layers
 
     root = bench_dir()
-    model = root / f"{PRESET}-L{layers}"
+    layers, like, trace = args.layers, args.like, Path(args.trace)
+    model = root / f"{like}-L{layers}"
     if not (model / "config.json").is_file():
         print(f"writing {model} (random weights, real shape) ...", flush=True)
-        make_checkpoint(plan_checkpoint(PRESET, layers), model)
-    store = root / f"{PRESET}-L{layers}.store"
+        make_checkpoint(plan_checkpoint(like, layers), model)
+    store = root / f"{like}-L{layers}.store"
     if not (store / "index.json").is_file():
         print(f"packing {store} ...", flush=True)
         subprocess.run([sys.executable, "-m", "stmoe", "pack", str(model), "-o", str(store)],
                        check=True)  # fmt: skip
-    tables = root / f"{PRESET}-L{layers}.tables.npz"
+    digest = hashlib.sha256(trace.read_bytes()).hexdigest()[:8]
+    tag = "" if trace == SAMPLE else f"-{trace.stem}-{digest}"  # tables of the trace replayed
+    tables = root / f"{like}-L{layers}{tag}.tables.npz"
     if not tables.is_file():
-        save_tables(profile(first_layers(load_trace(SAMPLE), layers)), tables)
+        save_tables(profile(first_layers(load_trace(trace), layers)), tables)
     return model, store, tables
+
+
+def replay_plan(args: argparse.Namespace, config: Any) -> Any:
+    """The trace's first sequence shaped for the model (a clear error if it does not fit)."""
+    from stmoe.runtime.routing_replay import plan_replay
+    from stmoe.sim.specs import load_model
+    from stmoe.trace import load_trace
+
+    spec = load_model(args.like)
+    return plan_replay(load_trace(args.trace), 0, args.layers, spec.num_experts, spec.top_k,
+                       config.vocab_size)  # fmt: skip
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,24 +119,22 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     from stmoe.predictors import load_tables, make
     from stmoe.runtime.api import offload
-    from stmoe.runtime.routing_replay import plan_replay
     from stmoe.runtime.systems import compared_predictor
-    from stmoe.trace import load_trace
 
     torch.set_num_threads(args.threads)
-    model, store, tables = prepare(args.layers)
+    model, store, tables = prepare(args)
     predictor, policy = SYSTEMS.get(args.one, ("ondemand", "lru"))
     pred = predictor
     if predictor != "ondemand":
         pred = compared_predictor(predictor, load_tables(tables))
-    if args.one == "stmoe-plus-h2":
+    if args.one == "stmoe-plus-2k":
         loaded = load_tables(tables)
-        pred = make("stmoe-plus", loaded.shape, loaded, set_size=1.5 * 8, horizon=2)
+        pred = make("stmoe-plus", loaded.shape, loaded, set_size=2.0 * loaded.shape.top_k)
     link = {"bandwidth": args.bandwidth} if args.tier == "emulated" else {}
     capacity = "100%" if args.one == "all-cached" else args.capacity
     with offload(model, store, capacity=capacity, predictor=pred, tables=tables, policy=policy,
                  tier=args.tier, **link) as om:  # fmt: skip
-        plan = plan_replay(load_trace(SAMPLE), 0, args.layers, 256, 8, om.model.config.vocab_size)
+        plan = replay_plan(args, om.model.config)
         r = om.replay(plan, max_new_tokens=args.tokens)
         if args.one == "all-cached":  # every expert now in the cache: the warm run counts
             r = om.replay(plan, max_new_tokens=args.tokens, cold=False)
@@ -129,17 +154,14 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from offload_baselines import decode_speed, drop_pages, enter_cgroup, load_baseline
 
-    from stmoe.runtime.routing_replay import plan_replay
-    from stmoe.trace import load_trace
-
     if args.cgroup:
         enter_cgroup(Path(args.cgroup))
     torch.set_num_threads(args.threads)
-    model_dir, _, _ = prepare(args.layers)
+    model_dir, _, _ = prepare(args)
     offload_dir = bench_dir() / f"accelerate-offload-{os.getpid()}"
     try:
         model = load_baseline(args.one, model_dir, args.budget, offload_dir)
-        plan = plan_replay(load_trace(SAMPLE), 0, args.layers, 256, 8, model.config.vocab_size)
+        plan = replay_plan(args, model.config)
         drop = (lambda: drop_pages(model_dir)) if args.drop_pages else None
         steps = min(args.tokens, plan.new_tokens)
         speeds = decode_speed(model, plan, steps, 1 if args.cgroup or drop else 2, drop)
@@ -153,6 +175,7 @@ def spawn(args: argparse.Namespace, system: str, tier: str, bound: Path | None =
           tokens: int | None = None) -> dict[str, Any]:  # fmt: skip
     """One run in a child process (in the memory cgroup ``bound`` if given)."""
     cmd = [sys.executable, __file__, "--one", system, "--tier", tier, "--layers", str(args.layers),
+           "--like", args.like, "--trace", str(args.trace),
            "--tokens", str(tokens or args.tokens), "--bandwidth", args.bandwidth, "--capacity",
            args.capacity, "--threads", str(args.threads), "--budget", str(args.budget)]  # fmt: skip
     if bound is not None:
@@ -171,7 +194,7 @@ def spawn_bounded(args: argparse.Namespace, system: str, limit: int) -> dict[str
     a fresh cgroup per run, the checkpoint's pages dropped first (charged to none)."""
     from offload_baselines import cgroup_peak, drop_pages, make_cgroup, remove_cgroup
 
-    model_dir, _, _ = prepare(args.layers)
+    model_dir, _, _ = prepare(args)
     drop_pages(model_dir)
     group = None if args.drop_pages else make_cgroup(f"stmoe-bench-{os.getpid()}", limit)
     if group is None and not args.drop_pages:
@@ -189,14 +212,15 @@ def spawn_bounded(args: argparse.Namespace, system: str, limit: int) -> dict[str
     return out
 
 
-def memory_budget(layers: int, capacity: str) -> tuple[int, int]:
-    """(the bytes stmoe keeps resident at ``capacity``: non-expert weights + cache, the
-    bound: 1.15x that), from the checkpoint's and store's headers."""
+def memory_budget(args: argparse.Namespace) -> tuple[int, int]:
+    """(the bytes stmoe keeps resident at ``--capacity``: non-expert weights + cache, the
+    bound: 1.15x that, but at least that + 1 GiB: the interpreter, torch and transformers
+    take about 0.5 GiB of their own), from the checkpoint's and store's headers."""
     from safetensors import safe_open
 
     from stmoe.runtime.store import ExpertStore
 
-    model_dir, store_dir, _ = prepare(layers)
+    model_dir, store_dir, _ = prepare(args)
     total = 0
     for shard in model_dir.glob("*.safetensors"):
         with safe_open(shard, "pt") as f:
@@ -209,10 +233,10 @@ def memory_budget(layers: int, capacity: str) -> tuple[int, int]:
     store = ExpertStore(store_dir)
     experts = sum(b.nbytes for b in store.blocks.values())
     per_layer = int(store.model["num_experts"])
-    share = float(capacity.rstrip("%")) / 100
+    share = float(args.capacity.rstrip("%")) / 100
     cache = sum(b.nbytes for b in store.blocks.values()) * round(per_layer * share) // per_layer
     resident = total - experts + cache
-    return resident, int(1.15 * resident)
+    return resident, max(int(1.15 * resident), resident + 2**30)
 
 
 def spread(values: list[float], fmt: str = ".2f") -> str:
@@ -226,11 +250,11 @@ def verdict(ok: bool) -> str:
 def report(tier: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     med = {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}
     print(f"\n## tier {tier}{' (EMULATED)' if tier == 'emulated' else ''}")
-    print(f"{'system':12} {'decode tok/s':>22} {'hit':>6} {'recall':>7} {'prec':>6} {'stall':>6}"
+    print(f"{'system':13} {'decode tok/s':>22} {'hit':>6} {'recall':>7} {'prec':>6} {'stall':>6}"
           f" {'moved GiB':>10} {'wasted':>7} {'peak GiB':>9}")  # fmt: skip
     for s, rs in runs.items():
         m = med[s]
-        print(f"{s:12} {spread([r['decode_tokens_per_s'] for r in rs]):>22} {m['hit_rate']:6.3f} "
+        print(f"{s:13} {spread([r['decode_tokens_per_s'] for r in rs]):>22} {m['hit_rate']:6.3f} "
               f"{m['prefetch_recall']:7.3f} {m['prefetch_precision']:6.3f} "
               f"{m['stall_share']:6.2f} {m['bytes_moved'] / 2**30:10.2f} "
               f"{m['bytes_wasted'] / max(1, m['bytes_moved']):7.1%} "
@@ -260,7 +284,8 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def bounded(args: argparse.Namespace, limit: int) -> dict[str, Any]:
     """stmoe against what a user would pick instead, the whole process bounded alike."""
     print(f"\n## at one memory bound: {limit / 2**30:.2f} GiB for the whole process, page cache "
-          f"included (1.15 x stmoe's resident weights + cache; disk tier; mmap and accelerate "
+          f"included (1.15 x stmoe's resident weights + cache, at least + 1 GiB; disk tier; "
+          f"mmap and accelerate "
           f"decode {args.baseline_tokens} tokens)", flush=True)  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in BOUNDED}
     for rnd in range(args.rounds):
@@ -270,7 +295,7 @@ def bounded(args: argparse.Namespace, limit: int) -> dict[str, Any]:
                   f"{runs[system][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)  # fmt: skip
     speed = {s: statistics.median(r["decode_tokens_per_s"] for r in rs) for s, rs in runs.items()}
     for s, rs in runs.items():
-        print(f"{s:12} {spread([r['decode_tokens_per_s'] for r in rs]):>22} tok/s, peak "
+        print(f"{s:13} {spread([r['decode_tokens_per_s'] for r in rs]):>22} tok/s, peak "
               f"{max(r['peak_rss'] for r in rs) / 2**30:.2f} GiB")  # fmt: skip
     how = "pages dropped before every forward" if args.drop_pages else "memory cgroup"
     ok = speed["stmoe"] > max(speed["mmap"], speed["accelerate"])
@@ -299,6 +324,15 @@ def all_cached(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--like", default=PRESET, help="the simulator model preset whose shape the checkpoint takes"
+    )
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        default=SAMPLE,
+        help="the routing replayed (recorded from a model of --like's shape)",
     )
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per replay (<= 129)")
@@ -330,8 +364,12 @@ def main() -> None:
         fn = run_baseline if args.one in BASELINES else run_one
         print(json.dumps(fn(args)))
         return
-    prepare(args.layers)
-    resident, limit = memory_budget(args.layers, args.capacity)
+    model_dir, _, _ = prepare(args)
+    try:  # the trace must fit the model before any run starts
+        replay_plan(args, argparse.Namespace(**json.loads((model_dir / "config.json").read_text())))
+    except StmoeError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    resident, limit = memory_budget(args)
     args.budget = resident
     skip = set(args.skip.split(","))
     results: dict[str, Any] = {"budget": resident, "bound": limit}
