@@ -147,3 +147,15 @@ def test_cross_domain_survives_a_domain_too_small_to_split():
     assert m["profiled_on"] == ["unlabelled", "tiny"]
     assert m["recall"][0][0] is not None and m["recall"][1] == [None, None]
     assert m["recall"][0][1] is None
+
+
+def test_plan_from_sets_with_empty_sets() -> None:
+    """A predictor whose sets are empty (B = 0, e.g. fitted to predict nothing) plans nothing
+    (found by the tables fuzz test: the reshape could not infer T x L from 0 entries)."""
+    import numpy as np
+
+    from stmoe.predictors.baselines import plan_from_sets
+
+    sets = np.zeros((3, 4, 0), dtype=np.int16)
+    plan = plan_from_sets(sets, np.zeros((3, 4, 0), dtype=bool), 4)
+    assert plan.ptr.tolist() == [0] * 13 and plan.ids.size == 0

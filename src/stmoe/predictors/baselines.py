@@ -20,7 +20,7 @@ from stmoe.trace.schema import RoutingTrace
 
 def plan_from_sets(sets: np.ndarray, keep: np.ndarray, num_layers: int) -> PrefetchPlan:
     """A plan from a [T, L, B] array of ids (rank order), keeping entries where ``keep``."""
-    counts = keep.reshape(-1, sets.shape[-1]).sum(axis=1)
+    counts = keep.sum(axis=-1).reshape(-1)  # per (token, layer); an empty B is 0
     ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return PrefetchPlan(ptr=ptr, ids=sets[keep].astype(np.int16), num_layers=num_layers)
 
