@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -163,3 +165,143 @@ def test_a_fuzzed_index_is_one_clear_error_or_the_same_tokens(fuzz_base, data):
             assert "\n" not in msg and str(bad) in msg, msg
             return
         assert got == ref
+
+
+# ---- packing a folder streams its shards: the same bytes as packing the loaded model ---------
+def _make_model(arch: str, out: Path, dtype: str = "float32") -> Path:
+    """``stmoe make-model``'s checkpoint (fused experts, several shards) of architecture
+    ``arch`` at the stmoe-tiny preset's sizes (RANDOM weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from stmoe import checkpoints
+    from stmoe.sim.specs import load_model
+
+    spec = load_model("stmoe-tiny")
+    config = checkpoints._config(arch, spec, 2, dtype)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    plan = checkpoints.CheckpointPlan(config, [(n, tuple(t.shape)) for n, t in
+                                               meta.state_dict().items()], dtype, spec)  # fmt: skip
+    return checkpoints.make_checkpoint(plan, out, shard_bytes=400_000)
+
+
+def _saved(family: str, out: Path) -> Path:
+    """``save_pretrained``'s checkpoint (per-expert tensors, as the hub's) of a tiny model."""
+    tiny_model(family)[0].save_pretrained(out)
+    return out
+
+
+FOLDERS = {
+    "shipped": lambda out: __import__("stmoe.models", fromlist=["x"]).SHIPPED_MODEL,
+    **{f"saved-{f}": lambda out, f=f: _saved(f, out)
+       for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")},
+    **{f"made-{a}": lambda out, a=a: _make_model(a, out)
+       for a in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")},
+    "made-qwen3_moe-bf16": lambda out: _make_model("qwen3_moe", out, "bfloat16"),
+}  # fmt: skip
+
+
+def _same_store(a: Path, b: Path) -> None:
+    """Byte for byte: index.json (blocks, CRC32s, checkpoint fingerprints) and data file."""
+    assert (a / "index.json").read_bytes() == (b / "index.json").read_bytes()
+    data = ExpertStore(a).data_path.name
+    assert sorted(p.name for p in b.iterdir()) == sorted(p.name for p in a.iterdir())
+    assert (a / data).read_bytes() == (b / data).read_bytes()
+
+
+@pytest.mark.parametrize("kind", list(FOLDERS))
+def test_a_folder_packs_streamed_to_the_loaded_models_bytes(kind, tmp_path, monkeypatch):
+    from stmoe import capture_generate
+    from stmoe.runtime import pack_stream
+    from stmoe.runtime.store import pack_folder
+
+    folder = FOLDERS[kind](tmp_path / "model")
+    want = pack(capture_generate.load_causal_lm(folder), tmp_path / "memory", source=folder)
+    # streaming never loads the model; maps released after every block on half the cases
+    monkeypatch.setattr(capture_generate, "load_causal_lm", None)
+    if len(kind) % 2:
+        monkeypatch.setattr(pack_stream, "RELEASE_BYTES", 1)
+    seen = []
+    got = pack_folder(folder, tmp_path / "streamed",
+                      progress=lambda total, label: _recorder(seen, total, label))  # fmt: skip
+    _same_store(want, got)
+    blocks = ExpertStore(got).blocks.values()
+    assert seen[0][0] == sum(b.nbytes for b in blocks) == sum(seen[1:])  # a byte bar, all of it
+
+
+@contextlib.contextmanager
+def _recorder(seen: list, total: int, label: str):
+    seen.append((total, label))
+    yield seen.append
+
+
+def _with_extra_expert_tensor(folder: Path) -> str:
+    """Add a tensor under an experts module that no parameter takes; returns its name."""
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(f)
+    name = "model.layers.0.block_sparse_moe.experts.0.w9.weight"
+    tensors[name] = torch.zeros(3, 4)
+    save_file(tensors, f, metadata={"format": "pt"})
+    return name
+
+
+def _with_config_dtype(folder: Path) -> str:
+    """bfloat16 tensors under a config that says float32 (transformers casts them)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return "one expert is torch.bfloat16"
+
+
+@pytest.mark.parametrize("case", ["unexpected tensor", "cast dtype"])
+def test_a_checkpoint_that_cannot_stream_is_packed_loaded_with_a_note(case, tmp_path):
+    from stmoe.capture_generate import load_causal_lm
+    from stmoe.errors import StmoeNote
+    from stmoe.runtime.store import pack_folder
+
+    if case == "unexpected tensor":
+        folder = _saved("mixtral", tmp_path / "model")
+        said = _with_extra_expert_tensor(folder)
+    else:
+        folder = _make_model("qwen3_moe", tmp_path / "model", "bfloat16")
+        said = _with_config_dtype(folder)
+    want = pack(load_causal_lm(folder), tmp_path / "memory", source=folder)
+    with pytest.warns(StmoeNote, match=re.escape(said)) as notes:
+        got = pack_folder(folder, tmp_path / "fallback")
+    assert len(notes) == 1 and "\n" not in str(notes[0].message)
+    assert "packing from the whole model loaded in memory" in str(notes[0].message)
+    _same_store(want, got)
+
+
+def test_a_checkpoint_changed_while_packing_is_refused_the_old_store_kept(tmp_path, monkeypatch):
+    from stmoe.runtime import pack_stream
+    from stmoe.runtime.store import pack_folder
+
+    folder = _make_model("olmoe", tmp_path / "model")
+    old = pack_folder(folder, tmp_path / "store")
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    real = pack_stream.CheckpointExperts.tensors
+
+    def touching(self, layer, expert):
+        if (layer, expert) == (1, 3):  # another process rewrites a shard half way
+            shard = sorted(folder.glob("*.safetensors"))[0]
+            os.utime(shard, ns=(1, 1))
+        return real(self, layer, expert)
+
+    monkeypatch.setattr(pack_stream.CheckpointExperts, "tensors", touching)
+    with pytest.raises(StoreError, match=r"model-00001-of-\d+\.safetensors: changed while it "
+                                         "was being packed"):  # fmt: skip
+        pack_folder(folder, tmp_path / "store")
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+
+
+def test_a_damaged_shard_is_one_clear_error(tmp_path, cli):
+    folder = _make_model("qwen2_moe", tmp_path / "model")
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    shard.write_bytes(b"\x10" + b"\0" * 7 + b'{"a": 1}')
+    res = cli("pack", folder, "-o", tmp_path / "store")
+    assert res.exit_code == 1
+    assert f"{shard}: not a readable safetensors file" in res.output
+    assert len(res.output.strip().splitlines()) == 1

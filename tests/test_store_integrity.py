@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 from stmoe.errors import StmoeNote  # noqa: E402
 from stmoe.runtime import store as store_mod  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
-from stmoe.runtime.store import ExpertStore, StoreError, open_store, pack  # noqa: E402
-from stmoe.runtime.store_index import checksum  # noqa: E402
+from stmoe.runtime.store import ExpertStore, StoreError, open_store, pack, pack_folder  # noqa: E402
+from stmoe.runtime.store_index import STORE_VERSION, checksum  # noqa: E402
 from tiny_moe import tiny_model  # noqa: E402
 
 PROMPT, NEW = [5, 6, 7, 8, 9], 4
@@ -112,7 +112,7 @@ FIELDS = {
     "offset-overlap": (_set((*B, "offset"), 0), "overlaps the block before it"),
     "offset-past-end": (_set((*B, "offset"), 1 << 30), "expected a whole number"),
     "nbytes": (_set((*B, "nbytes"), _digit), "but its tensors hold"),
-    "crc32": (_set((*B, "crc32"), _digit), "holds other weights than the model's"),
+    "crc32c": (_set((*B, "crc32c"), _digit), "holds other weights than the model's"),
     "tensor-name": (_set((*B, "tensors", 0, 0), "up_proj"), "tensors differ from the layer's"),
     "tensor-name-layer": (_layer0(lambda b: b["tensors"][0].__setitem__(0, "w1")),
                           "layer 0 holds"),
@@ -125,14 +125,14 @@ FIELDS = {
     "tensor-malformed": (_set((*B, "tensors", 0), "w1"), "expected [name, dtype, shape"),
     "block-missing": (lambda i: i["blocks"].pop(), "23 blocks, expected one per"),
     "block-extra": (lambda i: i["blocks"].append(copy.deepcopy(i["blocks"][0])), "25 blocks"),
-    "block-key-missing": (_del((*B, "crc32")), "expected an object with keys"),
+    "block-key-missing": (_del((*B, "crc32c")), "expected an object with keys"),
     "model-missing": (_del(("model",)), "top level: keys"),
     "model-type": (_set(("model", "model_type"), "qwen3_moe"), "packed for"),
     "hidden-size": (_set(("model", "hidden_size"), 33), "packed for"),
     "moe-layers": (_set(("model", "moe_layers"), 2), "24 blocks, expected one per"),
     "num-experts": (_set(("model", "num_experts"), 7), "24 blocks, expected one per"),
     "format": (_set(("format",), "other"), "not an stmoe expert store index"),
-    "version": (_set(("version",), 1), "store version 1, this stmoe reads 2"),
+    "version": (_set(("version",), 1), f"store version 1, this stmoe reads {STORE_VERSION}"),
     "align": (_set(("align",), 512), "aligned to 512 bytes"),
     "data": (_set(("data",), "../experts-0000000000000000.bin"), "not a data file name"),
     "data-missing": (_set(("data",), "experts-0000000000000000.bin"), "missing, though"),
@@ -220,10 +220,14 @@ def test_a_copied_folder_is_hashed_again_and_a_swapped_file_caught(packed, tmp_p
 
 
 def test_the_pack_command_records_the_checkpoint(cli, tmp_path, packed):
-    folder, _, _ = packed
+    folder, store, _ = packed
     assert cli("pack", folder, "-o", tmp_path / "s").exit_code == 0
     source = ExpertStore(tmp_path / "s").index.source
     assert source["kind"] == "folder" and source["files"][0][0] == "model.safetensors"
+    # streamed from the shards, byte for byte the store packed from the loaded model
+    assert (tmp_path / "s" / "index.json").read_bytes() == (store / "index.json").read_bytes()
+    data = ExpertStore(store).data_path.name
+    assert (tmp_path / "s" / data).read_bytes() == (store / data).read_bytes()
 
 
 # ---- a pack killed at each step --------------------------------------------------------------
@@ -252,16 +256,18 @@ def _raise(*args, **kwargs):
     raise Killed
 
 
+@pytest.mark.parametrize("packer", ["model", "folder"])  # pack, pack_folder (streamed)
 @pytest.mark.parametrize("step", ["data", "index", "cleanup"])
-def test_a_killed_pack_leaves_a_store_that_serves(packed, tmp_path, monkeypatch, step):
+def test_a_killed_pack_leaves_a_store_that_serves(packed, tmp_path, monkeypatch, step, packer):
     folder, store, ref = packed
     dest = tmp_path / "store"
     shutil.copytree(store, dest)
     other, _ = tiny_model("mixtral", seed=1)
+    other.save_pretrained(tmp_path / "other")
     with monkeypatch.context() as m:
         _kill_at(m, step)
         with pytest.raises(Killed):
-            pack(other, dest)
+            pack(other, dest) if packer == "model" else pack_folder(tmp_path / "other", dest)
     if step == "cleanup":  # the switch happened: the new store, whole
         assert tokens(dest, seed=1) == tokens(seed=1)
     else:  # the old store, whole
@@ -282,7 +288,7 @@ def test_a_dead_packs_temporary_files_and_a_version_1_store_are_cleaned(packed, 
                  "experts.bin.tmp"):  # fmt: skip
         (dest / name).write_bytes(b"x" * 100)
     (dest / "index.json").write_text(json.dumps({"format": "stmoe-expert-store", "version": 1}))
-    with pytest.raises(StoreError, match="store version 1, this stmoe reads 2; pack the model"):
+    with pytest.raises(StoreError, match=f"store version 1, this stmoe reads {STORE_VERSION};"):
         ExpertStore(dest)
     pack(tiny_model("mixtral")[0], dest, source=folder)
     assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in store.iterdir())

@@ -16,14 +16,13 @@ def pack_cmd(
 
     One expert is then one read (page-cache bypass possible); an index records
     offsets, shapes, checksums and the checkpoint files' SHA-256, so the store is
-    only ever used with this model's weights. Packing the same model twice gives the
-    same bytes; packing over an existing store replaces it in one step (a killed pack
-    leaves the old store whole).
+    only ever used with this model's weights. The experts are read one at a time
+    from the safetensors shards, never the whole model in memory. Packing the same
+    model twice gives the same bytes; packing over an existing store replaces it in
+    one step (a killed pack leaves the old store whole).
     """
-    from stmoe.capture_generate import load_causal_lm
-    from stmoe.runtime.store import ExpertStore, pack
+    from stmoe.runtime.store import ExpertStore, pack_folder
 
-    model = load_causal_lm(model_dir)
-    path = pack(model, output, source=model_dir)
+    path = pack_folder(model_dir, output)
     size = ExpertStore(path).data_path.stat().st_size
     out.print(f"wrote {path}: {size / 2**20:.1f} MiB of experts")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,19 +54,31 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return [f for f in checkpoint_files(model_dir) if f.suffix == ".safetensors"]
 
 
-def _renamer(model: torch.nn.Module) -> Callable[[str], str | None]:
-    """Checkpoint key -> the model's parameter name, by transformers' own renaming rules
-    (e.g. Mixtral's legacy ``block_sparse_moe`` -> ``mlp``); None for a key that a
-    converter (fusing several tensors) would produce, unless it is an expert's."""
+def conversions(model: torch.nn.Module) -> tuple[list[Any], list[Any]] | None:
+    """transformers' own rules for reading ``model``'s checkpoint keys: (renamings, e.g.
+    Mixtral's legacy ``block_sparse_moe`` -> ``mlp``; converters, e.g. per-expert tensors
+    fused into one), or None with another transformers (keys taken as they are)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
+        from transformers.core_model_loading import WeightRenaming
 
         transforms = get_model_conversion_mapping(model)
     except (ImportError, AttributeError, TypeError, ValueError):  # another transformers
-        return lambda key: key
+        return None
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    return renamings, [t for t in transforms if not isinstance(t, WeightRenaming)]
+
+
+def _renamer(model: torch.nn.Module) -> Callable[[str], str | None]:
+    """Checkpoint key -> the model's parameter name, by transformers' own renaming rules;
+    None for a key that a converter (fusing several tensors) would produce, unless it is
+    an expert's."""
+    rules = conversions(model)
+    if rules is None:
+        return lambda key: key
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters = rules
     prefixes = tuple(f"{name}." for name, _ in experts_modules(model))
 
     def rename(key: str) -> str | None:
@@ -75,10 +88,20 @@ def _renamer(model: torch.nn.Module) -> Callable[[str], str | None]:
     return rename
 
 
+def meta_model(model_dir: Path) -> torch.nn.Module:
+    """The model of ``model_dir``'s config, every parameter on ``meta`` (shapes, no bytes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    dtype = getattr(config, "dtype", None) or torch.float32
+    with _parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def load_without_experts(model_dir: str | Path) -> LoadedModel:
     """The causal LM in ``model_dir`` (eval mode), its routed experts left on ``meta``."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     from stmoe.capture_generate import load_causal_lm
 
@@ -87,10 +110,7 @@ def load_without_experts(model_dir: str | Path) -> LoadedModel:
     files = _weight_files(path) if (path / "config.json").is_file() else []
     if not files:
         return LoadedModel(load_causal_lm(path), full_load=True)  # its errors are clear
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    dtype = getattr(config, "dtype", None) or torch.float32
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = meta_model(path)
     prefixes = tuple(f"{name}." for name, _ in experts_modules(model))
     rename = _renamer(model)
     state = {}

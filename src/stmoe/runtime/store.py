@@ -2,7 +2,7 @@
 
     STORE/index.json              format, version, the model's shape, where its weights
                                   came from (``source``), the data file's name, per block:
-                                  layer, expert, offset, nbytes, crc32 and its tensors
+                                  layer, expert, offset, nbytes, crc32c and its tensors
                                   (name, dtype, shape, offset inside the block); and a
                                   SHA-256 of all that (``store_index``)
     STORE/experts-<sha256>.bin    the blocks, each starting at a multiple of ALIGN bytes
@@ -15,8 +15,10 @@ replaced in one rename (the switch); the old data file is removed afterwards, an
 whatever a killed pack left is removed by the next one. A store is checked
 before the first token: the index entry by entry (``store_index``), then against
 the model's shapes and weights (``store_check``). The non-expert weights are not in
-the store; they load from the model folder as usual. A model folder offloaded
-without a store gets one packed on first use, in a cache directory (``open_store``).
+the store; they load from the model folder as usual. A model folder is packed
+without loading its model, one expert at a time from its safetensors shards
+(``pack_folder``, ``pack_stream``); a model folder offloaded without a store gets
+one packed on first use, in a cache directory (``open_store``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import hashlib
 import os
 import warnings
 import weakref
-import zlib
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -56,23 +59,27 @@ from stmoe.runtime.store_index import (
     Block,
     StoreError,
     TensorSlot,
+    block_crc,
     index_text,
     read_index,
 )
 
 __all__ = ["ALIGN", "STORE_FORMAT", "STORE_VERSION", "Block", "ExpertStore", "StoreError",
-           "TensorSlot", "ensure_store", "open_store", "pack"]  # fmt: skip
+           "TensorSlot", "ensure_store", "open_store", "pack", "pack_folder"]  # fmt: skip
 
+# progress(total_bytes, label) -> a context giving advance(nbytes), as _progress.byte_progress
+ProgressFactory = Callable[[int, str], AbstractContextManager[Callable[[int], None]]]
 DATA_TEMP = "experts.bin"  # a pack's temporary data file: .experts.bin.<pid>.<random>.tmp
 _OLD_DATA = ("experts.bin", "experts.bin.tmp")  # version 1's data file and its temporary
 
 
 def pack(model: Any, out_dir: str | Path, source: str | Path | None = None) -> Path:
-    """Write ``model``'s routed experts as a store; returns its folder.
+    """Write ``model``'s routed experts (all in memory) as a store; returns its folder.
 
     ``source``: the model folder ``model`` was just loaded from, unchanged. Its
     checkpoint files are recorded so that offloading that folder with this store
     can tell its weights are the store's (without it, only the model in memory can).
+    A folder packs without loading its model: ``pack_folder``.
     """
     from stmoe.model_introspect import experts_modules
 
@@ -85,44 +92,80 @@ def pack(model: Any, out_dir: str | Path, source: str | Path | None = None) -> P
         if not params:
             raise StoreError(f"MoE layer {layer}: no per-expert parameters found")
     record = file_records(Path(source)) if source is not None else {"kind": "module"}
-    out = Path(out_dir)
+    blocks = ((layer, expert, [(n, p.detach()[expert]) for n, p in params])
+              for layer, params in enumerate(layers) for expert in range(num_experts))  # fmt: skip
+    return _write_store(Path(out_dir), architecture(model), record, blocks, lambda n: None)
+
+
+def pack_folder(model_dir: str | Path, out_dir: str | Path,
+                progress: ProgressFactory | None = None) -> Path:  # fmt: skip
+    """Write a model folder's routed experts as a store, read one expert at a time from its
+    safetensors shards (``pack_stream``), never the whole model in memory; the same bytes
+    as ``pack`` of the loaded model. A checkpoint whose experts cannot be read one by one
+    is loaded and packed whole, with a note saying why. ``progress(total_bytes, label)``:
+    a context giving ``advance(nbytes)`` (default: a bar on stderr when on a terminal)."""
+    from stmoe._progress import byte_progress
+    from stmoe.runtime.pack_stream import CheckpointExperts, StreamUnsupported
+
+    model_dir = Path(model_dir)
+    try:
+        experts = CheckpointExperts(model_dir)
+    except StreamUnsupported as exc:
+        from stmoe.capture_generate import load_causal_lm
+
+        model = load_causal_lm(model_dir)  # its errors are clear
+        warnings.warn(f"{exc}; packing from the whole model loaded in memory", StmoeNote,
+                      stacklevel=2)  # fmt: skip
+        return pack(model, out_dir, source=model_dir)
+    record = file_records(model_dir)
+    try:
+        with (progress or byte_progress)(experts.nbytes, f"packing {model_dir.name}") as advance:
+            blocks = experts.blocks(record)
+            return _write_store(Path(out_dir), experts.architecture, record, blocks, advance)
+    finally:
+        experts.release(force=True)
+
+
+def _write_store(out: Path, model: dict[str, Any], record: dict[str, Any], blocks: Iterable[Any],
+                 advance: Callable[[int], None]) -> Path:  # fmt: skip
+    """The data file, then index.json naming it (the switch), then the replaced data file
+    removed: the one ending of both packers."""
     out.mkdir(parents=True, exist_ok=True)
-    data, size, blocks = _write_data(layers, num_experts, out)
-    text = index_text(architecture(model), record, data, size, blocks)
+    data, size, written = _write_data(blocks, out, advance)
+    text = index_text(model, record, data, size, written)
     atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
     _remove_unnamed(out, data)
     return out
 
 
-def _write_data(layers: list[list[tuple[str, Any]]], num_experts: int,
-                out: Path) -> tuple[str, int, list[Block]]:  # fmt: skip
+def _write_data(blocks: Iterable[tuple[int, int, list[tuple[str, Any]]]], out: Path,
+                advance: Callable[[int], None]) -> tuple[str, int, list[Block]]:  # fmt: skip
     """The blocks into a temporary file renamed to its content's name; (name, size, blocks)."""
-    blocks: list[Block] = []
+    written: list[Block] = []
     offset, digest = 0, hashlib.sha256()
     with temp_beside(out / DATA_TEMP) as tmp:
         with open(tmp, "wb") as f:
-            for layer, params in enumerate(layers):
-                for expert in range(num_experts):
-                    blob, slots = _block_bytes(params, expert)
-                    padded = blob + b"\0" * ((-len(blob)) % ALIGN)
-                    f.write(padded)
-                    digest.update(padded)
-                    blocks.append(Block(layer, expert, offset, len(blob), zlib.crc32(blob),
-                                        slots))  # fmt: skip
-                    offset += len(padded)
+            for layer, expert, tensors in blocks:
+                blob, slots = _block_bytes(tensors)
+                del tensors  # a streamed expert's memory map may be released now
+                padded = blob + b"\0" * ((-len(blob)) % ALIGN)
+                f.write(padded)
+                digest.update(padded)
+                written.append(Block(layer, expert, offset, len(blob), block_crc(blob), slots))
+                offset += len(padded)
+                advance(len(blob))
         name = f"experts-{digest.hexdigest()[:16]}.bin"
         publish(tmp, out / name)
-    return name, offset, blocks
+    return name, offset, written
 
 
-def _block_bytes(params: list[tuple[str, Any]],
-                 expert: int) -> tuple[bytes, tuple[TensorSlot, ...]]:  # fmt: skip
+def _block_bytes(tensors: list[tuple[str, Any]]) -> tuple[bytes, tuple[TensorSlot, ...]]:
     """One expert's tensors end to end, and where each sits in the block."""
     import torch
 
     payload, slots, inner = [], [], 0
-    for name, p in params:
-        arr = p.detach()[expert].to("cpu").contiguous()
+    for name, t in tensors:
+        arr = t.to("cpu").contiguous()
         data = arr.reshape(-1).view(torch.uint8).numpy().tobytes()
         slots.append(TensorSlot(name, str(arr.dtype).removeprefix("torch."), tuple(arr.shape),
                                 inner))  # fmt: skip
@@ -148,11 +191,12 @@ def default_store_dir(model_dir: Path) -> Path:
     return root / f"{model_dir.name}-{h.hexdigest()[:16]}"
 
 
-def open_store(model_dir: str | Path, store: str | Path | None) -> ExpertStore:
+def open_store(model_dir: str | Path, store: str | Path | None,
+               progress: ProgressFactory | None = None) -> ExpertStore:  # fmt: skip
     """The store for ``model_dir``, opened and matched to its checkpoint: the given one
     (refused when damaged or foreign, never overwritten), or the model's cached one,
-    packed now when missing, and packed again, with a note, when damaged, of an older
-    version or half-written (a killed pack)."""
+    packed now (``pack_folder``, with ``progress``) when missing, and packed again, with
+    a note, when damaged, of an older version or half-written (a killed pack)."""
     model_dir = Path(model_dir)
     if store is not None:
         opened = ExpertStore(store)
@@ -170,9 +214,7 @@ def open_store(model_dir: str | Path, store: str | Path | None) -> ExpertStore:
     elif out.is_dir() and any(out.iterdir()):
         warnings.warn(f"{out}: a half-written store (no index.json); packing it again",
                       StmoeNote, stacklevel=2)  # fmt: skip
-    from stmoe.capture_generate import load_causal_lm
-
-    pack(load_causal_lm(model_dir), out, source=model_dir)
+    pack_folder(model_dir, out, progress)
     opened = ExpertStore(out)
     opened.check_source(model_dir)
     return opened
@@ -238,7 +280,7 @@ class ExpertStore:
     def check_block(self, block: Block, data: memoryview) -> None:
         """Raise a clear StoreError when a block's bytes came back short or corrupt."""
         self.check_size(block, len(data))
-        self._check_crc(block, zlib.crc32(data[: block.nbytes]))
+        self._check_crc(block, block_crc(data[: block.nbytes]))
 
     def check_size(self, block: Block, got: int) -> None:
         """Refuse a read of ``block`` that brought fewer than its bytes."""
@@ -250,11 +292,11 @@ class ExpertStore:
         """``check_block`` for a block read in pieces (straight into a cache slot's tensors)."""
         crc = 0
         for part in parts:
-            crc = zlib.crc32(part, crc)
+            crc = block_crc(part, crc)
         self._check_crc(block, crc)
 
     def _check_crc(self, block: Block, crc: int) -> None:
-        if crc != block.crc32:
+        if crc != block.crc32c:
             raise StoreError(f"{self.data_path}: layer {block.layer}, expert {block.expert} fails "
                              "its checksum; the store is corrupt, pack it again")  # fmt: skip
 

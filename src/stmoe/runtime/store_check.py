@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from stmoe.fileio import check_input_file
-from stmoe.runtime.store_index import StoreError, StoreIndex
+from stmoe.runtime.store_index import StoreError, StoreIndex, block_crc
 
 HASH_CHUNK = 1 << 24  # bytes read at a time when hashing a checkpoint file
 PROGRESS_BYTES = 1 << 30  # show a progress bar when hashing more than this
@@ -71,7 +70,7 @@ def check_layout(store: Path, index: StoreIndex, model: Any) -> list[list[tuple[
 
 
 def check_weights(store: Path, index: StoreIndex, per_layer: list[list[tuple[str, Any]]]) -> None:
-    """Every block's CRC32 equals that of the model's own expert bytes (all in memory)."""
+    """Every block's CRC-32C equals that of the model's own expert bytes (all in memory)."""
     import torch
 
     for layer, params in enumerate(per_layer):
@@ -79,8 +78,8 @@ def check_weights(store: Path, index: StoreIndex, per_layer: list[list[tuple[str
             crc = 0
             for _, p in params:
                 t = p.detach()[expert].to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                crc = zlib.crc32(t.numpy(), crc)
-            if crc != index.blocks[(layer, expert)].crc32:
+                crc = block_crc(t.numpy(), crc)
+            if crc != index.blocks[(layer, expert)].crc32c:
                 raise StoreError(f"{store}: layer {layer}, expert {expert} holds other weights "
                                  "than the model's; the store was packed from another model, "
                                  "pack this one with `stmoe pack`")  # fmt: skip
