@@ -1,18 +1,25 @@
-"""The main job: a reduced `stmoe demo --quick` on the shipped model."""
+"""The main job: a reduced `stmoe demo --quick` on the shipped model, and the report's parts."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
+from stmoe.analysis.report import recall_at_set_size
+from stmoe.demo_text import ablation_reasons, headline, markdown_html
 from stmoe.models import SHIPPED_MODEL
+
+# every metric the report uses, defined in one line where it first appears
+DEFINED = ("decode tokens/s:", "hit rate:", "stall share:", "prefetch recall:",
+           "prefetch precision:", "K:", "recall:", "set size:", "precision:",
+           "hit rate (2K cache):", "normalized time:", "HT:", "CCT:")  # fmt: skip
 
 
 def test_shipped_model_loads_with_plain_transformers():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL, local_files_only=True)
@@ -24,14 +31,169 @@ def test_shipped_model_loads_with_plain_transformers():
     assert size <= 50 * 2**20
 
 
-def test_quick_demo_writes_the_report(cli, tmp_path):
-    result = cli("demo", "--quick", "-o", tmp_path / "demo")
+def test_quick_demo_writes_the_report(quick_demo):
+    result, folder = quick_demo
     assert result.exit_code == 0, result.output
     assert "report:" in result.output and "index.html" in result.output
-    page = (tmp_path / "demo" / "index.html").read_text()
-    for fragment in ("Recall", "Cross-domain", "Correlation analysis", "Simulator", "generates"):
+    page = (folder / "index.html").read_text()
+    for fragment in ("Headline.", "Recall at equal set size", "Cross-domain", "Simulator",
+                     "expected to be poor", "<pre>"):  # fmt: skip
         assert fragment in page
-    evaluation = json.loads((tmp_path / "demo" / "eval.json").read_text())
+    for term in DEFINED:
+        assert f"<dt>{term}</dt>" in page.replace("&#x27;", "'"), term
+    evaluation = json.loads((folder / "eval.json").read_text())
     assert set(evaluation["per_domain"]) == {"code", "prose", "math"}
-    assert (tmp_path / "demo" / "analysis" / "report.html").exists()
-    assert (tmp_path / "demo" / "simulator" / "normalized_time.png").exists()
+    for name in ("analysis/report.html", "simulator/normalized_time.png", "decode_speed.png",
+                 "model-card.html", "model-card.md"):  # fmt: skip
+        assert (folder / name).is_file(), name
+    assert "href='model-card.html'" in page and "href='analysis/report.html'" in page
+
+
+def test_quick_demo_measures_rounds_and_checks_the_tokens(quick_demo):
+    result, folder = quick_demo
+    off = json.loads((folder / "offload.json").read_text())
+    assert off["rounds"] == 2 and off["new_tokens"] == 8 and len(off["reference_tokens"]) == 8
+    assert off["identical_tokens"] is True
+    for name, row in off["systems"].items():
+        runs = row["decode_tokens_per_s_runs"]
+        assert len(runs) == 2 and row["identical_to_resident"] is True, name
+        assert row["decode_tokens_per_s_range"] == [min(runs), max(runs)]
+        assert row["decode_tokens_per_s"] == pytest.approx(sum(runs) / 2)  # median of two
+    page = (folder / "index.html").read_text()
+    # the headline names each headline system's median, as offload.json has it
+    sentence = re.search(r"<p class='headline' id='headline'>(.*?)</p>", page).group(1)
+    for name in ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle"):
+        assert f"{off['systems'][name]['decode_tokens_per_s']:.1f}" in sentence, name
+    # printed unwrapped: the headline on one line, the generated text exactly as generated
+    lines = result.output.splitlines()
+    assert any(x.startswith("With 50% of each layer") and x.endswith("resident model's).")
+               for x in lines), result.output  # fmt: skip
+    assert off["prompt"] + off["text"] in result.output
+
+
+def test_quick_demo_marks_the_lossy_system(quick_demo):
+    _, folder = quick_demo
+    page = (folder / "index.html").read_text()
+    sim = json.loads((folder / "simulator" / "simulate.json").read_text())
+    dropped = sim["systems"]["adap-gating"]["quality"]["dropped_gate_mass"]
+    row = re.search(r"<tr><td>adap-gating</td>.*?</tr>", page).group(0)
+    assert "LOSSY: runs" in row and f"dropping {dropped:.1%} of the gate weight" in row
+    oracle = sim["systems"]["oracle"]["normalized_time"]
+    adap = sim["systems"]["adap-gating"]["normalized_time"]
+    assert "adap-gating is lossy: it runs fewer experts than the router chose" in page
+    assert (f"Here it beats even the lossless oracle ({adap:.3f} against {oracle:.3f})" in page
+            ) is (adap < oracle)  # fmt: skip
+
+
+def test_recall_at_set_size_reads_the_curve():
+    curve = {"set_size": [1.0, 2.0, 3.0, 3.5, 3.5], "recall": [0.2, 0.4, 0.5, 0.55, 0.55]}
+    assert recall_at_set_size(curve, 2.0) == pytest.approx(0.4)
+    assert recall_at_set_size(curve, 2.5) == pytest.approx(0.45)  # linear between budgets
+    assert recall_at_set_size(curve, 0.5) == pytest.approx(0.1)  # from (0, 0)
+    assert recall_at_set_size(curve, 3.5) == pytest.approx(0.55)
+    assert recall_at_set_size(curve, 4.0) is None  # its sets never get that large
+
+
+def _offload(rounds: int, same: bool = True) -> dict:
+    speeds = {"on-demand": 4.0, "lru-only": 30.0, "stmoe": 45.25, "stmoe-plus": 41.0,
+              "hybrid": 40.0, "oracle": 60.0}  # fmt: skip
+    return {"capacity": "50%", "link": "200MB", "rounds": rounds, "identical_tokens": same,
+            "systems": {n: {"decode_tokens_per_s": v, "decode_tokens_per_s_range": [v - 1, v + 2]}
+                        for n, v in speeds.items()}}  # fmt: skip
+
+
+def test_headline_sentence_says_the_medians_the_range_and_the_check():
+    text = headline(_offload(5))
+    assert "ST-MoE prefetching decodes at 45.2 tokens/s (range 44.2-47.2)" in text
+    assert "4.0 for on-demand" in text and "30.0 for an LRU cache alone" in text
+    assert "stmoe-plus at 41.0" in text and "oracle (perfect prediction) at 60.0" in text
+    assert "medians of 5 interleaved rounds" in text and "identical to the resident" in text
+    single = headline(_offload(1, same=False))
+    assert "a single run each" in single and "(range" not in single
+    assert "NOT every run's tokens matched" in single
+
+
+def _step(time: float, compute: float, loaded: int, wasted: int) -> dict:
+    return {"time": time, "speedup_vs_baseline": 1.0 / time, "experts_loaded": loaded,
+            "experts_prefetched": wasted * 2, "experts_wasted": wasted, "hit_rate": 0.5,
+            "breakdown": {"compute": compute, "stall": time - compute,
+                          "communication": time - compute, "prediction": 0.0}}  # fmt: skip
+
+
+def test_ablation_reasons_come_from_the_numbers():
+    sim = {"ablation": {"static": _step(1.0, 0.2, 100, 0), "dynamic": _step(0.9, 0.1, 100, 0),
+                        "+ HT": _step(0.95, 0.1, 120, 20)}}  # fmt: skip
+    lines = ablation_reasons(sim)
+    assert lines[0].startswith("dynamic: 10.0% faster than static")
+    assert "Compute -100 ms" in lines[0]
+    assert lines[1].startswith("+ HT: 5.6% slower than dynamic")
+    assert "experts moved 100 -> 120 (40 prefetched, 20 of them unused)" in lines[1]
+    assert lines[2].startswith("Why: on this model the link is the bottleneck")
+    compute_bound = {"ablation": {"a": _step(1.0, 0.8, 10, 0), "b": _step(0.9, 0.8, 10, 0)}}
+    assert ablation_reasons(compute_bound)[-1].startswith("Why: compute takes 89%")
+
+
+def test_model_card_markdown_renders_its_parts():
+    text = ("# Card\n\nSome **bold** and `code` <b>.\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+            "- one\n  more\n- two\n\n```python\nx = 1 < 2\n```\n")  # fmt: skip
+    out = markdown_html(text)
+    assert "<h1>Card</h1>" in out
+    assert "<p>Some <b>bold</b> and <code>code</code> &lt;b&gt;.</p>" in out
+    assert "<tr><th>a</th><th>b</th></tr><tr><td>1</td><td>2</td></tr>" in out
+    assert "<ul><li>one more</li><li>two</li></ul>" in out
+    assert "<pre><code>x = 1 &lt; 2</code></pre>" in out
+
+
+def test_p_value_chart_caps_its_axis_and_has_no_legend_over_the_bars(monkeypatch, tmp_path):
+    from stmoe.analysis import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figs.append(fig) or path)
+    pairs = [{"layer": 0, "p_value": 1e-300, "significant": True, "cramers_v": 0.4},
+             {"layer": 1, "p_value": 0.5, "significant": False, "cramers_v": 0.01}]  # fmt: skip
+    data = {
+        "trace": {"synthetic": False},
+        "spatial": {"alpha": 0.01, "pairs_significant": 1, "pairs_total": 2, "pairs": pairs},
+    }
+    plots.spatial_tests(data, tmp_path / "s.png")
+    ax = figs[0].axes[0]
+    assert ax.get_ylim()[1] == pytest.approx(plots.LOGP_CAP * 1.3)
+    assert [b.get_height() for b in ax.patches] == pytest.approx([plots.LOGP_CAP, 0.30103])
+    assert ax.get_legend() is None
+    assert {">20\n(300)", "0.3", "p = 0.01"} <= {t.get_text() for t in ax.texts}
+
+
+def test_budget_curves_have_one_colour_each_and_the_legend_outside(monkeypatch, tmp_path):
+    from stmoe.analysis import plots
+    from stmoe.predictors import REGISTRY
+
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figs.append(fig) or path)
+    names = list(REGISTRY)
+    curve = {"budget": [1, 2], "set_size": [1.0, 2.0], "recall": [0.3, 0.5]}
+    data = {"trace": {"synthetic": False, "top_k": 4},
+            "predictability": {"scope": "all", "profiled_tokens": 1, "evaluated_tokens": 1,
+                               "curves": dict.fromkeys(names, curve)}}  # fmt: skip
+    plots.predictability(data, tmp_path / "p.png")
+    ax = figs[0].axes[0]
+    colours = {line.get_color() for line in ax.get_lines() if line.get_label() in names}
+    assert len(colours) == len(names) >= 11
+    legend = ax.get_legend()
+    assert legend is not None and legend.get_bbox_to_anchor().x0 > ax.bbox.x1  # right of it
+
+
+def test_normalized_time_chart_marks_the_lossy_system(monkeypatch, tmp_path, quick_demo):
+    from stmoe.sim import plots as sim_plots
+
+    figs = []
+    monkeypatch.setattr(sim_plots, "_save", lambda fig, path: figs.append(fig) or path)
+    sim = json.loads((quick_demo[1] / "simulator" / "simulate.json").read_text())
+    sim_plots.normalized_time(sim, tmp_path / "n.png")
+    fig = figs[0]
+    labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert labels == [n + "\n(LOSSY)" if n == "adap-gating" else n for n in sim["systems"]]
+    hatches = [str(p.get_hatch() or "") for p in fig.axes[0].patches]  # compute, then stall
+    expected = ["//" if n == "adap-gating" else "" for n in sim["systems"]]
+    assert hatches == expected + expected
+    assert any(t.get_text().startswith("adap-gating: LOSSY: runs") and "not comparable"
+               in t.get_text() for t in fig.texts)  # fmt: skip

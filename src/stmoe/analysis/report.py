@@ -18,6 +18,7 @@ import numpy as np
 from stmoe.analysis import plots
 from stmoe.analysis.evidence import analyze
 from stmoe.analysis.stats import ALPHA
+from stmoe.fileio import atomic_write_text
 from stmoe.predictors.tables import cooccurrence
 from stmoe.trace.schema import RoutingTrace
 
@@ -41,10 +42,10 @@ def write_report(
     title = f"Routing analysis: {data['trace']['model']}" + (
         " [SYNTHETIC DATA]" if data["trace"]["synthetic"] else ""
     )
-    (out / "report.md").write_text(_markdown(title, sections))
-    (out / "report.html").write_text(_html(title, sections))
+    atomic_write_text(out / "report.md", _markdown(title, sections))
+    atomic_write_text(out / "report.html", _html(title, sections))
     if with_json:
-        (out / "analysis.json").write_text(json.dumps(data, indent=1) + "\n")
+        atomic_write_text(out / "analysis.json", json.dumps(data, indent=1) + "\n")
     return data
 
 
@@ -130,18 +131,25 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
                _fmt(v["overlap_ratio"])] for x, v in d["per_domain"].items()]),
         ))  # fmt: skip
     if data["predictability"]:
-        p = data["predictability"]
+        p, k = data["predictability"], t["top_k"]
         plots.predictability(data, out / "predictability.png")
         sections.append(Section(
             "5. Predictability",
             [f"Tables profiled on the first {p['profiled_tokens']} tokens, predictors replayed on "
-             f"the other {p['evaluated_tokens']} ({p['scope']}). Each curve cuts every prefetch "
-             "set to its B highest-scored experts; stmoe-plus, hybrid, gate-lookahead, "
-             "frequency and random rank 4K experts for their curves, and the table gives "
-             "each predictor at its default set size."],
-            [("predictability.png", "Recall versus prefetch budget.")],
-            (["predictor", "recall", "mean set size"],
-             [[n, _fmt(p["recall"][n]), _fmt(p["set_size"][n])] for n in p["recall"]]),
+             f"the other {p['evaluated_tokens']} ({p['scope']}). Recall: the share of the "
+             "experts the router chose that the prediction named; set size: the experts one "
+             "prediction names (per layer). A larger set buys recall with link traffic, so "
+             "predictors are compared at equal mean set size: each curve cuts every prediction "
+             "to its B highest-scored experts (B = 1..4K) and plots recall against the mean "
+             "set size that gives; stmoe-plus, hybrid, gate-lookahead, frequency and random "
+             "rank 4K experts for their curves. The table gives each predictor at its default "
+             "set size, then at mean set sizes K and 2K ('-': its sets never get that large)."],
+            [("predictability.png", "Recall versus mean set size.")],
+            (["predictor", "recall", "mean set size", f"recall at set size K = {k}",
+              f"at 2K = {2 * k}"],
+             [[n, _fmt(p["recall"][n]), _fmt(p["set_size"][n]),
+               _fmt(recall_at_set_size(p["curves"][n], k)),
+               _fmt(recall_at_set_size(p["curves"][n], 2 * k))] for n in p["recall"]]),
         ))  # fmt: skip
     return sections
 
@@ -165,9 +173,23 @@ def _markdown(title: str, sections: list[Section]) -> str:
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
-def _text(text: str) -> str:
+def html_text(text: object) -> str:
     """``text`` for HTML: control characters dropped, markup escaped."""
-    return html.escape(_CONTROL.sub("", text))
+    return html.escape(_CONTROL.sub("", str(text)))
+
+
+_text = html_text
+
+
+def recall_at_set_size(curve: dict[str, list[float]], size: float) -> float | None:
+    """A predictor's recall at mean set size ``size``, read off its budget curve (linear
+    between budgets, from (0, 0)); None when its sets never get that large."""
+    xs, ys = np.asarray(curve["set_size"], float), np.asarray(curve["recall"], float)
+    if xs.size == 0 or size > xs.max() + 1e-9 or size < 0:
+        return None
+    sizes = np.unique(xs)  # the budgets' mean set sizes never shrink; a plateau: its best
+    best = np.array([ys[xs == x].max() for x in sizes])
+    return float(np.interp(size, np.r_[0.0, sizes], np.r_[0.0, best]))
 
 
 def _html(title: str, sections: list[Section]) -> str:

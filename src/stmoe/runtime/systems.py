@@ -20,6 +20,17 @@ COMPARED_SYSTEMS = {  # name: (predictor, cache policy)
     "hybrid": ("hybrid", "lru"),
     "oracle": ("oracle", "lru"),
 }
+# what each compared system does, in one line (the demo's report and table)
+SYSTEM_DESCRIPTIONS = {
+    "on-demand": "no prefetch, no reuse: every routed expert is loaded when the router asks",
+    "lru-only": "no prefetch; an LRU cache keeps recently used experts",
+    "stmoe": "ST-MoE prefetch (HT + CCT tables) into the LRU cache",
+    "stmoe-plus": "stmoe-plus prefetch (1.5K experts per layer) into the LRU cache",
+    "hybrid": "stmoe-plus fused with gate lookahead (1.5K experts) into the LRU cache",
+    "oracle": "prefetches exactly the experts the router will choose (known from a first pass)",
+}
+# the systems of the demo's headline figure: the baselines, ST-MoE, stmoe-plus and the bound
+HEADLINE_SYSTEMS = ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle")
 PLUS_SET_SIZE_IN_K = 1.5  # stmoe-plus and hybrid predict 1.5K experts per layer there
 _SIZED_AT_PLUS_SET_SIZE = ("stmoe-plus", "hybrid")
 
