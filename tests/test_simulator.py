@@ -171,3 +171,161 @@ def test_a_pregate_that_is_always_wrong_never_hits():
     trace = trace_for()
     r = run_system("pregated", trace, MODEL, ASIC, RunOptions(pregate_accuracy=0.0))
     assert r.counters["predicted_hits"] == 0 and r.counters["wasted"] > 0
+
+
+# ---- the runtime's host pipeline (sim/host.py; docs/simulator.md "Checked against the runtime")
+HOST_TOML = """description = "a test host"
+clock_hz = 1.0e9
+pe_macs_per_cycle = {pe}
+router_macs_per_cycle = 1.0
+dataflow = "weight_stationary"
+link_bytes_per_s = {bw}
+link_latency_s = 0.0
+cache_experts_per_layer = 8
+epu_cycles_per_candidate = 0
+epu_fixed_cycles = 0
+verify_cycles = 0
+emu_stages_per_group = 0
+pe_groups = 1
+mac_pj = 0.0
+sram_pj_per_byte = 0.0
+dram_pj_per_byte = 0.0
+link_pj_per_byte = 0.0
+static_w = 0.0
+epu_bits_per_slot = 10
+[dataflows]
+weight_stationary = {{ peak = 1.0, half = 0.0 }}
+[host]
+tier = "{tier}"
+workers = 2
+read_parallel_bytes_per_s = {par}
+layer_s = 0.002
+token_s = 0.003
+first_touch_s = 0.0
+"""
+
+
+def host_spec(tmp_path, pe=1.0, bw=1e9, par=1e9, tier="disk"):
+    path = tmp_path / "host.toml"
+    path.write_text(HOST_TOML.format(pe=pe, bw=bw, par=par, tier=tier))
+    return load_hardware(str(path))
+
+
+def host_trace(tokens=40):
+    return trace_for(MODEL, tokens=tokens, sequences=1, seed=3)
+
+
+def test_on_demand_on_the_host_is_compute_plus_every_read_in_turn(tmp_path):
+    from stmoe.sim.host_systems import HostOptions, simulate_runtime
+
+    hw = host_spec(tmp_path, pe=2.0, bw=4e8)
+    trace = host_trace()
+    data = simulate_runtime(trace, MODEL, hw, ["on-demand", "oracle"], HostOptions(capacity=8))
+    r = data["systems"]["on-demand"]
+    decode = int(np.count_nonzero(trace.is_decode))
+    expert_s = MODEL.expert_macs / 2e9
+    read_s = MODEL.expert_bytes / 4e8
+    per_layer = 0.002 + MODEL.top_k * (expert_s + read_s)  # no reuse: every expert read
+    want = decode * (0.003 + MODEL.layers * per_layer)
+    assert r["decode_tokens"] == decode and r["hit_rate"] == 0.0
+    assert r["decode_s"] == pytest.approx(want, rel=1e-9)
+    assert r["stall_s"] == pytest.approx(decode * MODEL.layers * MODEL.top_k * read_s, rel=1e-9)
+    assert data["systems"]["oracle"]["decode_s"] < r["decode_s"]
+
+
+def test_with_a_free_tier_every_system_costs_compute_alone(tmp_path):
+    from stmoe.sim.host_systems import RUNTIME_SYSTEMS, HostOptions, simulate_runtime
+
+    hw = host_spec(tmp_path, bw=1e300, par=1e300)
+    trace = host_trace()
+    tables = profile(trace, fit_plus=False)
+    data = simulate_runtime(trace, MODEL, hw, list(RUNTIME_SYSTEMS),
+                            HostOptions(capacity=8, decode_tokens=5, tables=tables))  # fmt: skip
+    compute = 5 * (0.003 + MODEL.layers * (0.002 + MODEL.top_k * MODEL.expert_macs / 1e9))
+    for name, r in data["systems"].items():
+        assert r["decode_s"] == pytest.approx(compute, rel=1e-9), name
+        assert r["stall_s"] == pytest.approx(0.0, abs=1e-12), name
+
+
+def test_lru_hits_on_the_host_equal_the_cache_replay_without_prefetch(tmp_path):
+    """Without prefetches or overflow, the host's cache is the replay's (one step per layer)."""
+    from stmoe.cache_replay import replay_cache
+    from stmoe.predictors import make
+    from stmoe.sim.host_systems import HostOptions, simulate_runtime
+    from stmoe.trace.select import decode_only
+
+    trace = decode_only(host_trace(60))  # every token is its own step in both
+    trace = dataclasses.replace(trace, is_decode=np.arange(trace.num_tokens) > 0)
+    data = simulate_runtime(trace, MODEL, host_spec(tmp_path), ["lru-only"],
+                            HostOptions(capacity=8))  # fmt: skip
+    plan = make("ondemand", stmoe.predictors.ModelShape.of(trace)).plan(trace)
+    want = replay_cache(trace, plan, 8, "lru", count_mask=np.asarray(trace.is_decode))
+    assert data["systems"]["lru-only"]["hit_rate"] == pytest.approx(want.hit_rate, abs=1e-12)
+
+
+def test_a_shared_device_splits_its_speed_and_a_link_serialises():
+    from stmoe.sim.host_link import FifoLink, SharedLink
+
+    shared = SharedLink(parallel=1.0)
+    shared.start(0, 0.0, 1.0)
+    shared.start(1, 0.0, 1.0)
+    assert shared.pop() == (2.0, 0) and shared.pop() == (2.0, 1)
+    faster = SharedLink(parallel=2.0)
+    faster.start(0, 0.0, 1.0)
+    faster.start(1, 0.5, 1.0)  # alone for 0.5 s, then both at speed 1 each
+    assert faster.pop() == (1.0, 0) and faster.pop() == (1.5, 1)
+    fifo = FifoLink()
+    fifo.start(0, 0.0, 1.0)
+    fifo.start(1, 0.5, 1.0)
+    assert fifo.pop() == (1.0, 0) and fifo.pop() == (2.0, 1)
+
+
+def test_runtime_systems_match_the_runtimes():
+    pytest.importorskip("torch")
+    from stmoe.runtime.systems import COMPARED_SYSTEMS, PLUS_SET_SIZE_IN_K
+    from stmoe.sim import host_systems
+
+    for name, system in host_systems.RUNTIME_SYSTEMS.items():
+        assert COMPARED_SYSTEMS[name] == system
+    assert host_systems.PLUS_SET_SIZE_IN_K == PLUS_SET_SIZE_IN_K
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.replace('tier = "disk"', 'tier = "tape"'), "host.tier is 'tape'"),
+        (lambda t: t.replace("layer_s = 0.002", "layer_s = -1.0"), "host.layer_s is -1.0"),
+        (lambda t: t.replace("token_s = 0.003\n", ""), "[host] lacks token_s"),
+        (lambda t: t.replace("workers = 2", "workers = 2\nspeed = 1"), "unknown keys speed"),
+        (lambda t: t.replace("workers = 2", 'workers = "two"'), "host.workers is 'two'"),
+        (lambda t: t.replace("link_bytes_per_s = 1000000000.0", "link_bytes_per_s = nan"),
+         "link_bytes_per_s is nan"),
+    ],
+)  # fmt: skip
+def test_bad_host_tables_are_clear(tmp_path, edit, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(edit(HOST_TOML.format(pe=1.0, bw=1e9, par=1e9, tier="disk")))
+    with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_hardware(str(path))
+
+
+def test_a_preset_without_host_cannot_run_the_runtime_pipeline(cli, tmp_path):
+    from stmoe.trace import save_trace
+
+    tiny = stmoe.synthesize(tokens=40, layers=8, experts=16, top_k=4, sequences=1, seed=0)
+    save_trace(tiny, tmp_path / "t.npz")
+    res = cli("simulate", tmp_path / "t.npz", "--model", "stmoe-tiny", "--layers", "4",
+              "--hardware", "edge-ssd", "--pipeline", "runtime")  # fmt: skip
+    assert res.exit_code == 1
+    assert "no [host] table" in res.output and "stmoe calibrate" in res.output
+    res = cli("simulate", tmp_path / "t.npz", "--model", "stmoe-tiny", "--pipeline", "gpu")
+    assert res.exit_code == 1 and "expected accelerator or runtime" in res.output
+
+
+def test_stmoe_plus_is_fitted_only_when_simulated():
+    from stmoe.sim.simulate import needs_plus_fit, prepare_tables
+
+    trace = trace_for(MODEL)
+    assert "plus" not in prepare_tables(trace, None, ["stmoe", "oracle"])[1].info
+    assert "plus" in prepare_tables(trace, None, ["stmoe-plus"])[1].info
+    assert needs_plus_fit(["hybrid"]) and not needs_plus_fit(["gpu-baseline", "pregated"])

@@ -17,6 +17,7 @@ import typer
 from stmoe import __version__
 from stmoe.cli import (
     analyze_cmd,
+    calibrate_cmd,
     capture_cmd,
     demo,
     generate_cmd,
@@ -67,6 +68,7 @@ app.command("demo")(friendly(demo.demo))
 app.command("make-model")(friendly(make_model_cmd.make_model_cmd))
 app.command("pack")(friendly(pack_cmd.pack_cmd))
 app.command("generate")(friendly(generate_cmd.generate_cmd))
+app.command("calibrate")(friendly(calibrate_cmd.calibrate_cmd))
 app.command("train-tiny")(friendly(train_cmd.train_tiny_cmd))
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -19,6 +20,7 @@ from stmoe.cli._common import (
     print_json,
     write_json,
 )
+from stmoe.errors import StmoeError
 
 
 def simulate_cmd(
@@ -51,6 +53,24 @@ def simulate_cmd(
     adap_threshold: Annotated[
         float, typer.Option(help="Adaptive-Gating: gate mass a token keeps (lossy), 0 to 1.")
     ] = 0.8,
+    pipeline: Annotated[
+        str,
+        typer.Option(
+            help="accelerator: the paper's pipeline; runtime: the offloading runtime on this "
+            "host (needs a `stmoe calibrate` hardware .toml; systems on-demand, lru-only, "
+            "stmoe, stmoe-plus, oracle)."
+        ),
+    ] = "accelerator",
+    capacity: Annotated[
+        str, typer.Option(help="Runtime pipeline: experts cached per layer (8) or a share (50%).")
+    ] = "50%",
+    layers: Annotated[
+        int | None, typer.Option(help="Only the first N MoE layers (a make-model --layers model).")
+    ] = None,
+    decode_tokens: Annotated[
+        int | None, typer.Option(help="Runtime pipeline: decode tokens replayed (default: all).")
+    ] = None,
+    sequence: Annotated[int, typer.Option(help="Runtime pipeline: the sequence replayed.")] = 0,
     json_out: Annotated[
         Path | None, path_option("--json", help="Write the results as JSON ('-': stdout).")
     ] = None,
@@ -72,10 +92,11 @@ def simulate_cmd(
     """
     from stmoe.predictors import load_tables
     from stmoe.sim import plots
-    from stmoe.sim.simulate import simulate, sweep
+    from stmoe.sim.simulate import check_model_fits, prepare_tables, simulate, sweep
     from stmoe.sim.specs import load_hardware, load_model
     from stmoe.sim.systems import PAPER_SYSTEMS, RunOptions
     from stmoe.trace import import_files
+    from stmoe.trace.select import first_layers
 
     check_inputs("a trace file", trace_path)
     for spec in (model, hardware):
@@ -84,15 +105,30 @@ def simulate_cmd(
     check_range("--batch", batch, 1)
     check_range("--pregate-accuracy", pregate_accuracy, 0.0, 1.0)
     check_range("--adap-threshold", adap_threshold, 0.0, 1.0)
+    check_range("--layers", layers, 1)
+    check_range("--decode-tokens", decode_tokens, 1)
+    check_range("--sequence", sequence, 0)
+    if pipeline not in ("accelerator", "runtime"):
+        raise StmoeError(f"--pipeline {clean_label(pipeline)}: expected accelerator or runtime")
     json_to_stdout(json_out)
     loaded = load_tables(tables) if tables else None  # checked before the trace is read
     trace = import_files([trace_path])
     spec_m, spec_h = load_model(model), load_hardware(hardware)
+    if layers is not None:  # a model of the first N layers routes the trace's first N
+        trace = first_layers(trace, layers)
+        spec_m = dataclasses.replace(spec_m, layers=layers)
+    if pipeline == "runtime":
+        _runtime(trace, spec_m, spec_h, system, loaded, (capacity, decode_tokens, sequence),
+                 json_out)  # fmt: skip
+        return
     systems = system or list(PAPER_SYSTEMS)
+    check_model_fits(trace, spec_m)
+    trace, loaded, note = prepare_tables(trace, loaded, systems)  # once, for every sweep too
     opts = RunOptions(tables=loaded, batch=batch,
                       pregate_accuracy=pregate_accuracy, adap_threshold=adap_threshold,
                       policy=policy)  # fmt: skip
     data = simulate(trace, spec_m, spec_h, systems, opts)
+    data["tables"] = note
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
         plots.normalized_time(data, output_dir / "normalized_time.png")
@@ -139,3 +175,47 @@ def _print(data: dict) -> None:
         kept, dropped = q["experts_per_token_layer"], q["dropped_gate_mass"]
         out.print(f"adap-gating is lossy: keeps {kept:.2f} experts per token-layer, dropping "
                   f"{dropped:.1%} of the gate mass")  # fmt: skip
+
+
+def _runtime(trace: Any, model: Any, hw: Any, system: list[str] | None, tables: Any,
+             replay: tuple[str, int | None, int], json_out: Path | None) -> None:  # fmt: skip
+    """``--pipeline runtime``: the runtime's systems replaying one sequence on this host."""
+    from stmoe.predictors import profile
+    from stmoe.sim.host_systems import RUNTIME_SYSTEMS, HostOptions, simulate_runtime
+    from stmoe.sim.simulate import check_model_fits, needs_plus_fit
+
+    capacity, decode_tokens, sequence = replay
+    check_model_fits(trace, model)
+    systems = system or list(RUNTIME_SYSTEMS)
+    note = "given"
+    if tables is None:  # as benchmarks/bench_offload_real.py: in-sample, said so
+        tables = profile(trace, fit_plus=needs_plus_fit(systems))
+        note = "profiled on the simulated trace itself (IN-SAMPLE)"
+    text = capacity.strip()
+    try:
+        share = text.endswith("%")
+        value = float(text[:-1]) if share else int(text)
+    except ValueError:
+        raise StmoeError(f"--capacity {clean_label(capacity)}: expected experts per layer (8) "
+                         "or a share (50%)") from None  # fmt: skip
+    per_layer = round(model.num_experts * value / 100) if share else value
+    options = HostOptions(capacity=int(per_layer), sequence=sequence,
+                          decode_tokens=decode_tokens, tables=tables)  # fmt: skip
+    data = simulate_runtime(trace, model, hw, systems, options)
+    data["tables"] = note
+    if json_to_stdout(json_out):
+        print_json(data)
+        return
+    synthetic = " [SYNTHETIC TRACE]" if data["trace"]["synthetic"] else ""
+    table = Table(title=f"runtime pipeline: {clean_label(data['model'])} on "
+                  f"{clean_label(data['hardware'])}, {per_layer} experts cached per layer"
+                  + synthetic, title_justify="left")  # fmt: skip
+    for col in ("system", "decode tok/s", "decode s", "stall share", "hit rate", "moved GiB"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for name, r in data["systems"].items():
+        table.add_row(clean_label(name), f"{r['decode_tokens_per_s']:.3g}", f"{r['decode_s']:.4g}",
+                      f"{r['stall_share']:.2f}", f"{r['hit_rate']:.3f}",
+                      f"{r['bytes_moved'] / 2**30:.2f}")  # fmt: skip
+    out.print(table)
+    out.print(f"tables: {clean_label(note)}")
+    write_json(data, json_out)

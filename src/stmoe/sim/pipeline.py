@@ -291,4 +291,3 @@ def _insert(layer, e, stamp, state, in_use):  # pragma: no cover - compiled
     resident[layer, e] = True
     last_use[layer, e] = stamp
     n_res[layer] += 1
-

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from stmoe._progress import progress
 from stmoe.predictors import ModelShape, ProfiledTables, profile
 from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
 from stmoe.sim.systems import ABLATION, PAPER_SYSTEMS, RunOptions, run_system
@@ -48,18 +49,25 @@ def epu_storage(model: ModelSpec, hw: HardwareSpec, row_width: int) -> dict[str,
     }
 
 
+def needs_plus_fit(systems: Sequence[str]) -> bool:
+    """Whether any of ``systems`` runs a predictor that reads stmoe-plus's fitted weights
+    (the fit is the slow part of profiling: done only then)."""
+    return any(s.startswith(("stmoe-plus", "hybrid", "stmoe-mix")) for s in systems)
+
+
 def prepare_tables(
-    trace: RoutingTrace, tables: ProfiledTables | None
+    trace: RoutingTrace, tables: ProfiledTables | None, systems: Sequence[str] = ()
 ) -> tuple[RoutingTrace, ProfiledTables, str]:
     """The trace to simulate and the tables: given ones, or profiled on the first half
-    of the trace with the held-out second half simulated."""
+    of the trace with the held-out second half simulated (stmoe-plus's weights fitted
+    only when one of ``systems`` needs them)."""
     if tables is not None:
         tables.check_fits(ModelShape.of(trace))
         return trace, tables, "given"
     first, rest = split_auto(trace, 0.5)
     return (
         rest,
-        profile(first),
+        profile(first, fit_plus=needs_plus_fit(systems)),
         "profiled on the first half of the trace; the second half simulated",
     )
 
@@ -79,10 +87,11 @@ def simulate(
     check_model_fits(trace, model)
     if options.batch < 1:
         raise SpecError(f"batch {options.batch}: expected >= 1")
-    trace, tables, note = prepare_tables(trace, options.tables)
+    trace, tables, note = prepare_tables(trace, options.tables, systems)
     run = dataclasses.replace(options, tables=tables)
     names = list(dict.fromkeys(["gpu-baseline", *systems]))
-    results = {n: run_system(n, trace, model, hw, run) for n in names}
+    results = {n: run_system(n, trace, model, hw, run)
+               for n in progress(names, len(names), "simulating the systems")}  # fmt: skip
     base = results["gpu-baseline"].time
     out: dict[str, Any] = {
         "model": model.name,
@@ -119,10 +128,10 @@ def sweep(
 ) -> dict[str, Any]:
     """Normalized time of ``systems`` as one hardware or run parameter varies."""
     options = options or RunOptions()
-    trace, tables, _ = prepare_tables(trace, options.tables)  # once, not per point
+    trace, tables, _ = prepare_tables(trace, options.tables, systems)  # once, not per point
     options = dataclasses.replace(options, tables=tables)
     table: dict[str, list[float]] = {n: [] for n in systems}
-    for value in values:
+    for value in progress(values, len(values), f"sweeping {parameter}"):
         spec, opts = hw, options
         if parameter == "batch":
             opts = dataclasses.replace(options, batch=int(value))

@@ -7,6 +7,7 @@ TOML file (same keys) works wherever a preset name does.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -72,6 +73,24 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class HostSpec:
+    """The offloading runtime's host pipeline (``sim/host.py``): a CPU computing, a tier
+    read by the compute thread's misses and ``workers`` prefetch threads. Written by
+    ``stmoe calibrate`` as a ``[host]`` table; the expert compute rate is the spec's
+    ``pe_macs_per_cycle * clock_hz``, the tier's single-reader speed its ``link_*``."""
+
+    tier: str  # "disk" (concurrent reads share the device) or "emulated" (one FIFO link)
+    workers: int  # prefetch threads
+    read_parallel_bytes_per_s: float  # the tier's throughput with workers + 1 readers
+    layer_s: float  # per decode token and MoE layer, outside the experts call
+    token_s: float  # per decode token, outside the MoE decoder layers
+    first_touch_s: float  # extra per read into cache memory never used before (page faults)
+
+
+HOST_TIERS = ("disk", "emulated")
+
+
+@dataclass(frozen=True)
 class HardwareSpec:
     name: str
     description: str
@@ -94,27 +113,29 @@ class HardwareSpec:
     static_w: float
     epu_bits_per_slot: int
     dataflows: dict[str, Dataflow]
+    host: HostSpec | None = None  # the runtime's host pipeline, where calibrated
 
 
 def _load(kind: str, name_or_path: str, cls: type) -> Any:
     table = _table(kind, name_or_path)
-    fields = {f.name for f in dataclasses.fields(cls)} - {"name", "dataflows"}
+    fields = {f.name for f in dataclasses.fields(cls)} - {"name", "dataflows", "host"}
     missing = sorted(fields - set(table) - {"description", "source"})
     if missing:
         raise SpecError(f"{kind} spec {name_or_path!r} lacks {', '.join(missing)}")
-    unknown = sorted(set(table) - fields - {"dataflows"})
+    unknown = sorted(set(table) - fields - {"dataflows", "host", "description", "source"})
     if unknown:
         raise SpecError(f"{kind} spec {name_or_path!r} has unknown keys {', '.join(unknown)}")
     values: dict[str, Any] = {"name": Path(name_or_path).stem if name_or_path.endswith(".toml")
                               else name_or_path}  # fmt: skip
     for f in dataclasses.fields(cls):
-        if f.name in table and f.name != "dataflows":
+        if f.name in table and f.name not in ("dataflows", "host"):
             values[f.name] = _typed(kind, name_or_path, f.name, table[f.name], f.type)
     for text in ("description", "source"):
         if text in {f.name for f in dataclasses.fields(cls)}:
             values.setdefault(text, "")
     if cls is HardwareSpec:
         values["dataflows"] = _dataflows(name_or_path, table)
+        values["host"] = _host(name_or_path, table)
     spec = cls(**values)
     _check_positive(kind, name_or_path, spec)
     return spec
@@ -165,10 +186,41 @@ def _dataflows(where: str, table: dict[str, Any]) -> dict[str, Dataflow]:
     return out
 
 
+def _host(where: str, table: dict[str, Any]) -> HostSpec | None:
+    """The optional ``[host]`` table: every key present, typed, in range."""
+    host = table.get("host")
+    if host is None:
+        return None
+    if not isinstance(host, dict):
+        raise SpecError(f"hardware spec {where!r}: host must be a table ([host])")
+    names = [f.name for f in dataclasses.fields(HostSpec)]
+    missing, unknown = sorted(set(names) - set(host)), sorted(set(host) - set(names))
+    if missing or unknown:
+        what = "; ".join(
+            ([f"lacks {', '.join(missing)}"] if missing else [])
+            + ([f"has unknown keys {', '.join(unknown)}"] if unknown else [])
+        )
+        raise SpecError(f"hardware spec {where!r}: [host] {what}")
+    values = {f.name: _typed("hardware", where, f"host.{f.name}", host[f.name], f.type)
+              for f in dataclasses.fields(HostSpec)}  # fmt: skip
+    spec = HostSpec(**values)
+    if spec.tier not in HOST_TIERS:
+        raise SpecError(f"hardware spec {where!r}: host.tier is {spec.tier!r}, expected "
+                        f"{' or '.join(HOST_TIERS)}")  # fmt: skip
+    for key in ("workers", "layer_s", "token_s", "first_touch_s"):
+        if not getattr(spec, key) >= 0:
+            raise SpecError(f"hardware spec {where!r}: host.{key} is {getattr(spec, key)}, "
+                            "expected >= 0")  # fmt: skip
+    if not (spec.read_parallel_bytes_per_s > 0 and math.isfinite(spec.read_parallel_bytes_per_s)):
+        raise SpecError(f"hardware spec {where!r}: host.read_parallel_bytes_per_s must be "
+                        "positive and finite")  # fmt: skip
+    return spec
+
+
 def _check_positive(kind: str, where: str, spec: Any) -> None:
     for f in dataclasses.fields(spec):
         value = getattr(spec, f.name)
-        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+        if isinstance(value, int | float) and not isinstance(value, bool) and not value >= 0:
             raise SpecError(f"{kind} spec {where!r}: {f.name} is {value}, expected >= 0")
     for must in ("layers", "hidden", "num_experts", "top_k", "clock_hz", "pe_macs_per_cycle",
                  "link_bytes_per_s"):  # fmt: skip

@@ -1,0 +1,136 @@
+"""The simulator checked against the runtime: simulated against measured decode time.
+
+Takes bench_offload_real.py's JSON (``--measured``: every run's figures per tier
+and system) and a hardware preset of this machine from ``stmoe calibrate``
+(``--hardware``, or ``--calibrate`` to measure it now on the benchmark's own
+checkpoint and store, about 30 s), simulates the same systems on the same trace
+cut to the same layers and decode tokens with ``stmoe simulate --pipeline
+runtime``'s model (``stmoe.sim.host_systems``), and prints per system the
+simulated and measured decode tokens/s, their ratio and MET / NOT MET (within
+20%), with the hit rate, stall share and bytes moved beside, so a disagreement
+can be traced. Writes the figure docs/figures/sim_vs_measured.png.
+
+    python benchmarks/bench_sim_check.py --measured /tmp/bench_real2.json \\
+        (--hardware hw.toml | --calibrate [--hardware hw.toml]) [--layers 8] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+SAMPLE = SHARED / "qwen3.6-35b-a3b_chat-1prompt.npz"
+PRESET = "qwen3.6-35b-a3b"
+SYSTEMS = ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle")
+TOLERANCE = 0.2
+FIGURE = Path(__file__).resolve().parents[1] / "docs" / "figures" / "sim_vs_measured.png"
+
+
+def bench_paths(layers: int) -> tuple[Path, Path, Path]:
+    import os
+
+    root = Path(os.environ.get("STMOE_BENCH_DIR", Path.home() / ".cache" / "stmoe" / "bench"))
+    return (root / f"{PRESET}-L{layers}", root / f"{PRESET}-L{layers}.store",
+            root / f"{PRESET}-L{layers}.tables.npz")  # fmt: skip
+
+
+def measured_runs(path: Path, tier: str) -> dict[str, list[dict[str, Any]]]:
+    data = json.loads(path.read_text())
+    if tier not in data or "runs" not in data[tier]:
+        raise SystemExit(f"{path}: no runs of tier {tier!r} (tiers: {', '.join(data)})")
+    return data[tier]["runs"]
+
+
+def simulated(args: argparse.Namespace) -> dict[str, Any]:
+    from stmoe.predictors import load_tables, profile
+    from stmoe.sim.host_systems import HostOptions, simulate_runtime
+    from stmoe.sim.specs import load_hardware, load_model
+    from stmoe.trace import load_trace
+    from stmoe.trace.select import first_layers
+
+    trace = first_layers(load_trace(SAMPLE), args.layers)
+    model = dataclasses.replace(load_model(PRESET), layers=args.layers)
+    hw = load_hardware(str(args.hardware))
+    tables_path = bench_paths(args.layers)[2]
+    tables = load_tables(tables_path) if tables_path.is_file() else profile(trace)
+    share = float(args.capacity.rstrip("%")) / 100
+    options = HostOptions(capacity=round(share * model.num_experts),
+                          decode_tokens=args.tokens - 1, tables=tables)  # fmt: skip
+    return simulate_runtime(trace, model, hw, SYSTEMS, options)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--measured", type=Path, required=True, help="bench_offload_real.py --json")
+    ap.add_argument("--hardware", type=Path, default=Path("/tmp/stmoe-calibrated.toml"))
+    ap.add_argument("--calibrate", action="store_true", help="run stmoe calibrate first")
+    ap.add_argument("--seconds", default="4", help="calibrate's reading time per measurement")
+    ap.add_argument("--tier", default="disk")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per replay, as measured")
+    ap.add_argument("--capacity", default="50%")
+    ap.add_argument("--figure", type=Path, default=FIGURE)
+    ap.add_argument("--json", type=Path, help="write the comparison here")
+    args = ap.parse_args()
+    runs = measured_runs(args.measured, args.tier)
+    if args.calibrate:
+        model, store, _ = bench_paths(args.layers)
+        subprocess.run([sys.executable, "-m", "stmoe", "calibrate", "--model", str(model),
+                        "--store", str(store), "--tier", args.tier, "--capacity", args.capacity,
+                        "--seconds", args.seconds, "-o", str(args.hardware)],
+                       check=True)  # fmt: skip
+    sim = simulated(args)
+    rows = []
+    print(
+        f"\n{'system':11} {'sim tok/s':>9} {'measured tok/s':>22} {'time ratio':>10} "
+        f"{'hit sim/meas':>13} {'stall sim/meas':>15} {'moved GiB sim/meas':>19}  within 20%"
+    )
+    for name in SYSTEMS:
+        s, rs = sim["systems"][name], runs[name]
+        speeds = [r["decode_tokens_per_s"] for r in rs]
+        med = {k: statistics.median(r[k] for r in rs) for k in ("hit_rate", "stall_share",
+                                                                  "bytes_moved")}  # fmt: skip
+        m = statistics.median(speeds)
+        ratio = m / s["decode_tokens_per_s"]  # simulated time over measured time
+        ok = abs(ratio - 1) <= TOLERANCE
+        rows.append({"system": name, "simulated": s["decode_tokens_per_s"], "measured": m,
+                     "range": [min(speeds), max(speeds)], "time_ratio": ratio, "met": ok,
+                     "sim": {k: s[k] for k in ("hit_rate", "stall_share", "bytes_moved")},
+                     "measured_median": med})  # fmt: skip
+        print(f"{name:11} {s['decode_tokens_per_s']:9.2f} {m:8.2f} [{min(speeds):5.2f}, "
+              f"{max(speeds):5.2f}] {ratio:10.2f} {s['hit_rate']:6.3f}/{med['hit_rate']:.3f} "
+              f"{s['stall_share']:7.2f}/{med['stall_share']:.2f} "
+              f"{s['bytes_moved'] / 2**30:9.2f}/{med['bytes_moved'] / 2**30:.2f}  "
+              f"{'MET' if ok else 'NOT MET'}")  # fmt: skip
+    c = sim["costs"]
+    print(f"host costs: layer {c['layer_s'] * 1e3:.2f} ms, token {c['token_s'] * 1e3:.2f} ms, "
+          f"expert {c['expert_s'] * 1e3:.3f} ms, read {c['read_s'] * 1e3:.2f} ms, parallel x"
+          f"{c['parallel']:.2f}, first touch {c['first_touch_s'] * 1e3:.2f} ms")  # fmt: skip
+    compute = c["token_s"] + args.layers * (c["layer_s"] + 8 * c["expert_s"])
+    cached = json.loads(args.measured.read_text()).get("all_cached", {}).get("stmoe")
+    if cached:  # the benchmark's own compute-only run, against calibrate's
+        speed = statistics.median(r["decode_tokens_per_s"] for r in cached)
+        print(f"compute per token: calibrated {compute * 1e3:.1f} ms; the benchmark's "
+              f"every-expert-cached run {1e3 / speed:.1f} ms")  # fmt: skip
+    from stmoe.sim.check_plot import sim_vs_measured
+
+    title = (f"{PRESET}, first {args.layers} layers, {args.tokens} new tokens, "
+             f"{args.capacity} cached, tier {args.tier}\n{sim['hardware']}")  # fmt: skip
+    sim_vs_measured(rows, title, args.figure, TOLERANCE)
+    print(f"wrote {args.figure}")
+    if args.json:
+        from stmoe.fileio import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps({"rows": rows, "simulation": sim}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""`stmoe calibrate`: measure this machine as a hardware preset for `stmoe simulate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from stmoe.cli._common import check_range, clean_label, out, path_option
+
+
+def calibrate_cmd(
+    output: Annotated[Path, path_option("--output", "-o", help="Hardware .toml to write.")],
+    model: Annotated[
+        Path, path_option("--model", help="Model folder (a checkpoint `stmoe pack` packed).")
+    ],
+    store: Annotated[
+        Path | None, path_option("--store", help="Its expert store (default: as generate).")
+    ] = None,
+    tier: Annotated[str, typer.Option(help="Tier to measure: disk or emulated.")] = "disk",
+    bandwidth: Annotated[
+        str | None, typer.Option(help="The emulated link's bandwidth (e.g. 1GB).")
+    ] = None,
+    latency: Annotated[str, typer.Option(help="The emulated link's latency (e.g. 50us).")] = "0",
+    capacity: Annotated[
+        str, typer.Option(help="The cache the preset describes (8, 50%, 64MB).")
+    ] = "50%",
+    seconds: Annotated[float, typer.Option(help="Seconds of each read measurement.")] = 4.0,
+    tokens: Annotated[int, typer.Option(help="Decode tokens of the compute measurement.")] = 12,
+    threads: Annotated[int, typer.Option(help="Torch compute threads (as generate).")] = 1,
+    workers: Annotated[
+        int | None, typer.Option(help="Prefetch threads (default: the runtime's for the tier).")
+    ] = None,
+) -> None:
+    """Measure the tier (bandwidth and latency reading expert blocks of the store, alone
+    and with the prefetch workers) and the compute per decode token at the model's sizes,
+    with the runtime's own code; write them as a hardware preset whose every number says
+    how, when and on what it was measured. `stmoe simulate --pipeline runtime --hardware
+    OUT.toml` then predicts the runtime's decode time on this machine (docs/simulator.md).
+    """
+    from stmoe.errors import StmoeError
+    from stmoe.fileio import atomic_write_text, check_output_path
+    from stmoe.runtime.calibrate import CalibrateOptions, calibrate
+    from stmoe.sim.calibrated import hardware_toml
+    from stmoe.sim.specs import load_hardware
+
+    check_range("--seconds", seconds, 0.0, 600.0, exclusive=True)
+    check_range("--tokens", tokens, 1, 1000)
+    check_range("--threads", threads, 1)
+    check_range("--workers", workers, 0)
+    if output.suffix != ".toml":
+        raise StmoeError(f"--output {clean_label(output)}: expected a .toml file name")
+    check_output_path(output)
+    options = CalibrateOptions(tier=tier, bandwidth=bandwidth, latency=latency, seconds=seconds,
+                               tokens=tokens, threads=threads, workers=workers,
+                               capacity=capacity)  # fmt: skip
+    figures = calibrate(model, store, options)
+    atomic_write_text(output, hardware_toml(figures))
+    spec = load_hardware(str(output))  # what was written loads as a hardware spec
+    host = spec.host
+    assert host is not None
+    out.print(f"read {spec.link_bytes_per_s / 1e9:.3f} GB/s alone, "
+              f"{host.read_parallel_bytes_per_s / 1e9:.3f} GB/s with {host.workers + 1} readers, "
+              f"latency {spec.link_latency_s * 1e6:.0f} us, first touch "
+              f"{host.first_touch_s * 1e3:.2f} ms; per decode token: "
+              f"{figures['token_s'] * 1e3:.1f} ms "
+              f"({figures['experts_s'] * 1e3:.1f} in experts)")  # fmt: skip
+    out.print(f"wrote {clean_label(output)}")

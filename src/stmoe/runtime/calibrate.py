@@ -1,0 +1,300 @@
+"""``stmoe calibrate``: measure this machine as the offloading runtime uses it.
+
+The simulator's host pipeline (``stmoe.sim.host``, ``stmoe simulate --pipeline
+runtime``) needs a hardware preset of *this* machine: how fast the tier brings
+an expert block into a cache slot, alone and with the prefetch workers reading
+too, and how long one decode token computes at the model's sizes. Every figure
+here is measured with the runtime's own code paths:
+
+* reads: expert blocks of the packed store, in a random order, through the tier
+  (``DiskTier.read_into`` straight into page-aligned slot memory plus its CRC32
+  check, or the emulated link's fetch and the copy into the slot), by 1 thread
+  (the compute thread's misses) and by ``workers + 1`` threads at once (the
+  workers and the compute thread together); latency from one-page reads;
+* compute: ``stmoe.offload`` itself replaying a routing that always picks the
+  same top-K experts, so after the prompt every expert is a hit and a decode
+  token is pure compute plus the runtime's per-layer work; the experts calls and
+  the decoder layers are timed inside that run.
+
+``stmoe.sim.calibrated.hardware_toml`` writes the figures with the keys of
+``sim/data/hardware.toml`` and a ``[host]`` table, each number with a comment
+saying how, when and on what it was measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stmoe.runtime.cache import param_specs
+from stmoe.runtime.store import ALIGN, Block, ExpertStore, StoreError, open_store
+from stmoe.runtime.tiers import Tier, aligned_buffer, open_tier, padded
+
+CALIBRATED_TIERS = ("disk", "emulated")
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    """What to measure and for how long (``calibrate``)."""
+
+    tier: str = "disk"
+    bandwidth: float | str | None = None  # the emulated link's (bytes/s)
+    latency: float | str = 0.0  # the emulated link's (s)
+    seconds: float = 4.0  # reading time of each read measurement
+    tokens: int = 12  # decode tokens of the compute measurement
+    threads: int = 1  # torch compute threads
+    workers: int | None = None  # prefetch threads (default: the runtime's for the tier)
+    capacity: str | int = "50%"  # the cache the preset describes (its cache_experts_per_layer)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Reads:
+    """Blocks read by ``threads`` threads at once for ``wall_s``."""
+
+    threads: int
+    blocks: int
+    nbytes: int
+    wall_s: float
+    median_read_s: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.nbytes / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def check_options(o: CalibrateOptions) -> None:
+    """Refuse what cannot be measured, in one line, before anything loads."""
+    if o.tier not in CALIBRATED_TIERS:
+        raise StoreError(f"calibrate measures --tier disk or emulated, not {o.tier!r}")
+    if not (o.seconds > 0 and o.seconds <= 600):
+        raise StoreError(f"--seconds {o.seconds}: expected more than 0 and at most 600")
+    if not 1 <= o.tokens <= 1000:
+        raise StoreError(f"--tokens {o.tokens}: expected 1 to 1000 decode tokens")
+    if o.threads < 1 or (o.workers is not None and o.workers < 0):
+        raise StoreError("--threads must be >= 1 and --workers >= 0")
+
+
+def measure_reads(store: ExpertStore, tier: Tier, threads: int, seconds: float,
+                  seed: int) -> Reads:  # fmt: skip
+    """``threads`` threads reading distinct random blocks into slot-like memory for
+    about ``seconds`` (at least one block each), as the runtime fills a cache slot."""
+    blocks = list(store.blocks.values())
+    random.Random(seed).shuffle(blocks)  # a small store's blocks come round again
+    size = max(padded(b) for b in blocks)
+    lock, times, moved, taken = threading.Lock(), [], [0], [0]
+    deadline = time.perf_counter() + seconds
+
+    def reader() -> None:
+        slot, buf = aligned_buffer(size), aligned_buffer(size)
+        first = True
+        while first or time.perf_counter() < deadline:
+            first = False
+            with lock:
+                block = blocks[taken[0] % len(blocks)]
+                taken[0] += 1
+            start = time.perf_counter()
+            _fill(tier, block, _slot_parts(block, slot), buf)
+            with lock:
+                times.append(time.perf_counter() - start)
+                moved[0] += block.nbytes
+
+    pool = [threading.Thread(target=reader, daemon=True) for _ in range(threads)]
+    start = time.perf_counter()
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    wall = time.perf_counter() - start
+    return Reads(threads, len(times), moved[0], wall, statistics.median(times))
+
+
+def _slot_parts(block: Block, slot: Any) -> list[np.ndarray]:
+    """A cache slot's memory as the block's tensors, in block order (as ``LayerCache``)."""
+    raw = np.frombuffer(slot, dtype=np.uint8)
+    return [raw[p.offset : p.offset + p.nbytes] for p in param_specs(block)]
+
+
+def _fill(tier: Tier, block: Block, parts: list[np.ndarray], buf: Any) -> None:
+    """What ``OffloadEngine._fill`` does: one checked read into the slot where the tier
+    can, else the tier's checked bytes copied into it."""
+    read_into = getattr(tier, "read_into", None)
+    if read_into is not None and read_into(block, parts):
+        return
+    src = tier.fetch(block, buf).numpy()
+    for p in parts:
+        start = p.ctypes.data - parts[0].ctypes.data
+        p[:] = src[start : start + p.nbytes]
+
+
+def measure_first_touch(store: ExpertStore, tier: Tier, reads: int, seed: int) -> float:
+    """Extra time of a fill into slot memory never used before (a new cache's slabs are
+    fresh anonymous memory: the read faults every page in) over one into reused memory."""
+    blocks = list(store.blocks.values())
+    random.Random(seed + 3).shuffle(blocks)
+    size = max(padded(b) for b in blocks)
+    slabs, buf = aligned_buffer(size * reads), aligned_buffer(size)
+    fresh, reused = [], []
+    for i in range(2 * reads):
+        block = blocks[i % len(blocks)]
+        slot = memoryview(slabs)[(i % reads) * size : (i % reads + 1) * size]
+        start = time.perf_counter()
+        _fill(tier, block, _slot_parts(block, slot), buf)
+        (fresh if i < reads else reused).append(time.perf_counter() - start)
+    return max(0.0, statistics.median(fresh) - statistics.median(reused))
+
+
+def measure_latency(store: ExpertStore, tier: Tier, seconds: float, seed: int) -> float:
+    """Median time of one-page reads at random block offsets (the per-read cost)."""
+    blocks = list(store.blocks.values())
+    rng = random.Random(seed + 1)
+    buf = aligned_buffer(ALIGN)
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while not times or (time.perf_counter() < deadline and len(times) < 2000):
+        block = rng.choice(blocks)
+        start = time.perf_counter()
+        if hasattr(tier, "fd"):  # the disk: one aligned page of the block
+            os.preadv(tier.fd, [memoryview(buf)[:ALIGN]], block.offset)  # type: ignore[attr-defined]
+        else:  # the emulated link: a transfer of one page
+            tier.fetch(dataclasses.replace(block, nbytes=ALIGN), buf)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_compute(model_dir: Path, store_path: Path | None, o: CalibrateOptions,
+                    top_k: int) -> dict[str, float]:  # fmt: skip
+    """Per decode token: total, inside the MoE decoder layers, and in the experts calls
+    (every expert a hit: the runtime's compute and per-layer work, no I/O)."""
+    from stmoe.model_introspect import experts_modules
+    from stmoe.runtime.api import offload
+    from stmoe.runtime.routing_replay import ReplayPlan
+
+    torch.set_num_threads(o.threads)
+    link = {"bandwidth": o.bandwidth, "latency": o.latency} if o.tier == "emulated" else {}
+    with offload(model_dir, store_path, capacity=top_k, predictor="ondemand", policy="lru",
+                 tier=o.tier, workers=0, **link) as om:  # fmt: skip
+        n_layers = om.config["num_layers"]
+        steps = o.tokens + 1  # the prompt's forward, then the timed decode tokens
+        experts = np.broadcast_to(np.arange(top_k), (steps + 1, n_layers, top_k)).copy()
+        plan = ReplayPlan(experts, np.full(experts.shape, 1.0 / top_k, dtype=np.float32), 2,
+                          [1, 2])  # fmt: skip
+        expert_s: list[float] = []
+        layer_s: list[float] = []
+        server = om.engine.server
+        server.base = [_timed(f, expert_s) for f in server.base]
+        hooks = []
+        for name, _ in experts_modules(om.model):
+            layer = om.model.get_submodule(_decoder_layer(name))
+            hooks.append(layer.register_forward_pre_hook(lambda *a: layer_s.append(-_now())))
+            hooks.append(layer.register_forward_hook(lambda *a: layer_s.append(_now())))
+        try:
+            result = om.replay(plan, max_new_tokens=steps)
+        finally:
+            for h in hooks:
+                h.remove()
+    tokens = result.decode_tokens
+    if tokens < 1 or result.hit_rate < 1.0:
+        raise StoreError(f"calibrate's compute run decoded {tokens} tokens at hit rate "
+                         f"{result.hit_rate:.2f}; expected every expert a hit")  # fmt: skip
+    per_call = np.add(layer_s[0::2], layer_s[1::2])  # end - start of each decoder layer
+    decode_layers = per_call[n_layers:]  # after the prompt's forward
+    return {
+        "token_s": result.decode_s / tokens,
+        "layers_s": float(decode_layers.sum()) / tokens,
+        "experts_s": float(sum(expert_s[n_layers:])) / tokens,
+        "tokens": tokens,
+        "num_layers": n_layers,
+    }
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _timed(fn: Any, into: list[float]) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    return timed
+
+
+def _decoder_layer(experts_name: str) -> str:
+    """``model.layers.3.mlp.experts`` -> ``model.layers.3``: the decoder layer around it."""
+    parts = experts_name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[: i + 1])
+    raise StoreError(f"cannot tell the decoder layer of experts module {experts_name!r}")
+
+
+def calibrate(model_dir: str | Path, store: str | Path | None,
+              options: CalibrateOptions | None = None) -> dict[str, Any]:  # fmt: skip
+    """Measure the tier and the compute for ``model_dir`` and its ``store`` (see the
+    module docstring); the figures ``hardware_toml`` writes."""
+    from transformers import AutoConfig
+
+    from stmoe.runtime.options import OffloadOptions, resolve_capacity, top_k_of
+
+    o = options or CalibrateOptions()
+    check_options(o)
+    model_dir = Path(model_dir)
+    opened = open_store(model_dir, store)
+    n_experts, n_layers = int(opened.model["num_experts"]), int(opened.model["moe_layers"])
+    top_k = top_k_of(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    expert_bytes = opened.blocks[(0, 0)].nbytes
+    capacity = resolve_capacity(o.capacity, n_layers, n_experts, top_k, expert_bytes)
+    workers = OffloadOptions(tier=o.tier, workers=o.workers).worker_count()
+    tier = open_tier(o.tier, opened, o.bandwidth, o.latency)
+    try:
+        latency = measure_latency(opened, tier, min(1.0, o.seconds / 4), o.seed)
+        touch = measure_first_touch(opened, tier, 8, o.seed)
+        one = measure_reads(opened, tier, 1, o.seconds, o.seed)
+        many = measure_reads(opened, tier, workers + 1, o.seconds, o.seed + 2)
+        direct = bool(getattr(tier, "direct", False))
+    finally:
+        tier.close()
+    compute = measure_compute(model_dir, opened.path, o, top_k)
+    per_read = max(one.wall_s / one.blocks - latency, 1e-9)  # the mean: interference counts
+    return {
+        "tier": o.tier, "direct_io": direct, "store": str(opened.path),
+        "model_dir": str(model_dir), "num_layers": n_layers, "num_experts": n_experts,
+        "top_k": top_k, "expert_bytes": expert_bytes, "capacity": capacity,
+        "workers": workers, "threads": o.threads, "latency_s": latency, "first_touch_s": touch,
+        "expert_macs": expert_bytes // param_specs(opened.blocks[(0, 0)])[0].dtype.itemsize,
+        "bytes_per_s": expert_bytes / per_read, "reads_1": dataclasses.asdict(one),
+        "parallel_bytes_per_s": many.bytes_per_s, "reads_n": dataclasses.asdict(many),
+        "emulated_link": {"bandwidth": o.bandwidth, "latency": o.latency}
+        if o.tier == "emulated" else None, **compute,
+        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+    }  # fmt: skip
+
+
+def machine() -> str:
+    """This machine in one line: host, CPU model, cores, torch."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()}, {cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
