@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from stmoe.cli import app
+
+# Tests never write into the user's ~/.cache/stmoe: stores packed on first use (a 27 MB
+# one for the shipped model) go to a cache of this session, set before any test runs and
+# inherited by the commands tests start (runtime.store.default_store_dir reads it).
+TEST_CACHE = Path(tempfile.mkdtemp(prefix="stmoe-test-cache-"))
+os.environ["STMOE_CACHE"] = str(TEST_CACHE)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("STMOE_SHARED", REPO.parent / "shared")) / "traces"
@@ -41,3 +49,17 @@ class Cli:
 @pytest.fixture
 def cli() -> Cli:
     return Cli()
+
+
+@pytest.fixture(scope="session")
+def quick_demo(tmp_path_factory: pytest.TempPathFactory):
+    """``stmoe demo --quick`` once per session: (click's result, the report folder), read by
+    tests/test_demo.py and tests/test_report_browser.py (about 30 s)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("quick-demo") / "demo"
+    return Cli()("demo", "--quick", "-o", folder), folder
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)

@@ -140,3 +140,15 @@ def test_console_script_and_import_stays_light(tmp_path):
         [sys.executable, "-m", "stmoe", "--version"], capture_output=True, text=True
     )
     assert exe.returncode == 0 and exe.stdout.startswith("stmoe ")
+
+
+def test_written_traces_follow_the_umask(cli, tmp_path):
+    import os
+
+    old = os.umask(0o027)
+    try:
+        res = cli("synth", "-o", tmp_path / "u.npz", "--tokens", "50", "--layers", "2")
+    finally:
+        os.umask(old)
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "u.npz").stat().st_mode & 0o777 == 0o640

@@ -136,3 +136,21 @@ def test_eval_errors_are_one_clear_line(cli, tmp_path, args, fragment):
     result = cli("eval", trace, *args)
     assert result.exit_code == 1, result.output
     assert fragment in result.output and "Traceback" not in result.output
+
+
+def test_eval_tables_says_which_predictors_a_trace_without_lookahead_cannot_run(cli, tmp_path):
+    trace, tables = tmp_path / "s.npz", tmp_path / "t.npz"
+    cli("synth", "-o", trace, "--tokens", "300", "--layers", "4", "--experts", "16",
+        "--top-k", "2", "--sequences", "2")  # fmt: skip
+    assert cli("profile", trace, "-o", tables).exit_code == 0
+    result = cli("eval", trace, "--tables", tables, "--json", "-")
+    assert result.exit_code == 0, result.output
+    ran = set(json.loads(result.stdout)["predictors"])
+    assert not ran & {"hybrid", "gate-lookahead", "stmoe-mix"} and "stmoe-plus" in ran
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: skipping")]
+    assert notes == [
+        "note: skipping gate-lookahead, hybrid: the trace records no gate lookahead "
+        "(`stmoe capture` of a transformers model records it)",
+        "note: skipping stmoe-mix: run it by name (--predictor stmoe-mix) with tables of "
+        "`stmoe profile --by-domain`",
+    ]

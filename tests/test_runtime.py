@@ -495,3 +495,70 @@ def test_offload_applies_the_lookahead_option_to_a_predictor_object(tmp_path):
 
     with pytest.raises(PredictorError, match="expected auto, early or late"):
         offload(model, store, capacity=2, predictor=LookaheadPredictor(shape), lookahead="x")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p, "no such folder"),
+        (lambda p: p.write_text("x") and p, "not a folder"),
+        (lambda p: p.mkdir() or p, "no config.json"),
+    ],
+)
+def test_offload_of_a_path_that_is_not_a_checkpoint_folder_is_one_clear_error(
+    tmp_path, make, message
+):
+    from stmoe.errors import StmoeError
+
+    path = make(tmp_path / "model")
+    with pytest.raises(StmoeError, match=message) as info:
+        offload(path, capacity=4)
+    assert str(info.value).startswith(f"{path}: ")
+    assert not (tmp_path / "model").is_dir() or not any((tmp_path / "model").iterdir())
+
+
+def test_packing_on_first_use_says_so_on_a_terminal(tmp_path, monkeypatch, capsys):
+    import stmoe._progress
+    from stmoe.models import SHIPPED_MODEL
+
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(stmoe._progress, "_enabled", lambda: True)
+    with offload(SHIPPED_MODEL, capacity=8, predictor="ondemand"):
+        pass
+    first = capsys.readouterr().err
+    assert "packing tiny-moe's experts (27 MiB) into " in first, first
+    assert str(tmp_path / "cache" / "stores") in first and "first use" in first
+    with offload(SHIPPED_MODEL, capacity=8, predictor="ondemand"):
+        pass
+    assert "packing" not in capsys.readouterr().err  # reused: nothing to say
+
+
+def test_generate_repeat_reports_the_median_and_range_of_each_figure(cli, tmp_path):
+    out = tmp_path / "g.json"
+    prompt = "# " + "-" * 180  # wider than the 160 columns rich wraps at off a terminal
+    res = cli("generate", "--prompt", prompt, "--max-new-tokens", "3", "--predictor",
+              "ondemand", "--tier", "emulated", "--bandwidth", "1GB", "--latency", "20us",
+              "--repeat", "3", "--json", out)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert prompt in res.output.splitlines()[0]  # the text is not wrapped
+    assert "emulated link: 1000 MB/s, 20 us per transfer (EMULATED)" in res.output
+    assert "ondemand: no prefetch" in res.output
+    assert "median [min, max] of 3 runs, each from an empty cache" in res.output
+    data = json.loads(out.read_text())
+    per_run = data["repeat"]["per_run"]
+    assert data["repeat"]["runs"] == 3 and len(per_run) == 3
+    speeds = sorted(r["decode_tokens_per_s"] for r in per_run)
+    assert data["decode_tokens_per_s"] == speeds[1]  # the median of three
+    line = next(x for x in res.output.splitlines() if "decode " in x and "tokens/s" in x)
+    if speeds[0] != speeds[2]:
+        assert f"{speeds[1]:.1f} [{speeds[0]:.1f}, {speeds[2]:.1f}] tokens/s" in line
+
+
+def test_generate_says_a_single_run_is_a_single_run(cli):
+    res = cli("generate", "--prompt", "def f():", "--max-new-tokens", "2", "--predictor",
+              "stmoe")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "disk, direct reads (page cache bypassed)" in res.output or "buffered" in res.output
+    assert "stmoe, up to 8 loads per prediction" in res.output
+    assert "a single run: speed figures swing between runs" in res.output
+    assert cli("generate", "--prompt", "x", "--repeat", "0").exit_code == 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import IO, TypeVar
 
@@ -73,3 +73,19 @@ def byte_progress(total: int, description: str) -> Iterator[Callable[[int], None
     with _bar(in_bytes=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda nbytes: bar.advance(task, nbytes)
+
+
+def announced_byte_progress(
+    announce: Callable[[int], str],
+) -> Callable[[int, str], AbstractContextManager[Callable[[int], None]]]:
+    """A ``byte_progress`` factory that first prints ``announce(total)`` (on a terminal
+    only): for work a person did not ask for by name (packing a store on first use)."""
+
+    @contextmanager
+    def bar(total: int, description: str) -> Iterator[Callable[[int], None]]:
+        if _enabled():
+            print(announce(total), file=sys.stderr)
+        with byte_progress(total, description) as advance:
+            yield advance
+
+    return bar

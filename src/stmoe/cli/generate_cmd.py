@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -142,6 +145,13 @@ def generate_cmd(
             "to the prefetch workers on small machines."
         ),
     ] = None,
+    repeat: Annotated[
+        int,
+        typer.Option(
+            help="Runs (1 to 1000), each from an empty cache; the figures are the median and "
+            "[min, max] over them (one run's speed swings widely on a shared machine)."
+        ),
+    ] = 1,
     json_out: Annotated[
         Path | None,
         path_option(
@@ -160,6 +170,7 @@ def generate_cmd(
     prefetch recall and precision, bytes moved and wasted, and stall share.
     """
     _check_generate_options(max_new_tokens, max_loads, workers, threads)
+    check_range("--repeat", repeat, 1, 1000)
     check_range("--sequence", sequence, 0)
     check_inputs("a tables file (write one with `stmoe profile`)", tables)
     check_inputs("a routing trace", routing)
@@ -189,42 +200,98 @@ def generate_cmd(
                  policy=policy, tier=tier, bandwidth=bandwidth, latency=latency,
                  workers=workers, max_loads=max_loads, lookahead=lookahead) as om:  # fmt: skip
         if routing is not None:
-            result = _replay(om, routing, sequence, max_new_tokens)
+            run = _replay(om, routing, sequence, max_new_tokens)
         else:
             assert prompt is not None
-            result = om.generate(prompt, max_new_tokens=max_new_tokens or 32)
+            run = functools.partial(om.generate, prompt, max_new_tokens=max_new_tokens or 32)
+        runs = [run() for _ in range(repeat)]  # each cold: the same measurement N times
+    for i, r in enumerate(runs[1:], 2):
+        if r.tokens != runs[0].tokens:  # lossless offloading gives the same tokens every run
+            raise StmoeError(f"run {i} generated other tokens than run 1; the offloaded "
+                             "output must not change between runs")  # fmt: skip
+    data = _summary(runs)
     if to_stdout:
-        print_json(result.to_dict())
+        print_json(data)
         return
     if routing is not None:
         out.print(f"replayed the routing of {plain_label(str(routing))}, sequence {sequence} "
                   "(the generated text is meaningless: not shown)", markup=False)  # fmt: skip
+    else:  # unwrapped (soft_wrap): copied code keeps its lines
+        out.print(plain_label((prompt or "") + runs[0].text, multiline=True), markup=False,
+                  soft_wrap=True)  # fmt: skip
+    out.print(key_value_table("offloaded generation", _rows(runs)))
+    out.print("a single run: speed figures swing between runs on a shared machine; "
+              "--repeat N reports their median and [min, max]" if repeat == 1 else
+              f"median [min, max] of {repeat} runs, each from an empty cache; the same "
+              "tokens in every run", markup=False)  # fmt: skip
+    write_json(data, json_out)
+
+
+# The measured figures of one run (GenerationResult's fields) that may differ between runs.
+FIGURES = (
+    "ttft_s", "decode_s", "decode_tokens_per_s", "hit_rate", "prefetch_recall",
+    "prefetch_precision", "bytes_moved", "bytes_wasted", "stall_s", "stall_share",
+)  # fmt: skip
+
+
+def _summary(runs: list[Any]) -> dict[str, Any]:
+    """The JSON: run 1's result with each figure the median over the runs, every run's
+    figures under ``repeat`` (``stats`` are run 1's)."""
+    data = runs[0].to_dict()
+    data.update({k: statistics.median(getattr(r, k) for r in runs) for k in FIGURES})
+    data["repeat"] = {"runs": len(runs), "figures": "median over the runs",
+                      "per_run": [{k: getattr(r, k) for k in FIGURES} for r in runs]}  # fmt: skip
+    return data
+
+
+def _spread(runs: list[Any], key: str, scale: float = 1.0, fmt: str = ".1f") -> str:
+    """One figure: its median, with [min, max] when the runs differ."""
+    values = [getattr(r, key) * scale for r in runs]
+    med = f"{statistics.median(values):{fmt}}"
+    lo, hi = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    return med if lo == hi else f"{med} [{lo}, {hi}]"
+
+
+def _rows(runs: list[Any]) -> list[tuple[str, str]]:
+    """The table's rows: the setup in words, then each figure (median [min, max])."""
+    from stmoe.predictors import REGISTRY
+
+    r, c, mib = runs[0], runs[0].config, 1 / 2**20
+    if c["emulated"]:
+        tier = (f"emulated link: {c['bandwidth'] / 1e6:g} MB/s, {c['latency'] * 1e6:g} us "
+                "per transfer (EMULATED)")  # fmt: skip
+    elif c["tier"] == "disk":
+        tier = "disk, " + ("direct reads (page cache bypassed)" if c.get("direct_io")
+                           else "buffered reads (direct I/O unavailable here)")  # fmt: skip
     else:
-        out.print(plain_label((prompt or "") + result.text, multiline=True), markup=False)
-    c = result.config
-    tier_label = c["tier"] + (" (EMULATED)" if c["emulated"] else "")
-    rows = [
-        ("tier", tier_label),
+        tier = "gpu (pinned host memory to a CUDA cache)"
+    if not getattr(REGISTRY.get(c["predictor"]), "prefetches", True):
+        predictor = f"{c['predictor']}: no prefetch (each miss loads when the router asks)"
+    else:
+        look = f", {c['lookahead']} gate lookahead" if c["lookahead"] else ""
+        predictor = f"{c['predictor']}, up to {c['max_loads']} loads per prediction{look}"
+    return [
+        ("tier", tier),
         ("cache", f"{c['capacity']} of {c['num_experts']} experts per layer "
-                  f"({c['cache_bytes'] / 2**20:.1f} MiB), policy {c['policy']}"),
-        ("predictor", f"{c['predictor']} (at most {c['max_loads']} loads per prediction"
-                      + (f", {c['lookahead']} gate lookahead)" if c["lookahead"] else ")")),
-        ("tokens", f"{result.prompt_tokens} prompt + {len(result.tokens)} generated"),
-        ("time to first token", f"{result.ttft_s * 1000:.1f} ms"),
-        ("decode", f"{result.decode_tokens_per_s:.1f} tokens/s"),
-        ("hit rate (decode)", f"{result.hit_rate:.3f}"),
-        ("prefetch recall / precision", f"{result.prefetch_recall:.3f} / "
-                                        f"{result.prefetch_precision:.3f}"),
-        ("bytes moved / wasted", f"{result.bytes_moved / 2**20:.1f} / "
-                                 f"{result.bytes_wasted / 2**20:.1f} MiB"),
-        ("stall (decode)", f"{result.stall_s:.3f} s = {result.stall_share:.1%} of decode time"),
+                  f"({c['cache_bytes'] * mib:.1f} MiB), policy {c['policy']}"),
+        ("predictor", predictor),
+        ("tokens", f"{r.prompt_tokens} prompt + {len(r.tokens)} generated"),
+        ("time to first token", _spread(runs, "ttft_s", 1000) + " ms"),
+        ("decode", _spread(runs, "decode_tokens_per_s") + " tokens/s"),
+        ("hit rate (decode)", _spread(runs, "hit_rate", fmt=".3f")),
+        ("prefetch recall / precision", _spread(runs, "prefetch_recall", fmt=".3f") + " / "
+                                        + _spread(runs, "prefetch_precision", fmt=".3f")),
+        ("bytes moved / wasted", _spread(runs, "bytes_moved", mib) + " / "
+                                 + _spread(runs, "bytes_wasted", mib) + " MiB"),
+        ("stall (decode)", _spread(runs, "stall_s", fmt=".3f") + " s, "
+                           + _spread(runs, "stall_share", 100) + "% of decode time"),
     ]  # fmt: skip
-    out.print(key_value_table("offloaded generation", rows))
-    write_json(result.to_dict(), json_out)
 
 
-def _replay(om: Any, routing: Path, sequence: int, max_new_tokens: int | None) -> Any:
-    """The trace's sequence replayed through the offloaded model (``OffloadedModel.replay``)."""
+def _replay(om: Any, routing: Path, sequence: int,
+            max_new_tokens: int | None) -> Callable[[], Any]:  # fmt: skip
+    """One replay of the trace's sequence through the offloaded model
+    (``OffloadedModel.replay``), as a call to repeat."""
     from stmoe.runtime.routing_replay import plan_replay
     from stmoe.trace import load_trace
 
@@ -232,7 +299,7 @@ def _replay(om: Any, routing: Path, sequence: int, max_new_tokens: int | None) -
     c = om.config
     vocab = int(getattr(om.model.config, "vocab_size", 0) or 1)
     plan = plan_replay(trace, sequence, c["num_layers"], c["num_experts"], c["top_k"], vocab)
-    return om.replay(plan, max_new_tokens)
+    return functools.partial(om.replay, plan, max_new_tokens)
 
 
 def _check_generate_options(max_new_tokens: int | None, max_loads: int | None, workers: int | None,

@@ -113,7 +113,27 @@ def _warn_in_sample(trace: RoutingTrace, tables: ProfiledTables) -> None:
         err.print(f"note: {known} of the {trace.num_tokens} tokens replayed were profiled into "
                   "these tables (their routing is in the tables' memory), so recall is "
                   "in-sample; profile and evaluate different parts, e.g. the same --split "
-                  "for both")  # fmt: skip
+                  "for both", soft_wrap=True)  # fmt: skip
+
+
+def _default_predictors(trace: RoutingTrace, tables: ProfiledTables | None) -> list[str]:
+    """Every predictor this trace and these tables can run, with a note naming the others
+    and why (a default run never drops a predictor silently)."""
+    chosen, notes = names_for(trace), []
+    if tables is None:
+        notes.append(("no --tables", [n for n in chosen if REGISTRY[n].needs_tables]))
+        chosen = [n for n in chosen if not REGISTRY[n].needs_tables]
+    look = [n for n in names() if REGISTRY[n].uses_lookahead and n not in chosen]
+    notes.append(("the trace records no gate lookahead (`stmoe capture` of a transformers "
+                  "model records it)", look))  # fmt: skip
+    mix = [n for n in names() if REGISTRY[n].needs_domain_tables and n not in look]
+    notes.append(("run it by name (--predictor stmoe-mix) with tables of `stmoe profile "
+                  "--by-domain`", mix))  # fmt: skip
+    for why, skipped in notes:
+        if skipped:
+            err.print(f"note: skipping {', '.join(skipped)}: {why}", markup=False,
+                      soft_wrap=True)  # fmt: skip
+    return chosen
 
 
 def eval_cmd(
@@ -198,11 +218,7 @@ def eval_cmd(
     check_range("--set-size", set_size, 0, n, why=why)
     if tables is not None:
         _warn_in_sample(trace, tables)
-    chosen = predictor or names_for(trace)
-    if tables is None and predictor is None:
-        skipped = [n for n in chosen if REGISTRY[n].needs_tables]
-        chosen = [n for n in chosen if not REGISTRY[n].needs_tables]
-        err.print(f"note: no --tables, so skipping {', '.join(skipped)}")
+    chosen = predictor or _default_predictors(trace, tables)
     options: dict[str, Any] = {"seed": seed}
     if set_size:
         options["set_size"] = set_size

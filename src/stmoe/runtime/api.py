@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from stmoe._progress import announced_byte_progress
 from stmoe.model_introspect import experts_modules
 from stmoe.predictors.base import ModelShape, Predictor
 from stmoe.runtime.engine import OffloadEngine
@@ -32,7 +33,7 @@ from stmoe.runtime.options import OffloadOptions, resolve_capacity, resolve_pred
 from stmoe.runtime.routing_replay import ReplayPlan, RoutingReplay
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
-from stmoe.runtime.store import ExpertStore, StoreError, open_store, pack
+from stmoe.runtime.store import ExpertStore, StoreError, default_store_dir, open_store, pack
 from stmoe.runtime.tiers import open_tier
 
 T = TypeVar("T")
@@ -258,9 +259,11 @@ def offload(
     options.check()
     register()
     if isinstance(model_or_dir, (str, Path)):
-        model_dir = Path(model_or_dir)
+        model_dir = _checked_model_dir(model_or_dir)
         # the store matched to the folder's checkpoint before anything is loaded
-        expert_store = open_store(model_dir, store)
+        expert_store = open_store(model_dir, store, progress=announced_byte_progress(
+            lambda total: f"packing {model_dir.name}'s experts ({total / 2**20:.0f} MiB) into "
+            f"{default_store_dir(model_dir)} (first use; later runs reuse it)"))  # fmt: skip
         model = load_without_experts(model_dir).model
         return _offload(model, expert_store, options, model_dir, _tokenizer(model_dir), None)
     model = model_or_dir
@@ -323,6 +326,17 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
     if options.tier == "disk":
         config.update(direct_io=source.direct)  # type: ignore[attr-defined]
     return OffloadedModel(model, engine, tokenizer, config, cleanup)
+
+
+def _checked_model_dir(model_or_dir: str | Path) -> Path:
+    """The model folder, refused in one line when it is not a checkpoint folder."""
+    d = Path(model_or_dir)
+    if not (d / "config.json").is_file():
+        why = ("no config.json; not a transformers checkpoint folder" if d.is_dir() else
+               "not a folder" if d.exists() else "no such folder")  # fmt: skip
+        raise StoreError(f"{d}: {why}; stmoe.offload takes a local checkpoint folder "
+                         "(config.json, *.safetensors) or a loaded model")  # fmt: skip
+    return d
 
 
 def _tokenizer(model_dir: Path) -> Any:
