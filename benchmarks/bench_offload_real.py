@@ -270,8 +270,9 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         f"best ({best}) closes >= 70% of lru-only -> oracle": gap >= 0.7,
         "stmoe >= 1.5x on-demand": t["on-demand"] / t["stmoe"] >= 1.5,
         "stmoe-plus wasted <= 25% of moved": plus["bytes_wasted"] <= 0.25 * plus["bytes_moved"],
-        "peak memory <= (resident + cache) x 1.15": mem <= 1.15,
     }
+    if tier == "disk":  # the emulated tier's host copy of the store is in its RSS by design
+        targets["peak memory <= (resident + cache) x 1.15"] = mem <= 1.15
     print(f"on-demand stall share {med['on-demand']['stall_share']:.0%}; stmoe / on-demand "
           f"{t['on-demand'] / t['stmoe']:.2f}x; stmoe-plus / on-demand "
           f"{t['on-demand'] / t['stmoe-plus']:.2f}x; gap closed by {best} {gap:.0%}; "

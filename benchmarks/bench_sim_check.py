@@ -85,7 +85,8 @@ def main() -> None:
         model, store, _ = bench_paths(args.layers)
         subprocess.run([sys.executable, "-m", "stmoe", "calibrate", "--model", str(model),
                         "--store", str(store), "--tier", args.tier, "--capacity", args.capacity,
-                        "--seconds", args.seconds, "-o", str(args.hardware)],
+                        "--seconds", args.seconds, "--routing", str(SAMPLE),
+                        "-o", str(args.hardware)],
                        check=True)  # fmt: skip
     sim = simulated(args)
     rows = []

@@ -99,3 +99,28 @@ def test_bad_paths_are_refused_before_measuring(tiny, cli):
     (root / "d.toml").mkdir()
     res = cli("calibrate", "--model", model_dir, "--store", root / "store", "-o", root / "d.toml")
     assert res.exit_code == 1 and "is a directory" in res.output
+
+
+def test_reads_follow_a_traces_routing(tiny, tmp_path, cli):
+    """--routing: the blocks read are the trace's routed ones, token by token and layer by
+    layer (each layer's experts sorted); a trace of another shape is one clear line."""
+    from stmoe.runtime.calibrate import routed_blocks
+    from stmoe.runtime.store import ExpertStore, StoreError
+    from stmoe.trace import save_trace
+    from stmoe.trace.synth import synthesize
+
+    root, model_dir = tiny
+    store = ExpertStore(root / "store")
+    trace = synthesize(tokens=5, layers=3, experts=16, top_k=4, sequences=1)
+    save_trace(trace, tmp_path / "t.npz")
+    order = routed_blocks(store, tmp_path / "t.npz")
+    want = [(layer, e) for t in range(5) for layer in range(2)
+            for e in sorted(set(trace.experts[t, layer].tolist()))]  # fmt: skip
+    assert [(b.layer, b.expert) for b in order] == want
+    other = synthesize(tokens=5, layers=3, experts=8, top_k=2, sequences=1)
+    save_trace(other, tmp_path / "o.npz")
+    with pytest.raises(StoreError, match="routes 3 layers of 8 experts; the store has 2 of 16"):
+        routed_blocks(store, tmp_path / "o.npz")
+    res = cli("calibrate", "--model", model_dir, "--store", root / "store", "--routing",
+              tmp_path / "t.npz", "-o", tmp_path / "hw.toml", *FAST)  # fmt: skip
+    assert res.exit_code == 0, res.output

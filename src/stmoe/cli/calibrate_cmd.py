@@ -32,6 +32,14 @@ def calibrate_cmd(
     workers: Annotated[
         int | None, typer.Option(help="Prefetch threads (default: the runtime's for the tier).")
     ] = None,
+    routing: Annotated[
+        Path | None,
+        path_option(
+            "--routing",
+            help="A trace: read the blocks its routing picks, in its "
+            "order (the workload's locality), instead of random ones.",
+        ),
+    ] = None,
 ) -> None:
     """Measure the tier (bandwidth and latency reading expert blocks of the store, alone
     and with the prefetch workers) and the compute per decode token at the model's sizes,
@@ -54,7 +62,7 @@ def calibrate_cmd(
     check_output_path(output)
     options = CalibrateOptions(tier=tier, bandwidth=bandwidth, latency=latency, seconds=seconds,
                                tokens=tokens, threads=threads, workers=workers,
-                               capacity=capacity)  # fmt: skip
+                               capacity=capacity, routing=routing)  # fmt: skip
     figures = calibrate(model, store, options)
     atomic_write_text(output, hardware_toml(figures))
     spec = load_hardware(str(output))  # what was written loads as a hardware spec
