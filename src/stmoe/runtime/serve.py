@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,11 @@ class LayerServer:
             layer, time.perf_counter() - start, len(needed), hits, late, len(predicted),
             len(predicted.intersection(needed)),
         )  # fmt: skip
-        in_place = not overflow and (cache.identity or self.any_numbering[layer])
+        # in place: the slots' numbering differs from the experts' ids, which changes how
+        # the implementation orders and groups a call's tokens; only a single token, or slots
+        # in the experts' own order, give bit for bit the resident model's result (tested)
+        in_place = not overflow and (cache.identity or (self.any_numbering[layer] and (
+            rows.shape[0] == 1 or _in_id_order(slots, needed))))  # fmt: skip
         if cache.identity:  # every expert has its own slot: the slabs are the full tensors
             params, n, index = cache.slabs, state.num_experts, top_k_index
         elif in_place:  # the slabs as they are, the router's ids renumbered to slots
@@ -219,6 +224,12 @@ class LayerServer:
         stats.demand_loads += 1
         stats.overflow_loads += 1
         return out
+
+
+def _in_id_order(slots: Slots, needed: list[int]) -> bool:
+    """Whether the needed experts' slots increase with their ids (``needed`` is sorted)."""
+    order = [slots[e] for e in needed]
+    return all(a < b for a, b in pairwise(order))
 
 
 def gather(cache: LayerCache, needed: list[int], slots: Slots,
