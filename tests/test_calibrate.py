@@ -124,3 +124,27 @@ def test_reads_follow_a_traces_routing(tiny, tmp_path, cli):
     res = cli("calibrate", "--model", model_dir, "--store", root / "store", "--routing",
               tmp_path / "t.npz", "-o", tmp_path / "hw.toml", *FAST)  # fmt: skip
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--pipeline", "runtime", "--policy", "lfu"), "--policy: an option of --pipeline accelerator"),
+    (("--pipeline", "runtime", "--batch", "4"), "--batch: an option of --pipeline accelerator"),
+    (("--capacity", "25%"), "--capacity: an option of --pipeline runtime"),
+    (("--pipeline", "runtime", "--capacity", "nan%"), "expected 1 to 16 experts per layer"),
+    (("--pipeline", "runtime", "--capacity", "-5%"), "expected 1 to 16 experts per layer"),
+])  # fmt: skip
+def test_simulate_refuses_what_its_pipeline_would_ignore(tiny, tmp_path, cli, args, message):
+    """An option of the other pipeline, or an absurd capacity, is one line, not ignored."""
+    from stmoe.trace import save_trace
+    from stmoe.trace.synth import synthesize
+
+    root, model_dir = tiny
+    hw = root / "hw-sim.toml"
+    if not hw.exists():
+        res = cli("calibrate", "--model", model_dir, "--store", root / "store", "-o", hw, *FAST)
+        assert res.exit_code == 0, res.output
+    save_trace(synthesize(tokens=40, layers=2, experts=16, top_k=4, sequences=1),
+               tmp_path / "t.npz")  # fmt: skip
+    res = cli("simulate", tmp_path / "t.npz", "--model", "stmoe-tiny", "--layers", "2",
+              "--hardware", hw, *args)  # fmt: skip
+    assert res.exit_code == 1 and message in res.output, res.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -117,6 +118,13 @@ def simulate_cmd(
     if layers is not None:  # a model of the first N layers routes the trace's first N
         trace = first_layers(trace, layers)
         spec_m = dataclasses.replace(spec_m, layers=layers)
+    _refuse_other_pipelines(pipeline, {
+        "runtime": {"--capacity": capacity != "50%", "--decode-tokens": decode_tokens
+                        is not None, "--sequence": sequence != 0},
+        "accelerator": {"--batch": batch != 1, "--policy": policy != "lru", "--output":
+                    output_dir is not None, "--pregate-accuracy": pregate_accuracy != 1.0,
+                    "--adap-threshold": adap_threshold != 0.8},
+    })  # fmt: skip
     if pipeline == "runtime":
         _runtime(trace, spec_m, spec_h, system, loaded, (capacity, decode_tokens, sequence),
                  json_out)  # fmt: skip
@@ -198,6 +206,10 @@ def _runtime(trace: Any, model: Any, hw: Any, system: list[str] | None, tables: 
     except ValueError:
         raise StmoeError(f"--capacity {clean_label(capacity)}: expected experts per layer (8) "
                          "or a share (50%)") from None  # fmt: skip
+    if not (math.isfinite(value) and 0 < value <= (100 if share else model.num_experts)):
+        raise StmoeError(f"--capacity {clean_label(capacity)}: expected 1 to "
+                         f"{model.num_experts} experts per layer or a share "
+                         "in (0%, 100%]")  # fmt: skip
     per_layer = round(model.num_experts * value / 100) if share else value
     options = HostOptions(capacity=int(per_layer), sequence=sequence,
                           decode_tokens=decode_tokens, tables=tables)  # fmt: skip
@@ -219,3 +231,13 @@ def _runtime(trace: Any, model: Any, hw: Any, system: list[str] | None, tables: 
     out.print(table)
     out.print(f"tables: {clean_label(note)}")
     write_json(data, json_out)
+
+
+def _refuse_other_pipelines(pipeline: str, given: dict[str, dict[str, bool]]) -> None:
+    """An option of the other pipeline, given, is refused rather than silently ignored."""
+    for other, options in given.items():
+        if other != pipeline:
+            named = [name for name, set_ in options.items() if set_]
+            if named:
+                raise StmoeError(f"{', '.join(named)}: an option of --pipeline {other}, "
+                                 f"not taken by --pipeline {pipeline}")  # fmt: skip

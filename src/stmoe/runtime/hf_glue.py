@@ -60,15 +60,18 @@ def base_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
 
 
 # transformers' experts implementations that sum each token's top-k expert outputs in
-# routing order (reshape + sum), whatever the experts' numbering: the result is the same
-# bits when the weights are the cache's slots and the ids slot numbers. The eager loop
+# routing order (reshape + sum), whatever the experts' numbering: for a call of one token
+# the result is the same bits when the weights are the cache's slots and the ids slot
+# numbers. A call of several tokens groups them by number, so there only a numbering in
+# the experts' id order gives the same bits (``serve``: else a copy). The eager loop
 # accumulates in expert-id order, so it is not one of them.
 _ORDER_FREE = ("grouped_mm", "batched_mm")
 
 
 def any_expert_numbering(module: torch.nn.Module) -> bool:
-    """Whether the module's experts implementation gives the same bits under any numbering
-    of its experts (so the engine may compute on cache slots in place)."""
+    """Whether the module's experts implementation gives, for one token, the same bits
+    under any numbering of its experts (so the engine may compute on cache slots in
+    place; several tokens only with slots in id order)."""
     return getattr(module.config, "_experts_implementation", None) in _ORDER_FREE
 
 

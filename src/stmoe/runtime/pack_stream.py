@@ -146,7 +146,11 @@ class CheckpointExperts:
     def _map(self, rules: tuple[list[Any], list[Any]] | None) -> None:
         """Find each parameter's checkpoint tensors by transformers' own renaming rules."""
         renamings, converters = rules if rules is not None else ([], [])
-        from transformers.core_model_loading import apply_renamings
+        try:
+            from transformers.core_model_loading import apply_renamings
+        except ImportError:  # another transformers: its loading rules are not known here
+            raise StreamUnsupported("this transformers has no core_model_loading rules to "
+                                    "map checkpoint names") from None  # fmt: skip
 
         for f in self.files:
             for key in self._open(f).keys():  # noqa: SIM118 (safe_open is not a dict)

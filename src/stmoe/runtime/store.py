@@ -264,7 +264,7 @@ class ExpertStore:
 
     def check_model(self, model: Any) -> None:
         """Refuse to serve a model the store was not packed from: its shapes and dtypes,
-        block by block, and its weights (the CRC32 of its experts while they are in
+        block by block, and its weights (the CRC-32C of its experts while they are in
         memory, else the checkpoint matched by ``check_source``)."""
         if model in self._checked:
             return
