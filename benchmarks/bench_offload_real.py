@@ -119,7 +119,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     from stmoe.predictors import load_tables, make
     from stmoe.runtime.api import offload
-    from stmoe.runtime.systems import compared_predictor
+    from stmoe.systems import compared_predictor
 
     torch.set_num_threads(args.threads)
     model, store, tables = prepare(args)

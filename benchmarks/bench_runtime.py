@@ -42,7 +42,7 @@ from stmoe.models import SHIPPED_MODEL, SHIPPED_TABLES
 from stmoe.predictors import load_tables
 from stmoe.runtime.api import OffloadedModel, offload
 from stmoe.runtime.store import ensure_store
-from stmoe.runtime.systems import COMPARED_SYSTEMS, compared_predictor
+from stmoe.systems import COMPARED_SYSTEMS, compared_predictor
 
 PROMPTS = (
     "class Stack:\n    def __init__(self):\n",

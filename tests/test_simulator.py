@@ -280,16 +280,6 @@ def test_a_shared_device_splits_its_speed_and_a_link_serialises():
     assert fifo.pop() == (1.0, 0) and fifo.pop() == (2.0, 1)
 
 
-def test_runtime_systems_match_the_runtimes():
-    pytest.importorskip("torch")
-    from stmoe.runtime.systems import COMPARED_SYSTEMS, PLUS_SET_SIZE_IN_K
-    from stmoe.sim import host_systems
-
-    for name, system in host_systems.RUNTIME_SYSTEMS.items():
-        assert COMPARED_SYSTEMS[name] == system
-    assert host_systems.PLUS_SET_SIZE_IN_K == PLUS_SET_SIZE_IN_K
-
-
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

@@ -133,7 +133,7 @@ def offload_section(model: Any, tokenizer: Any, model_dir: str | Path, out: Path
     from stmoe.predictors import load_tables
     from stmoe.runtime.api import offload
     from stmoe.runtime.store import pack
-    from stmoe.runtime.systems import COMPARED_SYSTEMS, compared_predictor
+    from stmoe.systems import COMPARED_SYSTEMS, compared_predictor
 
     prompt = DEMO_PROMPTS[1].text
     reference = resident_tokens(model, tokenizer, prompt, new_tokens)

@@ -24,7 +24,7 @@ from stmoe.demo_text import (
     table,
 )
 from stmoe.fileio import atomic_write_text
-from stmoe.runtime.systems import HEADLINE_SYSTEMS, SYSTEM_DESCRIPTIONS
+from stmoe.systems import HEADLINE_SYSTEMS, SYSTEM_DESCRIPTIONS
 
 # what each simulated system is (stmoe/sim/systems.py's docstring, one line each)
 SIM_DESCRIPTIONS = {

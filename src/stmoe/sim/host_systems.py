@@ -1,6 +1,6 @@
 """The runtime's compared systems on the host pipeline (``stmoe simulate --pipeline runtime``).
 
-The same systems ``stmoe.runtime.systems`` (and benchmarks/bench_offload_real.py)
+The same systems ``stmoe.systems`` (and benchmarks/bench_offload_real.py)
 run for real, each a predictor and a cache policy: ``on-demand`` (no prefetch, no
 reuse), ``lru-only``, ``stmoe``, ``stmoe-plus`` (1.5K experts per layer) and the
 ``oracle``; any other replay predictor name runs with an LRU cache. Each
@@ -20,20 +20,12 @@ import numpy as np
 from stmoe.predictors import REGISTRY, ModelShape, ProfiledTables, make
 from stmoe.sim.host import HostCosts, HostRun, simulate_host
 from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
+from stmoe.systems import COMPARED_SYSTEMS, compared_predictor
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import select_sequences
 
-# as stmoe.runtime.systems.COMPARED_SYSTEMS (a test checks they agree; the simulator
-# does not import the runtime, which needs torch)
-RUNTIME_SYSTEMS = {
-    "on-demand": ("ondemand", "none"),
-    "lru-only": ("ondemand", "lru"),
-    "stmoe": ("stmoe", "lru"),
-    "stmoe-plus": ("stmoe-plus", "lru"),
-    "oracle": ("oracle", "lru"),
-}
-PLUS_SET_SIZE_IN_K = 1.5  # stmoe.runtime.systems: stmoe-plus predicts 1.5K experts per layer
-_SIZED = ("stmoe-plus", "hybrid")
+# the runtime's compared systems but hybrid (its gate lookahead reads the model's routers)
+RUNTIME_SYSTEMS = {k: v for k, v in COMPARED_SYSTEMS.items() if k != "hybrid"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +96,9 @@ def run_host_system(name: str, seq: RoutingTrace, prefill: int, model: ModelSpec
     predictor, policy = system_of(name)
     plan = None
     if predictor not in ("ondemand", "oracle"):
-        knobs: dict[str, Any] = {}
-        if predictor in _SIZED:
-            knobs["set_size"] = PLUS_SET_SIZE_IN_K * seq.top_k
-        p = make(predictor, ModelShape.of(seq), o.tables, **knobs)
+        p = compared_predictor(predictor, o.tables)  # stmoe-plus and hybrid at 1.5K
+        if isinstance(p, str):
+            p = make(p, ModelShape.of(seq), o.tables)
         made = p.plan(seq)
         plan = (made.ptr, made.ids)
     run = HostRun(np.asarray(seq.experts, dtype=np.int64), prefill, plan,

@@ -1,4 +1,5 @@
-"""The offloading systems the demo and benchmarks/bench_runtime.py compare.
+"""The offloading systems the demo, the benchmarks and the simulator's runtime pipeline
+compare (torch-free: ``sim.host_systems`` times the same ones).
 
 Each system is a predictor and a cache policy, run at one cache size; the two
 no-prefetch baselines differ only in whether the cache reuses experts. Kept in
