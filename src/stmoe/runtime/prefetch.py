@@ -5,7 +5,9 @@ layer the compute thread reaches next comes first, and within a layer the
 predictor's most confident expert. A worker claims a cache slot, reads the
 expert through the engine's tier without holding the lock, and marks the slot
 READY. A request whose layer the compute thread has already reached is *stale*
-and dropped (the layer loaded its misses itself). Any failure of a worker,
+and dropped (the layer loaded its misses itself). While the compute thread
+stalls, the workers start no new load (``pause``): what it waits for gets the
+whole bandwidth of the tier, which does not grow with readers. Any failure of a worker,
 anywhere in its loop (a read, a bad request, the bookkeeping), is kept, its slot
 freed so the cache stays consistent, and the compute thread woken: it raises the
 error at once if it is waiting, else at its next layer (``raise_error``); the
@@ -46,6 +48,7 @@ class Prefetcher:
         self.error: BaseException | None = None  # a worker's failure, for the compute thread
         self.work = threading.Condition(state.lock)  # the workers wait here for requests
         self._closing = False
+        self.paused = False  # the compute thread is stalled: no new load may compete with it
         self.stall_limit_s = STALL_LIMIT_S
         self._threads = [threading.Thread(target=self._worker, name=f"stmoe-prefetch-{i}",
                                           daemon=True) for i in range(workers)]  # fmt: skip
@@ -64,6 +67,13 @@ class Prefetcher:
         for rank, e in enumerate(loads):
             heapq.heappush(self.queue, (fwd, layer, rank, e))
         if self.queue:
+            self.work.notify(len(self._threads))
+
+    def pause(self, paused: bool) -> None:
+        """(lock held) Hold back new loads while the compute thread stalls (loads in flight
+        go on); unpausing wakes the workers."""
+        self.paused = paused
+        if not paused and self.queue:
             self.work.notify(len(self._threads))
 
     def cancel(self) -> None:
@@ -143,9 +153,9 @@ class Prefetcher:
         """(lock held) The most urgent request that still matters, its slot claimed; None
         when there is none (yet) or the workers are closing."""
         state = self.state
-        if not self.queue and not self._closing:
+        if (self.paused or not self.queue) and not self._closing:
             self.work.wait(timeout=WAIT_S)
-        if self._closing or not self.queue:
+        if self._closing or self.paused or not self.queue:
             return None
         fwd, layer, _rank, expert = heapq.heappop(self.queue)
         if (fwd, layer) <= state.run.pos:

@@ -2,13 +2,16 @@
 
 ``LayerServer.serve`` is what an experts module's forward becomes once offloaded:
 
-1. make sure the experts the router picked are in the layer's cache, waiting for
-   in-flight prefetches or loading misses itself (this wait is the *stall*);
-2. gather those experts into a compact tensor (ids renumbered in the same order)
-   and run the model's own experts implementation on it, so the arithmetic, and
-   so every output bit, is what the resident model computes;
-3. before computing, hand the routing to the planner, which queues the next
-   prefetches so loading overlaps this layer's compute.
+1. hand the routing to the planner, which learns it and queues the next layer's
+   prefetches (the predictor's work overlaps any wait for this layer's loads);
+2. make sure the experts the router picked are in the layer's cache, waiting for
+   in-flight prefetches or loading misses itself (this wait is the *stall*; the
+   workers start no new load meanwhile: what is needed now comes first, and the
+   next layer's loads start once this layer has its experts, during its compute);
+3. compute: on the cache's slots in place where that gives the resident model's
+   bits, else on a compact copy of those experts (ids renumbered in the same
+   order), always with the model's own experts implementation, so the
+   arithmetic, and so every output bit, is what the resident model computes.
 
 An expert beyond the cache's capacity (a long prompt may route to more experts
 than fit) is read into a transient buffer and used once.
@@ -92,6 +95,7 @@ class LayerServer:
         needed = sorted(set(rows.ravel().tolist())) if rows.size <= 64 else np.unique(rows).tolist()
         cache = state.caches[layer]
         predicted = self._begin(layer, cache, needed)
+        self.planner.after_routing(layer, rows, hidden_states)
         start = time.perf_counter()
         slots, overflow, hits, late = self._ensure(cache, needed)
         state.run.stats.phases[state.run.phase].add(
@@ -116,7 +120,6 @@ class LayerServer:
         self._touch(cache, slots)
         if not in_place:  # the copy is made: the slots may change
             self._unpin(cache)
-        self.planner.after_routing(layer, rows, hidden_states)
         weights = GatheredExperts(module, params, n)
         try:
             return self.base[layer](weights, hidden_states, index, top_k_weights, *args, **kwargs)
@@ -154,40 +157,53 @@ class LayerServer:
                 state.run.stats.bytes_wasted += cache.drop_ready() * state.expert_bytes
 
     def _ensure(self, cache: LayerCache, needed: list[int]) -> tuple[Slots, Overflow, int, int]:
-        """Every needed expert READY in a slot (or, beyond capacity, in a transient buffer)."""
+        """Every needed expert READY in a slot (or, beyond capacity, in a transient buffer).
+
+        While the compute thread waits here (a miss, or a prefetch still in flight), the
+        workers start no new load: the disk or link serves what is needed now before
+        what is needed a layer later (they share its bandwidth, which does not grow with
+        readers), and the next layer's loads start as soon as this layer computes."""
         slots: Slots = {}
         overflow: Overflow = {}
-        todo = list(needed)
-        state = self.state
-        with state.cv:
+        with self.state.cv:
             hits = sum(e in cache.where for e in needed)
             late = sum(e in cache.where and cache.state[cache.where[e]] == LOADING for e in needed)
-            while todo:
-                self.prefetcher.raise_error()
-                progressed = False
-                for e in list(todo):
-                    s = cache.where.get(e)
-                    if s is not None:
-                        if cache.state[s] == READY:
-                            slots[e] = s
-                            todo.remove(e)
-                            progressed = True
-                        continue
-                    slot, wasted = cache.claim(e, prefetch=False)
-                    if slot is None:
-                        if any(st == LOADING and cache.holder[i] not in cache.pinned
-                               for i, st in enumerate(cache.state)):  # fmt: skip
-                            continue  # a worker is filling a slot we could take next
-                        overflow[e] = self._load_transient(cache, e)
-                    else:
-                        state.run.stats.bytes_wasted += wasted * state.expert_bytes
-                        self._load_into(cache, slot, e)
-                        slots[e] = slot
-                    todo.remove(e)
-                    progressed = True
-                if todo and not progressed:  # bounded: failures raised, dead loads freed
-                    self.prefetcher.wait_for_loads(cache)
+            self.prefetcher.pause(hits - late < len(needed))
+            try:
+                self._wait_or_load(cache, list(needed), slots, overflow)
+            finally:
+                self.prefetcher.pause(False)
         return slots, overflow, hits, late
+
+    def _wait_or_load(self, cache: LayerCache, todo: list[int], slots: Slots,
+                      overflow: Overflow) -> None:  # fmt: skip
+        """(lock held) ``_ensure``'s loop: take READY slots, load misses, wait for loads."""
+        state = self.state
+        while todo:
+            self.prefetcher.raise_error()
+            progressed = False
+            for e in list(todo):
+                s = cache.where.get(e)
+                if s is not None:
+                    if cache.state[s] == READY:
+                        slots[e] = s
+                        todo.remove(e)
+                        progressed = True
+                    continue
+                slot, wasted = cache.claim(e, prefetch=False)
+                if slot is None:
+                    if any(st == LOADING and cache.holder[i] not in cache.pinned
+                           for i, st in enumerate(cache.state)):  # fmt: skip
+                        continue  # a worker is filling a slot we could take next
+                    overflow[e] = self._load_transient(cache, e)
+                else:
+                    state.run.stats.bytes_wasted += wasted * state.expert_bytes
+                    self._load_into(cache, slot, e)
+                    slots[e] = slot
+                todo.remove(e)
+                progressed = True
+            if todo and not progressed:  # bounded: failures raised, dead loads freed
+                self.prefetcher.wait_for_loads(cache)
 
     def _load_into(self, cache: LayerCache, slot: int, expert: int) -> None:
         """Load a miss on the compute thread (lock held on entry and exit, not during I/O)."""
