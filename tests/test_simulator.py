@@ -280,6 +280,71 @@ def test_a_shared_device_splits_its_speed_and_a_link_serialises():
     assert fifo.pop() == (1.0, 0) and fifo.pop() == (2.0, 1)
 
 
+def host_run(experts, sets, capacity=2, workers=2, expert_s=1.0, monkeypatch=None):
+    """A hand-built run on one shared disk (parallel 1: two reads at once take twice as
+    long), one-second reads, no other cost; ``sets``: {(token, layer): predicted ids}.
+    With ``monkeypatch``, also every read's (layer, expert, by a worker, start)."""
+    from stmoe.sim import host
+
+    experts = np.asarray(experts, dtype=np.int64)[..., None]  # [tokens, layers, K=1]
+    cells = [sets.get((t, layer), []) for t in range(experts.shape[0])
+             for layer in range(experts.shape[1])]  # fmt: skip
+    ptr = np.cumsum([0] + [len(c) for c in cells]).astype(np.int64)
+    ids = np.asarray([e for c in cells for e in c], dtype=np.int64)
+    reads: list[tuple[int, int, bool, float]] = []
+    if monkeypatch is not None:
+        read = host._Sim._read
+
+        def logged(self, layer, e, worker, t, fresh):
+            reads.append((layer, e, worker, t))
+            return read(self, layer, e, worker, t, fresh)
+
+        monkeypatch.setattr(host._Sim, "_read", logged)
+    costs = host.HostCosts(layer_s=0.0, token_s=0.0, expert_s=expert_s, read_s=1.0,
+                           first_touch_s=0.0, parallel=1.0, workers=workers,
+                           fifo=False)  # fmt: skip
+    run = host.HostRun(experts, 1, (ptr, ids), False, capacity, "lru")
+    return host.simulate_host(run, costs, 4), reads
+
+
+@pytest.mark.parametrize("wait", ["miss", "late"])
+def test_while_the_compute_thread_stalls_no_new_prefetch_read_starts(monkeypatch, wait):
+    """Decode token 1's layer 0 waits for expert 1 (a miss it reads itself, or a prefetch
+    still in flight); the planner has already queued layer 1's expert 2, and a worker is
+    idle. Paused, the worker starts it when the wait ends: alone, expert 1 takes 1 s, and
+    expert 2 lands as layer 0's 1 s of compute ends. Started at once, the two would share
+    the disk and both take 2 s (stall 2 s, decode 4 s)."""
+    sets = {(1, 1): [2], **({(1, 0): [1]} if wait == "late" else {})}
+    out, reads = host_run([[0, 0], [1, 2]], sets, monkeypatch=monkeypatch)
+    assert out["stall"] == pytest.approx(1.0, abs=1e-12)
+    assert out["time"] == pytest.approx(3.0, abs=1e-12)
+    assert (out["misses"], out["late"]) == ((1, 0) if wait == "miss" else (0, 1))
+    start = {(layer, e): (worker, t) for layer, e, worker, t in reads}
+    assert start[(0, 1)][0] == (wait == "late")  # who reads expert 1
+    assert start[(1, 2)] == (True, pytest.approx(start[(0, 1)][1] + 1.0, abs=1e-12))
+
+
+def test_a_layer_without_stall_starts_the_next_layers_prefetch_at_its_begin():
+    """Layer 0 of decode token 1 hits (expert 0, cached by the prompt), so the planner's
+    load of layer 1's expert 2 starts as layer 0 begins: layer 1 then waits only what its
+    1 s read has left after layer 0's 0.25 s of compute."""
+    out, _ = host_run([[0, 0], [0, 2]], {(1, 1): [2]}, expert_s=0.25)
+    assert out["stall"] == pytest.approx(0.75, abs=1e-12)
+    assert out["time"] == pytest.approx(1.25, abs=1e-12)
+    assert (out["hits"], out["late"], out["prefetch_loads"]) == (2, 1, 1)
+
+
+def test_the_next_calls_set_is_protected_before_this_layers_misses_claim_slots():
+    """One MoE layer, two slots: the planner runs before ensure, so at token 2 the set
+    predicted for token 3 (expert 0) is already protected and token 2's miss evicts
+    expert 1, not the least recently used expert 0; token 3 then hits with no wait.
+    (Planned after ensure, the miss evicted expert 0, read again by a worker, and token
+    3 waited for it: stall 3 s, 4 reads.)"""
+    out, _ = host_run([[0], [1], [2], [0]], {(3, 0): [0]}, workers=1, expert_s=0.0)
+    assert out["stall"] == pytest.approx(2.0, abs=1e-12)  # tokens 1 and 2's misses
+    assert (out["hits"], out["late"], out["misses"], out["moved"]) == (1, 0, 2, 3)
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

@@ -38,6 +38,7 @@ from stmoe import cache_policy as cp
 from stmoe.runtime.store import Block, StoreError
 
 FREE, LOADING, READY = 0, 1, 2
+TEMP = -1  # ``copy_row``'s one-expert buffer (breaks a cycle of moves)
 POLICIES = cp.names_for(cp.RUNTIME)  # the policy names the runtime accepts
 
 
@@ -71,6 +72,19 @@ def param_specs(block: Block) -> list[ParamSpec]:
 
 
 _NO_FUTURE = np.zeros(0, dtype=np.int64)  # the runtime cannot see next uses (no belady)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+
+def _populate(memory: mmap.mmap, length: int) -> None:
+    """Fault the slots' pages in now: the cache's memory is resident from the start, and a
+    read into never-touched memory would pay its page faults on the load's path (about as
+    long as the read itself for a 6 MiB expert on a VM: docs/runtime.md)."""
+    if length <= 0:
+        return
+    try:
+        memory.madvise(_MADV_POPULATE_WRITE, 0, length)
+    except (OSError, ValueError):  # an older kernel: touch every page
+        torch.frombuffer(memory, dtype=torch.uint8, count=length).zero_()
 
 
 class LayerCache:
@@ -84,16 +98,21 @@ class LayerCache:
         self.policy = policy
         self._code = cp.policy_code(policy, cp.RUNTIME)
         self.device = device
+        # With room for every expert, expert e always lives in slot e: the slabs are then
+        # the model's own [N, ...] tensors and the compute needs no gather (fast path).
+        self.identity = capacity == num_experts
         self._memory: list[mmap.mmap] = []  # what the CPU slabs live in (page-aligned)
-        self.slabs = {p.name: self._slab(capacity, p, device) for p in params}
+        # Rows past the capacity (CPU): address space for the experts one call needs beyond
+        # it (a long prompt's), paged in only when written and given back after the call
+        # (``release_spare``); they are never cache slots.
+        self.reserved = num_experts if device.type == "cpu" and not self.identity else capacity
+        self.rows = {p.name: self._slab(p, device) for p in params}  # [reserved, ...]
+        self.slabs = {name: rows[:capacity] for name, rows in self.rows.items()}
         # a slot can be read into straight from the store when its tensors sit end to end
         # in the block, in this order (one read, no copy: ``slot_parts``)
         ends = [p.offset + p.nbytes for p in params]
         self.in_block_order = device.type == "cpu" and all(
             p.offset == (ends[i - 1] if i else 0) for i, p in enumerate(params))  # fmt: skip
-        # With room for every expert, expert e always lives in slot e: the slabs are then
-        # the model's own [N, ...] tensors and the compute needs no gather (fast path).
-        self.identity = capacity == num_experts
         self.where: dict[int, int] = {}  # expert -> slot
         self.holder = [-1] * capacity
         self.state = [FREE] * capacity
@@ -111,22 +130,46 @@ class LayerCache:
         self.protected: frozenset[int] | tuple[int, ...] = frozenset()
         self._pinned: frozenset[int] = frozenset()  # being gathered by the compute thread
 
-    def _slab(self, capacity: int, p: ParamSpec, device: torch.device) -> torch.Tensor:
-        """``capacity`` rows of parameter ``p``; on the CPU in page-aligned memory, so that
-        O_DIRECT can read into a slot (rows of page-multiple size stay aligned)."""
+    def _slab(self, p: ParamSpec, device: torch.device) -> torch.Tensor:
+        """``reserved`` rows of parameter ``p``; on the CPU in page-aligned private memory,
+        so that O_DIRECT can read into a row (rows of page-multiple size stay aligned)."""
         if device.type != "cpu":
-            return torch.empty((capacity, *p.shape), dtype=p.dtype, device=device)
-        memory = mmap.mmap(-1, max(1, capacity * p.nbytes))
+            return torch.empty((self.capacity, *p.shape), dtype=p.dtype, device=device)
+        try:
+            memory = mmap.mmap(-1, max(1, self.reserved * p.nbytes), flags=mmap.MAP_PRIVATE)
+        except OSError:  # no address space for the spare rows: the slots alone
+            self.reserved = self.capacity
+            memory = mmap.mmap(-1, max(1, self.capacity * p.nbytes), flags=mmap.MAP_PRIVATE)
         self._memory.append(memory)
-        flat = torch.frombuffer(memory, dtype=torch.uint8, count=capacity * p.nbytes)
-        return flat.view(p.dtype).view(capacity, *p.shape)
+        _populate(memory, self.capacity * p.nbytes)
+        rows = len(memory) // max(1, p.nbytes)
+        flat = torch.frombuffer(memory, dtype=torch.uint8, count=rows * p.nbytes)
+        return flat.view(p.dtype).view(rows, *p.shape)
 
     def slot_parts(self, slot: int) -> list[np.ndarray] | None:
-        """The slot's memory as one uint8 array per tensor, in block order (a tier reads
-        into them); None where the slabs are not CPU memory in block order."""
+        """Row ``slot``'s memory (a slot, or a spare row past the capacity) as one uint8
+        array per tensor, in block order (a tier reads into them); None where the slabs
+        are not CPU memory in block order."""
         if not self.in_block_order:
             return None
-        return [self.slabs[p.name][slot].view(-1).view(torch.uint8).numpy() for p in self.params]
+        return [self.rows[p.name][slot].view(-1).view(torch.uint8).numpy() for p in self.params]
+
+    def copy_row(self, src: int, dst: int, temp: dict[str, torch.Tensor]) -> None:
+        """Copy row ``src`` to row ``dst`` (either may be ``TEMP``: the one-expert ``temp``)."""
+        for p in self.params:
+            rows = self.rows[p.name]
+            (temp[p.name] if dst == TEMP else rows[dst]).copy_(
+                temp[p.name] if src == TEMP else rows[src])  # fmt: skip
+
+    def release_spare(self, used: int) -> None:
+        """Give back the memory of the first ``used`` spare rows (their pages)."""
+        if used <= 0 or self.device.type != "cpu":
+            return
+        for p, memory in zip(self.params, self._memory, strict=True):
+            start = -(-self.capacity * p.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = min(len(memory), (self.capacity + used) * p.nbytes)
+            if end > start:
+                memory.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     @property
     def pinned(self) -> frozenset[int]:
@@ -201,10 +244,30 @@ class LayerCache:
         ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with ctx:
             for p in self.params:
-                dst = self.slabs[p.name][slot].view(-1).view(torch.uint8)
+                dst = self.rows[p.name][slot].view(-1).view(torch.uint8)
                 dst.copy_(src[p.offset : p.offset + p.nbytes], non_blocking=non_blocking)
         if stream is not None:
             stream.synchronize()  # type: ignore[attr-defined]
+
+    def place(self, target: dict[int, int], slots: dict[int, int]) -> None:
+        """(lock held) The bookkeeping once ``arrange.plan_id_order``'s moves are done: each
+        needed expert is in row ``target[e]``; the cached ones (``slots``, the rows they
+        held) moved past the capacity leave the cache, a slot given to an expert not
+        loaded yet is LOADING by this thread (it reads it next)."""
+        flags = {e: (self.prefetched[s], self.used[s]) for e, s in slots.items()}
+        for e in slots:
+            del self.where[e]
+        now, me = time.monotonic(), threading.current_thread()
+        for e, row in target.items():
+            if row >= self.capacity:
+                continue
+            self.where[e], self.holder[row] = row, e
+            if e in flags:
+                self.state[row], self.loader[row] = READY, None
+                self.prefetched[row], self.used[row] = flags[e]
+            else:
+                self.state[row], self.loader[row], self.since[row] = LOADING, me, now
+                self.prefetched[row] = self.used[row] = False
 
     def filled(self, slot: int) -> None:
         self.state[slot] = READY

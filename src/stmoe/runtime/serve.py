@@ -26,13 +26,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
 import torch
 
-from stmoe.runtime.cache import LOADING, READY, LayerCache
+from stmoe.runtime.arrange import plan_id_order
+from stmoe.runtime.cache import LOADING, READY, TEMP, LayerCache
 from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering
 from stmoe.runtime.planning import PrefetchPlanner
 from stmoe.runtime.prefetch import Prefetcher
@@ -97,25 +97,39 @@ class LayerServer:
         predicted = self._begin(layer, cache, needed)
         self.planner.after_routing(layer, rows, hidden_states)
         start = time.perf_counter()
-        slots, overflow, hits, late = self._ensure(cache, needed)
-        state.run.stats.phases[state.run.phase].add(
-            layer, time.perf_counter() - start, len(needed), hits, late, len(predicted),
-            len(predicted.intersection(needed)),
-        )  # fmt: skip
-        # in place: the slots' numbering differs from the experts' ids, which changes how
-        # the implementation orders and groups a call's tokens; only a single token, or slots
-        # in the experts' own order, give bit for bit the resident model's result (tested)
-        in_place = not overflow and (cache.identity or (self.any_numbering[layer] and (
-            rows.shape[0] == 1 or _in_id_order(slots, needed))))  # fmt: skip
+        slots, extra, hits, late = self._ensure(cache, needed)
+        stall = time.perf_counter() - start
+        in_place = cache.identity or self.any_numbering[layer]
+        spare = 0  # spare rows past the capacity this call uses
         if cache.identity:  # every expert has its own slot: the slabs are the full tensors
             params, n, index = cache.slabs, state.num_experts, top_k_index
-        elif in_place:  # the slabs as they are, the router's ids renumbered to slots
+        elif in_place and rows.shape[0] == 1 and not extra:  # one token: any numbering
             params, n = cache.slabs, cache.capacity
             slot_of = np.array([slots[e] for e in needed])
             index = torch.from_numpy(slot_of[np.searchsorted(needed, rows)])
+        elif in_place and cache.reserved >= cache.capacity + len(extra):
+            # several tokens: the slots renumbered only in the experts' id order gives the
+            # resident model's bits (the implementation groups tokens by number; tested),
+            # so the rows are moved into that order, the extra experts read into spare rows
+            row_of, read_s = self._arrange(cache, needed, slots, extra)
+            stall += read_s
+            spare = len(extra)
+            n = cache.capacity + spare
+            params = {name: rows_[:n] for name, rows_ in cache.rows.items()}
+            slots = {e: r for e, r in row_of.items() if r < cache.capacity}
+            index = torch.from_numpy(np.array([row_of[e] for e in needed])[
+                np.searchsorted(needed, rows)])  # fmt: skip
         else:  # a copy of the needed experts, ids renumbered 0..U-1 in the same order
+            in_place = False
+            t0 = time.perf_counter()
+            overflow = {e: self._load_transient(cache, e) for e in extra}
+            stall += time.perf_counter() - t0
             params, n = gather(cache, needed, slots, overflow), len(needed)
             index = torch.from_numpy(np.searchsorted(needed, rows))
+        state.run.stats.phases[state.run.phase].add(
+            layer, stall, len(needed), hits, late, len(predicted),
+            len(predicted.intersection(needed)),
+        )  # fmt: skip
         index = index.to(top_k_index.device, top_k_index.dtype)
         self._touch(cache, slots)
         if not in_place:  # the copy is made: the slots may change
@@ -124,8 +138,46 @@ class LayerServer:
         try:
             return self.base[layer](weights, hidden_states, index, top_k_weights, *args, **kwargs)
         finally:
-            if in_place:  # computed from the slots: they stay pinned until now
+            if in_place:  # computed from the rows: they stay pinned until now
+                cache.release_spare(spare)
                 self._unpin(cache)
+
+    def _arrange(self, cache: LayerCache, needed: list[int], slots: Slots,
+                 extra: list[int]) -> tuple[dict[int, int], float]:  # fmt: skip
+        """Move the needed experts' rows into id order (``arrange``) and read ``extra`` into
+        theirs; (expert -> row, the seconds spent reading)."""
+        state = self.state
+        target, moves = plan_id_order(needed, slots, len(extra), cache.capacity)
+        with state.cv:  # the slots hold pinned experts: no worker touches them
+            temp = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=cache.device)
+                     for p in cache.params} if any(TEMP in m for m in moves) else {})  # fmt: skip
+            for src, dst in moves:
+                cache.copy_row(src, dst, temp)
+            cache.place(target, slots)
+        start = time.perf_counter()
+        for e in extra:
+            self._read_extra(cache, target[e], e)
+        return target, time.perf_counter() - start
+
+    def _read_extra(self, cache: LayerCache, row: int, expert: int) -> None:
+        """Read an expert the cache had no slot for into ``row`` (a slot ``place`` gave it,
+        LOADING by this thread, or a spare row)."""
+        state = self.state
+        block = state.store.blocks[(cache.layer, expert)]
+        try:
+            state.fill(cache, row, block, self._buf, self._stream)
+        except BaseException:
+            if row < cache.capacity:
+                with state.cv:
+                    cache.abandon(row)
+            raise
+        with state.cv:
+            if row < cache.capacity:
+                cache.filled(row)
+            stats = state.run.stats
+            stats.bytes_moved += block.nbytes
+            stats.demand_loads += 1
+            stats.overflow_loads += 1
 
     def _begin(self, layer: int, cache: LayerCache, needed: list[int]) -> frozenset[int]:
         """The compute thread reaches ``layer``: a worker's failure is raised, requests for
@@ -156,27 +208,29 @@ class LayerServer:
             if self.policy == "none":
                 state.run.stats.bytes_wasted += cache.drop_ready() * state.expert_bytes
 
-    def _ensure(self, cache: LayerCache, needed: list[int]) -> tuple[Slots, Overflow, int, int]:
-        """Every needed expert READY in a slot (or, beyond capacity, in a transient buffer).
+    def _ensure(self, cache: LayerCache,
+                needed: list[int]) -> tuple[Slots, list[int], int, int]:  # fmt: skip
+        """Every needed expert READY in a slot, but those beyond the capacity (a long
+        prompt's: listed, not loaded); with the hits, and of them the late ones.
 
         While the compute thread waits here (a miss, or a prefetch still in flight), the
         workers start no new load: the disk or link serves what is needed now before
         what is needed a layer later (they share its bandwidth, which does not grow with
         readers), and the next layer's loads start as soon as this layer computes."""
         slots: Slots = {}
-        overflow: Overflow = {}
+        extra: list[int] = []
         with self.state.cv:
             hits = sum(e in cache.where for e in needed)
             late = sum(e in cache.where and cache.state[cache.where[e]] == LOADING for e in needed)
             self.prefetcher.pause(hits - late < len(needed))
             try:
-                self._wait_or_load(cache, list(needed), slots, overflow)
+                self._wait_or_load(cache, list(needed), slots, extra)
             finally:
                 self.prefetcher.pause(False)
-        return slots, overflow, hits, late
+        return slots, extra, hits, late
 
     def _wait_or_load(self, cache: LayerCache, todo: list[int], slots: Slots,
-                      overflow: Overflow) -> None:  # fmt: skip
+                      extra: list[int]) -> None:  # fmt: skip
         """(lock held) ``_ensure``'s loop: take READY slots, load misses, wait for loads."""
         state = self.state
         while todo:
@@ -195,7 +249,7 @@ class LayerServer:
                     if any(st == LOADING and cache.holder[i] not in cache.pinned
                            for i, st in enumerate(cache.state)):  # fmt: skip
                         continue  # a worker is filling a slot we could take next
-                    overflow[e] = self._load_transient(cache, e)
+                    extra.append(e)  # beyond the capacity: read by the compute step
                 else:
                     state.run.stats.bytes_wasted += wasted * state.expert_bytes
                     self._load_into(cache, slot, e)
@@ -222,30 +276,22 @@ class LayerServer:
         state.run.stats.demand_loads += 1
 
     def _load_transient(self, cache: LayerCache, expert: int) -> dict[str, torch.Tensor]:
-        """An expert beyond the capacity (a long prefill): read outside the cache, used once."""
+        """An expert beyond the capacity where no spare row can take it (the copy's path):
+        read outside the cache, used once."""
         state = self.state
         block = state.store.blocks[(cache.layer, expert)]
-        state.cv.release()
-        try:
-            src = state.fetch(block, self._buf)
-            out = {}
-            for p in cache.params:
-                t = torch.empty(p.shape, dtype=p.dtype, device=cache.device)
-                t.view(-1).view(torch.uint8).copy_(src[p.offset : p.offset + p.nbytes])
-                out[p.name] = t
-        finally:
-            state.cv.acquire()
-        stats = state.run.stats
-        stats.bytes_moved += block.nbytes
-        stats.demand_loads += 1
-        stats.overflow_loads += 1
+        src = state.fetch(block, self._buf)
+        out = {}
+        for p in cache.params:
+            t = torch.empty(p.shape, dtype=p.dtype, device=cache.device)
+            t.view(-1).view(torch.uint8).copy_(src[p.offset : p.offset + p.nbytes])
+            out[p.name] = t
+        with state.cv:
+            stats = state.run.stats
+            stats.bytes_moved += block.nbytes
+            stats.demand_loads += 1
+            stats.overflow_loads += 1
         return out
-
-
-def _in_id_order(slots: Slots, needed: list[int]) -> bool:
-    """Whether the needed experts' slots increase with their ids (``needed`` is sorted)."""
-    order = [slots[e] for e in needed]
-    return all(a < b for a, b in pairwise(order))
 
 
 def gather(cache: LayerCache, needed: list[int], slots: Slots,

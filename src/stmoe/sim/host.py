@@ -11,22 +11,27 @@ when it ends), then one forward call per decode token. At every MoE layer:
    runtime's bookkeeping) on the compute thread;
 2. the layer begins: queued prefetches for it (or older) are now *stale* and
    dropped when a worker reaches them; the routed experts are pinned;
-3. ensure (the *stall*): each routed expert READY is a hit; LOADING (a prefetch
+3. the planner: the predictor's set for the next layer (wrapping to the next
+   token's layer 0) is queued, most confident first, the experts not cached yet;
+   the set is protected from eviction until its layer begins; idle workers start
+   its loads at once unless this layer stalls (step 4 pauses them first);
+4. ensure (the *stall*): each routed expert READY is a hit; LOADING (a prefetch
    in flight) is a hit waited for; any other is a miss the compute thread loads
-   itself, one after the other, while the workers go on reading;
-4. the predictor's set for the next layer (wrapping to the next token's layer 0)
-   is queued, most confident first, the experts not cached yet; the set is
-   protected from eviction until its layer begins;
+   itself, one after the other. While any routed expert is not READY the workers
+   start no new read (``Prefetcher.pause``; reads in flight go on), so what the
+   layer waits for shares the tier only with those; when ensure ends they
+   resume, and the next layer's loads run during this layer's compute;
 5. the experts compute (per routed token-expert pair); with policy ``none``
    every slot is then freed.
 
-Prefetch workers take the most urgent request (forward call, layer, rank), skip
-a stale one, claim a slot (the policy's victim among READY experts neither
-pinned nor protected; none: the request is dropped) and read. Reads share the
-tier as ``host_link`` models it. After the prompt, the predictor's set for the
-first decode token's layer 0 is queued (the oracle's sets start with decode).
-Cache victims come from ``stmoe.cache_policy`` with the runtime's stamps (one
-step per layer call; a prefetch is stamped with the step it is loaded for).
+Prefetch workers (unless paused) take the most urgent request (forward call,
+layer, rank), skip a stale one, claim a slot (the policy's victim among READY
+experts neither pinned nor protected; none: the request is dropped) and read.
+Reads share the tier as ``host_link`` models it. After the prompt, the
+predictor's set for the first decode token's layer 0 is queued (the oracle's
+sets start with decode). Cache victims come from ``stmoe.cache_policy`` with the
+runtime's stamps (one step per layer call; a prefetch is stamped with the step
+it is loaded for).
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class _Sim:
         self.started = 0
         self.queue: list[tuple[int, int, int, int]] = []  # (call, layer, rank, expert)
         self.idle = costs.workers
+        self.paused = False  # the compute thread stalls: the workers start no new read
         self.pos = (-1, -1)
         self.t = 0.0
         self.count = {k: 0 for k in ("demanded", "hits", "late", "misses", "prefetch_loads",
@@ -134,7 +140,7 @@ class _Sim:
                 self._dispatch(t)
 
     def _dispatch(self, t: float) -> None:
-        while self.idle > 0 and self.queue:
+        while self.idle > 0 and self.queue and not self.paused:
             fwd, layer, _rank, e = heapq.heappop(self.queue)
             if (fwd, layer) <= self.pos:
                 self.count["stale"] += self.counting
@@ -196,15 +202,20 @@ class _Sim:
         self.pinned[layer] = False
         self.pinned[layer, needed] = True
         self.clock[layer] += 1
+        st = self.state[layer]
+        # the runtime pauses right after the planner queues (no time passes between): a
+        # stalling layer's queued loads wait for its ensure to end
+        self.paused = bool((st[needed] != READY).any())
+        self._predict(fwd, layer)
         start = self.t
         self._ensure(layer, needed)
         if self.counting:
             self.stall += self.t - start
-        st = self.state[layer]
         self.last_use[layer, needed] = self.clock[layer]
         self.used[layer, needed] = True
         self.uses[layer, needed] += 1
-        self._predict(fwd, layer)
+        self.paused = False
+        self._dispatch(self.t)  # the next layer's loads, during this layer's compute
         self.t += c.expert_s * rows.size
         self._advance(self.t)
         self.pinned[layer] = False

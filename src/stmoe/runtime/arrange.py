@@ -1,0 +1,42 @@
+"""Expert rows in the order of the experts' ids, by moving rows rather than copying them all.
+
+A call of several tokens gives the resident model's bits only when its experts are
+numbered in the order of their ids (the implementation groups tokens by number;
+``serve``). The slots a cache gave them follow no order, and a prompt may need more
+experts than the cache holds. Rather than a compact copy of every needed expert
+(a prompt's can be the size of the cache), ``plan_id_order`` assigns the needed
+experts, in id order, to the rows they already occupy, then to spare rows past
+the capacity, and lists the row copies that put them there: each row is copied at
+most once, plus one copy per cycle through a one-expert buffer (``TEMP``). The
+experts not cached yet are read straight into their rows afterwards.
+"""
+
+from __future__ import annotations
+
+from stmoe.runtime.cache import TEMP
+
+
+def plan_id_order(needed: list[int], slots: dict[int, int], extra: int,
+                  capacity: int) -> tuple[dict[int, int], list[tuple[int, int]]]:  # fmt: skip
+    """(expert -> row, the ordered (src, dst) row copies) for ``needed`` (sorted ids):
+    ``slots`` maps the cached ones to their slots, ``extra`` more go to spare rows
+    ``capacity, capacity + 1, ...``; rows then increase with the experts' ids."""
+    rows = sorted(slots.values()) + list(range(capacity, capacity + extra))
+    if len(rows) != len(needed):
+        raise ValueError(f"{len(needed)} experts for {len(rows)} rows")
+    target = dict(zip(needed, rows, strict=True))
+    pending = {target[e]: s for e, s in slots.items() if target[e] != s}  # dst -> src
+    readers = {s: d for d, s in pending.items()}  # src -> the move that still reads it
+    moves: list[tuple[int, int]] = []
+    while pending:
+        dst = next((d for d in pending if d not in readers), None)
+        if dst is None:  # only cycles are left: park one row in the buffer
+            row = next(iter(pending))
+            reader = readers.pop(row)
+            moves.append((row, TEMP))
+            pending[reader], readers[TEMP] = TEMP, reader
+            continue
+        src = pending.pop(dst)
+        del readers[src]
+        moves.append((src, dst))
+    return target, moves
