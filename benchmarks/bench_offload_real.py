@@ -51,6 +51,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +133,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         pred = make("stmoe-plus", loaded.shape, loaded, set_size=2.0 * loaded.shape.top_k)
     link = {"bandwidth": args.bandwidth} if args.tier == "emulated" else {}
     capacity = "100%" if args.one == "all-cached" else args.capacity
+    started = time.perf_counter()
     with offload(model, store, capacity=capacity, predictor=pred, tables=tables, policy=policy,
                  tier=args.tier, **link) as om:  # fmt: skip
+        offload_s = time.perf_counter() - started  # loading, the cache made (its pages faulted in)
         plan = replay_plan(args, om.model.config)
         r = om.replay(plan, max_new_tokens=args.tokens)
         if args.one == "all-cached":  # every expert now in the cache: the warm run counts
@@ -142,6 +145,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                "prefetch_recall", "prefetch_precision", "bytes_moved", "bytes_wasted",
                "stall_share")}  # fmt: skip
         out["cache_bytes"] = om.config["cache_bytes"]
+        out["offload_s"] = offload_s
         out["resident_bytes"] = sum(p.numel() * p.element_size() for p in om.model.parameters()
                                     if not p.is_meta)  # fmt: skip
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -251,14 +255,14 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     med = {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}
     print(f"\n## tier {tier}{' (EMULATED)' if tier == 'emulated' else ''}")
     print(f"{'system':13} {'decode tok/s':>22} {'hit':>6} {'recall':>7} {'prec':>6} {'stall':>6}"
-          f" {'moved GiB':>10} {'wasted':>7} {'peak GiB':>9}")  # fmt: skip
+          f" {'moved GiB':>10} {'wasted':>7} {'peak GiB':>9} {'start s':>8}")  # fmt: skip
     for s, rs in runs.items():
         m = med[s]
         print(f"{s:13} {spread([r['decode_tokens_per_s'] for r in rs]):>22} {m['hit_rate']:6.3f} "
               f"{m['prefetch_recall']:7.3f} {m['prefetch_precision']:6.3f} "
               f"{m['stall_share']:6.2f} {m['bytes_moved'] / 2**30:10.2f} "
               f"{m['bytes_wasted'] / max(1, m['bytes_moved']):7.1%} "
-              f"{m['peak_rss'] / 2**30:9.2f}")  # fmt: skip
+              f"{m['peak_rss'] / 2**30:9.2f} {m['offload_s']:8.1f}")  # fmt: skip
     t = {s: 1 / m["decode_tokens_per_s"] for s, m in med.items()}  # seconds per decode token
     best = min(PREDICTING, key=lambda s: t[s])
     room = t["lru-only"] - t["oracle"]

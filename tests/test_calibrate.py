@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 import tomllib
 
 import numpy as np
@@ -50,6 +53,11 @@ def test_the_preset_loads_says_how_each_number_was_found_and_simulates(tiny, cli
         assert "#" in line, line
     measured = [line for line in keys if "# measured" in line]
     assert len(measured) >= 7  # speed, latency, compute, parallel reads, layer, token, touch
+    note = {line.split("=", 1)[0].strip(): line.split("#", 1)[1] for line in keys}
+    for key in ("link_bytes_per_s", "link_latency_s", "read_parallel_bytes_per_s"):
+        assert "faulted-in" in note[key] or "faulted in" in note[key], note[key]  # the tier's
+    assert "never-touched" in note["first_touch_s"] and "spare row" in note["first_touch_s"]
+    assert "ms an expert" in note["first_touch_s"]  # the cache's own faulting in, per slot
     assert "on " in table["source"] and "UTC" in table["source"]
 
     trace = stmoe.synthesize(tokens=30, layers=8, experts=16, top_k=4, sequences=1, seed=2)
@@ -87,6 +95,58 @@ def test_bad_requests_are_one_clear_line(tiny, cli, args, message):
     assert res.exit_code == 1, res.output
     assert message in res.output and "Traceback" not in res.output
     assert not out.exists()
+
+
+def resident(addr: int, nbytes: int) -> bool:
+    """Whether every page of [addr, addr + nbytes) is in memory (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = addr - addr % mmap.PAGESIZE
+    pages = -(-(addr + nbytes - start) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    rc = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * mmap.PAGESIZE), vec)
+    assert rc == 0, ctypes.get_errno()
+    return all(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore residency: Linux")
+def test_reads_land_in_faulted_in_memory_and_faults_are_measured_apart(tiny, monkeypatch):
+    """Every read of the bandwidth and latency measurements goes into memory whose pages
+    are resident before it starts (as the runtime's slots, faulted in when the cache is
+    made), so they time the tier, not page faults; the first-touch measurement alone
+    reads into never-touched memory, half its reads, the other half into a faulted slot."""
+    from stmoe.runtime import calibrate as cal
+    from stmoe.runtime.store import open_store
+    from stmoe.runtime.tiers import open_tier
+
+    root, model_dir = tiny
+    store = open_store(model_dir, root / "store")
+    tier = open_tier("disk", store, None, 0.0)
+    seen: list[bool] = []
+    fill, preadv = cal._fill, cal.os.preadv
+
+    def checked_fill(tier, block, parts, buf):
+        seen.append(resident(parts[0].ctypes.data, sum(p.nbytes for p in parts)))
+        return fill(tier, block, parts, buf)
+
+    def checked_preadv(fd, buffers, offset):
+        seen.append(all(resident(np.frombuffer(b, np.uint8).ctypes.data, len(b))
+                        for b in buffers))  # fmt: skip
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(cal, "_fill", checked_fill)
+    try:
+        with monkeypatch.context() as m:  # the latency's one-page reads (the tier's own too)
+            m.setattr(cal.os, "preadv", checked_preadv)
+            cal.measure_latency(store, tier, 0.05, 0)
+        cal.measure_reads(store, tier, 1, 0.1, 0)
+        cal.measure_reads(store, tier, 3, 0.1, 2)
+        assert len(seen) > 3 and all(seen)
+        seen.clear()
+        faults = cal.measure_page_faults(store, tier, 4, 0)
+    finally:
+        tier.close()
+    assert sorted(seen) == [False] * 4 + [True] * 4
+    assert faults.reads == 4 and faults.first_touch_s >= 0 and faults.populate_s > 0
 
 
 def test_bad_paths_are_refused_before_measuring(tiny, cli):

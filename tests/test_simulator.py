@@ -201,13 +201,13 @@ workers = 2
 read_parallel_bytes_per_s = {par}
 layer_s = 0.002
 token_s = 0.003
-first_touch_s = 0.0
+first_touch_s = {touch}
 """
 
 
-def host_spec(tmp_path, pe=1.0, bw=1e9, par=1e9, tier="disk"):
+def host_spec(tmp_path, pe=1.0, bw=1e9, par=1e9, tier="disk", touch=0.0):
     path = tmp_path / "host.toml"
-    path.write_text(HOST_TOML.format(pe=pe, bw=bw, par=par, tier=tier))
+    path.write_text(HOST_TOML.format(pe=pe, bw=bw, par=par, tier=tier, touch=touch))
     return load_hardware(str(path))
 
 
@@ -280,7 +280,8 @@ def test_a_shared_device_splits_its_speed_and_a_link_serialises():
     assert fifo.pop() == (1.0, 0) and fifo.pop() == (2.0, 1)
 
 
-def host_run(experts, sets, capacity=2, workers=2, expert_s=1.0, monkeypatch=None):
+def host_run(experts, sets, capacity=2, workers=2, expert_s=1.0, monkeypatch=None,
+             first_touch_s=0.0):  # fmt: skip
     """A hand-built run on one shared disk (parallel 1: two reads at once take twice as
     long), one-second reads, no other cost; ``sets``: {(token, layer): predicted ids}.
     With ``monkeypatch``, also every read's (layer, expert, by a worker, start)."""
@@ -295,13 +296,13 @@ def host_run(experts, sets, capacity=2, workers=2, expert_s=1.0, monkeypatch=Non
     if monkeypatch is not None:
         read = host._Sim._read
 
-        def logged(self, layer, e, worker, t, fresh):
+        def logged(self, layer, e, worker, t, spare):
             reads.append((layer, e, worker, t))
-            return read(self, layer, e, worker, t, fresh)
+            return read(self, layer, e, worker, t, spare)
 
         monkeypatch.setattr(host._Sim, "_read", logged)
     costs = host.HostCosts(layer_s=0.0, token_s=0.0, expert_s=expert_s, read_s=1.0,
-                           first_touch_s=0.0, parallel=1.0, workers=workers,
+                           first_touch_s=first_touch_s, parallel=1.0, workers=workers,
                            fifo=False)  # fmt: skip
     run = host.HostRun(experts, 1, (ptr, ids), False, capacity, "lru")
     return host.simulate_host(run, costs, 4), reads
@@ -345,6 +346,56 @@ def test_the_next_calls_set_is_protected_before_this_layers_misses_claim_slots()
     assert (out["hits"], out["late"], out["misses"], out["moved"]) == (1, 0, 2, 3)
 
 
+def test_decode_reads_into_slots_never_used_pay_no_first_touch():
+    """The runtime faults its cache's slots in when it makes the cache, so a decode read
+    into a slot never used before (here the 2nd and 3rd slots of each layer, by misses
+    and by a worker's prefetch) costs the tier's time alone, whatever ``first_touch_s``."""
+    experts, sets = [[0, 0], [1, 1], [2, 2]], {(2, 1): [2]}
+    plain, _ = host_run(experts, sets, capacity=3, expert_s=0.25)
+    touched, _ = host_run(experts, sets, capacity=3, expert_s=0.25, first_touch_s=5.0)
+    assert touched == plain
+    assert (plain["misses"], plain["prefetch_loads"], plain["spare"]) == (3, 1, 0)
+    # token 1: two misses (1 s each) and two computes; token 2: a miss, then the paused
+    # prefetch starts and layer 1 waits the 0.75 s left of it after layer 0's compute
+    assert plain["stall"] == pytest.approx(3.75, abs=1e-12)
+    assert plain["time"] == pytest.approx(4.75, abs=1e-12)
+
+
+def test_a_read_into_a_spare_row_past_the_capacity_pays_first_touch():
+    """One MoE layer, one slot: at token 1 the set predicted for token 2 (expert 0, the
+    cached one) is protected, so no slot can take the miss of expert 1; the runtime reads
+    it into a spare row, memory paged in for that call, whose page faults it pays."""
+    out, _ = host_run([[0], [1], [0]], {(2, 0): [0]}, capacity=1, workers=1, expert_s=0.0,
+                      first_touch_s=0.5)  # fmt: skip
+    assert (out["misses"], out["spare"], out["hits"]) == (1, 1, 1)
+    assert out["stall"] == pytest.approx(1.5, abs=1e-12)
+    assert out["time"] == pytest.approx(1.5, abs=1e-12)
+
+
+@pytest.mark.parametrize("capacity", [4, 12])
+def test_a_presets_first_touch_cost_leaves_every_systems_decode_unchanged(tmp_path, capacity):
+    """The preset's ``first_touch_s`` (what a spare row and making the cache pay) does not
+    enter decode time: slots are faulted in, and a decode of several MoE layers reads
+    into no spare row (each layer's protected set is the next layer's). The 10-token
+    prompt routes to 7-10 experts a layer: past a capacity of 4 (spare rows, paid before
+    decode starts), within 12 (decode then fills slots the prompt never used)."""
+    from stmoe.sim.host_systems import RUNTIME_SYSTEMS, HostOptions, simulate_runtime
+
+    trace = host_trace()
+    o = HostOptions(capacity=capacity, decode_tokens=20, tables=profile(trace, fit_plus=False))
+    runs = [simulate_runtime(trace, MODEL, host_spec(tmp_path, bw=4e8, touch=touch),
+                             list(RUNTIME_SYSTEMS), o) for touch in (0.0, 0.5)]  # fmt: skip
+    assert runs[1]["costs"]["first_touch_s"] == 0.5
+    for name in RUNTIME_SYSTEMS:
+        plain, touched = runs[0]["systems"][name], runs[1]["systems"][name]
+        # decode starting later after a prompt's spare rows moves only the last bits
+        assert touched["decode_s"] == pytest.approx(plain["decode_s"], rel=1e-12), name
+        assert touched["stall_s"] == pytest.approx(plain["stall_s"], rel=1e-12), name
+        assert plain["stall_s"] > 0 and touched["counters"] == pytest.approx(
+            plain["counters"], rel=1e-12), name  # fmt: skip
+        assert plain["counters"]["spare"] == 0, name
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -359,7 +410,7 @@ def test_the_next_calls_set_is_protected_before_this_layers_misses_claim_slots()
 )  # fmt: skip
 def test_bad_host_tables_are_clear(tmp_path, edit, message):
     path = tmp_path / "bad.toml"
-    path.write_text(edit(HOST_TOML.format(pe=1.0, bw=1e9, par=1e9, tier="disk")))
+    path.write_text(edit(HOST_TOML.format(pe=1.0, bw=1e9, par=1e9, tier="disk", touch=0.0)))
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("(", r"\(")):
         load_hardware(str(path))
 

@@ -14,7 +14,14 @@ here is measured with the runtime's own code paths:
   memory plus its CRC-32C check, or the emulated link's fetch and the copy into
   the slot, by 1 thread
   (the compute thread's misses) and by ``workers + 1`` threads at once (the
-  workers and the compute thread together); latency from one-page reads;
+  workers and the compute thread together); latency from one-page reads. Every
+  read lands in memory faulted in beforehand, as the runtime's cache slots are
+  (``LayerCache`` populates them when it makes the cache), so these figures are
+  the tier's, not the page faults';
+* page faults, apart: the extra time of a read into never-touched memory over
+  one into faulted-in memory (``first_touch_s``: what a read into a spare row
+  past the capacity pays, a long prompt's extra experts), and the time to fault
+  one slot in (``populate_s``: what making the cache pays per slot);
 * compute: ``stmoe.offload`` itself replaying a routing that always picks the
   same top-K experts, so after the prompt every expert is a hit and a decode
   token is pure compute plus the runtime's per-layer work; the experts calls and
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import mmap
 import os
 import platform
 import random
@@ -42,9 +50,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from stmoe.runtime.cache import param_specs
+from stmoe.runtime.cache import _populate, param_specs
 from stmoe.runtime.store import ALIGN, Block, ExpertStore, StoreError, open_store
-from stmoe.runtime.tiers import Tier, aligned_buffer, open_tier, padded
+from stmoe.runtime.tiers import Tier, open_tier, padded
 
 CALIBRATED_TIERS = ("disk", "emulated")
 
@@ -92,11 +100,35 @@ def check_options(o: CalibrateOptions) -> None:
         raise StoreError("--threads must be >= 1 and --workers >= 0")
 
 
+@dataclass(frozen=True)
+class PageFaults:
+    """What never-touched memory costs per expert, apart from the tier's reads."""
+
+    first_touch_s: float  # a read into it over one into faulted-in memory (medians)
+    populate_s: float  # faulting one expert's memory in ahead (the runtime's _populate)
+    reads: int  # reads of each kind
+
+
+def slab_memory(nbytes: int) -> mmap.mmap:
+    """Page-aligned private anonymous memory, never touched: what ``LayerCache``'s slabs
+    (slots and spare rows) are made of, so its page faults cost what theirs do."""
+    return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN), flags=mmap.MAP_PRIVATE)
+
+
+def faulted_buffer(nbytes: int) -> mmap.mmap:
+    """Slab memory whose pages are faulted in now, as a cache slot's are when
+    ``LayerCache`` makes the cache (same call): a read into it pays no page faults."""
+    buf = slab_memory(nbytes)
+    _populate(buf, len(buf))
+    return buf
+
+
 def measure_reads(store: ExpertStore, tier: Tier, threads: int, seconds: float,
                   seed: int, order: list[Block] | None = None) -> Reads:  # fmt: skip
     """``threads`` threads reading blocks into slot-like memory for about ``seconds``
     (at least one block each), as the runtime fills a cache slot: ``order``'s blocks in
-    turn, else distinct random ones."""
+    turn, else distinct random ones. The memory is faulted in first, as the runtime's
+    slots are: the times are the tier's, not page faults'."""
     blocks = list(order) if order else list(store.blocks.values())
     if not order:
         random.Random(seed).shuffle(blocks)  # a small store's blocks come round again
@@ -105,7 +137,7 @@ def measure_reads(store: ExpertStore, tier: Tier, threads: int, seconds: float,
     deadline = time.perf_counter() + seconds
 
     def reader() -> None:
-        slot, buf = aligned_buffer(size), aligned_buffer(size)
+        slot, buf = faulted_buffer(size), faulted_buffer(size)
         first = True
         while first or time.perf_counter() < deadline:
             first = False
@@ -163,28 +195,39 @@ def _fill(tier: Tier, block: Block, parts: list[np.ndarray], buf: Any) -> None:
         p[:] = src[start : start + p.nbytes]
 
 
-def measure_first_touch(store: ExpertStore, tier: Tier, reads: int, seed: int) -> float:
-    """Extra time of a fill into slot memory never used before (a new cache's slabs are
-    fresh anonymous memory: the read faults every page in) over one into reused memory."""
+def measure_page_faults(store: ExpertStore, tier: Tier, reads: int, seed: int) -> PageFaults:
+    """The page faults of never-touched memory, per expert. The runtime pays them once per
+    slot when it makes a cache (``populate_s``: faulting the slot in ahead), and per
+    spare row past the capacity a long prompt reads an extra expert into
+    (``first_touch_s``: that read's extra time over a read into a faulted-in slot); a
+    read into a slot never pays them. ``reads`` pairs of fills of distinct blocks, one
+    into fresh memory and one into a faulted-in slot, alternating which goes first."""
     blocks = list(store.blocks.values())
     random.Random(seed + 3).shuffle(blocks)
     size = max(padded(b) for b in blocks)
-    slabs, buf = aligned_buffer(size * reads), aligned_buffer(size)
-    fresh, reused = [], []
-    for i in range(2 * reads):
-        block = blocks[i % len(blocks)]
-        slot = memoryview(slabs)[(i % reads) * size : (i % reads + 1) * size]
-        start = time.perf_counter()
-        _fill(tier, block, _slot_parts(block, slot), buf)
-        (fresh if i < reads else reused).append(time.perf_counter() - start)
-    return max(0.0, statistics.median(fresh) - statistics.median(reused))
+    spare, slot, buf = slab_memory(size * reads), faulted_buffer(size), faulted_buffer(size)
+    fresh, faulted = [], []
+    for i in range(reads):
+        for k, into_fresh in enumerate((i % 2 == 0, i % 2 == 1)):
+            block = blocks[(2 * i + k) % len(blocks)]
+            into = memoryview(spare)[i * size : (i + 1) * size] if into_fresh else slot
+            start = time.perf_counter()
+            _fill(tier, block, _slot_parts(block, into), buf)
+            (fresh if into_fresh else faulted).append(time.perf_counter() - start)
+    memory = slab_memory(size * reads)  # a new cache's slabs, faulted in as it is made
+    start = time.perf_counter()
+    _populate(memory, len(memory))
+    populate = (time.perf_counter() - start) / reads
+    touch = max(0.0, statistics.median(fresh) - statistics.median(faulted))
+    return PageFaults(touch, populate, reads)
 
 
 def measure_latency(store: ExpertStore, tier: Tier, seconds: float, seed: int) -> float:
-    """Median time of one-page reads at random block offsets (the per-read cost)."""
+    """Median time of one-page reads at random block offsets (the per-read cost), into a
+    faulted-in page."""
     blocks = list(store.blocks.values())
     rng = random.Random(seed + 1)
-    buf = aligned_buffer(ALIGN)
+    buf = faulted_buffer(ALIGN)
     times: list[float] = []
     deadline = time.perf_counter() + seconds
     while not times or (time.perf_counter() < deadline and len(times) < 2000):
@@ -307,7 +350,7 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
     tier = open_tier(o.tier, opened, o.bandwidth, o.latency)
     try:
         latency = measure_latency(opened, tier, min(1.0, o.seconds / 4), o.seed)
-        touch = measure_first_touch(opened, tier, 8, o.seed)
+        faults = measure_page_faults(opened, tier, 8, o.seed)
         order = routed_blocks(opened, o.routing) if o.routing is not None else None
         one = measure_reads(opened, tier, 1, o.seconds, o.seed, order)
         many = measure_reads(opened, tier, workers + 1, o.seconds, o.seed + 2,
@@ -321,7 +364,9 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         "tier": o.tier, "direct_io": direct, "store": str(opened.path),
         "model_dir": str(model_dir), "num_layers": n_layers, "num_experts": n_experts,
         "top_k": top_k, "expert_bytes": expert_bytes, "capacity": capacity,
-        "workers": workers, "threads": o.threads, "latency_s": latency, "first_touch_s": touch,
+        "workers": workers, "threads": o.threads, "latency_s": latency,
+        "first_touch_s": faults.first_touch_s, "populate_s": faults.populate_s,
+        "touch_reads": faults.reads,
         "expert_macs": expert_bytes // param_specs(opened.blocks[(0, 0)])[0].dtype.itemsize,
         "bytes_per_s": expert_bytes / per_read, "reads_1": dataclasses.asdict(one),
         "parallel_bytes_per_s": many.bytes_per_s, "reads_n": dataclasses.asdict(many),

@@ -43,9 +43,10 @@ def hardware_toml(f: dict[str, Any]) -> str:
              "(its time is inside host.layer_s)"),
         line("dataflow", "weight_stationary", "one fixed kernel"),
         line("link_bytes_per_s", f["bytes_per_s"], f"measured: {f['reads_1']['blocks']} "
-             "expert blocks read one at a time into slot memory, CRC32 checked (mean time, "
-             "less the latency)"),
-        line("link_latency_s", f["latency_s"], "measured: median one-page read"),
+             "expert blocks read one at a time into slot memory faulted in beforehand (as the "
+             "runtime's slots: no page faults), CRC32 checked (mean time, less the latency)"),
+        line("link_latency_s", f["latency_s"], "measured: median one-page read into a "
+             "faulted-in page"),
         line("cache_experts_per_layer", f["capacity"], "the cache described (--capacity)"),
         line("epu_cycles_per_candidate", 0, "prediction runs on the CPU: 18-61 us a layer "
              "(docs/simulator.md), left out"),
@@ -63,11 +64,14 @@ def hardware_toml(f: dict[str, Any]) -> str:
         line("workers", f["workers"], "the runtime's prefetch threads on this tier"),
         line("read_parallel_bytes_per_s", f["parallel_bytes_per_s"], f"measured: "
              f"{f['reads_n']['threads']} threads reading {f['reads_n']['blocks']} blocks at "
-             "once"),
+             "once, each into its own faulted-in slot memory"),
         line("layer_s", layer_s, f"measured: decoder layer time less its experts call, "
              f"{f['tokens']} decode tokens, every expert a hit"),
         line("token_s", token_s, "measured: decode token time outside the decoder layers"),
-        line("first_touch_s", f["first_touch_s"], "measured: a fill into never-used slot "
-             "memory less one into reused memory (medians)"),
+        line("first_touch_s", f["first_touch_s"], f"measured: a read into never-touched "
+             f"memory less one into a faulted-in slot (medians of {f['touch_reads']} each): "
+             "paid per spare row past the capacity (a long prompt's extra experts), never by "
+             "a read into a slot, faulted in when the cache is made (measured "
+             f"{f['populate_s'] * 1e3:.2f} ms an expert, not timed by the simulator)"),
     ]  # fmt: skip
     return "\n".join(rows) + "\n"

@@ -20,7 +20,12 @@ when it ends), then one forward call per decode token. At every MoE layer:
    itself, one after the other. While any routed expert is not READY the workers
    start no new read (``Prefetcher.pause``; reads in flight go on), so what the
    layer waits for shares the tier only with those; when ensure ends they
-   resume, and the next layer's loads run during this layer's compute;
+   resume, and the next layer's loads run during this layer's compute. An expert
+   no slot can take (every slot pinned, protected or being read) is read into a
+   spare row past the capacity, fresh memory each call: only such a read pays
+   ``first_touch_s`` (its page faults), as the runtime faults the slots' memory
+   in when it makes the cache (a prompt's extra experts; in decode only where
+   the next call's set protects this very layer, a model of one MoE layer);
 5. the experts compute (per routed token-expert pair); with policy ``none``
    every slot is then freed.
 
@@ -58,7 +63,9 @@ class HostCosts:
     token_s: float  # per forward call outside the MoE layers
     expert_s: float  # one routed expert for one token
     read_s: float  # one expert read alone (latency + bytes / bandwidth)
-    first_touch_s: float  # extra for a read into slot memory never used (its page faults)
+    # extra for a read into a spare row past the capacity (its page faults); never for a
+    # read into a slot: the runtime faults the slots in when it makes the cache
+    first_touch_s: float
     parallel: float  # the tier's speed with >= 2 readers, relative to one reader
     workers: int
     fifo: bool  # one serial link (emulated) rather than a shared device (disk)
@@ -90,7 +97,6 @@ class _Sim:
         self.pinned = np.zeros(shape, dtype=np.bool_)
         self.protected = np.zeros(shape, dtype=np.bool_)
         self.size = np.zeros(n_layers, dtype=np.int64)
-        self.touched = np.zeros(n_layers, dtype=np.int64)  # slots ever filled (lowest first)
         self.clock = np.zeros(n_layers, dtype=np.int64)
         self.link = FifoLink() if costs.fifo else SharedLink(costs.parallel)
         # reads in progress: id -> (layer, expert, by a worker, page faults after the device)
@@ -103,19 +109,20 @@ class _Sim:
         self.pos = (-1, -1)
         self.t = 0.0
         self.count = {k: 0 for k in ("demanded", "hits", "late", "misses", "prefetch_loads",
-                                     "stale", "wasted", "dropped", "moved", "fresh")}  # fmt: skip
+                                     "stale", "wasted", "dropped", "moved", "spare")}  # fmt: skip
         self.counting = False
         self.stall = 0.0
 
     # ---- the tier and the workers ----------------------------------------------------
-    def _read(self, layer: int, e: int, worker: bool, t: float, fresh: bool) -> int:
-        """Start a read; a fresh slot's page faults keep the reading thread busy after the
-        device is done with it (``first_touch_s``), not the device."""
+    def _read(self, layer: int, e: int, worker: bool, t: float, spare: bool) -> int:
+        """Start a read; one into a spare row (``spare``: fresh memory each call) keeps the
+        reading thread busy with its page faults after the device is done with it
+        (``first_touch_s``), not the device. A slot's memory is faulted in already."""
         rid = self.started
         self.started += 1
-        self.reads[rid] = (layer, e, worker, self.c.first_touch_s if fresh else 0.0)
+        self.reads[rid] = (layer, e, worker, self.c.first_touch_s if spare else 0.0)
         self.count["moved"] += 1  # the whole run's, prompt included, as bytes_moved
-        self.count["fresh"] += fresh and self.counting
+        self.count["spare"] += spare and self.counting
         self.link.start(rid, t, self.c.read_s)
         return rid
 
@@ -145,13 +152,12 @@ class _Sim:
             if (fwd, layer) <= self.pos:
                 self.count["stale"] += self.counting
                 continue
-            claimed = self._claim(layer, e, prefetch=True)
-            if claimed is None:
+            if not self._claim(layer, e, prefetch=True):
                 self.count["dropped"] += self.counting
                 continue
             self.count["prefetch_loads"] += self.counting
             self.idle -= 1
-            self._read(layer, e, True, t, claimed)
+            self._read(layer, e, True, t, spare=False)
 
     def _wait(self, rid: int | None = None) -> None:
         """The compute thread waits for its read ``rid``, or (None) for the next landing."""
@@ -165,22 +171,17 @@ class _Sim:
                 return
 
     # ---- the cache ---------------------------------------------------------------------
-    def _claim(self, layer: int, e: int, prefetch: bool) -> bool | None:
-        """A slot for ``e``, now LOADING: True when it is memory never used before (the
-        runtime takes the lowest free slot), False when reused; None: no slot."""
+    def _claim(self, layer: int, e: int, prefetch: bool) -> bool:
+        """A slot for ``e``, now LOADING (True); False: no slot can take it."""
         st = self.state[layer]
         if st[e] != ABSENT:
-            return None
-        fresh = False
-        if self.size[layer] < self.run.capacity:
-            fresh = bool(self.size[layer] >= self.touched[layer])
-            self.touched[layer] += fresh
-        else:
+            return False
+        if self.size[layer] >= self.run.capacity:
             keep = self.pinned[layer] | self.protected[layer]
             v = cp.choose_victim(st == READY, keep, self.last_use[layer], self.uses[layer],
                                  _NO_FUTURE, self.code)  # fmt: skip
             if v < 0:
-                return None
+                return False
             self.count["wasted"] += bool(self.prefetched[layer, v] and not self.used[layer, v])
             st[v] = ABSENT
             self.size[layer] -= 1
@@ -189,7 +190,7 @@ class _Sim:
         self.prefetched[layer, e], self.used[layer, e] = prefetch, False
         if prefetch:
             self.last_use[layer, e] = self.clock[layer] + 1
-        return fresh
+        return True
 
     # ---- one MoE layer on the compute thread -----------------------------------------
     def layer(self, fwd: int, layer: int, rows: np.ndarray) -> None:
@@ -242,12 +243,11 @@ class _Sim:
                 if st[e] == LOADING:
                     continue
                 claimed = self._claim(layer, e, prefetch=False)
-                if claimed is None and (st[~self.pinned[layer]] == LOADING).any():
+                if not claimed and (st[~self.pinned[layer]] == LOADING).any():
                     continue  # a worker is filling a slot that can be taken next
                 self.count["misses"] += self.counting
-                # beyond the capacity: a transient buffer, new memory each time
-                fresh = claimed is None or claimed
-                rid = self._read(layer, e if claimed is not None else -1, False, self.t, fresh)
+                # no slot: a spare row past the capacity, paged in for this call
+                rid = self._read(layer, e if claimed else -1, False, self.t, not claimed)
                 self._wait(rid)
                 todo.remove(e)
                 progressed = True

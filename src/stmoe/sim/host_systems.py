@@ -52,6 +52,7 @@ def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
     parallel = read_s / (model.expert_bytes / host.read_parallel_bytes_per_s)
     return HostCosts(layer_s=host.layer_s, token_s=host.token_s,
                      expert_s=model.expert_macs / rate if rate > 0 else 0.0, read_s=read_s,
+                     # paid by a read into a spare row only (slots are faulted in already)
                      first_touch_s=host.first_touch_s,
                      parallel=parallel, workers=host.workers,
                      fifo=host.tier == "emulated")  # fmt: skip
