@@ -313,8 +313,10 @@ def bounded(args: argparse.Namespace, limit: int) -> dict[str, Any]:
 
 def all_cached(args: argparse.Namespace) -> dict[str, Any]:
     """Every expert cached (warm) against plain transformers with the whole model in RAM."""
-    cached = [spawn(args, "all-cached", "disk") for _ in range(args.rounds)]
-    plain = [spawn(args, "resident", "disk") for _ in range(args.rounds)]
+    cached, plain = [], []
+    for _ in range(args.rounds):  # interleaved, as the other sections: the machine drifts
+        cached.append(spawn(args, "all-cached", "disk"))
+        plain.append(spawn(args, "resident", "disk"))
     ratio = statistics.median(c["decode_tokens_per_s"] for c in cached) / statistics.median(
         p["decode_tokens_per_s"] for p in plain)  # fmt: skip
     print(

@@ -162,8 +162,11 @@ def test_bad_paths_are_refused_before_measuring(tiny, cli):
 
 
 def test_reads_follow_a_traces_routing(tiny, tmp_path, cli):
-    """--routing: the blocks read are the trace's routed ones, token by token and layer by
-    layer (each layer's experts sorted); a trace of another shape is one clear line."""
+    """--routing: the blocks read are those the runtime reads, the misses of an LRU cache
+    of the capacity over the trace's decode tokens (the prompt warms it), token by token
+    and layer by layer (each layer's experts sorted); another shape is one clear line."""
+    from collections import OrderedDict
+
     from stmoe.runtime.calibrate import routed_blocks
     from stmoe.runtime.store import ExpertStore, StoreError
     from stmoe.trace import save_trace
@@ -171,16 +174,30 @@ def test_reads_follow_a_traces_routing(tiny, tmp_path, cli):
 
     root, model_dir = tiny
     store = ExpertStore(root / "store")
-    trace = synthesize(tokens=5, layers=3, experts=16, top_k=4, sequences=1)
+    trace = synthesize(tokens=12, layers=3, experts=16, top_k=4, sequences=1)
     save_trace(trace, tmp_path / "t.npz")
-    order = routed_blocks(store, tmp_path / "t.npz")
-    want = [(layer, e) for t in range(5) for layer in range(2)
-            for e in sorted(set(trace.experts[t, layer].tolist()))]  # fmt: skip
-    assert [(b.layer, b.expert) for b in order] == want
+    for capacity in (4, 6, 16):
+        order = routed_blocks(store, tmp_path / "t.npz", capacity)
+        want, caches = [], [OrderedDict() for _ in range(2)]
+        for t in range(12):
+            for layer in range(2):
+                for e in sorted(set(trace.experts[t, layer].tolist())):
+                    if e in caches[layer]:
+                        caches[layer].move_to_end(e)
+                        continue
+                    if trace.is_decode[t]:
+                        want.append((layer, e))
+                    caches[layer][e] = None
+                    if len(caches[layer]) > capacity:
+                        caches[layer].popitem(last=False)
+        assert [(b.layer, b.expert) for b in order] == want, capacity
+    every = [(b.layer, b.expert) for b in routed_blocks(store, tmp_path / "t.npz", 16)]
+    assert len(every) == len(set(every))  # all 16 fit: only first uses miss
+    assert len(routed_blocks(store, tmp_path / "t.npz", 4)) > len(every)
     other = synthesize(tokens=5, layers=3, experts=8, top_k=2, sequences=1)
     save_trace(other, tmp_path / "o.npz")
     with pytest.raises(StoreError, match="routes 3 layers of 8 experts; the store has 2 of 16"):
-        routed_blocks(store, tmp_path / "o.npz")
+        routed_blocks(store, tmp_path / "o.npz", 4)
     res = cli("calibrate", "--model", model_dir, "--store", root / "store", "--routing",
               tmp_path / "t.npz", "-o", tmp_path / "hw.toml", *FAST)  # fmt: skip
     assert res.exit_code == 0, res.output

@@ -36,8 +36,9 @@ def calibrate_cmd(
         Path | None,
         path_option(
             "--routing",
-            help="A trace: read the blocks its routing picks, in its "
-            "order (the workload's locality), instead of random ones.",
+            help="A trace: read the blocks the runtime would read for it (the misses "
+            "of an LRU cache of --capacity over its decode tokens, in order) instead "
+            "of random ones.",
         ),
     ] = None,
 ) -> None:
