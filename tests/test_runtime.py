@@ -104,11 +104,17 @@ def test_calls_of_many_tokens_on_a_used_cache_are_bit_identical(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_bfloat16_prompts_beyond_the_cache_are_bit_identical(name, tmp_path):
+def test_bfloat16_prompts_beyond_the_cache_are_bit_identical(name, tmp_path, monkeypatch):
     """bfloat16 (what real checkpoints use; grouped_mm takes its own kernel there): prompts
     routing each layer to more experts than the cache holds compute in place, the cached
     experts moved into id order and the rest read into spare rows, and equal the resident
     model bit for bit, before and after a generation has shuffled the slots."""
+    import stmoe.runtime.serve as serve
+
+    def no_copy(*args):
+        raise AssertionError("the compact copy was taken; the rows should be used in place")
+
+    monkeypatch.setattr(serve, "gather", no_copy)
     model, _ = tiny_model(name)
     model = model.to(torch.bfloat16)
     store = pack(model, tmp_path / "store")
@@ -126,6 +132,36 @@ def test_bfloat16_prompts_beyond_the_cache_are_bit_identical(name, tmp_path):
             overflow += stats.overflow_loads
             om.measure(lambda om=om: _generate(om.model))
         assert overflow > 0
+
+
+def test_a_failed_read_into_a_spare_row_leaves_the_cache_consistent(tmp_path):
+    """A read failing while a prompt's rows are being laid out (an extra expert read into a
+    spare row) is a clear error; every row involved is freed (nothing LOADING is left,
+    nothing is stale), and the next call is bit-identical."""
+    model, _ = tiny_model("qwen3_moe")
+    store = pack(model, tmp_path / "store")
+    x = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+    offloaded, _ = tiny_model("qwen3_moe")
+    with offload(offloaded, store, capacity=2, predictor="ondemand") as om:
+        state = om.engine.state
+        fill = state.fill
+
+        def failing(cache, row, *args):
+            if row >= cache.capacity:
+                raise OSError("injected: the disk went away")
+            fill(cache, row, *args)
+
+        state.fill = failing
+        with pytest.raises(OSError, match="injected"), torch.no_grad():
+            om.model(input_ids=x)
+        om.engine.check()
+        assert all(st != 1 for c in state.caches for st in c.state)  # no LOADING slot left
+        assert all(not c.pinned for c in state.caches)
+        state.fill = fill
+        with torch.no_grad():
+            assert torch.equal(om.model(input_ids=x).logits, want)
 
 
 def test_experts_are_never_materialised_and_the_cache_is_the_only_expert_memory(tmp_path):

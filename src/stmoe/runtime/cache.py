@@ -1,20 +1,22 @@
 """A bounded cache of one MoE layer's experts in fast memory.
 
-The cache owns fixed slabs (one tensor per expert parameter, ``capacity`` rows),
+The cache owns fixed slabs (one tensor per expert parameter, ``capacity`` rows,
+faulted in when the cache is made; on the CPU followed by spare rows of address
+space that a call needing more experts than the capacity pages in and gives back),
 allocated once: it can never hold more than its capacity, and resident memory
 stays flat however long generation runs. Each slot is FREE, LOADING (a thread is
 writing it; nobody else may touch it) or READY. A LOADING slot records its loader
 thread and since when, so a waiter can tell a slow load from one that will never
 finish (its thread died) and bound its wait (``prefetch.Prefetcher.reap``).
 
-Every method except ``write`` must be called with the engine's lock held; the
-lock guards the bookkeeping, never a copy.
+Every method except ``write``, ``copy_row`` and ``release_spare`` must be called
+with the engine's lock held; the lock guards the bookkeeping, never a copy.
 
 The victim of an eviction is chosen by a policy of ``stmoe.cache_policy`` (the
 names and their rules are documented there, once for every cache), with the
 same rules as the cache replay, so both give the same hits on the same requests
 (``tests/test_cache_policy.py``): only a READY slot may be a victim; never an
-expert being gathered by the compute thread (``pinned``) nor one predicted for
+expert the compute thread is using (``pinned``) nor one predicted for
 the coming layer (``protected``: the prefetch set being inserted; given ranked,
 as a tuple, a prefetch protects the set's experts up to its own, literally the
 replay's rule, where a frozenset protects all of them). A use is
@@ -26,6 +28,7 @@ with the step it was loaded for (the next one); ties go to the smaller id.
 from __future__ import annotations
 
 import mmap
+import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -73,6 +76,8 @@ def param_specs(block: Block) -> list[ParamSpec]:
 
 _NO_FUTURE = np.zeros(0, dtype=np.int64)  # the runtime cannot see next uses (no belady)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+# spare rows are address space, not a commitment (strict overcommit would count them)
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 
 def _populate(memory: mmap.mmap, length: int) -> None:
@@ -128,7 +133,7 @@ class LayerCache:
         self._in_step = False  # a demand is pinned: its uses share one stamp
         # predicted for the coming layer: the prefetch set being inserted (a tuple: ranked)
         self.protected: frozenset[int] | tuple[int, ...] = frozenset()
-        self._pinned: frozenset[int] = frozenset()  # being gathered by the compute thread
+        self._pinned: frozenset[int] = frozenset()  # being used by the compute thread
 
     def _slab(self, p: ParamSpec, device: torch.device) -> torch.Tensor:
         """``reserved`` rows of parameter ``p``; on the CPU in page-aligned private memory,
@@ -136,7 +141,8 @@ class LayerCache:
         if device.type != "cpu":
             return torch.empty((self.capacity, *p.shape), dtype=p.dtype, device=device)
         try:
-            memory = mmap.mmap(-1, max(1, self.reserved * p.nbytes), flags=mmap.MAP_PRIVATE)
+            memory = mmap.mmap(-1, max(1, self.reserved * p.nbytes),
+                               flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)  # fmt: skip
         except OSError:  # no address space for the spare rows: the slots alone
             self.reserved = self.capacity
             memory = mmap.mmap(-1, max(1, self.capacity * p.nbytes), flags=mmap.MAP_PRIVATE)
@@ -173,7 +179,7 @@ class LayerCache:
 
     @property
     def pinned(self) -> frozenset[int]:
-        """Experts the compute thread is gathering; setting a demand starts a step."""
+        """Experts the compute thread is using; setting a demand starts a step."""
         return self._pinned
 
     @pinned.setter

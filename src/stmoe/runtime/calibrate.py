@@ -370,6 +370,10 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         latency = measure_latency(opened, tier, min(1.0, o.seconds / 4), o.seed)
         faults = measure_page_faults(opened, tier, 8, o.seed)
         order = routed_blocks(opened, o.routing, capacity) if o.routing is not None else None
+        if order is not None and len(order) < 8:
+            raise StoreError(f"--routing {o.routing}: its decode tokens miss only {len(order)} "
+                             f"experts at a cache of {capacity} per layer, too few reads to "
+                             "time the tier (a longer trace, or a smaller --capacity)")  # fmt: skip
         one = measure_reads(opened, tier, 1, o.seconds, o.seed, order)
         many = measure_reads(opened, tier, workers + 1, o.seconds, o.seed + 2,
                              order[len(order) // 2 :] if order else None)  # fmt: skip

@@ -7,7 +7,7 @@ expert weights come from changes. The engine builds and wires its parts, one
 concern each, and runs their life cycle (measured runs, shutdown):
 
 - ``serve``: the per-layer path: the router's experts made sure of in the layer's
-  cache (the wait is the *stall*), gathered, and computed by the model's own
+  cache (the wait is the *stall*), laid out (in place, or a copy), and computed by the model's own
   experts implementation, so every output bit is the resident model's;
 - ``planning``: what the predictor is taught and asked, for which layer and when
   (the horizon, the prompt's routing, the early or late gate lookahead);

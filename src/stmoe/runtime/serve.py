@@ -13,8 +13,9 @@
    order), always with the model's own experts implementation, so the
    arithmetic, and so every output bit, is what the resident model computes.
 
-An expert beyond the cache's capacity (a long prompt may route to more experts
-than fit) is read into a transient buffer and used once.
+Experts beyond the cache's capacity (a long prompt may route to more experts than
+fit) are read into spare rows past it, given back after the call (on the CPU;
+elsewhere into transient tensors, with the copy).
 
 The path is one caller's at a time (its read buffer, the pins, the run's position):
 a layer called outside its thread's forward call claims the engine for that call
@@ -94,8 +95,35 @@ class LayerServer:
         # sorted distinct ids: plain Python beats torch.unique on a decode step's few ids
         needed = sorted(set(rows.ravel().tolist())) if rows.size <= 64 else np.unique(rows).tolist()
         cache = state.caches[layer]
-        predicted = self._begin(layer, cache, needed)
-        self.planner.after_routing(layer, rows, hidden_states)
+        predicted = self._begin(layer, cache, needed)  # the workers paused if this layer waits
+        try:
+            self.planner.after_routing(layer, rows, hidden_states)
+            params, n, index, in_place, spare, slots = self._prepare(
+                layer, cache, needed, rows, top_k_index, predicted)  # fmt: skip
+        finally:
+            with state.cv:
+                self.prefetcher.pause(False)
+        index = index.to(top_k_index.device, top_k_index.dtype)
+        self._touch(cache, slots)
+        if not in_place:  # the copy is made: the slots may change
+            self._unpin(cache)
+        weights = GatheredExperts(module, params, n)
+        try:
+            return self.base[layer](weights, hidden_states, index, top_k_weights, *args, **kwargs)
+        finally:
+            if in_place:  # computed from the rows: they stay pinned until now
+                try:
+                    cache.release_spare(spare)
+                finally:
+                    self._unpin(cache)
+
+    def _prepare(self, layer: int, cache: LayerCache, needed: list[int], rows: np.ndarray,
+                 top_k_index: torch.Tensor, predicted: frozenset[int]) -> tuple[
+                     dict[str, torch.Tensor], int, torch.Tensor, bool, int, Slots]:  # fmt: skip
+        """The needed experts made ready and laid out for the implementation: (weights,
+        their number, the router's ids renumbered, in place or a copy, spare rows used,
+        expert -> slot); the layer's counters recorded."""
+        state = self.state
         start = time.perf_counter()
         slots, extra, hits, late = self._ensure(cache, needed)
         stall = time.perf_counter() - start
@@ -130,33 +158,36 @@ class LayerServer:
             layer, stall, len(needed), hits, late, len(predicted),
             len(predicted.intersection(needed)),
         )  # fmt: skip
-        index = index.to(top_k_index.device, top_k_index.dtype)
-        self._touch(cache, slots)
-        if not in_place:  # the copy is made: the slots may change
-            self._unpin(cache)
-        weights = GatheredExperts(module, params, n)
-        try:
-            return self.base[layer](weights, hidden_states, index, top_k_weights, *args, **kwargs)
-        finally:
-            if in_place:  # computed from the rows: they stay pinned until now
-                cache.release_spare(spare)
-                self._unpin(cache)
+        return params, n, index, in_place, spare, slots
 
     def _arrange(self, cache: LayerCache, needed: list[int], slots: Slots,
                  extra: list[int]) -> tuple[dict[int, int], float]:  # fmt: skip
         """Move the needed experts' rows into id order (``arrange``) and read ``extra`` into
-        theirs; (expert -> row, the seconds spent reading)."""
+        theirs; (expert -> row, the seconds spent reading). The copies run without the
+        lock: their rows hold pinned experts (no worker evicts or writes them) or are
+        spare rows. On any failure every row involved is freed (its expert loads again
+        when next needed), the spare rows given back and the experts unpinned."""
         state = self.state
         target, moves = plan_id_order(needed, slots, len(extra), cache.capacity)
-        with state.cv:  # the slots hold pinned experts: no worker touches them
+        try:
             temp = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=cache.device)
                      for p in cache.params} if any(TEMP in m for m in moves) else {})  # fmt: skip
             for src, dst in moves:
                 cache.copy_row(src, dst, temp)
-            cache.place(target, slots)
-        start = time.perf_counter()
-        for e in extra:
-            self._read_extra(cache, target[e], e)
+            with state.cv:
+                cache.place(target, slots)
+            start = time.perf_counter()
+            for e in extra:
+                self._read_extra(cache, target[e], e)
+        except BaseException:
+            with state.cv:
+                for row in slots.values():  # the rows moved, placed or being read
+                    cache.abandon(row)
+            try:
+                cache.release_spare(len(extra))
+            finally:
+                self._unpin(cache)
+            raise
         return target, time.perf_counter() - start
 
     def _read_extra(self, cache: LayerCache, row: int, expert: int) -> None:
@@ -164,13 +195,7 @@ class LayerServer:
         LOADING by this thread, or a spare row)."""
         state = self.state
         block = state.store.blocks[(cache.layer, expert)]
-        try:
-            state.fill(cache, row, block, self._buf, self._stream)
-        except BaseException:
-            if row < cache.capacity:
-                with state.cv:
-                    cache.abandon(row)
-            raise
+        state.fill(cache, row, block, self._buf, self._stream)  # a failure: ``_arrange``
         with state.cv:
             if row < cache.capacity:
                 cache.filled(row)
@@ -190,6 +215,11 @@ class LayerServer:
             predicted = pending[1] if pending is not None and pending[0] == run.fwd else frozenset()
             cache.protected = frozenset()
             cache.pinned = frozenset(needed)
+            # the layer will wait (a miss, a load in flight): no new load may compete with
+            # what it waits for, from now (before the planner queues the next layer's) until
+            # its experts are ready
+            self.prefetcher.pause(any(e not in cache.where or cache.state[cache.where[e]] != READY
+                                      for e in needed))  # fmt: skip
             if run.future is not None and not run.future:  # the oracle's recording pass
                 run.routing_log[(run.fwd, layer)] = tuple(needed)
         return predicted
@@ -214,19 +244,16 @@ class LayerServer:
         prompt's: listed, not loaded); with the hits, and of them the late ones.
 
         While the compute thread waits here (a miss, or a prefetch still in flight), the
-        workers start no new load: the disk or link serves what is needed now before
-        what is needed a layer later (they share its bandwidth, which does not grow with
-        readers), and the next layer's loads start as soon as this layer computes."""
+        workers start no new load (paused since ``_begin``, until the layer's experts are
+        ready): the disk or link serves what is needed now before what is needed a layer
+        later (they share its bandwidth, which does not grow with readers), and the next
+        layer's loads start as soon as this layer computes."""
         slots: Slots = {}
         extra: list[int] = []
         with self.state.cv:
             hits = sum(e in cache.where for e in needed)
             late = sum(e in cache.where and cache.state[cache.where[e]] == LOADING for e in needed)
-            self.prefetcher.pause(hits - late < len(needed))
-            try:
-                self._wait_or_load(cache, list(needed), slots, extra)
-            finally:
-                self.prefetcher.pause(False)
+            self._wait_or_load(cache, list(needed), slots, extra)
         return slots, extra, hits, late
 
     def _wait_or_load(self, cache: LayerCache, todo: list[int], slots: Slots,

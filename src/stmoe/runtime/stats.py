@@ -97,7 +97,7 @@ class RuntimeStats:
     prefetch_loads: int = 0
     demand_loads: int = 0
     stale_dropped: int = 0  # prefetch requests dropped because their layer had passed
-    overflow_loads: int = 0  # experts beyond the capacity streamed through a transient buffer
+    overflow_loads: int = 0  # experts a call needed beyond the capacity (read into spare rows)
 
     def __post_init__(self) -> None:
         self.phases = {p: PhaseCounters(self.num_layers) for p in PHASES}
