@@ -80,7 +80,7 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 
-def _populate(memory: mmap.mmap, length: int) -> None:
+def populate_pages(memory: mmap.mmap, length: int) -> None:
     """Fault the slots' pages in now: the cache's memory is resident from the start, and a
     read into never-touched memory would pay its page faults on the load's path (about as
     long as the read itself for a 6 MiB expert on a VM: docs/runtime.md)."""
@@ -147,7 +147,7 @@ class LayerCache:
             self.reserved = self.capacity
             memory = mmap.mmap(-1, max(1, self.capacity * p.nbytes), flags=mmap.MAP_PRIVATE)
         self._memory.append(memory)
-        _populate(memory, self.capacity * p.nbytes)
+        populate_pages(memory, self.capacity * p.nbytes)
         rows = len(memory) // max(1, p.nbytes)
         flat = torch.frombuffer(memory, dtype=torch.uint8, count=rows * p.nbytes)
         return flat.view(p.dtype).view(rows, *p.shape)

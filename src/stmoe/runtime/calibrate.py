@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stmoe.runtime.cache import _populate, param_specs
+from stmoe.runtime.cache import param_specs, populate_pages
 from stmoe.runtime.store import ALIGN, Block, ExpertStore, StoreError, open_store
 from stmoe.runtime.tiers import Tier, open_tier, padded
 
@@ -106,7 +106,7 @@ class PageFaults:
     """What never-touched memory costs per expert, apart from the tier's reads."""
 
     first_touch_s: float  # a read into it over one into faulted-in memory (medians)
-    populate_s: float  # faulting one expert's memory in ahead (the runtime's _populate)
+    populate_s: float  # faulting one expert's memory in ahead (the runtime's populate_pages)
     reads: int  # reads of each kind
 
 
@@ -120,7 +120,7 @@ def faulted_buffer(nbytes: int) -> mmap.mmap:
     """Slab memory whose pages are faulted in now, as a cache slot's are when
     ``LayerCache`` makes the cache (same call): a read into it pays no page faults."""
     buf = slab_memory(nbytes)
-    _populate(buf, len(buf))
+    populate_pages(buf, len(buf))
     return buf
 
 
@@ -234,7 +234,7 @@ def measure_page_faults(store: ExpertStore, tier: Tier, reads: int, seed: int) -
             (fresh if into_fresh else faulted).append(time.perf_counter() - start)
     memory = slab_memory(size * reads)  # a new cache's slabs, faulted in as it is made
     start = time.perf_counter()
-    _populate(memory, len(memory))
+    populate_pages(memory, len(memory))
     populate = (time.perf_counter() - start) / reads
     touch = max(0.0, statistics.median(fresh) - statistics.median(faulted))
     return PageFaults(touch, populate, reads)
