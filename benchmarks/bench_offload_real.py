@@ -10,7 +10,8 @@ the runtime (``OffloadedModel.replay``): every cache, prefetch, read and expert
 matmul is real; only the router's choice comes from the trace.
 
 Each (round, tier, system) runs in its own process (so its peak memory is its
-own), rounds interleave the systems, and figures are medians with [min, max].
+own), rounds interleave the systems (each round in a rotated order), and figures
+are medians with [min, max]; the gap closed is printed per round too.
 Systems at 50% of each layer's experts cached (same cache, same reads):
 
   on-demand   no prefetch, no reuse       lru-only   no prefetch, LRU cache
@@ -19,7 +20,9 @@ Systems at 50% of each layer's experts cached (same cache, same reads):
   oracle      prefetches exactly what the router will pick (a first pass records it)
 
 Tiers: ``disk`` (O_DIRECT reads of the store) and ``emulated`` (host memory behind
-a link of ``--bandwidth``; EMULATED). Then, at one memory bound for the whole
+a link of ``--bandwidth``; EMULATED; its whole store sits in RAM, so its runs take
+the first ``--emulated-layers``, by default as many as fit half the RAM: 5 of 8
+on 24 GiB). Then, at one memory bound for the whole
 process, page cache included (a memory cgroup per run; ``offload_baselines.py``):
 stmoe and stmoe-plus against what a user would pick instead, plain transformers on
 the memory-mapped checkpoint and accelerate's disk offload (``pip install -e
@@ -30,7 +33,7 @@ The tables of the table predictors are profiled on the same (only) sequence
 replayed: IN-SAMPLE, an upper bound of their recall here (out-of-sample recall
 is measured by bench_plus_recall.py); the printed recall says what they achieved.
 
-    python benchmarks/bench_offload_real.py [--layers 8] [--tokens 64] [--rounds 2]
+    python benchmarks/bench_offload_real.py [--layers 8] [--tokens 64] [--rounds 3]
                                             [--tiers disk,emulated] [--bandwidth 1GB]
 
 Another model's shape on routing recorded from it (a trace captured with ``stmoe
@@ -144,6 +147,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         out = {key: getattr(r, key) for key in ("decode_tokens_per_s", "ttft_s", "hit_rate",
                "prefetch_recall", "prefetch_precision", "bytes_moved", "bytes_wasted",
                "stall_share")}  # fmt: skip
+        decode = r.stats["phases"]["decode"]  # the tier's reads as this run met them
+        out.update({k: decode[k] for k in ("demand_reads", "demand_read_s", "prefetch_reads",
+                                           "prefetch_read_s")})  # fmt: skip
         out["cache_bytes"] = om.config["cache_bytes"]
         out["offload_s"] = offload_s
         out["resident_bytes"] = sum(p.numel() * p.element_size() for p in om.model.parameters()
@@ -243,6 +249,37 @@ def memory_budget(args: argparse.Namespace) -> tuple[int, int]:
     return resident, max(int(1.15 * resident), resident + 2**30)
 
 
+def emulated_layers(args: argparse.Namespace) -> int:
+    """The MoE layers the emulated tier's runs take: ``--emulated-layers``, else the most
+    (up to ``--layers``) whose store and cache fill at most half of this machine's RAM.
+    That tier holds the whole store in host memory (a file mapping): a store near the
+    RAM's size has its pages dropped and read back from disk mid-run, which times the
+    disk, not the link (8 layers, 12 GiB, on 24 GiB: every round slower than the one
+    before, the oracle's median below stmoe-plus's)."""
+    from stmoe.sim.specs import load_model
+
+    if args.emulated_layers:
+        return min(args.emulated_layers, args.layers)
+    spec = load_model(args.like)
+    share = float(args.capacity.rstrip("%")) / 100
+    per_layer = spec.expert_bytes * spec.num_experts * (1 + share)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(args.layers, int(0.5 * ram // per_layer)))
+
+
+def rotated(systems: list[str], rnd: int) -> list[str]:
+    """Round ``rnd``'s order: each round starts one system later, so no system always
+    runs first (a fresh page cache) or right after the same neighbour."""
+    k = rnd % len(systems)
+    return systems[k:] + systems[:k]
+
+
+def closed(t_lru: float, t_best: float, t_oracle: float) -> float:
+    """The share of the lru-only -> oracle time gap that ``t_best`` closes (nan: no gap)."""
+    room = t_lru - t_oracle
+    return (t_lru - t_best) / room if room > 0 else float("nan")
+
+
 def spread(values: list[float], fmt: str = ".2f") -> str:
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
 
@@ -251,9 +288,9 @@ def verdict(ok: bool) -> str:
     return "MET" if ok else "NOT MET"
 
 
-def report(tier: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def report(tier: str, runs: dict[str, list[dict[str, Any]]], layers: int) -> dict[str, Any]:
     med = {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}
-    print(f"\n## tier {tier}{' (EMULATED)' if tier == 'emulated' else ''}")
+    print(f"\n## tier {tier}{' (EMULATED)' if tier == 'emulated' else ''}, {layers} MoE layers")
     print(f"{'system':13} {'decode tok/s':>22} {'hit':>6} {'recall':>7} {'prec':>6} {'stall':>6}"
           f" {'moved GiB':>10} {'wasted':>7} {'peak GiB':>9} {'start s':>8}")  # fmt: skip
     for s, rs in runs.items():
@@ -265,8 +302,10 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
               f"{m['peak_rss'] / 2**30:9.2f} {m['offload_s']:8.1f}")  # fmt: skip
     t = {s: 1 / m["decode_tokens_per_s"] for s, m in med.items()}  # seconds per decode token
     best = min(PREDICTING, key=lambda s: t[s])
-    room = t["lru-only"] - t["oracle"]
-    gap = (t["lru-only"] - t[best]) / room if room > 0 else float("nan")
+    gap = closed(t["lru-only"], t[best], t["oracle"])
+    # the same share within each round (its systems ran minutes apart, in rotated order)
+    per_round = [closed(*(1 / runs[s][i]["decode_tokens_per_s"] for s in ("lru-only", best,
+                 "oracle"))) for i in range(len(runs["oracle"]))]  # fmt: skip
     plus = med["stmoe-plus"]
     mem = max(m["peak_rss"] / (m["resident_bytes"] + m["cache_bytes"]) for m in med.values())
     targets = {
@@ -279,11 +318,12 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         targets["peak memory <= (resident + cache) x 1.15"] = mem <= 1.15
     print(f"on-demand stall share {med['on-demand']['stall_share']:.0%}; stmoe / on-demand "
           f"{t['on-demand'] / t['stmoe']:.2f}x; stmoe-plus / on-demand "
-          f"{t['on-demand'] / t['stmoe-plus']:.2f}x; gap closed by {best} {gap:.0%}; "
+          f"{t['on-demand'] / t['stmoe-plus']:.2f}x; gap closed by {best} {gap:.0%} (per "
+          f"round: {', '.join(f'{g:.0%}' for g in per_round)}); "
           f"peak / (resident + cache) {mem:.2f}")  # fmt: skip
     for name, ok in targets.items():
         print(f"  {verdict(ok):8} {name}")
-    return {"median": med, "targets": targets, "gap_closed": gap}
+    return {"median": med, "targets": targets, "gap_closed": gap, "gap_closed_per_round": per_round}
 
 
 def bounded(args: argparse.Namespace, limit: int) -> dict[str, Any]:
@@ -343,9 +383,16 @@ def main() -> None:
     )
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per replay (<= 129)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tiers", default="disk,emulated")
     ap.add_argument("--bandwidth", default="1GB", help="the emulated link (bytes/s)")
+    ap.add_argument(
+        "--emulated-layers",
+        type=int,
+        default=0,
+        help="MoE layers of the emulated tier's runs (default: as many as keep its "
+        "in-RAM store and cache within half the RAM; at most --layers)",
+    )
     ap.add_argument("--capacity", default="50%")
     ap.add_argument("--threads", type=int, default=1, help="torch compute threads")
     ap.add_argument(
@@ -381,16 +428,22 @@ def main() -> None:
     skip = set(args.skip.split(","))
     results: dict[str, Any] = {"budget": resident, "bound": limit}
     for tier in [] if "tiers" in skip else args.tiers.split(","):
+        targs = args
+        if tier == "emulated":
+            targs = argparse.Namespace(**{**vars(args), "layers": emulated_layers(args)})
+            prepare(targs)  # its checkpoint and store, built once
+            print(f"\nthe emulated tier holds its whole store in RAM: its runs take the first "
+                  f"{targs.layers} MoE layers (--emulated-layers)", flush=True)  # fmt: skip
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
         for rnd in range(args.rounds):
-            for system in SYSTEMS:
-                runs[system].append(spawn(args, system, tier))
+            for system in rotated(list(SYSTEMS), rnd):
+                runs[system].append(spawn(targs, system, tier))
                 print(
                     f"[{tier} round {rnd + 1}] {system}: "
                     f"{runs[system][-1]['decode_tokens_per_s']:.2f} tok/s",
                     flush=True,
                 )
-        results[tier] = {"runs": runs, **report(tier, runs)}
+        results[tier] = {"layers": targs.layers, "runs": runs, **report(tier, runs, targs.layers)}
     if "bounded" not in skip:
         results["bounded"] = bounded(args, limit)
     if "cached" not in skip:

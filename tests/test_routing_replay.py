@@ -145,6 +145,12 @@ def test_generate_cli_replays_and_refuses_a_foreign_shape(replay_setup, cli):
 
     data = json.loads(res.stdout)
     assert data["text"] == "" and data["config"]["routing_replay"] is True
+    decode = data["stats"]["phases"]["decode"]
+    res = cli(*args)  # the table says how many reads and how long one took
+    assert res.exit_code == 0, res.output
+    assert "reads of the tier (decode)" in res.output and "by the compute thread" in res.output
+    if decode["demand_reads"]:
+        assert "ms each by the compute thread" in " ".join(res.output.split())
     res = cli(*args[:-2], "--sequence", "5")
     assert res.exit_code == 1 and "outside 0..1" in res.output
     res = cli(*args, "--prompt", "hi")

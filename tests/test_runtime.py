@@ -76,6 +76,13 @@ def test_offloaded_generation_is_bit_identical_to_the_resident_model(family, pre
         assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True)), where
         assert torch.equal(forward, ref_forward), where
         assert stats.bytes_moved > 0 and stats.phases["decode"].needed.sum() > 0
+        # every load is a timed read, counted once, on the thread that made it
+        phases = [stats.phases[p].summary() for p in ("prefill", "decode")]
+        assert sum(p["demand_reads"] for p in phases) == stats.demand_loads, where
+        assert sum(p["prefetch_reads"] for p in phases) == stats.prefetch_loads, where
+        for p in phases:
+            for kind in ("demand", "prefetch"):
+                assert (p[f"{kind}_read_s"] > 0) == (p[f"{kind}_reads"] > 0), where
         if capacity == 2:  # the prompt routes a layer beyond the cache: spare rows, in place
             assert stats.overflow_loads > 0, where
         if predictor == "oracle":  # it knows the routing: every decode prefetch is right

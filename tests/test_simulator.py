@@ -435,3 +435,36 @@ def test_stmoe_plus_is_fitted_only_when_simulated():
     assert "plus" not in prepare_tables(trace, None, ["stmoe", "oracle"])[1].info
     assert "plus" in prepare_tables(trace, None, ["stmoe-plus"])[1].info
     assert needs_plus_fit(["hybrid"]) and not needs_plus_fit(["gpu-baseline", "pregated"])
+
+
+def test_the_sim_check_takes_the_tiers_speed_its_runs_met(tmp_path):
+    """benchmarks/bench_sim_check.py --tier-from-runs: one read takes the runs' mean time
+    in the simulation (latency kept), the parallel readers keep their proportion; runs
+    without read times are refused; the figure draws both checks."""
+    import sys
+    from pathlib import Path
+
+    from stmoe.sim.check_plot import sim_vs_measured
+    from stmoe.sim.host_systems import host_costs
+    from stmoe.sim.specs import HostSpec
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_sim_check as check
+
+    model = load_model("qwen3.6-35b-a3b")
+    host = HostSpec(tier="disk", workers=2, read_parallel_bytes_per_s=2e9, layer_s=1e-3,
+                    token_s=1e-3, first_touch_s=0.0)  # fmt: skip
+    hw = dataclasses.replace(load_hardware("gpu-offload"), host=host, link_bytes_per_s=1e9)
+    runs = {"on-demand": [{"demand_reads": 10, "demand_read_s": 0.05}],
+            "lru-only": [{"demand_reads": 30, "demand_read_s": 0.11}],
+            "oracle": [{"demand_reads": 1000, "demand_read_s": 9.0}]}  # fmt: skip
+    read_s, reads = check.run_read_s(runs)  # the alone reads only: not the oracle's
+    assert reads == 40 and read_s == pytest.approx(0.004)
+    before, after = host_costs(model, hw), host_costs(model, check.with_read_s(hw, model, read_s))
+    assert after.read_s == pytest.approx(0.004)
+    assert after.parallel == pytest.approx(before.parallel) and before.read_s != after.read_s
+    with pytest.raises(SystemExit, match="carry no read times"):
+        check.run_read_s({"on-demand": [{"decode_tokens_per_s": 3.0}]})
+    rows = [{"system": "oracle", "measured": 2.0, "simulated": 2.1, "range": [1.9, 2.2]}]
+    path = sim_vs_measured({"preset": rows, "runs' tier": rows}, "t", tmp_path / "f.png")
+    assert path.stat().st_size > 1000

@@ -285,7 +285,19 @@ def _rows(runs: list[Any]) -> list[tuple[str, str]]:
                                  + _spread(runs, "bytes_wasted", mib) + " MiB"),
         ("stall (decode)", _spread(runs, "stall_s", fmt=".3f") + " s, "
                            + _spread(runs, "stall_share", 100) + "% of decode time"),
+        ("reads of the tier (decode)", _reads(runs, "demand") + " by the compute thread (its "
+                                       "misses), " + _reads(runs, "prefetch") + " by the "
+                                       "prefetch workers"),
     ]  # fmt: skip
+
+
+def _reads(runs: list[Any], kind: str) -> str:
+    """The decode's expert reads of ``kind`` ("demand", "prefetch"): how many and the mean
+    time of one (median over the runs): the tier's speed as the run met it."""
+    decode = [r.stats["phases"]["decode"] for r in runs]
+    count = statistics.median(d[f"{kind}_reads"] for d in decode)
+    times = [1000 * d[f"{kind}_read_s"] / d[f"{kind}_reads"] for d in decode if d[f"{kind}_reads"]]
+    return f"{count:g}" + (f", {statistics.median(times):.2f} ms each" if times else "")
 
 
 def _replay(om: Any, routing: Path, sequence: int,

@@ -173,9 +173,12 @@ class Prefetcher:
         state = self.state
         cache, slot, layer, expert = job
         block = state.store.blocks[(layer, expert)]
+        start = time.perf_counter()
         state.fill(cache, slot, block, buf, stream)
+        took = time.perf_counter() - start
         with state.cv:
             cache.filled(slot)
+            state.run.stats.phases[state.run.phase].add_read("prefetch", took)
             state.run.stats.bytes_moved += block.nbytes
             state.run.stats.prefetch_loads += 1
             state.cv.notify_all()

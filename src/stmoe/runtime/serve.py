@@ -195,11 +195,14 @@ class LayerServer:
         LOADING by this thread, or a spare row)."""
         state = self.state
         block = state.store.blocks[(cache.layer, expert)]
+        start = time.perf_counter()
         state.fill(cache, row, block, self._buf, self._stream)  # a failure: ``_arrange``
+        took = time.perf_counter() - start
         with state.cv:
             if row < cache.capacity:
                 cache.filled(row)
             stats = state.run.stats
+            stats.phases[state.run.phase].add_read("demand", took)
             stats.bytes_moved += block.nbytes
             stats.demand_loads += 1
             stats.overflow_loads += 1
@@ -291,14 +294,17 @@ class LayerServer:
         state = self.state
         block = state.store.blocks[(cache.layer, expert)]
         state.cv.release()
+        start = time.perf_counter()
         try:
             state.fill(cache, slot, block, self._buf, self._stream)
         except BaseException:
             state.cv.acquire()
             cache.abandon(slot)
             raise
+        took = time.perf_counter() - start
         state.cv.acquire()
         cache.filled(slot)
+        state.run.stats.phases[state.run.phase].add_read("demand", took)
         state.run.stats.bytes_moved += block.nbytes
         state.run.stats.demand_loads += 1
 
@@ -307,14 +313,17 @@ class LayerServer:
         read outside the cache, used once."""
         state = self.state
         block = state.store.blocks[(cache.layer, expert)]
+        start = time.perf_counter()
         src = state.fetch(block, self._buf)
         out = {}
         for p in cache.params:
             t = torch.empty(p.shape, dtype=p.dtype, device=cache.device)
             t.view(-1).view(torch.uint8).copy_(src[p.offset : p.offset + p.nbytes])
             out[p.name] = t
+        took = time.perf_counter() - start
         with state.cv:
             stats = state.run.stats
+            stats.phases[state.run.phase].add_read("demand", took)
             stats.bytes_moved += block.nbytes
             stats.demand_loads += 1
             stats.overflow_loads += 1

@@ -9,6 +9,11 @@ layer asks, a *miss* one the compute thread had to load itself.
 * bytes moved: every byte read from the slow tier (prefetches and misses)
 * bytes wasted: bytes of prefetched experts evicted (or left at the end) unused
 * stall: time the compute thread waited for expert weights
+* reads: the tier's reads of whole experts into the cache and how long they took,
+  the compute thread's (its misses, nothing else reading meanwhile: the workers
+  pause) apart from the workers' (prefetches, often two at once): the tier's
+  speed as the run met it (a virtual disk's drifts over minutes), which the
+  simulator's check takes (``benchmarks/bench_sim_check.py --tier-from-runs``)
 """
 
 from __future__ import annotations
@@ -38,7 +43,15 @@ class PhaseCounters:
     def __post_init__(self) -> None:
         self._rows = [[0] * len(_COLUMNS) for _ in range(self.num_layers)]
         self._stall = [0.0] * self.num_layers
+        # reads finished in this phase: {"demand" | "prefetch": [count, seconds]}
+        self.reads = {"demand": [0, 0.0], "prefetch": [0, 0.0]}
         self.sync()
+
+    def add_read(self, kind: str, seconds: float) -> None:
+        """(lock held) One expert read by the compute thread (``demand``) or a worker."""
+        entry = self.reads[kind]
+        entry[0] += 1
+        entry[1] += seconds
 
     def add(self, layer: int, stall_s: float, needed: int, hits: int, late: int,
             predicted: int, predicted_used: int) -> None:  # fmt: skip
@@ -63,6 +76,8 @@ class PhaseCounters:
                       self.predicted_used.sum())  # fmt: skip
         out.update(late_hits=int(self.late.sum()), stall_s=float(self.stall_s.sum()),
                    layer_calls=int(self.calls.sum()))  # fmt: skip
+        for kind, (count, seconds) in self.reads.items():
+            out[f"{kind}_reads"], out[f"{kind}_read_s"] = count, seconds
         if per_layer:
             out["per_layer"] = [
                 {"layer": layer, **_ratios(self.needed[layer], self.hits[layer],
