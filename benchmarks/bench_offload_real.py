@@ -33,7 +33,7 @@ The tables of the table predictors are profiled on the same (only) sequence
 replayed: IN-SAMPLE, an upper bound of their recall here (out-of-sample recall
 is measured by bench_plus_recall.py); the printed recall says what they achieved.
 
-    python benchmarks/bench_offload_real.py [--layers 8] [--tokens 64] [--rounds 3]
+    python benchmarks/bench_offload_real.py [--layers 8] [--tokens 129] [--rounds 3]
                                             [--tiers disk,emulated] [--bandwidth 1GB]
 
 Another model's shape on routing recorded from it (a trace captured with ``stmoe
@@ -303,6 +303,10 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]], layers: int) -> dic
     t = {s: 1 / m["decode_tokens_per_s"] for s, m in med.items()}  # seconds per decode token
     best = min(PREDICTING, key=lambda s: t[s])
     gap = closed(t["lru-only"], t[best], t["oracle"])
+    # the same share of the stall alone (steady from run to run, where the compute is not)
+    stall = {s: statistics.median(r["stall_share"] / r["decode_tokens_per_s"] for r in rs)
+             for s, rs in runs.items()}  # fmt: skip
+    stall_gap = closed(stall["lru-only"], stall[best], stall["oracle"])
     # the same share within each round (its systems ran minutes apart, in rotated order)
     per_round = [closed(*(1 / runs[s][i]["decode_tokens_per_s"] for s in ("lru-only", best,
                  "oracle"))) for i in range(len(runs["oracle"]))]  # fmt: skip
@@ -319,11 +323,18 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]], layers: int) -> dic
     print(f"on-demand stall share {med['on-demand']['stall_share']:.0%}; stmoe / on-demand "
           f"{t['on-demand'] / t['stmoe']:.2f}x; stmoe-plus / on-demand "
           f"{t['on-demand'] / t['stmoe-plus']:.2f}x; gap closed by {best} {gap:.0%} (per "
-          f"round: {', '.join(f'{g:.0%}' for g in per_round)}); "
+          f"round: {', '.join(f'{g:.0%}' for g in per_round)}; of the stall alone "
+          f"{stall_gap:.0%}); "
           f"peak / (resident + cache) {mem:.2f}")  # fmt: skip
     for name, ok in targets.items():
         print(f"  {verdict(ok):8} {name}")
-    return {"median": med, "targets": targets, "gap_closed": gap, "gap_closed_per_round": per_round}
+    return {
+        "median": med,
+        "targets": targets,
+        "gap_closed": gap,
+        "gap_closed_per_round": per_round,
+        "stall_gap_closed": stall_gap,
+    }
 
 
 def bounded(args: argparse.Namespace, limit: int) -> dict[str, Any]:
@@ -334,7 +345,7 @@ def bounded(args: argparse.Namespace, limit: int) -> dict[str, Any]:
           f"decode {args.baseline_tokens} tokens)", flush=True)  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in BOUNDED}
     for rnd in range(args.rounds):
-        for system in BOUNDED:
+        for system in rotated(list(BOUNDED), rnd):
             runs[system].append(spawn_bounded(args, system, limit))
             print(f"[bounded round {rnd + 1}] {system}: "
                   f"{runs[system][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)  # fmt: skip
@@ -354,9 +365,9 @@ def bounded(args: argparse.Namespace, limit: int) -> dict[str, Any]:
 def all_cached(args: argparse.Namespace) -> dict[str, Any]:
     """Every expert cached (warm) against plain transformers with the whole model in RAM."""
     cached, plain = [], []
-    for _ in range(args.rounds):  # interleaved, as the other sections: the machine drifts
-        cached.append(spawn(args, "all-cached", "disk"))
-        plain.append(spawn(args, "resident", "disk"))
+    for rnd in range(args.rounds):  # interleaved, rotated, as the other sections
+        for system in rotated(["all-cached", "resident"], rnd):
+            (cached if system == "all-cached" else plain).append(spawn(args, system, "disk"))
     ratio = statistics.median(c["decode_tokens_per_s"] for c in cached) / statistics.median(
         p["decode_tokens_per_s"] for p in plain)  # fmt: skip
     print(
@@ -382,7 +393,13 @@ def main() -> None:
         help="the routing replayed (recorded from a model of --like's shape)",
     )
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens per replay (<= 129)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=129,
+        help="new tokens per replay (<= 129: the sample's 128 decode tokens and the first); "
+        "this machine's speed wanders over seconds, a longer run averages more of it",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tiers", default="disk,emulated")
     ap.add_argument("--bandwidth", default="1GB", help="the emulated link (bytes/s)")
@@ -443,7 +460,8 @@ def main() -> None:
                     f"{runs[system][-1]['decode_tokens_per_s']:.2f} tok/s",
                     flush=True,
                 )
-        results[tier] = {"layers": targs.layers, "runs": runs, **report(tier, runs, targs.layers)}
+        results[tier] = {"layers": targs.layers, "tokens": args.tokens, "runs": runs,
+                         **report(tier, runs, targs.layers)}  # fmt: skip
     if "bounded" not in skip:
         results["bounded"] = bounded(args, limit)
     if "cached" not in skip:

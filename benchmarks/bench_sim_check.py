@@ -11,16 +11,17 @@ simulated and measured decode tokens/s, their ratio and MET / NOT MET (within
 can be traced. Writes the figure docs/figures/sim_vs_measured.png.
 
     python benchmarks/bench_sim_check.py --measured /tmp/bench_real2.json \\
-        (--hardware hw.toml | --calibrate [--hardware hw.toml]) [--layers 8] [--tokens 64]
-        [--tier-from-runs]
+        (--hardware hw.toml | --calibrate [--hardware hw.toml]) [--tier-from-runs]
+        [--layers N] [--tokens N]   (default: the benchmark's, from its JSON)
 
 A virtual disk's speed drifts over minutes (0.4 to 1.8 GB/s on this machine), so
 a preset measured at another time than the benchmark predicts another disk.
 ``--tier-from-runs`` checks the model apart from that drift: the tier's speed
 is the one the benchmark's runs met (the compute thread's reads of its misses
-in the on-demand and LRU-only runs, which the runtime times, nothing else
-reading meanwhile), every other figure calibrate's (the parallel readers'
-speed kept in calibrate's proportion to one reader's). Both checks are printed.
+in the on-demand and LRU-only runs, which the runtime times; those systems
+have no prefetch, so nothing else reads meanwhile), every other figure
+calibrate's (the parallel readers' speed kept in calibrate's proportion to one
+reader's). Both checks are printed.
 """
 
 from __future__ import annotations
@@ -50,23 +51,27 @@ def bench_paths(layers: int) -> tuple[Path, Path, Path]:
             root / f"{PRESET}-L{layers}.tables.npz")  # fmt: skip
 
 
-def measured_runs(path: Path, tier: str) -> tuple[dict[str, list[dict[str, Any]]], int | None]:
-    """The benchmark's runs of ``tier`` per system, and the MoE layers they took."""
+def measured_runs(path: Path, tier: str) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """The benchmark's runs of ``tier`` per system, and that tier's record (its MoE layers
+    and new tokens per replay, where the benchmark wrote them)."""
     data = json.loads(path.read_text())
     if tier not in data or "runs" not in data[tier]:
         raise SystemExit(f"{path}: no runs of tier {tier!r} (tiers: {', '.join(data)})")
-    return data[tier]["runs"], data[tier].get("layers")
+    return data[tier]["runs"], data[tier]
 
 
 def run_read_s(runs: dict[str, list[dict[str, Any]]]) -> tuple[float, int]:
     """The mean time of one expert read by the compute thread alone (its misses, the
     workers idle) over the on-demand and LRU-only runs' decode, and how many reads."""
     rs = [r for name in ("on-demand", "lru-only") for r in runs.get(name, [])]
-    reads = sum(r.get("demand_reads", 0) for r in rs)
+    if not rs or any("demand_reads" not in r for r in rs):
+        raise SystemExit("--tier-from-runs: the measured on-demand and lru-only runs carry no "
+                         "read times (measured before the runtime timed its reads); run the "
+                         "benchmark again")  # fmt: skip
+    reads = sum(r["demand_reads"] for r in rs)
     if not reads:
-        raise SystemExit("--tier-from-runs: the measured runs carry no read times (measured "
-                         "before the runtime timed its reads); run the benchmark "
-                         "again")  # fmt: skip
+        raise SystemExit("--tier-from-runs: the on-demand and lru-only runs read no expert "
+                         "during decode; nothing to time the tier by")  # fmt: skip
     return sum(r["demand_read_s"] for r in rs) / reads, reads
 
 
@@ -75,8 +80,12 @@ def with_read_s(hw: Any, model: Any, read_s: float) -> Any:
     latency kept), the parallel readers' speed in the same proportion as before."""
     from stmoe.sim.host_systems import host_costs
 
+    if read_s <= hw.link_latency_s:
+        raise SystemExit(f"--tier-from-runs: the runs read an expert in {read_s * 1e3:.3f} ms, "
+                         f"no more than the preset's latency alone "
+                         f"({hw.link_latency_s * 1e3:.3f} ms)")  # fmt: skip
     before = host_costs(model, hw)
-    bandwidth = model.expert_bytes / max(read_s - hw.link_latency_s, 1e-9)
+    bandwidth = model.expert_bytes / (read_s - hw.link_latency_s)
     parallel_bps = before.parallel * model.expert_bytes / read_s
     host = dataclasses.replace(hw.host, read_parallel_bytes_per_s=parallel_bps)
     return dataclasses.replace(hw, link_bytes_per_s=bandwidth, host=host)
@@ -102,10 +111,11 @@ def simulated(args: argparse.Namespace, read_s: float | None = None) -> dict[str
     return simulate_runtime(trace, model, hw, SYSTEMS, options)
 
 
-def compare(sim: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per system, simulated against measured (printed as a table); the rows."""
+def compare(sim: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
+            label: str) -> list[dict[str, Any]]:  # fmt: skip
+    """Per system, simulated against measured (printed as a table under ``label``)."""
     rows = []
-    print(f"\n{sim['hardware']}")
+    print(f"\n{label} ({sim['hardware']})")
     print(
         f"{'system':11} {'sim tok/s':>9} {'measured tok/s':>22} {'time ratio':>10} "
         f"{'hit sim/meas':>13} {'stall sim/meas':>15} {'moved GiB sim/meas':>19}  within 20%"
@@ -140,15 +150,17 @@ def main() -> None:
     ap.add_argument("--tier", default="disk")
     ap.add_argument("--layers", type=int, default=0,
                     help="MoE layers measured (default: the benchmark's, else 8)")  # fmt: skip
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens per replay, as measured")
+    ap.add_argument("--tokens", type=int, default=0,
+                    help="new tokens per replay (default: the benchmark's, else 64)")  # fmt: skip
     ap.add_argument("--capacity", default="50%")
     ap.add_argument("--figure", type=Path, default=FIGURE)
     ap.add_argument("--json", type=Path, help="write the comparison here")
     ap.add_argument("--tier-from-runs", action="store_true",
                     help="also simulate with the tier's speed the measured runs met")  # fmt: skip
     args = ap.parse_args()
-    runs, layers = measured_runs(args.measured, args.tier)
-    args.layers = args.layers or layers or 8
+    runs, record = measured_runs(args.measured, args.tier)
+    args.layers = args.layers or record.get("layers") or 8
+    args.tokens = args.tokens or record.get("tokens") or 64
     if args.calibrate:
         model, store, _ = bench_paths(args.layers)
         subprocess.run([sys.executable, "-m", "stmoe", "calibrate", "--model", str(model),
@@ -156,16 +168,20 @@ def main() -> None:
                         "--seconds", args.seconds, "--routing", str(SAMPLE),
                         "-o", str(args.hardware)],
                        check=True)  # fmt: skip
-    sims = {"calibrate's preset": simulated(args)}
+    sims = {"preset": simulated(args)}
+    labels = {"preset": "calibrate's preset, as written"}
+    read: dict[str, float] = {}
     if args.tier_from_runs:
         read_s, reads = run_read_s(runs)
-        sims[f"tier speed of the runs ({read_s * 1e3:.2f} ms a read, {reads} reads)"] = (
-            simulated(args, read_s))  # fmt: skip
-    checks = {label: compare(sim, runs) for label, sim in sims.items()}
-    for label, rows in checks.items():
-        print(f"{label}: {sum(r['met'] for r in rows)} of {len(rows)} within "
+        read = {"read_s": read_s, "reads": reads}
+        sims["tier_from_runs"] = simulated(args, read_s)
+        labels["tier_from_runs"] = (f"the tier's speed the runs met ({read_s * 1e3:.2f} ms a "
+                                    f"read, {reads} reads)")  # fmt: skip
+    checks = {key: compare(sim, runs, labels[key]) for key, sim in sims.items()}
+    for key, rows in checks.items():
+        print(f"{labels[key]}: {sum(r['met'] for r in rows)} of {len(rows)} within "
               f"{TOLERANCE:.0%}")  # fmt: skip
-    sim = sims["calibrate's preset"]
+    sim = sims["preset"]
     c = sim["costs"]
     print(f"host costs: layer {c['layer_s'] * 1e3:.2f} ms, token {c['token_s'] * 1e3:.2f} ms, "
           f"expert {c['expert_s'] * 1e3:.3f} ms, read {c['read_s'] * 1e3:.2f} ms, parallel x"
@@ -180,12 +196,14 @@ def main() -> None:
 
     title = (f"{PRESET}, first {args.layers} layers, {args.tokens} new tokens, "
              f"{args.capacity} cached, tier {args.tier}\n{sim['hardware']}")  # fmt: skip
-    sim_vs_measured(checks, title, args.figure, TOLERANCE)
+    sim_vs_measured({labels[k]: rows for k, rows in checks.items()}, title, args.figure,
+                    TOLERANCE)  # fmt: skip
     print(f"wrote {args.figure}")
     if args.json:
         from stmoe.fileio import atomic_write_text
 
-        out = {label: {"rows": checks[label], "simulation": sims[label]} for label in sims}
+        out = {key: {"label": labels[key], "rows": checks[key], "simulation": sims[key],
+                     **(read if key == "tier_from_runs" else {})} for key in sims}  # fmt: skip
         atomic_write_text(args.json, json.dumps(out, indent=1) + "\n")
 
 

@@ -36,7 +36,9 @@ WAIT_S = 0.5  # the longest a waiter sleeps before checking for failures and dea
 STALL_LIMIT_S = 300.0  # a load taking longer is refused: the tier is not answering
 CLOSE_WAIT_S = 10.0  # close() waits this long for the workers' loads in flight
 
-Job = tuple[LayerCache, int, int, int]  # (cache, slot, layer, expert) a worker loads
+# (cache, slot, layer, expert) a worker loads, and the run's phase when it started (its read
+# is counted there)
+Job = tuple[LayerCache, int, int, int, str]
 
 
 class Prefetcher:
@@ -166,19 +168,19 @@ class Prefetcher:
         if slot is None:
             return None
         state.run.stats.bytes_wasted += wasted * state.expert_bytes
-        return cache, slot, layer, expert
+        return cache, slot, layer, expert, state.run.phase
 
     def _load(self, job: Job, buf: object, stream: object) -> None:
         """Read the job's expert through the tier (lock not held) and mark its slot READY."""
         state = self.state
-        cache, slot, layer, expert = job
+        cache, slot, layer, expert, phase = job
         block = state.store.blocks[(layer, expert)]
         start = time.perf_counter()
         state.fill(cache, slot, block, buf, stream)
         took = time.perf_counter() - start
         with state.cv:
             cache.filled(slot)
-            state.run.stats.phases[state.run.phase].add_read("prefetch", took)
+            state.run.stats.phases[phase].add_read("prefetch", took)
             state.run.stats.bytes_moved += block.nbytes
             state.run.stats.prefetch_loads += 1
             state.cv.notify_all()

@@ -10,10 +10,12 @@ layer asks, a *miss* one the compute thread had to load itself.
 * bytes wasted: bytes of prefetched experts evicted (or left at the end) unused
 * stall: time the compute thread waited for expert weights
 * reads: the tier's reads of whole experts into the cache and how long they took,
-  the compute thread's (its misses, nothing else reading meanwhile: the workers
-  pause) apart from the workers' (prefetches, often two at once): the tier's
-  speed as the run met it (a virtual disk's drifts over minutes), which the
-  simulator's check takes (``benchmarks/bench_sim_check.py --tier-from-runs``)
+  counted in the phase they started in, the compute thread's (its misses; the
+  workers start no new load meanwhile, though one in flight goes on, and with
+  no prefetch at all it reads alone) apart from the workers' (prefetches, often
+  two at once): the tier's speed as the run met it (a virtual disk's drifts over
+  minutes), which the simulator's check takes
+  (``benchmarks/bench_sim_check.py --tier-from-runs``)
 """
 
 from __future__ import annotations

@@ -1,0 +1,29 @@
+"""The benchmark's own arithmetic (benchmarks/bench_offload_real.py): the order of the
+systems within a round and the share of the gap a system closes."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_offload_real as bench
+
+
+def test_rounds_rotate_so_every_system_takes_every_position():
+    systems = list(bench.SYSTEMS)
+    orders = [bench.rotated(systems, rnd) for rnd in range(len(systems))]
+    assert all(sorted(order) == sorted(systems) for order in orders)
+    for position in range(len(systems)):  # each system first, second, ... exactly once
+        assert sorted(order[position] for order in orders) == sorted(systems)
+    assert bench.rotated(systems, len(systems)) == systems
+
+
+def test_the_gap_closed_is_the_share_of_lru_only_to_oracle_time():
+    assert bench.closed(0.140, 0.140, 0.100) == 0.0  # no faster than lru-only
+    assert bench.closed(0.140, 0.100, 0.100) == 1.0  # as fast as the oracle
+    assert math.isclose(bench.closed(0.140, 0.112, 0.100), 0.7)
+    assert bench.closed(0.140, 0.095, 0.100) > 1.0  # faster than the oracle: noise, shown
+    assert math.isnan(bench.closed(0.100, 0.100, 0.100))  # no gap to close
