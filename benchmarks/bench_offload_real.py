@@ -121,7 +121,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One system on one tier (this process): the replay's figures and the peak memory."""
     import torch
 
-    from stmoe.predictors import load_tables, make
+    from stmoe.predictors import REGISTRY, load_tables, make
     from stmoe.runtime.api import offload
     from stmoe.systems import compared_predictor
 
@@ -137,7 +137,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     link = {"bandwidth": args.bandwidth} if args.tier == "emulated" else {}
     capacity = "100%" if args.one == "all-cached" else args.capacity
     started = time.perf_counter()
-    with offload(model, store, capacity=capacity, predictor=pred, tables=tables, policy=policy,
+    takes_tables = isinstance(pred, str) and REGISTRY[pred].needs_tables  # (else a note)
+    with offload(model, store, capacity=capacity, predictor=pred,
+                 tables=tables if takes_tables else None, policy=policy,
                  tier=args.tier, **link) as om:  # fmt: skip
         offload_s = time.perf_counter() - started  # loading, the cache made (its pages faulted in)
         plan = replay_plan(args, om.model.config)

@@ -178,3 +178,13 @@ def test_profile_the_first_layers_for_a_cut_model(replay_setup, cli):
     assert load_tables(root / "t3.npz").shape.num_layers == 3
     res = cli("profile", root / "t.npz", "--layers", "9", "-o", root / "t9.npz")
     assert res.exit_code == 1 and "1..5" in res.output
+
+
+def test_tables_a_predictor_does_not_take_are_named_not_silently_ignored(replay_setup, cli):
+    root, model_dir, _ = replay_setup
+    res = cli("generate", "--model", model_dir, "--store", root / "store", "--capacity", "8",
+              "--predictor", "ondemand", "--tables", root / "tables.npz", "--routing",
+              root / "t.npz", "--max-new-tokens", "2")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "predictor 'ondemand' takes no profiled tables" in said and "tables.npz" in said

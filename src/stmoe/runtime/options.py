@@ -136,6 +136,13 @@ def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
         _check_lookahead_option(name, cls is not None and cls.uses_lookahead, lookahead)
         options["lookahead"] = lookahead
     loaded = None
+    if cls is not None and not cls.needs_tables and tables is not None:
+        import warnings
+
+        from stmoe.errors import StmoeNote
+
+        warnings.warn(f"predictor {name!r} takes no profiled tables: {tables} is not used",
+                      StmoeNote, stacklevel=3)  # fmt: skip
     if cls is not None and cls.needs_tables:
         if tables is None and model_dir is not None and (model_dir / SHIPPED_TABLES).is_file():
             tables = model_dir / SHIPPED_TABLES
