@@ -124,9 +124,9 @@ def test_reads_land_in_faulted_in_memory_and_faults_are_measured_apart(tiny, mon
     seen: list[bool] = []
     fill, preadv = cal._fill, cal.os.preadv
 
-    def checked_fill(tier, block, parts, buf):
+    def checked_fill(tier, store, block, parts, buf):
         seen.append(resident(parts[0].ctypes.data, sum(p.nbytes for p in parts)))
-        return fill(tier, block, parts, buf)
+        return fill(tier, store, block, parts, buf)
 
     def checked_preadv(fd, buffers, offset):
         seen.append(all(resident(np.frombuffer(b, np.uint8).ctypes.data, len(b))

@@ -53,7 +53,7 @@ import torch
 
 from stmoe.runtime.cache import param_specs, populate_pages
 from stmoe.runtime.store import ALIGN, Block, ExpertStore, StoreError, open_store
-from stmoe.runtime.tiers import Tier, open_tier, padded
+from stmoe.runtime.tiers import Tier, open_tier, padded, read_block
 
 CALIBRATED_TIERS = ("disk", "emulated")
 
@@ -146,7 +146,7 @@ def measure_reads(store: ExpertStore, tier: Tier, threads: int, seconds: float,
                 block = blocks[taken[0] % len(blocks)]
                 taken[0] += 1
             start = time.perf_counter()
-            _fill(tier, block, _slot_parts(block, slot), buf)
+            _fill(tier, store, block, _slot_parts(block, slot), buf)
             with lock:
                 times.append(time.perf_counter() - start)
                 moved[0] += block.nbytes
@@ -201,16 +201,17 @@ def _slot_parts(block: Block, slot: Any) -> list[np.ndarray]:
     return [raw[p.offset : p.offset + p.nbytes] for p in param_specs(block)]
 
 
-def _fill(tier: Tier, block: Block, parts: list[np.ndarray], buf: Any) -> None:
-    """What ``OffloadEngine._fill`` does: one checked read into the slot where the tier
-    can, else the tier's checked bytes copied into it."""
-    read_into = getattr(tier, "read_into", None)
-    if read_into is not None and read_into(block, parts):
+def _fill(tier: Tier, store: ExpertStore, block: Block, parts: list[np.ndarray],
+          buf: Any) -> None:  # fmt: skip
+    """What ``OffloadEngine._fill`` does (``tiers.read_block``): one checked read into
+    the slot where the tier can, else the tier's checked bytes copied into it."""
+    src = read_block(tier, store, block, parts, buf)
+    if src is None:
         return
-    src = tier.fetch(block, buf).numpy()
+    raw = src.numpy()
     for p in parts:
         start = p.ctypes.data - parts[0].ctypes.data
-        p[:] = src[start : start + p.nbytes]
+        p[:] = raw[start : start + p.nbytes]
 
 
 def measure_page_faults(store: ExpertStore, tier: Tier, reads: int, seed: int) -> PageFaults:
@@ -230,7 +231,7 @@ def measure_page_faults(store: ExpertStore, tier: Tier, reads: int, seed: int) -
             block = blocks[(2 * i + k) % len(blocks)]
             into = memoryview(spare)[i * size : (i + 1) * size] if into_fresh else slot
             start = time.perf_counter()
-            _fill(tier, block, _slot_parts(block, into), buf)
+            _fill(tier, store, block, _slot_parts(block, into), buf)
             (fresh if into_fresh else faulted).append(time.perf_counter() - start)
     memory = slab_memory(size * reads)  # a new cache's slabs, faulted in as it is made
     start = time.perf_counter()

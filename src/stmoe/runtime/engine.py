@@ -35,7 +35,7 @@ from stmoe.runtime.serve import LayerServer
 from stmoe.runtime.state import EngineSettings, EngineState, Future, Loads, RunState
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import Block, ExpertStore, StoreError
-from stmoe.runtime.tiers import Tier
+from stmoe.runtime.tiers import Tier, read_block
 
 
 class OffloadEngine:
@@ -142,17 +142,16 @@ class OffloadEngine:
     def _fill(self, cache: LayerCache, slot: int, block: Block, buf: Any, stream: Any) -> None:
         """Bring ``block`` into ``slot`` (held LOADING by the caller): read straight into
         the slot's memory where the tier and the cache allow (one read, no copy), else
-        read into ``buf`` and copied."""
-        read_into = getattr(self.tier, "read_into", None)
-        parts = cache.slot_parts(slot) if read_into is not None else None
-        if parts is not None and read_into(block, parts):
-            return
-        cache.write(slot, self._fetch(block, buf), stream)
+        read into ``buf`` and copied (``tiers.read_block``)."""
+        parts = cache.slot_parts(slot) if hasattr(self.tier, "read_into") else None
+        src = read_block(self.tier, self.store, block, parts, buf)
+        if src is not None:
+            cache.write(slot, src, stream)
 
     def _fetch(self, block: Block, buf: Any) -> torch.Tensor:
         """The tier's bytes for ``block``, refused unless complete."""
-        src = self.tier.fetch(block, buf)
-        self.store.check_size(block, src.numel())
+        src = read_block(self.tier, self.store, block, None, buf)
+        assert src is not None  # (no parts: always the tier's bytes)
         return src
 
     def check(self) -> None:

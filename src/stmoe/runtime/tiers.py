@@ -53,6 +53,20 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
+def read_block(tier: Tier, store: ExpertStore, block: Block, parts: list[np.ndarray] | None,
+               buf: mmap.mmap) -> torch.Tensor | None:  # fmt: skip
+    """Bring ``block`` in, checked, the one way the runtime and ``stmoe calibrate`` both
+    do: straight into ``parts`` (a cache slot's memory, its tensors in block order) where
+    the tier can (None returned: nothing left to copy), else the tier's bytes, complete
+    (a short read refused), for the caller to copy where they go."""
+    read_into = getattr(tier, "read_into", None)
+    if parts is not None and read_into is not None and read_into(block, parts):
+        return None
+    src = tier.fetch(block, buf)
+    store.check_size(block, src.numel())
+    return src
+
+
 class DiskTier:
     """Real reads from the store file, bypassing (or dropping) the page cache."""
 
