@@ -36,6 +36,11 @@ is measured by bench_plus_recall.py); the printed recall says what they achieved
     python benchmarks/bench_offload_real.py [--layers 8] [--tokens 129] [--rounds 3]
                                             [--tiers disk,emulated] [--bandwidth 1GB]
 
+With ``--calibrate``, ``stmoe calibrate`` runs in each round of each tier too (a
+hardware preset per round, recorded in the JSON), so that
+``bench_sim_check.py`` can check the simulator against presets measured when the
+runs were.
+
 Another model's shape on routing recorded from it (a trace captured with ``stmoe
 capture`` or imported from vLLM/SGLang with ``stmoe import``; its first sequence):
 
@@ -199,6 +204,25 @@ def spawn(args: argparse.Namespace, system: str, tier: str, bound: Path | None =
         raise SystemExit(f"{system} on {tier} failed (exit {done.returncode}):\n"
                          f"{done.stderr[-3000:]}")  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def calibrate(args: argparse.Namespace, tier: str, rnd: int) -> Path:
+    """``stmoe calibrate`` of ``tier`` on the checkpoint, in the round's rotation like a
+    system, so its preset measures the tier when the round's runs did (a virtual
+    disk's speed drifts over minutes; ``bench_sim_check.py`` simulates each round with
+    its own preset)."""
+    model, store, _ = prepare(args)
+    out = bench_dir() / f"calibrated-{args.like}-L{args.layers}-{tier}-round{rnd + 1}.toml"
+    cmd = [sys.executable, "-m", "stmoe", "calibrate", "--model", str(model), "--store",
+           str(store), "--tier", tier, "--capacity", args.capacity, "--routing",
+           str(args.trace), "--threads", str(args.threads), "-o", str(out)]  # fmt: skip
+    if tier == "emulated":
+        cmd += ["--bandwidth", args.bandwidth]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"calibrate on {tier} failed (exit {done.returncode}):\n"
+                         f"{done.stderr[-3000:]}")  # fmt: skip
+    return out
 
 
 def spawn_bounded(args: argparse.Namespace, system: str, limit: int) -> dict[str, Any]:
@@ -427,6 +451,12 @@ def main() -> None:
         "forward call instead of a memory cgroup (the bound's worst case)",
     )
     ap.add_argument("--skip", default="", help="sections to skip: tiers,bounded,cached")
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="run `stmoe calibrate` in each round of each tier (a preset per round, for "
+        "bench_sim_check.py: the tier measured when the runs were)",
+    )
     ap.add_argument("--json", type=Path, help="write every run's figures here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--tier", default="disk", help=argparse.SUPPRESS)
@@ -454,8 +484,13 @@ def main() -> None:
             print(f"\nthe emulated tier holds its whole store in RAM: its runs take the first "
                   f"{targs.layers} MoE layers (--emulated-layers)", flush=True)  # fmt: skip
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+        presets: list[str] = []  # with --calibrate: one hardware preset per round
         for rnd in range(args.rounds):
-            for system in rotated(list(SYSTEMS), rnd):
+            for system in rotated(list(SYSTEMS) + (["calibrate"] if args.calibrate else []), rnd):
+                if system == "calibrate":
+                    presets.append(str(calibrate(targs, tier, rnd)))
+                    print(f"[{tier} round {rnd + 1}] calibrate: {presets[-1]}", flush=True)
+                    continue
                 runs[system].append(spawn(targs, system, tier))
                 print(
                     f"[{tier} round {rnd + 1}] {system}: "
@@ -463,7 +498,7 @@ def main() -> None:
                     flush=True,
                 )
         results[tier] = {"layers": targs.layers, "tokens": args.tokens, "runs": runs,
-                         **report(tier, runs, targs.layers)}  # fmt: skip
+                         "presets": presets, **report(tier, runs, targs.layers)}  # fmt: skip
     if "bounded" not in skip:
         results["bounded"] = bounded(args, limit)
     if "cached" not in skip:

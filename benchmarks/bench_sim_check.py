@@ -91,7 +91,8 @@ def with_read_s(hw: Any, model: Any, read_s: float) -> Any:
     return dataclasses.replace(hw, link_bytes_per_s=bandwidth, host=host)
 
 
-def simulated(args: argparse.Namespace, read_s: float | None = None) -> dict[str, Any]:
+def simulated(args: argparse.Namespace, read_s: float | None = None,
+              hardware: str | None = None) -> dict[str, Any]:  # fmt: skip
     from stmoe.predictors import load_tables, profile
     from stmoe.sim.host_systems import HostOptions, simulate_runtime
     from stmoe.sim.specs import load_hardware, load_model
@@ -100,7 +101,7 @@ def simulated(args: argparse.Namespace, read_s: float | None = None) -> dict[str
 
     trace = first_layers(load_trace(SAMPLE), args.layers)
     model = dataclasses.replace(load_model(PRESET), layers=args.layers)
-    hw = load_hardware(str(args.hardware))
+    hw = load_hardware(hardware or str(args.hardware))
     if read_s is not None:
         hw = with_read_s(hw, model, read_s)
     tables_path = bench_paths(args.layers)[2]
@@ -109,6 +110,18 @@ def simulated(args: argparse.Namespace, read_s: float | None = None) -> dict[str
     options = HostOptions(capacity=round(share * model.num_experts),
                           decode_tokens=args.tokens - 1, tables=tables)  # fmt: skip
     return simulate_runtime(trace, model, hw, SYSTEMS, options)
+
+
+def per_round(args: argparse.Namespace, presets: list[str]) -> dict[str, Any]:
+    """Each round simulated with the preset calibrate measured in that round (the
+    benchmark's ``--calibrate``); per system the medians over the rounds, as one
+    simulation's figures."""
+    sims = [simulated(args, hardware=p) for p in presets]
+    figures = ("decode_tokens_per_s", "hit_rate", "stall_share", "bytes_moved")
+    systems = {name: {k: statistics.median(s["systems"][name][k] for s in sims) for k in figures}
+               for name in SYSTEMS}  # fmt: skip
+    names = ", ".join(Path(p).stem for p in presets)
+    return {**sims[0], "systems": systems, "hardware": f"one preset per round: {names}"}
 
 
 def compare(sim: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
@@ -168,20 +181,36 @@ def main() -> None:
                         "--seconds", args.seconds, "--routing", str(SAMPLE),
                         "-o", str(args.hardware)],
                        check=True)  # fmt: skip
-    sims = {"preset": simulated(args)}
-    labels = {"preset": "calibrate's preset, as written"}
+    presets = record.get("presets") or []
+    if presets and len(presets) != len(runs["oracle"]):
+        raise SystemExit(f"{args.measured}: {len(presets)} presets for "
+                         f"{len(runs['oracle'])} rounds")  # fmt: skip
+    if not (args.calibrate or args.hardware.is_file()):
+        if not presets:
+            raise SystemExit(f"{args.hardware}: no such preset; give --hardware FILE, "
+                             "--calibrate, or a benchmark run with --calibrate")  # fmt: skip
+        args.hardware = Path(presets[0])  # the base of --tier-from-runs
+    sims: dict[str, dict[str, Any]] = {}
+    labels: dict[str, str] = {}
+    if not presets or args.hardware != Path(presets[0]):
+        sims["preset"] = simulated(args)
+        labels["preset"] = "calibrate's preset, as written"
+    if presets:
+        sims["per_round"] = per_round(args, presets)
+        labels["per_round"] = "calibrate's preset of each round (the benchmark's --calibrate)"
     read: dict[str, float] = {}
     if args.tier_from_runs:
         read_s, reads = run_read_s(runs)
         read = {"read_s": read_s, "reads": reads}
         sims["tier_from_runs"] = simulated(args, read_s)
         labels["tier_from_runs"] = (f"the tier's speed the runs met ({read_s * 1e3:.2f} ms a "
-                                    f"read, {reads} reads)")  # fmt: skip
+                                    f"read, {reads} reads; the rest "
+                                    f"{args.hardware.stem}'s)")  # fmt: skip
     checks = {key: compare(sim, runs, labels[key]) for key, sim in sims.items()}
     for key, rows in checks.items():
         print(f"{labels[key]}: {sum(r['met'] for r in rows)} of {len(rows)} within "
               f"{TOLERANCE:.0%}")  # fmt: skip
-    sim = sims["preset"]
+    sim = next(iter(sims.values()))
     c = sim["costs"]
     print(f"host costs: layer {c['layer_s'] * 1e3:.2f} ms, token {c['token_s'] * 1e3:.2f} ms, "
           f"expert {c['expert_s'] * 1e3:.3f} ms, read {c['read_s'] * 1e3:.2f} ms, parallel x"

@@ -468,3 +468,22 @@ def test_the_sim_check_takes_the_tiers_speed_its_runs_met(tmp_path):
     rows = [{"system": "oracle", "measured": 2.0, "simulated": 2.1, "range": [1.9, 2.2]}]
     path = sim_vs_measured({"preset": rows, "runs' tier": rows}, "t", tmp_path / "f.png")
     assert path.stat().st_size > 1000
+
+    # --calibrate's presets, one per round: each round simulated with its own, medians kept
+    speeds = {"a.toml": 1.0, "b.toml": 4.0, "c.toml": 2.0}
+
+    def fake(args, read_s=None, hardware=None):
+        one = {"decode_tokens_per_s": speeds[hardware], "hit_rate": 0.5, "stall_share": 0.1,
+               "bytes_moved": 7}  # fmt: skip
+        return {"systems": {name: one for name in check.SYSTEMS}, "costs": {}, "hardware": "x"}
+
+    import argparse
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(check, "simulated", fake)
+    try:
+        merged = check.per_round(argparse.Namespace(), list(speeds))
+    finally:
+        monkey.undo()
+    assert merged["systems"]["oracle"]["decode_tokens_per_s"] == 2.0  # the median of 1, 4, 2
+    assert "a, b, c" in merged["hardware"]

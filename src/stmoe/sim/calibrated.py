@@ -44,7 +44,7 @@ def hardware_toml(f: dict[str, Any]) -> str:
         line("dataflow", "weight_stationary", "one fixed kernel"),
         line("link_bytes_per_s", f["bytes_per_s"], f"measured: {f['reads_1']['blocks']} "
              "expert blocks read one at a time into slot memory faulted in beforehand (as the "
-             "runtime's slots: no page faults), CRC32 checked (mean time, less the latency)"),
+             "runtime's slots: no page faults), CRC-32C checked (mean time, less the latency)"),
         line("link_latency_s", f["latency_s"], "measured: median one-page read into a "
              "faulted-in page"),
         line("cache_experts_per_layer", f["capacity"], "the cache described (--capacity)"),
