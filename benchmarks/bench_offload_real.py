@@ -212,7 +212,9 @@ def calibrate(args: argparse.Namespace, tier: str, rnd: int) -> Path:
     disk's speed drifts over minutes; ``bench_sim_check.py`` simulates each round with
     its own preset)."""
     model, store, _ = prepare(args)
-    out = bench_dir() / f"calibrated-{args.like}-L{args.layers}-{tier}-round{rnd + 1}.toml"
+    out = bench_dir() / (
+        f"calibrated-{args.like}-L{args.layers}-{tier}-{args.started}-round{rnd + 1}.toml"
+    )  # (the run's start in the name: one set per run)
     cmd = [sys.executable, "-m", "stmoe", "calibrate", "--model", str(model), "--store",
            str(store), "--tier", tier, "--capacity", args.capacity, "--routing",
            str(args.trace), "--threads", str(args.threads), "-o", str(out)]  # fmt: skip
@@ -474,6 +476,7 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     resident, limit = memory_budget(args)
     args.budget = resident
+    args.started = time.strftime("%Y%m%d-%H%M%S")
     skip = set(args.skip.split(","))
     results: dict[str, Any] = {"budget": resident, "bound": limit}
     for tier in [] if "tiers" in skip else args.tiers.split(","):

@@ -11,8 +11,12 @@ simulated and measured decode tokens/s, their ratio and MET / NOT MET (within
 can be traced. Writes the figure docs/figures/sim_vs_measured.png.
 
     python benchmarks/bench_sim_check.py --measured /tmp/bench_real2.json \\
-        (--hardware hw.toml | --calibrate [--hardware hw.toml]) [--tier-from-runs]
+        [--hardware hw.toml | --calibrate [--hardware hw.toml]] [--tier-from-runs]
         [--layers N] [--tokens N]   (default: the benchmark's, from its JSON)
+
+Without --hardware or --calibrate, the JSON must come from a benchmark run with
+--calibrate: its presets, one per round, are the check (and the first the base
+of --tier-from-runs).
 
 A virtual disk's speed drifts over minutes (0.4 to 1.8 GB/s on this machine), so
 a preset measured at another time than the benchmark predicts another disk.
@@ -41,6 +45,7 @@ PRESET = "qwen3.6-35b-a3b"
 SYSTEMS = ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle")
 TOLERANCE = 0.2
 FIGURE = Path(__file__).resolve().parents[1] / "docs" / "figures" / "sim_vs_measured.png"
+CALIBRATED = Path("/tmp/stmoe-calibrated.toml")  # where --calibrate writes its preset
 
 
 def bench_paths(layers: int) -> tuple[Path, Path, Path]:
@@ -58,6 +63,20 @@ def measured_runs(path: Path, tier: str) -> tuple[dict[str, list[dict[str, Any]]
     if tier not in data or "runs" not in data[tier]:
         raise SystemExit(f"{path}: no runs of tier {tier!r} (tiers: {', '.join(data)})")
     return data[tier]["runs"], data[tier]
+
+
+def base_preset(hardware: Path | None, calibrate: bool, presets: list[str]) -> tuple[Path, bool]:
+    """The preset the check starts from, and whether it is one apart from the benchmark's
+    per-round presets: ``--hardware``, else with ``--calibrate`` the default path it is
+    written to, else the benchmark's first round's preset; a clear error with none."""
+    if hardware is not None:
+        return hardware, True
+    if calibrate:
+        return CALIBRATED, True
+    if presets:
+        return Path(presets[0]), False
+    raise SystemExit("no hardware preset: give --hardware FILE, --calibrate, or a benchmark "
+                     "JSON from a run with --calibrate")  # fmt: skip
 
 
 def run_read_s(runs: dict[str, list[dict[str, Any]]]) -> tuple[float, int]:
@@ -120,8 +139,8 @@ def per_round(args: argparse.Namespace, presets: list[str]) -> dict[str, Any]:
     figures = ("decode_tokens_per_s", "hit_rate", "stall_share", "bytes_moved")
     systems = {name: {k: statistics.median(s["systems"][name][k] for s in sims) for k in figures}
                for name in SYSTEMS}  # fmt: skip
-    names = ", ".join(Path(p).stem for p in presets)
-    return {**sims[0], "systems": systems, "hardware": f"one preset per round: {names}"}
+    return {**sims[0], "systems": systems,
+            "hardware": f"calibrate's preset of each of {len(presets)} rounds"}  # fmt: skip
 
 
 def compare(sim: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
@@ -157,7 +176,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--measured", type=Path, required=True, help="bench_offload_real.py --json")
-    ap.add_argument("--hardware", type=Path, default=Path("/tmp/stmoe-calibrated.toml"))
+    ap.add_argument("--hardware", type=Path,
+                    help=f"a preset from stmoe calibrate (with --calibrate: written there; "
+                    f"default {CALIBRATED})")  # fmt: skip
     ap.add_argument("--calibrate", action="store_true", help="run stmoe calibrate first")
     ap.add_argument("--seconds", default="4", help="calibrate's reading time per measurement")
     ap.add_argument("--tier", default="disk")
@@ -174,6 +195,11 @@ def main() -> None:
     runs, record = measured_runs(args.measured, args.tier)
     args.layers = args.layers or record.get("layers") or 8
     args.tokens = args.tokens or record.get("tokens") or 64
+    presets = record.get("presets") or []
+    if presets and len(presets) != len(runs["oracle"]):
+        raise SystemExit(f"{args.measured}: {len(presets)} presets for "
+                         f"{len(runs['oracle'])} rounds")  # fmt: skip
+    args.hardware, separate = base_preset(args.hardware, args.calibrate, presets)
     if args.calibrate:
         model, store, _ = bench_paths(args.layers)
         subprocess.run([sys.executable, "-m", "stmoe", "calibrate", "--model", str(model),
@@ -181,18 +207,9 @@ def main() -> None:
                         "--seconds", args.seconds, "--routing", str(SAMPLE),
                         "-o", str(args.hardware)],
                        check=True)  # fmt: skip
-    presets = record.get("presets") or []
-    if presets and len(presets) != len(runs["oracle"]):
-        raise SystemExit(f"{args.measured}: {len(presets)} presets for "
-                         f"{len(runs['oracle'])} rounds")  # fmt: skip
-    if not (args.calibrate or args.hardware.is_file()):
-        if not presets:
-            raise SystemExit(f"{args.hardware}: no such preset; give --hardware FILE, "
-                             "--calibrate, or a benchmark run with --calibrate")  # fmt: skip
-        args.hardware = Path(presets[0])  # the base of --tier-from-runs
     sims: dict[str, dict[str, Any]] = {}
     labels: dict[str, str] = {}
-    if not presets or args.hardware != Path(presets[0]):
+    if separate:
         sims["preset"] = simulated(args)
         labels["preset"] = "calibrate's preset, as written"
     if presets:
@@ -203,16 +220,17 @@ def main() -> None:
         read_s, reads = run_read_s(runs)
         read = {"read_s": read_s, "reads": reads}
         sims["tier_from_runs"] = simulated(args, read_s)
+        base = "round 1's preset" if not separate else args.hardware.stem
         labels["tier_from_runs"] = (f"the tier's speed the runs met ({read_s * 1e3:.2f} ms a "
-                                    f"read, {reads} reads; the rest "
-                                    f"{args.hardware.stem}'s)")  # fmt: skip
+                                    f"read, {reads} reads), the rest {base}'s")  # fmt: skip
     checks = {key: compare(sim, runs, labels[key]) for key, sim in sims.items()}
     for key, rows in checks.items():
         print(f"{labels[key]}: {sum(r['met'] for r in rows)} of {len(rows)} within "
               f"{TOLERANCE:.0%}")  # fmt: skip
     sim = next(iter(sims.values()))
     c = sim["costs"]
-    print(f"host costs: layer {c['layer_s'] * 1e3:.2f} ms, token {c['token_s'] * 1e3:.2f} ms, "
+    print(f"host costs of the first check ({sim['hardware']}; round 1's where per round): "
+          f"layer {c['layer_s'] * 1e3:.2f} ms, token {c['token_s'] * 1e3:.2f} ms, "
           f"expert {c['expert_s'] * 1e3:.3f} ms, read {c['read_s'] * 1e3:.2f} ms, parallel x"
           f"{c['parallel']:.2f}, first touch {c['first_touch_s'] * 1e3:.2f} ms")  # fmt: skip
     compute = c["token_s"] + args.layers * (c["layer_s"] + 8 * c["expert_s"])

@@ -199,8 +199,22 @@ def test_reads_follow_a_traces_routing(tiny, tmp_path, cli):
     with pytest.raises(StoreError, match="routes 3 layers of 8 experts; the store has 2 of 16"):
         routed_blocks(store, tmp_path / "o.npz", 4)
     res = cli("calibrate", "--model", model_dir, "--store", root / "store", "--routing",
-              tmp_path / "t.npz", "-o", tmp_path / "hw.toml", *FAST)  # fmt: skip
+              tmp_path / "t.npz", "--capacity", "4", "-o", tmp_path / "hw.toml",
+              *FAST)  # fmt: skip
     assert res.exit_code == 0, res.output
+    # the single reader's speed is the runtime's own reads in an LRU-only replay
+    said = " ".join(res.output.split())
+    assert "the runtime's reads:" in said and "calibrate's loop:" in said
+    text = (tmp_path / "hw.toml").read_text()
+    note = next(line for line in text.splitlines() if line.startswith("link_bytes_per_s"))
+    assert "the runtime's own reads of its decode misses" in note, note
+    reads = int(note.split("(")[1].split(" reads")[0])
+    # the decode misses of an LRU cache of 4, as routed_blocks counts them, up to how the
+    # prompt (one call of several tokens) leaves the cache
+    routed = len(routed_blocks(store, tmp_path / "t.npz", 4))
+    assert reads >= 8 and abs(reads - routed) <= routed // 4, (reads, routed)
+    spec = load_hardware(str(tmp_path / "hw.toml"))
+    assert spec.link_bytes_per_s > 0 and spec.host is not None
 
 
 @pytest.mark.parametrize(("args", "message"), [

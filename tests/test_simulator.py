@@ -469,6 +469,15 @@ def test_the_sim_check_takes_the_tiers_speed_its_runs_met(tmp_path):
     path = sim_vs_measured({"preset": rows, "runs' tier": rows}, "t", tmp_path / "f.png")
     assert path.stat().st_size > 1000
 
+    # which preset the check starts from: --hardware, --calibrate's file, the first round's
+    from pathlib import Path as P
+
+    assert check.base_preset(P("mine.toml"), False, ["r1.toml"]) == (P("mine.toml"), True)
+    assert check.base_preset(None, True, ["r1.toml"]) == (check.CALIBRATED, True)
+    assert check.base_preset(None, False, ["r1.toml", "r2.toml"]) == (P("r1.toml"), False)
+    with pytest.raises(SystemExit, match="no hardware preset"):
+        check.base_preset(None, False, [])
+
     # --calibrate's presets, one per round: each round simulated with its own, medians kept
     speeds = {"a.toml": 1.0, "b.toml": 4.0, "c.toml": 2.0}
 
@@ -486,4 +495,4 @@ def test_the_sim_check_takes_the_tiers_speed_its_runs_met(tmp_path):
     finally:
         monkey.undo()
     assert merged["systems"]["oracle"]["decode_tokens_per_s"] == 2.0  # the median of 1, 4, 2
-    assert "a, b, c" in merged["hardware"]
+    assert "each of 3 rounds" in merged["hardware"]

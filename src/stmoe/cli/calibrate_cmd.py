@@ -38,7 +38,8 @@ def calibrate_cmd(
             "--routing",
             help="A trace: read the blocks the runtime would read for it (the misses "
             "of an LRU cache of --capacity over its decode tokens, in order) instead "
-            "of random ones.",
+            "of random ones, and take the single reader's speed from the runtime's own "
+            "reads in an LRU-only replay of it.",
         ),
     ] = None,
 ) -> None:
@@ -69,6 +70,10 @@ def calibrate_cmd(
     spec = load_hardware(str(output))  # what was written loads as a hardware spec
     host = spec.host
     assert host is not None
+    if figures.get("runtime_reads"):
+        out.print(f"the runtime's reads: {figures['runtime_reads']['mean_s'] * 1e3:.2f} ms an "
+                  f"expert; calibrate's loop: {figures['loop_bytes_per_s'] / 1e9:.3f} GB/s "
+                  "alone")  # fmt: skip
     out.print(f"read {spec.link_bytes_per_s / 1e9:.3f} GB/s alone, "
               f"{host.read_parallel_bytes_per_s / 1e9:.3f} GB/s with {host.workers + 1} readers, "
               f"latency {spec.link_latency_s * 1e6:.0f} us, first touch "

@@ -316,6 +316,33 @@ def measure_compute(model_dir: Path, store_path: Path | None, o: CalibrateOption
     }
 
 
+def measure_runtime_reads(model_dir: Path, store_path: Path, o: CalibrateOptions,
+                          capacity: int) -> dict[str, float]:  # fmt: skip
+    """The tier as the runtime meets it: ``stmoe.offload`` replays ``o.routing`` with an
+    LRU cache of ``capacity`` and no prefetch, and the compute thread's reads of its
+    decode misses (timed by the runtime, nothing else reading) give the mean time of one
+    read. On this machine's virtual disk calibrate's own back-to-back loop measured about
+    half the speed the runtime's reads met in the same minutes (docs/simulator.md), so
+    the preset's single-reader speed is taken from here where a trace is given."""
+    from stmoe.runtime.api import offload
+
+    assert o.routing is not None
+    torch.set_num_threads(o.threads)
+    link = {"bandwidth": o.bandwidth, "latency": o.latency} if o.tier == "emulated" else {}
+    with offload(model_dir, store_path, capacity=capacity, predictor="ondemand", policy="lru",
+                 tier=o.tier, workers=0, **link) as om:  # fmt: skip
+        plan = routed_plan(o.routing, om, om.config["num_layers"], om.config["top_k"])
+        result = om.replay(plan)
+    decode = result.stats["phases"]["decode"]
+    reads = int(decode["demand_reads"])
+    if reads < 8:
+        raise StoreError(f"--routing {o.routing}: its decode tokens miss only {reads} experts "
+                         f"at a cache of {capacity} per layer, too few reads to time the tier "
+                         "(a longer trace, or a smaller --capacity)")  # fmt: skip
+    return {"reads": reads, "mean_s": decode["demand_read_s"] / reads,
+            "tokens": result.decode_tokens}  # fmt: skip
+
+
 def routed_plan(routing: Path, om: Any, n_layers: int, top_k: int) -> Any:
     """The trace's first sequence as a replay plan for ``om``'s model."""
     from stmoe.runtime.routing_replay import plan_replay
@@ -383,6 +410,12 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         tier.close()
     compute = measure_compute(model_dir, opened.path, o, top_k)
     per_read = max(one.wall_s / one.blocks - latency, 1e-9)  # the mean: interference counts
+    runtime = None
+    if o.routing is not None:  # the tier as the runtime's own reads met it
+        runtime = measure_runtime_reads(model_dir, opened.path, o, capacity)
+        per_read = max(runtime["mean_s"] - latency, 1e-9)
+    # several readers at once: the loop's throughput, never below one reader's
+    parallel_bytes_per_s = max(many.bytes_per_s, expert_bytes / (per_read + latency))
     return {
         "tier": o.tier, "direct_io": direct, "store": str(opened.path),
         "model_dir": str(model_dir), "num_layers": n_layers, "num_experts": n_experts,
@@ -392,7 +425,10 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         "touch_reads": faults.reads,
         "expert_macs": expert_bytes // param_specs(opened.blocks[(0, 0)])[0].dtype.itemsize,
         "bytes_per_s": expert_bytes / per_read, "reads_1": dataclasses.asdict(one),
-        "parallel_bytes_per_s": many.bytes_per_s, "reads_n": dataclasses.asdict(many),
+        "loop_bytes_per_s": expert_bytes / max(one.wall_s / one.blocks - latency, 1e-9),
+        "runtime_reads": runtime,
+        "parallel_bytes_per_s": parallel_bytes_per_s,
+        "reads_n": dataclasses.asdict(many),
         "emulated_link": {"bandwidth": o.bandwidth, "latency": o.latency}
         if o.tier == "emulated" else None, **compute,
         "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),

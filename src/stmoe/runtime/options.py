@@ -141,8 +141,9 @@ def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
 
         from stmoe.errors import StmoeNote
 
+        # stacklevel: the line that called offload()
         warnings.warn(f"predictor {name!r} takes no profiled tables: {tables} is not used",
-                      StmoeNote, stacklevel=3)  # fmt: skip
+                      StmoeNote, stacklevel=5)  # fmt: skip
     if cls is not None and cls.needs_tables:
         if tables is None and model_dir is not None and (model_dir / SHIPPED_TABLES).is_file():
             tables = model_dir / SHIPPED_TABLES
