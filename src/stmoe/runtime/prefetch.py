@@ -180,9 +180,7 @@ class Prefetcher:
         took = time.perf_counter() - start
         with state.cv:
             cache.filled(slot)
-            state.run.stats.phases[phase].add_read("prefetch", took)
-            state.run.stats.bytes_moved += block.nbytes
-            state.run.stats.prefetch_loads += 1
+            state.run.stats.loaded(phase, "prefetch", block.nbytes, took)
             state.cv.notify_all()
 
     def _failed(self, job: Job | None, exc: BaseException) -> None:

@@ -201,11 +201,7 @@ class LayerServer:
         with state.cv:
             if row < cache.capacity:
                 cache.filled(row)
-            stats = state.run.stats
-            stats.phases[state.run.phase].add_read("demand", took)
-            stats.bytes_moved += block.nbytes
-            stats.demand_loads += 1
-            stats.overflow_loads += 1
+            state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took, overflow=True)
 
     def _begin(self, layer: int, cache: LayerCache, needed: list[int]) -> frozenset[int]:
         """The compute thread reaches ``layer``: a worker's failure is raised, requests for
@@ -304,9 +300,7 @@ class LayerServer:
         took = time.perf_counter() - start
         state.cv.acquire()
         cache.filled(slot)
-        state.run.stats.phases[state.run.phase].add_read("demand", took)
-        state.run.stats.bytes_moved += block.nbytes
-        state.run.stats.demand_loads += 1
+        state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took)
 
     def _load_transient(self, cache: LayerCache, expert: int) -> dict[str, torch.Tensor]:
         """An expert beyond the capacity where no spare row can take it (the copy's path):
@@ -322,11 +316,7 @@ class LayerServer:
             out[p.name] = t
         took = time.perf_counter() - start
         with state.cv:
-            stats = state.run.stats
-            stats.phases[state.run.phase].add_read("demand", took)
-            stats.bytes_moved += block.nbytes
-            stats.demand_loads += 1
-            stats.overflow_loads += 1
+            state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took, overflow=True)
         return out
 
 

@@ -119,6 +119,19 @@ class RuntimeStats:
     def __post_init__(self) -> None:
         self.phases = {p: PhaseCounters(self.num_layers) for p in PHASES}
 
+    def loaded(self, phase: str, kind: str, nbytes: int, seconds: float,
+               overflow: bool = False) -> None:  # fmt: skip
+        """(lock held) One expert read from the tier, by the compute thread (``demand``;
+        ``overflow``: beyond the cache's capacity) or a worker (``prefetch``): the bytes
+        moved, the load counted, its time in ``phase``."""
+        self.bytes_moved += nbytes
+        if kind == "demand":
+            self.demand_loads += 1
+        else:
+            self.prefetch_loads += 1
+        self.overflow_loads += overflow
+        self.phases[phase].add_read(kind, seconds)
+
     def to_dict(self, per_layer: bool = True) -> dict[str, Any]:
         return {
             "bytes_moved": self.bytes_moved,
