@@ -17,7 +17,7 @@ import time
 import torch
 import transformers
 
-from stmoe.capture import RoutingRecorder
+from stmoe.hf.capture import RoutingRecorder
 
 
 def tiny_qwen3_moe() -> torch.nn.Module:
@@ -26,7 +26,7 @@ def tiny_qwen3_moe() -> torch.nn.Module:
         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         num_experts=32, num_experts_per_tok=4, max_position_embeddings=512,
         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -43,7 +43,7 @@ def main() -> None:
     def generate() -> None:
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                       pad_token_id=0)  # fmt: skip
+                       pad_token_id=0)
 
     def plain() -> float:
         start = time.perf_counter()
@@ -67,7 +67,7 @@ def main() -> None:
     verdict = "PASS" if c / b <= 1.10 else "FAIL"
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; tiny Qwen3-MoE "
           f"(8 MoE layers, 32 experts, top-4; random weights), batch 4, 32-token prompts, "
-          f"{args.new_tokens} new tokens, 1 thread, median of {args.repeats}")  # fmt: skip
+          f"{args.new_tokens} new tokens, 1 thread, median of {args.repeats}")
     print(
         f"generate {b * 1000:.1f} ms, with capture {c * 1000:.1f} ms: "
         f"ratio {c / b:.3f} (target <= 1.10, {verdict})"

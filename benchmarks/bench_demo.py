@@ -25,11 +25,11 @@ def main() -> None:
     folder = args.output or tempfile.mkdtemp(prefix="stmoe-demo-")
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "stmoe", "demo", "-o", folder], check=True,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
+                   stdout=subprocess.DEVNULL)
     elapsed = time.perf_counter() - start
     verdict = "PASS" if elapsed <= TARGET_S else "FAIL"
     print(f"stmoe demo: {elapsed:.1f} s = {elapsed / TARGET_S:.2f} of the {TARGET_S:.0f} s target "
-          f"({verdict}); report in {folder}/index.html")  # fmt: skip
+          f"({verdict}); report in {folder}/index.html")
 
 
 if __name__ == "__main__":

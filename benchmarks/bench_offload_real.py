@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from stmoe.errors import StmoeError
+from stmoe.evaluate.compare import closed, rotated, spread, verdict
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SAMPLE = SHARED / "qwen3.6-35b-a3b_chat-1prompt.npz"
@@ -87,7 +88,7 @@ def bench_dir() -> Path:
 
 def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     """The checkpoint, its store and the tables (built once, then reused)."""
-    from stmoe.checkpoints import make_checkpoint, plan_checkpoint
+    from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
     from stmoe.predictors import profile, save_tables
     from stmoe.trace import load_trace
     from stmoe.trace.select import first_layers
@@ -102,7 +103,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     if not (store / "index.json").is_file():
         print(f"packing {store} ...", flush=True)
         subprocess.run([sys.executable, "-m", "stmoe", "pack", str(model), "-o", str(store)],
-                       check=True)  # fmt: skip
+                       check=True)
     digest = hashlib.sha256(trace.read_bytes()).hexdigest()[:8]
     tag = "" if trace == SAMPLE else f"-{trace.stem}-{digest}"  # tables of the trace replayed
     tables = root / f"{like}-L{layers}{tag}.tables.npz"
@@ -113,22 +114,22 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
 
 def replay_plan(args: argparse.Namespace, config: Any) -> Any:
     """The trace's first sequence shaped for the model (a clear error if it does not fit)."""
-    from stmoe.runtime.routing_replay import plan_replay
-    from stmoe.sim.specs import load_model
+    from stmoe.runtime.forced_routing import plan_routing
+    from stmoe.sim.specs import model_preset
     from stmoe.trace import load_trace
 
-    spec = load_model(args.like)
-    return plan_replay(load_trace(args.trace), 0, args.layers, spec.num_experts, spec.top_k,
-                       config.vocab_size)  # fmt: skip
+    spec = model_preset(args.like)
+    return plan_routing(load_trace(args.trace), 0, args.layers, spec.num_experts, spec.top_k,
+                       config.vocab_size)
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One system on one tier (this process): the replay's figures and the peak memory."""
     import torch
 
+    from stmoe.evaluate.systems import compared_predictor
     from stmoe.predictors import REGISTRY, load_tables, make
     from stmoe.runtime.api import offload
-    from stmoe.systems import compared_predictor
 
     torch.set_num_threads(args.threads)
     model, store, tables = prepare(args)
@@ -145,22 +146,22 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     takes_tables = isinstance(pred, str) and REGISTRY[pred].needs_tables  # (else a note)
     with offload(model, store, capacity=capacity, predictor=pred,
                  tables=tables if takes_tables else None, policy=policy,
-                 tier=args.tier, **link) as om:  # fmt: skip
+                 tier=args.tier, **link) as om:
         offload_s = time.perf_counter() - started  # loading, the cache made (its pages faulted in)
         plan = replay_plan(args, om.model.config)
-        r = om.replay(plan, max_new_tokens=args.tokens)
+        r = om.force_routing(plan, max_new_tokens=args.tokens)
         if args.one == "all-cached":  # every expert now in the cache: the warm run counts
-            r = om.replay(plan, max_new_tokens=args.tokens, cold=False)
+            r = om.force_routing(plan, max_new_tokens=args.tokens, cold=False)
         out = {key: getattr(r, key) for key in ("decode_tokens_per_s", "ttft_s", "hit_rate",
                "prefetch_recall", "prefetch_precision", "bytes_moved", "bytes_wasted",
-               "stall_share")}  # fmt: skip
+               "stall_share")}
         decode = r.stats["phases"]["decode"]  # the tier's reads as this run met them
         out.update({k: decode[k] for k in ("demand_reads", "demand_read_s", "prefetch_reads",
-                                           "prefetch_read_s")})  # fmt: skip
+                                           "prefetch_read_s")})
         out["cache_bytes"] = om.config["cache_bytes"]
         out["offload_s"] = offload_s
         out["resident_bytes"] = sum(p.numel() * p.element_size() for p in om.model.parameters()
-                                    if not p.is_meta)  # fmt: skip
+                                    if not p.is_meta)
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
@@ -185,16 +186,16 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(offload_dir, ignore_errors=True)
     return {"decode_tokens_per_s": speeds[-1], "tokens": steps,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # fmt: skip
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def spawn(args: argparse.Namespace, system: str, tier: str, bound: Path | None = None,
-          tokens: int | None = None) -> dict[str, Any]:  # fmt: skip
+          tokens: int | None = None) -> dict[str, Any]:
     """One run in a child process (in the memory cgroup ``bound`` if given)."""
     cmd = [sys.executable, __file__, "--one", system, "--tier", tier, "--layers", str(args.layers),
            "--like", args.like, "--trace", str(args.trace),
            "--tokens", str(tokens or args.tokens), "--bandwidth", args.bandwidth, "--capacity",
-           args.capacity, "--threads", str(args.threads), "--budget", str(args.budget)]  # fmt: skip
+           args.capacity, "--threads", str(args.threads), "--budget", str(args.budget)]
     if bound is not None:
         cmd += ["--cgroup", str(bound)]
     elif args.drop_pages and system in BASELINES:
@@ -202,7 +203,7 @@ def spawn(args: argparse.Namespace, system: str, tier: str, bound: Path | None =
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{system} on {tier} failed (exit {done.returncode}):\n"
-                         f"{done.stderr[-3000:]}")  # fmt: skip
+                         f"{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -217,13 +218,13 @@ def calibrate(args: argparse.Namespace, tier: str, rnd: int) -> Path:
     )  # (the run's start in the name: one set per run)
     cmd = [sys.executable, "-m", "stmoe", "calibrate", "--model", str(model), "--store",
            str(store), "--tier", tier, "--capacity", args.capacity, "--routing",
-           str(args.trace), "--threads", str(args.threads), "-o", str(out)]  # fmt: skip
+           str(args.trace), "--threads", str(args.threads), "-o", str(out)]
     if tier == "emulated":
         cmd += ["--bandwidth", args.bandwidth]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"calibrate on {tier} failed (exit {done.returncode}):\n"
-                         f"{done.stderr[-3000:]}")  # fmt: skip
+                         f"{done.stderr[-3000:]}")
     return out
 
 
@@ -238,7 +239,7 @@ def spawn_bounded(args: argparse.Namespace, system: str, limit: int) -> dict[str
     if group is None and not args.drop_pages:
         args.drop_pages = True
         print("no memory cgroup can be made here: the baselines drop the checkpoint's pages "
-              "before every forward call instead (the bound's worst case)", flush=True)  # fmt: skip
+              "before every forward call instead (the bound's worst case)", flush=True)
     tokens = args.baseline_tokens if system in BASELINES else None
     try:
         out = spawn(args, system, "disk", group, tokens)
@@ -284,60 +285,39 @@ def emulated_layers(args: argparse.Namespace) -> int:
     RAM's size has its pages dropped and read back from disk mid-run, which times the
     disk, not the link (8 layers, 12 GiB, on 24 GiB: every round slower than the one
     before, the oracle's median below stmoe-plus's)."""
-    from stmoe.sim.specs import load_model
+    from stmoe.sim.specs import model_preset
 
     if args.emulated_layers:
         return min(args.emulated_layers, args.layers)
-    spec = load_model(args.like)
+    spec = model_preset(args.like)
     share = float(args.capacity.rstrip("%")) / 100
     per_layer = spec.expert_bytes * spec.num_experts * (1 + share)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(1, min(args.layers, int(0.5 * ram // per_layer)))
 
 
-def rotated(systems: list[str], rnd: int) -> list[str]:
-    """Round ``rnd``'s order: each round starts one system later, so no system always
-    runs first (a fresh page cache) or right after the same neighbour."""
-    k = rnd % len(systems)
-    return systems[k:] + systems[:k]
-
-
-def closed(t_lru: float, t_best: float, t_oracle: float) -> float:
-    """The share of the lru-only -> oracle time gap that ``t_best`` closes (nan: no gap)."""
-    room = t_lru - t_oracle
-    return (t_lru - t_best) / room if room > 0 else float("nan")
-
-
-def spread(values: list[float], fmt: str = ".2f") -> str:
-    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
-
-
-def verdict(ok: bool) -> str:
-    return "MET" if ok else "NOT MET"
-
-
 def report(tier: str, runs: dict[str, list[dict[str, Any]]], layers: int) -> dict[str, Any]:
     med = {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in runs.items()}
     print(f"\n## tier {tier}{' (EMULATED)' if tier == 'emulated' else ''}, {layers} MoE layers")
     print(f"{'system':13} {'decode tok/s':>22} {'hit':>6} {'recall':>7} {'prec':>6} {'stall':>6}"
-          f" {'moved GiB':>10} {'wasted':>7} {'peak GiB':>9} {'start s':>8}")  # fmt: skip
+          f" {'moved GiB':>10} {'wasted':>7} {'peak GiB':>9} {'start s':>8}")
     for s, rs in runs.items():
         m = med[s]
         print(f"{s:13} {spread([r['decode_tokens_per_s'] for r in rs]):>22} {m['hit_rate']:6.3f} "
               f"{m['prefetch_recall']:7.3f} {m['prefetch_precision']:6.3f} "
               f"{m['stall_share']:6.2f} {m['bytes_moved'] / 2**30:10.2f} "
               f"{m['bytes_wasted'] / max(1, m['bytes_moved']):7.1%} "
-              f"{m['peak_rss'] / 2**30:9.2f} {m['offload_s']:8.1f}")  # fmt: skip
+              f"{m['peak_rss'] / 2**30:9.2f} {m['offload_s']:8.1f}")
     t = {s: 1 / m["decode_tokens_per_s"] for s, m in med.items()}  # seconds per decode token
     best = min(PREDICTING, key=lambda s: t[s])
     gap = closed(t["lru-only"], t[best], t["oracle"])
     # the same share of the stall alone (steady from run to run, where the compute is not)
     stall = {s: statistics.median(r["stall_share"] / r["decode_tokens_per_s"] for r in rs)
-             for s, rs in runs.items()}  # fmt: skip
+             for s, rs in runs.items()}
     stall_gap = closed(stall["lru-only"], stall[best], stall["oracle"])
     # the same share within each round (its systems ran minutes apart, in rotated order)
     per_round = [closed(*(1 / runs[s][i]["decode_tokens_per_s"] for s in ("lru-only", best,
-                 "oracle"))) for i in range(len(runs["oracle"]))]  # fmt: skip
+                 "oracle"))) for i in range(len(runs["oracle"]))]
     plus = med["stmoe-plus"]
     mem = max(m["peak_rss"] / (m["resident_bytes"] + m["cache_bytes"]) for m in med.values())
     targets = {
@@ -353,7 +333,7 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]], layers: int) -> dic
           f"{t['on-demand'] / t['stmoe-plus']:.2f}x; gap closed by {best} {gap:.0%} (per "
           f"round: {', '.join(f'{g:.0%}' for g in per_round)}; of the stall alone "
           f"{stall_gap:.0%}); "
-          f"peak / (resident + cache) {mem:.2f}")  # fmt: skip
+          f"peak / (resident + cache) {mem:.2f}")
     for name, ok in targets.items():
         print(f"  {verdict(ok):8} {name}")
     return {
@@ -370,23 +350,23 @@ def bounded(args: argparse.Namespace, limit: int) -> dict[str, Any]:
     print(f"\n## at one memory bound: {limit / 2**30:.2f} GiB for the whole process, page cache "
           f"included (1.15 x stmoe's resident weights + cache, at least + 1 GiB; disk tier; "
           f"mmap and accelerate "
-          f"decode {args.baseline_tokens} tokens)", flush=True)  # fmt: skip
+          f"decode {args.baseline_tokens} tokens)", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in BOUNDED}
     for rnd in range(args.rounds):
         for system in rotated(list(BOUNDED), rnd):
             runs[system].append(spawn_bounded(args, system, limit))
             print(f"[bounded round {rnd + 1}] {system}: "
-                  f"{runs[system][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)  # fmt: skip
+                  f"{runs[system][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)
     speed = {s: statistics.median(r["decode_tokens_per_s"] for r in rs) for s, rs in runs.items()}
     for s, rs in runs.items():
         print(f"{s:13} {spread([r['decode_tokens_per_s'] for r in rs]):>22} tok/s, peak "
-              f"{max(r['peak_rss'] for r in rs) / 2**30:.2f} GiB")  # fmt: skip
+              f"{max(r['peak_rss'] for r in rs) / 2**30:.2f} GiB")
     how = "pages dropped before every forward" if args.drop_pages else "memory cgroup"
     ok = speed["stmoe"] > max(speed["mmap"], speed["accelerate"])
     print(f"stmoe / mmap {speed['stmoe'] / speed['mmap']:.2f}x, stmoe / accelerate "
-          f"{speed['stmoe'] / speed['accelerate']:.2f}x ({how})")  # fmt: skip
+          f"{speed['stmoe'] / speed['accelerate']:.2f}x ({how})")
     print(f"  {verdict(ok):8} stmoe at {args.capacity} faster than mmap and accelerate at the "
-          "same bound")  # fmt: skip
+          "same bound")
     return {"runs": runs, "bound_by": how, "met": ok}
 
 
@@ -397,7 +377,7 @@ def all_cached(args: argparse.Namespace) -> dict[str, Any]:
         for system in rotated(["all-cached", "resident"], rnd):
             (cached if system == "all-cached" else plain).append(spawn(args, system, "disk"))
     ratio = statistics.median(c["decode_tokens_per_s"] for c in cached) / statistics.median(
-        p["decode_tokens_per_s"] for p in plain)  # fmt: skip
+        p["decode_tokens_per_s"] for p in plain)
     print(
         f"\nevery expert cached (warm): {spread([c['decode_tokens_per_s'] for c in cached])} "
         f"tok/s; plain transformers (whole model in RAM): "
@@ -485,7 +465,7 @@ def main() -> None:
             targs = argparse.Namespace(**{**vars(args), "layers": emulated_layers(args)})
             prepare(targs)  # its checkpoint and store, built once
             print(f"\nthe emulated tier holds its whole store in RAM: its runs take the first "
-                  f"{targs.layers} MoE layers (--emulated-layers)", flush=True)  # fmt: skip
+                  f"{targs.layers} MoE layers (--emulated-layers)", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
         presets: list[str] = []  # with --calibrate: one hardware preset per round
         for rnd in range(args.rounds):
@@ -501,7 +481,7 @@ def main() -> None:
                     flush=True,
                 )
         results[tier] = {"layers": targs.layers, "tokens": args.tokens, "runs": runs,
-                         "presets": presets, **report(tier, runs, targs.layers)}  # fmt: skip
+                         "presets": presets, **report(tier, runs, targs.layers)}
     if "bounded" not in skip:
         results["bounded"] = bounded(args, limit)
     if "cached" not in skip:

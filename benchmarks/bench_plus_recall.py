@@ -32,9 +32,9 @@ import numpy as np
 
 import stmoe
 from stmoe.analysis.evidence import SIZED_PREDICTORS
+from stmoe.evaluate.replay import evaluate
 from stmoe.predictors import make, profile
 from stmoe.predictors.base import ModelShape
-from stmoe.replay import evaluate
 
 SHARED = Path(os.environ.get("STMOE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 REAL = SHARED / "traces" / "qwen3.6-35b-a3b_chat-1prompt.npz"
@@ -62,7 +62,7 @@ def compare(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, float
     adaptive = matched(ev, "stmoe-plus", tables, st.set_size)
     out = {"stmoe": st.recall, "size": st.set_size, "plus": plus.recall,
            "plus_size": plus.set_size, "plus_adaptive": adaptive.recall,
-           "plus_adaptive_size": adaptive.set_size}  # fmt: skip
+           "plus_adaptive_size": adaptive.set_size}
     k = ev.top_k
     for point, present in (("late", ev.lookahead_late), ("early", ev.lookahead)):
         if present is None:
@@ -70,11 +70,11 @@ def compare(prof: stmoe.RoutingTrace, ev: stmoe.RoutingTrace) -> dict[str, float
         hy = evaluate(ev, make("hybrid", shape, tables, set_size=1.5 * k, lookahead=point)).overall
         hy_ad = matched(ev, "hybrid", tables, 1.5 * k, lookahead=point)
         look = evaluate(ev, make("gate-lookahead", shape, None, set_size=round(1.5 * k),
-                                 lookahead=point)).overall  # fmt: skip
+                                 lookahead=point)).overall
         out.update({f"hybrid_{point}": hy.recall, "hybrid_size": hy.set_size,
                     f"hybrid_adaptive_{point}": hy_ad.recall,
                     f"hybrid_adaptive_size_{point}": hy_ad.set_size,
-                    f"lookahead_{point}": look.recall})  # fmt: skip
+                    f"lookahead_{point}": look.recall})
     return out
 
 
@@ -83,22 +83,22 @@ def line(label: str, r: dict[str, float]) -> str:
     text = (f"{label:<22} ST-MoE {r['stmoe']:.3f} at {r['size']:.2f} experts | stmoe-plus "
             f"{r['plus']:.3f} ({100 * gain:+5.1f} points), adaptive {r['plus_adaptive']:.3f} at "
             f"{r['plus_adaptive_size']:.2f} ({100 * gain_ad:+5.1f} points): "
-            f"{'MET' if max(gain, gain_ad) >= 0.10 else 'NOT MET'} (+10)")  # fmt: skip
+            f"{'MET' if max(gain, gain_ad) >= 0.10 else 'NOT MET'} (+10)")
     for point in ("late", "early"):
         if f"hybrid_{point}" in r:
             hy, ad = r[f"hybrid_{point}"], r[f"hybrid_adaptive_{point}"]
             text += (f"\n{'':<23}hybrid ({point} lookahead) {hy:.3f} at {r['hybrid_size']:.2f}, "
                      f"adaptive {ad:.3f} at {r[f'hybrid_adaptive_size_{point}']:.2f} "
                      f"({'MET' if max(hy, ad) >= 0.95 else 'NOT MET'} >= 0.95); {point} "
-                     f"lookahead alone {r[f'lookahead_{point}']:.3f}")  # fmt: skip
+                     f"lookahead alone {r[f'lookahead_{point}']:.3f}")
     return text
 
 
 def heldout_prompts(tok, per_domain: int = 16, tokens: int = 48) -> list:  # type: ignore[no-untyped-def]
     """``per_domain`` prompts of ``tokens`` tokens per domain, evenly spaced through the
     held-out end (last 5%) of the shipped model's training corpus."""
-    from stmoe.demo import Prompt
-    from stmoe.train_tiny import TrainSpec, corpus
+    from stmoe.hf.capture_generate import Prompt
+    from stmoe.hf.train_tiny import TrainSpec, corpus
 
     prompts = []
     for domain, text in corpus(TrainSpec().corpus_chars_per_domain).items():
@@ -110,8 +110,9 @@ def heldout_prompts(tok, per_domain: int = 16, tokens: int = 48) -> list:  # typ
 
 
 def own_model_trace(demo_prompts: bool = False) -> stmoe.RoutingTrace:
-    from stmoe.capture_generate import capture_text, load_model
     from stmoe.demo import DEMO_PROMPTS
+    from stmoe.hf.capture_generate import capture_text
+    from stmoe.hf.loading import load_model
     from stmoe.models import SHIPPED_MODEL
 
     model, tok = load_model(SHIPPED_MODEL)
@@ -119,7 +120,7 @@ def own_model_trace(demo_prompts: bool = False) -> stmoe.RoutingTrace:
     source = "demo" if demo_prompts else "held-out training-corpus"
     print(f"own model: {len(prompts)} prompts ({source}), 128 new tokens each")
     return capture_text(model, tok, prompts, max_new_tokens=128, batch_size=8,
-                        model_name="tiny-moe")  # fmt: skip
+                        model_name="tiny-moe")
 
 
 def figure(curves: dict[str, dict[str, dict]], path: Path) -> None:
@@ -163,25 +164,25 @@ def mixed_stream(trace: stmoe.RoutingTrace, halves: dict) -> None:
     shape = ModelShape.of(ev)
     budget = 1.5 * ev.top_k
     rec = [evaluate(ev, make("stmoe-plus", shape, tables, horizon=h, set_size=budget)).overall
-           for h in (1, 2, 3)]  # fmt: skip
+           for h in (1, 2, 3)]
     print(f"own model, mixed stream, budget {budget:g}: stmoe-plus recall at horizon 1/2/3 = "
-          + " / ".join(f"{r.recall:.3f}" for r in rec))  # fmt: skip
+          + " / ".join(f"{r.recall:.3f}" for r in rec))
     st = evaluate(ev, make("stmoe", shape, tables)).overall
     size = st.set_size
     plus = evaluate(ev, make("stmoe-plus", shape, tables, set_size=size)).overall
     mix = evaluate(ev, make("stmoe-mix", shape, tables, set_size=size)).overall
     members = [evaluate(ev, make("stmoe-plus", shape, t, set_size=size)).overall.recall
-               for t in tables.per_domain.values()]  # fmt: skip
+               for t in tables.per_domain.values()]
     print(f"own model, mixed stream, at ST-MoE's {size:.2f} experts: ST-MoE {st.recall:.3f}, "
           f"stmoe-plus (all-domain tables) {plus.recall:.3f}, stmoe-mix {mix.recall:.3f}, "
-          f"single-domain members {min(members):.3f}..{max(members):.3f}")  # fmt: skip
+          f"single-domain members {min(members):.3f}..{max(members):.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--figure", type=Path, help="write the recall-versus-budget figure")
     parser.add_argument("--demo-prompts", action="store_true",
-                        help="capture the own-model trace on the demo's 12 prompts")  # fmt: skip
+                        help="capture the own-model trace on the demo's 12 prompts")
     args = parser.parse_args()
     curves = {}
     if REAL.exists():
@@ -203,7 +204,7 @@ def main() -> None:
             print(line(f"own model {src}->{dst}", r))
     print(f"own model: stmoe-plus gains {100 * min(gains):+.1f} .. {100 * max(gains):+.1f} "
           f"points (fixed budget), {100 * min(gains_ad):+.1f} .. {100 * max(gains_ad):+.1f} "
-          "(adaptive)")  # fmt: skip
+          "(adaptive)")
     mixed_stream(trace, halves)
     code = halves[domains[0]]
     curves[f"stmoe's model, {domains[0]} -> {domains[0]}"] = curves_of(code[0], code[1])

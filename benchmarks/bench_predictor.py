@@ -28,7 +28,7 @@ import stmoe
 from stmoe.predictors import make, profile
 from stmoe.predictors.base import Predictor
 from stmoe.predictors.plus import MEMORY_TOKENS
-from stmoe.predictors.stmoe import STMoEPredictor
+from stmoe.predictors.st_moe import STMoEPredictor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from reference_stmoe import predict_reference, profile_reference, update_reference
@@ -60,7 +60,7 @@ def bench_step(n: int, k: int, tokens: int) -> None:
         for layer in range(trace.num_layers - 1):
             start = time.perf_counter_ns()
             predict_reference([[s for s in r if s] for r in cct[layer]], ex[t, layer],
-                              ex[t - 1, layer + 1])  # fmt: skip
+                              ex[t - 1, layer + 1])
             update_reference(cct[layer], list(ex[t, layer]), list(ex[t, layer + 1]), k)
             base.append(time.perf_counter_ns() - start)
     base_median = statistics.median(base) / 1000
@@ -96,13 +96,13 @@ def bench_step_plus(name: str, n: int, k: int, tokens: int) -> None:
     verdict = "PASS" if median <= STEP_TARGET_US else "FAIL"
     margin = STEP_TARGET_US / median
     print(f"step {name:<10} N={n:<3} K={k}: median {median:6.2f} us (target <= "
-          f"{STEP_TARGET_US:.0f} us: {margin:4.1f}x margin, {verdict})")  # fmt: skip
+          f"{STEP_TARGET_US:.0f} us: {margin:4.1f}x margin, {verdict})")
 
 
 def bench_replay(tokens: int, layers: int, n: int, k: int, check_tokens: int) -> None:
     t0 = time.perf_counter()
     trace = stmoe.synthesize(tokens=tokens, layers=layers, experts=n, top_k=k, sequences=100,
-                             seed=2)  # fmt: skip
+                             seed=2)
     gen = time.perf_counter() - t0
     tables = profile(trace)
     STMoEPredictor(tables.shape, tables).plan(stmoe.split(trace, 0.01, by="token")[0])  # compile

@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
-from stmoe.capture_generate import load_model
+from stmoe.evaluate.systems import OFFLOAD_SYSTEMS, compared_predictor
+from stmoe.hf.loading import load_model
 from stmoe.models import SHIPPED_MODEL, SHIPPED_TABLES
 from stmoe.predictors import load_tables
 from stmoe.runtime.api import OffloadedModel, offload
 from stmoe.runtime.store import ensure_store
-from stmoe.systems import COMPARED_SYSTEMS, compared_predictor
 
 PROMPTS = (
     "class Stack:\n    def __init__(self):\n",
@@ -76,7 +76,7 @@ def run_system(om: OffloadedModel, tokens: int) -> dict[str, Any]:
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over repeated runs of one system (the tokens of the first)."""
     return {key: runs[0][key] if key == "tokens" else statistics.median(r[key] for r in runs)
-            for key in runs[0]}  # fmt: skip
+            for key in runs[0]}
 
 
 def resident_ratio(tokens: int, repeats: int) -> dict[str, float]:
@@ -88,7 +88,7 @@ def resident_ratio(tokens: int, repeats: int) -> dict[str, float]:
         with torch.no_grad():
             start = time.perf_counter()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                           min_new_tokens=tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+                           min_new_tokens=tokens, do_sample=False, pad_token_id=0)
         return time.perf_counter() - start
 
     plain()
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="resident comparison repeats")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every system this many times, interleaved, and report "
-                             "the median of each figure (tok/s varies run to run)")  # fmt: skip
+                             "the median of each figure (tok/s varies run to run)")
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
@@ -123,18 +123,18 @@ def main() -> None:
     os.environ.setdefault("STMOE_CACHE", str(Path(tempfile.gettempdir()) / "stmoe-bench"))
     store = ensure_store(SHIPPED_MODEL, None)
     tables = load_tables(SHIPPED_MODEL / SHIPPED_TABLES)
-    systems = dict(COMPARED_SYSTEMS)
+    systems = dict(OFFLOAD_SYSTEMS)
     for name in args.extra:
         systems[name] = (name, "lru")
     report: dict[str, Any] = {"bandwidth": args.bandwidth, "latency": args.latency,
                               "tokens": args.tokens, "threads": args.threads,
-                              "prompts": list(PROMPTS), "tiers": {}}  # fmt: skip
+                              "prompts": list(PROMPTS), "tiers": {}}
     print(f"torch threads {args.threads}; {len(PROMPTS)} prompts x {args.tokens} new tokens")
     for tier in args.tiers.split(","):
         label = f"EMULATED link {args.bandwidth}/s" if tier == "emulated" else "disk (O_DIRECT)"
         print(f"\n== tier: {label}")
         print(f"{'capacity':>8} {'system':<12} {'tok/s':>7} {'stall':>6} {'hit':>6} {'recall':>6} "
-              f"{'prec':>6} {'moved MB':>9} {'wasted MB':>9} {'ampl':>5}")  # fmt: skip
+              f"{'prec':>6} {'moved MB':>9} {'wasted MB':>9} {'ampl':>5}")
         rows: dict[str, dict[str, Any]] = {}
         for cap in args.capacities.split(","):
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
@@ -143,7 +143,7 @@ def main() -> None:
                     with offload(SHIPPED_MODEL, store, capacity=cap,
                                  predictor=compared_predictor(predictor, tables),
                                  policy=policy, tier=tier, bandwidth=args.bandwidth,
-                                 latency=args.latency) as om:  # fmt: skip
+                                 latency=args.latency) as om:
                         runs[name].append(run_system(om, args.tokens))
             rows[cap] = {name: median_run(r) for name, r in runs.items()}
             for name, r in rows[cap].items():
@@ -155,9 +155,9 @@ def main() -> None:
                       f"{r['stall_share']:6.1%} {r['hit_rate']:6.3f} {r['prefetch_recall']:6.3f} "
                       f"{r['prefetch_precision']:6.3f} {r['bytes_moved'] / 1e6:9.1f} "
                       f"{r['bytes_wasted'] / 1e6:9.1f} {r['read_amplification']:5.2f}"
-                      f"{spread}")  # fmt: skip
+                      f"{spread}")
             same = all(x["tokens"] == rows[cap]["on-demand"]["tokens"]
-                       for r in runs.values() for x in r)  # fmt: skip
+                       for r in runs.values() for x in r)
             print(f"{'':>8} every system generated the same tokens: {same}")
             assert same, "lossless violated"
         report["tiers"][tier] = rows
@@ -169,7 +169,7 @@ def main() -> None:
                     speed = half[better]["decode_tokens_per_s"]
                     print(f"   at 50%: {better} / stmoe = "
                           f"{speed / st['decode_tokens_per_s']:.2f}x, {better} time / oracle "
-                          f"time = {orc['decode_tokens_per_s'] / speed:.2f}")  # fmt: skip
+                          f"time = {orc['decode_tokens_per_s'] / speed:.2f}")
             checks = {
                 "on-demand stall share >= 0.5": od["stall_share"] >= 0.5,
                 "stmoe >= 1.5x on-demand": st["decode_tokens_per_s"]
@@ -182,7 +182,7 @@ def main() -> None:
                   f"stmoe / lru-only = "
                   f"{st['decode_tokens_per_s'] / half['lru-only']['decode_tokens_per_s']:.2f}x, "
                   f"stmoe time / oracle time = "
-                  f"{orc['decode_tokens_per_s'] / st['decode_tokens_per_s']:.2f}")  # fmt: skip
+                  f"{orc['decode_tokens_per_s'] / st['decode_tokens_per_s']:.2f}")
             for what, ok in checks.items():
                 print(f"   {'MET    ' if ok else 'NOT MET'} {what}")
             report["tiers"][tier]["checks"] = checks
@@ -191,7 +191,7 @@ def main() -> None:
     print(f"\n== every expert resident (warm cache), median of {args.repeats}: plain transformers "
           f"{resident['plain_s']:.3f} s, runtime {resident['runtime_s']:.3f} s -> runtime speed "
           f"{resident['speed_ratio']:.2f}x plain (target >= 0.9): "
-          f"{'MET' if resident['speed_ratio'] >= 0.9 else 'NOT MET'}")  # fmt: skip
+          f"{'MET' if resident['speed_ratio'] >= 0.9 else 'NOT MET'}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")

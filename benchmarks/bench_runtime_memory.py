@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("STMOE_CACHE", str(Path(tempfile.gettempdir()) / "stmoe-bench"))
     with offload(SHIPPED_MODEL, capacity=args.capacity, predictor="stmoe", tier=args.tier,
-                 bandwidth="1GB") as om:  # fmt: skip
+                 bandwidth="1GB") as om:
         probe = MemoryProbe(om.model, om.engine, every=50)
         start_rss = rss_bytes()
         result = om.generate("def main():\n", max_new_tokens=args.tokens)
@@ -42,10 +42,10 @@ def main() -> None:
         cache_mib = om.engine.cache_bytes / 2**20
     growth = probe.growth_after(args.warmup)
     print(f"generated {len(result.tokens)} tokens at {result.decode_tokens_per_s:.1f} tokens/s; "
-          f"cache {capacity} experts/layer = {cache_mib:.1f} MiB")  # fmt: skip
+          f"cache {capacity} experts/layer = {cache_mib:.1f} MiB")
     print(f"RSS at start {start_rss / 2**20:.1f} MiB; samples every 50 tokens after warm-up:")
     print("  " + ", ".join(f"{rss / 2**20:.1f}" for call, rss in probe.samples
-                          if call >= args.warmup))  # fmt: skip
+                          if call >= args.warmup))
     print(
         f"RSS growth after warm-up: {growth:+.2%} (target within 5%): "
         f"{'MET' if abs(growth) <= 0.05 else 'NOT MET'}"

@@ -5,7 +5,7 @@ and system) and a hardware preset of this machine from ``stmoe calibrate``
 (``--hardware``, or ``--calibrate`` to measure it now on the benchmark's own
 checkpoint and store, about 30 s), simulates the same systems on the same trace
 cut to the same layers and decode tokens with ``stmoe simulate --pipeline
-runtime``'s model (``stmoe.sim.host_systems``), and prints per system the
+runtime``'s model (``stmoe.sim.host.systems``), and prints per system the
 simulated and measured decode tokens/s, their ratio and MET / NOT MET (within
 20%), with the hit rate, stall share and bytes moved beside, so a disagreement
 can be traced. Writes the figure docs/figures/sim_vs_measured.png.
@@ -39,13 +39,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stmoe.evaluate.systems import HEADLINE_SYSTEMS
+from stmoe.sim.host.check import (
+    CALIBRATED,
+    CheckError,
+    base_preset,
+    per_round,
+    run_read_s,
+    with_read_s,
+)
+
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SAMPLE = SHARED / "qwen3.6-35b-a3b_chat-1prompt.npz"
 PRESET = "qwen3.6-35b-a3b"
-SYSTEMS = ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle")
+SYSTEMS = HEADLINE_SYSTEMS  # on-demand, lru-only, stmoe, stmoe-plus, oracle
 TOLERANCE = 0.2
 FIGURE = Path(__file__).resolve().parents[1] / "docs" / "figures" / "sim_vs_measured.png"
-CALIBRATED = Path("/tmp/stmoe-calibrated.toml")  # where --calibrate writes its preset
 
 
 def bench_paths(layers: int) -> tuple[Path, Path, Path]:
@@ -53,7 +62,7 @@ def bench_paths(layers: int) -> tuple[Path, Path, Path]:
 
     root = Path(os.environ.get("STMOE_BENCH_DIR", Path.home() / ".cache" / "stmoe" / "bench"))
     return (root / f"{PRESET}-L{layers}", root / f"{PRESET}-L{layers}.store",
-            root / f"{PRESET}-L{layers}.tables.npz")  # fmt: skip
+            root / f"{PRESET}-L{layers}.tables.npz")
 
 
 def measured_runs(path: Path, tier: str) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
@@ -65,86 +74,29 @@ def measured_runs(path: Path, tier: str) -> tuple[dict[str, list[dict[str, Any]]
     return data[tier]["runs"], data[tier]
 
 
-def base_preset(hardware: Path | None, calibrate: bool, presets: list[str]) -> tuple[Path, bool]:
-    """The preset the check starts from, and whether it is one apart from the benchmark's
-    per-round presets: ``--hardware``, else with ``--calibrate`` the default path it is
-    written to, else the benchmark's first round's preset; a clear error with none."""
-    if hardware is not None:
-        return hardware, True
-    if calibrate:
-        return CALIBRATED, True
-    if presets:
-        return Path(presets[0]), False
-    raise SystemExit("no hardware preset: give --hardware FILE, --calibrate, or a benchmark "
-                     "JSON from a run with --calibrate")  # fmt: skip
-
-
-def run_read_s(runs: dict[str, list[dict[str, Any]]]) -> tuple[float, int]:
-    """The mean time of one expert read by the compute thread alone (its misses, the
-    workers idle) over the on-demand and LRU-only runs' decode, and how many reads."""
-    rs = [r for name in ("on-demand", "lru-only") for r in runs.get(name, [])]
-    if not rs or any("demand_reads" not in r for r in rs):
-        raise SystemExit("--tier-from-runs: the measured on-demand and lru-only runs carry no "
-                         "read times (measured before the runtime timed its reads); run the "
-                         "benchmark again")  # fmt: skip
-    reads = sum(r["demand_reads"] for r in rs)
-    if not reads:
-        raise SystemExit("--tier-from-runs: the on-demand and lru-only runs read no expert "
-                         "during decode; nothing to time the tier by")  # fmt: skip
-    return sum(r["demand_read_s"] for r in rs) / reads, reads
-
-
-def with_read_s(hw: Any, model: Any, read_s: float) -> Any:
-    """``hw`` with its single reader's speed set so one expert reads in ``read_s`` (its
-    latency kept), the parallel readers' speed in the same proportion as before."""
-    from stmoe.sim.host_systems import host_costs
-
-    if read_s <= hw.link_latency_s:
-        raise SystemExit(f"--tier-from-runs: the runs read an expert in {read_s * 1e3:.3f} ms, "
-                         f"no more than the preset's latency alone "
-                         f"({hw.link_latency_s * 1e3:.3f} ms)")  # fmt: skip
-    before = host_costs(model, hw)
-    bandwidth = model.expert_bytes / (read_s - hw.link_latency_s)
-    parallel_bps = before.parallel * model.expert_bytes / read_s
-    host = dataclasses.replace(hw.host, read_parallel_bytes_per_s=parallel_bps)
-    return dataclasses.replace(hw, link_bytes_per_s=bandwidth, host=host)
-
-
 def simulated(args: argparse.Namespace, read_s: float | None = None,
-              hardware: str | None = None) -> dict[str, Any]:  # fmt: skip
+              hardware: str | None = None) -> dict[str, Any]:
     from stmoe.predictors import load_tables, profile
-    from stmoe.sim.host_systems import HostOptions, simulate_runtime
-    from stmoe.sim.specs import load_hardware, load_model
+    from stmoe.sim.host.systems import HostOptions, simulate_runtime
+    from stmoe.sim.specs import hardware_preset, model_preset
     from stmoe.trace import load_trace
     from stmoe.trace.select import first_layers
 
     trace = first_layers(load_trace(SAMPLE), args.layers)
-    model = dataclasses.replace(load_model(PRESET), layers=args.layers)
-    hw = load_hardware(hardware or str(args.hardware))
+    model = dataclasses.replace(model_preset(PRESET), layers=args.layers)
+    hw = hardware_preset(hardware or str(args.hardware))
     if read_s is not None:
         hw = with_read_s(hw, model, read_s)
     tables_path = bench_paths(args.layers)[2]
     tables = load_tables(tables_path) if tables_path.is_file() else profile(trace)
     share = float(args.capacity.rstrip("%")) / 100
     options = HostOptions(capacity=round(share * model.num_experts),
-                          decode_tokens=args.tokens - 1, tables=tables)  # fmt: skip
+                          decode_tokens=args.tokens - 1, tables=tables)
     return simulate_runtime(trace, model, hw, SYSTEMS, options)
 
 
-def per_round(args: argparse.Namespace, presets: list[str]) -> dict[str, Any]:
-    """Each round simulated with the preset calibrate measured in that round (the
-    benchmark's ``--calibrate``); per system the medians over the rounds, as one
-    simulation's figures."""
-    sims = [simulated(args, hardware=p) for p in presets]
-    figures = ("decode_tokens_per_s", "hit_rate", "stall_share", "bytes_moved")
-    systems = {name: {k: statistics.median(s["systems"][name][k] for s in sims) for k in figures}
-               for name in SYSTEMS}  # fmt: skip
-    return {**sims[0], "systems": systems,
-            "hardware": f"calibrate's preset of each of {len(presets)} rounds"}  # fmt: skip
-
-
 def compare(sim: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
-            label: str) -> list[dict[str, Any]]:  # fmt: skip
+            label: str) -> list[dict[str, Any]]:
     """Per system, simulated against measured (printed as a table under ``label``)."""
     rows = []
     print(f"\n{label} ({sim['hardware']})")
@@ -156,41 +108,41 @@ def compare(sim: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
         s, rs = sim["systems"][name], runs[name]
         speeds = [r["decode_tokens_per_s"] for r in rs]
         med = {k: statistics.median(r[k] for r in rs) for k in ("hit_rate", "stall_share",
-                                                                  "bytes_moved")}  # fmt: skip
+                                                                  "bytes_moved")}
         m = statistics.median(speeds)
         ratio = m / s["decode_tokens_per_s"]  # simulated time over measured time
         ok = abs(ratio - 1) <= TOLERANCE
         rows.append({"system": name, "simulated": s["decode_tokens_per_s"], "measured": m,
                      "range": [min(speeds), max(speeds)], "time_ratio": ratio, "met": ok,
                      "sim": {k: s[k] for k in ("hit_rate", "stall_share", "bytes_moved")},
-                     "measured_median": med})  # fmt: skip
+                     "measured_median": med})
         print(f"{name:11} {s['decode_tokens_per_s']:9.2f} {m:8.2f} [{min(speeds):5.2f}, "
               f"{max(speeds):5.2f}] {ratio:10.2f} {s['hit_rate']:6.3f}/{med['hit_rate']:.3f} "
               f"{s['stall_share']:7.2f}/{med['stall_share']:.2f} "
               f"{s['bytes_moved'] / 2**30:9.2f}/{med['bytes_moved'] / 2**30:.2f}  "
-              f"{'MET' if ok else 'NOT MET'}")  # fmt: skip
+              f"{'MET' if ok else 'NOT MET'}")
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measured", type=Path, required=True, help="bench_offload_real.py --json")
     ap.add_argument("--hardware", type=Path,
                     help=f"a preset from stmoe calibrate (with --calibrate: written there; "
-                    f"default {CALIBRATED})")  # fmt: skip
+                    f"default {CALIBRATED})")
     ap.add_argument("--calibrate", action="store_true", help="run stmoe calibrate first")
     ap.add_argument("--seconds", default="4", help="calibrate's reading time per measurement")
     ap.add_argument("--tier", default="disk")
     ap.add_argument("--layers", type=int, default=0,
-                    help="MoE layers measured (default: the benchmark's, else 8)")  # fmt: skip
+                    help="MoE layers measured (default: the benchmark's, else 8)")
     ap.add_argument("--tokens", type=int, default=0,
-                    help="new tokens per replay (default: the benchmark's, else 64)")  # fmt: skip
+                    help="new tokens per replay (default: the benchmark's, else 64)")
     ap.add_argument("--capacity", default="50%")
     ap.add_argument("--figure", type=Path, default=FIGURE)
     ap.add_argument("--json", type=Path, help="write the comparison here")
     ap.add_argument("--tier-from-runs", action="store_true",
-                    help="also simulate with the tier's speed the measured runs met")  # fmt: skip
+                    help="also simulate with the tier's speed the measured runs met")
     args = ap.parse_args()
     runs, record = measured_runs(args.measured, args.tier)
     args.layers = args.layers or record.get("layers") or 8
@@ -198,7 +150,7 @@ def main() -> None:
     presets = record.get("presets") or []
     if presets and len(presets) != len(runs["oracle"]):
         raise SystemExit(f"{args.measured}: {len(presets)} presets for "
-                         f"{len(runs['oracle'])} rounds")  # fmt: skip
+                         f"{len(runs['oracle'])} rounds")
     args.hardware, separate = base_preset(args.hardware, args.calibrate, presets)
     if args.calibrate:
         model, store, _ = bench_paths(args.layers)
@@ -206,14 +158,14 @@ def main() -> None:
                         "--store", str(store), "--tier", args.tier, "--capacity", args.capacity,
                         "--seconds", args.seconds, "--routing", str(SAMPLE),
                         "-o", str(args.hardware)],
-                       check=True)  # fmt: skip
+                       check=True)
     sims: dict[str, dict[str, Any]] = {}
     labels: dict[str, str] = {}
     if separate:
         sims["preset"] = simulated(args)
         labels["preset"] = "calibrate's preset, as written"
     if presets:
-        sims["per_round"] = per_round(args, presets)
+        sims["per_round"] = per_round(lambda p: simulated(args, hardware=p), presets, SYSTEMS)
         labels["per_round"] = "calibrate's preset of each round (the benchmark's --calibrate)"
     read: dict[str, float] = {}
     if args.tier_from_runs:
@@ -222,37 +174,40 @@ def main() -> None:
         sims["tier_from_runs"] = simulated(args, read_s)
         base = "round 1's preset" if not separate else args.hardware.stem
         labels["tier_from_runs"] = (f"the tier's speed the runs met ({read_s * 1e3:.2f} ms a "
-                                    f"read, {reads} reads), the rest {base}'s")  # fmt: skip
+                                    f"read, {reads} reads), the rest {base}'s")
     checks = {key: compare(sim, runs, labels[key]) for key, sim in sims.items()}
     for key, rows in checks.items():
         print(f"{labels[key]}: {sum(r['met'] for r in rows)} of {len(rows)} within "
-              f"{TOLERANCE:.0%}")  # fmt: skip
+              f"{TOLERANCE:.0%}")
     sim = next(iter(sims.values()))
     c = sim["costs"]
     print(f"host costs of the first check ({sim['hardware']}; round 1's where per round): "
           f"layer {c['layer_s'] * 1e3:.2f} ms, token {c['token_s'] * 1e3:.2f} ms, "
           f"expert {c['expert_s'] * 1e3:.3f} ms, read {c['read_s'] * 1e3:.2f} ms, parallel x"
-          f"{c['parallel']:.2f}, first touch {c['first_touch_s'] * 1e3:.2f} ms")  # fmt: skip
+          f"{c['parallel']:.2f}, first touch {c['first_touch_s'] * 1e3:.2f} ms")
     compute = c["token_s"] + args.layers * (c["layer_s"] + 8 * c["expert_s"])
     cached = json.loads(args.measured.read_text()).get("all_cached", {}).get("stmoe")
     if cached:  # the benchmark's own compute-only run, against calibrate's
         speed = statistics.median(r["decode_tokens_per_s"] for r in cached)
         print(f"compute per token: calibrated {compute * 1e3:.1f} ms; the benchmark's "
-              f"every-expert-cached run {1e3 / speed:.1f} ms")  # fmt: skip
-    from stmoe.sim.check_plot import sim_vs_measured
+              f"every-expert-cached run {1e3 / speed:.1f} ms")
+    from stmoe.sim.host.check_plot import sim_vs_measured
 
     title = (f"{PRESET}, first {args.layers} layers, {args.tokens} new tokens, "
-             f"{args.capacity} cached, tier {args.tier}\n{sim['hardware']}")  # fmt: skip
+             f"{args.capacity} cached, tier {args.tier}\n{sim['hardware']}")
     sim_vs_measured({labels[k]: rows for k, rows in checks.items()}, title, args.figure,
-                    TOLERANCE)  # fmt: skip
+                    TOLERANCE)
     print(f"wrote {args.figure}")
     if args.json:
-        from stmoe.fileio import atomic_write_text
+        from stmoe.util.fileio import atomic_write_text
 
         out = {key: {"label": labels[key], "rows": checks[key], "simulation": sims[key],
-                     **(read if key == "tier_from_runs" else {})} for key in sims}  # fmt: skip
+                     **(read if key == "tier_from_runs" else {})} for key in sims}
         atomic_write_text(args.json, json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CheckError as exc:
+        raise SystemExit(f"error: {exc}") from None

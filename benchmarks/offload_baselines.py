@@ -89,12 +89,12 @@ def load_baseline(kind: str, model_dir: Path, budget: int, offload_dir: Path) ->
 
 
 def decode_speed(model: Any, plan: Any, steps: int, rounds: int,
-                 before_forward: Any = None) -> list[float]:  # fmt: skip
+                 before_forward: Any = None) -> list[float]:
     """Decode tokens/s of ``rounds`` generations of ``steps`` tokens with ``plan``'s routing
     forced on every MoE layer (the first round may warm up)."""
     import torch
 
-    from stmoe.runtime.routing_replay import ForcedRouting
+    from stmoe.runtime.forced_routing import ForcedRouting
 
     forced, ends = ForcedRouting(model, plan), []
     if before_forward is not None:
@@ -107,6 +107,6 @@ def decode_speed(model: Any, plan: Any, steps: int, rounds: int,
         ends[:] = []
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0)  # fmt: skip
+                           max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0)
         speeds.append((len(ends) - 1) / (ends[-1] - ends[0]))
     return speeds

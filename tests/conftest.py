@@ -27,7 +27,7 @@ REAL_NPZ = SHARED_TRACES / "qwen3.6-35b-a3b_chat-1prompt.npz"
 CONTRACT_PREDICTORS = (
     "stmoe", "ondemand", "previous-token", "cct-static", "cct-online", "frequency", "random",
     "oracle", "stmoe-plus",
-)  # fmt: skip
+)
 
 needs_shared = pytest.mark.skipif(
     not (REAL_ROUTES.exists() and REAL_NPZ.exists()),

@@ -20,7 +20,7 @@ def test_independent_generator_gives_no_more_significant_pairs_than_chance():
     significant, ratios_cover_one = 0, 0
     for seed in range(5):
         trace = stmoe.synthesize(tokens=2000, layers=16, experts=32, top_k=4, sequences=4,
-                                 spatial=0.0, temporal=0.0, skew=0.5 * seed, seed=seed)  # fmt: skip
+                                 spatial=0.0, temporal=0.0, skew=0.5 * seed, seed=seed)
         s = spatial(trace)
         assert s["pairs_total"] == 15
         significant += s["pairs_significant"]
@@ -33,7 +33,7 @@ def test_independent_generator_gives_no_more_significant_pairs_than_chance():
 
 def test_correlated_generator_gives_significant_pairs_and_a_high_overlap_ratio():
     trace = stmoe.synthesize(tokens=2000, layers=8, experts=32, top_k=4, sequences=4,
-                             spatial=0.8, temporal=0.5, seed=3)  # fmt: skip
+                             spatial=0.8, temporal=0.5, seed=3)
     s, t = spatial(trace), temporal(trace)
     assert s["pairs_significant"] == s["pairs_total"] == 7
     assert t["overlap_ratio"] > 3 and t["overlap_ratio_ci"][0] > 3
@@ -41,7 +41,7 @@ def test_correlated_generator_gives_significant_pairs_and_a_high_overlap_ratio()
 
 def test_with_one_expert_per_token_the_statistic_is_pearsons_chi_square():
     trace = stmoe.synthesize(tokens=3000, layers=2, experts=4, top_k=1, sequences=1,
-                             spatial=0.3, temporal=0.0, seed=1)  # fmt: skip
+                             spatial=0.3, temporal=0.0, seed=1)
     test = spatial_test(np.asarray(trace.experts), 0, 4)
     assert test.statistic == pytest.approx(test.pearson_statistic, rel=1e-9)
     assert test.dof == 9 and test.rows_pooled == 0
@@ -49,7 +49,7 @@ def test_with_one_expert_per_token_the_statistic_is_pearsons_chi_square():
 
 def test_sparse_counts_are_pooled_until_cochrans_rule_holds():
     trace = stmoe.synthesize(tokens=150, layers=2, experts=64, top_k=2, sequences=1,
-                             spatial=0.9, temporal=0.0, skew=1.0, seed=2)  # fmt: skip
+                             spatial=0.9, temporal=0.0, skew=1.0, seed=2)
     test = spatial_test(np.asarray(trace.experts), 0, 64)
     used = int((np.bincount(trace.experts[:, 0].ravel(), minlength=64) > 0).sum())
     assert test.rows_kept + test.rows_pooled == used
@@ -69,7 +69,7 @@ def test_reuse_distance_by_hand():
     # One layer, K=1: expert 3 at t=0,2,3; expert 1 at t=1 -> distances 2 and 1.
     ex = np.array([[[3]], [[1]], [[3]], [[3]]], dtype=np.int16)
     trace = stmoe.RoutingTrace(ex, np.array([0]), np.zeros(4, bool),
-                               stmoe.TraceMeta(num_experts=4, top_k=1, num_layers=1))  # fmt: skip
+                               stmoe.TraceMeta(num_experts=4, top_k=1, num_layers=1))
     hist = reuse_distances(trace, max_distance=4)
     assert hist.tolist() == [0, 1, 1, 0, 0]
 
@@ -77,7 +77,7 @@ def test_reuse_distance_by_hand():
 def test_report_with_domains(cli, tmp_path):
     trace = tmp_path / "s.npz"
     cli("synth", "-o", trace, "--tokens", "1200", "--layers", "4", "--experts", "16",
-        "--top-k", "2", "--sequences", "6", "--domains", "3")  # fmt: skip
+        "--top-k", "2", "--sequences", "6", "--domains", "3")
     rep = tmp_path / "rep"
     result = cli("analyze", trace, "-o", rep, "--json", rep / "analysis.json")
     assert result.exit_code == 0, result.output
@@ -98,7 +98,7 @@ def test_report_on_the_real_sample(cli, tmp_path):
     assert data["spatial"]["pairs_significant"] >= 30
     assert data["temporal"]["overlap_ratio"] > 2
     for name in ("spatial_grid", "spatial_example", "spatial_tests", "temporal_overlap",
-                 "reuse_distance", "load", "predictability"):  # fmt: skip
+                 "reuse_distance", "load", "predictability"):
         png = out / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
         assert f"{name}.png" in (out / "report.md").read_text()

@@ -18,7 +18,7 @@ def _cases(draw):
     num_experts = draw(st.integers(capacity, 30))
     needed = sorted(draw(st.sets(st.integers(0, num_experts - 1), min_size=1, max_size=20)))
     cached = draw(st.integers(max(0, len(needed) - (num_experts - capacity)),
-                              min(capacity, len(needed))))  # fmt: skip
+                              min(capacity, len(needed))))
     which = draw(st.permutations(needed))[:cached]
     slots = dict(zip(which, draw(st.permutations(range(capacity)))[:cached], strict=True))
     return needed, slots, capacity

@@ -418,11 +418,11 @@ def test_joining_inputs_with_and_without_weights(cli, tmp_path):
     (tmp_path / "w.jsonl").write_text(jsonl_text())
     np.save(tmp_path / "n.npy", GOOD3)
     result = cli("import", tmp_path / "w.jsonl", tmp_path / "n.npy", "-o", tmp_path / "o.npz",
-                 "--num-experts", "7")  # fmt: skip
+                 "--num-experts", "7")
     assert result.exit_code == 1 and "has no gate weights" in result.output
     assert "--drop-partial" in result.output
     result = cli("import", tmp_path / "w.jsonl", tmp_path / "n.npy", "-o", tmp_path / "o.npz",
-                 "--num-experts", "7", "--drop-partial")  # fmt: skip
+                 "--num-experts", "7", "--drop-partial")
     assert result.exit_code == 0, result.output
 
 
@@ -430,7 +430,7 @@ def test_unwritable_output_and_bad_synth_seed_are_one_line(cli, tmp_path):
     np.save(tmp_path / "g.npy", GOOD3)
     (tmp_path / "dir.npz").mkdir()
     for args in (("import", tmp_path / "g.npy", "-o", tmp_path / "dir.npz"),
-                 ("synth", "-o", tmp_path / "s.npz", "--seed", "-1")):  # fmt: skip
+                 ("synth", "-o", tmp_path / "s.npz", "--seed", "-1")):
         result = cli(*args)
         assert result.exit_code == 1, result.output
         assert result.output.startswith("error: ") and len(result.output.strip().splitlines()) == 1

@@ -1,19 +1,16 @@
-"""The benchmark's own arithmetic (benchmarks/bench_offload_real.py): the order of the
-systems within a round and the share of the gap a system closes."""
+"""The arithmetic of a comparison in rounds (stmoe.evaluate.compare, which the benchmarks
+use): the order of the systems within a round and the share of the gap a system closes."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_offload_real as bench
+from stmoe.evaluate import compare as bench
+from stmoe.evaluate.systems import OFFLOAD_SYSTEMS
 
 
 def test_rounds_rotate_so_every_system_takes_every_position():
-    systems = list(bench.SYSTEMS)
+    systems = list(OFFLOAD_SYSTEMS)
     orders = [bench.rotated(systems, rnd) for rnd in range(len(systems))]
     assert all(sorted(order) == sorted(systems) for order in orders)
     for position in range(len(systems)):  # each system first, second, ... exactly once

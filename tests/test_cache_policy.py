@@ -10,11 +10,11 @@ import pytest
 
 import stmoe
 from stmoe import cache_policy as cp
-from stmoe.cache_replay import replay_cache
+from stmoe.evaluate.cache_replay import replay_cache
 from stmoe.predictors import ModelShape, make
 from stmoe.predictors.base import PrefetchPlan
-from stmoe.sim.specs import SpecError, load_hardware, load_model
-from stmoe.sim.systems import RunOptions, run_system
+from stmoe.sim.accelerator.systems import RunOptions, run_system
+from stmoe.sim.specs import SpecError, hardware_preset, model_preset
 
 PLACES = (cp.REPLAY, cp.SIMULATOR, cp.RUNTIME)
 EVERY_NAME = (*cp.POLICIES, *cp.ALIASES)
@@ -60,7 +60,7 @@ def test_scripted_victims_tell_the_policies_apart():
     resident, protected = np.ones(3, dtype=bool), np.zeros(3, dtype=bool)
     last, uses, nxt = np.array([1, 3, 2]), np.array([5, 1, 2]), np.array([10, 20, 30])
     victims = {p: cp.choose_victim(resident, protected, last, uses, nxt, cp.POLICIES.index(p))
-               for p in ("lru", "lfu", "belady")}  # fmt: skip
+               for p in ("lru", "lfu", "belady")}
     assert victims == {"lru": 0, "lfu": 1, "belady": 2}
     assert cp.admits(cp.LRU, 9, 1) and not cp.admits(cp.BELADY, 9, 1) and cp.admits(cp.BELADY, 1, 9)
 
@@ -91,9 +91,9 @@ def test_scripted_sequences_where_only_one_policy_hits_most():
 
 def test_the_simulator_takes_the_same_names(tmp_path):
     trace = stmoe.synthesize(tokens=120, sequences=2, layers=2, experts=8, top_k=2, seed=1)
-    model = dataclasses.replace(load_model("qwen1.5-moe-a2.7b"), layers=2, num_experts=8,
-                                top_k=2)  # fmt: skip
-    hw = dataclasses.replace(load_hardware("stmoe-asic"), cache_experts_per_layer=3)
+    model = dataclasses.replace(model_preset("qwen1.5-moe-a2.7b"), layers=2, num_experts=8,
+                                top_k=2)
+    hw = dataclasses.replace(hardware_preset("stmoe-asic"), cache_experts_per_layer=3)
     loaded = {}
     for name in cp.names_for(cp.SIMULATOR):
         run = run_system("previous-token", trace, model, hw, RunOptions(policy=name))
@@ -115,7 +115,7 @@ def _drive_runtime_cache(trace, plan: PrefetchPlan, capacity: int, policy: str):
 
     spec = ParamSpec("w", torch.float32, (1,), 0, 4)
     caches = [LayerCache(layer, capacity, [spec], trace.num_experts, policy,
-                         torch.device("cpu")) for layer in range(trace.num_layers)]  # fmt: skip
+                         torch.device("cpu")) for layer in range(trace.num_layers)]
     hits = moved = prefetched = 0
     for t in range(trace.num_tokens):
         for layer, cache in enumerate(caches):

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import stmoe
-from stmoe.sim.specs import load_hardware
+from stmoe.sim.specs import hardware_preset
 
 FAST = ("--seconds", "0.2", "--tokens", "2")
 
@@ -22,13 +22,13 @@ FAST = ("--seconds", "0.2", "--tokens", "2")
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 2-layer random checkpoint of the shipped model's shape and its store."""
-    from stmoe.capture_generate import load_causal_lm
-    from stmoe.checkpoints import make_checkpoint, plan_checkpoint
+    from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
+    from stmoe.hf.loading import load_causal_lm
     from stmoe.runtime.store import pack
 
     root = tmp_path_factory.mktemp("calibrate")
     model_dir = make_checkpoint(plan_checkpoint("stmoe-tiny", layers=2, dtype="float32"),
-                                root / "m")  # fmt: skip
+                                root / "m")
     pack(load_causal_lm(model_dir), root / "store", source=model_dir)
     return root, model_dir
 
@@ -39,7 +39,7 @@ def test_the_preset_loads_says_how_each_number_was_found_and_simulates(tiny, cli
     res = cli("calibrate", "--model", model_dir, "--store", root / "store", "-o", out, *FAST)
     assert res.exit_code == 0, res.output
     assert "GB/s alone" in res.output and "per decode token" in res.output
-    spec = load_hardware(str(out))
+    spec = hardware_preset(str(out))
     host = spec.host
     assert host is not None and host.tier == "disk" and host.workers == 2
     assert spec.cache_experts_per_layer == 8  # 50% of 16 experts
@@ -65,7 +65,7 @@ def test_the_preset_loads_says_how_each_number_was_found_and_simulates(tiny, cli
     for pipeline in ("runtime", "accelerator"):
         res = cli("simulate", root / "t.npz", "--model", "stmoe-tiny", "--layers", "2",
                   "--hardware", out, "--pipeline", pipeline, "--system", "oracle",
-                  "--system", "stmoe", "--json", root / f"{pipeline}.json")  # fmt: skip
+                  "--system", "stmoe", "--json", root / f"{pipeline}.json")
         assert res.exit_code == 0, res.output
     import json
 
@@ -86,12 +86,12 @@ def test_the_preset_loads_says_how_each_number_was_found_and_simulates(tiny, cli
         (("--tokens", "0"), "--tokens 0: expected an integer from 1 to 1000"),
         (("--capacity", "2"), "below the router's top-4"),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_are_one_clear_line(tiny, cli, args, message):
     root, model_dir = tiny
     out = root / "bad.toml"
     res = cli("calibrate", "--model", model_dir, "--store", root / "store", "-o", out,
-              *FAST, *args)  # fmt: skip
+              *FAST, *args)
     assert res.exit_code == 1, res.output
     assert message in res.output and "Traceback" not in res.output
     assert not out.exists()
@@ -114,9 +114,9 @@ def test_reads_land_in_faulted_in_memory_and_faults_are_measured_apart(tiny, mon
     are resident before it starts (as the runtime's slots, faulted in when the cache is
     made), so they time the tier, not page faults; the first-touch measurement alone
     reads into never-touched memory, half its reads, the other half into a faulted slot."""
-    from stmoe.runtime import calibrate as cal
+    from stmoe.runtime.calibrate import reads as cal
     from stmoe.runtime.store import open_store
-    from stmoe.runtime.tiers import open_tier
+    from stmoe.runtime.store.tiers import open_tier
 
     root, model_dir = tiny
     store = open_store(model_dir, root / "store")
@@ -130,7 +130,7 @@ def test_reads_land_in_faulted_in_memory_and_faults_are_measured_apart(tiny, mon
 
     def checked_preadv(fd, buffers, offset):
         seen.append(all(resident(np.frombuffer(b, np.uint8).ctypes.data, len(b))
-                        for b in buffers))  # fmt: skip
+                        for b in buffers))
         return preadv(fd, buffers, offset)
 
     monkeypatch.setattr(cal, "_fill", checked_fill)
@@ -152,7 +152,7 @@ def test_reads_land_in_faulted_in_memory_and_faults_are_measured_apart(tiny, mon
 def test_bad_paths_are_refused_before_measuring(tiny, cli):
     root, model_dir = tiny
     res = cli("calibrate", "--model", root / "nowhere", "--store", root / "store",
-              "-o", root / "x.toml", *FAST)  # fmt: skip
+              "-o", root / "x.toml", *FAST)
     assert res.exit_code == 1 and "nowhere" in res.output
     res = cli("calibrate", "--model", model_dir, "--store", root / "store", "-o", root / "x.txt")
     assert res.exit_code == 1 and "expected a .toml file name" in res.output
@@ -167,8 +167,9 @@ def test_reads_follow_a_traces_routing(tiny, tmp_path, cli):
     and layer by layer (each layer's experts sorted); another shape is one clear line."""
     from collections import OrderedDict
 
+    from stmoe.errors import OffloadError
     from stmoe.runtime.calibrate import routed_blocks
-    from stmoe.runtime.store import ExpertStore, StoreError
+    from stmoe.runtime.store import ExpertStore
     from stmoe.trace import save_trace
     from stmoe.trace.synth import synthesize
 
@@ -196,11 +197,11 @@ def test_reads_follow_a_traces_routing(tiny, tmp_path, cli):
     assert len(routed_blocks(store, tmp_path / "t.npz", 4)) > len(every)
     other = synthesize(tokens=5, layers=3, experts=8, top_k=2, sequences=1)
     save_trace(other, tmp_path / "o.npz")
-    with pytest.raises(StoreError, match="routes 3 layers of 8 experts; the store has 2 of 16"):
+    with pytest.raises(OffloadError, match="routes 3 layers of 8 experts; the store has 2 of 16"):
         routed_blocks(store, tmp_path / "o.npz", 4)
     res = cli("calibrate", "--model", model_dir, "--store", root / "store", "--routing",
               tmp_path / "t.npz", "--capacity", "4", "-o", tmp_path / "hw.toml",
-              *FAST)  # fmt: skip
+              *FAST)
     assert res.exit_code == 0, res.output
     # the single reader's speed is the runtime's own reads in an LRU-only replay
     said = " ".join(res.output.split())
@@ -213,7 +214,7 @@ def test_reads_follow_a_traces_routing(tiny, tmp_path, cli):
     # prompt (one call of several tokens) leaves the cache
     routed = len(routed_blocks(store, tmp_path / "t.npz", 4))
     assert reads >= 8 and abs(reads - routed) <= routed // 4, (reads, routed)
-    spec = load_hardware(str(tmp_path / "hw.toml"))
+    spec = hardware_preset(str(tmp_path / "hw.toml"))
     assert spec.link_bytes_per_s > 0 and spec.host is not None
 
 
@@ -223,7 +224,7 @@ def test_reads_follow_a_traces_routing(tiny, tmp_path, cli):
     (("--capacity", "25%"), "--capacity: an option of --pipeline runtime"),
     (("--pipeline", "runtime", "--capacity", "nan%"), "expected 1 to 16 experts per layer"),
     (("--pipeline", "runtime", "--capacity", "-5%"), "expected 1 to 16 experts per layer"),
-])  # fmt: skip
+])
 def test_simulate_refuses_what_its_pipeline_would_ignore(tiny, tmp_path, cli, args, message):
     """An option of the other pipeline, or an absurd capacity, is one line, not ignored."""
     from stmoe.trace import save_trace
@@ -235,7 +236,7 @@ def test_simulate_refuses_what_its_pipeline_would_ignore(tiny, tmp_path, cli, ar
         res = cli("calibrate", "--model", model_dir, "--store", root / "store", "-o", hw, *FAST)
         assert res.exit_code == 0, res.output
     save_trace(synthesize(tokens=40, layers=2, experts=16, top_k=4, sequences=1),
-               tmp_path / "t.npz")  # fmt: skip
+               tmp_path / "t.npz")
     res = cli("simulate", tmp_path / "t.npz", "--model", "stmoe-tiny", "--layers", "2",
-              "--hardware", hw, *args)  # fmt: skip
+              "--hardware", hw, *args)
     assert res.exit_code == 1 and message in res.output, res.output

@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stmoe.capture import RoutingRecorder  # noqa: E402
-from stmoe.capture_generate import capture_generation  # noqa: E402
-from stmoe.model_introspect import experts_modules  # noqa: E402
+from stmoe.hf.capture import RoutingRecorder  # noqa: E402
+from stmoe.hf.capture_generate import capture_generation  # noqa: E402
+from stmoe.hf.layout import experts_modules  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
@@ -71,7 +71,7 @@ def test_a_sequence_that_emits_eos_stops_its_trace():
     row0 = free.token_ids[len(PROMPTS[0]) : free.seq_ends[0]]
     stop = int(row0[2])  # make the third generated token of row 0 an EOS
     stopped = capture_generation(model, PROMPTS, max_new_tokens=6, batch_size=3,
-                                 eos_token_ids=[stop])  # fmt: skip
+                                 eos_token_ids=[stop])
     first = stopped.token_ids[: stopped.seq_ends[0]]
     assert int(stopped.is_decode[: stopped.seq_ends[0]].sum()) == 3 and first[-1] == stop
     n0 = int(stopped.seq_ends[0])
@@ -97,7 +97,7 @@ def test_experts_modules_skip_dense_layers_and_shared_experts():
     assert names == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
     model, _ = tiny_model("qwen2_moe")  # mlp_only_layers=[1]
     assert [n for n, _ in experts_modules(model)] == ["model.layers.0.mlp.experts",
-                                                      "model.layers.2.mlp.experts"]  # fmt: skip
+                                                      "model.layers.2.mlp.experts"]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def checkpoint(tmp_path_factory):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     # The trainer may add characters beyond the seed alphabet: size the model to the tokenizer.
     model, _ = tiny_model("qwen3_moe", vocab_size=len(fast), pad_token_id=fast.pad_token_id,
-                          eos_token_id=fast.eos_token_id)  # fmt: skip
+                          eos_token_id=fast.eos_token_id)
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder
@@ -129,10 +129,10 @@ def checkpoint(tmp_path_factory):
 def test_capture_command_end_to_end(cli, tmp_path, checkpoint):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def fib(n):", "domain": "code"}) + "\n"
-                       + json.dumps({"prompt": "the old keeper"}) + "\n")  # fmt: skip
+                       + json.dumps({"prompt": "the old keeper"}) + "\n")
     out = tmp_path / "t.npz"
     result = cli("capture", "--model", checkpoint, "--prompts", prompts, "--domain", "prose",
-                 "--max-new-tokens", "4", "--batch-size", "2", "-o", out)  # fmt: skip
+                 "--max-new-tokens", "4", "--batch-size", "2", "-o", out)
     assert result.exit_code == 0, result.output
     info = json.loads(cli("info", out, "--json", "-").stdout)
     assert info["sequences"] == 2 and info["decode_tokens"] <= 8 and info["layers"] == 3
@@ -162,7 +162,7 @@ def test_capture_records_the_gate_lookahead(family):
 
 
 def test_the_lookahead_of_the_trained_model_foresees_most_of_the_next_layers_picks():
-    from stmoe.capture_generate import DEFAULT_PROMPTS, capture_text, load_model
+    from stmoe.hf.capture_generate import DEFAULT_PROMPTS, capture_text, load_model
     from stmoe.models import SHIPPED_MODEL
 
     model, tok = load_model(SHIPPED_MODEL)
@@ -183,7 +183,7 @@ def test_the_lookahead_of_the_trained_model_foresees_most_of_the_next_layers_pic
 def test_the_late_lookahead_uses_the_norm_that_feeds_the_moe_block():
     import transformers
 
-    from stmoe.model_introspect import late_points
+    from stmoe.hf.layout import late_points
     from tiny_moe import COMMON
 
     model, _ = tiny_model("qwen3_moe")  # pre-norm: post_attention_layernorm feeds the MoE

@@ -11,10 +11,10 @@ pytest.importorskip("transformers")
 
 from safetensors import safe_open  # noqa: E402
 
-from stmoe.checkpoints import make_checkpoint, plan_checkpoint  # noqa: E402
 from stmoe.errors import StmoeError  # noqa: E402
+from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
-from stmoe.sim.specs import load_model  # noqa: E402
+from stmoe.sim.specs import model_preset  # noqa: E402
 
 
 def _experts_shape(path, spec):
@@ -24,7 +24,7 @@ def _experts_shape(path, spec):
 
 @pytest.mark.parametrize("like", ["stmoe-tiny", "qwen3-30b-a3b"])
 def test_the_checkpoint_has_the_presets_dimensions(like):
-    spec = load_model(like)
+    spec = model_preset(like)
     plan = plan_checkpoint(like, layers=1)
     cfg = plan.config
     assert cfg.num_hidden_layers == 1
@@ -43,7 +43,7 @@ def test_make_model_pack_and_generate_match_plain_transformers(tmp_path, cli):
     from transformers import AutoModelForCausalLM
 
     res = cli("make-model", "--like", "stmoe-tiny", "--layers", "3", "--dtype", "float32",
-              "-o", tmp_path / "m")  # fmt: skip
+              "-o", tmp_path / "m")
     assert res.exit_code == 0, res.output
     assert "RANDOM weights" in res.output
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
@@ -52,7 +52,7 @@ def test_make_model_pack_and_generate_match_plain_transformers(tmp_path, cli):
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         want = plain.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-                              pad_token_id=0)[0, 4:].tolist()  # fmt: skip
+                              pad_token_id=0)[0, 4:].tolist()
     assert cli("pack", tmp_path / "m", "-o", tmp_path / "store").exit_code == 0
     with offload(tmp_path / "m", tmp_path / "store", capacity=8, predictor="random") as om:
         got = om.generate([5, 6, 7, 8], max_new_tokens=5)

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from stmoe.cli._common import clean_label, plain_label
+from stmoe.cli.common import clean_label, plain_label
 from stmoe.trace import save_trace, synthesize
 from stmoe.trace.synth import SynthSpec
 from test_trace_hardening import one_line_error  # exit 1, one `error:` line, no traceback
@@ -80,7 +80,7 @@ def test_emoji_codes_in_labels_print_literally(cli, small, tmp_path):
     trace = load_trace(small)
     path = tmp_path / "emoji.npz"
     save_trace(dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, model="a:smile:b")),
-               path)  # fmt: skip
+               path)
     assert_literal(cli("info", path), "a:smile:b")
 
 
@@ -112,7 +112,7 @@ def test_emoji_codes_in_labels_print_literally(cli, small, tmp_path):
         (["generate", "--prompt", "x", "--max-loads", "-2"], ["--max-loads -2", ">= 0"]),
         (["generate", "--prompt", "x", "--max-new-tokens", "0"], ["--max-new-tokens 0", ">= 1"]),
     ],
-)  # fmt: skip
+)
 def test_absurd_option_values_are_one_clear_line(cli, small, tmp_path, args, fragments):
     args = [a.format(t=small, d=tmp_path) for a in args]
     one_line_error(cli(*args), *fragments)
@@ -190,10 +190,10 @@ def test_generate_refuses_a_model_path_that_is_not_a_folder(cli, small):
 )
 def test_capacity_beyond_the_experts_is_refused(capacity, message):
     pytest.importorskip("torch")
+    from stmoe.errors import OffloadError
     from stmoe.runtime.options import resolve_capacity
-    from stmoe.runtime.store import StoreError
 
-    with pytest.raises(StoreError, match=message):
+    with pytest.raises(OffloadError, match=message):
         resolve_capacity(capacity, 4, 16, 2, 1000)
 
 
@@ -209,20 +209,18 @@ def test_capacity_that_fits_everything_is_all_experts():
 @pytest.mark.parametrize("text", ["inf", "nan", "0", "-1MB", "1e400", "infMB"])
 def test_parse_bytes_refuses_non_finite_and_non_positive(text):
     pytest.importorskip("torch")
-    from stmoe.runtime.store import StoreError
-    from stmoe.runtime.tiers import parse_bytes
+    from stmoe.util.units import UnitError, parse_bytes
 
-    with pytest.raises(StoreError):
+    with pytest.raises(UnitError):
         parse_bytes(text)
 
 
 @pytest.mark.parametrize("text", ["inf", "nan", "-5s", "-1ms", "1e400"])
 def test_parse_seconds_refuses_non_finite_and_negative(text):
     pytest.importorskip("torch")
-    from stmoe.runtime.store import StoreError
-    from stmoe.runtime.tiers import parse_seconds
+    from stmoe.util.units import UnitError, parse_seconds
 
-    with pytest.raises(StoreError, match="finite duration >= 0"):
+    with pytest.raises(UnitError, match="finite duration >= 0"):
         parse_seconds(text)
 
 
@@ -244,11 +242,11 @@ def test_parse_seconds_refuses_non_finite_and_negative(text):
 )
 def test_link_settings_are_checked_before_anything_loads(tier, bandwidth, latency, message):
     pytest.importorskip("torch")
+    from stmoe.errors import OffloadError
     from stmoe.runtime.options import OffloadOptions
-    from stmoe.runtime.store import StoreError
 
     options = OffloadOptions(tier=tier, bandwidth=bandwidth, latency=latency)
-    with pytest.raises(StoreError, match=message.replace("(", r"\(")):
+    with pytest.raises(OffloadError, match=message.replace("(", r"\(")):
         options.check()
     assert OffloadOptions(tier="emulated", bandwidth="200MB", latency="50us").check() is None
 
@@ -281,7 +279,7 @@ def test_an_output_that_is_an_input_is_refused_and_the_input_kept(cli, small, tm
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 @pytest.mark.parametrize("args", [["profile", "{t}", "-o", "{f}"], ["info", "{t}", "--json", "{f}"],
-                                  ["synth", "--tokens", "50", "-o", "{f}"]])  # fmt: skip
+                                  ["synth", "--tokens", "50", "-o", "{f}"]])
 def test_an_output_that_is_a_fifo_or_device_is_refused_not_replaced(cli, small, tmp_path, args):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -297,7 +295,7 @@ def test_an_output_link_is_written_through(cli, small, tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
-                    reason="needs root and setpriv to make a file unreadable to stmoe")  # fmt: skip
+                    reason="needs root and setpriv to make a file unreadable to stmoe")
 def test_an_unreadable_input_is_exit_1_not_a_usage_error(small, tmp_path):
     locked = tmp_path / "locked.npz"
     locked.write_bytes(small.read_bytes())
@@ -305,7 +303,7 @@ def test_an_unreadable_input_is_exit_1_not_a_usage_error(small, tmp_path):
     stmoe = [sys.executable, "-m", "stmoe"]
     drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--ambient-caps=-all"]
     done = subprocess.run([*drop, *stmoe, "info", str(locked)], capture_output=True, text=True,
-                          check=False)  # fmt: skip
+                          check=False)
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith("error: ") and "permission denied" in done.stderr
 

@@ -8,13 +8,13 @@ import re
 import pytest
 
 from stmoe.analysis.report import recall_at_set_size
-from stmoe.demo_text import ablation_reasons, headline, markdown_html
+from stmoe.demo.text import ablation_reasons, headline, markdown_html
 from stmoe.models import SHIPPED_MODEL
 
 # every metric the report uses, defined in one line where it first appears
 DEFINED = ("decode tokens/s:", "hit rate:", "stall share:", "prefetch recall:",
            "prefetch precision:", "K:", "recall:", "set size:", "precision:",
-           "hit rate (2K cache):", "normalized time:", "HT:", "CCT:")  # fmt: skip
+           "hit rate (2K cache):", "normalized time:", "HT:", "CCT:")
 
 
 def test_shipped_model_loads_with_plain_transformers():
@@ -37,14 +37,14 @@ def test_quick_demo_writes_the_report(quick_demo):
     assert "report:" in result.output and "index.html" in result.output
     page = (folder / "index.html").read_text()
     for fragment in ("Headline.", "Recall at equal set size", "Cross-domain", "Simulator",
-                     "expected to be poor", "<pre>"):  # fmt: skip
+                     "expected to be poor", "<pre>"):
         assert fragment in page
     for term in DEFINED:
         assert f"<dt>{term}</dt>" in page.replace("&#x27;", "'"), term
     evaluation = json.loads((folder / "eval.json").read_text())
     assert set(evaluation["per_domain"]) == {"code", "prose", "math"}
     for name in ("analysis/report.html", "simulator/normalized_time.png", "decode_speed.png",
-                 "model-card.html", "model-card.md"):  # fmt: skip
+                 "model-card.html", "model-card.md"):
         assert (folder / name).is_file(), name
     assert "href='model-card.html'" in page and "href='analysis/report.html'" in page
 
@@ -67,7 +67,7 @@ def test_quick_demo_measures_rounds_and_checks_the_tokens(quick_demo):
     # printed unwrapped: the headline on one line, the generated text exactly as generated
     lines = result.output.splitlines()
     assert any(x.startswith("With 50% of each layer") and x.endswith("resident model's).")
-               for x in lines), result.output  # fmt: skip
+               for x in lines), result.output
     assert off["prompt"] + off["text"] in result.output
 
 
@@ -82,7 +82,7 @@ def test_quick_demo_marks_the_lossy_system(quick_demo):
     adap = sim["systems"]["adap-gating"]["normalized_time"]
     assert "adap-gating is lossy: it runs fewer experts than the router chose" in page
     assert (f"Here it beats even the lossless oracle ({adap:.3f} against {oracle:.3f})" in page
-            ) is (adap < oracle)  # fmt: skip
+            ) is (adap < oracle)
 
 
 def test_recall_at_set_size_reads_the_curve():
@@ -96,10 +96,10 @@ def test_recall_at_set_size_reads_the_curve():
 
 def _offload(rounds: int, same: bool = True) -> dict:
     speeds = {"on-demand": 4.0, "lru-only": 30.0, "stmoe": 45.25, "stmoe-plus": 41.0,
-              "hybrid": 40.0, "oracle": 60.0}  # fmt: skip
+              "hybrid": 40.0, "oracle": 60.0}
     return {"capacity": "50%", "link": "200MB", "rounds": rounds, "identical_tokens": same,
             "systems": {n: {"decode_tokens_per_s": v, "decode_tokens_per_s_range": [v - 1, v + 2]}
-                        for n, v in speeds.items()}}  # fmt: skip
+                        for n, v in speeds.items()}}
 
 
 def test_headline_sentence_says_the_medians_the_range_and_the_check():
@@ -117,12 +117,12 @@ def _step(time: float, compute: float, loaded: int, wasted: int) -> dict:
     return {"time": time, "speedup_vs_baseline": 1.0 / time, "experts_loaded": loaded,
             "experts_prefetched": wasted * 2, "experts_wasted": wasted, "hit_rate": 0.5,
             "breakdown": {"compute": compute, "stall": time - compute,
-                          "communication": time - compute, "prediction": 0.0}}  # fmt: skip
+                          "communication": time - compute, "prediction": 0.0}}
 
 
 def test_ablation_reasons_come_from_the_numbers():
     sim = {"ablation": {"static": _step(1.0, 0.2, 100, 0), "dynamic": _step(0.9, 0.1, 100, 0),
-                        "+ HT": _step(0.95, 0.1, 120, 20)}}  # fmt: skip
+                        "+ HT": _step(0.95, 0.1, 120, 20)}}
     lines = ablation_reasons(sim)
     assert lines[0].startswith("dynamic: 10.0% faster than static")
     assert "Compute -100 ms" in lines[0]
@@ -135,7 +135,7 @@ def test_ablation_reasons_come_from_the_numbers():
 
 def test_model_card_markdown_renders_its_parts():
     text = ("# Card\n\nSome **bold** and `code` <b>.\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
-            "- one\n  more\n- two\n\n```python\nx = 1 < 2\n```\n")  # fmt: skip
+            "- one\n  more\n- two\n\n```python\nx = 1 < 2\n```\n")
     out = markdown_html(text)
     assert "<h1>Card</h1>" in out
     assert "<p>Some <b>bold</b> and <code>code</code> &lt;b&gt;.</p>" in out
@@ -150,7 +150,7 @@ def test_p_value_chart_caps_its_axis_and_has_no_legend_over_the_bars(monkeypatch
     figs = []
     monkeypatch.setattr(plots, "_save", lambda fig, path: figs.append(fig) or path)
     pairs = [{"layer": 0, "p_value": 1e-300, "significant": True, "cramers_v": 0.4},
-             {"layer": 1, "p_value": 0.5, "significant": False, "cramers_v": 0.01}]  # fmt: skip
+             {"layer": 1, "p_value": 0.5, "significant": False, "cramers_v": 0.01}]
     data = {
         "trace": {"synthetic": False},
         "spatial": {"alpha": 0.01, "pairs_significant": 1, "pairs_total": 2, "pairs": pairs},
@@ -173,7 +173,7 @@ def test_budget_curves_have_one_colour_each_and_the_legend_outside(monkeypatch, 
     curve = {"budget": [1, 2], "set_size": [1.0, 2.0], "recall": [0.3, 0.5]}
     data = {"trace": {"synthetic": False, "top_k": 4},
             "predictability": {"scope": "all", "profiled_tokens": 1, "evaluated_tokens": 1,
-                               "curves": dict.fromkeys(names, curve)}}  # fmt: skip
+                               "curves": dict.fromkeys(names, curve)}}
     plots.predictability(data, tmp_path / "p.png")
     ax = figs[0].axes[0]
     colours = {line.get_color() for line in ax.get_lines() if line.get_label() in names}
@@ -183,7 +183,7 @@ def test_budget_curves_have_one_colour_each_and_the_legend_outside(monkeypatch, 
 
 
 def test_normalized_time_chart_marks_the_lossy_system(monkeypatch, tmp_path, quick_demo):
-    from stmoe.sim import plots as sim_plots
+    from stmoe.sim.accelerator import plots as sim_plots
 
     figs = []
     monkeypatch.setattr(sim_plots, "_save", lambda fig, path: figs.append(fig) or path)
@@ -196,4 +196,4 @@ def test_normalized_time_chart_marks_the_lossy_system(monkeypatch, tmp_path, qui
     expected = ["//" if n == "adap-gating" else "" for n in sim["systems"]]
     assert hatches == expected + expected
     assert any(t.get_text().startswith("adap-gating: LOSSY: runs") and "not comparable"
-               in t.get_text() for t in fig.texts)  # fmt: skip
+               in t.get_text() for t in fig.texts)

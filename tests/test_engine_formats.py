@@ -60,9 +60,9 @@ def vllm_response(per_request, dtype=np.uint8):
     for i, (ex, p, g) in enumerate(zip(per_request, PROMPTS, GENS, strict=False)):
         choices.append({"index": i, "text": "x", "routed_experts": npy_b64(ex.astype(dtype)),
                         "prompt_token_ids": list(range(100, 100 + p)),
-                        "token_ids": list(range(200, 200 + g))})  # fmt: skip
+                        "token_ids": list(range(200, 200 + g))})
     return {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": choices,
-            "usage": {"prompt_tokens": sum(PROMPTS), "completion_tokens": sum(GENS)}}  # fmt: skip
+            "usage": {"prompt_tokens": sum(PROMPTS), "completion_tokens": sum(GENS)}}
 
 
 def test_vllm_completions_response(tmp_path):
@@ -105,7 +105,7 @@ def test_vllm_offline_npy_with_prompt_lengths_and_dense_layer(tmp_path, cli):
     np.save(path, np.concatenate(per))
     starts = f"0,{len(per[0])},{len(per[0]) + len(per[1])}"
     result = cli("import", path, "-o", tmp_path / "o.npz", "--seq-starts", starts,
-                 "--prompt-lengths", ",".join(map(str, PROMPTS)))  # fmt: skip
+                 "--prompt-lengths", ",".join(map(str, PROMPTS)))
     assert result.exit_code == 0, result.output
     assert "note: dropped dense layer 0" in result.output
     check(load_trace(tmp_path / "o.npz"), per, token_ids=False)
@@ -118,7 +118,7 @@ def test_vllm_offline_npy_with_prompt_lengths_and_dense_layer(tmp_path, cli):
     )
     moe = cli("import", path, "-o", tmp_path / "m.npz", "--moe-layers", "2-3")
     assert moe.exit_code == 0 and load_trace(tmp_path / "m.npz").meta.extra[
-        "model_layer_ids"] == [2, 3]  # fmt: skip
+        "model_layer_ids"] == [2, 3]
 
 
 def test_layers_first_array_warns_and_ltk_reads_it(tmp_path):
@@ -139,7 +139,7 @@ def sglang_response(ex: np.ndarray, p: int, g: int, dtype="int32") -> dict:
     raw = ex.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
     return {"text": "x", "meta_info": {"id": "r", "prompt_tokens": p, "completion_tokens": g,
                                        "routed_experts": base64.b64encode(raw).decode(),
-                                       "routed_experts_dtype": dtype}}  # fmt: skip
+                                       "routed_experts_dtype": dtype}}
 
 
 def test_sglang_generate_batch_and_errors(tmp_path, cli):
@@ -157,7 +157,7 @@ def test_sglang_generate_batch_and_errors(tmp_path, cli):
     assert f"{N_LAYERS * K} ids per token" in missing.output
     one = sglang_response(per[0], PROMPTS[0], GENS[0])
     one["meta_info"]["routed_experts"] = base64.b64encode(
-        per[0].astype("<i4").tobytes()[:-2]).decode()  # fmt: skip
+        per[0].astype("<i4").tobytes()[:-2]).decode()
     path.write_text(json.dumps(one))
     bad = cli("import", path, "-o", tmp_path / "o3.npz", "--layers", N_LAYERS, "--top-k", K)
     assert bad.exit_code == 1 and "not a whole number of int32 ids" in bad.output
@@ -175,7 +175,7 @@ def test_vllm_routing_profile_jsonl(tmp_path):
                 lines.append({"problem_id": f"q{pid}", "layer": layer,
                               "token_pos": t if t < p else 0,
                               "experts": ex[t, layer].tolist(),
-                              "gating_probs": [0.7, 0.3]})  # fmt: skip
+                              "gating_probs": [0.7, 0.3]})
     path = tmp_path / "profile.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     assert sniff_format(path) == "vllm-profile"

@@ -126,12 +126,12 @@ def test_transformers_router_logits(tmp_path):
     layer, batch-major, padding rows included; top-k of the softmax is the routing."""
     torch = pytest.importorskip("torch")
     logits = tuple(torch.randn(2 * 6, 8, generator=torch.Generator().manual_seed(i))
-                   for i in range(3))  # fmt: skip
+                   for i in range(3))
     torch.save(logits, tmp_path / "router_logits.pt")
     with pytest.raises(TraceError, match="--top-k"):
         load_trace(tmp_path / "router_logits.pt")
     trace = load_trace(tmp_path / "router_logits.pt",
-                       engine=EngineOptions(top_k=2, prompt_lengths=(6, 4)))  # fmt: skip
+                       engine=EngineOptions(top_k=2, prompt_lengths=(6, 4)))
     assert trace.seq_starts.tolist() == [0, 6] and trace.num_tokens == 10
     want = torch.topk(logits[1][6:10], 2).indices.numpy()
     assert np.array_equal(trace.experts[6:, 1], want) and trace.num_experts == 8
@@ -177,7 +177,7 @@ def test_moe_infinity_expert_drop_binary_and_npz(tmp_path, cli):
                         layer=np.array([r[1] for r in dec], np.int32),
                         seq=np.array([r[0] for r in dec], np.int64),
                         byte_size=np.zeros((4, ne), np.int64), num_experts=np.int64(ne),
-                        num_layers=np.int64(4))  # fmt: skip
+                        num_layers=np.int64(4))
     assert sniff_format(tmp_path / "drop.npz") == "expert-drop"
     npz = load_trace(tmp_path / "drop.npz")
     assert npz.num_tokens == 3 and npz.num_layers == 2

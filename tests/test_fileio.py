@@ -1,4 +1,5 @@
-"""stmoe.fileio: atomic writes (old or new, never half; umask; leftovers gone), checked inputs."""
+"""stmoe.util.fileio: atomic writes (old or new, never half; umask; leftovers gone), checked
+inputs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stmoe.errors import StmoeError
-from stmoe.fileio import atomic_write, atomic_write_text, check_input_file, current_umask
+from stmoe.util.fileio import atomic_write, atomic_write_text, check_input_file, current_umask
 
 
 def test_mode_follows_the_umask(tmp_path: Path) -> None:
@@ -49,7 +50,7 @@ def test_a_failing_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -
 def test_a_killed_writers_temp_is_removed_on_the_next_write(tmp_path: Path) -> None:
     # a process that has exited: its pid names a temp file it left behind
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+                          capture_output=True, text=True, check=True)
     dead = int(done.stdout)
     stale = tmp_path / f".t.npz.{dead}.abc123.tmp"
     stale.write_bytes(b"\0" * 1000)

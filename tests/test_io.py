@@ -37,7 +37,7 @@ def test_round_trip_is_lossless(tmp_path, compress):
     trace = stmoe.RoutingTrace(
         **{**trace.__dict__, "token_ids": np.arange(300, dtype=np.int64) * 7,
            "lookahead": look, "lookahead_late": look[:, :, ::-1].copy()}
-    )  # fmt: skip
+    )
     path = save_trace(trace, tmp_path / "t.npz", compress=compress)
     back = load_trace(path)
     assert_same(trace, back)

@@ -9,11 +9,11 @@ import pytest
 
 import stmoe
 from conftest import REAL_NPZ, needs_shared
+from stmoe.evaluate.replay import evaluate
 from stmoe.predictors import PredictorError, load_tables, make, profile, save_tables
 from stmoe.predictors.base import ModelShape, Predictor
 from stmoe.predictors.plus import MEMORY_TOKENS, fit
 from stmoe.predictors.tables import RECENT_TOKENS
-from stmoe.replay import evaluate
 
 
 def _trace(seed: int = 5, tokens: int = 400, lookahead: bool = True) -> stmoe.RoutingTrace:
@@ -31,7 +31,7 @@ def _trace(seed: int = 5, tokens: int = 400, lookahead: bool = True) -> stmoe.Ro
     [{}, {"set_size": 3.5}, {"adaptive": True, "set_size": 3}, {"horizon": 2}, {"horizon": 3},
      {"online": False}, {"decay": 0.9, "w_memory": 0.0}, {"logistic": False},
      {"logistic": False, "adaptive": True, "set_size": 3}],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("name", ["stmoe-plus", "hybrid"])
 def test_compiled_replay_equals_the_step_by_step_protocol(name, knobs):
     prof, ev = stmoe.split(_trace(), 0.5)
@@ -129,7 +129,7 @@ def test_a_longer_horizon_predicts_from_less_and_recalls_less():
     tables = profile(prof)
     shape = ModelShape.of(ev)
     recall = [evaluate(ev, make("stmoe-plus", shape, tables, horizon=h, set_size=4)).overall.recall
-              for h in (1, 2, 3)]  # fmt: skip
+              for h in (1, 2, 3)]
     assert recall[0] > recall[2]
 
 
@@ -147,7 +147,7 @@ def test_stmoe_plus_beats_stmoe_at_equal_set_size_on_the_real_sample():
 
 def _domains_trace() -> stmoe.RoutingTrace:
     return stmoe.synthesize(tokens=1800, layers=5, experts=16, top_k=2, sequences=9, domains=3,
-                            spatial=0.95, seed=7)  # fmt: skip
+                            spatial=0.95, seed=7)
 
 
 def test_the_mixture_leans_on_the_member_of_the_domain_it_is_fed(tmp_path):
@@ -159,7 +159,7 @@ def test_the_mixture_leans_on_the_member_of_the_domain_it_is_fed(tmp_path):
     # (each member's own fit on 80 held-back tokens would add noise to the comparison)
     tables = dataclasses.replace(tables, per_domain={
         d: dataclasses.replace(t, info={k: v for k, v in t.info.items() if k != "plus"})
-        for d, t in tables.per_domain.items()})  # fmt: skip
+        for d, t in tables.per_domain.items()})
     shape = ModelShape.of(trace)
     for s in range(6, 9):  # an unseen sequence of each domain
         seq = stmoe.select_sequences(trace, [s])
@@ -184,10 +184,10 @@ def test_cli_profile_by_domain_eval_mix_and_horizons(cli, tmp_path):
     res = cli("profile", trace, "--by-domain", "-o", tables)
     assert res.exit_code == 0, res.output
     res = cli("eval", trace, "--tables", tables, "--predictor", "stmoe-mix", "--predictor",
-              "stmoe-plus", "--set-size", "3", "--json", "-")  # fmt: skip
+              "stmoe-plus", "--set-size", "3", "--json", "-")
     assert res.exit_code == 0, res.output
     res = cli("eval", trace, "--tables", tables, "--horizon", "2", "--predictor", "stmoe",
-              "--predictor", "stmoe-plus")  # fmt: skip
+              "--predictor", "stmoe-plus")
     assert res.exit_code == 0 and "skipping stmoe" in res.output, res.output
     res = cli("eval", trace, "--tables", tables, "--horizon", "2", "--predictor", "stmoe")
     assert res.exit_code == 1 and "more than one layer ahead" in res.output, res.output
@@ -242,7 +242,7 @@ def test_eval_cli_takes_the_lookahead_point(cli, tmp_path):
     recall = {}
     for point in ("auto", "early", "late"):
         res = cli("eval", path, "--tables", tmp_path / "tab.npz", "--split", "0.5", "--predictor",
-                  "gate-lookahead", "--lookahead", point, "--json", "-")  # fmt: skip
+                  "gate-lookahead", "--lookahead", point, "--json", "-")
         assert res.exit_code == 0, res.output
         recall[point] = json.loads(res.output)["predictors"]["gate-lookahead"]["recall"]
     assert recall["auto"] == recall["late"] == 1.0 > recall["early"]
@@ -250,7 +250,7 @@ def test_eval_cli_takes_the_lookahead_point(cli, tmp_path):
     assert res.exit_code == 1 and "expected auto, early or late" in res.output
     # --adaptive: --set-size is the mean set size of stmoe-plus and hybrid, not a cap
     res = cli("eval", path, "--tables", tmp_path / "tab.npz", "--split", "0.5", "--predictor",
-              "stmoe-plus", "--set-size", "3", "--adaptive", "--json", "-")  # fmt: skip
+              "stmoe-plus", "--set-size", "3", "--adaptive", "--json", "-")
     assert res.exit_code == 0, res.output
     assert abs(json.loads(res.output)["predictors"]["stmoe-plus"]["set_size"] - 3) < 0.3
     res = cli("eval", path, "--predictor", "frequency", "--adaptive")
@@ -313,7 +313,7 @@ def test_fits_of_an_older_stmoe_plus_are_ignored():
     tables = profile(_trace())
     assert tables.info["plus"]["version"] == 3
     old = dataclasses.replace(tables, info={**tables.info, "plus": {
-        **tables.info["plus"], "version": None, "power": 2.0}})  # fmt: skip
+        **tables.info["plus"], "version": None, "power": 2.0}})
     assert make("stmoe-plus", old.shape, old).power == 8.0  # the default, not the old fit
     with pytest.raises(PredictorError, match="takes no gate lookahead"):
         make("stmoe-plus", tables.shape, tables, lookahead="late")
@@ -333,10 +333,10 @@ def test_the_fit_features_are_exactly_the_terms_the_weights_multiply():
     feats = np.zeros((ev.num_tokens, ev.num_layers, 10, ev.num_experts), dtype=np.float32)
     c = p.config
     settings = Settings(p.weight_rows(), p.alpha, p.gamma, p.power, p.sim_decay, 0.0, False,
-                        False, 4.0, False, 4, 1, c.decay, True)  # fmt: skip
+                        False, 4.0, False, 4, 1, c.decay, True)
     stream = Stream.of(ev.experts, ev.seq_starts)
     pk.plus_replay(p.counts.copy(), p.memory.copy(), stream, settings, 1.0,
-                   Buffers.new(ev.num_experts), FitFeatures(rows, feats))  # fmt: skip
+                   Buffers.new(ev.num_experts), FitFeatures(rows, feats))
     step = make("stmoe-plus", ModelShape.of(ev), profile(prof))
     for t in range(ev.num_tokens):
         if t in set(ev.seq_starts.tolist()):
@@ -395,7 +395,7 @@ def _noisy_lookahead(trace: stmoe.RoutingTrace, seed: int = 0) -> stmoe.RoutingT
 
 
 @pytest.mark.parametrize("knobs", [{"set_size": 3}, {"set_size": 4},
-                                   {"adaptive": True, "set_size": 3}])  # fmt: skip
+                                   {"adaptive": True, "set_size": 3}])
 def test_hybrid_fits_the_lookahead_into_its_log_odds_where_that_recalls_more(knobs):
     prof, ev = (_noisy_lookahead(t) for t in stmoe.split(_trace(tokens=1200), 0.5))
     tables = profile(prof)
@@ -432,7 +432,7 @@ def test_a_token_with_no_known_layer_is_scored_by_its_own_fit():
     for knobs in ({}, {"horizon": 2}, {"horizon": 3, "adaptive": True, "set_size": 3}):
         q = make("stmoe-plus", ModelShape.of(ev), tables, **knobs)
         assert q.plan(ev).equals(Predictor.plan(make("stmoe-plus", ModelShape.of(ev), tables,
-                                                     **knobs), ev))  # fmt: skip
+                                                     **knobs), ev))
 
 
 def test_hybrid_uses_its_joint_weights_only_where_the_lookahead_is_added():
@@ -445,13 +445,13 @@ def test_hybrid_uses_its_joint_weights_only_where_the_lookahead_is_added():
     # beyond horizon 1 no lookahead enters: hybrid is stmoe-plus, in replay and in steps
     for name in ("hybrid", "stmoe-plus"):
         assert make(name, shape, tables, set_size=3, horizon=2).plan(ev).equals(
-            make("stmoe-plus", shape, tables, set_size=3, horizon=2).plan(ev))  # fmt: skip
+            make("stmoe-plus", shape, tables, set_size=3, horizon=2).plan(ev))
     # an empty lookahead (all -1) at a layer: the table weights, as stmoe-plus
     blank = dataclasses.replace(ev, lookahead_late=np.full_like(ev.lookahead_late, -1))
     assert make("hybrid", shape, tables, set_size=3).plan(blank).equals(
-        make("stmoe-plus", shape, tables, set_size=3).plan(ev))  # fmt: skip
+        make("stmoe-plus", shape, tables, set_size=3).plan(ev))
     assert make("hybrid", shape, tables, set_size=3).plan(blank).equals(
-        Predictor.plan(make("hybrid", shape, tables, set_size=3), blank))  # fmt: skip
+        Predictor.plan(make("hybrid", shape, tables, set_size=3), blank))
 
 
 def test_counts_stay_identical_in_replay_and_steps_across_rescaling():

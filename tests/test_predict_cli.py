@@ -141,7 +141,7 @@ def test_eval_errors_are_one_clear_line(cli, tmp_path, args, fragment):
 def test_eval_tables_says_which_predictors_a_trace_without_lookahead_cannot_run(cli, tmp_path):
     trace, tables = tmp_path / "s.npz", tmp_path / "t.npz"
     cli("synth", "-o", trace, "--tokens", "300", "--layers", "4", "--experts", "16",
-        "--top-k", "2", "--sequences", "2")  # fmt: skip
+        "--top-k", "2", "--sequences", "2")
     assert cli("profile", trace, "-o", tables).exit_code == 0
     result = cli("eval", trace, "--tables", tables, "--json", "-")
     assert result.exit_code == 0, result.output

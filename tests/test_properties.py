@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stmoe
-from stmoe.cache_replay import replay_cache
+from stmoe.evaluate.cache_replay import replay_cache
+from stmoe.evaluate.replay import evaluate
 from stmoe.predictors import ModelShape, make, profile
-from stmoe.predictors.stmoe import STMoEPredictor
-from stmoe.replay import evaluate
+from stmoe.predictors.st_moe import STMoEPredictor
 
 
 @st.composite

@@ -39,7 +39,7 @@ SETUP = {
     "Quick start: two commands": ["make demo", "make test"],
     "Installing into your own environment": ["pip install -e '.[hf,dev]'", "stmoe demo",
                                              "pytest -q"],
-}  # fmt: skip
+}
 MAKE_MODEL = "stmoe make-model --like qwen3.6-35b-a3b --layers 8 -o qwen36-l8"
 SUBSTITUTE = {MAKE_MODEL: MAKE_MODEL.replace("qwen3.6-35b-a3b", "qwen36-narrow.toml")}
 BUDGET_S = 150  # the tour takes about 60 s on 2 busy cores; far more means a slow command
@@ -58,14 +58,14 @@ def commands(code: str) -> list[str]:
     """A shell block's commands: continuation lines joined, comments and blanks dropped."""
     joined = re.sub(r"\\\n\s*", "", code)
     return [line.strip() for line in joined.splitlines()
-            if line.strip() and not line.strip().startswith("#")]  # fmt: skip
+            if line.strip() and not line.strip().startswith("#")]
 
 
 def _narrow_qwen36(folder: Path) -> None:
     """Qwen3.6-35B-A3B's preset with narrow layers: the same routing, tiny weights."""
     presets = tomllib.loads(resources.files("stmoe.sim").joinpath("data/models.toml").read_text())
     spec = dict(presets["qwen3.6-35b-a3b"], hidden=64, expert_intermediate=32,
-                attention_heads=4, kv_heads=2, source="README test: narrow layers")  # fmt: skip
+                attention_heads=4, kv_heads=2, source="README test: narrow layers")
     lines = [f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in spec.items()]
     (folder / "qwen36-narrow.toml").write_text("\n".join(lines) + "\n")
 
@@ -128,7 +128,7 @@ def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, cli, one_torc
     assert sum(line.endswith(OWN_MODEL) for line in skipped) == 2, skipped
     assert len(times) + len(skipped) >= 27, times  # every other line ran
     for made in ("tiny.npz", "sglang.npz", "report/report.html", "sim/normalized_time.png",
-                 "qwen36-l8/config.json", "qwen36-l8.tables.npz", "decode.npz"):  # fmt: skip
+                 "qwen36-l8/config.json", "qwen36-l8.tables.npz", "decode.npz"):
         assert (tmp_path / made).exists(), made
     assert json.loads((tmp_path / "run.json").read_text())["repeat"]["runs"] == 3
     assert (tmp_path / "chat.npz").exists() == has_shared
@@ -139,7 +139,7 @@ def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, cli, one_torc
 
 def test_the_substituted_line_is_in_the_readme_and_documents_its_fast_form():
     tour = [line for _, lang, code in blocks(README.read_text()) if lang == "sh"
-            for line in commands(code)]  # fmt: skip
+            for line in commands(code)]
     assert set(SUBSTITUTE) <= set(tour)
     assert "`--like` also" in README.read_text() and "spec .toml" in README.read_text()
 
@@ -151,7 +151,7 @@ def test_make_targets_resolve_and_ci_runs_make_test(tmp_path):
         pytest.skip("make is not installed here")
     for target, expect in (("demo", "stmoe demo"), ("test", "pytest -q")):
         proc = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=REPO,
-                              capture_output=True, text=True)  # fmt: skip
+                              capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         assert expect in proc.stdout and "-m venv" in proc.stdout, proc.stdout
 

@@ -7,9 +7,9 @@ import pytest
 
 import stmoe
 from conftest import CONTRACT_PREDICTORS
-from stmoe.cache_replay import replay_cache
+from stmoe.evaluate.cache_replay import replay_cache
+from stmoe.evaluate.replay import cross_domain_matrix, replay
 from stmoe.predictors import ModelShape, PredictorError, PrefetchPlan, make, profile
-from stmoe.replay import cross_domain_matrix, replay
 
 
 def one_layer_trace(demands, n=4):
@@ -141,7 +141,7 @@ def test_cross_domain_matrix_favours_the_diagonal_on_distinct_domains():
 def test_cross_domain_survives_a_domain_too_small_to_split():
     big = stmoe.synthesize(tokens=400, layers=3, experts=8, top_k=2, sequences=4, seed=1)
     tiny = stmoe.RoutingTrace(big.experts[:1], np.array([0]), np.array([True]), big.meta,
-                              domains=("tiny",))  # fmt: skip
+                              domains=("tiny",))
     joined = stmoe.concat([big, tiny], drop_partial=True)  # tiny has no gate weights
     m = cross_domain_matrix(joined, "stmoe", max_set_size=2)
     assert m["profiled_on"] == ["unlabelled", "tiny"]

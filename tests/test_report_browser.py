@@ -45,7 +45,7 @@ def test_report_reads_offline(quick_demo):
 
 
 @pytest.mark.skipif(_browser() is None, reason=f"no headless browser installed (looked for "
-                    f"{', '.join(BROWSERS)}; .ci/run installs Debian's chromium)")  # fmt: skip
+                    f"{', '.join(BROWSERS)}; .ci/run installs Debian's chromium)")
 def test_report_opens_in_headless_chromium(quick_demo):
     _, folder = quick_demo
     page = (folder / "index.html").read_text()
@@ -53,7 +53,7 @@ def test_report_opens_in_headless_chromium(quick_demo):
     probe.write_text(page.replace("</body>", _PROBE + "</body>"))
     cmd = [_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
            "--disable-extensions", "--allow-file-access-from-files",
-           "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()]  # fmt: skip
+           "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     found = re.search(r"<pre id=\"probe\">(.*?)</pre>", done.stdout, re.DOTALL)
     assert found, f"the page's probe did not run (exit {done.returncode}): {done.stderr[-2000:]}"

@@ -7,11 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stmoe.runtime.routing_replay import (  # noqa: E402
+from stmoe.runtime.forced_routing import (  # noqa: E402
     ForcedRouting,
-    RoutingReplay,
-    RoutingReplayError,
-    plan_replay,
+    ForcedRoutingError,
+    RoutingSource,
+    plan_routing,
 )
 from stmoe.trace.schema import RoutingTrace, TraceMeta  # noqa: E402
 
@@ -20,19 +20,19 @@ def _trace(prefill: int = 3, decode: int = 4, layers: int = 5, weights: bool = T
     rng = np.random.default_rng(0)
     t = prefill + decode
     experts = np.stack([np.stack([rng.choice(16, 4, replace=False) for _ in range(layers)])
-                        for _ in range(t)]).astype(np.int16)  # fmt: skip
+                        for _ in range(t)]).astype(np.int16)
     w = rng.random((t, layers, 4)).astype(np.float32) if weights else None
     return RoutingTrace(experts, np.array([0]), np.arange(t) >= prefill,
                         TraceMeta(num_experts=16, top_k=4, num_layers=layers, model="m"),
-                        weights=w, token_ids=np.arange(100, 100 + t))  # fmt: skip
+                        weights=w, token_ids=np.arange(100, 100 + t))
 
 
 def test_each_forward_call_gets_its_tokens_routing():
     trace = _trace()
-    plan = plan_replay(trace, 0, num_layers=3, num_experts=16, top_k=4, vocab_size=4096)
+    plan = plan_routing(trace, 0, num_layers=3, num_experts=16, top_k=4, vocab_size=4096)
     assert plan.prefill == 3 and plan.decode_steps == 4 and plan.new_tokens == 5
     assert plan.token_ids == [100, 101, 102]
-    replay = RoutingReplay(plan)
+    replay = RoutingSource(plan)
     ids = torch.zeros((3, 4), dtype=torch.long)
     w = torch.zeros((3, 4), dtype=torch.bfloat16)
     got_ids, got_w = replay.routing(0, 2, ids, w)
@@ -42,14 +42,14 @@ def test_each_forward_call_gets_its_tokens_routing():
     for step in range(1, 5):  # decode call j: the trace's decode token j - 1
         got_ids, _ = replay.routing(step, 1, ids[:1], w[:1])
         assert got_ids.tolist() == trace.experts[2 + step : 3 + step, 1].tolist()
-    with pytest.raises(RoutingReplayError, match="forward call 5"):
+    with pytest.raises(ForcedRoutingError, match="forward call 5"):
         replay.routing(5, 0, ids[:1], w[:1])
-    with pytest.raises(RoutingReplayError, match="computes 2"):
+    with pytest.raises(ForcedRoutingError, match="computes 2"):
         replay.routing(1, 0, ids[:2], w[:2])
 
 
 def test_uniform_weights_and_foreign_vocabulary():
-    plan = plan_replay(_trace(weights=False), 0, 5, 16, 4, vocab_size=50)
+    plan = plan_routing(_trace(weights=False), 0, 5, 16, 4, vocab_size=50)
     assert np.all(plan.weights == 0.25)
     assert all(0 <= t < 50 for t in plan.token_ids)
 
@@ -59,12 +59,12 @@ def test_uniform_weights_and_foreign_vocabulary():
     ({"top_k": 2}, "top-2 of"),
     ({"num_layers": 6}, "at most 5"),
     ({"sequence": 1}, r"outside 0\.\.0"),
-])  # fmt: skip
+])
 def test_a_trace_of_another_shape_is_refused(kw, message):
     args = {"sequence": 0, "num_layers": 5, "num_experts": 16, "top_k": 4, "vocab_size": 99}
     args.update(kw)
-    with pytest.raises(RoutingReplayError, match=message):
-        plan_replay(_trace(), **args)
+    with pytest.raises(ForcedRoutingError, match=message):
+        plan_routing(_trace(), **args)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def replay_setup(tmp_path_factory):
     """A 3-layer random checkpoint of the shipped model's shape, a SYNTHETIC trace of
     that shape, its tables and the store."""
     pytest.importorskip("transformers")
-    from stmoe.checkpoints import make_checkpoint, plan_checkpoint
+    from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
     from stmoe.predictors import profile, save_tables
     from stmoe.runtime.store import pack
     from stmoe.trace import save_trace
@@ -80,13 +80,13 @@ def replay_setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("replay")
     model_dir = make_checkpoint(plan_checkpoint("stmoe-tiny", layers=3, dtype="float32"),
-                                root / "m")  # fmt: skip
+                                root / "m")
     trace = synthesize(tokens=60, layers=5, experts=16, top_k=4, sequences=2, seed=1)
     save_trace(trace, root / "t.npz")
     from stmoe.trace.select import first_layers
 
     save_tables(profile(first_layers(trace, 3)), root / "tables.npz")
-    from stmoe.capture_generate import load_causal_lm
+    from stmoe.hf.loading import load_causal_lm
 
     pack(load_causal_lm(model_dir), root / "store", source=model_dir)
     return root, model_dir, trace
@@ -102,7 +102,7 @@ def _resident_replay(model_dir, plan):
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=plan.new_tokens, min_new_tokens=plan.new_tokens,
-                             pad_token_id=0)  # fmt: skip
+                             pad_token_id=0)
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -111,11 +111,11 @@ def test_replay_feeds_the_trace_to_cache_and_predictor_losslessly(replay_setup, 
     from stmoe.runtime.api import offload
 
     root, model_dir, trace = replay_setup
-    plan = plan_replay(trace, 1, num_layers=3, num_experts=16, top_k=4, vocab_size=4096)
+    plan = plan_routing(trace, 1, num_layers=3, num_experts=16, top_k=4, vocab_size=4096)
     seen = {}
     tables = root / "tables.npz" if predictor == "stmoe-plus" else None  # (the oracle takes none)
     with offload(model_dir, root / "store", capacity=8, predictor=predictor, tables=tables,
-                 tier="emulated", bandwidth="200MB") as om:  # fmt: skip
+                 tier="emulated", bandwidth="200MB") as om:
         after = om.engine.planner.after_routing
 
         def record(layer, rows, hidden):
@@ -123,7 +123,7 @@ def test_replay_feeds_the_trace_to_cache_and_predictor_losslessly(replay_setup, 
             return after(layer, rows, hidden)
 
         om.engine.planner.after_routing = record
-        result = om.replay(plan)
+        result = om.force_routing(plan)
     assert result.text == "" and result.config["routing_replay"]
     assert len(result.tokens) == plan.new_tokens
     a = int(trace.seq_starts[1])
@@ -139,7 +139,7 @@ def test_generate_cli_replays_and_refuses_a_foreign_shape(replay_setup, cli):
     root, model_dir, _ = replay_setup
     args = ["generate", "--model", model_dir, "--store", root / "store", "--capacity", "8",
             "--predictor", "stmoe", "--tables", root / "tables.npz", "--routing",
-            root / "t.npz", "--sequence", "1"]  # fmt: skip
+            root / "t.npz", "--sequence", "1"]
     res = cli(*args, "--json", "-")
     assert res.exit_code == 0, res.output
     import json
@@ -152,7 +152,7 @@ def test_generate_cli_replays_and_refuses_a_foreign_shape(replay_setup, cli):
 
     row = re.search(r"reads of the tier \(decode\)\W+(\d+)(, [\d.]+ ms each)? by the compute "
                     r"thread \(its misses\), (\d+)(, [\d.]+ ms each)? by the prefetch workers",
-                    " ".join(res.output.split()))  # fmt: skip
+                    " ".join(res.output.split()))
     assert row is not None, res.output
     for count, each in ((row[1], row[2]), (row[3], row[4])):
         assert (int(count) > 0) == (each is not None), row[0]  # a time where there were reads
@@ -165,7 +165,7 @@ def test_generate_cli_replays_and_refuses_a_foreign_shape(replay_setup, cli):
     from stmoe.trace.synth import synthesize
 
     save_trace(synthesize(tokens=20, layers=3, experts=32, top_k=4, sequences=1),
-               root / "wide.npz")  # fmt: skip
+               root / "wide.npz")
     res = cli(*args[:-4], "--routing", root / "wide.npz")
     assert res.exit_code == 1 and "top-4 of 32 experts" in res.output
 
@@ -185,7 +185,7 @@ def test_tables_a_predictor_does_not_take_are_named_not_silently_ignored(replay_
     root, model_dir, _ = replay_setup
     res = cli("generate", "--model", model_dir, "--store", root / "store", "--capacity", "8",
               "--predictor", "ondemand", "--tables", root / "tables.npz", "--routing",
-              root / "t.npz", "--max-new-tokens", "2")  # fmt: skip
+              root / "t.npz", "--max-new-tokens", "2")
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
     assert "predictor 'ondemand' takes no profiled tables" in said and "tables.npz" in said

@@ -11,14 +11,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stmoe.capture_generate import capture_generation  # noqa: E402
-from stmoe.model_introspect import experts_modules  # noqa: E402
+from stmoe.errors import OffloadError  # noqa: E402
+from stmoe.hf.capture_generate import capture_generation  # noqa: E402
+from stmoe.hf.layout import experts_modules  # noqa: E402
 from stmoe.predictors import profile, save_tables  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.cache import READY, LayerCache, ParamSpec  # noqa: E402
 from stmoe.runtime.options import resolve_capacity  # noqa: E402
 from stmoe.runtime.store import ExpertStore, StoreError, pack  # noqa: E402
-from stmoe.runtime.tiers import parse_bytes, parse_seconds  # noqa: E402
+from stmoe.util.units import UnitError, parse_bytes, parse_seconds  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]  # a batch of two, the second left-padded
@@ -38,7 +39,7 @@ def _generate(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+                             output_logits=True, return_dict_in_generate=True)
     return out.sequences, list(out.logits)
 
 
@@ -65,7 +66,7 @@ def test_offloaded_generation_is_bit_identical_to_the_resident_model(family, pre
     for capacity in (2, 5, num_experts):  # top-K .. all experts
         model, _ = tiny_model(name)  # offloading releases the experts: a fresh copy each time
         with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
-                     tier="disk", workers=2) as om:  # fmt: skip
+                     tier="disk", workers=2) as om:
             (seq, logits), stats = om.measure(lambda om=om: _generate(om.model))
             om.engine.check()
             ids, _ = _inputs()
@@ -153,20 +154,20 @@ def test_a_failed_read_into_a_spare_row_leaves_the_cache_consistent(tmp_path):
     offloaded, _ = tiny_model("qwen3_moe")
     with offload(offloaded, store, capacity=2, predictor="ondemand") as om:
         state = om.engine.state
-        fill = state.fill
+        fill = state.loader.fill
 
         def failing(cache, row, *args):
             if row >= cache.capacity:
                 raise OSError("injected: the disk went away")
             fill(cache, row, *args)
 
-        state.fill = failing
+        state.loader.fill = failing
         with pytest.raises(OSError, match="injected"), torch.no_grad():
             om.model(input_ids=x)
         om.engine.check()
         assert all(st != 1 for c in state.caches for st in c.state)  # no LOADING slot left
         assert all(not c.pinned for c in state.caches)
-        state.fill = fill
+        state.loader.fill = fill
         with torch.no_grad():
             assert torch.equal(om.model(input_ids=x).logits, want)
 
@@ -176,7 +177,7 @@ def test_experts_are_never_materialised_and_the_cache_is_the_only_expert_memory(
     model.save_pretrained(tmp_path / "model")
     pack(model, tmp_path / "store", source=tmp_path / "model")
     ref = _generate(model)
-    from stmoe.runtime.loading import load_without_experts
+    from stmoe.hf.loading import load_without_experts
 
     loaded = load_without_experts(tmp_path / "model")
     assert not loaded.full_load
@@ -230,17 +231,17 @@ def test_every_policy_is_lossless_and_stays_within_capacity(tmp_path, policy):
 def test_capacity_below_top_k_and_bad_settings_are_clear_errors(tmp_path):
     model, _ = tiny_model("mixtral")
     store = pack(model, tmp_path / "store")
-    with pytest.raises(StoreError, match="below the router's top-2"):
+    with pytest.raises(OffloadError, match="below the router's top-2"):
         offload(model, store, capacity=1, predictor="ondemand")
-    with pytest.raises(StoreError, match="below the router's top-2"):
+    with pytest.raises(OffloadError, match="below the router's top-2"):
         offload(model, store, capacity="10%", predictor="ondemand")
-    with pytest.raises(StoreError, match="unknown cache policy"):
+    with pytest.raises(OffloadError, match="unknown cache policy"):
         offload(model, store, capacity=2, policy="fifo")
-    with pytest.raises(StoreError, match="unknown tier"):
+    with pytest.raises(OffloadError, match="unknown tier"):
         offload(model, store, capacity=2, tier="tape")
-    with pytest.raises(StoreError, match="needs a bandwidth"):
+    with pytest.raises(OffloadError, match="needs a bandwidth"):
         offload(model, store, capacity=2, predictor="ondemand", tier="emulated")
-    with pytest.raises(StoreError, match="needs profiled tables"):
+    with pytest.raises(OffloadError, match="needs profiled tables"):
         offload(model, store, capacity=2, predictor="stmoe")
 
 
@@ -249,11 +250,11 @@ def test_capacity_forms():
     assert resolve_capacity("50%", 4, 16, 4, 1000) == 8
     assert resolve_capacity("100%", 4, 16, 4, 1000) == 16
     assert resolve_capacity("24KB", 4, 16, 4, 1000) == 6  # 24000 bytes / (4 layers x 1000)
-    with pytest.raises(StoreError, match="a share of the experts"):
+    with pytest.raises(OffloadError, match="a share of the experts"):
         resolve_capacity("lots", 4, 16, 4, 1000)
     assert parse_bytes("200MB") == 2e8 and parse_bytes("1GiB") == 2**30
     assert parse_seconds("50us") == pytest.approx(5e-5) and parse_seconds("2ms") == 0.002
-    with pytest.raises(StoreError, match="unknown unit"):
+    with pytest.raises(UnitError, match="unknown unit"):
         parse_bytes("3 parsecs")
 
 
@@ -307,7 +308,14 @@ def test_a_prefetched_expert_evicted_unused_counts_as_wasted():
 class _FaultyTier:
     """Wraps a tier; fails reads made by prefetch workers (or every read) on cue."""
 
-    name, emulated = "faulty", False
+    # the Tier protocol: never reads in place, so the loader fetches and copies
+
+    name, emulated, reads_in_place = "faulty", False, False
+
+
+    def read_into(self, block, parts):
+
+        return False
 
     def __init__(self, inner, only_workers: bool = True, kind: str = "oserror") -> None:
         self.inner, self.only_workers, self.kind = inner, only_workers, kind
@@ -405,7 +413,7 @@ def test_a_slow_link_drops_stale_prefetches_and_still_matches(tmp_path):
 
 
 def test_shipped_model_offloaded_with_its_shipped_tables_matches_plain_generation():
-    from stmoe.capture_generate import load_model
+    from stmoe.hf.loading import load_model
     from stmoe.models import SHIPPED_MODEL
 
     model, tok = load_model(SHIPPED_MODEL)
@@ -413,7 +421,7 @@ def test_shipped_model_offloaded_with_its_shipped_tables_matches_plain_generatio
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
                              min_new_tokens=12, do_sample=False,
-                             pad_token_id=model.generation_config.eos_token_id)  # fmt: skip
+                             pad_token_id=model.generation_config.eos_token_id)
     for capacity, predictor in ((4, "stmoe"), (8, "oracle"), (16, "stmoe")):
         with offload(SHIPPED_MODEL, capacity=capacity, predictor=predictor) as om:
             result = om.generate(ids[0].tolist(), max_new_tokens=12)
@@ -428,7 +436,7 @@ def test_generate_cli_prints_text_and_writes_the_measurements(cli, tmp_path, mon
     out = tmp_path / "g.json"
     res = cli("generate", "--prompt", "def add(a, b):", "--max-new-tokens", "5", "--capacity",
               "8", "--tier", "emulated", "--bandwidth", "1GB", "--latency", "20us",
-              "--json", out)  # fmt: skip
+              "--json", out)
     assert res.exit_code == 0, res.output
     assert "def add(a, b):" in res.output and "EMULATED" in res.output
     data = json.loads(out.read_text())
@@ -502,7 +510,7 @@ def test_a_run_ends_only_when_its_last_prefetches_have_landed(tmp_path):
     model, _ = tiny_model("mixtral")
     expert_bytes = ExpertStore(store).data_path.stat().st_size // (3 * 8)
     with offload(model, store, capacity=4, predictor="random", tier="emulated",
-                 bandwidth=expert_bytes / 0.01, workers=2) as om:  # fmt: skip
+                 bandwidth=expert_bytes / 0.01, workers=2) as om:
         _, stats = om.measure(lambda: _generate(om.model))
         assert all(not c.loading() for c in om.engine.caches)
         moved = stats.bytes_moved
@@ -517,16 +525,16 @@ def test_misuse_is_a_clear_error(tmp_path):
     store = pack(model, tmp_path / "store")
     model, _ = tiny_model("mixtral")
     om = offload(model, store, capacity=2, predictor="ondemand")
-    with pytest.raises(StoreError, match="already offloaded"):
+    with pytest.raises(OffloadError, match="already offloaded"):
         offload(model, capacity=2, predictor="ondemand")
-    with pytest.raises(StoreError, match="outside the vocabulary"):
+    with pytest.raises(OffloadError, match="outside the vocabulary"):
         om.generate([5, 500], max_new_tokens=1)
-    with pytest.raises(StoreError, match="flat list of token ids"):
+    with pytest.raises(OffloadError, match="flat list of token ids"):
         om.generate([[5, 6]], max_new_tokens=1)
     om.close()
-    with pytest.raises(StoreError, match="closed"):
+    with pytest.raises(OffloadError, match="closed"):
         om.generate([5, 6], max_new_tokens=1)
-    with pytest.raises(StoreError, match="workers must be"):
+    with pytest.raises(OffloadError, match="workers must be"):
         offload(tiny_model("mixtral")[0], store, capacity=2, predictor="ondemand", workers=-1)
 
 
@@ -557,12 +565,12 @@ def test_the_runtime_computes_the_same_gate_lookahead_as_capture(tmp_path, point
         assert (om.engine._late is not None) == (point == "late")
         with torch.no_grad():
             om.model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, pad_token_id=0)  # fmt: skip
+                              do_sample=False, pad_token_id=0)
     recorded = trace.lookahead_late if point == "late" else trace.lookahead
     # generate's forward calls: the prompt (its last token predicts), then new - 1 tokens
     expected = [(layer, recorded[t, layer].tolist())
                 for t in range(len(prompt) - 1, len(prompt) - 1 + new)
-                for layer in range(1, trace.num_layers)]  # fmt: skip
+                for layer in range(1, trace.num_layers)]
     assert spy.seen == expected
 
 
@@ -575,10 +583,10 @@ def test_offload_applies_the_lookahead_option_to_a_predictor_object(tmp_path):
     shape = ModelShape(3, 8, 2)
     model, _ = tiny_model("qwen3_moe")
     with offload(model, store, capacity=2, predictor=LookaheadPredictor(shape),
-                 lookahead="early") as om:  # fmt: skip
+                 lookahead="early") as om:
         assert om.engine._late is None and om.config["lookahead"] == "early"
     model, _ = tiny_model("qwen3_moe")
-    with pytest.raises(StoreError, match="applies to predictors that use the gate lookahead"):
+    with pytest.raises(OffloadError, match="applies to predictors that use the gate lookahead"):
         offload(model, store, capacity=2, predictor="stmoe", tables=None, lookahead="early")
     model, _ = tiny_model("qwen3_moe")
     from stmoe.predictors import PredictorError
@@ -608,11 +616,11 @@ def test_offload_of_a_path_that_is_not_a_checkpoint_folder_is_one_clear_error(
 
 
 def test_packing_on_first_use_says_so_on_a_terminal(tmp_path, monkeypatch, capsys):
-    import stmoe._progress
+    import stmoe.util.progress
     from stmoe.models import SHIPPED_MODEL
 
     monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(stmoe._progress, "_enabled", lambda: True)
+    monkeypatch.setattr(stmoe.util.progress, "_enabled", lambda: True)
     with offload(SHIPPED_MODEL, capacity=8, predictor="ondemand"):
         pass
     first = capsys.readouterr().err
@@ -628,7 +636,7 @@ def test_generate_repeat_reports_the_median_and_range_of_each_figure(cli, tmp_pa
     prompt = "# " + "-" * 180  # wider than the 160 columns rich wraps at off a terminal
     res = cli("generate", "--prompt", prompt, "--max-new-tokens", "3", "--predictor",
               "ondemand", "--tier", "emulated", "--bandwidth", "1GB", "--latency", "20us",
-              "--repeat", "3", "--json", out)  # fmt: skip
+              "--repeat", "3", "--json", out)
     assert res.exit_code == 0, res.output
     assert prompt in res.output.splitlines()[0]  # the text is not wrapped
     assert "emulated link: 1000 MB/s, 20 us per transfer (EMULATED)" in res.output
@@ -646,7 +654,7 @@ def test_generate_repeat_reports_the_median_and_range_of_each_figure(cli, tmp_pa
 
 def test_generate_says_a_single_run_is_a_single_run(cli):
     res = cli("generate", "--prompt", "def f():", "--max-new-tokens", "2", "--predictor",
-              "stmoe")  # fmt: skip
+              "stmoe")
     assert res.exit_code == 0, res.output
     assert "disk, direct reads (page cache bypassed)" in res.output or "buffered" in res.output
     assert "stmoe, up to 8 loads per prediction" in res.output

@@ -3,7 +3,7 @@
 Calls on one offloaded model from several threads are serialised (``generate``,
 ``measure``) or refused with one clear line (a direct forward while another
 thread's runs); a prefetch worker's failure, wherever it happens, or a predictor
-naming an expert the model lacks, is a clear ``StoreError`` on the caller within
+naming an expert the model lacks, is a clear ``OffloadError`` on the caller within
 seconds, the caches stay consistent, and the next call works. Every call that
 could hang runs under ``_bounded``, so a regression fails instead of hanging CI.
 """
@@ -18,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stmoe.model_introspect import experts_modules  # noqa: E402
+from stmoe.errors import OffloadError  # noqa: E402
+from stmoe.hf.layout import experts_modules  # noqa: E402
 from stmoe.predictors.base import ModelShape  # noqa: E402
 from stmoe.predictors.baselines import RandomPredictor  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
@@ -66,7 +67,7 @@ def _resident_tokens(model: torch.nn.Module, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             pad_token_id=0)  # fmt: skip
+                             pad_token_id=0)
     return out[0, len(prompt) :].tolist()
 
 
@@ -81,7 +82,7 @@ def mixtral(tmp_path_factory):
 
 def _offloaded(store, **kwargs):
     options = {"capacity": 3, "predictor": "random", "tier": "emulated", "bandwidth": 1e10,
-               "workers": 2, **kwargs}  # fmt: skip
+               "workers": 2, **kwargs}
     return offload(tiny_model("mixtral")[0], store, **options)
 
 
@@ -127,19 +128,20 @@ def test_a_direct_forward_while_another_thread_runs_is_refused_in_one_line(mixtr
         thread = threading.Thread(
             target=lambda: first.update(out=om.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)),
             name="first-caller",
-        )  # fmt: skip
+        )
         thread.start()
         assert inside.wait(LIMIT_S)
         ids = torch.tensor([PROMPTS[1]])
-        with pytest.raises(StoreError, match=r"busy: thread 'first-caller' is running a measured"):
+        busy = r"busy: thread 'first-caller' is running a measured"
+        with pytest.raises(OffloadError, match=busy):
             _bounded(lambda: om.model(input_ids=ids))
-        with pytest.raises(StoreError, match="one offloaded model serves one call at a time"):
+        with pytest.raises(OffloadError, match="one offloaded model serves one call at a time"):
             _bounded(lambda: om.model.generate(ids, max_new_tokens=2, do_sample=False,
-                                               pad_token_id=0))  # fmt: skip
+                                               pad_token_id=0))
         # an experts module called on its own, outside any model forward, is refused too
         experts = experts_modules(om.model)[0][1]
         hidden, index = torch.zeros(1, 32), torch.tensor([[0, 1]])
-        with pytest.raises(StoreError, match="busy: thread 'first-caller'"):
+        with pytest.raises(OffloadError, match="busy: thread 'first-caller'"):
             _bounded(lambda: experts(hidden, index, torch.ones(1, 2)))
         release.set()
         thread.join(LIMIT_S)
@@ -169,9 +171,9 @@ def test_overlapping_direct_forwards_from_two_threads_never_mix(mixtral):
                 with torch.no_grad():
                     out = om.model.generate(ids, attention_mask=torch.ones_like(ids),
                                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                            do_sample=False, pad_token_id=0)  # fmt: skip
+                                            do_sample=False, pad_token_id=0)
                 outcomes.append((prompt, out[0, len(prompt) :].tolist()))
-            except StoreError as exc:
+            except OffloadError as exc:
                 outcomes.append((prompt, exc))
 
     with _offloaded(store) as om:
@@ -180,7 +182,7 @@ def test_overlapping_direct_forwards_from_two_threads_never_mix(mixtral):
         assert om.engine.state.owner is None  # every forward, refused or not, let go
     assert len(outcomes) == 6
     for prompt, got in outcomes:
-        if isinstance(got, StoreError):
+        if isinstance(got, OffloadError):
             assert "one offloaded model serves one call at a time" in str(got)
         else:
             assert got == expected[tuple(prompt)], prompt
@@ -190,10 +192,10 @@ def test_a_nested_measure_is_refused_instead_of_deadlocking(mixtral):
     store, expected = mixtral
     with _offloaded(store) as om:
         nested = r"inside a measured run \(or a forward call\) of this model"
-        with pytest.raises(StoreError, match=nested):
+        with pytest.raises(OffloadError, match=nested):
             _bounded(lambda: om.measure(lambda: om.generate(PROMPTS[0], max_new_tokens=2)))
         assert om.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS).tokens == expected[
-            tuple(PROMPTS[0])]  # fmt: skip
+            tuple(PROMPTS[0])]
 
 
 # ---- item 5: failures in the workers and at the predictor boundary ---------------------------
@@ -223,7 +225,7 @@ def test_a_predictor_naming_an_expert_beyond_n_is_a_clear_error_not_a_hang(mixtr
     wide = _WidePredictor(ModelShape(3, 8, 2))
     with _offloaded(store, predictor=wide) as om:
         start = time.perf_counter()
-        with pytest.raises(StoreError, match=r"predictor 'too-wide' predicted expert 8 .*0\.\.7"):
+        with pytest.raises(OffloadError, match=r"predictor 'too-wide' predicted expert 8 .*0\.\.7"):
             _bounded(lambda: om.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS))
         assert time.perf_counter() - start < 10
         om.engine.planner.predictor = RandomPredictor(ModelShape(3, 8, 2))
@@ -233,7 +235,14 @@ def test_a_predictor_naming_an_expert_beyond_n_is_a_clear_error_not_a_hang(mixtr
 class _FailingTier:
     """Wraps a tier; reads made by prefetch workers raise ``exc`` while armed."""
 
-    name, emulated = "failing", False
+    # the Tier protocol: never reads in place, so the loader fetches and copies
+
+    name, emulated, reads_in_place = "failing", False, False
+
+
+    def read_into(self, block, parts):
+
+        return False
 
     def __init__(self, inner, exc: BaseException) -> None:
         self.inner, self.exc, self.armed = inner, exc, True
@@ -248,7 +257,7 @@ class _FailingTier:
 
 
 @pytest.mark.parametrize("exc", [KeyError((0, 99)), OSError(5, "Input/output error (injected)"),
-                                 RuntimeError("injected")])  # fmt: skip
+                                 RuntimeError("injected")])
 def test_a_worker_whose_fetch_raises_anything_fails_the_call_at_once(mixtral, exc):
     store, expected = mixtral
     with _offloaded(store) as om:
@@ -267,7 +276,7 @@ def test_a_worker_failing_before_its_fetch_fails_the_call_at_once(mixtral):
         prefetcher = om.engine.prefetcher
         base = prefetcher.request
         prefetcher.request = lambda fwd, layer, experts, max_loads: base(
-            fwd, layer, [8, *experts], max_loads)  # fmt: skip
+            fwd, layer, [8, *experts], max_loads)
         bad = r"worker failed: layer \d: expert 8 is outside its experts 0\.\.7"
         with pytest.raises(StoreError, match=bad):
             _bounded(lambda: om.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS))
@@ -319,7 +328,11 @@ def test_a_stuck_load_is_a_clear_error_after_the_stall_limit(mixtral):
         inner = engine.tier
 
         class Stuck:
-            name, emulated = "stuck", False
+            # the Tier protocol: never reads in place, so the loader fetches and copies
+            name, emulated, reads_in_place = "stuck", False, False
+
+            def read_into(self, block, parts):
+                return False
 
             def fetch(self, block, buf):
                 if threading.current_thread().name.startswith("stmoe-prefetch"):
@@ -331,7 +344,7 @@ def test_a_stuck_load_is_a_clear_error_after_the_stall_limit(mixtral):
 
         engine.tier = Stuck()
         with pytest.raises(StoreError, match=r"expert \d+ has been loading for more than 1 s on "
-                                             r"thread 'stmoe-prefetch-\d'"):  # fmt: skip
+                                             r"thread 'stmoe-prefetch-\d'"):
             _bounded(lambda: om.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS))
         gate.set()  # the reads complete: the model recovers
         engine.tier = inner

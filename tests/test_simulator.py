@@ -12,17 +12,17 @@ from hypothesis import strategies as st
 
 import stmoe
 from stmoe.predictors import names_for, profile
-from stmoe.sim.simulate import simulate
-from stmoe.sim.specs import SpecError, load_hardware, load_model, preset_names
-from stmoe.sim.systems import RunOptions, run_system
+from stmoe.sim.accelerator.simulate import simulate
+from stmoe.sim.accelerator.systems import RunOptions, run_system
+from stmoe.sim.specs import SpecError, hardware_preset, model_preset, preset_names
 
-MODEL = dataclasses.replace(load_model("olmoe-1b-7b"), layers=4, num_experts=16, top_k=2)
-ASIC = load_hardware("stmoe-asic")
+MODEL = dataclasses.replace(model_preset("olmoe-1b-7b"), layers=4, num_experts=16, top_k=2)
+ASIC = hardware_preset("stmoe-asic")
 
 
 def trace_for(model=MODEL, tokens=120, sequences=3, seed=0, **kw):
     return stmoe.synthesize(tokens=tokens, layers=model.layers, experts=model.num_experts,
-                            top_k=model.top_k, sequences=sequences, seed=seed, **kw)  # fmt: skip
+                            top_k=model.top_k, sequences=sequences, seed=seed, **kw)
 
 
 def per_token_compute(trace, model, hw, util):
@@ -70,7 +70,7 @@ def test_prediction_off_equals_on_demand():
     trace = trace_for()
     tables = profile(trace)
     silent = run_system("stmoe", trace, MODEL, ASIC, RunOptions(
-        tables=tables, predictor_options={"threshold": 1e9, "layer0": "none"}))  # fmt: skip
+        tables=tables, predictor_options={"threshold": 1e9, "layer0": "none"}))
     ondemand = run_system("ondemand", trace, MODEL, ASIC)
     assert silent.counters["prefetched"] == 0
     assert silent.time == ondemand.time
@@ -93,7 +93,7 @@ def test_the_oracle_is_never_slower_than_any_predictor(seed, spatial, temporal):
     oracle = run_system("oracle", trace, MODEL, ASIC).time
     for name in names_for(trace):
         assert oracle <= run_system(name, trace, MODEL, ASIC,
-                                     RunOptions(tables=tables, seed=seed)).time + 1e-12  # fmt: skip
+                                     RunOptions(tables=tables, seed=seed)).time + 1e-12
 
 
 def test_adaptive_gating_is_lossy_and_says_so():
@@ -123,18 +123,18 @@ def test_batches_union_their_experts():
 def test_presets_load_and_bad_specs_are_clear(tmp_path):
     assert {"stmoe-asic", "gpu-offload", "edge-ssd"} <= set(preset_names("hardware"))
     names = {"qwen1.5-moe-a2.7b", "qwen2-57b-a14b", "deepseek-v2-lite", "deepseek-moe-16b",
-             "mixtral-8x7b", "olmoe-1b-7b", "qwen3-30b-a3b"}  # fmt: skip
+             "mixtral-8x7b", "olmoe-1b-7b", "qwen3-30b-a3b"}
     assert names <= set(preset_names("models"))
     for name in names:
-        assert load_model(name).expert_bytes > 0
+        assert model_preset(name).expert_bytes > 0
     with pytest.raises(SpecError, match=r"unknown hardware 'tpu'.*stmoe-asic"):
-        load_hardware("tpu")
+        hardware_preset("tpu")
     bad = tmp_path / "m.toml"
     bad.write_text("layers = 'many'\n")
     with pytest.raises(SpecError, match="lacks"):
-        load_model(str(bad))
+        model_preset(str(bad))
     with pytest.raises(SpecError, match=r"trace has L=4 MoE layers, N=16 experts, top-2"):
-        simulate(trace_for(), load_model("mixtral-8x7b"), ASIC)
+        simulate(trace_for(), model_preset("mixtral-8x7b"), ASIC)
 
 
 def test_simulate_command_json_and_figures(cli, tmp_path):
@@ -143,7 +143,7 @@ def test_simulate_command_json_and_figures(cli, tmp_path):
     model.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()))
     stmoe.save_trace(trace_for(tokens=300, sequences=4), tmp_path / "t.npz")
     result = cli("simulate", tmp_path / "t.npz", "--model", model, "--hardware", "stmoe-asic",
-                 "--json", tmp_path / "s.json", "-o", tmp_path / "fig")  # fmt: skip
+                 "--json", tmp_path / "s.json", "-o", tmp_path / "fig")
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["systems"]["gpu-baseline"]["normalized_time"] == 1.0
@@ -151,7 +151,7 @@ def test_simulate_command_json_and_figures(cli, tmp_path):
         entry = data["systems"][name]
         assert {"time", "normalized_time", "energy", "edp", "breakdown"} <= set(entry)
     for png in ("normalized_time", "ablation", "sweep_link_bytes_per_s",
-                "sweep_cache_experts_per_layer", "sweep_batch"):  # fmt: skip
+                "sweep_cache_experts_per_layer", "sweep_batch"):
         assert (tmp_path / "fig" / f"{png}.png").stat().st_size > 10_000
     bad = cli("simulate", tmp_path / "t.npz", "--model", "nope", "--hardware", "stmoe-asic")
     assert bad.exit_code == 1 and "unknown model 'nope'" in bad.output
@@ -208,7 +208,7 @@ first_touch_s = {touch}
 def host_spec(tmp_path, pe=1.0, bw=1e9, par=1e9, tier="disk", touch=0.0):
     path = tmp_path / "host.toml"
     path.write_text(HOST_TOML.format(pe=pe, bw=bw, par=par, tier=tier, touch=touch))
-    return load_hardware(str(path))
+    return hardware_preset(str(path))
 
 
 def host_trace(tokens=40):
@@ -216,7 +216,7 @@ def host_trace(tokens=40):
 
 
 def test_on_demand_on_the_host_is_compute_plus_every_read_in_turn(tmp_path):
-    from stmoe.sim.host_systems import HostOptions, simulate_runtime
+    from stmoe.sim.host.systems import HostOptions, simulate_runtime
 
     hw = host_spec(tmp_path, pe=2.0, bw=4e8)
     trace = host_trace()
@@ -234,13 +234,13 @@ def test_on_demand_on_the_host_is_compute_plus_every_read_in_turn(tmp_path):
 
 
 def test_with_a_free_tier_every_system_costs_compute_alone(tmp_path):
-    from stmoe.sim.host_systems import RUNTIME_SYSTEMS, HostOptions, simulate_runtime
+    from stmoe.sim.host.systems import RUNTIME_SYSTEMS, HostOptions, simulate_runtime
 
     hw = host_spec(tmp_path, bw=1e300, par=1e300)
     trace = host_trace()
     tables = profile(trace, fit_plus=False)
     data = simulate_runtime(trace, MODEL, hw, list(RUNTIME_SYSTEMS),
-                            HostOptions(capacity=8, decode_tokens=5, tables=tables))  # fmt: skip
+                            HostOptions(capacity=8, decode_tokens=5, tables=tables))
     compute = 5 * (0.003 + MODEL.layers * (0.002 + MODEL.top_k * MODEL.expert_macs / 1e9))
     for name, r in data["systems"].items():
         assert r["decode_s"] == pytest.approx(compute, rel=1e-9), name
@@ -249,22 +249,22 @@ def test_with_a_free_tier_every_system_costs_compute_alone(tmp_path):
 
 def test_lru_hits_on_the_host_equal_the_cache_replay_without_prefetch(tmp_path):
     """Without prefetches or overflow, the host's cache is the replay's (one step per layer)."""
-    from stmoe.cache_replay import replay_cache
+    from stmoe.evaluate.cache_replay import replay_cache
     from stmoe.predictors import make
-    from stmoe.sim.host_systems import HostOptions, simulate_runtime
+    from stmoe.sim.host.systems import HostOptions, simulate_runtime
     from stmoe.trace.select import decode_only
 
     trace = decode_only(host_trace(60))  # every token is its own step in both
     trace = dataclasses.replace(trace, is_decode=np.arange(trace.num_tokens) > 0)
     data = simulate_runtime(trace, MODEL, host_spec(tmp_path), ["lru-only"],
-                            HostOptions(capacity=8))  # fmt: skip
+                            HostOptions(capacity=8))
     plan = make("ondemand", stmoe.predictors.ModelShape.of(trace)).plan(trace)
     want = replay_cache(trace, plan, 8, "lru", count_mask=np.asarray(trace.is_decode))
     assert data["systems"]["lru-only"]["hit_rate"] == pytest.approx(want.hit_rate, abs=1e-12)
 
 
 def test_a_shared_device_splits_its_speed_and_a_link_serialises():
-    from stmoe.sim.host_link import FifoLink, SharedLink
+    from stmoe.sim.host.link import FifoLink, SharedLink
 
     shared = SharedLink(parallel=1.0)
     shared.start(0, 0.0, 1.0)
@@ -281,15 +281,15 @@ def test_a_shared_device_splits_its_speed_and_a_link_serialises():
 
 
 def host_run(experts, sets, capacity=2, workers=2, expert_s=1.0, monkeypatch=None,
-             first_touch_s=0.0):  # fmt: skip
+             first_touch_s=0.0):
     """A hand-built run on one shared disk (parallel 1: two reads at once take twice as
     long), one-second reads, no other cost; ``sets``: {(token, layer): predicted ids}.
     With ``monkeypatch``, also every read's (layer, expert, by a worker, start)."""
-    from stmoe.sim import host
+    from stmoe.sim.host import pipeline as host
 
     experts = np.asarray(experts, dtype=np.int64)[..., None]  # [tokens, layers, K=1]
     cells = [sets.get((t, layer), []) for t in range(experts.shape[0])
-             for layer in range(experts.shape[1])]  # fmt: skip
+             for layer in range(experts.shape[1])]
     ptr = np.cumsum([0] + [len(c) for c in cells]).astype(np.int64)
     ids = np.asarray([e for c in cells for e in c], dtype=np.int64)
     reads: list[tuple[int, int, bool, float]] = []
@@ -303,7 +303,7 @@ def host_run(experts, sets, capacity=2, workers=2, expert_s=1.0, monkeypatch=Non
         monkeypatch.setattr(host._Sim, "_read", logged)
     costs = host.HostCosts(layer_s=0.0, token_s=0.0, expert_s=expert_s, read_s=1.0,
                            first_touch_s=first_touch_s, parallel=1.0, workers=workers,
-                           fifo=False)  # fmt: skip
+                           fifo=False)
     run = host.HostRun(experts, 1, (ptr, ids), False, capacity, "lru")
     return host.simulate_host(run, costs, 4), reads
 
@@ -366,7 +366,7 @@ def test_a_read_into_a_spare_row_past_the_capacity_pays_first_touch():
     cached one) is protected, so no slot can take the miss of expert 1; the runtime reads
     it into a spare row, memory paged in for that call, whose page faults it pays."""
     out, _ = host_run([[0], [1], [0]], {(2, 0): [0]}, capacity=1, workers=1, expert_s=0.0,
-                      first_touch_s=0.5)  # fmt: skip
+                      first_touch_s=0.5)
     assert (out["misses"], out["spare"], out["hits"]) == (1, 1, 1)
     assert out["stall"] == pytest.approx(1.5, abs=1e-12)
     assert out["time"] == pytest.approx(1.5, abs=1e-12)
@@ -379,12 +379,12 @@ def test_a_presets_first_touch_cost_leaves_every_systems_decode_unchanged(tmp_pa
     into no spare row (each layer's protected set is the next layer's). The 10-token
     prompt routes to 7-10 experts a layer: past a capacity of 4 (spare rows, paid before
     decode starts), within 12 (decode then fills slots the prompt never used)."""
-    from stmoe.sim.host_systems import RUNTIME_SYSTEMS, HostOptions, simulate_runtime
+    from stmoe.sim.host.systems import RUNTIME_SYSTEMS, HostOptions, simulate_runtime
 
     trace = host_trace()
     o = HostOptions(capacity=capacity, decode_tokens=20, tables=profile(trace, fit_plus=False))
     runs = [simulate_runtime(trace, MODEL, host_spec(tmp_path, bw=4e8, touch=touch),
-                             list(RUNTIME_SYSTEMS), o) for touch in (0.0, 0.5)]  # fmt: skip
+                             list(RUNTIME_SYSTEMS), o) for touch in (0.0, 0.5)]
     assert runs[1]["costs"]["first_touch_s"] == 0.5
     for name in RUNTIME_SYSTEMS:
         plain, touched = runs[0]["systems"][name], runs[1]["systems"][name]
@@ -392,7 +392,7 @@ def test_a_presets_first_touch_cost_leaves_every_systems_decode_unchanged(tmp_pa
         assert touched["decode_s"] == pytest.approx(plain["decode_s"], rel=1e-12), name
         assert touched["stall_s"] == pytest.approx(plain["stall_s"], rel=1e-12), name
         assert plain["stall_s"] > 0 and touched["counters"] == pytest.approx(
-            plain["counters"], rel=1e-12), name  # fmt: skip
+            plain["counters"], rel=1e-12), name
         assert plain["counters"]["spare"] == 0, name
 
 
@@ -407,12 +407,12 @@ def test_a_presets_first_touch_cost_leaves_every_systems_decode_unchanged(tmp_pa
         (lambda t: t.replace("link_bytes_per_s = 1000000000.0", "link_bytes_per_s = nan"),
          "link_bytes_per_s is nan"),
     ],
-)  # fmt: skip
+)
 def test_bad_host_tables_are_clear(tmp_path, edit, message):
     path = tmp_path / "bad.toml"
     path.write_text(edit(HOST_TOML.format(pe=1.0, bw=1e9, par=1e9, tier="disk", touch=0.0)))
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("(", r"\(")):
-        load_hardware(str(path))
+        hardware_preset(str(path))
 
 
 def test_a_preset_without_host_cannot_run_the_runtime_pipeline(cli, tmp_path):
@@ -421,7 +421,7 @@ def test_a_preset_without_host_cannot_run_the_runtime_pipeline(cli, tmp_path):
     tiny = stmoe.synthesize(tokens=40, layers=8, experts=16, top_k=4, sequences=1, seed=0)
     save_trace(tiny, tmp_path / "t.npz")
     res = cli("simulate", tmp_path / "t.npz", "--model", "stmoe-tiny", "--layers", "4",
-              "--hardware", "edge-ssd", "--pipeline", "runtime")  # fmt: skip
+              "--hardware", "edge-ssd", "--pipeline", "runtime")
     assert res.exit_code == 1
     assert "no [host] table" in res.output and "stmoe calibrate" in res.output
     res = cli("simulate", tmp_path / "t.npz", "--model", "stmoe-tiny", "--pipeline", "gpu")
@@ -429,7 +429,7 @@ def test_a_preset_without_host_cannot_run_the_runtime_pipeline(cli, tmp_path):
 
 
 def test_stmoe_plus_is_fitted_only_when_simulated():
-    from stmoe.sim.simulate import needs_plus_fit, prepare_tables
+    from stmoe.sim.accelerator.simulate import needs_plus_fit, prepare_tables
 
     trace = trace_for(MODEL)
     assert "plus" not in prepare_tables(trace, None, ["stmoe", "oracle"])[1].info
@@ -441,29 +441,26 @@ def test_the_sim_check_takes_the_tiers_speed_its_runs_met(tmp_path):
     """benchmarks/bench_sim_check.py --tier-from-runs: one read takes the runs' mean time
     in the simulation (latency kept), the parallel readers keep their proportion; runs
     without read times are refused; the figure draws both checks."""
-    import sys
-    from pathlib import Path
-
-    from stmoe.sim.check_plot import sim_vs_measured
-    from stmoe.sim.host_systems import host_costs
+    from stmoe.errors import StmoeError
+    from stmoe.evaluate.systems import HEADLINE_SYSTEMS
+    from stmoe.sim.host import check
+    from stmoe.sim.host.check_plot import sim_vs_measured
+    from stmoe.sim.host.systems import host_costs
     from stmoe.sim.specs import HostSpec
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import bench_sim_check as check
-
-    model = load_model("qwen3.6-35b-a3b")
+    model = model_preset("qwen3.6-35b-a3b")
     host = HostSpec(tier="disk", workers=2, read_parallel_bytes_per_s=2e9, layer_s=1e-3,
-                    token_s=1e-3, first_touch_s=0.0)  # fmt: skip
-    hw = dataclasses.replace(load_hardware("gpu-offload"), host=host, link_bytes_per_s=1e9)
+                    token_s=1e-3, first_touch_s=0.0)
+    hw = dataclasses.replace(hardware_preset("gpu-offload"), host=host, link_bytes_per_s=1e9)
     runs = {"on-demand": [{"demand_reads": 10, "demand_read_s": 0.05}],
             "lru-only": [{"demand_reads": 30, "demand_read_s": 0.11}],
-            "oracle": [{"demand_reads": 1000, "demand_read_s": 9.0}]}  # fmt: skip
+            "oracle": [{"demand_reads": 1000, "demand_read_s": 9.0}]}
     read_s, reads = check.run_read_s(runs)  # the alone reads only: not the oracle's
     assert reads == 40 and read_s == pytest.approx(0.004)
     before, after = host_costs(model, hw), host_costs(model, check.with_read_s(hw, model, read_s))
     assert after.read_s == pytest.approx(0.004)
     assert after.parallel == pytest.approx(before.parallel) and before.read_s != after.read_s
-    with pytest.raises(SystemExit, match="carry no read times"):
+    with pytest.raises(StmoeError, match="carry no read times"):
         check.run_read_s({"on-demand": [{"decode_tokens_per_s": 3.0}]})
     rows = [{"system": "oracle", "measured": 2.0, "simulated": 2.1, "range": [1.9, 2.2]}]
     path = sim_vs_measured({"preset": rows, "runs' tier": rows}, "t", tmp_path / "f.png")
@@ -475,7 +472,7 @@ def test_the_sim_check_takes_the_tiers_speed_its_runs_met(tmp_path):
     assert check.base_preset(P("mine.toml"), False, ["r1.toml"]) == (P("mine.toml"), True)
     assert check.base_preset(None, True, ["r1.toml"]) == (check.CALIBRATED, True)
     assert check.base_preset(None, False, ["r1.toml", "r2.toml"]) == (P("r1.toml"), False)
-    with pytest.raises(SystemExit, match="no hardware preset"):
+    with pytest.raises(StmoeError, match="no hardware preset"):
         check.base_preset(None, False, [])
 
     # --calibrate's presets, one per round: each round simulated with its own, medians kept
@@ -483,16 +480,10 @@ def test_the_sim_check_takes_the_tiers_speed_its_runs_met(tmp_path):
 
     def fake(args, read_s=None, hardware=None):
         one = {"decode_tokens_per_s": speeds[hardware], "hit_rate": 0.5, "stall_share": 0.1,
-               "bytes_moved": 7}  # fmt: skip
-        return {"systems": {name: one for name in check.SYSTEMS}, "costs": {}, "hardware": "x"}
+               "bytes_moved": 7}
+        return {"systems": {name: one for name in HEADLINE_SYSTEMS}, "costs": {},
+                "hardware": "x"}
 
-    import argparse
-
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(check, "simulated", fake)
-    try:
-        merged = check.per_round(argparse.Namespace(), list(speeds))
-    finally:
-        monkey.undo()
+    merged = check.per_round(lambda p: fake(None, hardware=p), list(speeds), HEADLINE_SYSTEMS)
     assert merged["systems"]["oracle"]["decode_tokens_per_s"] == 2.0  # the median of 1, 4, 2
     assert "each of 3 rounds" in merged["hardware"]

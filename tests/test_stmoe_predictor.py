@@ -22,7 +22,7 @@ from stmoe.predictors import (
     save_tables,
 )
 from stmoe.predictors.base import Predictor
-from stmoe.predictors.stmoe import STMoEPredictor
+from stmoe.predictors.st_moe import STMoEPredictor
 
 
 def tables_with(rows: dict[int, list[tuple[int, int]]], n: int, layers: int = 2, width: int = 2):

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from stmoe.model_introspect import experts_modules  # noqa: E402
+from stmoe.hf.layout import experts_modules  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.store import ALIGN, ExpertStore, StoreError, pack  # noqa: E402
-from stmoe.runtime.store_index import checksum  # noqa: E402
+from stmoe.runtime.store.index import checksum  # noqa: E402
 from tiny_moe import tiny_model  # noqa: E402
 
 
@@ -90,7 +90,7 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                 max_size=3),
     max_leaves=6,
-)  # fmt: skip
+)
 
 
 def _paths(node, prefix=()):
@@ -138,7 +138,7 @@ def fuzz_base(tmp_path_factory):
     model, _ = tiny_model("mixtral")
     with torch.no_grad():
         out = model.generate(torch.tensor([PROMPT]), max_new_tokens=3, min_new_tokens=3,
-                             do_sample=False, pad_token_id=0)  # fmt: skip
+                             do_sample=False, pad_token_id=0)
     ref = out[0, len(PROMPT) :].tolist()
     return pack(model, tmp_path_factory.mktemp("fuzz")), ref, model
 
@@ -173,15 +173,15 @@ def _make_model(arch: str, out: Path, dtype: str = "float32") -> Path:
     ``arch`` at the stmoe-tiny preset's sizes (RANDOM weights)."""
     from transformers import AutoModelForCausalLM
 
-    from stmoe import checkpoints
-    from stmoe.sim.specs import load_model
+    from stmoe.hf import checkpoints
+    from stmoe.sim.specs import model_preset
 
-    spec = load_model("stmoe-tiny")
+    spec = model_preset("stmoe-tiny")
     config = checkpoints._config(arch, spec, 2, dtype)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     plan = checkpoints.CheckpointPlan(config, [(n, tuple(t.shape)) for n, t in
-                                               meta.state_dict().items()], dtype, spec)  # fmt: skip
+                                               meta.state_dict().items()], dtype, spec)
     return checkpoints.make_checkpoint(plan, out, shard_bytes=400_000)
 
 
@@ -198,7 +198,7 @@ FOLDERS = {
     **{f"made-{a}": lambda out, a=a: _make_model(a, out)
        for a in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")},
     "made-qwen3_moe-bf16": lambda out: _make_model("qwen3_moe", out, "bfloat16"),
-}  # fmt: skip
+}
 
 
 def _same_store(a: Path, b: Path) -> None:
@@ -211,9 +211,8 @@ def _same_store(a: Path, b: Path) -> None:
 
 @pytest.mark.parametrize("kind", list(FOLDERS))
 def test_a_folder_packs_streamed_to_the_loaded_models_bytes(kind, tmp_path, monkeypatch):
-    from stmoe import capture_generate
-    from stmoe.runtime import pack_stream
-    from stmoe.runtime.store import pack_folder
+    from stmoe.hf import loading as capture_generate
+    from stmoe.runtime.store import pack_folder, pack_stream
 
     folder = FOLDERS[kind](tmp_path / "model")
     want = pack(capture_generate.load_causal_lm(folder), tmp_path / "memory", source=folder)
@@ -223,7 +222,7 @@ def test_a_folder_packs_streamed_to_the_loaded_models_bytes(kind, tmp_path, monk
         monkeypatch.setattr(pack_stream, "RELEASE_BYTES", 1)
     seen = []
     got = pack_folder(folder, tmp_path / "streamed",
-                      progress=lambda total, label: _recorder(seen, total, label))  # fmt: skip
+                      progress=lambda total, label: _recorder(seen, total, label))
     _same_store(want, got)
     blocks = ExpertStore(got).blocks.values()
     assert seen[0][0] == sum(b.nbytes for b in blocks) == sum(seen[1:])  # a byte bar, all of it
@@ -257,8 +256,8 @@ def _with_config_dtype(folder: Path) -> str:
 
 @pytest.mark.parametrize("case", ["unexpected tensor", "cast dtype"])
 def test_a_checkpoint_that_cannot_stream_is_packed_loaded_with_a_note(case, tmp_path):
-    from stmoe.capture_generate import load_causal_lm
     from stmoe.errors import StmoeNote
+    from stmoe.hf.loading import load_causal_lm
     from stmoe.runtime.store import pack_folder
 
     if case == "unexpected tensor":
@@ -276,8 +275,7 @@ def test_a_checkpoint_that_cannot_stream_is_packed_loaded_with_a_note(case, tmp_
 
 
 def test_a_checkpoint_changed_while_packing_is_refused_the_old_store_kept(tmp_path, monkeypatch):
-    from stmoe.runtime import pack_stream
-    from stmoe.runtime.store import pack_folder
+    from stmoe.runtime.store import pack_folder, pack_stream
 
     folder = _make_model("olmoe", tmp_path / "model")
     old = pack_folder(folder, tmp_path / "store")
@@ -292,7 +290,7 @@ def test_a_checkpoint_changed_while_packing_is_refused_the_old_store_kept(tmp_pa
 
     monkeypatch.setattr(pack_stream.CheckpointExperts, "tensors", touching)
     with pytest.raises(StoreError, match=r"model-00001-of-\d+\.safetensors: changed while it "
-                                         "was being packed"):  # fmt: skip
+                                         "was being packed"):
         pack_folder(folder, tmp_path / "store")
     assert {p.name: p.read_bytes() for p in old.iterdir()} == before
 

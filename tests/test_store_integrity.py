@@ -17,10 +17,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from stmoe.errors import StmoeNote  # noqa: E402
-from stmoe.runtime import store as store_mod  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.store import ExpertStore, StoreError, open_store, pack, pack_folder  # noqa: E402
-from stmoe.runtime.store_index import STORE_VERSION, checksum  # noqa: E402
+from stmoe.runtime.store import packing as store_mod  # noqa: E402
+from stmoe.runtime.store.index import STORE_VERSION, checksum  # noqa: E402
 from tiny_moe import tiny_model  # noqa: E402
 
 PROMPT, NEW = [5, 6, 7, 8, 9], 4
@@ -35,7 +35,7 @@ def tokens(store: Path | None = None, seed: int = 0, folder: Path | None = None)
     if store is None:
         with torch.no_grad():
             out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False,
-                                 min_new_tokens=NEW, pad_token_id=0)  # fmt: skip
+                                 min_new_tokens=NEW, pad_token_id=0)
         return out[0, len(PROMPT) :].tolist()
     with offload(model, store, capacity="100%", predictor="ondemand") as om:
         return om.generate(PROMPT, max_new_tokens=NEW).tokens
@@ -139,7 +139,7 @@ FIELDS = {
     "data-bytes": (_set(("data_bytes",), lambda n: n + 4096), "the store is truncated"),
     "source": (_set(("source",), {"kind": "module"}), "packed from a model in memory"),
     "source-files": (_set(("source", "files", 0, 3), "00"), "[name, size, mtime_ns, sha256]"),
-}  # fmt: skip
+}
 OWN_CHECK = ("format", "version")  # refused before the checksum is read
 
 
@@ -182,9 +182,9 @@ def test_a_one_digit_offset_through_the_cli_is_an_error_not_other_text(cli, tmp_
     assert cli("pack", SHIPPED_MODEL, "-o", tmp_path / "good").exit_code == 0
     for recompute, want in ((False, "fails its checksum"), (True, "not a multiple of 4096")):
         bad = rewrite(tmp_path / "good", tmp_path / f"bad{recompute}",
-                      _set(("blocks", 3, "offset"), _digit), recompute)  # fmt: skip
+                      _set(("blocks", 3, "offset"), _digit), recompute)
         result = cli("generate", "--prompt", "def f(", "--store", bad, "--capacity", "100%",
-                     "--max-new-tokens", "2")  # fmt: skip
+                     "--max-new-tokens", "2")
         assert result.exit_code == 1 and want in result.output, result.output
         assert "Traceback" not in result.output
 
@@ -280,12 +280,12 @@ def test_a_killed_pack_leaves_a_store_that_serves(packed, tmp_path, monkeypatch,
 def test_a_dead_packs_temporary_files_and_a_version_1_store_are_cleaned(packed, tmp_path):
     folder, store, _ = packed
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+                          capture_output=True, text=True, check=True)
     dead = int(done.stdout)
     dest = tmp_path / "store"
     dest.mkdir()
     for name in (f".experts.bin.{dead}.abc.tmp", f".index.json.{dead}.xyz.tmp", "experts.bin",
-                 "experts.bin.tmp"):  # fmt: skip
+                 "experts.bin.tmp"):
         (dest / name).write_bytes(b"x" * 100)
     (dest / "index.json").write_text(json.dumps({"format": "stmoe-expert-store", "version": 1}))
     with pytest.raises(StoreError, match=f"store version 1, this stmoe reads {STORE_VERSION};"):

@@ -19,16 +19,16 @@ from hypothesis import strategies as st
 
 import stmoe
 from stmoe.errors import StmoeError
+from stmoe.evaluate.replay import evaluate
 from stmoe.predictors import PredictorError, load_tables, make, names, profile, save_tables
 from stmoe.predictors.base import ModelShape
-from stmoe.replay import evaluate
 
 L, N, K = 3, 8, 2
 
 
 def _trace(tokens: int = 240) -> stmoe.RoutingTrace:
     trace = stmoe.synthesize(tokens=tokens, layers=L, experts=N, top_k=K, sequences=4,
-                             domains=2, seed=3)  # fmt: skip
+                             domains=2, seed=3)
     # a stand-in gate lookahead (hybrid, gate-lookahead): the true experts, then others
     look = np.concatenate([trace.experts, (trace.experts + 3) % N], axis=2).astype(np.int16)
     look[:, 0] = -1
@@ -164,12 +164,12 @@ CASES = [  # (what is broken, how, words the one line must hold)
      ["per_domain[1]", "unique"]),
     ("a domain's layer_tokens", lambda h, a: h["per_domain"][0]["info"].update(layer_tokens=[1]),
      ["per_domain[0].info['layer_tokens']"]),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("what", "change", "words"), CASES, ids=[c[0] for c in CASES])
 def test_each_damaged_field_is_one_line_naming_the_file_and_field(good, tmp_path, what, change,
-                                                                   words):  # fmt: skip
+                                                                   words):
     header, arrays = _parts(good)
     change(header, arrays)
     _refused(_write(tmp_path / "bad.npz", header, arrays), *words)
@@ -214,7 +214,7 @@ def test_fitted_values_out_of_range_are_refused_naming_the_file(good, tmp_path):
     for key, value, words in (("w", [1.0, 2.0], "'w' is [1.0, 2.0], expected 10"),
                               ("gamma", 5, "'gamma' is 5, expected a number 0..1"),
                               ("power", 0, "'power' is 0, expected a finite number > 0"),
-                              ("sim_decay", 2.0, "'sim_decay' is 2.0")):  # fmt: skip
+                              ("sim_decay", 2.0, "'sim_decay' is 2.0")):
         header, arrays = _parts(good)
         header["info"]["plus"][key] = value
         path = _write(tmp_path / f"{key}.npz", header, arrays)
@@ -264,10 +264,10 @@ def test_cli_generate_refuses_damaged_tables_in_one_line(cli, tmp_path, monkeypa
     text_w["info"]["plus"]["w"] = [str(x) for x in text_w["info"]["plus"]["w"]]
     for name, (h, a, field) in {"tokens": (bad_tokens, arrays, "info['layer_tokens']"),
                                 "wide": (header, wide, "layer_counts"),
-                                "text": (text_w, arrays, "info['plus']['w']")}.items():  # fmt: skip
+                                "text": (text_w, arrays, "info['plus']['w']")}.items():
         bad = _write(tmp_path / f"{name}.npz", h, a)
         res = cli("generate", "--prompt", "x", "--max-new-tokens", "1", "--capacity", "8",
-                  "--predictor", "stmoe-plus", "--tables", bad)  # fmt: skip
+                  "--predictor", "stmoe-plus", "--tables", bad)
         assert res.exit_code == 1, res.output
         lines = res.output.strip().splitlines()
         assert len(lines) == 1 and f"{bad}: {field}" in lines[0], res.output
@@ -281,7 +281,7 @@ _JSON = st.recursive(
     max_leaves=8,
 )
 _DTYPES = st.sampled_from([np.int8, np.int16, np.int64, np.uint8, np.float32, np.float64,
-                           np.bool_, ">i8"])  # fmt: skip
+                           np.bool_, ">i8"])
 
 
 @st.composite
@@ -372,7 +372,7 @@ def test_the_fuzz_mutations_reach_the_kernels(fuzz_base, tmp_path):
     """The fuzz is worth running: unchanged values of the right shape load and replay."""
     header, arrays, trace = fuzz_base.header, fuzz_base.arrays, fuzz_base.trace
     path = _write(tmp_path / "same.npz", header, {**arrays, "layer_counts": arrays["layer_counts"]
-                                                  .astype(">i8")})  # fmt: skip
+                                                  .astype(">i8")})
     tables = load_tables(path)
     assert tables.layer_counts.dtype.isnative
     evaluate(trace, make("stmoe-plus", ModelShape.of(trace), tables))

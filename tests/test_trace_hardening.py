@@ -56,10 +56,10 @@ def ids(tokens: int = 40, layers: int = 3, k: int = 2, n: int = 64) -> np.ndarra
 def test_weights_beyond_float32_are_refused_before_they_are_written(cli, tmp_path):
     ex = ids(n=8)
     np.savez(tmp_path / "w.npz", experts=ex, weights=np.full(ex.shape, 1e300),
-             meta=json.dumps({"num_experts": 8}))  # fmt: skip
+             meta=json.dumps({"num_experts": 8}))
     result = cli("import", tmp_path / "w.npz", "-o", tmp_path / "out.npz")
     one_line_error(result, "w.npz", "token 0, layer 0, slot 0", "gate weight is 1e+300",
-                   "float32")  # fmt: skip
+                   "float32")
     assert not (tmp_path / "out.npz").exists()
     trace = synthesize(tokens=20, layers=2, experts=8, top_k=2)
     big = dataclasses.replace(trace, weights=trace.weights.astype(np.float64) * 1e300)
@@ -73,7 +73,7 @@ def test_weights_beyond_float32_are_refused_before_they_are_written(cli, tmp_pat
 
 def test_corrupted_compressed_member_is_named(cli, tmp_path):
     path = save_trace(synthesize(tokens=200, layers=3, experts=8, top_k=2), tmp_path / "c.npz",
-                      compress=True)  # fmt: skip
+                      compress=True)
     with zipfile.ZipFile(path) as zf:
         info = zf.getinfo("experts.npy")
     data = bytearray(path.read_bytes())
@@ -152,7 +152,7 @@ def test_flipped_npy_header_byte_is_refused(cli, tmp_path, edit, fragments):
     (tmp_path / "x.npy").write_bytes(edit(raw))
     assert len(edit(raw)) == len(raw)
     one_line_error(cli("import", tmp_path / "x.npy", "-o", tmp_path / "o.npz"), "x.npy",
-                   *fragments)  # fmt: skip
+                   *fragments)
     # analyze reads through the same importer: refused before any N-sized table
     one_line_error(cli("analyze", tmp_path / "x.npy", "-o", tmp_path / "report"), "x.npy")
 
@@ -190,7 +190,7 @@ def test_routes_declaring_a_huge_top_k_is_refused_before_allocating(cli, tmp_pat
     assert tracemalloc.get_traced_memory()[1] < 16 << 20
     tracemalloc.stop()
     one_line_error(cli("import", tmp_path / "r.json", "-o", tmp_path / "o.npz"), "r.json",
-                   "top_k is 100000000")  # fmt: skip
+                   "top_k is 100000000")
 
 
 def test_mapped_members_have_their_checksum_verified(tmp_path, monkeypatch):
@@ -232,14 +232,14 @@ def test_deeply_nested_json_is_one_clear_error(cli, tmp_path):
     one_line_error(cli("info", tmp_path / "deep.npz"), "deep.npz", "nested too deeply")
     np.savez(tmp_path / "meta.npz", experts=ids(), meta=np.array(DEEP))
     one_line_error(cli("import", tmp_path / "meta.npz", "-o", tmp_path / "o.npz"), "meta.npz",
-                   "nested too deeply")  # fmt: skip
+                   "nested too deeply")
     record = {"seq": 0, "token": 0, "layer": 0, "experts": [1, 2]}
     (tmp_path / "d.jsonl").write_text(json.dumps(record) + '\n{"seq": ' + DEEP + "}\n")
     one_line_error(cli("import", tmp_path / "d.jsonl", "-o", tmp_path / "o.npz"), "d.jsonl",
-                   "line 2", "nested too deeply")  # fmt: skip
+                   "line 2", "nested too deeply")
     (tmp_path / "d.json").write_text('{"routes": ' + DEEP + "}")
     one_line_error(cli("import", tmp_path / "d.json", "-o", tmp_path / "o.npz"), "d.json",
-                   "nested too deeply")  # fmt: skip
+                   "nested too deeply")
     np.save(tmp_path / "x.npy", ids())
     side = npy_bytes(np.array([0, 10]))
     nest = "[" * 3000 + "]" * 3000
@@ -248,7 +248,7 @@ def test_deeply_nested_json_is_one_clear_error(cli, tmp_path):
     side = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + side[-16:]
     (tmp_path / "x.seq_starts.npy").write_bytes(side)
     one_line_error(cli("import", tmp_path / "x.npy", "-o", tmp_path / "o.npz"),
-                   "x.seq_starts.npy", "not a readable .npy array")  # fmt: skip
+                   "x.seq_starts.npy", "not a readable .npy array")
     assert not (tmp_path / "o.npz").exists()
 
 
@@ -274,7 +274,7 @@ def test_fifo_and_directory_inputs_are_refused_at_once(cli, tmp_path):
     np.save(tmp_path / "x.npy", ids())
     os.mkfifo(tmp_path / "x.seq_starts.npy")
     result = run_with_deadline(cli, "import", tmp_path / "x.npy", "-o", tmp_path / "o.npz",
-                               fifo=tmp_path / "x.seq_starts.npy")  # fmt: skip
+                               fifo=tmp_path / "x.seq_starts.npy")
     one_line_error(result, "x.seq_starts.npy", "not a regular file")
     one_line_error(cli("info", tmp_path), str(tmp_path), "is a directory")
     with pytest.raises(TraceError, match="not a regular file"):
@@ -349,9 +349,9 @@ _mutation = st.one_of(
     max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(compress=st.booleans(), mmap=st.booleans(), edits=st.lists(_mutation, min_size=1,
-                                                                  max_size=4))  # fmt: skip
+                                                                  max_size=4))
 def test_fuzzed_native_bytes_are_refused_or_read_unchanged(tmp_path, monkeypatch, compress,
-                                                           mmap, edits):  # fmt: skip
+                                                           mmap, edits):
     monkeypatch.setattr("stmoe.trace.io._MMAP_MIN_FILE", 0)  # exercise the mapped path too
     monkeypatch.setattr("stmoe.trace.npfiles._MMAP_MIN_BYTES", 0)
     data = bytearray(native_bytes(compress))
@@ -377,10 +377,10 @@ _json = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
                                                                  max_size=4),
     max_leaves=12,
-)  # fmt: skip
+)
 _FIELDS = ["format", "version", "meta", "domains", "meta.num_experts", "meta.top_k",
            "meta.num_layers", "meta.model", "meta.synthetic", "meta.extra",
-           "meta.source"]  # fmt: skip
+           "meta.source"]
 
 
 @settings(

@@ -16,7 +16,7 @@ COMMON: dict[str, Any] = {
     "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
     "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": False,
-}  # fmt: skip
+}
 
 FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
     # name: (config class, overrides, expected MoE layers)
@@ -54,7 +54,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
                                        "shared_expert_intermediate_size": 16,
                                        "decoder_sparse_step": 1, "mlp_only_layers": [],
                                        "num_hidden_layers": 4}, 4),
-}  # fmt: skip
+}
 
 
 def tiny_model(family: str, seed: int = 0, **changes: Any) -> tuple[torch.nn.Module, int]:

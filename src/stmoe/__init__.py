@@ -3,6 +3,7 @@
 ``import stmoe`` is light: it needs numpy only, never torch or matplotlib.
 """
 
+from stmoe import _moved
 from stmoe.errors import StmoeError, TraceError
 from stmoe.trace import (
     RoutingTrace,
@@ -21,6 +22,7 @@ from stmoe.trace import (
 )
 
 __version__ = "0.1.0"
+_moved.install()  # old module paths stay importable for one release
 
 
 def __getattr__(name: str) -> object:

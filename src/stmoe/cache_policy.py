@@ -1,7 +1,7 @@
 """Cache policies: which resident expert to evict, the one vocabulary every cache uses.
 
 Three caches hold a layer's experts: the cache replay (``stmoe eval --capacity``,
-``stmoe.cache_replay``), the simulator's pipeline (``stmoe simulate``) and the
+``stmoe.evaluate.cache_replay``), the simulator's pipeline (``stmoe simulate``) and the
 runtime's slabs (``stmoe generate``, ``stmoe.runtime.cache``). Like a cachetools
 cache, a policy here only chooses the victim (``choose_victim``, compiled, called
 by all three); storage, accounting and *protection* (what may never be evicted:
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from stmoe._numba import njit
 from stmoe.errors import StmoeError
+from stmoe.util.jit import njit
 
 POLICIES = ("lru", "lfu", "belady", "none")
 ALIASES = {"predicted": "lru"}
@@ -64,7 +64,7 @@ def policy_code(name: str, where: str, error: type[Exception] = CachePolicyError
         raise error(f"unknown cache policy {name!r}; choose from {', '.join(names_for(where))}")
     if where not in VALID_IN[canonical]:
         raise error(f"cache policy {name!r} applies in {' and '.join(VALID_IN[canonical])} only, "
-                    f"not in {where}; choose from {', '.join(names_for(where))}")  # fmt: skip
+                    f"not in {where}; choose from {', '.join(names_for(where))}")
     return POLICIES.index(canonical)
 
 

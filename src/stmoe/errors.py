@@ -19,6 +19,15 @@ class StmoeNote(UserWarning):
     again): worth one line, which the CLI prints as ``note: ...``, not worth refusing."""
 
 
+class OffloadError(StmoeError):
+    """The offloading runtime refused a request: an option, a prompt, a model it cannot
+    serve, or a call it cannot take now (busy, closed)."""
+
+
+class StoreError(OffloadError):
+    """An expert store is missing, damaged, or belongs to another model."""
+
+
 class TraceError(StmoeError, ValueError):
     """A routing trace, or a file meant to hold one, is malformed.
 

@@ -20,8 +20,8 @@ from stmoe.analysis.stats import (
     reuse_distances,
     spatial_test,
 )
+from stmoe.evaluate.replay import replay
 from stmoe.predictors import names_for, profile
-from stmoe.replay import replay
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import select_domain, split_auto
 from stmoe.trace.summary import expert_load, summarize
@@ -58,7 +58,7 @@ def temporal(trace: RoutingTrace) -> dict[str, Any]:
             "layer": layer, "overlap": ci.mean, "ci": [ci.ci_low, ci.ci_high],
             "ratio": ci.mean / expected,
             "ratio_vs_load": ci.mean / max(float((share[layer] ** 2).sum()), 1e-12),
-        })  # fmt: skip
+        })
     overall = batch_means_ci(overlap.mean(axis=1) if overlap.size else overlap[:, :0].sum(axis=1))
     hist = reuse_distances(trace, REUSE_MAX)
     p = k / n  # random routing: an expert returns after a geometric number of tokens

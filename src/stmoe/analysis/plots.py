@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
 
-from stmoe.fileio import atomic_write
+from stmoe.util.fileio import atomic_write
 
 DPI = 110
 
@@ -73,7 +73,7 @@ def _legend_below(fig: plt.Figure, axes: list[plt.Axes], ncol: int = 2) -> None:
         handles += h
         labels += lab
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol,
-               fontsize=9, frameon=False)  # fmt: skip
+               fontsize=9, frameon=False)
 
 
 def _by_use(matrix: np.ndarray) -> np.ndarray:
@@ -89,12 +89,12 @@ def coactivation_grid(co: np.ndarray, data: dict[str, Any], path: Path, most: in
     cols = int(np.ceil(np.sqrt(len(pairs))))
     rows = int(np.ceil(len(pairs) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols + 1.2, 2.3 * rows + 0.8),
-                             squeeze=False, constrained_layout=True)  # fmt: skip
+                             squeeze=False, constrained_layout=True)
     vmax = max(int(co[pairs].max()), 1)
     image = None
     for ax, layer in zip(axes.flat, pairs, strict=False):
         image = ax.imshow(_by_use(co[layer]) + 0.5, norm=LogNorm(0.5, vmax + 0.5), cmap="viridis",
-                          aspect="auto", interpolation="nearest")  # fmt: skip
+                          aspect="auto", interpolation="nearest")
         ax.set_title(f"layer {layer} -> {layer + 1}", fontsize=9)
         ax.tick_params(labelsize=6)
     for ax in list(axes.flat)[len(pairs) :]:
@@ -113,7 +113,7 @@ def coactivation_example(
     matrix = co[layer]
     fig, ax = plt.subplots(figsize=(7.5, 6.2))
     image = ax.imshow(_by_use(matrix) + 0.5, norm=LogNorm(0.5, matrix.max() + 0.5),
-                      cmap="viridis", aspect="auto", interpolation="nearest")  # fmt: skip
+                      cmap="viridis", aspect="auto", interpolation="nearest")
     ax.set_xlabel(f"expert at layer {layer + 1} (rank by use)")
     ax.set_ylabel(f"expert at layer {layer} (rank by use)")
     ax.set_title(_title(f"Co-activation, layers {layer} -> {layer + 1} (Cramér's V {v:.2f})", data))
@@ -139,7 +139,7 @@ def spatial_tests(data: dict[str, Any], path: Path) -> Path:
     line = -np.log10(s["alpha"])
     ax1.axhline(line, color="tab:red", ls="--")
     ax1.text(1.01, line, f"p = {s['alpha']:g}", color="tab:red", va="center",
-             transform=ax1.get_yaxis_transform())  # fmt: skip
+             transform=ax1.get_yaxis_transform())
     for xi, full, bar in zip(x, logp, shown, strict=True):
         label = f">{LOGP_CAP:.0f}\n({full:.0f})" if full > LOGP_CAP else f"{full:.1f}"
         ax1.text(xi, bar, label, ha="center", va="bottom", fontsize=7)
@@ -148,7 +148,7 @@ def spatial_tests(data: dict[str, Any], path: Path) -> Path:
     ax1.set_title(_title(f"Independence of adjacent layers: {s['pairs_significant']} of "
                          f"{s['pairs_total']} pairs reject at p < {s['alpha']:g}\n"
                          f"(bars above p = 1e-{LOGP_CAP:.0f} are cut at the cap; their full "
-                         "-log10 p in brackets)", data), fontsize=10)  # fmt: skip
+                         "-log10 p in brackets)", data), fontsize=10)
     ax2.bar(x, [p["cramers_v"] for p in pairs], color="tab:purple")
     ax2.set_ylim(0, 1)
     ax2.set_ylabel("Cramér's V (effect size,\n0 = independent, 1 = determined)")
@@ -195,7 +195,7 @@ def load(data: dict[str, Any], path: Path) -> Path:
     ordered = -np.sort(-counts, axis=1)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     image = ax1.imshow(ordered / np.maximum(ordered.sum(axis=1, keepdims=True), 1), aspect="auto",
-                       cmap="magma", interpolation="nearest")  # fmt: skip
+                       cmap="magma", interpolation="nearest")
     ax1.set_xlabel("expert rank at that layer (most used first)")
     ax1.set_ylabel("MoE layer")
     ax1.set_title(_title("Expert use per layer", data))
@@ -224,7 +224,7 @@ def domains(data: dict[str, Any], path: Path) -> Path:
     labels = d["labels"]
     ratios = [d["per_domain"][x]["overlap_ratio"] for x in labels]
     sig = [d["per_domain"][x]["pairs_significant"] / max(d["per_domain"][x]["pairs_total"], 1)
-           for x in labels]  # fmt: skip
+           for x in labels]
     pos = np.arange(len(labels))
     ax2.bar(pos - 0.2, ratios, 0.4, color="tab:blue", label="overlap ratio (x random)")
     twin = ax2.twinx()
@@ -252,19 +252,19 @@ def predictability(data: dict[str, Any], path: Path) -> Path:
             continue
         color, marker = predictor_style(name, i)
         ax.plot(curve["set_size"], curve["recall"], marker=marker, ms=4, color=color,
-                ls=_LINESTYLES.get(name, "-"), label=name)  # fmt: skip
+                ls=_LINESTYLES.get(name, "-"), label=name)
     for mult in (1, 2):
         ax.axvline(mult * k, color="0.6", ls=":", lw=1)
         ax.text(mult * k, 0.02, f" {mult}K" if mult > 1 else " K", color="0.4", fontsize=8)
     ax.set_xlabel("mean set size (experts per prediction and layer; each set cut to its "
-                  "B highest-scored)")  # fmt: skip
+                  "B highest-scored)")
     ax.set_ylabel("recall")
     ax.set_ylim(0, 1.02)
     ax.set_xlim(left=0)
     skipped = f"; not drawn (set size 0): {', '.join(left_out)}" if left_out else ""
     ax.set_title(_title(f"Recall versus set size ({p['scope']}; profiled on "
                         f"{p['profiled_tokens']} tokens, replayed on {p['evaluated_tokens']}"
-                        f"{skipped})", data), fontsize=10)  # fmt: skip
+                        f"{skipped})", data), fontsize=10)
     _legend_outside(ax, fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)

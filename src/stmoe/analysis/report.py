@@ -18,9 +18,9 @@ import numpy as np
 from stmoe.analysis import plots
 from stmoe.analysis.evidence import analyze
 from stmoe.analysis.stats import ALPHA
-from stmoe.fileio import atomic_write_text
 from stmoe.predictors.tables import cooccurrence
 from stmoe.trace.schema import RoutingTrace
+from stmoe.util.fileio import atomic_write_text
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
         f"routing (95% CI {_fmt(lo)}-{_fmt(hi)}x).",
         f"**Load**: the top 10% of experts carry {np.mean(ld['top10_share']):.0%} of the "
         f"routings on average; max/mean use {np.mean(ld['max_over_mean']):.2f}.",
-    ])  # fmt: skip
+    ])
     sections = [summary]
     if len(co):
         best = max(s["pairs"], key=lambda p: p["cramers_v"])
@@ -99,7 +99,7 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
                _fmt(p["p_value"], 2), _fmt(p["cramers_v"], 2),
                f"{p['rows_kept']} / {p['cols_kept']}", f"{p['rows_pooled']} / {p['cols_pooled']}"]
               for p in s["pairs"]]),
-        ))  # fmt: skip
+        ))
     plots.temporal_overlap(data, out / "temporal_overlap.png")
     plots.reuse_distance(data, out / "reuse_distance.png")
     sections.append(Section(
@@ -114,7 +114,7 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
         (["layer", "overlap", "95% CI", "x random", "x load-matched"],
          [[str(p["layer"]), _fmt(p["overlap"]), f"{_fmt(p['ci'][0])}-{_fmt(p['ci'][1])}",
            _fmt(p["ratio"]), _fmt(p["ratio_vs_load"])] for p in tmp["per_layer"]]),
-    ))  # fmt: skip
+    ))
     plots.load(data, out / "load.png")
     sections.append(
         Section("3. Load and skew", [], [("load.png", "Expert use and skew per layer.")])
@@ -129,7 +129,7 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
             (["domain", "tokens", f"pairs with p < {ALPHA}", "overlap ratio"],
              [[x, str(v["tokens"]), f"{v['pairs_significant']} / {v['pairs_total']}",
                _fmt(v["overlap_ratio"])] for x, v in d["per_domain"].items()]),
-        ))  # fmt: skip
+        ))
     if data["predictability"]:
         p, k = data["predictability"], t["top_k"]
         plots.predictability(data, out / "predictability.png")
@@ -150,7 +150,7 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
              [[n, _fmt(p["recall"][n]), _fmt(p["set_size"][n]),
                _fmt(recall_at_set_size(p["curves"][n], k)),
                _fmt(recall_at_set_size(p["curves"][n], 2 * k))] for n in p["recall"]]),
-        ))  # fmt: skip
+        ))
     return sections
 
 
@@ -203,7 +203,7 @@ def _html(title: str, sections: list[Section]) -> str:
         body += [f"<p>{para(p)}</p>" for p in sec.text]
         for name, caption in sec.figures:
             body.append(f'<figure><img src="{name}" alt="{_text(caption)}">'
-                        f"<figcaption>{_text(caption)}</figcaption></figure>")  # fmt: skip
+                        f"<figcaption>{_text(caption)}</figcaption></figure>")
         if sec.table:
             head, rows = sec.table
             body.append("<table><tr>" + "".join(f"<th>{_text(h)}</th>" for h in head) + "</tr>")
@@ -212,6 +212,6 @@ def _html(title: str, sections: list[Section]) -> str:
     style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;line-height:1.45}"
              "img{max-width:100%}table{border-collapse:collapse;font-size:0.9em}"
              "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
-             "figcaption{font-style:italic;color:#555}")  # fmt: skip
+             "figcaption{font-style:italic;color:#555}")
     head = f"<meta charset='utf-8'><title>{_text(title)}</title><style>{style}</style>"
     return f"<!doctype html><html><head>{head}</head><body>{''.join(body)}</body></html>\n"

@@ -89,7 +89,7 @@ def spatial_test(experts: np.ndarray, layer: int, num_experts: int) -> PairTest:
         rows_pooled=int((row_use > 0).sum()) - kept_r,
         cols_pooled=int((col_use > 0).sum()) - kept_c,
         rows_empty=int((row_use == 0).sum()), cols_empty=int((col_use == 0).sum()),
-    )  # fmt: skip
+    )
 
 
 def _pseudo_inverse(cov: np.ndarray) -> tuple[np.ndarray, int]:
@@ -220,4 +220,4 @@ def load_skew(load: np.ndarray) -> dict[str, list[float]]:
 def js_divergence(load_a: np.ndarray, load_b: np.ndarray) -> np.ndarray:
     """[L] Jensen-Shannon divergence (bits, 0..1) between two domains' expert use per layer."""
     return np.array([jensenshannon(a, b, base=2) ** 2 if a.sum() and b.sum() else 0.0
-                     for a, b in zip(load_a, load_b, strict=True)])  # fmt: skip
+                     for a, b in zip(load_a, load_b, strict=True)])

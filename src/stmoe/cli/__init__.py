@@ -16,19 +16,19 @@ import typer
 
 from stmoe import __version__
 from stmoe.cli import (
-    analyze_cmd,
-    calibrate_cmd,
-    capture_cmd,
+    analyze,
+    calibrate,
+    capture,
     demo,
-    generate_cmd,
-    make_model_cmd,
-    pack_cmd,
-    predict_cmds,
-    simulate_cmd,
-    trace_cmds,
-    train_cmd,
+    generate,
+    make_model,
+    pack,
+    predict,
+    simulate,
+    trace,
+    train_tiny,
 )
-from stmoe.cli._common import friendly, out
+from stmoe.cli.common import friendly, out
 
 app = typer.Typer(
     help="ST-MoE expert prefetching for Mixture-of-Experts inference: routing traces, "
@@ -55,21 +55,21 @@ def _root(
     """ST-MoE: predict which experts the next MoE layer needs and load them early."""
 
 
-app.command("import")(friendly(trace_cmds.import_traces))
-app.command("info")(friendly(trace_cmds.info))
-app.command("synth")(friendly(trace_cmds.synth))
-app.command("export")(friendly(trace_cmds.export))
-app.command("capture")(friendly(capture_cmd.capture_cmd))
-app.command("profile")(friendly(predict_cmds.profile_cmd))
-app.command("eval")(friendly(predict_cmds.eval_cmd))
-app.command("simulate")(friendly(simulate_cmd.simulate_cmd))
-app.command("analyze")(friendly(analyze_cmd.analyze_cmd))
-app.command("demo")(friendly(demo.demo))
-app.command("make-model")(friendly(make_model_cmd.make_model_cmd))
-app.command("pack")(friendly(pack_cmd.pack_cmd))
-app.command("generate")(friendly(generate_cmd.generate_cmd))
-app.command("calibrate")(friendly(calibrate_cmd.calibrate_cmd))
-app.command("train-tiny")(friendly(train_cmd.train_tiny_cmd))
+app.command("import")(friendly(trace.import_cmd))
+app.command("info")(friendly(trace.info_cmd))
+app.command("synth")(friendly(trace.synth_cmd))
+app.command("export")(friendly(trace.export_cmd))
+app.command("capture")(friendly(capture.capture_cmd))
+app.command("profile")(friendly(predict.profile_cmd))
+app.command("eval")(friendly(predict.eval_cmd))
+app.command("simulate")(friendly(simulate.simulate_cmd))
+app.command("analyze")(friendly(analyze.analyze_cmd))
+app.command("demo")(friendly(demo.demo_cmd))
+app.command("make-model")(friendly(make_model.make_model_cmd))
+app.command("pack")(friendly(pack.pack_cmd))
+app.command("generate")(friendly(generate.generate_cmd))
+app.command("calibrate")(friendly(calibrate.calibrate_cmd))
+app.command("train-tiny")(friendly(train_tiny.train_tiny_cmd))
 
 
 def main() -> None:

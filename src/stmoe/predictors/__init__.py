@@ -22,12 +22,12 @@ from stmoe.predictors.base import (
     register,
 )
 from stmoe.predictors.profiling import profile
-from stmoe.predictors.stmoe import STMoEConfig, STMoEPredictor
+from stmoe.predictors.st_moe import STMoEConfig, STMoEPredictor
 from stmoe.predictors.tables import ProfiledTables, load_tables, save_tables
 from stmoe.trace.schema import RoutingTrace
 
 DEFAULT_SET = ("stmoe", "ondemand", "previous-token", "cct-static", "cct-online", "frequency",
-               "random", "oracle")  # fmt: skip
+               "random", "oracle")
 
 
 def names() -> list[str]:
@@ -41,7 +41,7 @@ def names_for(trace: RoutingTrace) -> list[str]:
     has_look = trace.lookahead is not None or trace.lookahead_late is not None
     return [n for n in names()
             if (has_look or not REGISTRY[n].uses_lookahead)
-            and not REGISTRY[n].needs_domain_tables]  # fmt: skip
+            and not REGISTRY[n].needs_domain_tables]
 
 
 def make(
@@ -72,7 +72,7 @@ def accepted_options(name: str) -> list[str]:
     cls = _lookup(name)
     params = inspect.signature(cls.__init__).parameters
     named = [p for p, v in params.items() if p not in ("self", "shape", "tables")
-             and v.kind is not inspect.Parameter.VAR_KEYWORD]  # fmt: skip
+             and v.kind is not inspect.Parameter.VAR_KEYWORD]
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         named += list(cls.knobs())
     return named

@@ -134,7 +134,7 @@ class Predictor:
             return dataclasses.replace(base or self.config_class(), **knobs)
         except TypeError:
             raise PredictorError(f"unknown {self.name} option in {sorted(knobs)}; "
-                                 f"valid: {', '.join(self.knobs())}") from None  # fmt: skip
+                                 f"valid: {', '.join(self.knobs())}") from None
 
     # ---- the protocol ------------------------------------------------------
     def reset(self, slot: int = 0) -> None:
@@ -178,7 +178,7 @@ class Predictor:
         if pref == "late" and not late_available:
             raise PredictorError(f"predictor {self.name!r} was asked for the late gate lookahead "
                                  "and there is none (record it with `stmoe capture`; the model "
-                                 "needs a pre-MoE norm stmoe recognises)")  # fmt: skip
+                                 "needs a pre-MoE norm stmoe recognises)")
         return "late" if pref in ("auto", "late") and late_available else "early"
 
     def use_lookahead_point(self, point: str) -> None:
@@ -189,12 +189,12 @@ class Predictor:
         """The trace's gate lookahead this predictor takes (and switch to its point)."""
         if trace.lookahead is None and trace.lookahead_late is None:
             raise PredictorError(f"predictor {self.name!r} needs the trace's gate lookahead; "
-                                 "capture it with `stmoe capture`, which records it")  # fmt: skip
+                                 "capture it with `stmoe capture`, which records it")
         point = self.resolve_lookahead_point(trace.lookahead_late is not None)
         look = trace.lookahead_late if point == "late" else trace.lookahead
         if look is None:
             raise PredictorError(f"predictor {self.name!r} was asked for the early gate "
-                                 "lookahead and the trace has only the late one")  # fmt: skip
+                                 "lookahead and the trace has only the late one")
         self.use_lookahead_point(point)
         return np.ascontiguousarray(look, dtype=np.int16)
 
@@ -217,7 +217,7 @@ class Predictor:
         slots = list(slots)
         if self.scores_experts and len(slots) > 1:
             size = max_size if max_size > 0 else min(
-                self.shape.num_experts, round(self.mean_set_size * len(slots)))  # fmt: skip
+                self.shape.num_experts, round(self.mean_set_size * len(slots)))
             if size <= 0:
                 return np.zeros(0, dtype=np.int16)
             return union_of_scores([self.scores(layer, slot) for slot in slots], size)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from stmoe.predictors.base import ModelShape, Predictor, PredictorError, PrefetchPlan, register
-from stmoe.predictors.stmoe import STMoEConfig, STMoEPredictor
+from stmoe.predictors.st_moe import STMoEConfig, STMoEPredictor
 from stmoe.predictors.tables import ProfiledTables
 from stmoe.trace.schema import RoutingTrace
 
@@ -49,9 +49,9 @@ class PreviousTokenPredictor(STMoEPredictor):
     needs_tables = False
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None, w_ht: float = 1.0,
-                 max_set_size: int = 0) -> None:  # fmt: skip
+                 max_set_size: int = 0) -> None:
         config = STMoEConfig(use_cct=False, online=False, w_ht=w_ht, threshold=w_ht,
-                             max_set_size=max_set_size)  # fmt: skip
+                             max_set_size=max_set_size)
         super().__init__(shape, None, config)
 
 
@@ -62,9 +62,9 @@ class CCTStaticPredictor(STMoEPredictor):
     name = "cct-static"
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None,
-                 max_set_size: int = 0) -> None:  # fmt: skip
+                 max_set_size: int = 0) -> None:
         super().__init__(shape, tables, STMoEConfig(use_ht=False, online=False,
-                                                    max_set_size=max_set_size))  # fmt: skip
+                                                    max_set_size=max_set_size))
 
 
 @register
@@ -74,9 +74,9 @@ class CCTOnlinePredictor(STMoEPredictor):
     name = "cct-online"
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None,
-                 max_set_size: int = 0) -> None:  # fmt: skip
+                 max_set_size: int = 0) -> None:
         super().__init__(shape, tables, STMoEConfig(use_ht=False, online=True,
-                                                    max_set_size=max_set_size))  # fmt: skip
+                                                    max_set_size=max_set_size))
 
 
 @register
@@ -121,7 +121,7 @@ class RandomPredictor(Predictor):
     name = "random"
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None, set_size: int = 0,
-                 seed: int = 0) -> None:  # fmt: skip
+                 seed: int = 0) -> None:
         super().__init__(shape)
         self.set_size = min(set_size or shape.top_k, shape.num_experts)
         self.rng = np.random.default_rng(seed)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from stmoe._numba import njit
 from stmoe.trace.schema import RoutingTrace
+from stmoe.util.jit import njit
 
 D_MAX = 4  # farthest layer distance counted: l -> l+4 (second order at horizon 3)
 
@@ -52,9 +52,9 @@ def count_pairs(experts, seq_id, n, d_max):  # pragma: no cover - compiled
 def pair_counts(trace: RoutingTrace) -> tuple[np.ndarray, np.ndarray]:
     """(pairs [D, L-1, N, N], temporal [L, N, N]) float64 counts of ``trace``."""
     seq_id = np.repeat(np.arange(trace.num_sequences), np.diff(
-        np.append(np.asarray(trace.seq_starts), trace.num_tokens)))  # fmt: skip
+        np.append(np.asarray(trace.seq_starts), trace.num_tokens)))
     return count_pairs(np.ascontiguousarray(trace.experts, dtype=np.int16),
-                       seq_id.astype(np.int64), trace.num_experts, D_MAX)  # fmt: skip
+                       seq_id.astype(np.int64), trace.num_experts, D_MAX)
 
 
 def layer_tokens(trace: RoutingTrace) -> np.ndarray:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stmoe._numba import njit
+from stmoe.util.jit import njit
 
 EMPTY = -1
 CONF_MAX = 3  # 2-bit saturating counter: 0b11, strongly taken (docs/method.md)
@@ -196,10 +196,10 @@ def plan_trace(
                 n = 0
                 if layer0_ht and use_ht:
                     n = predict_next(empty_row_ids, empty_row_conf, no_chosen, ht[0], layer0,
-                                     scratch, out)  # fmt: skip
+                                     scratch, out)
             else:
                 n = predict_next(cct_ids[layer - 1], cct_conf[layer - 1], experts[t, layer - 1],
-                                 ht[layer], scoring, scratch, out)  # fmt: skip
+                                 ht[layer], scoring, scratch, out)
             start = ptr[idx]
             if start + n > ids.shape[0]:
                 grown = np.empty(2 * ids.shape[0] + n, dtype=np.int16)

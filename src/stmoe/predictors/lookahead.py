@@ -28,7 +28,7 @@ class LookaheadPredictor(Predictor):
     uses_lookahead = True
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None,
-                 set_size: int = 0, lookahead: str = "auto") -> None:  # fmt: skip
+                 set_size: int = 0, lookahead: str = "auto") -> None:
         super().__init__(shape)
         if set_size < 0:
             raise PredictorError(f"set_size {set_size}: expected 0 (K) or a positive count")

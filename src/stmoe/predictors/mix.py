@@ -45,12 +45,12 @@ class MixPredictor(Predictor):
         self.config = self.configure(knobs)
         if tables is None or not tables.per_domain:
             raise PredictorError("stmoe-mix needs per-domain tables: profile with "
-                                 "`stmoe profile --by-domain` (2 or more domains)")  # fmt: skip
+                                 "`stmoe profile --by-domain` (2 or more domains)")
         tables.check_fits(shape)
         self.domains = list(tables.per_domain)
         self.members = [PlusPredictor(shape, t) for t in tables.per_domain.values()]
         self.mean_set_size = (float(self.config.set_size) if self.config.set_size > 0
-                              else float(shape.top_k))  # fmt: skip
+                              else float(shape.top_k))
         self._hit: dict[int, np.ndarray] = {}  # slot -> [D] recent hit rate per member
         self._last: dict[tuple[int, int], list[np.ndarray]] = {}  # (slot, layer) -> sets
         self._ctl = np.zeros(2)
@@ -85,7 +85,7 @@ class MixPredictor(Predictor):
         scores = self.scores(layer, slot)
         b = pk.set_size(scores, self.mean_set_size, False, self._ctl,
                         min(self.shape.num_experts, int(np.ceil(self.mean_set_size))),
-                        layer)  # fmt: skip
+                        layer)
         pk.top_by_score(scores, b, self._out)
         return self._out[:b].astype(np.int16)
 
@@ -96,7 +96,7 @@ class MixPredictor(Predictor):
         if sets is not None:
             chosen = set(experts[experts >= 0].tolist())
             hits = np.array([len(chosen.intersection(s.tolist())) / max(len(chosen), 1)
-                             for s in sets])  # fmt: skip
+                             for s in sets])
             h = self._hit.get(slot)
             a = self.config.memory
             self._hit[slot] = hits if h is None else a * h + (1 - a) * hits

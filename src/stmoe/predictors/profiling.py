@@ -84,13 +84,13 @@ def profile(
 
 
 def _per_domain(traces: list[RoutingTrace], width: int, fit_plus: bool
-                ) -> dict[str, ProfiledTables]:  # fmt: skip
+                ) -> dict[str, ProfiledTables]:
     from stmoe.trace import concat, select_domain
 
     names = list(dict.fromkeys(d for t in traces for d in t.domains))
     if len(names) < 2:
         raise TraceError(f"profiling by domain needs at least 2 domains, the traces have {names}",
-                         hint="label sequences with --domain when importing")  # fmt: skip
+                         hint="label sequences with --domain when importing")
     out = {}
     for d in names:
         parts = [select_domain(t, d) for t in traces if d in t.domains]

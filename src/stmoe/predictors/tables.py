@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from stmoe.fileio import atomic_write, check_input_file
 from stmoe.predictors.base import ModelShape, PredictorError
 from stmoe.predictors.kernels import CONF_NEW
 from stmoe.predictors.tables_check import (
@@ -34,9 +33,10 @@ from stmoe.predictors.tables_check import (
 )
 from stmoe.trace.io import read_npz_arrays
 from stmoe.trace.schema import _CHUNK_TOKENS, RoutingTrace
+from stmoe.util.fileio import atomic_write, check_input_file
 
 __all__ = ["RECENT_TOKENS", "TABLES_FORMAT", "TABLES_VERSION", "ProfiledTables", "cct_from_counts",
-           "check_cct", "cooccurrence", "load_tables", "save_tables"]  # fmt: skip
+           "check_cct", "cooccurrence", "load_tables", "save_tables"]
 RECENT_TOKENS = 1024  # profiled tokens kept for stmoe-plus's token memory (its ring size)
 
 
@@ -95,7 +95,7 @@ def cct_from_counts(co: np.ndarray, row_width: int) -> tuple[np.ndarray, np.ndar
 
 def _arrays(tables: ProfiledTables, prefix: str = "") -> dict[str, np.ndarray]:
     arrays = {"cct_ids": tables.cct_ids, "cct_conf": tables.cct_conf,
-              "cooccurrence": tables.cooccurrence, "layer_counts": tables.layer_counts}  # fmt: skip
+              "cooccurrence": tables.cooccurrence, "layer_counts": tables.layer_counts}
     for name in ("pair_counts", "temporal", "recent"):
         if getattr(tables, name) is not None:
             arrays[name] = getattr(tables, name)
@@ -155,9 +155,9 @@ def load_tables(path: str | Path) -> ProfiledTables:
 
 
 def _tables_from(arrays: dict[str, np.ndarray | None], shape: ModelShape, info: dict[str, Any],
-                 source: str) -> ProfiledTables:  # fmt: skip
+                 source: str) -> ProfiledTables:
     return ProfiledTables(shape=shape, cct_ids=arrays["cct_ids"], cct_conf=arrays["cct_conf"],
                           cooccurrence=arrays["cooccurrence"], layer_counts=arrays["layer_counts"],
                           info=info, pair_counts=arrays["pair_counts"],
                           temporal=arrays["temporal"], recent=arrays["recent"],
-                          source=source)  # type: ignore[arg-type]  # fmt: skip
+                          source=source)  # type: ignore[arg-type]

@@ -69,13 +69,13 @@ def read_header(raw: np.ndarray | None, where: str) -> dict[str, Any]:
     if header.get("format") != TABLES_FORMAT:
         raise PredictorError(f"{where}: not an stmoe tables file (format "
                              f"{_show(header.get('format'))}, expected {TABLES_FORMAT!r}); "
-                             "write tables with `stmoe profile`")  # fmt: skip
+                             "write tables with `stmoe profile`")
     version = header.get("version")
     if not _is_int(version):
         raise PredictorError(f"{where}: version must be an integer, got {_show(version)}")
     if version > TABLES_VERSION:
         raise PredictorError(f"{where}: tables version {version} is newer than this stmoe "
-                             f"reads ({TABLES_VERSION}); upgrade stmoe")  # fmt: skip
+                             f"reads ({TABLES_VERSION}); upgrade stmoe")
     if version < 1:
         raise fail(where, "version", str(version), f"1..{TABLES_VERSION}")
     return header
@@ -90,7 +90,7 @@ def _depth(value: Any) -> int:
             deepest = max(deepest, depth)
             if depth <= MAX_DEPTH:
                 stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
-                                                       else item))  # fmt: skip
+                                                       else item))
     return deepest
 
 
@@ -131,9 +131,9 @@ def check_info(info: Any, layers: int, where: str, field: str = "info") -> dict[
     if "layer_tokens" in info:
         v = info["layer_tokens"]
         if not (isinstance(v, list) and len(v) == layers
-                and all(_is_number(x) and 0 <= x <= MAX_COUNT for x in v)):  # fmt: skip
+                and all(_is_number(x) and 0 <= x <= MAX_COUNT for x in v)):
             raise fail(where, f"{field}['layer_tokens']", _show(v),
-                       f"{layers} token counts 0..2^53 (one per layer)")  # fmt: skip
+                       f"{layers} token counts 0..2^53 (one per layer)")
     if "tokens" in info and not (_is_int(info["tokens"]) and info["tokens"] >= 0):
         raise fail(where, f"{field}['tokens']", _show(info["tokens"]), "a token count >= 0")
     if info.get("plus") is not None:
@@ -151,7 +151,7 @@ def _check_fit(fit: Any, where: str, field: str, nested: bool) -> None:
         if isinstance(v, dict) and nested:
             _check_fit(v, where, name, nested=False)
         elif not (v is None or isinstance(v, bool) or _is_number(v)
-                  or (isinstance(v, list) and all(_is_number(x) for x in v))):  # fmt: skip
+                  or (isinstance(v, list) and all(_is_number(x) for x in v))):
             raise fail(where, name, _show(v), "a finite number, true/false or a list of numbers")
 
 
@@ -164,13 +164,13 @@ def check_domains(entries: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
         name = entry.get("domain") if isinstance(entry, dict) else None
         if not isinstance(name, str) or name in (d for d, _ in out):
             raise fail(where, f"per_domain[{i}]", _show(entry),
-                       "an object with a domain name (unique) and its info")  # fmt: skip
+                       "an object with a domain name (unique) and its info")
         out.append((name, entry.get("info", {})))
     return out
 
 
 def check_arrays(arrays: Mapping[str, np.ndarray], dims: Dims, where: str,
-                 prefix: str = "") -> dict[str, np.ndarray | None]:  # fmt: skip
+                 prefix: str = "") -> dict[str, np.ndarray | None]:
     """Every array of one set of tables (``prefix``: a domain's ``domain<i>/``), by shape,
     dtype and values; the ids as int16/int8 and every array in native byte order."""
     n, layers, k = dims.shape.num_experts, dims.shape.num_layers, dims.shape.top_k
@@ -180,7 +180,7 @@ def check_arrays(arrays: Mapping[str, np.ndarray], dims: Dims, where: str,
             "cooccurrence": ((pairs, n, n), "[L-1, N, N]"),
             "layer_counts": ((layers, n), "[L, N]"),
             "pair_counts": ((D_MAX, max(pairs, 1), n, n), f"[D={D_MAX}, L-1, N, N]"),
-            "temporal": ((layers, n, n), "[L, N, N]")}  # fmt: skip
+            "temporal": ((layers, n, n), "[L, N, N]")}
     out: dict[str, np.ndarray | None] = {}
     for key in (*REQUIRED, *OPTIONAL):
         a = arrays.get(prefix + key)
@@ -206,7 +206,7 @@ def check_arrays(arrays: Mapping[str, np.ndarray], dims: Dims, where: str,
 
 
 def _check_shape(a: np.ndarray, want: tuple[int | None, ...], axes: str, where: str,
-                 field: str) -> None:  # fmt: skip
+                 field: str) -> None:
     if a.ndim != len(want) or any(w not in (None, s) for s, w in zip(a.shape, want, strict=True)):
         shown = ", ".join("M" if w is None else str(w) for w in want)
         raise fail(where, field, f"shape {a.shape}", f"({shown}) {axes}")
@@ -229,7 +229,7 @@ def _check_counts(a: np.ndarray, where: str, field: str) -> None:
 
 
 def check_cct(ids: np.ndarray, conf: np.ndarray, num_experts: int, where: str = "tables",
-              prefix: str = "") -> None:  # fmt: skip
+              prefix: str = "") -> None:
     """Refuse a CCT the compiled kernels could not trust (they index by these ids)."""
     for field, a in (("cct_ids", ids), ("cct_conf", conf)):
         if a.dtype.kind not in "iu":
@@ -239,11 +239,11 @@ def check_cct(ids: np.ndarray, conf: np.ndarray, num_experts: int, where: str = 
         layer, e, s = (int(i) for i in np.argwhere(bad)[0])
         raise PredictorError(f"{where}: {prefix}cct_ids: CCT[{layer}][{e}] slot {s} holds "
                              f"expert {int(ids[layer, e, s])}, "
-                             f"expected -1..{num_experts - 1}")  # fmt: skip
+                             f"expected -1..{num_experts - 1}")
     if ((conf < 0) | (conf > 3)).any():
         raise PredictorError(f"{where}: {prefix}cct_conf: a confidence lies outside 0..3, "
-                             "expected 2-bit counters")  # fmt: skip
+                             "expected 2-bit counters")
     ordered = np.sort(ids, axis=2)
     if ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any():
         raise PredictorError(f"{where}: {prefix}cct_ids: a row holds the same expert twice, "
-                             "expected distinct candidates")  # fmt: skip
+                             "expected distinct candidates")

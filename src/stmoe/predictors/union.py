@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from stmoe._numba import njit
+from stmoe.util.jit import njit
 
 _NONE = np.zeros(0, dtype=np.int64)
 

@@ -23,18 +23,25 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from stmoe._progress import announced_byte_progress
-from stmoe.model_introspect import experts_modules
-from stmoe.predictors.base import ModelShape, Predictor
+from stmoe.errors import OffloadError
+from stmoe.hf.layout import ModelLayout
+from stmoe.hf.loading import load_without_experts
+from stmoe.predictors.base import ModelShape
 from stmoe.runtime.engine import OffloadEngine
+from stmoe.runtime.forced_routing import RoutingPlan, RoutingSource
 from stmoe.runtime.hf_glue import IMPL_NAME, move_resident, register
-from stmoe.runtime.loading import load_without_experts
-from stmoe.runtime.options import OffloadOptions, resolve_capacity, resolve_predictor, top_k_of
-from stmoe.runtime.routing_replay import ReplayPlan, RoutingReplay
+from stmoe.runtime.options import (
+    OffloadOptions,
+    resolve_capacity,
+    resolve_predictor,
+    top_k_of,
+    with_overrides,
+)
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
-from stmoe.runtime.store import ExpertStore, StoreError, default_store_dir, open_store, pack
-from stmoe.runtime.tiers import open_tier
+from stmoe.runtime.store import ExpertStore, default_store_dir, open_store, pack
+from stmoe.runtime.store.tiers import open_tier
+from stmoe.util.progress import announced_byte_progress
 
 T = TypeVar("T")
 
@@ -73,7 +80,7 @@ class OffloadedModel:
     """
 
     def __init__(self, model: torch.nn.Module, engine: OffloadEngine, tokenizer: Any,
-                 config: dict[str, Any], cleanup: Path | None = None) -> None:  # fmt: skip
+                 config: dict[str, Any], cleanup: Path | None = None) -> None:
         self.model, self.engine, self.tokenizer, self.config = model, engine, tokenizer, config
         self._cleanup = cleanup
         self._serial = threading.Lock()  # one measured run at a time
@@ -114,46 +121,48 @@ class OffloadedModel:
         """Greedy generation from ``prompt`` (text, or token ids), measured (from an
         empty cache when ``cold``)."""
         if max_new_tokens < 1:
-            raise StoreError("max_new_tokens must be at least 1")
+            raise OffloadError("max_new_tokens must be at least 1")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise StoreError("this offloaded model has no tokenizer; pass token ids")
+                raise OffloadError("this offloaded model has no tokenizer; pass token ids")
             ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         else:
             ids = _prompt_ids(prompt, self.model.config)
         if ids.shape[1] == 0:
-            raise StoreError("the prompt has no tokens")
+            raise OffloadError("the prompt has no tokens")
         return self._generate(ids, max_new_tokens, cold, None)
 
-    def replay(self, plan: ReplayPlan, max_new_tokens: int | None = None,
-               cold: bool = True) -> GenerationResult:  # fmt: skip
+    def force_routing(self, plan: RoutingPlan, max_new_tokens: int | None = None,
+               cold: bool = True) -> GenerationResult:
         """Generate with ``plan``'s recorded routing in place of the router's
-        (``runtime.routing_replay``): the time, stalls, hits and bytes of that routing
+        (``runtime.forced_routing``): the time, stalls, hits and bytes of that routing
         at this model's sizes. The text is meaningless and left empty."""
         if self.engine.predictor.uses_lookahead:
-            raise StoreError(f"predictor {self.engine.predictor.name!r} reads the model's own "
-                             "routers, which a routing replay overrides; replay with a "
-                             "predictor that learns from the routing (stmoe, stmoe-plus, "
-                             "...)")  # fmt: skip
+            raise OffloadError(f"predictor {self.engine.predictor.name!r} reads the model's own "
+                               "routers, which a routing replay overrides; replay with a "
+                               "predictor that learns from the routing (stmoe, stmoe-plus, "
+                               "...)")
         steps = plan.new_tokens if max_new_tokens is None else min(max_new_tokens, plan.new_tokens)
         if steps < 1:
-            raise StoreError("max_new_tokens must be at least 1")
+            raise OffloadError("max_new_tokens must be at least 1")
         ids = torch.tensor([plan.token_ids], device=self.engine.device)
-        result = self._generate(ids, steps, cold, RoutingReplay(plan))
+        result = self._generate(ids, steps, cold, RoutingSource(plan))
         result.text = ""
         result.config["routing_replay"] = True
         return result
 
+    replay = force_routing  # the former name, for one release
+
     def _generate(self, ids: torch.Tensor, max_new_tokens: int, cold: bool,
-                  replay: RoutingReplay | None) -> GenerationResult:  # fmt: skip
+                  replay: RoutingSource | None) -> GenerationResult:
         ids = ids.to(self.engine.device)
         state = self.engine.state
         with self._exclusive():  # the run is read after it, before another starts
-            state.replay = replay
+            state.forced_routing = replay
             try:
                 out, stats = self._measure(lambda: self._run(ids, max_new_tokens), cold)
             finally:
-                state.replay = None
+                state.forced_routing = None
             run = self.engine.run
         ends = run.forward_ends
         ttft = ends[0] - run.started
@@ -171,7 +180,7 @@ class OffloadedModel:
             bytes_wasted=stats.bytes_wasted, stall_s=phase["stall_s"],
             stall_share=phase["stall_s"] / decode_s if decode_s > 0 else 0.0,
             config=dict(self.config), stats=stats.to_dict(),
-        )  # fmt: skip
+        )
 
     def measure(self, fn: Callable[[], T], cold: bool = True) -> tuple[T, RuntimeStats]:
         """Run ``fn`` (any use of ``self.model``) as one measured run, from an empty
@@ -202,22 +211,22 @@ class OffloadedModel:
         with torch.no_grad():
             return self.model.generate(ids, attention_mask=torch.ones_like(ids),
                                        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                       do_sample=False, pad_token_id=pad)  # fmt: skip
+                                       do_sample=False, pad_token_id=pad)
 
 
 def _prompt_ids(prompt: Any, config: Any) -> torch.Tensor:
     """[1, S] token ids from a flat list of ints within the vocabulary."""
     vocab = getattr(config, "vocab_size", None) or getattr(
-        getattr(config, "text_config", None), "vocab_size", None)  # fmt: skip
+        getattr(config, "text_config", None), "vocab_size", None)
     ids = []
     for i, t in enumerate(prompt):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise StoreError(
+            raise OffloadError(
                 f"prompt token {i} is {t!r}; expected text or a flat list of token ids"
             )
         if t < 0 or (vocab is not None and t >= vocab):
-            raise StoreError(f"prompt token {i} is {t}, outside the vocabulary 0..{vocab - 1}"
-                             if vocab else f"prompt token {i} is negative")  # fmt: skip
+            raise OffloadError(f"prompt token {i} is {t}, outside the vocabulary 0..{vocab - 1}"
+                             if vocab else f"prompt token {i} is negative")
         ids.append(int(t))
     return torch.tensor([ids], dtype=torch.long)
 
@@ -225,37 +234,20 @@ def _prompt_ids(prompt: Any, config: Any) -> torch.Tensor:
 def offload(
     model_or_dir: torch.nn.Module | str | Path,
     store: str | Path | None = None,
-    *,
-    capacity: int | str = "50%",
-    predictor: str | Predictor = "stmoe",
-    tables: str | Path | None = None,
-    policy: str = "lru",
-    tier: str = "disk",
-    bandwidth: float | str | None = None,
-    latency: float | str = 0.0,
-    workers: int | None = None,
-    max_loads: int | None = None,
-    lookahead: str = "auto",
+    options: OffloadOptions | None = None,
+    **overrides: Any,
 ) -> OffloadedModel:
     """Offload a model's routed experts (see the module docstring).
 
     ``model_or_dir``: a loaded model (its expert tensors are released) or a
     model folder (the experts are never loaded). ``store``: a folder written by
     ``stmoe pack``; by default one is packed on first use (a cache directory for
-    a folder, a temporary one for a loaded model). ``tier``: ``disk`` (real reads
-    bypassing the page cache), ``emulated`` (host memory behind a link of
-    ``bandwidth`` bytes/s and ``latency`` s, EMULATED) or ``gpu`` (pinned host
-    memory to a CUDA cache). ``workers``: prefetch threads; by default 2 for the
-    disk (a device serves reads in parallel) and 1 for the single-link tiers, where
-    a second thread only queues another transfer ahead of the next miss.
-    ``lookahead`` (hybrid, gate-lookahead): which gate lookahead, ``early`` (the
-    next layer's router on this layer's MoE input, predicted as this layer routes)
-    or ``late`` (the next layer's router on its own input through its pre-MoE norm,
-    predicted as that layer starts: closer to the router, less time to load);
-    ``auto``: late where the model's norms are recognised.
+    a folder, a temporary one for a loaded model). ``options``: an
+    ``OffloadOptions`` (its fields say what each does, and hold the defaults);
+    ``overrides``: any of its fields by name, e.g. ``offload(d, capacity="25%",
+    tier="emulated", bandwidth="1GB")`` (an unknown name is refused with the list).
     """
-    options = OffloadOptions(capacity, predictor, tables, policy, tier, bandwidth, latency,
-                             workers, max_loads, lookahead)  # fmt: skip
+    options = with_overrides(options or OffloadOptions(), overrides)
     options.check()
     register()
     if isinstance(model_or_dir, (str, Path)):
@@ -263,13 +255,13 @@ def offload(
         # the store matched to the folder's checkpoint before anything is loaded
         expert_store = open_store(model_dir, store, progress=announced_byte_progress(
             lambda total: f"packing {model_dir.name}'s experts ({total / 2**20:.0f} MiB) into "
-            f"{default_store_dir(model_dir)} (first use; later runs reuse it)"))  # fmt: skip
+            f"{default_store_dir(model_dir)} (first use; later runs reuse it)"))
         model = load_without_experts(model_dir).model
         return _offload(model, expert_store, options, model_dir, _tokenizer(model_dir), None)
     model = model_or_dir
     if getattr(model.config, "_experts_implementation", None) == IMPL_NAME:
-        raise StoreError("this model is already offloaded (or was, and is closed); "
-                         "offload a freshly loaded model or its folder")  # fmt: skip
+        raise OffloadError("this model is already offloaded (or was, and is closed); "
+                           "offload a freshly loaded model or its folder")
     cleanup = None
     if store is None:
         cleanup = Path(tempfile.mkdtemp(prefix="stmoe-store-"))
@@ -290,25 +282,26 @@ def offload(
 
 def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: OffloadOptions,
              model_dir: Path | None, tokenizer: Any,
-             cleanup: Path | None) -> OffloadedModel:  # fmt: skip
-    expert_store.check_model(model)  # every block's layout, and the weights, before any token
-    shape = ModelShape(len(experts_modules(model)), int(expert_store.model["num_experts"]),
-                       top_k_of(model.config))  # fmt: skip
+             cleanup: Path | None) -> OffloadedModel:
+    layout = ModelLayout.of(model)  # found once, handed to the checks and the engine
+    expert_store.check_model(model, layout)  # every block's layout, and the weights, first
+    shape = ModelShape(layout.num_layers, int(expert_store.model["num_experts"]),
+                       top_k_of(model.config))
     per_layer = resolve_capacity(options.capacity, shape.num_layers, shape.num_experts,
-                                 shape.top_k, expert_store.blocks[(0, 0)].nbytes)  # fmt: skip
+                                 shape.top_k, expert_store.blocks[(0, 0)].nbytes)
     pred = resolve_predictor(options, shape, model_dir)
     device = None
     if options.tier == "gpu":
         if not torch.cuda.is_available():
-            raise StoreError("--tier gpu needs CUDA, and torch sees no GPU here; use --tier disk "
-                             "or --tier emulated")  # fmt: skip
+            raise OffloadError("--tier gpu needs CUDA, and torch sees no GPU here; use --tier disk "
+                               "or --tier emulated")
         device = torch.device("cuda")
         move_resident(model, device)
     source = open_tier(options.tier, expert_store, options.bandwidth, options.latency)
     settings = EngineSettings(per_layer, options.policy, options.worker_count(), device,
-                              options.max_loads)  # fmt: skip
+                              options.max_loads)
     try:
-        engine = OffloadEngine(model, expert_store, source, pred, settings)
+        engine = OffloadEngine(model, expert_store, source, pred, settings, layout)
     except BaseException:
         source.close()
         raise
@@ -320,7 +313,7 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
               "lookahead": pred.point if pred.uses_lookahead else None,
               "num_layers": shape.num_layers, "num_experts": shape.num_experts,
               "top_k": shape.top_k, "expert_bytes": engine.expert_bytes,
-              "cache_bytes": engine.cache_bytes}  # fmt: skip
+              "cache_bytes": engine.cache_bytes}
     if options.tier == "emulated":
         config.update(bandwidth=source.bandwidth, latency=source.latency)  # type: ignore[attr-defined]
     if options.tier == "disk":
@@ -333,9 +326,9 @@ def _checked_model_dir(model_or_dir: str | Path) -> Path:
     d = Path(model_or_dir)
     if not (d / "config.json").is_file():
         why = ("no config.json; not a transformers checkpoint folder" if d.is_dir() else
-               "not a folder" if d.exists() else "no such folder")  # fmt: skip
-        raise StoreError(f"{d}: {why}; stmoe.offload takes a local checkpoint folder "
-                         "(config.json, *.safetensors) or a loaded model")  # fmt: skip
+               "not a folder" if d.exists() else "no such folder")
+        raise OffloadError(f"{d}: {why}; stmoe.offload takes a local checkpoint folder "
+                           "(config.json, *.safetensors) or a loaded model")
     return d
 
 

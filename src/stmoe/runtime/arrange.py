@@ -17,7 +17,7 @@ from stmoe.runtime.cache import TEMP
 
 
 def plan_id_order(needed: list[int], slots: dict[int, int], extra: int,
-                  capacity: int) -> tuple[dict[int, int], list[tuple[int, int]]]:  # fmt: skip
+                  capacity: int) -> tuple[dict[int, int], list[tuple[int, int]]]:
     """(expert -> row, the ordered (src, dst) row copies) for ``needed`` (sorted ids):
     ``slots`` maps the cached ones to their slots, ``extra`` more go to spare rows
     ``capacity, capacity + 1, ...``; rows then increase with the experts' ids."""

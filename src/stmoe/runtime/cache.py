@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from stmoe import cache_policy as cp
-from stmoe.runtime.store import Block, StoreError
+from stmoe.errors import OffloadError
+from stmoe.runtime.store import Block
 
 FREE, LOADING, READY = 0, 1, 2
 TEMP = -1  # ``copy_row``'s one-expert buffer (breaks a cycle of moves)
@@ -96,7 +97,7 @@ class LayerCache:
     """``capacity`` slots for one layer's experts; see the module docstring."""
 
     def __init__(self, layer: int, capacity: int, params: list[ParamSpec], num_experts: int,
-                 policy: str, device: torch.device) -> None:  # fmt: skip
+                 policy: str, device: torch.device) -> None:
         self.layer = layer
         self.capacity = capacity
         self.params = params
@@ -117,7 +118,7 @@ class LayerCache:
         # in the block, in this order (one read, no copy: ``slot_parts``)
         ends = [p.offset + p.nbytes for p in params]
         self.in_block_order = device.type == "cpu" and all(
-            p.offset == (ends[i - 1] if i else 0) for i, p in enumerate(params))  # fmt: skip
+            p.offset == (ends[i - 1] if i else 0) for i, p in enumerate(params))
         self.where: dict[int, int] = {}  # expert -> slot
         self.holder = [-1] * capacity
         self.state = [FREE] * capacity
@@ -142,7 +143,7 @@ class LayerCache:
             return torch.empty((self.capacity, *p.shape), dtype=p.dtype, device=device)
         try:
             memory = mmap.mmap(-1, max(1, self.reserved * p.nbytes),
-                               flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)  # fmt: skip
+                               flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
         except OSError:  # no address space for the spare rows: the slots alone
             self.reserved = self.capacity
             memory = mmap.mmap(-1, max(1, self.capacity * p.nbytes), flags=mmap.MAP_PRIVATE)
@@ -165,7 +166,7 @@ class LayerCache:
         for p in self.params:
             rows = self.rows[p.name]
             (temp[p.name] if dst == TEMP else rows[dst]).copy_(
-                temp[p.name] if src == TEMP else rows[src])  # fmt: skip
+                temp[p.name] if src == TEMP else rows[src])
 
     def release_spare(self, used: int) -> None:
         """Give back the memory of the first ``used`` spare rows (their pages)."""
@@ -205,8 +206,8 @@ class LayerCache:
         if expert in self.where:
             return None, False
         if not 0 <= expert < len(self.uses):
-            raise StoreError(f"layer {self.layer}: expert {expert} is outside its experts "
-                             f"0..{len(self.uses) - 1}")  # fmt: skip
+            raise OffloadError(f"layer {self.layer}: expert {expert} is outside its experts "
+                               f"0..{len(self.uses) - 1}")
         if self.identity:
             slot: int | None = expert
         else:
@@ -311,7 +312,7 @@ class LayerCache:
     def unused_prefetches(self) -> int:
         """READY experts that were prefetched and never used (wasted so far)."""
         return sum(self.state[s] == READY and self.prefetched[s] and not self.used[s]
-                   for s in range(self.capacity))  # fmt: skip
+                   for s in range(self.capacity))
 
     def check(self) -> None:
         """Invariants (tests): the maps agree and nothing exceeds the capacity."""

@@ -25,47 +25,51 @@ from typing import Any
 import torch
 
 from stmoe.cache_policy import RUNTIME, policy_code
-from stmoe.model_introspect import experts_modules
+from stmoe.errors import OffloadError
+from stmoe.hf.layout import ModelLayout
 from stmoe.predictors.base import Predictor
 from stmoe.runtime.cache import READY, LayerCache, param_specs
 from stmoe.runtime.hf_glue import ForwardHooks, base_forward, resident_device, take_over
 from stmoe.runtime.planning import PrefetchPlanner, gate_lookahead
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.serve import LayerServer
-from stmoe.runtime.state import EngineSettings, EngineState, Future, Loads, RunState
+from stmoe.runtime.state import EngineSettings, EngineState, Future, RunState
 from stmoe.runtime.stats import RuntimeStats
-from stmoe.runtime.store import Block, ExpertStore, StoreError
-from stmoe.runtime.tiers import Tier, read_block
+from stmoe.runtime.store import ExpertStore
+from stmoe.runtime.store.loader import Loader
+from stmoe.runtime.store.tiers import Tier
 
 
 class OffloadEngine:
     """Serves one model's experts from ``store`` through ``tier`` into bounded caches."""
 
     def __init__(self, model: torch.nn.Module, store: ExpertStore, tier: Tier,
-                 predictor: Predictor, settings: EngineSettings) -> None:  # fmt: skip
+                 predictor: Predictor, settings: EngineSettings,
+                 layout: ModelLayout | None = None) -> None:
         _check_settings(settings)
-        store.check_model(model)
-        modules = experts_modules(model)
-        self.model, self.store, self.tier, self.predictor = model, store, tier, predictor
+        self.layout = layout = layout or ModelLayout.of(model)
+        store.check_model(model, layout)
+        modules = layout.modules
+        self.model, self.store, self.predictor = model, store, predictor
         self.settings, self.policy = settings, settings.policy
         self.num_layers = len(modules)
         self.num_experts = int(store.model["num_experts"])
         self.capacity = _checked_capacity(settings.capacity, self.num_experts)
-        lookahead = gate_lookahead(model, modules, predictor)
+        lookahead = gate_lookahead(layout, predictor)
         self.max_loads = _checked_max_loads(settings, predictor.shape.top_k)
         self.device = settings.device or resident_device(model)
         # each layer's experts module and its own implementation (refuses an offloaded model)
         layers = [(module, base_forward(module)) for _, module in modules]
         caches = [LayerCache(layer, self.capacity, param_specs(store.blocks[(layer, 0)]),
                              self.num_experts, self.policy, self.device)
-                  for layer in range(self.num_layers)]  # fmt: skip
+                  for layer in range(self.num_layers)]
         for module, _ in layers:
             take_over(module, self, self.num_experts)
-        self.state = EngineState(caches, store, Loads(self._fetch, self._fill), self.device)
+        self.state = EngineState(caches, store, Loader(tier, store), self.device)
         self.caches, self.cv, self.expert_bytes = caches, self.state.cv, self.state.expert_bytes
         self.prefetcher = Prefetcher(self.state, settings.workers)
         self.planner = PrefetchPlanner(self.state, predictor, self.prefetcher, lookahead,
-                                       self.max_loads, self.capacity)  # fmt: skip
+                                       self.max_loads, self.capacity)
         self.server = LayerServer(self.state, layers, settings, self.prefetcher, self.planner)
         self.reset(future=None)
         self.prefetcher.start()
@@ -86,7 +90,7 @@ class OffloadEngine:
                         if cache.state[s] == READY:
                             cache.abandon(s)
             self.state.run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), future,
-                                      self.num_layers)  # fmt: skip
+                                      self.num_layers)
             self.prefetcher.discard_error()
 
     @property
@@ -120,6 +124,16 @@ class OffloadEngine:
         self.tier.close()
 
     @property
+    def tier(self) -> Tier:
+        """The tier the loader reads through (swapping it swaps the loader's: tests inject
+        failing tiers so)."""
+        return self.state.loader.tier
+
+    @tier.setter
+    def tier(self, tier: Tier) -> None:
+        self.state.loader.tier = tier
+
+    @property
     def closed(self) -> bool:
         return self.state.closed
 
@@ -135,24 +149,9 @@ class OffloadEngine:
     # ---- the experts forward (hf_glue routes every offloaded experts call here) -------
     def experts_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor,
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                        *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+                        *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.server.serve(module, hidden_states, top_k_index, top_k_weights,
-                                 *args, **kwargs)  # fmt: skip
-
-    def _fill(self, cache: LayerCache, slot: int, block: Block, buf: Any, stream: Any) -> None:
-        """Bring ``block`` into ``slot`` (held LOADING by the caller): read straight into
-        the slot's memory where the tier and the cache allow (one read, no copy), else
-        read into ``buf`` and copied (``tiers.read_block``)."""
-        parts = cache.slot_parts(slot) if hasattr(self.tier, "read_into") else None
-        src = read_block(self.tier, self.store, block, parts, buf)
-        if src is not None:
-            cache.write(slot, src, stream)
-
-    def _fetch(self, block: Block, buf: Any) -> torch.Tensor:
-        """The tier's bytes for ``block``, refused unless complete."""
-        src = read_block(self.tier, self.store, block, None, buf)
-        assert src is not None  # (no parts: always the tier's bytes)
-        return src
+                                 *args, **kwargs)
 
     def check(self) -> None:
         """Invariants, for tests: every cache consistent and within its capacity."""
@@ -162,14 +161,14 @@ class OffloadEngine:
 
 
 def _check_settings(settings: EngineSettings) -> None:
-    policy_code(settings.policy, RUNTIME, StoreError)
+    policy_code(settings.policy, RUNTIME, OffloadError)
     if settings.workers < 0:
-        raise StoreError(f"workers must be >= 0, got {settings.workers}")
+        raise OffloadError(f"workers must be >= 0, got {settings.workers}")
 
 
 def _checked_capacity(capacity: int, num_experts: int) -> int:
     if not 1 <= capacity <= num_experts:
-        raise StoreError(f"capacity {capacity} experts per layer is outside 1..{num_experts}")
+        raise OffloadError(f"capacity {capacity} experts per layer is outside 1..{num_experts}")
     return capacity
 
 
@@ -178,9 +177,9 @@ def _checked_max_loads(settings: EngineSettings, top_k: int) -> int:
     capacity, max_loads = settings.capacity, settings.max_loads
     out = min(capacity, max_loads if max_loads is not None else capacity)
     if out < 0:
-        raise StoreError(f"max_loads must be >= 0, got {max_loads}")
+        raise OffloadError(f"max_loads must be >= 0, got {max_loads}")
     if capacity < top_k:
-        raise StoreError(f"capacity {capacity} experts per layer is below top-{top_k}: "
-                         "one token's experts would not fit; use at least "
-                         f"{top_k}")  # fmt: skip
+        raise OffloadError(f"capacity {capacity} experts per layer is below top-{top_k}: "
+                           "one token's experts would not fit; use at least "
+                           f"{top_k}")
     return out

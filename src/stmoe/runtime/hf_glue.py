@@ -24,20 +24,20 @@ from typing import Any
 
 import torch
 
+from stmoe.errors import OffloadError
 from stmoe.runtime.planning import PrefetchPlanner
 from stmoe.runtime.state import EngineState
-from stmoe.runtime.store import StoreError
 
 IMPL_NAME = "stmoe_offload"
 
 
 def _offloaded_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+                       *args: Any, **kwargs: Any) -> torch.Tensor:
     engine = getattr(self, "_stmoe_engine", None)
     if engine is None:
-        raise StoreError(f"{type(self).__name__} uses experts implementation {IMPL_NAME!r} but "
-                         "is not offloaded; call stmoe.offload(model, ...)")  # fmt: skip
+        raise OffloadError(f"{type(self).__name__} uses experts implementation {IMPL_NAME!r} but "
+                           "is not offloaded; call stmoe.offload(model, ...)")
     return engine.experts_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
 
 
@@ -55,7 +55,7 @@ def base_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
     original = inspect.unwrap(type(module).forward)
     impl = getattr(module.config, "_experts_implementation", None) or "eager"
     if impl == IMPL_NAME:
-        raise StoreError("this model is already offloaded")
+        raise OffloadError("this model is already offloaded")
     return ALL_EXPERTS_FUNCTIONS.get_interface(impl, original)
 
 
@@ -112,7 +112,7 @@ def move_resident(model: torch.nn.Module, device: torch.device) -> None:
         for name, p in module._parameters.items():
             if p is not None and not p.is_meta:
                 module._parameters[name] = torch.nn.Parameter(p.data.to(device),
-                                                              requires_grad=False)  # fmt: skip
+                                                              requires_grad=False)
         for name, b in module._buffers.items():
             if b is not None and not b.is_meta:
                 module._buffers[name] = b.to(device)
@@ -122,17 +122,17 @@ class ForwardHooks:
     """The model's forward calls followed (``state.run``), the planner told of each."""
 
     def __init__(self, model: torch.nn.Module, state: EngineState,
-                 planner: PrefetchPlanner) -> None:  # fmt: skip
+                 planner: PrefetchPlanner) -> None:
         self.state, self.planner = state, planner
         self._handles = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                          model.register_forward_hook(self._after_forward),
                          model.register_forward_hook(self._forward_done,
-                                                     always_call=True)]  # fmt: skip
+                                                     always_call=True)]
         if planner.late is not None:  # predict layer l as layer l starts (the late lookahead)
             self._handles += [decoder_layer.register_forward_pre_hook(self._layer_start(layer),
                                                                       with_kwargs=True)
                               for layer, (decoder_layer, _) in enumerate(planner.late)
-                              if layer > 0]  # fmt: skip
+                              if layer > 0]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -145,7 +145,7 @@ class ForwardHooks:
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         if ids is None:
-            raise StoreError("an offloaded model needs input_ids or inputs_embeds")
+            raise OffloadError("an offloaded model needs input_ids or inputs_embeds")
         batch, length = int(ids.shape[0]), int(ids.shape[1])
         mask = kwargs.get("attention_mask")
         with self.state.cv:

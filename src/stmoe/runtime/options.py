@@ -9,47 +9,61 @@ shipped next to a model folder when none are given) or as a ready object.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stmoe.cache_policy import RUNTIME, policy_code
+from stmoe.errors import OffloadError
 from stmoe.models import SHIPPED_TABLES
 from stmoe.predictors import make
 from stmoe.predictors.base import ModelShape, Predictor
-from stmoe.runtime.store import StoreError
-from stmoe.runtime.tiers import TIERS, check_link, parse_bytes
+from stmoe.util.units import UnitError, parse_bytes, parse_capacity, parse_seconds
 
 _TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k",
-                "experts_per_token", "n_activated_experts")  # fmt: skip
+                "experts_per_token", "n_activated_experts")
+
+
+TIERS = ("disk", "emulated", "gpu")  # the names stmoe.offload's ``tier`` takes
 
 
 @dataclass(frozen=True)
 class OffloadOptions:
-    """The keyword options of ``stmoe.offload`` (its docstring says what each does)."""
+    """The options of ``stmoe.offload``, and the one place their defaults are written
+    (``stmoe generate`` reads them)."""
 
+    # experts cached per layer: a count (8), a share of N (50%) or bytes for the model (64MB)
     capacity: int | str = "50%"
-    predictor: str | Predictor = "stmoe"
-    tables: str | Path | None = None
-    policy: str = "lru"
+    predictor: str | Predictor = "stmoe"  # a registered name, or a ready Predictor
+    tables: str | Path | None = None  # profiled tables; None: those shipped beside a folder
+    policy: str = "lru"  # eviction (stmoe.cache_policy): lru, lfu, or none (no reuse)
+    # disk (reads bypassing the page cache), emulated (host memory behind a link of
+    # ``bandwidth`` bytes/s and ``latency`` s, EMULATED) or gpu (pinned host memory to CUDA)
     tier: str = "disk"
-    bandwidth: float | str | None = None
-    latency: float | str = 0.0
-    workers: int | None = None  # None: 2 for the disk, 1 for the single-link tiers
-    max_loads: int | None = None
+    bandwidth: float | str | None = None  # the emulated link's bytes/s (200MB), emulated only
+    latency: float | str = 0.0  # the emulated link's seconds per transfer (50us), emulated only
+    # prefetch threads; None: 2 for the disk (a device serves reads in parallel), 1 for the
+    # single-link tiers (a second thread only queues another transfer ahead of the next miss)
+    workers: int | None = None
+    max_loads: int | None = None  # loads one prediction may start per layer; None: capacity
+    # hybrid and gate-lookahead: early (the next layer's router on this layer's MoE input,
+    # as this layer routes), late (on its own input through its pre-MoE norm, as that layer
+    # starts: closer to the router, less time to load), auto (late where norms are found)
     lookahead: str = "auto"
 
     def check(self) -> None:
         """Refuse an unknown tier or cache policy, a link setting the tier does not take or
         an absurd one, and a negative count, before anything is loaded."""
         if self.tier not in TIERS:
-            raise StoreError(f"unknown tier {self.tier!r}; choose from {', '.join(TIERS)}")
-        policy_code(self.policy, RUNTIME, StoreError)
+            raise OffloadError(f"unknown tier {self.tier!r}; choose from {', '.join(TIERS)}")
+        policy_code(self.policy, RUNTIME, OffloadError)
         check_link(self.tier, self.bandwidth, self.latency)
         for name, value in (("workers", self.workers), ("max_loads", self.max_loads)):
             if value is not None and (isinstance(value, bool) or value < 0):
-                raise StoreError(f"{name} must be >= 0, got {value!r}")
+                raise OffloadError(f"{name} must be >= 0, got {value!r}")
 
     def worker_count(self) -> int:
         """Prefetch threads: a disk serves reads in parallel; on a single link a second
@@ -59,6 +73,91 @@ class OffloadOptions:
         return 2 if self.tier == "disk" else 1
 
 
+# The emulated link's sane range: below 1 KB/s, or above a minute per transfer, one expert
+# would take hours to arrive and a run would look hung.
+MIN_BANDWIDTH = 1e3
+MAX_LATENCY = 60.0
+
+
+def check_link(name: str, bandwidth: float | str | None,
+               latency: float | str) -> tuple[float | None, float]:
+    """The emulated link's (bandwidth bytes/s, latency s), parsed and checked; other tiers
+    take neither (a bandwidth given to the disk would be ignored, so it is refused)."""
+    lat = _parsed("--latency", latency, parse_seconds)
+    if name != "emulated":
+        if bandwidth is not None:
+            raise OffloadError(f"--bandwidth applies to --tier emulated only, not --tier {name}")
+        if lat != 0:
+            raise OffloadError(f"--latency applies to --tier emulated only, not --tier {name}")
+        return None, 0.0
+    if bandwidth is None:
+        raise OffloadError("the emulated tier needs a bandwidth (bytes/s, e.g. 200MB)")
+    bw = _parsed("--bandwidth", bandwidth, parse_bytes)
+    if not (math.isfinite(bw) and bw >= MIN_BANDWIDTH):
+        raise OffloadError(f"--bandwidth {bandwidth}: expected at least 1KB (bytes/s), and finite")
+    if not (math.isfinite(lat) and 0 <= lat <= MAX_LATENCY):
+        raise OffloadError(f"--latency {latency}: expected 0 to {MAX_LATENCY:g} s")
+    return bw, lat
+
+
+def _parsed(option: str, value: float | str, parse: Callable[[str], float]) -> float:
+    """A link setting as a number; a refused text names its option."""
+    if not isinstance(value, str):
+        return float(value)
+    try:
+        return parse(value)
+    except UnitError as exc:
+        raise OffloadError(f"{option} {exc}") from None
+
+
+
+# the measurement's bounds (the CLI checks the same ones: ``stmoe calibrate --help``)
+MAX_SECONDS = 600.0  # a read measurement longer than 10 minutes is a typo
+TOKENS = (1, 1000)  # decode tokens of the compute measurement
+
+CALIBRATED_TIERS = ("disk", "emulated")
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    """What to measure and for how long (``calibrate``)."""
+
+    tier: str = "disk"
+    bandwidth: float | str | None = None  # the emulated link's (bytes/s)
+    latency: float | str = 0.0  # the emulated link's (s)
+    seconds: float = 4.0  # reading time of each read measurement
+    tokens: int = 12  # decode tokens of the compute measurement
+    threads: int = 1  # torch compute threads
+    workers: int | None = None  # prefetch threads (default: the runtime's for the tier)
+    capacity: str | int = "50%"  # the cache the preset describes (its cache_experts_per_layer)
+    seed: int = 0
+    routing: Path | None = None  # a trace whose decode misses the reads follow (else random)
+
+
+def check_options(o: CalibrateOptions) -> None:
+    """Refuse what cannot be measured, in one line, before anything loads."""
+    if o.tier not in CALIBRATED_TIERS:
+        raise OffloadError(f"calibrate measures --tier disk or emulated, not {o.tier!r}")
+    if not (o.seconds > 0 and o.seconds <= MAX_SECONDS):
+        raise OffloadError(f"--seconds {o.seconds}: expected more than 0 and at most "
+                           f"{MAX_SECONDS:g}")
+    if not TOKENS[0] <= o.tokens <= TOKENS[1]:
+        raise OffloadError(f"--tokens {o.tokens}: expected {TOKENS[0]} to {TOKENS[1]} decode "
+                           "tokens")
+    if o.threads < 1 or (o.workers is not None and o.workers < 0):
+        raise OffloadError("--threads must be >= 1 and --workers >= 0")
+
+
+def with_overrides(options: OffloadOptions, overrides: dict[str, Any]) -> OffloadOptions:
+    """``options`` with the named fields replaced; an unknown name is one clear error."""
+    valid = [f.name for f in dataclasses.fields(OffloadOptions)]
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise OffloadError(f"unknown offload option {', '.join(map(repr, unknown))}; valid: "
+                           f"{', '.join(valid)}")
+    return dataclasses.replace(options, **overrides)
+
+
 def top_k_of(config: Any) -> int:
     """The router's K from a transformers config (text sub-config included)."""
     for cfg in (config, getattr(config, "text_config", None)):
@@ -66,53 +165,34 @@ def top_k_of(config: Any) -> int:
             value = getattr(cfg, name, None) if cfg is not None else None
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
-    raise StoreError(f"cannot tell the router's top-k from the {type(config).__name__}; "
-                     f"expected one of {', '.join(_TOP_K_NAMES)}")  # fmt: skip
+    raise OffloadError(f"cannot tell the router's top-k from the {type(config).__name__}; "
+                       f"expected one of {', '.join(_TOP_K_NAMES)}")
 
 
 def resolve_capacity(capacity: int | str, num_layers: int, num_experts: int, top_k: int,
-                     expert_bytes: int) -> int:  # fmt: skip
+                     expert_bytes: int) -> int:
     """Experts per layer from a count (8), a share of the experts ('50%'), or a byte
-    budget for the whole model ('64MB'). Below top-K is an error, and so are a count
-    above N and a share above 100%; a byte budget above what all experts take caches
-    them all (a budget is a ceiling, not a request)."""
-    text = str(capacity).strip()
-    expected = ("expected experts per layer (8), a share of the experts (50%) or a size in "
-                "bytes (64MB)")  # fmt: skip
-    if isinstance(capacity, bool):
-        raise StoreError(f"capacity {capacity!r}: {expected}")
+    budget for the whole model ('64MB'), the grammar of ``util.units.parse_capacity``.
+    Below top-K is an error, and so are a count above N and a share above 100%; a byte
+    budget above what all experts take caches them all (a budget is a ceiling, not a
+    request)."""
     try:
-        if isinstance(capacity, int) or text.isdigit():
-            count = int(text)
-            if count > num_experts:
-                raise StoreError(f"capacity {capacity!r}: the model has {num_experts} experts "
-                                 f"per layer, so at most {num_experts} (or 100%)")  # fmt: skip
-        elif text.endswith("%"):
-            share = float(text[:-1])
-            if not (math.isfinite(share) and 0 <= share <= 100):
-                raise StoreError(f"capacity {capacity!r}: expected a share from 0% to 100%")
-            count = round(share / 100 * num_experts)
-        else:
-            budget = _parse_budget(text, expected) // (expert_bytes * num_layers)
-            count = int(min(budget, num_experts))
-    except ValueError:
-        raise StoreError(f"capacity {capacity!r}: {expected}") from None
+        parsed = parse_capacity(capacity)
+    except UnitError as exc:
+        raise OffloadError(str(exc)) from None
+    if parsed.kind == "count" and parsed.value > num_experts:
+        raise OffloadError(f"capacity {capacity!r}: the model has {num_experts} experts "
+                           f"per layer, so at most {num_experts} (or 100%)")
+    count = parsed.per_layer(num_experts, num_layers, expert_bytes)
     if count < top_k:
-        raise StoreError(f"capacity {capacity!r} gives {count} experts per layer, below the "
-                         f"router's top-{top_k}; one token's experts must fit, so use at least "
-                         f"{top_k} (of {num_experts})")  # fmt: skip
+        raise OffloadError(f"capacity {capacity!r} gives {count} experts per layer, below the "
+                           f"router's top-{top_k}; one token's experts must fit, so use at "
+                           f"least {top_k} (of {num_experts})")
     return count
 
 
-def _parse_budget(text: str, expected: str) -> float:
-    try:
-        return parse_bytes(text)
-    except StoreError as exc:
-        raise StoreError(f"capacity {text!r}: {expected} ({exc})") from None
-
-
 def resolve_predictor(options: OffloadOptions, shape: ModelShape,
-                      model_dir: Path | None) -> Predictor:  # fmt: skip
+                      model_dir: Path | None) -> Predictor:
     """The predictor of ``options``: the object given (its lookahead option applied), or
     one made by name for ``shape``."""
     lookahead = options.lookahead
@@ -126,7 +206,7 @@ def resolve_predictor(options: OffloadOptions, shape: ModelShape,
 
 
 def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
-               model_dir: Path | None, lookahead: str = "auto") -> Predictor:  # fmt: skip
+               model_dir: Path | None, lookahead: str = "auto") -> Predictor:
     from stmoe.predictors import REGISTRY
     from stmoe.predictors.tables import load_tables
 
@@ -143,13 +223,13 @@ def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
 
         # stacklevel: the line that called offload()
         warnings.warn(f"predictor {name!r} takes no profiled tables: {tables} is not used",
-                      StmoeNote, stacklevel=5)  # fmt: skip
+                      StmoeNote, stacklevel=5)
     if cls is not None and cls.needs_tables:
         if tables is None and model_dir is not None and (model_dir / SHIPPED_TABLES).is_file():
             tables = model_dir / SHIPPED_TABLES
         if tables is None:
-            raise StoreError(f"predictor {name!r} needs profiled tables: pass --tables "
-                             "(write them with `stmoe capture` then `stmoe profile`)")  # fmt: skip
+            raise OffloadError(f"predictor {name!r} needs profiled tables: pass --tables "
+                               "(write them with `stmoe capture` then `stmoe profile`)")
         loaded = load_tables(tables)
     return make(name, shape, loaded, **options)
 
@@ -158,6 +238,6 @@ def _check_lookahead_option(name: str, uses_lookahead: bool, lookahead: str) -> 
     from stmoe.predictors.plus import check_point
 
     if not uses_lookahead:
-        raise StoreError(f"lookahead {lookahead!r} applies to predictors that use the gate "
-                         f"lookahead (hybrid, gate-lookahead), not {name!r}")  # fmt: skip
+        raise OffloadError(f"lookahead {lookahead!r} applies to predictors that use the gate "
+                           f"lookahead (hybrid, gate-lookahead), not {name!r}")
     check_point(lookahead)

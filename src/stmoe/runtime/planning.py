@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stmoe.model_introspect import late_hidden, late_points, lookahead_ids, routers
+from stmoe.errors import OffloadError
+from stmoe.hf.layout import ModelLayout, late_hidden, lookahead_ids
 from stmoe.predictors.base import Predictor, PredictorError
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.state import EngineState
-from stmoe.runtime.store import StoreError
 
 
 @dataclass(frozen=True)
@@ -37,21 +37,20 @@ class GateLookahead:
     late: list[tuple[torch.nn.Module, torch.nn.Module]] | None
 
 
-def gate_lookahead(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]],
-                   predictor: Predictor) -> GateLookahead | None:  # fmt: skip
+def gate_lookahead(layout: ModelLayout, predictor: Predictor) -> GateLookahead | None:
     """The lookahead ``predictor`` takes from ``model`` (its point settled), or None when
     it takes none (beyond horizon 1: the tables alone)."""
     if not (predictor.uses_lookahead and predictor.horizon == 1):
         return None
-    found = routers(model, modules)
+    found = layout.routers
     if found is None:
-        raise StoreError(f"predictor {predictor.name!r} needs each MoE layer's router, "
-                         "and this model's could not be found")  # fmt: skip
-    late = late_points(model, modules)
+        raise OffloadError(f"predictor {predictor.name!r} needs each MoE layer's router, "
+                           "and this model's could not be found")
+    late = layout.late
     try:
         point = predictor.resolve_lookahead_point(late is not None)
     except PredictorError as exc:
-        raise StoreError(str(exc)) from None
+        raise OffloadError(str(exc)) from None
     predictor.use_lookahead_point(point)
     return GateLookahead(found, late if point == "late" else None)
 
@@ -61,7 +60,7 @@ class PrefetchPlanner:
 
     def __init__(self, state: EngineState, predictor: Predictor, prefetcher: Prefetcher,
                  lookahead: GateLookahead | None, max_loads: int,
-                 capacity: int) -> None:  # fmt: skip
+                 capacity: int) -> None:
         self.state, self.predictor, self.prefetcher = state, predictor, prefetcher
         self.predicts = predictor.prefetches  # else nothing to learn or queue
         self.horizon = predictor.horizon
@@ -116,7 +115,7 @@ class PrefetchPlanner:
         if self.late is not None:  # the next layer is predicted as it starts (layer_started)
             targets = [(f, t) for f, t in targets if f != run.fwd]
         elif (self.routers is not None and run.future is None
-              and layer + 1 < self.state.num_layers):  # fmt: skip
+              and layer + 1 < self.state.num_layers):
             self._lookahead(layer + 1, hidden)
         for fwd, target in targets:
             self._prefetch(fwd, target, self._predicted(fwd, target))
@@ -145,7 +144,7 @@ class PrefetchPlanner:
         return out
 
     def _lookahead(self, layer: int, hidden: torch.Tensor,
-                   norm: torch.nn.Module | None = None) -> None:  # fmt: skip
+                   norm: torch.nn.Module | None = None) -> None:
         """Gate lookahead: layer ``layer``'s router on ``hidden`` (the previous layer's
         MoE input; with the late lookahead, layer ``layer``'s input through ``norm``)."""
         assert self.routers is not None
@@ -168,9 +167,9 @@ class PrefetchPlanner:
         n = self.state.num_experts
         if out and (min(out) < 0 or max(out) >= n):  # checked here, not as a worker's KeyError
             bad = next(e for e in out if not 0 <= e < n)
-            raise StoreError(f"predictor {self.predictor.name!r} predicted expert {bad} for layer "
-                             f"{layer}, outside this model's experts 0..{n - 1} (its tables were "
-                             "profiled on another model?)")  # fmt: skip
+            raise OffloadError(f"predictor {self.predictor.name!r} predicted expert {bad} for "
+                               f"layer {layer}, outside this model's experts 0..{n - 1} (its "
+                               "tables were profiled on another model?)")
         return out
 
     def _prefetch(self, fwd: int, layer: int, experts: list[int]) -> None:

@@ -27,10 +27,11 @@ import time
 
 import torch
 
+from stmoe.errors import OffloadError
 from stmoe.runtime.cache import LOADING, LayerCache
 from stmoe.runtime.state import EngineState
 from stmoe.runtime.store import StoreError
-from stmoe.runtime.tiers import aligned_buffer
+from stmoe.runtime.store.tiers import aligned_buffer
 
 WAIT_S = 0.5  # the longest a waiter sleeps before checking for failures and dead loaders
 STALL_LIMIT_S = 300.0  # a load taking longer is refused: the tier is not answering
@@ -53,7 +54,7 @@ class Prefetcher:
         self.paused = False  # the compute thread is stalled: no new load may compete with it
         self.stall_limit_s = STALL_LIMIT_S
         self._threads = [threading.Thread(target=self._worker, name=f"stmoe-prefetch-{i}",
-                                          daemon=True) for i in range(workers)]  # fmt: skip
+                                          daemon=True) for i in range(workers)]
 
     def start(self) -> None:
         for t in self._threads:
@@ -114,14 +115,14 @@ class Prefetcher:
                 self.queue.clear()
                 raise StoreError(f"layer {cache.layer}'s expert {cache.holder[s]} has been "
                                  f"loading for more than {self.stall_limit_s:g} s on thread "
-                                 f"{loader.name!r}: the tier is not answering")  # fmt: skip
+                                 f"{loader.name!r}: the tier is not answering")
 
     def raise_error(self) -> None:
         """(lock held) Re-raise a worker's failure here, on the compute thread."""
         exc, self.error = self.error, None
         if exc is not None:
             self.queue.clear()
-            detail = exc if isinstance(exc, (StoreError, OSError)) else repr(exc)
+            detail = exc if isinstance(exc, (OffloadError, OSError)) else repr(exc)
             raise StoreError(f"a prefetch worker failed: {detail}") from exc
 
     def discard_error(self) -> None:
@@ -176,7 +177,7 @@ class Prefetcher:
         cache, slot, layer, expert, phase = job
         block = state.store.blocks[(layer, expert)]
         start = time.perf_counter()
-        state.fill(cache, slot, block, buf, stream)
+        state.loader.fill(cache, slot, block, buf, stream)
         took = time.perf_counter() - start
         with state.cv:
             cache.filled(slot)

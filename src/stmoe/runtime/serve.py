@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from stmoe.errors import OffloadError
 from stmoe.runtime.arrange import plan_id_order
 from stmoe.runtime.cache import LOADING, READY, TEMP, LayerCache
 from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering
 from stmoe.runtime.planning import PrefetchPlanner
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.state import EngineSettings, EngineState
-from stmoe.runtime.store import StoreError
-from stmoe.runtime.tiers import aligned_buffer
+from stmoe.runtime.store.tiers import aligned_buffer
 
 Slots = dict[int, int]  # expert -> cache slot
 Overflow = dict[int, dict[str, torch.Tensor]]  # expert -> its tensors, outside the cache
@@ -51,7 +51,7 @@ class LayerServer:
     """Serves every MoE layer's experts calls from the caches of ``state``."""
 
     def __init__(self, state: EngineState, layers: Layers, settings: EngineSettings,
-                 prefetcher: Prefetcher, planner: PrefetchPlanner) -> None:  # fmt: skip
+                 prefetcher: Prefetcher, planner: PrefetchPlanner) -> None:
         self.state, self.prefetcher, self.planner = state, prefetcher, planner
         self.layer_of = {id(module): i for i, (module, _) in enumerate(layers)}
         self.base = [forward for _, forward in layers]
@@ -65,16 +65,16 @@ class LayerServer:
 
     def serve(self, module: torch.nn.Module, hidden_states: torch.Tensor,
               top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-              *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+              *args: Any, **kwargs: Any) -> torch.Tensor:
         state = self.state
         if state.closed:
-            raise StoreError("this offloaded model was closed; offload it again to run it")
+            raise OffloadError("this offloaded model was closed; offload it again to run it")
         if state.owner is not threading.current_thread():  # a layer called on its own
             with state.cv:
                 state.enter_forward()
             try:
                 return self._serve(module, hidden_states, top_k_index, top_k_weights,
-                                   *args, **kwargs)  # fmt: skip
+                                   *args, **kwargs)
             finally:
                 with state.cv:
                     state.leave_forward()
@@ -82,16 +82,17 @@ class LayerServer:
 
     def _serve(self, module: torch.nn.Module, hidden_states: torch.Tensor,
                top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-               *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+               *args: Any, **kwargs: Any) -> torch.Tensor:
         state = self.state
         layer = self.layer_of[id(module)]
-        if state.replay is not None:  # a recorded routing in place of the router's
-            top_k_index, top_k_weights = state.replay.routing(state.run.fwd, layer, top_k_index,
-                                                              top_k_weights)  # fmt: skip
+        forced = state.forced_routing
+        if forced is not None:  # a recorded routing in place of the router's
+            top_k_index, top_k_weights = forced.routing(state.run.fwd, layer, top_k_index,
+                                                        top_k_weights)
         rows = top_k_index.detach().to("cpu").numpy()
         if rows.shape[-1] > self.capacity:
-            raise StoreError(f"the router picks {rows.shape[-1]} experts per token but the "
-                             f"cache holds {self.capacity} per layer")  # fmt: skip
+            raise OffloadError(f"the router picks {rows.shape[-1]} experts per token but the "
+                               f"cache holds {self.capacity} per layer")
         # sorted distinct ids: plain Python beats torch.unique on a decode step's few ids
         needed = sorted(set(rows.ravel().tolist())) if rows.size <= 64 else np.unique(rows).tolist()
         cache = state.caches[layer]
@@ -99,7 +100,7 @@ class LayerServer:
         try:
             self.planner.after_routing(layer, rows, hidden_states)
             params, n, index, in_place, spare, slots = self._prepare(
-                layer, cache, needed, rows, top_k_index, predicted)  # fmt: skip
+                layer, cache, needed, rows, top_k_index, predicted)
         finally:
             with state.cv:
                 self.prefetcher.pause(False)
@@ -119,7 +120,7 @@ class LayerServer:
 
     def _prepare(self, layer: int, cache: LayerCache, needed: list[int], rows: np.ndarray,
                  top_k_index: torch.Tensor, predicted: frozenset[int]) -> tuple[
-                     dict[str, torch.Tensor], int, torch.Tensor, bool, int, Slots]:  # fmt: skip
+                     dict[str, torch.Tensor], int, torch.Tensor, bool, int, Slots]:
         """The needed experts made ready and laid out for the implementation: (weights,
         their number, the router's ids renumbered, in place or a copy, spare rows used,
         expert -> slot); the layer's counters recorded."""
@@ -146,7 +147,7 @@ class LayerServer:
             params = {name: rows_[:n] for name, rows_ in cache.rows.items()}
             slots = {e: r for e, r in row_of.items() if r < cache.capacity}
             index = torch.from_numpy(np.array([row_of[e] for e in needed])[
-                np.searchsorted(needed, rows)])  # fmt: skip
+                np.searchsorted(needed, rows)])
         else:  # a copy of the needed experts, ids renumbered 0..U-1 in the same order
             in_place = False
             t0 = time.perf_counter()
@@ -157,11 +158,11 @@ class LayerServer:
         state.run.stats.phases[state.run.phase].add(
             layer, stall, len(needed), hits, late, len(predicted),
             len(predicted.intersection(needed)),
-        )  # fmt: skip
+        )
         return params, n, index, in_place, spare, slots
 
     def _arrange(self, cache: LayerCache, needed: list[int], slots: Slots,
-                 extra: list[int]) -> tuple[dict[int, int], float]:  # fmt: skip
+                 extra: list[int]) -> tuple[dict[int, int], float]:
         """Move the needed experts' rows into id order (``arrange``) and read ``extra`` into
         theirs; (expert -> row, the seconds spent reading). The copies run without the
         lock: their rows hold pinned experts (no worker evicts or writes them) or are
@@ -171,7 +172,7 @@ class LayerServer:
         target, moves = plan_id_order(needed, slots, len(extra), cache.capacity)
         try:
             temp = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=cache.device)
-                     for p in cache.params} if any(TEMP in m for m in moves) else {})  # fmt: skip
+                     for p in cache.params} if any(TEMP in m for m in moves) else {})
             for src, dst in moves:
                 cache.copy_row(src, dst, temp)
             with state.cv:
@@ -196,7 +197,7 @@ class LayerServer:
         state = self.state
         block = state.store.blocks[(cache.layer, expert)]
         start = time.perf_counter()
-        state.fill(cache, row, block, self._buf, self._stream)  # a failure: ``_arrange``
+        state.loader.fill(cache, row, block, self._buf, self._stream)  # a failure: ``_arrange``
         took = time.perf_counter() - start
         with state.cv:
             if row < cache.capacity:
@@ -218,7 +219,7 @@ class LayerServer:
             # what it waits for, from now (before the planner queues the next layer's) until
             # its experts are ready
             self.prefetcher.pause(any(e not in cache.where or cache.state[cache.where[e]] != READY
-                                      for e in needed))  # fmt: skip
+                                      for e in needed))
             if run.future is not None and not run.future:  # the oracle's recording pass
                 run.routing_log[(run.fwd, layer)] = tuple(needed)
         return predicted
@@ -238,7 +239,7 @@ class LayerServer:
                 state.run.stats.bytes_wasted += cache.drop_ready() * state.expert_bytes
 
     def _ensure(self, cache: LayerCache,
-                needed: list[int]) -> tuple[Slots, list[int], int, int]:  # fmt: skip
+                needed: list[int]) -> tuple[Slots, list[int], int, int]:
         """Every needed expert READY in a slot, but those beyond the capacity (a long
         prompt's: listed, not loaded); with the hits, and of them the late ones.
 
@@ -256,7 +257,7 @@ class LayerServer:
         return slots, extra, hits, late
 
     def _wait_or_load(self, cache: LayerCache, todo: list[int], slots: Slots,
-                      extra: list[int]) -> None:  # fmt: skip
+                      extra: list[int]) -> None:
         """(lock held) ``_ensure``'s loop: take READY slots, load misses, wait for loads."""
         state = self.state
         while todo:
@@ -273,7 +274,7 @@ class LayerServer:
                 slot, wasted = cache.claim(e, prefetch=False)
                 if slot is None:
                     if any(st == LOADING and cache.holder[i] not in cache.pinned
-                           for i, st in enumerate(cache.state)):  # fmt: skip
+                           for i, st in enumerate(cache.state)):
                         continue  # a worker is filling a slot we could take next
                     extra.append(e)  # beyond the capacity: read by the compute step
                 else:
@@ -292,7 +293,7 @@ class LayerServer:
         state.cv.release()
         start = time.perf_counter()
         try:
-            state.fill(cache, slot, block, self._buf, self._stream)
+            state.loader.fill(cache, slot, block, self._buf, self._stream)
         except BaseException:
             state.cv.acquire()
             cache.abandon(slot)
@@ -308,7 +309,7 @@ class LayerServer:
         state = self.state
         block = state.store.blocks[(cache.layer, expert)]
         start = time.perf_counter()
-        src = state.fetch(block, self._buf)
+        src = state.loader.fetch(block, self._buf)
         out = {}
         for p in cache.params:
             t = torch.empty(p.shape, dtype=p.dtype, device=cache.device)
@@ -321,11 +322,11 @@ class LayerServer:
 
 
 def gather(cache: LayerCache, needed: list[int], slots: Slots,
-           overflow: Overflow) -> dict[str, torch.Tensor]:  # fmt: skip
+           overflow: Overflow) -> dict[str, torch.Tensor]:
     """The needed experts' weights as compact [U, ...] tensors, in expert-id order."""
     if not overflow:
         order = torch.tensor([slots[e] for e in needed], device=cache.device)
         return {p.name: cache.slabs[p.name].index_select(0, order) for p in cache.params}
     return {p.name: torch.stack([cache.slabs[p.name][slots[e]] if e in slots
                                  else overflow[e][p.name] for e in needed])
-            for p in cache.params}  # fmt: skip
+            for p in cache.params}

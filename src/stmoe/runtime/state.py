@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from stmoe.errors import OffloadError
 from stmoe.runtime.cache import LayerCache
-from stmoe.runtime.routing_replay import RoutingReplay
+from stmoe.runtime.forced_routing import RoutingSource
 from stmoe.runtime.stats import RuntimeStats
-from stmoe.runtime.store import Block, ExpertStore, StoreError
-from stmoe.runtime.tiers import padded
+from stmoe.runtime.store import ExpertStore
+from stmoe.runtime.store.loader import Loader
+from stmoe.runtime.store.tiers import padded
 
 
 @dataclass(frozen=True)
@@ -43,16 +43,6 @@ class EngineSettings:
     workers: int = 2  # prefetch threads (0: every expert loads on demand)
     device: torch.device | None = None  # where the caches live; default: the resident weights'
     max_loads: int | None = None  # loads one prediction may start per layer; default: capacity
-
-
-class Loads(NamedTuple):
-    """How the engine's tier is read: a block's checked bytes (``fetch(block, buf)``: CPU
-    uint8, ``buf`` a reading thread's aligned buffer), and a block brought into a cache
-    slot (``fill(cache, slot, block, buf, stream)``: straight into the slot's memory
-    where the tier can, else fetched and copied)."""
-
-    fetch: Callable[[Block, Any], torch.Tensor]
-    fill: Callable[[LayerCache, int, Block, Any, Any], None]
 
 
 Future = dict[tuple[int, int], tuple[int, ...]]  # (forward call, layer) -> the experts it needs
@@ -82,16 +72,17 @@ class RunState:
 
 
 class EngineState:
-    """The lock, the per-layer caches, the store and how to read it, and the run."""
+    """The lock, the per-layer caches, the store and its loader, and the run."""
 
-    def __init__(self, caches: list[LayerCache], store: ExpertStore, loads: Loads,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(self, caches: list[LayerCache], store: ExpertStore, loader: Loader,
+                 device: torch.device) -> None:
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)  # the compute thread waits here for slots
         self.caches = caches
         self.store = store
-        self.fetch = loads.fetch  # a block's checked bytes through the engine's tier
-        self.fill = loads.fill  # a block brought into a cache slot (lock not held)
+        # the one way bytes enter a slot: the compute thread and the workers call
+        # ``loader.fill`` (or ``fetch``) holding the slot LOADING and not the lock
+        self.loader = loader
         self.device = device
         self.num_layers = len(caches)
         self.num_experts = int(store.model["num_experts"])
@@ -99,11 +90,12 @@ class EngineState:
         self.max_block = max(padded(b) for b in store.blocks.values())  # read buffers' size
         self.closed = False
         self.run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), None,
-                            self.num_layers)  # fmt: skip
+                            self.num_layers)
         self.owner: threading.Thread | None = None  # the thread the engine serves now
         self.owner_run = False  # its claim is a measured run (else forward calls)
         self.depth = 0  # forward calls in progress under a forward claim
-        self.replay: RoutingReplay | None = None  # a trace's routing replacing the router's
+        # a trace's routing replacing the router's (``OffloadedModel.force_routing``)
+        self.forced_routing: RoutingSource | None = None
 
     # ---- who the engine serves (every method: lock held) -------------------------------
     def enter_run(self) -> None:
@@ -117,9 +109,9 @@ class EngineState:
         """A measured run inside the thread's own run or forward call is an error (it
         would reset the run in progress, or wait for itself)."""
         if self.owner is threading.current_thread():
-            raise StoreError("OffloadedModel.generate or measure was called inside a measured "
-                             "run (or a forward call) of this model on the same thread; "
-                             "call them one after the other")  # fmt: skip
+            raise OffloadError("OffloadedModel.generate or measure was called inside a measured "
+                               "run (or a forward call) of this model on the same thread; "
+                               "call them one after the other")
 
     def leave_run(self) -> None:
         if self.owner is threading.current_thread():
@@ -149,9 +141,9 @@ class EngineState:
             raise busy_error(owner, self.owner_run)
 
 
-def busy_error(owner: threading.Thread, run: bool) -> StoreError:
+def busy_error(owner: threading.Thread, run: bool) -> OffloadError:
     what = "a measured run (OffloadedModel.generate or measure)" if run else "a forward call"
-    return StoreError(f"this offloaded model is busy: thread {owner.name!r} is running {what}; "
-                      "one offloaded model serves one call at a time: use "
-                      "OffloadedModel.generate or measure, which wait for each other, or give "
-                      "each thread its own offloaded model")  # fmt: skip
+    return OffloadError(f"this offloaded model is busy: thread {owner.name!r} is running {what}; "
+                        "one offloaded model serves one call at a time: use "
+                        "OffloadedModel.generate or measure, which wait for each other, or give "
+                        "each thread its own offloaded model")

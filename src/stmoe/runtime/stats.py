@@ -56,7 +56,7 @@ class PhaseCounters:
         entry[1] += seconds
 
     def add(self, layer: int, stall_s: float, needed: int, hits: int, late: int,
-            predicted: int, predicted_used: int) -> None:  # fmt: skip
+            predicted: int, predicted_used: int) -> None:
         """One layer call (kept as Python numbers: this runs on the compute thread)."""
         row = self._rows[layer]
         row[0] += needed
@@ -75,9 +75,9 @@ class PhaseCounters:
     def summary(self, per_layer: bool = False) -> dict[str, Any]:
         self.sync()
         out = _ratios(self.needed.sum(), self.hits.sum(), self.predicted.sum(),
-                      self.predicted_used.sum())  # fmt: skip
+                      self.predicted_used.sum())
         out.update(late_hits=int(self.late.sum()), stall_s=float(self.stall_s.sum()),
-                   layer_calls=int(self.calls.sum()))  # fmt: skip
+                   layer_calls=int(self.calls.sum()))
         for kind, (count, seconds) in self.reads.items():
             out[f"{kind}_reads"], out[f"{kind}_read_s"] = count, seconds
         if per_layer:
@@ -86,7 +86,7 @@ class PhaseCounters:
                                             self.predicted[layer], self.predicted_used[layer]),
                  "stall_s": float(self.stall_s[layer])}
                 for layer in range(self.num_layers)
-            ]  # fmt: skip
+            ]
         return out
 
 
@@ -120,7 +120,7 @@ class RuntimeStats:
         self.phases = {p: PhaseCounters(self.num_layers) for p in PHASES}
 
     def loaded(self, phase: str, kind: str, nbytes: int, seconds: float,
-               overflow: bool = False) -> None:  # fmt: skip
+               overflow: bool = False) -> None:
         """(lock held) One expert read from the tier, by the compute thread (``demand``;
         ``overflow``: beyond the cache's capacity) or a worker (``prefetch``): the bytes
         moved, the load counted, its time in ``phase``."""

@@ -126,7 +126,7 @@ def _load(kind: str, name_or_path: str, cls: type) -> Any:
     if unknown:
         raise SpecError(f"{kind} spec {name_or_path!r} has unknown keys {', '.join(unknown)}")
     values: dict[str, Any] = {"name": Path(name_or_path).stem if name_or_path.endswith(".toml")
-                              else name_or_path}  # fmt: skip
+                              else name_or_path}
     for f in dataclasses.fields(cls):
         if f.name in table and f.name not in ("dataflows", "host"):
             values[f.name] = _typed(kind, name_or_path, f.name, table[f.name], f.type)
@@ -155,7 +155,7 @@ def _table(kind: str, name_or_path: str) -> dict[str, Any]:
     if name_or_path not in presets:
         listed = ", ".join(presets)
         raise SpecError(f"unknown {kind.rstrip('s')} {name_or_path!r}; presets: {listed} "
-                        "(or give a .toml file)")  # fmt: skip
+                        "(or give a .toml file)")
     return presets[name_or_path]
 
 
@@ -182,7 +182,7 @@ def _dataflows(where: str, table: dict[str, Any]) -> dict[str, Dataflow]:
             ) from None
     if table.get("dataflow") not in (*out, "reconfigurable"):
         raise SpecError(f"hardware spec {where!r}: dataflow {table.get('dataflow')!r} is neither "
-                        f"'reconfigurable' nor one of {', '.join(out)}")  # fmt: skip
+                        f"'reconfigurable' nor one of {', '.join(out)}")
     return out
 
 
@@ -202,18 +202,18 @@ def _host(where: str, table: dict[str, Any]) -> HostSpec | None:
         )
         raise SpecError(f"hardware spec {where!r}: [host] {what}")
     values = {f.name: _typed("hardware", where, f"host.{f.name}", host[f.name], f.type)
-              for f in dataclasses.fields(HostSpec)}  # fmt: skip
+              for f in dataclasses.fields(HostSpec)}
     spec = HostSpec(**values)
     if spec.tier not in HOST_TIERS:
         raise SpecError(f"hardware spec {where!r}: host.tier is {spec.tier!r}, expected "
-                        f"{' or '.join(HOST_TIERS)}")  # fmt: skip
+                        f"{' or '.join(HOST_TIERS)}")
     for key in ("workers", "layer_s", "token_s", "first_touch_s"):
         if not getattr(spec, key) >= 0:
             raise SpecError(f"hardware spec {where!r}: host.{key} is {getattr(spec, key)}, "
-                            "expected >= 0")  # fmt: skip
+                            "expected >= 0")
     if not (spec.read_parallel_bytes_per_s > 0 and math.isfinite(spec.read_parallel_bytes_per_s)):
         raise SpecError(f"hardware spec {where!r}: host.read_parallel_bytes_per_s must be "
-                        "positive and finite")  # fmt: skip
+                        "positive and finite")
     return spec
 
 
@@ -223,17 +223,17 @@ def _check_positive(kind: str, where: str, spec: Any) -> None:
         if isinstance(value, int | float) and not isinstance(value, bool) and not value >= 0:
             raise SpecError(f"{kind} spec {where!r}: {f.name} is {value}, expected >= 0")
     for must in ("layers", "hidden", "num_experts", "top_k", "clock_hz", "pe_macs_per_cycle",
-                 "link_bytes_per_s"):  # fmt: skip
+                 "link_bytes_per_s"):
         if hasattr(spec, must) and getattr(spec, must) <= 0:
             raise SpecError(f"{kind} spec {where!r}: {must} must be positive")
 
 
-def load_model(name_or_path: str) -> ModelSpec:
+def model_preset(name_or_path: str) -> ModelSpec:
     """A model preset by name, or a TOML file with the same keys."""
     return _load("models", name_or_path, ModelSpec)
 
 
-def load_hardware(name_or_path: str) -> HardwareSpec:
+def hardware_preset(name_or_path: str) -> HardwareSpec:
     """A hardware preset by name, or a TOML file with the same keys."""
     return _load("hardware", name_or_path, HardwareSpec)
 
@@ -276,3 +276,8 @@ def model_spec_from_config(
         kv_heads=int(first("num_key_value_heads", "num_attention_heads")),
         dtype_bytes=dtype_bytes,
     )
+
+
+# the former names, for one release (they load presets, not models)
+load_model = model_preset
+load_hardware = hardware_preset

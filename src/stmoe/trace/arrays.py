@@ -31,7 +31,7 @@ def read_npy(
     ex = load_npy(path, mmap=True)
     if ex.ndim != 3:
         raise TraceError(f"the array has rank {ex.ndim}, shape {tuple(ex.shape)}",
-                         expected="rank 3, [T tokens, L MoE layers, K experts]")  # fmt: skip
+                         expected="rank 3, [T tokens, L MoE layers, K experts]")
     if np.issubdtype(ex.dtype, np.floating) and looks_like_counts(ex):
         raise refuse_counts(f"a {ex.dtype} array of shape {tuple(ex.shape)}")
     if not np.issubdtype(ex.dtype, np.integer):
@@ -41,7 +41,7 @@ def read_npy(
         Columns(experts=np.asarray(ex), seq_starts=starts,
                 is_decode=decode_by_prompt(starts, ex.shape[0], opts.prompt_lengths)),
         opts, num_experts, {"source": f"imported from {path.name}", "file": str(path)},
-    )  # fmt: skip
+    )
 
 
 def oriented(ex: np.ndarray, layout: str) -> np.ndarray:
@@ -51,7 +51,7 @@ def oriented(ex: np.ndarray, layout: str) -> np.ndarray:
     if 0 < ex.shape[0] < ex.shape[1]:
         note(f"the array's first axis ({ex.shape[0]}) is smaller than its second "
              f"({ex.shape[1]}): read as [T tokens, L layers, K]; pass --layout ltk "
-             "if it is [L, T, K]")  # fmt: skip
+             "if it is [L, T, K]")
     return ex
 
 
@@ -72,7 +72,7 @@ def decode_by_prompt(
     if len(prompt_lengths) != len(starts):
         raise TraceError(f"{len(prompt_lengths)} prompt lengths for {len(starts)} sequences",
                          expected="--prompt-lengths with one length per sequence, "
-                         "in file order")  # fmt: skip
+                         "in file order")
     ends = np.append(starts[1:], n_tokens)
     if np.any(ends <= starts):
         return decode  # bad starts: validation names them
@@ -90,7 +90,7 @@ def read_headerless_npz(path: Path, num_experts: int | None) -> RoutingTrace:
             meta = json.loads(str(arrays["meta"][()]))
         except RecursionError:
             raise TraceError("member 'meta' is JSON nested too deeply",
-                             expected="a flat JSON object") from None  # fmt: skip
+                             expected="a flat JSON object") from None
         except (json.JSONDecodeError, ValueError) as exc:
             raise TraceError(f"member 'meta' is not valid JSON ({exc})") from None
         if not isinstance(meta, dict):
@@ -109,7 +109,7 @@ def read_headerless_npz(path: Path, num_experts: int | None) -> RoutingTrace:
     if num_experts is not None:
         if meta.get("num_experts", num_experts) != num_experts:
             raise TraceError(f"--num-experts {num_experts} contradicts the file's "
-                             f"{meta['num_experts']}")  # fmt: skip
+                             f"{meta['num_experts']}")
         meta["num_experts"] = num_experts
     if "num_experts" not in meta:
         raise TraceError("the number of experts is unknown", hint="pass --num-experts N")
@@ -146,7 +146,7 @@ def _read_starts_file(path: Path) -> np.ndarray:
         arr = load_npy(path)
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise TraceError("sequence starts are not a 1-D integer array", file=path,
-                             expected="int [S], the first token of each sequence")  # fmt: skip
+                             expected="int [S], the first token of each sequence")
         return _parse_ints(arr.tolist(), str(path))
     try:
         text = path.read_text(encoding="utf-8")
@@ -162,10 +162,10 @@ def _parse_ints(items: Iterable[Any], where: str) -> np.ndarray:
             value = int(item)
         except (TypeError, ValueError):
             raise TraceError(f"sequence start {i} is {item!r}", file=where,
-                             expected="integer token positions") from None  # fmt: skip
+                             expected="integer token positions") from None
         if not 0 <= value < 2**62:
             raise TraceError(f"sequence start {i} is {value}", file=where,
-                             expected="a token position >= 0")  # fmt: skip
+                             expected="a token position >= 0")
         out.append(value)
     if not out:
         raise TraceError("no sequence start given", file=where, expected="e.g. 0,120,300")

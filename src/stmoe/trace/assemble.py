@@ -54,11 +54,11 @@ def expert_ids(value: Any, where: str) -> list[int]:
         or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     ):
         raise TraceError(f"'experts' is {_short(value)}", position=where,
-                         expected="a non-empty list of integer expert ids")  # fmt: skip
+                         expected="a non-empty list of integer expert ids")
     for slot, v in enumerate(value):
         if not -1 <= v <= _ID_MAX:
             raise TraceError(f"expert id {_short(v)} in slot {slot} is out of range",
-                             position=where, expected=f"-1..{_ID_MAX}")  # fmt: skip
+                             position=where, expected=f"-1..{_ID_MAX}")
     return value
 
 
@@ -66,7 +66,7 @@ def gate_weights(value: Any, k: int, where: str) -> list[float]:
     """A record's gate weights: ``k`` finite numbers that fit float32."""
     if not isinstance(value, list) or len(value) != k:
         raise TraceError(f"'weights' is {_short(value)}", position=where,
-                         expected=f"a list of {k} numbers, one per expert")  # fmt: skip
+                         expected=f"a list of {k} numbers, one per expert")
     out = []
     for slot, w in enumerate(value):
         try:
@@ -75,7 +75,7 @@ def gate_weights(value: Any, k: int, where: str) -> list[float]:
             ok = False
         if not ok or w != w:
             raise TraceError(f"gate weight {_short(w)} in slot {slot}", position=where,
-                             expected="a finite number")  # fmt: skip
+                             expected="a finite number")
         out.append(float(w))
     return out
 
@@ -89,7 +89,7 @@ def check_keys(obj: dict[str, Any], known: Sequence[str], where: str) -> None:
             if close:
                 known_list = ", ".join(known)
                 raise TraceError(f"unknown field {key!r}", position=where,
-                                 expected=f"{close[0]!r} (known fields: {known_list})")  # fmt: skip
+                                 expected=f"{close[0]!r} (known fields: {known_list})")
 
 
 def _short(value: Any) -> str:

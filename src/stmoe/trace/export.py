@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from stmoe._progress import progress
 from stmoe.errors import TraceError
 from stmoe.trace.engines.writers import export_sglang, export_vllm
 from stmoe.trace.schema import RoutingTrace
+from stmoe.util.progress import progress
 
 EXPORT_FORMATS = ("jsonl", "npy", "vllm", "sglang")
 

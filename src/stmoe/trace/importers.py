@@ -41,14 +41,14 @@ from stmoe.trace.schema import UNLABELLED, RoutingTrace
 from stmoe.trace.select import concat
 
 FORMATS = ("auto", "native", "npz", "npy", "jsonl", "routes", "vllm", "vllm-profile", "sglang",
-           "torch", "expert-drop")  # fmt: skip
+           "torch", "expert-drop")
 # The engine options each format reads; any other given is refused, not silently ignored.
 _USES = {"npy": {"--prompt-lengths", "--layout", "--moe-layers"},
          "vllm": {"--prompt-lengths", "--moe-layers"},
          "vllm-profile": {"--prompt-lengths", "--moe-layers"},
          "sglang": {"--prompt-lengths", "--moe-layers", "--layers", "--top-k"},
          "torch": {"--prompt-lengths", "--moe-layers", "--top-k"},
-         "expert-drop": {"--moe-layers"}}  # fmt: skip
+         "expert-drop": {"--moe-layers"}}
 _FIRST_LINE_MAX = 1 << 26  # a JSON Lines metadata line may be long; a routes file is one line
 
 
@@ -198,12 +198,12 @@ def import_file(
     opts = engine or EngineOptions()
     if seq_starts is not None and kind != "npy":
         raise TraceError(f"--seq-starts applies to .npy input, but this is {kind}", file=path,
-                         hint="sequence starts come from the file itself")  # fmt: skip
+                         hint="sequence starts come from the file itself")
     unused = sorted(opts.given() - _USES.get(kind, set()))
     if unused:
         raise TraceError(f"{', '.join(unused)} do{'es' if len(unused) == 1 else ''} not apply "
                          f"to {kind} input", file=path,
-                         hint="the file itself says this")  # fmt: skip
+                         hint="the file itself says this")
     try:
         trace = _read(path, kind, num_experts, seq_starts, opts)
     except TraceError as exc:
@@ -212,12 +212,12 @@ def import_file(
 
 
 def _read(path: Path, kind: str, num_experts: int | None,
-          seq_starts: str | Sequence[int] | None, opts: EngineOptions) -> RoutingTrace:  # fmt: skip
+          seq_starts: str | Sequence[int] | None, opts: EngineOptions) -> RoutingTrace:
     if kind == "native":
         trace = read_native(path)
         if num_experts is not None and num_experts != trace.num_experts:
             raise TraceError(f"--num-experts {num_experts} contradicts the file's "
-                             f"{trace.num_experts}")  # fmt: skip
+                             f"{trace.num_experts}")
         return trace
     if kind == "npz":
         return read_headerless_npz(path, num_experts)
@@ -242,7 +242,7 @@ def _read(path: Path, kind: str, num_experts: int | None,
     arrays = dict(read_npz_arrays(path, mmap=False))
     if not set(arrays) >= moe_infinity.NPZ_KEYS:
         raise TraceError("neither a MOEDROPT binary nor its .npz",
-                         expected="members seq, layer, weights, mask")  # fmt: skip
+                         expected="members seq, layer, weights, mask")
     return moe_infinity.read_npz(arrays, path, opts, num_experts)
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import StmoeError, TraceError
-from stmoe.fileio import atomic_write, check_input_file
 from stmoe.trace.npfiles import read_npz_arrays
 from stmoe.trace.schema import LOOKAHEAD_FIELDS, RoutingTrace, TraceMeta, validate
+from stmoe.util.fileio import atomic_write, check_input_file
 
 FORMAT_NAME = "stmoe-trace"
 FORMAT_VERSION = 1
@@ -27,7 +27,7 @@ FORMAT_VERSION = 1
 _MMAP_MIN_FILE = 64 << 20
 # The only members a native file has; anything else (a renamed member) is damage.
 MEMBERS = ("header", "experts", "seq_starts", "is_decode", "weights", "token_ids",
-           *LOOKAHEAD_FIELDS)  # fmt: skip
+           *LOOKAHEAD_FIELDS)
 
 
 def save_trace(trace: RoutingTrace, path: str | Path, *, compress: bool = False) -> Path:
@@ -76,12 +76,12 @@ def read_native(path: str | Path, *, mmap: bool = False) -> RoutingTrace:
         header = json.loads(str(arrays["header"][()]))
     except RecursionError:
         raise TraceError("the header's JSON is nested too deeply", file=path,
-                         expected="a flat JSON object") from None  # fmt: skip
+                         expected="a flat JSON object") from None
     except (json.JSONDecodeError, ValueError) as exc:
         raise TraceError(f"the header is not valid JSON ({exc})", file=path) from None
     if not isinstance(header, dict):
         raise TraceError(f"the header is a JSON {type(header).__name__}", file=path,
-                         expected="a JSON object")  # fmt: skip
+                         expected="a JSON object")
     if header.get("format") != FORMAT_NAME:
         raise TraceError(
             f"header format is {header.get('format')!r}", file=path, expected=repr(FORMAT_NAME)
@@ -89,7 +89,7 @@ def read_native(path: str | Path, *, mmap: bool = False) -> RoutingTrace:
     version = header.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise TraceError(f"header version is {version!r}", file=path,
-                         expected="a positive integer format version")  # fmt: skip
+                         expected="a positive integer format version")
     if version > FORMAT_VERSION:
         raise TraceError(
             f"format version {version!r} is not readable by this stmoe",
@@ -120,7 +120,7 @@ def trace_from_arrays(
     for name in ("seq_starts", "is_decode"):
         if np.asarray(arrays[name]).ndim != 1:
             raise TraceError(f"{name} has shape {np.asarray(arrays[name]).shape}", file=path,
-                             expected="a 1-D array")  # fmt: skip
+                             expected="a 1-D array")
     experts = arrays["experts"]
     if not np.issubdtype(experts.dtype, np.integer):
         raise TraceError(

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from stmoe._progress import progress_bytes
 from stmoe.errors import TraceError
 from stmoe.trace.assemble import (
     check_keys,
@@ -38,6 +37,7 @@ from stmoe.trace.schema import (
     meta_int,
     validate,
 )
+from stmoe.util.progress import progress_bytes
 
 _FIELDS = ("seq", "token", "layer", "experts", "weights", "phase", "decode", "domain")
 
@@ -122,7 +122,7 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
 def _header(meta: Any, lineno: int, first: bool) -> dict[str, Any]:
     if not first:
         raise TraceError("a metadata record after the first line", position=f"line {lineno}",
-                         expected='{"meta": ...} only as the first record')  # fmt: skip
+                         expected='{"meta": ...} only as the first record')
     if not isinstance(meta, dict):
         raise TraceError(f"'meta' is {meta!r}", position=f"line {lineno}", expected="an object")
     try:  # the same checks as a native file's metadata
@@ -142,7 +142,7 @@ def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 obj = json.loads(raw)
             except RecursionError:
                 raise TraceError("JSON nested too deeply", position=f"line {lineno}",
-                                 expected="one flat record per line") from None  # fmt: skip
+                                 expected="one flat record per line") from None
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 truncated = not raw.endswith(b"\n")
                 raise TraceError(
@@ -164,7 +164,7 @@ def _int_field(obj: dict[str, Any], key: str, lineno: int) -> int:
     value = obj.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62:
         raise TraceError(f"{key!r} is {value!r}", position=f"line {lineno}",
-                         expected=f"an integer {key!r} >= 0")  # fmt: skip
+                         expected=f"an integer {key!r} >= 0")
     return value
 
 
@@ -172,7 +172,7 @@ def _is_decode(obj: dict[str, Any], lineno: int) -> bool:
     if "decode" in obj and "phase" in obj and obj["decode"] != (obj["phase"] == "decode"):
         raise TraceError(f"'decode' is {obj['decode']!r} but 'phase' is {obj['phase']!r}",
                          position=f"line {lineno}",
-                         expected="one of them, or both agreeing")  # fmt: skip
+                         expected="one of them, or both agreeing")
     if "decode" in obj:
         if not isinstance(obj["decode"], bool):
             raise TraceError(
@@ -272,7 +272,7 @@ def _assemble(rec: _Records, path: Path, num_experts: int | None) -> RoutingTrac
     if n is None:
         token_lines = line[tok_first]
         n = inferred_num_experts(experts, lambda t, layer, _: "line " + str(
-            _line_of(rec, int(token_lines[t]), layer, layer_map)))  # fmt: skip
+            _line_of(rec, int(token_lines[t]), layer, layer_map)))
         extra["num_experts_inferred"] = True
     labels = {rank[sid]: lab for sid, (lab, _) in rec.domain.items()}
     trace = RoutingTrace(

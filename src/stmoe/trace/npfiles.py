@@ -44,7 +44,7 @@ _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header, 30 bytes
 _ZIP_MAGIC = b"PK\x03\x04"
 # What a damaged zip raises from inside zipfile or a decompressor.
 ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, RuntimeError,
-               NotImplementedError, struct.error, OverflowError, IndexError)  # fmt: skip
+               NotImplementedError, struct.error, OverflowError, IndexError)
 
 
 @dataclass(frozen=True)
@@ -98,12 +98,12 @@ def load_npy(path: Path, *, mmap: bool = False) -> np.ndarray:
             _check_npy_size(head, size - head.offset)
             if mmap and head.nbytes:
                 return np.memmap(path, dtype=head.dtype, mode="r", offset=head.offset,
-                                 shape=head.shape, order="F" if head.fortran else "C")  # fmt: skip
+                                 shape=head.shape, order="F" if head.fortran else "C")
             return _read_data(f, head)
     except (ValueError, EOFError, OSError) as exc:
         raise TraceError(f"not a readable .npy array ({short(exc)})", file=path,
                          expected="a plain numeric array",
-                         hint=_TRUNCATED if _is_short(exc) else None) from None  # fmt: skip
+                         hint=_TRUNCATED if _is_short(exc) else None) from None
 
 
 def load_npy_bytes(raw: bytes) -> np.ndarray:
@@ -127,7 +127,7 @@ def _check_npy_size(head: NpyHeader, available: int) -> None:
         short_by = "fewer" if available < head.nbytes else "more"
         raise ValueError(f"its header declares shape {head.shape} of {head.dtype} "
                          f"({head.nbytes} bytes) but {available} bytes remain "
-                         f"({short_by} than declared)")  # fmt: skip
+                         f"({short_by} than declared)")
 
 
 def _read_data(f: BinaryIO, head: NpyHeader) -> np.ndarray:
@@ -162,7 +162,7 @@ def read_npz_arrays(
         raise
     except ZIP_ERRORS as exc:
         raise TraceError(f"not a readable .npz file ({short(exc)})", file=path,
-                         hint="the file may be truncated or corrupt") from None  # fmt: skip
+                         hint="the file may be truncated or corrupt") from None
 
 
 def _checked_directory(
@@ -176,15 +176,15 @@ def _checked_directory(
         if not info.filename.endswith(".npy") or (known is not None and name not in known):
             expected = "only .npy members" if known is None else f"members {', '.join(known)}"
             raise TraceError(f"unexpected member {info.filename!r}", file=path, expected=expected,
-                             hint="the file is damaged or not this format")  # fmt: skip
+                             hint="the file is damaged or not this format")
         if name in infos:
             raise TraceError(f"member {info.filename!r} appears twice", file=path,
-                             expected="one member per array")  # fmt: skip
+                             expected="one member per array")
         if info.header_offset + info.compress_size > size or (
             info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size
         ):
             raise TraceError(f"array {name!r} lies outside the file or its sizes disagree",
-                             file=path, hint=_TRUNCATED)  # fmt: skip
+                             file=path, hint=_TRUNCATED)
         infos[name] = info
     _check_tiling(path, infos, getattr(zf, "start_dir", None))
     total = sum(i.file_size for i in infos.values())
@@ -222,11 +222,11 @@ def _check_tiling(path: Path, infos: dict[str, zipfile.ZipInfo], end: int | None
                 return
     raise TraceError("the zip directory does not account for every member", file=path,
                      expected="members end to end, each listed once",
-                     hint="the file is damaged; write it again")  # fmt: skip
+                     hint="the file is damaged; write it again")
 
 
 def _member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, path: Path,
-            mmap: bool) -> np.ndarray:  # fmt: skip
+            mmap: bool) -> np.ndarray:
     """One member, its .npy header checked against the directory before its data is read."""
     compressed = info.compress_type != zipfile.ZIP_STORED
     try:
@@ -243,7 +243,7 @@ def _member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, path: Path,
         what = "compressed array" if compressed else "array"
         raise TraceError(f"damaged {what} {name!r} ({short(exc)})", file=path,
                          hint="the file is corrupt or truncated; write it again"
-                         ) from None  # fmt: skip
+                         ) from None
 
 
 def _map_member(path: Path, info: zipfile.ZipInfo) -> np.ndarray:
@@ -273,4 +273,4 @@ def _map_member(path: Path, info: zipfile.ZipInfo) -> np.ndarray:
     if head.nbytes == 0:  # nothing to map (and mmap refuses an empty range)
         return np.empty(head.shape, dtype=head.dtype)
     return np.memmap(path, dtype=head.dtype, mode="r", offset=start + head.offset,
-                     shape=head.shape, order="F" if head.fortran else "C")  # fmt: skip
+                     shape=head.shape, order="F" if head.fortran else "C")

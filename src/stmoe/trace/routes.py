@@ -52,7 +52,7 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
     top_k = meta_int(meta, "top_k", len(first_ids))
     if top_k != len(first_ids):  # checked before [T, L, top_k] is allocated
         raise TraceError(f"{len(first_ids)} experts but the metadata's top_k is {top_k}",
-                         position="route 0", expected=f"K={top_k} experts per layer")  # fmt: skip
+                         position="route 0", expected=f"K={top_k} experts per layer")
     layers_key = "num_moe_layers" if "num_moe_layers" in meta else "num_layers"
     expected_layers = meta_int(meta, layers_key, n_layers)
     if expected_layers != n_layers:
@@ -169,7 +169,7 @@ def _fill_layers(
             )
         if lid in seen:
             raise TraceError(f"layer {lid} appears twice (key {key!r})", position=where,
-                             expected="one entry per layer")  # fmt: skip
+                             expected="one entry per layer")
         seen.add(lid)
         ids, w = _entry(entry, experts.shape[2], f"{where}, layer {lid}")
         experts[i, layer_map[lid]] = ids
@@ -223,14 +223,14 @@ def _entry(entry: Any, top_k: int | None, where: str) -> tuple[list[int], list[f
     """One layer's ``{"experts": [...], "weights": [...]}``, checked."""
     if not isinstance(entry, dict):
         raise TraceError(f"the layer entry is {_kind(entry)}", position=where,
-                         expected='{"experts": [...], "weights": [...]}')  # fmt: skip
+                         expected='{"experts": [...], "weights": [...]}')
     check_keys(entry, ("experts", "weights"), where)
     ids = expert_ids(entry.get("experts"), where)
     if top_k is None:
         return ids, None
     if len(ids) != top_k:
         raise TraceError(f"{len(ids)} experts but top_k is {top_k}", position=where,
-                         expected=f"K={top_k} experts")  # fmt: skip
+                         expected=f"K={top_k} experts")
     w = entry.get("weights")
     return ids, None if w is None else gate_weights(w, top_k, where)
 

@@ -195,7 +195,7 @@ def inferred_num_experts(experts: np.ndarray, where: Callable[..., str] | None =
                      else f"token {t}, layer {layer}, slot {slot}",
                      expected=f"ids below {INFERRED_EXPERTS_MAX} when N is inferred",
                      hint="the file may be damaged; pass --num-experts N if the model "
-                     "really has that many experts")  # fmt: skip
+                     "really has that many experts")
 
 
 def validate(trace: RoutingTrace, *, file: str | None = None) -> RoutingTrace:
@@ -255,10 +255,10 @@ def _validate_lookahead(trace: RoutingTrace, name: str, fail: Any) -> None:
         or not np.issubdtype(look.dtype, np.integer)
     ):
         fail(f"{name} has shape {look.shape}, dtype {look.dtype}",
-             expected=f"integer [T, L, J] with T, L = {trace.experts.shape[:2]}")  # fmt: skip
+             expected=f"integer [T, L, J] with T, L = {trace.experts.shape[:2]}")
     if look.size and (look.min() < EMPTY_SLOT or look.max() >= trace.num_experts):
         fail(f"a {name} expert id is out of range",
-             expected=f"-1..{trace.num_experts - 1}")  # fmt: skip
+             expected=f"-1..{trace.num_experts - 1}")
 
 
 def _validate_sequences(trace: RoutingTrace, fail: Any) -> None:
@@ -297,10 +297,10 @@ def _validate_sequences(trace: RoutingTrace, fail: Any) -> None:
         trace.token_ids.shape != (t,) or not np.issubdtype(trace.token_ids.dtype, np.integer)
     ):
         fail(f"token_ids has shape {trace.token_ids.shape}, dtype {trace.token_ids.dtype}",
-             expected=f"integer [{t}]")  # fmt: skip
+             expected=f"integer [{t}]")
     if trace.token_ids is not None and t and int(np.max(trace.token_ids)) > _INT64_MAX:
         fail(f"token id {int(np.max(trace.token_ids))} does not fit int64",
-             expected="ids as stored, int64")  # fmt: skip
+             expected="ids as stored, int64")
 
 
 def _validate_ids(trace: RoutingTrace, fail: Any) -> None:

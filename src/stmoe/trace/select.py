@@ -123,7 +123,7 @@ def concat(traces: Sequence[RoutingTrace], *, drop_partial: bool = False) -> Rou
     complete = {}
     for field, label in (("weights", "gate weights"), ("token_ids", "token ids"),
                          ("lookahead", "gate lookahead"),
-                         ("lookahead_late", "late gate lookahead")):  # fmt: skip
+                         ("lookahead_late", "late gate lookahead")):
         have = [getattr(t, field) is not None for t in traces]
         complete[field] = all(have)
         if any(have) and not all(have) and not drop_partial:
@@ -203,7 +203,7 @@ def first_layers(trace: RoutingTrace, n: int) -> RoutingTrace:
     ``stmoe make-model --layers n`` checkpoint) routes."""
     if not 1 <= n <= trace.num_layers:
         raise TraceError(f"--layers {n}: the trace has {trace.num_layers} MoE layers",
-                         expected=f"1..{trace.num_layers}")  # fmt: skip
+                         expected=f"1..{trace.num_layers}")
     if n == trace.num_layers:
         return trace
 
@@ -213,4 +213,4 @@ def first_layers(trace: RoutingTrace, n: int) -> RoutingTrace:
     return validate(dataclasses.replace(
         trace, experts=cut(trace.experts), weights=cut(trace.weights),
         lookahead=cut(trace.lookahead), lookahead_late=cut(trace.lookahead_late),
-        meta=dataclasses.replace(trace.meta, num_layers=n)))  # fmt: skip
+        meta=dataclasses.replace(trace.meta, num_layers=n)))

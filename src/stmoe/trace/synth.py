@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stmoe._progress import progress
 from stmoe.errors import TraceError
 from stmoe.trace.schema import RoutingTrace, TraceMeta, validate
+from stmoe.util.progress import progress
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class PlusConfig:
     def check(self, shape: ModelShape) -> None:
         if self.set_size < 0 or self.set_size > shape.num_experts:
             raise PredictorError(f"set_size {self.set_size}: expected 0 (top-K) .. "
-                                 f"{shape.num_experts}")  # fmt: skip
+                                 f"{shape.num_experts}")
         if not 1 <= self.horizon <= D_MAX - 1:
             raise PredictorError(f"horizon {self.horizon}: expected 1..{D_MAX - 1}")
         if not 1e-6 <= self.decay <= 1.0:

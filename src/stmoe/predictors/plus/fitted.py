@@ -102,9 +102,9 @@ class PlusFit:
         out: dict[str, Any] = {"w": list(self.w), "alpha": self.alpha, "gamma": self.gamma,
                                "power": self.power, "sim_decay": self.sim_decay,
                                "fitted": self.fitted, "version": self.version,
-                               "logistic": self.logistic}  # fmt: skip
+                               "logistic": self.logistic}
         for key in ("heldout_tokens", "heldout_recall", "heldout_recall_linear", "w_linear",
-                    "w_start", "w_fresh"):  # fmt: skip
+                    "w_start", "w_fresh"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = list(value) if isinstance(value, tuple) else value
@@ -136,7 +136,7 @@ class PlusFit:
         if data.get("version") != FIT_VERSION:  # said, not silent: the defaults then apply
             warnings.warn(f"{where} is a fit of version {data.get('version')!r}; this stmoe "
                           f"reads version {FIT_VERSION}, so stmoe-plus uses its default weights "
-                          "(profile again to fit them)", StmoeNote, stacklevel=2)  # fmt: skip
+                          "(profile again to fit them)", StmoeNote, stacklevel=2)
             return None
         r = _Reader(data, where)
         logistic = r.flag("logistic")
@@ -150,7 +150,7 @@ class PlusFit:
                    heldout_recall_linear=r.number("heldout_recall_linear", None, _FRACTION),
                    w_linear=r.weights("w_linear"), w_start=r.weights("w_start", required=logistic),
                    w_fresh=r.weights("w_fresh", required=logistic),
-                   early=r.lookahead(""), late=r.lookahead("_late"))  # fmt: skip
+                   early=r.lookahead(""), late=r.lookahead("_late"))
 
 
 class _Reader:
@@ -161,7 +161,7 @@ class _Reader:
 
     def _fail(self, key: str, expected: str) -> PredictorError:
         return PredictorError(f"{self.where}: {key!r} is {self.data[key]!r}, expected {expected}; "
-                              "profile the trace again")  # fmt: skip
+                              "profile the trace again")
 
     def number(self, key: str, default: float | None = None, within: Range = _ANY) -> Any:
         if key not in self.data:
@@ -184,7 +184,7 @@ class _Reader:
         return v
 
     def weights(self, key: str, default: Weights | None = None,
-                required: bool = False) -> Weights | None:  # fmt: skip
+                required: bool = False) -> Weights | None:
         if key not in self.data:
             if required:
                 raise PredictorError(f"{self.where}: no {key!r}; profile the trace again")
@@ -192,7 +192,7 @@ class _Reader:
         v = self.data[key]
         if not (isinstance(v, list) and len(v) == NUM_SIGNALS and all(
                 not isinstance(x, bool) and isinstance(x, int | float) and _finite(x)
-                for x in v)):  # fmt: skip
+                for x in v)):
             raise self._fail(key, f"{NUM_SIGNALS} finite numbers")
         return tuple(v)
 

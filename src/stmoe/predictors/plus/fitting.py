@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from stmoe._progress import progress
 from stmoe.predictors.base import ModelShape
 from stmoe.predictors.counting import layer_tokens, pair_counts
 from stmoe.predictors.plus.fitted import (
@@ -40,6 +39,7 @@ from stmoe.predictors.plus.steps import memory_of, plan_recall, plus_replay
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import _token_range
 from stmoe.trace.summary import expert_load
+from stmoe.util.progress import progress
 
 FIT_HOLDOUT = 0.2  # share of the profiling tokens held back to choose the weights
 FIT_MAX_TOKENS = 512  # held-back tokens used at most (the fit's cost)
@@ -75,7 +75,7 @@ class _Trial:
         """The kernels' [4, NUM_SIGNALS] weight rows (by layout.WeightRow)."""
         main = list(self.w)
         return np.array([main, *(main if w is None else list(w)
-                                 for w in (self.w_start, self.w_joint, self.w_fresh))])  # fmt: skip
+                                 for w in (self.w_start, self.w_joint, self.w_fresh))])
 
 
 # the coordinate search's grids, in search order: a signal's weight or a setting
@@ -116,19 +116,19 @@ def fit_weights(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> PlusFit:
     co, tt = pair_counts(first)
     base = Counts(co.astype(np.float32), co.sum(axis=3) / k, tt.astype(np.float32),
                   tt.sum(axis=2) / k, expert_load(first).astype(np.float64),
-                  layer_tokens(first).astype(np.float64))  # fmt: skip
+                  layer_tokens(first).astype(np.float64))
     stream = Stream.of(rest.experts, rest.seq_starts)
     memory = memory_of(ModelShape.of(trace), np.asarray(first.experts))
 
     def replay(trial: _Trial, beta: float = 0.0, look: Any = None,
-               features: FitFeatures = NO_FEATURES, look_logit: bool = False) -> float:  # fmt: skip
+               features: FitFeatures = NO_FEATURES, look_logit: bool = False) -> float:
         run = stream if look is None else stream._replace(
-            lookahead=np.ascontiguousarray(look, dtype=np.int16), has_lookahead=True)  # fmt: skip
+            lookahead=np.ascontiguousarray(look, dtype=np.int16), has_lookahead=True)
         settings = Settings(trial.rows(), trial.alpha, trial.gamma, trial.power,
                             trial.sim_decay, beta, trial.logistic, look_logit, FIT_SET_SIZE * k,
-                            False, int(np.ceil(FIT_SET_SIZE * k)), 1, FIT_DECAY, True)  # fmt: skip
+                            False, int(np.ceil(FIT_SET_SIZE * k)), 1, FIT_DECAY, True)
         ptr, ids, _ = plus_replay(base.copy(), memory.copy(), run, settings, 1.0, Buffers.new(n),
-                                  features)  # fmt: skip
+                                  features)
         return plan_recall(stream.experts, ptr, ids)
 
     trial, best = _START, replay(_START)
@@ -149,7 +149,7 @@ def fit_weights(trace: RoutingTrace, holdout: float = FIT_HOLDOUT) -> PlusFit:
     fitted = PlusFit(w=trial.w, alpha=trial.alpha, gamma=trial.gamma, power=trial.power,
                      sim_decay=trial.sim_decay, fitted=True, logistic=trial.logistic,
                      heldout_tokens=int(held), heldout_recall=best, heldout_recall_linear=linear,
-                     w_linear=linear_w, w_start=trial.w_start, w_fresh=trial.w_fresh)  # fmt: skip
+                     w_linear=linear_w, w_start=trial.w_start, w_fresh=trial.w_fresh)
     points = {}
     for point, look in (("early", rest.lookahead), ("late", rest.lookahead_late)):
         if look is not None:
@@ -163,7 +163,7 @@ def _logistic_trial(trial: _Trial, data: _FitData) -> _Trial | None:
     first token (w_fresh: the prior alone). None if a fit fails."""
     prior = [START_SIGNALS.index(Signal.PRIOR)]
     weights, start, fresh = (_logistic(data.x, data.y), _logistic(data.x_start, data.y_start),
-                             _logistic(data.x_start[:, prior], data.y_start))  # fmt: skip
+                             _logistic(data.x_start[:, prior], data.y_start))
     if weights is None or start is None or fresh is None:
         return None
     w_start, w_fresh = [0.0] * NUM_SIGNALS, [0.0] * NUM_SIGNALS
@@ -172,11 +172,11 @@ def _logistic_trial(trial: _Trial, data: _FitData) -> _Trial | None:
     w_start[Signal.BIAS] = start[-1]
     w_fresh[Signal.PRIOR], w_fresh[Signal.BIAS] = fresh[0], fresh[1]
     return replace(trial, w=tuple(weights), logistic=True, w_start=tuple(w_start),
-                   w_fresh=tuple(w_fresh))  # fmt: skip
+                   w_fresh=tuple(w_fresh))
 
 
 def _fit_lookahead(replay: Replay, trial: _Trial, look: np.ndarray,
-                   data: _FitData | None) -> LookaheadFit:  # fmt: skip
+                   data: _FitData | None) -> LookaheadFit:
     """hybrid's weights at one lookahead point: the fusion's beta, or (with logistic
     ``data``) the lookahead's rank weights as one more signal of a joint logistic
     fit, where that recalls more."""
@@ -226,7 +226,7 @@ def _fit_data(replay: Replay, trial: _Trial, experts: np.ndarray, n: int) -> _Fi
     signals = feats[:, :, :-1].transpose(0, 1, 3, 2).astype(np.float64)
     return _FitData(signals[:, 1:].reshape(-1, NUM_SIGNALS - 1), y[:, 1:].reshape(-1),
                     signals[..., list(START_SIGNALS)].reshape(-1, len(START_SIGNALS)),
-                    y.reshape(-1), chosen, n)  # fmt: skip
+                    y.reshape(-1), chosen, n)
 
 
 def _rank_weights(look: np.ndarray, n: int) -> np.ndarray:

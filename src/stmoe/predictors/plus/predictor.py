@@ -52,7 +52,7 @@ class PlusPredictor(Predictor):
         tables.check_fits(shape)
         if self.config.lookahead != "auto" and not self.uses_lookahead:
             raise PredictorError(f"{self.name} takes no gate lookahead (lookahead="
-                                 f"{self.config.lookahead!r}); hybrid does")  # fmt: skip
+                                 f"{self.config.lookahead!r}); hybrid does")
         self.counts = Counts.of(tables)
         # a fit of an older stmoe-plus is ignored (its weights mean other things)
         self.fitted = PlusFit.of_tables(tables) or PlusFit()
@@ -64,12 +64,12 @@ class PlusPredictor(Predictor):
             raise PredictorError("these tables hold no logistic weights for stmoe-plus "
                                  "(fitted by an older stmoe, too few profiling tokens, or "
                                  "the linear pool recalled as much): profile again, or drop "
-                                 "logistic=True")  # fmt: skip
+                                 "logistic=True")
         w = fit.w
         if fit.logistic and not self.logistic:
             if fit.w_linear is None:
                 raise PredictorError("these tables keep no linear weights beside the "
-                                     "logistic ones; profile again")  # fmt: skip
+                                     "logistic ones; profile again")
             w = fit.w_linear
         given = [getattr(c, s.knob) for s in Signal]
         self.w = np.array([w[i] if v is None else v for i, v in enumerate(given)])
@@ -142,13 +142,13 @@ class PlusPredictor(Predictor):
             if self.config.beta is None:
                 self.beta = float(self.fitted.beta(point))
         rows = {WeightRow.KNOWN: self.w, WeightRow.START: self.w_start,
-                WeightRow.JOINT: self.w_joint, WeightRow.FRESH: self.w_fresh}  # fmt: skip
+                WeightRow.JOINT: self.w_joint, WeightRow.FRESH: self.w_fresh}
         self._rows = np.stack([rows[r] for r in WeightRow])
         c = self.config
         self.settings = Settings(
             self._rows, self.alpha, self.gamma, self.power, self.sim_decay, self.beta,
             self.logistic, self.look_logit, self.mean_set_size, c.adaptive, self._cap(), c.horizon,
-            c.decay, c.online)  # fmt: skip
+            c.decay, c.online)
         self._settings_arg = tuple(self.settings)
 
     def weight_rows(self) -> np.ndarray:
@@ -167,7 +167,7 @@ class PlusPredictor(Predictor):
         return (self._empty if cur is None else cur, known,
                 self._empty if prev is None else prev, prev is not None, self._recency(slot),
                 self._similarity(slot), self._no_look if look is None else look,
-                look is not None)  # fmt: skip
+                look is not None)
 
     def _look_for(self, layer: int, slot: int) -> np.ndarray | None:
         """The lookahead for ``layer`` if it may take part (hybrid, horizon 1, layer > 0;
@@ -182,13 +182,13 @@ class PlusPredictor(Predictor):
         (probabilities with logistic weights)."""
         look = self._look_for(layer, slot)
         scores_for(self._counts_arg, self._memory_arg, self._token(layer, slot, look), layer,
-                   self._settings_arg, self.scale, self._buffers_arg, True)  # fmt: skip
+                   self._settings_arg, self.scale, self._buffers_arg, True)
         return self.buffers.scores.copy()
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         look = self._look_for(layer, slot)
         b = plus_predict(self._counts_arg, self._memory_arg, self._token(layer, slot, look),
-                         layer, self._settings_arg, self.scale, self._buffers_arg)  # fmt: skip
+                         layer, self._settings_arg, self.scale, self._buffers_arg)
         return self.buffers.top[:b].astype(np.int16)
 
     def _cap(self) -> int:
@@ -203,9 +203,9 @@ class PlusPredictor(Predictor):
         assert cur is not None
         prev = self._prev.get(slot)
         token = (cur, layer, self._empty if prev is None else prev, prev is not None,
-                 self._recency(slot), self._similarity(slot), self._no_look, False)  # fmt: skip
+                 self._recency(slot), self._similarity(slot), self._no_look, False)
         plus_learn(self._counts_arg, self.memory.chose, token, layer, self.gamma, self.sim_decay,
-                   self.config.online, self.scale)  # fmt: skip
+                   self.config.online, self.scale)
         self._known[slot] = layer
         if layer == self.shape.num_layers - 1:
             self._known.pop(slot, None)
@@ -228,7 +228,7 @@ class PlusPredictor(Predictor):
         look = self.lookahead_array(trace) if self.uses_lookahead else None  # (sets the point)
         stream = Stream.of(trace.experts, trace.seq_starts, look)
         ptr, ids, self.scale = plus_replay(self.counts, self.memory, stream, self.settings,
-                                           self.scale, self.buffers, NO_FEATURES)  # fmt: skip
+                                           self.scale, self.buffers, NO_FEATURES)
         return PrefetchPlan(ptr=ptr, ids=ids, num_layers=trace.num_layers)
 
 

@@ -24,9 +24,9 @@ import math
 
 import numpy as np
 
-from stmoe._numba import njit
 from stmoe.predictors.plus.layout import SPATIAL_LAYERS, Signal, WeightRow
 from stmoe.predictors.plus.state import Buffers, Counts, Settings, Token, TokenMemory
+from stmoe.util.jit import njit
 
 
 @njit(cache=True)
@@ -142,7 +142,7 @@ def memory_vote(memory, sim, known, target, power, votes, narrow):  # pragma: no
 
 @njit(cache=True)
 def plus_scores(counts, memory, token, target, w, settings, s,
-                buf):  # fmt: skip  # pragma: no cover - compiled
+                buf):  # pragma: no cover - compiled
     """buf.scores := every expert's score for ``target`` given the token's layers
     0..token.known (-1: none), weights ``w`` (by Signal), counts at scale ``s``."""
     out, prior = buf.scores, buf.prior
@@ -160,14 +160,14 @@ def plus_scores(counts, memory, token, target, w, settings, s,
         wj = w[Signal.SPATIAL + j]
         if src >= 0 and 1 <= h + j <= d_max:
             _add_signal(counts.pairs[h + j - 1, src], counts.pair_totals[h + j - 1, src],
-                        token.experts[src], prior, a, wj, out)  # fmt: skip
+                        token.experts[src], prior, a, wj, out)
         elif wj != 0.0:
             for f in range(n):
                 out[f] += wj * prior[f]
     wt = w[Signal.TEMPORAL]
     if token.has_previous:
         _add_signal(counts.temporal[target], counts.temporal_totals[target],
-                    token.previous[target], prior, a, wt, out)  # fmt: skip
+                    token.previous[target], prior, a, wt, out)
     elif wt != 0.0:
         for f in range(n):
             out[f] += wt * prior[f]
@@ -176,7 +176,7 @@ def plus_scores(counts, memory, token, target, w, settings, s,
         out[f] += w[Signal.PRIOR] * prior[f] + w[Signal.RECENT] * rc[target, f] / k
     if w[Signal.MEMORY] != 0.0 or w[Signal.NARROW] != 0.0:
         total, total4 = memory_vote(memory, token.similarity, known, target, settings.power,
-                                    buf.votes, w[Signal.NARROW] != 0.0)  # fmt: skip
+                                    buf.votes, w[Signal.NARROW] != 0.0)
         for i in range(2):
             wi = w[Signal.MEMORY + i]
             if wi == 0.0:
@@ -270,7 +270,7 @@ def with_lookahead(scores, look, use_look, settings, probabilities):  # pragma: 
 
 @njit(cache=True)
 def scores_for(counts, memory, token, target, settings, s, buf,
-               probabilities):  # fmt: skip  # pragma: no cover - compiled
+               probabilities):  # pragma: no cover - compiled
     """buf.scores := the scores a set is chosen from: plus_scores with the
     prediction's weight row, then ``with_lookahead`` (``probabilities``: as adaptive
     sets need them, and as ``PlusPredictor.scores`` returns them). A lookahead

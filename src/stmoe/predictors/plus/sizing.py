@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stmoe._numba import njit
+from stmoe.util.jit import njit
 
 LOG_CUT_MIN = np.log(1e-12)  # the adaptive threshold's floor (a share of the scores)
 

@@ -37,14 +37,14 @@ class Counts(NamedTuple):
         if tables.pair_counts is None or tables.temporal is None:
             raise PredictorError(f"{tables.source or 'these tables'}: no pair or temporal counts "
                                  "(profiled before stmoe-plus existed); profile the trace "
-                                 "again with this stmoe")  # fmt: skip
+                                 "again with this stmoe")
         k = tables.shape.top_k
         co = np.array(tables.pair_counts, dtype=np.float32)
         tt = np.array(tables.temporal, dtype=np.float32)
         p = np.array(tables.layer_counts, dtype=np.float64)
         tokens = np.asarray(tables.info.get("layer_tokens", p.sum(axis=1) / k), dtype=np.float64)
         return cls(co, co.sum(axis=3, dtype=np.float64) / k, tt,
-                   tt.sum(axis=2, dtype=np.float64) / k, p, tokens.copy())  # fmt: skip
+                   tt.sum(axis=2, dtype=np.float64) / k, p, tokens.copy())
 
     def copy(self) -> Counts:
         return Counts(*(np.array(a, copy=True) for a in self))
@@ -67,7 +67,7 @@ class TokenMemory(NamedTuple):
         layers, n, k = shape.num_layers, shape.num_experts, shape.top_k
         return cls(np.zeros((layers, n, MEMORY_TOKENS), dtype=np.uint8),
                    np.full((layers, MEMORY_TOKENS, k), -1, dtype=np.int16),
-                   np.zeros(2, dtype=np.int64))  # fmt: skip
+                   np.zeros(2, dtype=np.int64))
 
     def similarity(self, num_layers: int) -> np.ndarray:
         """A token's [L, W] similarity to every memory token (filled layer by layer)."""
@@ -121,7 +121,7 @@ class Buffers(NamedTuple):
     @classmethod
     def new(cls, n: int, sizing: np.ndarray | None = None) -> Buffers:
         return cls(np.zeros(n), np.zeros(n), np.zeros((2, n)), np.zeros(n, dtype=np.int64),
-                   np.zeros(2) if sizing is None else sizing)  # fmt: skip
+                   np.zeros(2) if sizing is None else sizing)
 
 
 class Stream(NamedTuple):
@@ -134,12 +134,12 @@ class Stream(NamedTuple):
 
     @classmethod
     def of(cls, experts: np.ndarray, seq_starts: np.ndarray,
-           lookahead: np.ndarray | None = None) -> Stream:  # fmt: skip
+           lookahead: np.ndarray | None = None) -> Stream:
         t_len = experts.shape[0]
         seq_id = np.repeat(np.arange(len(seq_starts)), np.diff(np.append(seq_starts, t_len)))
         look = np.full((1, 1, 1), -1, np.int16) if lookahead is None else lookahead
         return cls(np.ascontiguousarray(experts, dtype=np.int16), seq_id.astype(np.int64),
-                   np.ascontiguousarray(look, dtype=np.int16), lookahead is not None)  # fmt: skip
+                   np.ascontiguousarray(look, dtype=np.int16), lookahead is not None)
 
 
 class FitFeatures(NamedTuple):

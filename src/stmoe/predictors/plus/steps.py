@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from stmoe._numba import njit
 from stmoe.predictors.base import ModelShape
 from stmoe.predictors.plus.scoring import plus_scores, scores_for
 from stmoe.predictors.plus.sizing import set_size, top_by_score
@@ -30,6 +29,7 @@ from stmoe.predictors.plus.state import (
     Token,
     TokenMemory,
 )
+from stmoe.util.jit import njit
 
 # the pair counts are float32 (half the cache traffic of the hot rows): the scale is
 # brought back by RESCALE_BY whenever it passes RESCALE_AT, far below overflow
@@ -146,7 +146,7 @@ def rescale(counts):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def plus_learn(counts, chose, token, layer, gamma, sim_decay, online,
-               s):  # fmt: skip  # pragma: no cover - compiled
+               s):  # pragma: no cover - compiled
     """Everything ``update`` does for one layer, in one compiled call. (The settings
     it needs come singly, and of the memory only ``chose``: every array or tuple
     item crossing from Python costs dispatch time, and this runs at every layer.)"""
@@ -159,20 +159,20 @@ def plus_learn(counts, chose, token, layer, gamma, sim_decay, online,
 
 @njit(cache=True)
 def plus_predict(counts, memory, token, target, settings, s,
-                 buf):  # fmt: skip  # pragma: no cover - compiled
+                 buf):  # pragma: no cover - compiled
     """Everything ``predict`` does, in one compiled call: the set in buf.top[:size];
     returns the size."""
     settings, buf = Settings(*settings), Buffers(*buf)
     scores_for(counts, memory, token, target, settings, s, buf, settings.adaptive)
     b = set_size(buf.scores, settings.set_size, settings.adaptive, buf.sizing, settings.cap,
-                 target)  # fmt: skip
+                 target)
     top_by_score(buf.scores, b, buf.top)
     return b
 
 
 @njit(cache=True)
 def plus_replay(counts, memory, stream, settings, s, buf,
-                features):  # fmt: skip  # pragma: no cover - compiled
+                features):  # pragma: no cover - compiled
     """The whole-trace replay of the protocol: predict(l) then update(l) for every
     token and layer. Returns (ptr, ids, scale) with PrefetchPlan's CSR arrays.
 
@@ -219,7 +219,7 @@ def plus_replay(counts, memory, stream, settings, s, buf,
             ptr[t * n_layers + layer + 1] = pos
             cur[layer] = experts[t, layer]
             plus_learn(counts, memory.chose, token, layer, settings.gamma, settings.sim_decay,
-                       settings.online, s)  # fmt: skip
+                       settings.online, s)
         prev[:, :] = cur
         has_prev = True
         if settings.online:

@@ -65,12 +65,12 @@ class EngineOptions:
             top_k=top_k,
             layout=layout or "tlk",
             moe_layers=None if moe_layers is None else layer_list(moe_layers),
-        )  # fmt: skip
+        )
 
     def given(self) -> set[str]:
         """The option names a user set, as typed on the command line."""
         names = {"prompt_lengths": "--prompt-lengths", "layers": "--layers",
-                 "top_k": "--top-k", "moe_layers": "--moe-layers"}  # fmt: skip
+                 "top_k": "--top-k", "moe_layers": "--moe-layers"}
         out = {flag for key, flag in names.items() if getattr(self, key) is not None}
         return out | ({"--layout"} if self.layout != "tlk" else set())
 
@@ -103,7 +103,7 @@ def layer_list(value: str | Sequence[int]) -> tuple[int, ...]:
         except ValueError:
             raise TraceError(f"--moe-layers part {part!r}",
                              expected="layer numbers and ranges, e.g. 1-23 or 0,2,4-7"
-                             ) from None  # fmt: skip
+                             ) from None
         if not 0 <= a <= b < 1 << 16:
             raise TraceError(f"--moe-layers part {part!r}", expected="ranges low-high, >= 0")
         out.update(range(a, b + 1))
@@ -153,7 +153,7 @@ def assemble(
     if 0 in lengths:
         i = lengths.index(0)
         raise TraceError("a request has no routed token", position=requests[i].where or None,
-                         expected="at least one row per request")  # fmt: skip
+                         expected="at least one row per request")
     weights = None
     if all(r.weights is not None for r in requests):
         weights = np.concatenate([np.asarray(r.weights, np.float32) for r in requests])
@@ -171,7 +171,7 @@ def assemble(
         weights=weights,
         token_ids=None if any(t is None for t in ids) else np.concatenate(ids).astype(np.int64),
         extra=extra,
-    )  # fmt: skip
+    )
     return finish(cols, opts, num_experts, meta)
 
 
@@ -195,13 +195,13 @@ def finish(
         extra["num_experts_inferred"] = True
     trace_meta = TraceMeta(num_experts=int(num_experts), top_k=experts.shape[2],
                            num_layers=experts.shape[1], model=str(meta.get("model", "unknown")),
-                           source=str(meta["source"]), extra=extra)  # fmt: skip
+                           source=str(meta["source"]), extra=extra)
     trace = RoutingTrace(experts=experts, seq_starts=cols.seq_starts, is_decode=cols.is_decode,
-                         weights=weights, token_ids=cols.token_ids, meta=trace_meta)  # fmt: skip
+                         weights=weights, token_ids=cols.token_ids, meta=trace_meta)
     validate(trace, file=meta.get("file"))  # range-checks ids before they are narrowed
     return RoutingTrace(experts=experts.astype(np.int16), seq_starts=trace.seq_starts,
                         is_decode=trace.is_decode, weights=weights, token_ids=cols.token_ids,
-                        meta=trace_meta)  # fmt: skip
+                        meta=trace_meta)
 
 
 def _prompt_lengths(requests: Sequence[Request], given: tuple[int, ...] | None) -> list[int | None]:
@@ -209,14 +209,14 @@ def _prompt_lengths(requests: Sequence[Request], given: tuple[int, ...] | None) 
     if given is not None and len(given) != len(requests):
         raise TraceError(f"{len(given)} prompt lengths for {len(requests)} sequences",
                          expected="--prompt-lengths with one length per sequence, "
-                         "in file order")  # fmt: skip
+                         "in file order")
     out: list[int | None] = []
     for i, r in enumerate(requests):
         opt = None if given is None else given[i]
         if opt is not None and r.prompt_len is not None and opt != r.prompt_len:
             raise TraceError(f"--prompt-lengths gives {opt} but the file says {r.prompt_len}",
                              position=r.where or f"sequence {i}",
-                             expected="the file's own prompt length")  # fmt: skip
+                             expected="the file's own prompt length")
         out.append(r.prompt_len if opt is None else opt)
     return out
 
@@ -233,19 +233,19 @@ def _moe_layers(experts: np.ndarray, chosen: tuple[int, ...] | None) -> tuple[li
         if chosen[-1] >= n_layers:
             raise TraceError(f"--moe-layers names layer {chosen[-1]}",
                              expected=f"layers 0..{n_layers - 1} "
-                             f"(the file has {n_layers})")  # fmt: skip
+                             f"(the file has {n_layers})")
         keep = list(chosen)
     else:
         dense = [
             layer for layer in range(n_layers)
             if len(experts) and (np.all(experts[:, layer] == -1) or np.all(experts[:, layer] == 0))
-        ]  # fmt: skip
+        ]
         keep = [layer for layer in range(n_layers) if layer not in dense]
         if not keep:
             return list(range(n_layers)), {}
         if dense:
             note(f"dropped dense layer{'s' if len(dense) > 1 else ''} {_ranges(dense)} "
-                 "(only the fill value for every token); --moe-layers overrides")  # fmt: skip
+                 "(only the fill value for every token); --moe-layers overrides")
     extra = {} if keep == list(range(len(keep))) else {"model_layer_ids": keep}
     return keep, extra
 
@@ -264,7 +264,7 @@ def check_size(needed: int, available: int, what: str, position: str | None = No
     if needed > available:
         raise TraceError(f"{what} needs {needed} bytes but only {available} remain",
                          position=position, expected="a complete file",
-                         hint="the file looks truncated")  # fmt: skip
+                         hint="the file looks truncated")
 
 
 def refuse_counts(what: str) -> TraceError:

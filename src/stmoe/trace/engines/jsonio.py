@@ -32,20 +32,20 @@ def load_json(path: Path, what: str = "an engine's response") -> Any:
                          position=f"line {exc.lineno}, column {exc.colno}",
                          expected=f"{what}, complete",
                          hint="the file looks truncated" if truncated else None
-                         ) from None  # fmt: skip
+                         ) from None
 
 
 def b64_bytes(value: Any, where: str) -> bytes:
     """Decode a base64 string field strictly (a cut-off string is an error, not less data)."""
     if not isinstance(value, str) or not value:
         raise TraceError(f"'routed_experts' is {_kind(value)}", position=where,
-                         expected="a base64 string")  # fmt: skip
+                         expected="a base64 string")
     try:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise TraceError(f"'routed_experts' is not valid base64 ({exc})", position=where,
                          expected="complete base64 text",
-                         hint="the response looks truncated") from None  # fmt: skip
+                         hint="the response looks truncated") from None
 
 
 def opt_int(obj: Any, key: str, where: str) -> int | None:
@@ -66,7 +66,7 @@ def id_list(value: Any, key: str, where: str) -> list[int] | None:
         isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in value
     ):
         raise TraceError(f"{key!r} is not a list of token ids", position=where,
-                         expected="integers >= 0")  # fmt: skip
+                         expected="integers >= 0")
     return value
 
 

@@ -36,7 +36,7 @@ def read_binary(path: Path, opts: EngineOptions, num_experts: int | None):
     _, version, ne, nl, _, nrec = _HEADER.unpack_from(buf, 0)
     if not (0 < ne <= 1 << 15 and 0 < nl <= 1 << 16 and nrec >= 0):
         raise TraceError(f"the header says {ne} experts, {nl} layers, {nrec} records",
-                         position="header", expected="positive sizes")  # fmt: skip
+                         position="header", expected="positive sizes")
     off = _HEADER.size + nl * ne * 8  # byte sizes: not routing
     check_size(off, len(buf), f"byte_size [{nl} x {ne}]", "header")
     check_size(nrec * (17 + ne), len(buf) - off, f"{nrec} records", "header")
@@ -56,31 +56,31 @@ def read_binary(path: Path, opts: EngineOptions, num_experts: int | None):
         records.append((seq, layer, w, m))
     if off != len(buf):
         raise TraceError(f"{len(buf) - off} bytes after the last record", position="end",
-                         expected=f"exactly {nrec} records")  # fmt: skip
+                         expected=f"exactly {nrec} records")
     meta = {"source": f"imported from {path.name} (MoE-Infinity expert-drop trace v{version})",
-            "file": str(path)}  # fmt: skip
+            "file": str(path)}
     return _trace(records, opts, num_experts or ne, meta)
 
 
 def read_npz(arrays: dict[str, np.ndarray], path: Path, opts: EngineOptions,
-             num_experts: int | None):  # fmt: skip
+             num_experts: int | None):
     w, m = np.asarray(arrays["weights"]), np.asarray(arrays["mask"])
     layer, seq = np.asarray(arrays["layer"]), np.asarray(arrays["seq"])
     n = len(layer)
     if w.ndim != 2 or m.shape != w.shape or len(w) != n or seq.shape != (n,):
         raise TraceError(f"weights {w.shape}, mask {m.shape}, layer {layer.shape}, "
                          f"seq {seq.shape}",
-                         expected="weights and mask [R, E], layer and seq [R]")  # fmt: skip
+                         expected="weights and mask [R, E], layer and seq [R]")
     records = [(int(seq[i]), int(layer[i]), w[i : i + 1], m[i : i + 1]) for i in range(n)]
     ne = w.shape[1]
     if "num_experts" in arrays:
         declared = np.asarray(arrays["num_experts"])
         if declared.shape != () or not np.issubdtype(declared.dtype, np.integer):
             raise TraceError(f"member 'num_experts' has shape {declared.shape}, dtype "
-                             f"{declared.dtype}", expected="one integer")  # fmt: skip
+                             f"{declared.dtype}", expected="one integer")
         ne = int(declared)
     meta = {"source": f"imported from {path.name} (MoE-Infinity expert-drop trace)",
-            "file": str(path)}  # fmt: skip
+            "file": str(path)}
     return _trace(records, opts, num_experts or ne, meta)
 
 
@@ -114,7 +114,7 @@ def _pass_rows(seq: int, recs: list[Record], mapping: dict[int, int]) -> int:
         missing = sorted(set(mapping) - set(layers))
         raise TraceError(f"step seq={seq} has layers {sorted(layers)} with rows {sorted(rows)}",
                          position=f"seq {seq}", expected=f"one record for each of layers "
-                         f"{sorted(mapping)} (missing {missing}), equal rows")  # fmt: skip
+                         f"{sorted(mapping)} (missing {missing}), equal rows")
     return rows.pop()
 
 
@@ -133,4 +133,4 @@ def _routing(recs: Iterable[Record], rows: int, mapping: dict[int, int], k: int)
 def _request(blocks: list, prompt: int, i: int, extra: dict) -> Request:
     return Request(np.concatenate([b[0] for b in blocks]), prompt,
                    weights=np.concatenate([b[1] for b in blocks]),
-                   where=f"sequence {i}", extra=dict(extra))  # fmt: skip
+                   where=f"sequence {i}", extra=dict(extra))

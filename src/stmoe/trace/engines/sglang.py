@@ -47,20 +47,20 @@ def _response(resp: Any, i: int, opts: EngineOptions) -> Request:
     if not isinstance(info, dict) or "routed_experts" not in info:
         raise TraceError("no 'meta_info.routed_experts'", position=where,
                          expected="routing (--enable-return-routed-experts and "
-                         '"return_routed_experts": true in the request)')  # fmt: skip
+                         '"return_routed_experts": true in the request)')
     raw = b64_bytes(info["routed_experts"], f"{where}, meta_info.routed_experts")
     name = info.get("routed_experts_dtype") or "int32"
     name = str(name).removeprefix("torch.")
     if name not in _DTYPES:
         raise TraceError(f"routed_experts_dtype is {name!r}", position=where,
-                         expected=f"one of {', '.join(_DTYPES)}")  # fmt: skip
+                         expected=f"one of {', '.join(_DTYPES)}")
     dtype = np.dtype(name).newbyteorder("<")
     if len(raw) % dtype.itemsize:
         raise TraceError(f"{len(raw)} bytes are not a whole number of {name} ids",
                          position=f"{where}, meta_info.routed_experts",
                          expected=f"a multiple of {dtype.itemsize} bytes",
                          hint="check routed_experts_dtype, "
-                         "or the response is truncated")  # fmt: skip
+                         "or the response is truncated")
     n = len(raw) // dtype.itemsize
     prompt = opt_int(info, "prompt_tokens", where)
     completion = opt_int(info, "completion_tokens", where)
@@ -70,12 +70,12 @@ def _response(resp: Any, i: int, opts: EngineOptions) -> Request:
     if rows * layers * top_k != n:
         raise TraceError(f"{n} ids are not a whole number of tokens of {layers} layers x "
                          f"{top_k} slots", position=f"{where}, meta_info.routed_experts",
-                         expected="--layers and --top-k of the model that answered")  # fmt: skip
+                         expected="--layers and --top-k of the model that answered")
     start = 0 if end is None else end - rows
     if start < 0:
         raise TraceError(f"{rows} routed tokens but prompt + completion - 1 is {end}",
                          position=where, expected=f"at most {end} rows of {layers} x {top_k}",
-                         hint="check --layers and --top-k")  # fmt: skip
+                         hint="check --layers and --top-k")
     experts = np.frombuffer(raw, dtype=dtype).reshape(rows, layers, top_k).astype(np.int32)
     return Request(experts, prompt, start, where=where)
 
@@ -93,7 +93,7 @@ def _shape(n: int, end: int | None, opts: EngineOptions, where: str) -> tuple[in
         raise TraceError("the response does not say its layers and top-k" + held,
                          position=where, expected="--layers L --top-k K",
                          hint="L is the model config's num_hidden_layers, K its "
-                         "num_experts_per_tok")  # fmt: skip
+                         "num_experts_per_tok")
     return layers, top_k
 
 
@@ -109,7 +109,7 @@ class _Open:
 
 
 def read_recorder(dumps: list[tuple[Path, dict]], opts: EngineOptions,
-                  num_experts: int | None):  # fmt: skip
+                  num_experts: int | None):
     """Per-token recorder dumps (one per rank) -> one trace; a rank whose passes repeat
     another's exactly (tensor parallelism) is read once."""
     requests: list[Request] = []
@@ -120,7 +120,7 @@ def read_recorder(dumps: list[tuple[Path, dict]], opts: EngineOptions,
             fingerprint = hash(tuple(
                 (r.get("forward_pass_id"), tuple(r.get("positions") or ()),
                  tuple(r.get("input_ids") or ())) for r in records
-            ))  # fmt: skip
+            ))
             if fingerprint in seen:
                 continue
             seen.add(fingerprint)
@@ -136,17 +136,17 @@ def _checked(dump: dict) -> tuple[list[dict], np.ndarray]:
     records = dump.get("records")
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise TraceError("'records' is not a list of forward passes",
-                         expected="the per_token recorder's dump")  # fmt: skip
+                         expected="the per_token recorder's dump")
     mapping = dump.get("last_physical_to_logical_map")
     if mapping is None:
         raise TraceError("the dump has no 'last_physical_to_logical_map'",
                          expected="the recorder's [layers, physical experts] map",
                          hint="recorded ids are physical; without the map they cannot be "
-                         "read as experts")  # fmt: skip
+                         "read as experts")
     mapping = np.asarray(mapping)
     if mapping.ndim != 2 or not np.issubdtype(mapping.dtype, np.integer):
         raise TraceError(f"last_physical_to_logical_map has shape {mapping.shape}",
-                         expected="integer [layers, physical experts]")  # fmt: skip
+                         expected="integer [layers, physical experts]")
     return records, mapping
 
 
@@ -161,24 +161,24 @@ def _rebuild(records: list[dict], mapping: np.ndarray) -> list[Request]:
             continue
         if mode not in (EXTEND, DECODE, MIXED):
             raise TraceError(f"forward_mode is {mode!r}", position=where,
-                             expected="1 extend, 2 decode, 3 mixed or 4 idle")  # fmt: skip
+                             expected="1 extend, 2 decode, 3 mixed or 4 idle")
         ids, pos = list(rec["input_ids"]), list(rec.get("positions") or [])
         tokens = _logical(rec.get("topk_ids_of_layer"), mapping, len(ids), where)
         if len(pos) != len(ids):
             raise TraceError(f"{len(pos)} positions for {len(ids)} tokens", position=where,
-                             expected="one position per token")  # fmt: skip
+                             expected="one position per token")
         lens = [1] * len(ids) if mode == DECODE else list(rec.get("extend_seq_lens") or [])
         if sum(lens) != len(ids):
             raise TraceError(f"extend_seq_lens sum to {sum(lens)} for {len(ids)} tokens",
                              position=where,
-                             expected="one length per request in the pass")  # fmt: skip
+                             expected="one length per request in the pass")
         used: set[int] = set()
         a = 0
         for n in lens:
             p0 = int(pos[a])
             if [int(p) for p in pos[a : a + n]] != list(range(p0, p0 + n)):
                 raise TraceError(f"positions {pos[a:a + n]} of one request are not consecutive",
-                                 position=where, expected="positions p, p+1, ...")  # fmt: skip
+                                 position=where, expected="positions p, p+1, ...")
             j = next((j for j, r in enumerate(reqs) if r.last == p0 - 1 and j not in used), None)
             if p0 == 0 or j is None:
                 reqs.append(_Open(start=p0, last=p0 - 1))
@@ -196,7 +196,7 @@ def _rebuild(records: list[dict], mapping: np.ndarray) -> list[Request]:
         Request(np.concatenate(r.rows), r.first_decode, r.start,
                 token_ids=np.asarray(r.ids, dtype=np.int64), where=f"request {k}")
         for k, r in enumerate(reqs)
-    ]  # fmt: skip
+    ]
 
 
 def _logical(topk: Any, mapping: np.ndarray, n: int, where: str) -> np.ndarray:
@@ -204,16 +204,16 @@ def _logical(topk: Any, mapping: np.ndarray, n: int, where: str) -> np.ndarray:
     arr = np.asarray(topk) if topk is not None else np.zeros(0)
     if arr.ndim != 3 or arr.shape[1] != n or not np.issubdtype(arr.dtype, np.integer):
         raise TraceError(f"topk_ids_of_layer has shape {arr.shape}", position=where,
-                         expected=f"integer [layers, {n} tokens, slots]")  # fmt: skip
+                         expected=f"integer [layers, {n} tokens, slots]")
     if arr.shape[0] != mapping.shape[0]:
         raise TraceError(f"{arr.shape[0]} layers but the map has {mapping.shape[0]}",
-                         position=where, expected="the map of the same model")  # fmt: skip
+                         position=where, expected="the map of the same model")
     bad = (arr < -1) | (arr >= mapping.shape[1])
     if bad.any():
         layer, t, slot = (int(x) for x in np.argwhere(bad)[0])
         raise TraceError(f"physical expert {int(arr[layer, t, slot])} is outside the map",
                          position=f"{where}, token {t}, layer {layer}",
-                         expected=f"-1..{mapping.shape[1] - 1}")  # fmt: skip
+                         expected=f"-1..{mapping.shape[1] - 1}")
     layer_of = np.arange(arr.shape[0])[:, None, None]
     logical = np.where(arr >= 0, mapping[layer_of, np.maximum(arr, 0)], -1)
     return logical.transpose(1, 0, 2).astype(np.int32)

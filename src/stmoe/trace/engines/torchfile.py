@@ -33,14 +33,14 @@ def load(path: Path) -> Any:
         import torch
     except ImportError:
         raise TraceError("reading a torch.save file needs torch",
-                         hint="pip install 'stmoe[hf]' (or torch)") from None  # fmt: skip
+                         hint="pip install 'stmoe[hf]' (or torch)") from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many kinds for a bad archive
         raise TraceError(f"not a readable torch.save file ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''})",
                          expected="a torch.save file of tensors, lists and dicts",
-                         hint="the file may be truncated") from None  # fmt: skip
+                         hint="the file may be truncated") from None
     return _plain(obj, torch)
 
 
@@ -75,7 +75,7 @@ def kind_of(obj: Any) -> str:
 
 
 def read_many(paths: Sequence[Path], opts: EngineOptions, num_experts: int | None
-              ) -> RoutingTrace | None:  # fmt: skip
+              ) -> RoutingTrace | None:
     """All of ``paths`` as one trace when every one is an SGLang recorder dump (the ranks
     of one run), else None (each file is imported on its own)."""
     dumps = []
@@ -101,25 +101,25 @@ def read(path: Path, opts: EngineOptions, num_experts: int | None) -> RoutingTra
         logits = obj["router_logits"] if isinstance(obj, dict) else obj
         return _router_logits(list(logits), path, opts, num_experts)
     raise TraceError(f"a torch.save file holding {type(obj).__name__}",
-                     expected="an SGLang recorder dump or transformers' router logits")  # fmt: skip
+                     expected="an SGLang recorder dump or transformers' router logits")
 
 
 def _router_logits(logits: list, path: Path, opts: EngineOptions,
-                   num_experts: int | None) -> RoutingTrace:  # fmt: skip
+                   num_experts: int | None) -> RoutingTrace:
     """One ``[batch * seq, E]`` array per MoE layer -> top-k routing per token."""
     if not all(isinstance(x, np.ndarray) and x.ndim == 2 for x in logits):
         raise TraceError("router_logits is not a list of 2-D tensors",
-                         expected="one [batch * seq, E] tensor per MoE layer")  # fmt: skip
+                         expected="one [batch * seq, E] tensor per MoE layer")
     shapes = {x.shape for x in logits}
     if len(shapes) != 1:
         raise TraceError(f"the layers' router logits have shapes {sorted(shapes)}",
-                         expected="one [batch * seq, E] shape for every layer")  # fmt: skip
+                         expected="one [batch * seq, E] shape for every layer")
     rows, n_exp = logits[0].shape
     k = opts.top_k
     if k is None or k > n_exp:
         raise TraceError("the router's top-k is not in the file" if k is None
                          else f"--top-k {k} exceeds the {n_exp} experts",
-                         expected="--top-k K (the model config's num_experts_per_tok)")  # fmt: skip
+                         expected="--top-k K (the model config's num_experts_per_tok)")
     stacked = np.stack(logits, axis=1).astype(np.float64)  # [rows, L, E]
     probs = np.exp(stacked - stacked.max(axis=-1, keepdims=True))
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -132,13 +132,13 @@ def _router_logits(logits: list, path: Path, opts: EngineOptions,
     if seq * len(lengths) != rows or max(lengths) > seq:
         raise TraceError(f"{rows} rows do not split into {len(lengths)} sequences of at most "
                          f"{seq} tokens", expected="--prompt-lengths with one true length per "
-                         "sequence of the batch")  # fmt: skip
+                         "sequence of the batch")
     requests = [
         Request(top[b * seq : b * seq + p].astype(np.int32), None,
                 weights=weights[b * seq : b * seq + p], where=f"sequence {b}")
         for b, p in enumerate(lengths)
-    ]  # fmt: skip
+    ]
     no_prompt = EngineOptions(moe_layers=opts.moe_layers)  # the lengths cut padding here
     meta = {"source": f"imported from {path.name} (transformers router logits)",
-            "file": str(path)}  # fmt: skip
+            "file": str(path)}
     return assemble(requests, no_prompt, num_experts or n_exp, meta)

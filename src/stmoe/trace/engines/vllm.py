@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from stmoe._progress import progress_bytes
 from stmoe.errors import TraceError
 from stmoe.trace.assemble import expert_ids, gate_weights, layer_numbering
 from stmoe.trace.engines.common import EngineOptions, Request, assemble
 from stmoe.trace.engines.jsonio import b64_bytes, id_list, load_json, opt_int
 from stmoe.trace.npfiles import load_npy_bytes, short
 from stmoe.trace.schema import RoutingTrace
+from stmoe.util.progress import progress_bytes
 
 
 def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> RoutingTrace:
@@ -37,7 +37,7 @@ def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> R
     choices = doc.get("choices") if isinstance(doc, dict) else None
     if not isinstance(choices, list) or not choices:
         raise TraceError("the response has no 'choices' list",
-                         expected="a vLLM completions response")  # fmt: skip
+                         expected="a vLLM completions response")
     if all(isinstance(c, dict) and isinstance(c.get("index"), int) for c in choices):
         choices = sorted(choices, key=lambda c: c["index"])
     usage_prompt = opt_int(doc.get("usage"), "prompt_tokens", "usage")
@@ -47,7 +47,7 @@ def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> R
         where = f"choices[{i}]"
         if not isinstance(choice, dict):
             raise TraceError(f"a JSON {type(choice).__name__}", position=where,
-                             expected="a choice object")  # fmt: skip
+                             expected="a choice object")
         experts = _routed(choice.get("routed_experts"), where)
         prompt_ids = id_list(choice.get("prompt_token_ids"), "prompt_token_ids", where)
         if prompt_ids is None and len(choices) == 1:
@@ -58,10 +58,10 @@ def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> R
         gen_ids = id_list(choice.get("token_ids"), "token_ids", where) or []
         known = (prompt_ids or []) + gen_ids
         tokens = np.asarray(known[: len(experts)]) if prompt_ids and len(known) >= len(experts) \
-            else None  # fmt: skip
+            else None
         requests.append(Request(experts, prompt, token_ids=tokens, where=where))
     meta = {"source": f"imported from {path.name} (vLLM response)", "file": str(path),
-            "model": doc.get("model", "unknown")}  # fmt: skip
+            "model": doc.get("model", "unknown")}
     return assemble(requests, opts, num_experts, meta)
 
 
@@ -70,7 +70,7 @@ def _routed(value: Any, where: str) -> np.ndarray:
     if value is None:
         raise TraceError("the choice has no 'routed_experts'", position=where,
                          expected="routing (start vLLM with "
-                         "enable_return_routed_experts)")  # fmt: skip
+                         "enable_return_routed_experts)")
     if isinstance(value, list):
         try:
             arr = np.asarray(value)
@@ -84,11 +84,11 @@ def _routed(value: Any, where: str) -> np.ndarray:
             raise TraceError(f"'routed_experts' is not a readable .npy array ({short(exc)})",
                              position=f"{where}.routed_experts",
                              expected="base64 of .npy bytes",
-                             hint="the response looks truncated") from None  # fmt: skip
+                             hint="the response looks truncated") from None
     if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
         raise TraceError(f"'routed_experts' has shape {arr.shape}, dtype {arr.dtype}",
                          position=f"{where}.routed_experts",
-                         expected="integer [tokens - 1, layers, top_k]")  # fmt: skip
+                         expected="integer [tokens - 1, layers, top_k]")
     return arr.astype(np.int32)
 
 
@@ -106,7 +106,7 @@ def read_profile(path: Path, opts: EngineOptions, num_experts: int | None) -> Ro
             raise TraceError(f"the record lacks {', '.join(missing) or 'token_pos'}",
                              position=where,
                              expected="problem_id, layer, token_pos (or token_idx), "
-                             "experts")  # fmt: skip
+                             "experts")
         layer, pos = opt_int(rec, "layer", where), opt_int({"p": pos}, "p", where)
         ids = expert_ids(rec["experts"], where)
         probs = rec.get("gating_probs")
@@ -114,7 +114,7 @@ def read_profile(path: Path, opts: EngineOptions, num_experts: int | None) -> Ro
         key = rec["problem_id"]
         if not isinstance(key, int | str) or isinstance(key, bool):
             raise TraceError(f"'problem_id' is {key!r}", position=where,
-                             expected="an integer or string id")  # fmt: skip
+                             expected="an integer or string id")
         rows.setdefault(key, {}).setdefault(int(layer or 0), []).append((pos, ids, w, lineno))
     if not rows:
         raise TraceError("the file holds no records", expected="routing-profile records")
@@ -133,7 +133,7 @@ def _profile_request(key: Any, per: dict, mapping: dict[int, int], extra: dict) 
         raise TraceError(f"problem {key!r} has {counts.get(bad, 0)} records for layer {bad} "
                          f"but {counts[first]} for layer {first}",
                          position=f"line {per[first][0][3]}",
-                         expected="one record per token for every layer")  # fmt: skip
+                         expected="one record per token for every layer")
     n, k = counts[first], len(per[first][0][1])
     experts = np.full((n, len(mapping), k), -1, dtype=np.int32)
     has_w = all(r[2] is not None for recs in per.values() for r in recs)
@@ -142,7 +142,7 @@ def _profile_request(key: Any, per: dict, mapping: dict[int, int], extra: dict) 
         for t, (_, ids, w, lineno) in enumerate(recs):
             if len(ids) != k:
                 raise TraceError(f"{len(ids)} experts here but {k} elsewhere",
-                                 position=f"line {lineno}", expected=f"K={k} experts")  # fmt: skip
+                                 position=f"line {lineno}", expected=f"K={k} experts")
             experts[t, mapping[layer]] = ids
             if weights is not None:
                 weights[t, mapping[layer]] = w
@@ -163,8 +163,8 @@ def _lines(path: Path):
                 raise TraceError(f"not valid JSON ({exc})", position=f"line {lineno}",
                                  expected="one JSON object per line",
                                  hint=None if raw.endswith(b"\n")
-                                 else "the file looks truncated") from None  # fmt: skip
+                                 else "the file looks truncated") from None
             if not isinstance(obj, dict):
                 raise TraceError(f"a JSON {type(obj).__name__}", position=f"line {lineno}",
-                                 expected="one JSON object per line")  # fmt: skip
+                                 expected="one JSON object per line")
             yield lineno, obj

@@ -37,7 +37,7 @@ def _requests(trace: RoutingTrace) -> list[dict[str, Any]]:
         if decode[prompt:].size and not decode[prompt:].all():
             raise TraceError(f"sequence {s} has prefill tokens after decode ones",
                              expected="prompt tokens, then generated ones "
-                             "(an engine's order)")  # fmt: skip
+                             "(an engine's order)")
         ids = None if trace.token_ids is None else np.asarray(trace.token_ids[sl]).tolist()
         out.append({"experts": experts, "prompt": prompt, "ids": ids})
     return out
@@ -47,7 +47,7 @@ def _npy_b64(experts: np.ndarray) -> str:
     """vLLM's encoding: the ``.npy`` bytes of the smallest dtype that holds the ids."""
     lo, hi = int(experts.min()), int(experts.max())
     dtype = np.uint8 if lo >= 0 and hi < 256 else np.uint16 if lo >= 0 and hi < 65536 \
-        else np.int32  # fmt: skip
+        else np.int32
     buf = io.BytesIO()
     np.save(buf, experts.astype(dtype))
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -59,7 +59,7 @@ def export_vllm(trace: RoutingTrace, path: str | Path) -> Path:
     for i, req in enumerate(_requests(trace)):
         gen = len(req["experts"]) - req["prompt"] + 1
         choice: dict[str, Any] = {"index": i, "text": "", "finish_reason": "length",
-                                  "routed_experts": _npy_b64(req["experts"])}  # fmt: skip
+                                  "routed_experts": _npy_b64(req["experts"])}
         if req["ids"] is not None:
             choice["prompt_token_ids"] = req["ids"][: req["prompt"]]
             choice["token_ids"] = req["ids"][req["prompt"] :]  # all but the last sampled one
@@ -69,7 +69,7 @@ def export_vllm(trace: RoutingTrace, path: str | Path) -> Path:
     doc = {"id": "cmpl-stmoe-export", "object": "text_completion", "model": trace.meta.model,
            "choices": choices,
            "usage": {"prompt_tokens": prompt_total, "completion_tokens": gen_total,
-                     "total_tokens": prompt_total + gen_total}}  # fmt: skip
+                     "total_tokens": prompt_total + gen_total}}
     return _write(doc, path)
 
 
@@ -83,7 +83,7 @@ def export_sglang(trace: RoutingTrace, path: str | Path) -> Path:
             "id": f"stmoe-export-{i}", "prompt_tokens": req["prompt"], "completion_tokens": gen,
             "finish_reason": {"type": "length", "length": gen},
             "routed_experts": base64.b64encode(raw).decode("ascii"),
-            "routed_experts_dtype": "int32"}})  # fmt: skip
+            "routed_experts_dtype": "int32"}})
     return _write(docs[0] if len(docs) == 1 else docs, path)
 
 

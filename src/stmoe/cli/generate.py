@@ -1,0 +1,326 @@
+"""`stmoe generate`: generate text with the experts offloaded, and measure it."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from stmoe.cli.common import (
+    check_inputs,
+    check_range,
+    json_to_stdout,
+    key_value_table,
+    out,
+    path_option,
+    plain_label,
+    print_json,
+    write_json,
+)
+from stmoe.errors import StmoeError
+from stmoe.runtime.options import OffloadOptions
+
+_DEFAULT = OffloadOptions()  # the one place the offload defaults are written
+
+
+def generate_cmd(
+    prompt: Annotated[
+        str | None, typer.Option(help="The prompt text (required unless --routing is given).")
+    ] = None,
+    model: Annotated[
+        Path | None,
+        path_option(
+            help="Local transformers MoE checkpoint folder. Default: stmoe's shipped model."
+        ),
+    ] = None,
+    store: Annotated[
+        Path | None,
+        path_option(
+            help="Expert store from `stmoe pack`. Default: packed on first use into "
+            "~/.cache/stmoe/stores (STMOE_CACHE overrides)."
+        ),
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens to generate (>= 1). Default: 32, or with --routing the "
+            "sequence's decode tokens + 1."
+        ),
+    ] = None,
+    routing: Annotated[
+        Path | None,
+        path_option(
+            help="A routing trace (any format `stmoe import` reads) whose expert choices "
+            "replace the model's router at every token and MoE layer: the prompt is the "
+            "sequence's prefill, then its decode tokens in order (the model's first L "
+            "layers). Measures real routing at this model's sizes, e.g. on a `stmoe "
+            "make-model` checkpoint; the text is meaningless and not shown."
+        ),
+    ] = None,
+    sequence: Annotated[
+        int, typer.Option(help="Which sequence of the --routing trace to replay (0 = first).")
+    ] = 0,
+    capacity: Annotated[
+        str,
+        typer.Option(
+            help="Cache size: experts per layer (8, at most the model's N), a share of "
+            "the experts (50%, at most 100%), or a total size in bytes for the whole model "
+            "(64MB; a larger budget than all experts caches them all). At least the router's "
+            "top-k."
+        ),
+    ] = _DEFAULT.capacity,
+    predictor: Annotated[
+        str,
+        typer.Option(
+            help="Prefetch predictor: stmoe, stmoe-plus, hybrid (tables + gate "
+            "lookahead), gate-lookahead, ondemand (no prefetch), random, oracle (a first "
+            "pass learns the routing), or any other `stmoe eval` predictor."
+        ),
+    ] = _DEFAULT.predictor,
+    tables: Annotated[
+        Path | None,
+        path_option(
+            help="Profiled tables (`stmoe profile`) for table predictors. Default: "
+            "those shipped with the default model."
+        ),
+    ] = _DEFAULT.tables,
+    policy: Annotated[
+        str,
+        typer.Option(
+            help="Eviction: lru (never evicting an expert predicted for the coming layer; "
+            "'predicted' is its former name), lfu, or none (no reuse: plain on-demand "
+            "offloading). See stmoe.cache_policy."
+        ),
+    ] = _DEFAULT.policy,
+    max_loads: Annotated[
+        int | None,
+        typer.Option(
+            help="Loads one prediction may start per layer (its most confident "
+            "experts not yet cached; >= 0). Default: the capacity."
+        ),
+    ] = _DEFAULT.max_loads,
+    lookahead: Annotated[
+        str,
+        typer.Option(
+            help="Gate lookahead of hybrid and gate-lookahead: late (the next layer's "
+            "router on its own input, predicted as that layer starts: closer to the "
+            "router, less time to load), early (on this layer's MoE input, predicted as "
+            "this layer routes), or auto (late where the model's norms are recognised)."
+        ),
+    ] = _DEFAULT.lookahead,
+    tier: Annotated[
+        str,
+        typer.Option(
+            help="disk (real reads, page cache bypassed), emulated (host memory "
+            "behind a link of --bandwidth and --latency; EMULATED), or gpu (pinned "
+            "host memory to a CUDA cache)."
+        ),
+    ] = _DEFAULT.tier,
+    bandwidth: Annotated[
+        str | None,
+        typer.Option(
+            help="Emulated link bandwidth in bytes/s, e.g. 200MB (at least 1KB; --tier "
+            "emulated only)."
+        ),
+    ] = _DEFAULT.bandwidth,
+    latency: Annotated[
+        str,
+        typer.Option(
+            help="Emulated link latency per transfer, e.g. 50us or 2ms (0 to 60 s; --tier "
+            "emulated only)."
+        ),
+    ] = str(_DEFAULT.latency),
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Prefetch worker threads, 0 (no prefetching) to 64 (default: 2 for "
+            "disk, 1 for the single-link emulated and gpu tiers)."
+        ),
+    ] = _DEFAULT.workers,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="torch compute threads, 1 to 1024 (default: torch's). One leaves a core "
+            "to the prefetch workers on small machines."
+        ),
+    ] = None,
+    repeat: Annotated[
+        int,
+        typer.Option(
+            help="Runs (1 to 1000), each from an empty cache; the figures are the median and "
+            "[min, max] over them (one run's speed swings widely on a shared machine)."
+        ),
+    ] = 1,
+    json_out: Annotated[
+        Path | None,
+        path_option(
+            "--json",
+            help="Write the measurements (and tokens) as JSON ('-': print them on stdout "
+            "instead of the text and tables).",
+        ),
+    ] = None,
+) -> None:
+    """Generate greedily with the model's routed experts offloaded, and measure it.
+
+    Experts live in an expert store; a bounded per-layer cache holds some in
+    memory and the predictor loads the next layer's experts while the current
+    layer computes. Output tokens are bit-identical to the resident model's.
+    Prints the text, then decode tokens/s, time to first token, hit rate,
+    prefetch recall and precision, bytes moved and wasted, and stall share.
+    """
+    _check_generate_options(max_new_tokens, max_loads, workers, threads)
+    check_range("--repeat", repeat, 1, 1000)
+    check_range("--sequence", sequence, 0)
+    check_inputs("a tables file (write one with `stmoe profile`)", tables)
+    check_inputs("a routing trace", routing)
+    if (prompt is None) == (routing is None):
+        raise StmoeError("give either --prompt (generate from text) or --routing (replay a "
+                         "trace's routing), not both" if prompt is not None
+                         else "give --prompt TEXT, or --routing TRACE to replay a trace's "
+                         "routing")
+    if model is not None and not model.is_dir():
+        raise StmoeError(f"{model}: not a folder; --model expects a local transformers "
+                         "checkpoint folder")
+    to_stdout = json_to_stdout(json_out)
+    try:
+        import torch
+
+        from stmoe.runtime.api import offload
+    except ImportError as exc:
+        raise StmoeError(f"generate needs torch and transformers ({exc}); install them with "
+                         "pip install -e '.[hf]'") from None
+    if model is None:
+        from stmoe.models import SHIPPED_MODEL
+
+        model = SHIPPED_MODEL
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
+                 policy=policy, tier=tier, bandwidth=bandwidth, latency=latency,
+                 workers=workers, max_loads=max_loads, lookahead=lookahead) as om:
+        if routing is not None:
+            run = _replay(om, routing, sequence, max_new_tokens)
+        else:
+            assert prompt is not None
+            run = functools.partial(om.generate, prompt, max_new_tokens=max_new_tokens or 32)
+        runs = [run() for _ in range(repeat)]  # each cold: the same measurement N times
+    for i, r in enumerate(runs[1:], 2):
+        if r.tokens != runs[0].tokens:  # lossless offloading gives the same tokens every run
+            raise StmoeError(f"run {i} generated other tokens than run 1; the offloaded "
+                             "output must not change between runs")
+    data = _summary(runs)
+    if to_stdout:
+        print_json(data)
+        return
+    if routing is not None:
+        out.print(f"replayed the routing of {plain_label(str(routing))}, sequence {sequence} "
+                  "(the generated text is meaningless: not shown)", markup=False)
+    else:  # unwrapped (soft_wrap): copied code keeps its lines
+        out.print(plain_label((prompt or "") + runs[0].text, multiline=True), markup=False,
+                  soft_wrap=True)
+    out.print(key_value_table("offloaded generation", _rows(runs)))
+    out.print("a single run: speed figures swing between runs on a shared machine; "
+              "--repeat N reports their median and [min, max]" if repeat == 1 else
+              f"median [min, max] of {repeat} runs, each from an empty cache; the same "
+              "tokens in every run", markup=False)
+    write_json(data, json_out)
+
+
+# The measured figures of one run (GenerationResult's fields) that may differ between runs.
+FIGURES = (
+    "ttft_s", "decode_s", "decode_tokens_per_s", "hit_rate", "prefetch_recall",
+    "prefetch_precision", "bytes_moved", "bytes_wasted", "stall_s", "stall_share",
+)
+
+
+def _summary(runs: list[Any]) -> dict[str, Any]:
+    """The JSON: run 1's result with each figure the median over the runs, every run's
+    figures under ``repeat`` (``stats`` are run 1's)."""
+    data = runs[0].to_dict()
+    data.update({k: statistics.median(getattr(r, k) for r in runs) for k in FIGURES})
+    data["repeat"] = {"runs": len(runs), "figures": "median over the runs",
+                      "per_run": [{k: getattr(r, k) for k in FIGURES} for r in runs]}
+    return data
+
+
+def _spread(runs: list[Any], key: str, scale: float = 1.0, fmt: str = ".1f") -> str:
+    """One figure: its median, with [min, max] when the runs differ."""
+    values = [getattr(r, key) * scale for r in runs]
+    med = f"{statistics.median(values):{fmt}}"
+    lo, hi = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    return med if lo == hi else f"{med} [{lo}, {hi}]"
+
+
+def _rows(runs: list[Any]) -> list[tuple[str, str]]:
+    """The table's rows: the setup in words, then each figure (median [min, max])."""
+    from stmoe.predictors import REGISTRY
+
+    r, c, mib = runs[0], runs[0].config, 1 / 2**20
+    if c["emulated"]:
+        tier = (f"emulated link: {c['bandwidth'] / 1e6:g} MB/s, {c['latency'] * 1e6:g} us "
+                "per transfer (EMULATED)")
+    elif c["tier"] == "disk":
+        tier = "disk, " + ("direct reads (page cache bypassed)" if c.get("direct_io")
+                           else "buffered reads (direct I/O unavailable here)")
+    else:
+        tier = "gpu (pinned host memory to a CUDA cache)"
+    if not getattr(REGISTRY.get(c["predictor"]), "prefetches", True):
+        predictor = f"{c['predictor']}: no prefetch (each miss loads when the router asks)"
+    else:
+        look = f", {c['lookahead']} gate lookahead" if c["lookahead"] else ""
+        predictor = f"{c['predictor']}, up to {c['max_loads']} loads per prediction{look}"
+    return [
+        ("tier", tier),
+        ("cache", f"{c['capacity']} of {c['num_experts']} experts per layer "
+                  f"({c['cache_bytes'] * mib:.1f} MiB), policy {c['policy']}"),
+        ("predictor", predictor),
+        ("tokens", f"{r.prompt_tokens} prompt + {len(r.tokens)} generated"),
+        ("time to first token", _spread(runs, "ttft_s", 1000) + " ms"),
+        ("decode", _spread(runs, "decode_tokens_per_s") + " tokens/s"),
+        ("hit rate (decode)", _spread(runs, "hit_rate", fmt=".3f")),
+        ("prefetch recall / precision", _spread(runs, "prefetch_recall", fmt=".3f") + " / "
+                                        + _spread(runs, "prefetch_precision", fmt=".3f")),
+        ("bytes moved / wasted", _spread(runs, "bytes_moved", mib) + " / "
+                                 + _spread(runs, "bytes_wasted", mib) + " MiB"),
+        ("stall (decode)", _spread(runs, "stall_s", fmt=".3f") + " s, "
+                           + _spread(runs, "stall_share", 100) + "% of decode time"),
+        ("reads of the tier (decode)", _reads(runs, "demand") + " by the compute thread (its "
+                                       "misses), " + _reads(runs, "prefetch") + " by the "
+                                       "prefetch workers"),
+    ]
+
+
+def _reads(runs: list[Any], kind: str) -> str:
+    """The decode's expert reads of ``kind`` ("demand", "prefetch"): how many and the mean
+    time of one (median over the runs): the tier's speed as the run met it."""
+    decode = [r.stats["phases"]["decode"] for r in runs]
+    count = statistics.median(d[f"{kind}_reads"] for d in decode)
+    times = [1000 * d[f"{kind}_read_s"] / d[f"{kind}_reads"] for d in decode if d[f"{kind}_reads"]]
+    return f"{count:g}" + (f", {statistics.median(times):.2f} ms each" if times else "")
+
+
+def _replay(om: Any, routing: Path, sequence: int,
+            max_new_tokens: int | None) -> Callable[[], Any]:
+    """One replay of the trace's sequence through the offloaded model
+    (``OffloadedModel.force_routing``), as a call to repeat."""
+    from stmoe.runtime.forced_routing import plan_routing
+    from stmoe.trace import load_trace
+
+    trace = load_trace(routing)
+    c = om.config
+    vocab = int(getattr(om.model.config, "vocab_size", 0) or 1)
+    plan = plan_routing(trace, sequence, c["num_layers"], c["num_experts"], c["top_k"], vocab)
+    return functools.partial(om.force_routing, plan, max_new_tokens)
+
+
+def _check_generate_options(max_new_tokens: int | None, max_loads: int | None, workers: int | None,
+                            threads: int | None) -> None:
+    """The numeric options, refused before the model loads."""
+    check_range("--max-new-tokens", max_new_tokens, 1)
+    check_range("--max-loads", max_loads, 0)
+    check_range("--workers", workers, 0, 64)
+    check_range("--threads", threads, 1, 1024)

@@ -1,0 +1,287 @@
+"""Prediction commands: profile (Algorithm 1) and eval (replay of predictors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.table import Table
+
+from stmoe.cache_policy import REPLAY, policy_code
+from stmoe.cli.common import (
+    check_inputs,
+    check_range,
+    clean_label,
+    err,
+    json_to_stdout,
+    out,
+    path_argument,
+    path_option,
+    print_json,
+    write_json,
+)
+from stmoe.errors import StmoeError
+from stmoe.evaluate.replay import ReplayResult, cross_domain_matrix, replay
+from stmoe.predictors import (
+    REGISTRY,
+    accepted_options,
+    load_tables,
+    names,
+    names_for,
+    profile,
+    save_tables,
+)
+from stmoe.predictors.base import ModelShape
+from stmoe.predictors.tables import ProfiledTables
+from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
+from stmoe.trace.select import first_layers
+
+SplitOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Use the first FRACTION (strictly between 0 and 1) of the trace for profiling "
+        "and the rest for evaluation (by sequence when there are several, else by token). "
+        "Give the same value to `profile` and `eval`.",
+    ),
+]
+_NAMES = ", ".join(names())
+DomainOpt = Annotated[str | None, typer.Option(help="Only the sequences of this domain.")]
+
+
+def _select(
+    trace: RoutingTrace, domain: str | None, split: float | None, part: int
+) -> RoutingTrace:
+    if domain is not None:
+        trace = select_domain(trace, domain)
+    return trace if split is None else split_auto(trace, split)[part]
+
+
+def profile_cmd(
+    traces: Annotated[list[Path], path_argument(metavar="TRACE...", help="Traces of one model.")],
+    output: Annotated[Path, path_option("--output", "-o", help="Tables file to write (.npz).")],
+    row_width: Annotated[
+        int | None, typer.Option(help="Candidates kept per CCT row (default: the model's top-k).")
+    ] = None,
+    split: SplitOpt = None,
+    domain: DomainOpt = None,
+    by_domain: Annotated[
+        bool,
+        typer.Option(help="Also keep tables of each domain (needed by stmoe-mix)."),
+    ] = False,
+    layers: Annotated[
+        int | None,
+        typer.Option(
+            help="Profile the first N MoE layers only (for a model with N of the "
+            "trace's layers, e.g. `stmoe make-model --layers N`)."
+        ),
+    ] = None,
+) -> None:
+    """Build ST-MoE's tables from routing traces (docs/method.md Algorithm 1).
+
+    Counts which experts of layer l+1 follow each expert of layer l and keeps the
+    most frequent as the cross-layer correlation table, plus per-layer expert
+    frequencies for the frequency baseline, the counts stmoe-plus and hybrid use
+    (layer pairs up to 4 apart, consecutive tokens, the last 1,024 tokens) and their
+    signal weights, fitted on the last fifth of the profiling tokens.
+    """
+    check_inputs("a trace file", traces)
+    check_range("--split", split, 0, 1, exclusive=True)
+    trace = _select(import_files(traces), domain, split, 0)
+    if layers is not None:
+        trace = first_layers(trace, layers)
+    tables = profile(trace, row_width=row_width, by_domain=by_domain)
+    save_tables(tables, output)
+    out.print(
+        f"wrote {clean_label(output)}: CCT for {tables.shape.describe()}, row width "
+        f"{tables.row_width}, profiled on {trace.num_tokens} tokens"
+        + (" (SYNTHETIC)" if trace.meta.synthetic else "")
+    )
+
+
+def _warn_in_sample(trace: RoutingTrace, tables: ProfiledTables) -> None:
+    """A note when most replayed tokens were profiled into ``tables`` (their exact
+    routing is in the tables' token memory): recall would be in-sample, and
+    stmoe-plus's memory recalls nearly everything it has seen."""
+    if tables.recent is None or tables.shape != ModelShape.of(trace):
+        return
+    seen = {row.tobytes() for row in np.asarray(tables.recent, dtype=np.int16)}
+    routing = np.asarray(trace.experts, dtype=np.int16)
+    known = sum(routing[t].tobytes() in seen for t in range(trace.num_tokens))
+    if known > trace.num_tokens / 2:
+        err.print(f"note: {known} of the {trace.num_tokens} tokens replayed were profiled into "
+                  "these tables (their routing is in the tables' memory), so recall is "
+                  "in-sample; profile and evaluate different parts, e.g. the same --split "
+                  "for both", soft_wrap=True)
+
+
+def _default_predictors(trace: RoutingTrace, tables: ProfiledTables | None) -> list[str]:
+    """Every predictor this trace and these tables can run, with a note naming the others
+    and why (a default run never drops a predictor silently)."""
+    chosen, notes = names_for(trace), []
+    if tables is None:
+        notes.append(("no --tables", [n for n in chosen if REGISTRY[n].needs_tables]))
+        chosen = [n for n in chosen if not REGISTRY[n].needs_tables]
+    look = [n for n in names() if REGISTRY[n].uses_lookahead and n not in chosen]
+    notes.append(("the trace records no gate lookahead (`stmoe capture` of a transformers "
+                  "model records it)", look))
+    mix = [n for n in names() if REGISTRY[n].needs_domain_tables and n not in look]
+    notes.append(("run it by name (--predictor stmoe-mix) with tables of `stmoe profile "
+                  "--by-domain`", mix))
+    for why, skipped in notes:
+        if skipped:
+            err.print(f"note: skipping {', '.join(skipped)}: {why}", markup=False,
+                      soft_wrap=True)
+    return chosen
+
+
+def eval_cmd(
+    trace_path: Annotated[Path, path_argument(metavar="TRACE", help="The trace to replay.")],
+    tables_path: Annotated[
+        Path | None, path_option("--tables", help="Tables from `stmoe profile`.")
+    ] = None,
+    predictor: Annotated[
+        list[str] | None,
+        typer.Option(
+            help=f"Predictor to run (repeat for several; default: all). One of: {_NAMES}."
+        ),
+    ] = None,
+    capacity: Annotated[
+        int | None,
+        typer.Option(help="Also replay a cache of C experts per layer (1 to the trace's N)."),
+    ] = None,
+    policy: Annotated[
+        str, typer.Option(help="Cache eviction: lru, lfu or belady (stmoe.cache_policy).")
+    ] = "lru",
+    set_size: Annotated[
+        int,
+        typer.Option(
+            help="Experts per prediction: predictors that rank experts (stmoe-plus, "
+            "hybrid, frequency, random, gate-lookahead) predict this many (the mean "
+            "with --adaptive); ST-MoE and its ablations, whose "
+            "rules size their sets, are capped at it. 0: K, and no cap. At most the "
+            "trace's N.",
+        ),
+    ] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the random baseline (>= 0).")] = 0,
+    horizon: Annotated[
+        int,
+        typer.Option(
+            help="Predict layer l+H (1 to 3) from layers <= l (stmoe-plus and hybrid; 1 "
+            "for the others, which are skipped when H > 1).",
+        ),
+    ] = 1,
+    adaptive: Annotated[
+        bool,
+        typer.Option(
+            help="stmoe-plus and hybrid: size each set by one probability threshold "
+            "(the experts most likely anywhere first), --set-size then being the "
+            "mean set size."
+        ),
+    ] = False,
+    lookahead: Annotated[
+        str,
+        typer.Option(
+            help="Gate lookahead of hybrid and gate-lookahead: the trace's late one "
+            "(lookahead_late), early one (lookahead), or auto (late where recorded)."
+        ),
+    ] = "auto",
+    split: SplitOpt = None,
+    domain: DomainOpt = None,
+    cross_domain: Annotated[
+        bool, typer.Option(help="Add a profile-on-A, evaluate-on-B recall matrix over domains.")
+    ] = False,
+    json_out: Annotated[
+        Path | None, path_option("--json", help="Write all results as JSON here ('-': stdout).")
+    ] = None,
+) -> None:
+    """Replay predictors over a trace and compare them side by side.
+
+    Reports recall (the paper's prediction accuracy), precision and mean prefetch
+    set size over decode tokens at layers 1..L-1 (docs/method.md), plus per layer, per
+    domain, decode vs prefill and a recall-versus-budget curve in the JSON; with
+    --capacity, a cache replay's hit rate, experts moved per token, wasted loads
+    and read amplification.
+    """
+    check_inputs("a trace file", trace_path)
+    json_to_stdout(json_out)
+    check_range("--seed", seed, 0)
+    check_range("--horizon", horizon, 1, 3)
+    check_range("--split", split, 0, 1, exclusive=True)
+    tables = load_tables(tables_path) if tables_path is not None else None  # before the trace
+    trace = _select(import_files([trace_path]), domain, split, 1)
+    n = trace.meta.num_experts
+    why = f"the trace has {n} experts per layer"
+    check_range("--capacity", capacity, 1, n, why=why)
+    policy_code(policy, REPLAY, StmoeError)  # checked even where no --capacity uses it
+    check_range("--set-size", set_size, 0, n, why=why)
+    if tables is not None:
+        _warn_in_sample(trace, tables)
+    chosen = predictor or _default_predictors(trace, tables)
+    options: dict[str, Any] = {"seed": seed}
+    if set_size:
+        options["set_size"] = set_size
+        options["max_set_size"] = set_size
+    if lookahead != "auto":
+        options["lookahead"] = lookahead
+    if adaptive:
+        if not any("adaptive" in accepted_options(n) for n in chosen):
+            raise StmoeError(f"--adaptive: none of {', '.join(chosen)} sizes its sets "
+                             "adaptively; use stmoe-plus or hybrid")
+        options["adaptive"] = True
+    if horizon > 1:
+        far = [n for n in chosen if "horizon" in accepted_options(n)]
+        if not far:
+            raise StmoeError(f"--horizon {horizon}: none of {', '.join(chosen)} predicts more "
+                             "than one layer ahead; use stmoe-plus or hybrid")
+        if len(far) < len(chosen):
+            err.print(f"note: --horizon {horizon}, so skipping "
+                      f"{', '.join(n for n in chosen if n not in far)}")
+        chosen, options["horizon"] = far, horizon
+    result = replay(trace, chosen, tables, options=options, capacity=capacity, policy=policy)
+    if cross_domain:
+        shared = {k: v for k, v in options.items() if k != "horizon"}
+        result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace, **shared))
+    data = result.to_dict()
+    data["horizon"] = horizon
+    if json_to_stdout(json_out):
+        print_json(data)
+        return
+    print_results(data, trace)
+    write_json(data, json_out)
+
+
+def _recall(group: dict[str, Any]) -> str:
+    return f"{group['recall']:.3f}" if group["steps"] else "-"
+
+
+def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
+    synthetic = " [SYNTHETIC]" if trace.meta.synthetic else ""
+    table = Table(title=f"{clean_label(trace.meta.model)}{synthetic}: {clean_label(data['scope'])}",
+                  title_justify="left")
+    for col in ("predictor", "recall", "precision", "set size", "decode", "prefill"):
+        table.add_column(col, justify="left" if col == "predictor" else "right")
+    has_cache = any("cache" in e for e in data["predictors"].values())
+    if has_cache:
+        for col in ("hit rate", "moved/token", "wasted/token", "read amp"):
+            table.add_column(col, justify="right")
+    for name, e in data["predictors"].items():
+        row = [clean_label(name), f"{e['recall']:.3f}", f"{e['precision']:.3f}",
+               f"{e['set_size']:.2f}", _recall(e["decode"]), _recall(e["prefill"])]
+        if has_cache:
+            c = e["cache"]
+            row += [f"{c['hit_rate']:.3f}", f"{c['moved_per_token']:.1f}",
+                    f"{c['wasted_per_token']:.1f}", f"{c['read_amplification']:.2f}"]
+        table.add_row(*row)
+    out.print(table)
+    matrix = data.get("cross_domain")
+    if matrix:
+        grid = Table(title=f"cross-domain recall ({clean_label(matrix['predictor'])}): rows "
+                     "profiled on, columns evaluated on", title_justify="left")
+        grid.add_column("")
+        for d in matrix["evaluated_on"]:
+            grid.add_column(clean_label(d), justify="right")
+        for d, row in zip(matrix["profiled_on"], matrix["recall"], strict=True):
+            grid.add_row(clean_label(d), *("-" if x is None else f"{x:.3f}" for x in row))
+        out.print(grid)

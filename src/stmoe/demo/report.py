@@ -1,0 +1,313 @@
+"""The demo's report page, ``DIR/index.html``: the headline first, every metric defined
+where it first appears, and nothing fetched from outside the folder (it reads offline).
+
+The figures behind the words are the demo's JSON files in the same folder; every
+sentence that explains a result is built from those numbers, so it stays true when
+they change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stmoe.analysis.report import html_text as _e
+from stmoe.analysis.report import recall_at_set_size
+from stmoe.demo.text import (
+    MODEL_CARD_HTML,
+    ablation_reasons,
+    copy_model_card,
+    defs,
+    headline,
+    table,
+)
+from stmoe.evaluate.systems import HEADLINE_SYSTEMS, SYSTEM_DESCRIPTIONS
+from stmoe.util.fileio import atomic_write_text
+
+# what each simulated system is (stmoe/sim/systems.py's docstring, one line each)
+SIM_DESCRIPTIONS = {
+    "gpu-baseline": "on-demand loading, one fixed dataflow (a GPU-style engine)",
+    "adap-gating": "the baseline, but a token keeps only its top experts up to 80% of the "
+    "gate weight",
+    "pregated": "a trained pre-gate names layer l+1's experts at layer l (as Pre-gated MoE)",
+    "stmoe": "the ST-MoE predictor on the EPU, reconfigurable dataflow",
+    "oracle": "the true next set, no prediction latency: the bound",
+}
+_STYLE = (
+    "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.45}"
+    "img{max-width:100%}figure{margin:1em 0}figcaption{color:#555;font-style:italic}"
+    "table{border-collapse:collapse;margin:.5em 0;font-size:.9em}"
+    "td,th{border:1px solid #ccc;padding:2px 8px;vertical-align:top}td{text-align:right}"
+    "td:first-child,th:first-child{text-align:left}td.l{text-align:left}"
+    ".headline{font-size:1.2em;background:#eef5ff;border-left:4px solid #1f77b4;padding:.6em 1em}"
+    "dl.defs{font-size:.9em;color:#333;margin:.3em 0 1em}dl.defs dt{font-weight:bold;"
+    "float:left;clear:left;margin-right:.5em}dl.defs dd{margin:0 0 .15em 0}"
+    "pre{font-family:monospace;background:#f6f8fa;border:1px solid #ddd;padding:.6em;"
+    "white-space:pre-wrap;overflow-wrap:anywhere}pre .prompt{color:#777}"
+    ".lossy{color:#a00;font-weight:bold}.note{color:#555;font-size:.9em}"
+)
+
+
+def write_index(out: Path, summary: dict[str, Any], per_domain: dict[str, Any],
+                analysis: dict[str, Any], sim: dict[str, Any],
+                samples: list[tuple[str, str, str]]) -> Path:
+    """Draw the headline figure, copy the model card beside it and write ``out/index.html``."""
+    from stmoe.demo.plots import decode_speed
+
+    off = summary["offload"]
+    decode_speed(off, [n for n in HEADLINE_SYSTEMS if n in off["systems"]],
+                 out / "decode_speed.png")
+    card = copy_model_card(out)
+    parts = [
+        "<h1>stmoe demo: ST-MoE expert prefetching on stmoe's own small MoE model</h1>",
+        f"<p class='headline' id='headline'><b>Headline.</b> {_e(headline(off))}</p>",
+        "<figure><img src='decode_speed.png' alt='Decode speed per system'><figcaption>Decode "
+        "tokens/s of the offloaded model per system (bars: median; whiskers: slowest and "
+        "fastest round).</figcaption></figure>",
+        _links(card),
+        _offload(summary),
+        _prediction(summary, per_domain, analysis),
+        _correlation(analysis),
+        _simulator(sim),
+        _generated(summary, samples, card),
+    ]
+    head = f"<meta charset='utf-8'><title>stmoe demo</title><style>{_STYLE}</style>"
+    body = "".join(parts)
+    page = f"<!doctype html><html lang='en'><head>{head}</head><body>{body}</body></html>\n"
+    return atomic_write_text(out / "index.html", page)
+
+
+def _links(card: bool) -> str:
+    model = (
+        f"<a href='{MODEL_CARD_HTML}'>the model card</a>"
+        if card
+        else "the model card (docs/model-card.md in stmoe's source; not in this install)"
+    )
+    return (
+        f"<p>More: {model} · <a href='analysis/report.html'>the full analysis report</a> · "
+        "the numbers behind every table: <a href='offload.json'>offload.json</a>, "
+        "<a href='eval.json'>eval.json</a>, <a href='analysis/analysis.json'>analysis.json"
+        "</a>, <a href='simulator/simulate.json'>simulate.json</a>.</p>"
+    )
+
+
+def _offload(summary: dict[str, Any]) -> str:
+    off, k, n = summary["offload"], summary["top_k"], summary["num_experts"]
+    rows = [[name, SYSTEM_DESCRIPTIONS.get(name, ""), f"{r['decode_tokens_per_s']:.1f}",
+             "{:.1f}-{:.1f}".format(*r["decode_tokens_per_s_range"]), f"{r['hit_rate']:.3f}",
+             f"{r['stall_share']:.1%}", f"{r['prefetch_recall']:.3f}",
+             f"{r['prefetch_precision']:.3f}", f"{r['bytes_moved'] / 2**20:.1f}",
+             f"{r['bytes_wasted'] / 2**20:.1f}", "yes" if r["identical_to_resident"] else "NO"]
+            for name, r in off["systems"].items()]
+    runs = len(off["systems"]) * off["rounds"]
+    same = (f"All {runs} runs ({len(off['systems'])} systems x {off['rounds']} rounds) generated "
+            f"exactly the resident model's {off['new_tokens']} greedy tokens: offloading changes "
+            "the speed, never the output." if off["identical_tokens"] else
+            "<span class='lossy'>MISMATCH: some runs did not generate the resident model's "
+            "tokens (column 'same tokens'); offloading is meant to be lossless.</span>"
+            )
+    return "".join([
+        "<h2>1. Offloaded generation: the headline's numbers</h2>",
+        f"<p>The shipped model has {summary['num_layers']} MoE layers of N = {n} experts; the "
+        f"router sends each token to K = {k} of them per layer. The model runs with only "
+        f"{off['capacity']} of each layer's experts in a cache; the others come over an "
+        f"EMULATED link of {off['link']}/s (host memory behind a timed copy, not a real "
+        f"device). After one untimed warm-up run, each system generated {off['new_tokens']} "
+        f"tokens greedily from the prompt of section 5, {off['rounds']} times, in interleaved "
+        "rounds (every round runs every system once, in a rotated order, so a slow spell of "
+        "this shared machine hits all of them alike); figures are medians over the rounds. "
+        "Each run starts from an empty cache.</p>",
+        table(["system", "what it does", "decode tokens/s", "range", "hit rate", "stall share",
+               "prefetch recall", "prefetch precision", "MiB moved", "MiB wasted",
+               "same tokens"], rows, left=(1,)),
+        defs([
+            ("decode tokens/s", "tokens generated after the first, divided by the time from "
+             "the first to the last forward pass; range: slowest and fastest round."),
+            ("hit rate", "share of the experts the router chose that were already in the cache "
+             "(or on their way) when the layer asked for them."),
+            ("stall share", "share of the decode time spent waiting for experts to arrive."),
+            ("prefetch recall", "share of the experts the router chose that the predictor had "
+             "named in advance (|P ∩ A| / |A|)."),
+            ("prefetch precision", "share of the named experts that the router then chose "
+             "(|P ∩ A| / |P|)."),
+            ("MiB moved / wasted", "expert bytes copied over the link; wasted: prefetched, "
+             "then evicted or never used."),
+        ]),
+        f"<p>{same}</p>",
+    ])
+
+
+def _prediction(summary: dict[str, Any], per_domain: dict[str, Any],
+                analysis: dict[str, Any]) -> str:
+    from stmoe.predictors import REGISTRY
+
+    k, domains = summary["top_k"], list(per_domain)
+    names = list(per_domain[domains[0]]["predictors"])
+
+    def mean(name: str, get: Any) -> float:
+        return float(np.mean([get(per_domain[d]["predictors"][name]) for d in domains]))
+
+    def about(name: str) -> str:
+        doc = (getattr(REGISTRY.get(name), "__doc__", None) or "").strip()
+        return doc.splitlines()[0].replace("``", "") if doc else ""
+
+    rows = [[n, about(n), *(f"{per_domain[d]['predictors'][n]['recall']:.3f}" for d in domains),
+             f"{mean(n, lambda e: e['set_size']):.2f}", f"{mean(n, lambda e: e['precision']):.3f}",
+             f"{mean(n, lambda e: e['cache']['hit_rate']):.3f}"] for n in names]
+    scope = per_domain[domains[0]].get("scope", "decode tokens")
+    parts = [
+        "<h2>2. Prediction quality (replay of the recorded routing)</h2>",
+        f"<p>Routing recorded from the shipped model on {summary['tokens']} tokens "
+        f"({summary['decode_tokens']} generated) of {len(domains)} domains. Each domain's tables "
+        "are profiled on the first half of its prompts; every predictor is replayed on the "
+        f"other half ({_e(scope)}).</p>",
+        table(["predictor", "what it predicts", *(f"recall: {d}" for d in domains),
+               "set size", "precision", "hit rate (2K cache)"], rows, left=(1,)),
+        defs([
+            ("K", f"experts the router picks per token and layer (top-K; here K = {k} of "
+             f"{summary['num_experts']})."),
+            ("recall", "share of the experts the router chose that the prediction named."),
+            ("set size", "experts one prediction names per layer (mean); a larger set buys "
+             "recall with link traffic, so recall alone flatters big sets."),
+            ("precision", "share of the named experts the router chose (mean over domains)."),
+            ("hit rate (2K cache)", f"share of the needed experts found in a per-layer LRU "
+             f"cache of 2K = {2 * k} experts fed by the predictor's prefetches (mean over "
+             "domains)."),
+        ]),
+    ]
+    parts += _equal_size(analysis, k)
+    matrix = summary["cross_domain"]
+    cross = [[a, *("-" if x is None else f"{x:.3f}" for x in row)]
+             for a, row in zip(matrix["profiled_on"], matrix["recall"], strict=True)]
+    parts += [
+        "<h3>Cross-domain recall of ST-MoE</h3><p>Tables profiled on one domain (rows), "
+        "replayed on another (columns).</p>",
+        table(["profiled on / evaluated on", *matrix["evaluated_on"]], cross),
+    ]
+    return "".join(parts)
+
+
+def _equal_size(analysis: dict[str, Any], k: int) -> list[str]:
+    p = analysis.get("predictability")
+    if not p:
+        return []
+    own = p["set_size"].get("stmoe")
+    sizes = [("K", float(k)), *([("ST-MoE's own", own)] if own else []), ("2K", 2.0 * k)]
+    rows = []
+    for n, curve in p["curves"].items():
+        if max(curve["set_size"], default=0) <= 0:
+            continue  # predicts nothing
+        vals = [recall_at_set_size(curve, s) for _, s in sizes]
+        rows.append([n, *("-" if v is None else f"{v:.3f}" for v in vals)])
+    text = ""
+    if own and "stmoe-plus" in p["curves"]:
+        a = recall_at_set_size(p["curves"]["stmoe-plus"], own)
+        b = recall_at_set_size(p["curves"]["stmoe"], own)
+        if a is not None and b is not None:
+            text = (
+                f" At ST-MoE's own mean set size ({own:.2f} experts), stmoe-plus recalls "
+                f"{a:.3f} against ST-MoE's {b:.3f}"
+            )
+            if a > b and p["set_size"].get("stmoe-plus", own) < own:
+                text += (
+                    f": at equal set size it predicts better; at its default set size "
+                    f"({p['set_size']['stmoe-plus']:.2f}, fewer experts than ST-MoE's) "
+                    "its recall can look lower"
+                )
+            text += "."
+    return [
+        "<h3>Recall at equal set size (the budget curve)</h3>",
+        "<p>Every prediction cut to its B highest-scored experts, B = 1..4K; recall is read at "
+        "the same mean set size for every predictor ('-': its sets never get that large). "
+        f"Tables profiled on the first half of the whole trace, replayed on the second "
+        f"({p['evaluated_tokens']} tokens), so the figures differ a little from the "
+        f"per-domain table.{_e(text)}</p>",
+        table(["predictor", *(f"recall at set size {lab} ({s:.2f})" for lab, s in sizes)], rows),
+        "<figure><img src='analysis/predictability.png' alt='Recall versus set size'>"
+        "<figcaption>Recall against mean set size, one colour and marker per predictor."
+        "</figcaption></figure>",
+    ]
+
+
+def _correlation(analysis: dict[str, Any]) -> str:
+    s, t = analysis["spatial"], analysis["temporal"]
+    return "".join([
+        "<h2>3. Why prediction works: correlation in the routing</h2>",
+        f"<p>{s['pairs_significant']} of {s['pairs_total']} adjacent layer pairs reject "
+        f"independence (p &lt; {s['alpha']}): a token's experts at layer l tell which it will "
+        f"use at l+1 (spatial). Consecutive tokens share {t['overlap_ratio']:.2f}x the experts "
+        "random routing would (temporal). <a href='analysis/report.html'>The full analysis "
+        "report</a> has the method and every table.</p>",
+        defs([
+            ("p-value", "chance of a dependence this strong if the two layers chose "
+             "independently; the axis is capped (the strongest pairs underflow to ~1e-300)."),
+            ("Cramér's V", "effect size of that dependence: 0 = independent, 1 = layer l's "
+             "expert fixes layer l+1's."),
+            ("overlap ratio", "experts two consecutive tokens share at a layer, divided by "
+             "K²/N, what random routing would share."),
+        ]),
+        "<figure><img src='analysis/spatial_tests.png' alt='Spatial tests'></figure>",
+        "<figure><img src='analysis/temporal_overlap.png' alt='Temporal overlap'></figure>",
+    ])
+
+
+def _simulator(sim: dict[str, Any]) -> str:
+    from stmoe.sim.accelerator.plots import lossy_note
+
+    rows = []
+    for n, r in sim["systems"].items():
+        note = lossy_note(r)
+        time = f"{r['normalized_time']:.3f}"
+        rows.append([n, SIM_DESCRIPTIONS.get(n, ""), note or "lossless", time,
+                     f"{r['energy']:.4g}", f"{r['edp']:.4g}"])
+    systems, warn = sim["systems"], ""
+    for n in (n for n, r in systems.items() if lossy_note(r)):
+        mine, oracle = systems[n]["normalized_time"], systems.get("oracle", {}).get(
+            "normalized_time")
+        beats = (f" Here it beats even the lossless oracle ({mine:.3f} against {oracle:.3f}) "
+                 "by running fewer experts, not by predicting better."
+                 if oracle is not None and mine < oracle else "")
+        warn += (f"<p class='lossy'>{_e(n)} is lossy: it runs fewer experts than the router "
+                 f"chose, so its time is not comparable with the others'.{beats}</p>")
+    return "".join([
+        f"<h2>4. Simulator ({_e(sim['hardware'])} preset; GPU baseline = 1)</h2>",
+        "<p>The recorded routing replayed through the accelerator pipeline of docs/method.md "
+        "(a model of the paper's hardware, not a measurement).</p>",
+        table(["system", "what it is", "quality", "normalized time", "energy (J)", "EDP"],
+              rows, left=(1, 2)),
+        defs([
+            ("normalized time", "simulated decode time over the GPU baseline's (below 1 is "
+             "faster)."),
+            ("EDP", "energy-delay product: energy (J) times time (s); lower is better."),
+        ]),
+        warn,
+        "<figure><img src='simulator/normalized_time.png' alt='Normalized time'></figure>",
+        "<h3>Ablation: dataflow, then the temporal and spatial tables</h3>",
+        defs([
+            ("HT", "history table: the experts the previous token used at each layer "
+             "(temporal correlation); alone, it is the previous-token predictor."),
+            ("CCT", "cross-layer co-occurrence table: for each expert of layer l, the experts "
+             "of layer l+1 that most often follow it (spatial correlation)."),
+        ]),
+        "<ul>" + "".join(f"<li>{_e(x)}</li>" for x in ablation_reasons(sim)) + "</ul>",
+        "<figure><img src='simulator/ablation.png' alt='Ablation'></figure>",
+    ])
+
+
+def _generated(summary: dict[str, Any], samples: list[tuple[str, str, str]], card: bool) -> str:
+    off = summary["offload"]
+    blocks = [f"<h4>{_e(d)}</h4><pre><span class='prompt'>{_e(p)}</span>{_e(g)}</pre>"
+              for d, p, g in samples]
+    see = f"<a href='{MODEL_CARD_HTML}'>model card</a>" if card else "model card"
+    return "".join([
+        "<h2>5. What the model generates</h2>",
+        f"<p>The shipped model is tiny ({summary['parameters'] / 1e6:.1f} M parameters, trained "
+        f"for minutes on a CPU; {see}): its text is expected to be poor. It looks like its "
+        "domain but is rarely correct, and it repeats itself. It is here for its routing, not "
+        "its text. Grey: the prompt; black: the greedy continuation.</p>",
+        "<h3>The offloaded runs (every system, the same tokens)</h3>",
+        f"<pre><span class='prompt'>{_e(off['prompt'])}</span>{_e(off['text'])}</pre>",
+        "<h3>The recorded prompts</h3>", *blocks,
+    ])

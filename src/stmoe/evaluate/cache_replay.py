@@ -1,0 +1,224 @@
+"""Cache replay: a per-layer expert cache fed by a predictor's prefetches.
+
+Each MoE layer has its own cache of ``capacity`` experts. At every (token, layer):
+
+1. the prefetch set is loaded, most confident first (already resident: nothing
+   moves); an insertion never evicts an expert of the same prefetch set, and
+   when only those are left, the rest of the set is dropped;
+2. the router's experts are demanded: resident ones are hits; the others are
+   misses, loaded on demand, never evicting another expert of the same demand.
+
+Eviction picks a victim among the unprotected residents with a policy of
+``stmoe.cache_policy`` (``lru``, ``lfu`` or ``belady``; the names and their rules
+are documented there). Every (token, layer) is one use stamp: its prefetched and
+demanded experts share it, and ties go to the smaller expert id.
+
+A load is *useful* once the router demands it while resident, *wasted* if it is
+evicted (or the trace ends) first. Counters cover the tokens in ``count_mask``
+(decode tokens when the trace marks them) at every layer; state evolves over
+the whole trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stmoe import cache_policy as cp
+from stmoe.predictors.base import PredictorError, PrefetchPlan
+from stmoe.trace.schema import RoutingTrace
+from stmoe.util.jit import njit
+
+POLICIES = cp.names_for(cp.REPLAY)  # the policy names a replay accepts
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """What a cache replay moved and how often the router found its experts resident."""
+
+    capacity: int  # experts per layer
+    policy: str
+    tokens: int  # tokens counted
+    demanded: int  # expert uses the router asked for
+    hits: int  # of which already resident
+    moved: int  # experts loaded (prefetch + on demand)
+    prefetched: int  # of which by prefetch
+    useful: int  # loads the router then used
+    wasted: int  # loads evicted (or left at the end) unused
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.demanded if self.demanded else 0.0
+
+    @property
+    def moved_per_token(self) -> float:
+        return self.moved / self.tokens if self.tokens else 0.0
+
+    @property
+    def read_amplification(self) -> float | None:
+        """Experts moved per expert needed (1.0 = nothing moved in vain); None if none needed."""
+        if not self.useful:
+            return 1.0 if not self.moved else None
+        return self.moved / self.useful
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        return {
+            "capacity": self.capacity,
+            "policy": self.policy,
+            "hit_rate": self.hit_rate,
+            "moved_per_token": self.moved_per_token,
+            "wasted_loads": self.wasted,
+            "wasted_per_token": self.wasted / self.tokens if self.tokens else 0.0,
+            "read_amplification": self.read_amplification,
+            "hits": self.hits,
+            "misses": self.demanded - self.hits,
+            "demanded": self.demanded,
+            "moved": self.moved,
+            "prefetched": self.prefetched,
+            "useful_loads": self.useful,
+            "tokens": self.tokens,
+        }
+
+
+def replay_cache(
+    trace: RoutingTrace,
+    plan: PrefetchPlan,
+    capacity: int,
+    policy: str = "lru",
+    count_mask: np.ndarray | None = None,
+) -> CacheStats:
+    """Run the per-layer caches over ``trace`` with ``plan``'s prefetches."""
+    code = cp.policy_code(policy, cp.REPLAY, PredictorError)
+    if capacity < trace.top_k:
+        raise PredictorError(
+            f"cache capacity {capacity} is below top-k {trace.top_k}: one token's experts "
+            "must fit; use --capacity >= top-k"
+        )
+    if count_mask is None:
+        count_mask = np.ones(trace.num_tokens, dtype=bool)
+    experts = np.ascontiguousarray(trace.experts, dtype=np.int16)
+    counts = _replay(
+        experts, (plan.ptr, plan.ids), (min(capacity, trace.num_experts), code),
+        np.asarray(count_mask, dtype=np.bool_), _occurrences(experts, trace.num_experts),
+        trace.num_experts,
+    )
+    demanded, hits, moved, prefetched, useful, wasted = (int(x) for x in counts)
+    return CacheStats(
+        capacity=capacity, policy=cp.POLICIES[code], tokens=int(np.count_nonzero(count_mask)),
+        demanded=demanded, hits=hits, moved=moved, prefetched=prefetched, useful=useful,
+        wasted=wasted,
+    )
+
+
+def _occurrences(experts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """CSR of the tokens demanding each (layer, expert), ascending: for Belady's lookahead."""
+    t_count, n_layers = experts.shape[0], experts.shape[1]
+    tokens = np.broadcast_to(np.arange(t_count)[:, None, None], experts.shape)
+    layers = np.broadcast_to(np.arange(n_layers)[None, :, None], experts.shape)
+    valid = experts >= 0
+    key = layers[valid].astype(np.int64) * n + experts[valid]
+    tok = tokens[valid]
+    order = np.lexsort((tok, key))
+    ptr = np.zeros(n_layers * n + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum(np.bincount(key, minlength=n_layers * n))
+    return ptr, tok[order].astype(np.int64)
+
+
+@njit(cache=True)
+def _drop(layer, v, res, unused, counted_load):  # pragma: no cover - compiled
+    """Evict ``v``; 1 if it was a counted load never used (waste), else 0."""
+    res[v] = False
+    return 1 if unused[layer, v] and counted_load[layer, v] else 0
+
+
+@njit(cache=True)
+def _replay(experts, plan, cache, count_mask, occurrences, n):  # pragma: no cover - compiled
+    """The counters of ``replay_cache``: (demanded, hits, moved, prefetched, useful, wasted).
+
+    plan: the prefetch sets as CSR (ptr, ids); cache: (experts kept per layer,
+    ``cache_policy`` code); occurrences: ``_occurrences``'s CSR, for Belady."""
+    ptr, ids = plan
+    capacity, policy = cache
+    occ_ptr, occ = occurrences
+    t_count, n_layers = experts.shape[0], experts.shape[1]
+    resident = np.zeros((n_layers, n), dtype=np.bool_)
+    unused = np.zeros((n_layers, n), dtype=np.bool_)  # loaded, not yet demanded
+    counted_load = np.zeros((n_layers, n), dtype=np.bool_)  # its load fell in count_mask
+    last = np.zeros((n_layers, n), dtype=np.int64)
+    freq = np.zeros((n_layers, n), dtype=np.int64)
+    cursor = occ_ptr[:-1].copy()
+    nxt = np.zeros(n, dtype=np.int64)
+    size = np.zeros(n_layers, dtype=np.int64)
+    protect = np.zeros(n, dtype=np.bool_)
+    demanded = hits = moved = prefetched = useful = wasted = 0
+    clock = 0
+    for t in range(t_count):
+        counted = count_mask[t]
+        for layer in range(n_layers):
+            clock += 1
+            if policy == cp.BELADY:  # next demand at or after t, per expert of this layer
+                for e in range(n):
+                    c = layer * n + e
+                    while cursor[c] < occ_ptr[c + 1] and occ[cursor[c]] < t:
+                        cursor[c] += 1
+                    nxt[e] = occ[cursor[c]] if cursor[c] < occ_ptr[c + 1] else cp.NEVER
+            res = resident[layer]
+            start, stop = ptr[t * n_layers + layer], ptr[t * n_layers + layer + 1]
+            for i in range(start, stop):  # 1. prefetch, most confident first
+                p = ids[i]
+                protect[p] = True
+                if res[p]:
+                    continue
+                if size[layer] >= capacity:
+                    v = cp.choose_victim(res, protect, last[layer], freq[layer], nxt, policy)
+                    if v < 0:
+                        break  # only this prefetch set is resident: drop the rest of it
+                    if not cp.admits(policy, nxt[p], nxt[v]):
+                        continue  # Belady declines a load needed no sooner than its victim
+                    wasted += _drop(layer, v, res, unused, counted_load)
+                    size[layer] -= 1
+                res[p] = True
+                size[layer] += 1
+                unused[layer, p] = True
+                counted_load[layer, p] = counted
+                last[layer, p] = clock
+                if counted:
+                    moved += 1
+                    prefetched += 1
+            for i in range(start, stop):
+                protect[ids[i]] = False
+            for a in experts[t, layer]:  # 2. demand
+                if a >= 0:
+                    protect[a] = True
+            for a in experts[t, layer]:
+                if a < 0:
+                    continue
+                if counted:
+                    demanded += 1
+                if res[a]:
+                    if counted:
+                        hits += 1
+                    if unused[layer, a] and counted_load[layer, a]:
+                        useful += 1
+                else:
+                    if size[layer] >= capacity:  # a victim exists: capacity >= K > demanded
+                        v = cp.choose_victim(res, protect, last[layer], freq[layer], nxt, policy)
+                        wasted += _drop(layer, v, res, unused, counted_load)
+                        size[layer] -= 1
+                    res[a] = True
+                    size[layer] += 1
+                    if counted:
+                        moved += 1
+                        useful += 1
+                unused[layer, a] = False
+                last[layer, a] = clock
+                freq[layer, a] += 1
+            for a in experts[t, layer]:
+                if a >= 0:
+                    protect[a] = False
+    for layer in range(n_layers):
+        for e in range(n):
+            if resident[layer, e] and unused[layer, e] and counted_load[layer, e]:
+                wasted += 1
+    return np.array([demanded, hits, moved, prefetched, useful, wasted], dtype=np.int64)

@@ -1,0 +1,33 @@
+"""The arithmetic of a comparison of systems measured in rounds (pure, no torch).
+
+Why here and not in a benchmark script: the benchmarks, the demo and the simulator's
+check all order rounds, print medians with ranges and judge targets; the rules are
+tested once, where they live.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def rotated(systems: list[str], rnd: int) -> list[str]:
+    """Round ``rnd``'s order: each round starts one system later, so no system always
+    runs first (a fresh page cache) or right after the same neighbour."""
+    k = rnd % len(systems)
+    return systems[k:] + systems[:k]
+
+
+def closed(t_lru: float, t_best: float, t_oracle: float) -> float:
+    """The share of the lru-only -> oracle time gap that ``t_best`` closes (nan: no gap)."""
+    room = t_lru - t_oracle
+    return (t_lru - t_best) / room if room > 0 else float("nan")
+
+
+def spread(values: list[float], fmt: str = ".2f") -> str:
+    """``median [min, max]`` of ``values``, each with ``fmt``."""
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
+
+
+def verdict(ok: bool) -> str:
+    """A target's one word: MET or NOT MET."""
+    return "MET" if ok else "NOT MET"

@@ -1,0 +1,128 @@
+"""The compute per decode token, and the tier as the runtime's own reads of a trace met it:
+both measured by running ``stmoe.offload`` itself."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stmoe.errors import OffloadError
+from stmoe.runtime.options import CalibrateOptions
+
+
+def measure_compute(model_dir: Path, store_path: Path | None, o: CalibrateOptions,
+                    top_k: int) -> dict[str, float]:
+    """Per decode token: total, inside the MoE decoder layers, and in the experts calls
+    (every expert a hit: the runtime's compute and per-layer work, no I/O). With
+    ``o.routing``, the trace's own routing with every expert cached and warm (its
+    experts change from token to token as the workload's do, which costs more than
+    fixed experts), else the same top-K experts at every token in a cache of K."""
+    from stmoe.runtime.api import offload
+    from stmoe.runtime.forced_routing import RoutingPlan
+
+    torch.set_num_threads(o.threads)
+    link = {"bandwidth": o.bandwidth, "latency": o.latency} if o.tier == "emulated" else {}
+    capacity = "100%" if o.routing is not None else top_k
+    with offload(model_dir, store_path, capacity=capacity, predictor="ondemand", policy="lru",
+                 tier=o.tier, workers=0, **link) as om:
+        n_layers = om.config["num_layers"]
+        steps = o.tokens + 1  # the prompt's forward, then the timed decode tokens
+        if o.routing is not None:
+            plan = routed_plan(o.routing, om, n_layers, top_k)
+            steps = min(o.tokens, plan.new_tokens)
+            om.force_routing(plan, max_new_tokens=steps)  # every routed expert into the cache
+        else:
+            experts = np.broadcast_to(np.arange(top_k), (steps + 1, n_layers, top_k)).copy()
+            plan = RoutingPlan(experts, np.full(experts.shape, 1.0 / top_k, dtype=np.float32),
+                              2, [1, 2])
+        expert_s: list[float] = []
+        layer_s: list[float] = []
+        server = om.engine.server
+        server.base = [_timed(f, expert_s) for f in server.base]
+        hooks = []
+        for name, _ in om.engine.layout.modules:
+            layer = om.model.get_submodule(_decoder_layer(name))
+            hooks.append(layer.register_forward_pre_hook(lambda *a: layer_s.append(-_now())))
+            hooks.append(layer.register_forward_hook(lambda *a: layer_s.append(_now())))
+        try:
+            result = om.force_routing(plan, max_new_tokens=steps, cold=o.routing is None)
+        finally:
+            for h in hooks:
+                h.remove()
+    tokens = result.decode_tokens
+    if tokens < 1 or result.hit_rate < 1.0:
+        raise OffloadError(f"calibrate's compute run decoded {tokens} tokens at hit rate "
+                           f"{result.hit_rate:.2f}; expected every expert a hit")
+    per_call = np.add(layer_s[0::2], layer_s[1::2])  # end - start of each decoder layer
+    decode_layers = per_call[n_layers:]  # after the prompt's forward
+    return {
+        "token_s": result.decode_s / tokens,
+        "layers_s": float(decode_layers.sum()) / tokens,
+        "experts_s": float(sum(expert_s[n_layers:])) / tokens,
+        "tokens": tokens,
+        "num_layers": n_layers,
+    }
+
+
+def measure_runtime_reads(model_dir: Path, store_path: Path, o: CalibrateOptions,
+                          capacity: int) -> dict[str, float]:
+    """The tier as the runtime meets it: ``stmoe.offload`` replays ``o.routing`` with an
+    LRU cache of ``capacity`` and no prefetch, and the compute thread's reads of its
+    decode misses (timed by the runtime, nothing else reading) give the mean time of one
+    read. Calibrate's own back-to-back loop can read at another speed than the runtime's
+    reads meet in the same minutes (it did on the development VM: docs/journal/), so the
+    preset's single-reader speed is taken from here where a trace is given."""
+    from stmoe.runtime.api import offload
+
+    assert o.routing is not None
+    torch.set_num_threads(o.threads)
+    link = {"bandwidth": o.bandwidth, "latency": o.latency} if o.tier == "emulated" else {}
+    with offload(model_dir, store_path, capacity=capacity, predictor="ondemand", policy="lru",
+                 tier=o.tier, workers=0, **link) as om:
+        plan = routed_plan(o.routing, om, om.config["num_layers"], om.config["top_k"])
+        result = om.force_routing(plan)
+    decode = result.stats["phases"]["decode"]
+    reads = int(decode["demand_reads"])
+    if reads < 8:
+        raise OffloadError(f"--routing {o.routing}: its decode tokens miss only {reads} experts "
+                           f"at a cache of {capacity} per layer, too few reads to time the tier "
+                           "(a longer trace, or a smaller --capacity)")
+    return {"reads": reads, "mean_s": decode["demand_read_s"] / reads,
+            "tokens": result.decode_tokens}
+
+
+def routed_plan(routing: Path, om: Any, n_layers: int, top_k: int) -> Any:
+    """The trace's first sequence as a replay plan for ``om``'s model."""
+    from stmoe.runtime.forced_routing import plan_routing
+    from stmoe.trace import load_trace
+
+    n = int(om.engine.num_experts)
+    return plan_routing(load_trace(routing), 0, n_layers, n, top_k, om.model.config.vocab_size)
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _timed(fn: Any, into: list[float]) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    return timed
+
+
+def _decoder_layer(experts_name: str) -> str:
+    """``model.layers.3.mlp.experts`` -> ``model.layers.3``: the decoder layer around it."""
+    parts = experts_name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[: i + 1])
+    raise OffloadError(f"cannot tell the decoder layer of experts module {experts_name!r}")

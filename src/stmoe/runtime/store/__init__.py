@@ -1,0 +1,30 @@
+"""The expert store and the tiers it is read through.
+
+    index.py         the index file: its fields, every entry checked, CRC-32C per block
+    check.py         whether a store belongs to a model (shapes, weights, source files)
+    expert_store.py  ``ExpertStore``: one checked ``pread`` per expert
+    packing.py       packing (atomic), and the store a model folder uses by default
+    pack_stream.py   packing one expert at a time from a checkpoint's safetensors shards
+    tiers.py         where blocks are read from: disk, an emulated link, pinned host memory
+    loader.py        ``Loader``: the one place the bytes of a block enter a cache slot
+"""
+
+from stmoe.runtime.store.expert_store import ExpertStore
+from stmoe.runtime.store.index import (
+           ALIGN,
+           STORE_FORMAT,
+           STORE_VERSION,
+           Block,
+           StoreError,
+           TensorSlot,
+)
+from stmoe.runtime.store.packing import (
+           default_store_dir,
+           ensure_store,
+           open_store,
+           pack,
+           pack_folder,
+)
+
+__all__ = ["ALIGN", "STORE_FORMAT", "STORE_VERSION", "Block", "ExpertStore", "StoreError",
+           "TensorSlot", "default_store_dir", "ensure_store", "open_store", "pack", "pack_folder"]

@@ -1,0 +1,156 @@
+"""Does a store belong to this model? Its shapes, and its weights, checked before any token.
+
+Two ways to know the weights are the model's own, both fast at real sizes:
+
+- a model in memory (``stmoe.offload(model, ...)``): its expert tensors are still
+  there, so each block's CRC32 is compared with the model's own bytes;
+- a model folder: a store packed from that folder records each checkpoint file's
+  name, size, mtime and SHA-256. Files whose size and mtime are unchanged are
+  trusted; others are hashed again (a copied folder) and compared. A store packed
+  from a model in memory cannot vouch for a folder's files and is refused there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from stmoe.hf.loading import checkpoint_files
+from stmoe.runtime.store.index import StoreError, StoreIndex, block_crc
+from stmoe.util.fileio import check_input_file
+
+HASH_CHUNK = 1 << 24  # bytes read at a time when hashing a checkpoint file
+PROGRESS_BYTES = 1 << 30  # show a progress bar when hashing more than this
+
+
+def expert_params(module: Any, num_experts: int) -> list[tuple[str, Any]]:
+    """An experts module's per-expert parameters (first axis = experts), sorted by name:
+    what a block holds, in order (the one definition ``pack`` and the checks share)."""
+    return sorted((n, p) for n, p in module.named_parameters(recurse=False)
+                  if p.dim() >= 1 and p.shape[0] == num_experts)
+
+
+def architecture(model: Any, layout: Any = None) -> dict[str, Any]:
+    """What a store's shape must agree with to serve ``model`` (``layout``: its
+    ``ModelLayout``, found here when not given)."""
+    from stmoe.hf.layout import ModelLayout
+
+    modules = (layout or ModelLayout.of(model)).modules
+    c = model.config
+    return {
+        "model_type": getattr(c, "model_type", ""),
+        "hidden_size": getattr(c, "hidden_size", 0),
+        "moe_layers": len(modules),
+        "num_experts": int(getattr(modules[0][1], "num_experts", 0)) if modules else 0,
+    }
+
+
+def check_layout(store: Path, index: StoreIndex, model: Any,
+                 layout: Any = None) -> list[list[tuple[str, Any]]]:
+    """Every block holds exactly its layer's per-expert parameters (name, dtype, shape);
+    returns each layer's parameters."""
+    from stmoe.hf.layout import ModelLayout
+
+    layout = layout or ModelLayout.of(model)
+    want = architecture(model, layout)
+    if want != index.model:
+        raise StoreError(f"{store}: packed for {index.model} but the model is {want}; "
+                         "pack this model with `stmoe pack`")
+    experts = want["num_experts"]
+    per_layer = []
+    for layer, (_, module) in enumerate(layout.modules):
+        params = expert_params(module, experts)
+        expect = [(n, str(p.dtype).removeprefix("torch."), tuple(p.shape[1:]))
+                  for n, p in params]
+        got = [(t.name, t.dtype, t.shape) for t in index.blocks[(layer, 0)].tensors]
+        if got != expect:  # the index checked every expert of a layer holds expert 0's layout
+            raise StoreError(f"{store}/index.json: layer {layer} holds {got}, the model's "
+                             f"experts are {expect}; pack this model again")
+        per_layer.append(params)
+    return per_layer
+
+
+def check_weights(store: Path, index: StoreIndex, per_layer: list[list[tuple[str, Any]]]) -> None:
+    """Every block's CRC-32C equals that of the model's own expert bytes (all in memory)."""
+    import torch
+
+    for layer, params in enumerate(per_layer):
+        for expert in range(index.model["num_experts"]):
+            crc = 0
+            for _, p in params:
+                t = p.detach()[expert].to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                crc = block_crc(t.numpy(), crc)
+            if crc != index.blocks[(layer, expert)].crc32c:
+                raise StoreError(f"{store}: layer {layer}, expert {expert} holds other weights "
+                                 "than the model's; the store was packed from another model, "
+                                 "pack this one with `stmoe pack`")
+
+
+def materialised(per_layer: list[list[tuple[str, Any]]]) -> bool:
+    """Whether the model's expert tensors hold their bytes (not on ``meta``)."""
+    return all(not p.is_meta for params in per_layer for _, p in params)
+
+
+def file_records(model_dir: Path) -> dict[str, Any]:
+    """The ``source`` a store packed from ``model_dir`` records: each checkpoint file's
+    name, size, mtime_ns and SHA-256."""
+    files = [check_input_file(f, "a checkpoint file") for f in checkpoint_files(model_dir)]
+    if not files:
+        raise StoreError(f"{model_dir}: no checkpoint files (*.safetensors or *.bin)")
+    stats = [f.stat() for f in files]
+    hashes = _sha256(files, f"hashing {model_dir.name}'s checkpoint")
+    rows = zip(files, stats, hashes, strict=True)
+    return {"kind": "folder", "files": [[f.name, st.st_size, st.st_mtime_ns, h]
+                                        for f, st, h in rows]}
+
+
+def check_source(store: Path, index: StoreIndex, model_dir: Path) -> None:
+    """The store was packed from ``model_dir``'s checkpoint (see the module docstring)."""
+    hint = f"pack this model again: stmoe pack {model_dir} -o {store}"
+    if index.source["kind"] != "folder":
+        raise StoreError(f"{store}: packed from a model in memory, so it cannot vouch for "
+                         f"{model_dir}'s weights; {hint}")
+    recorded = {name: (size, mtime, sha) for name, size, mtime, sha in index.source["files"]}
+    files = {f.name: f for f in checkpoint_files(model_dir)}
+    if sorted(files) != sorted(recorded):
+        raise StoreError(f"{store}: packed from checkpoint files {sorted(recorded)}, "
+                         f"{model_dir} has {sorted(files)}; {hint}")
+    rehash = []
+    for name, path in files.items():
+        st = check_input_file(path, "a checkpoint file").stat()
+        size, mtime, _ = recorded[name]
+        if st.st_size != size:
+            raise StoreError(f"{store}: packed from other weights than {model_dir} "
+                             f"({name} differs); {hint}")
+        if st.st_mtime_ns != mtime:
+            rehash.append(path)
+    for path, sha in zip(rehash, _sha256(rehash, f"checking {model_dir.name}'s checkpoint"),
+                         strict=True):
+        if sha != recorded[path.name][2]:
+            raise StoreError(f"{store}: packed from other weights than {model_dir} "
+                             f"({path.name} differs); {hint}")
+
+
+def _sha256(files: Iterable[Path], label: str) -> list[str]:
+    """SHA-256 of each file, with a progress bar on stderr when there is much to read."""
+    files = list(files)
+    total = sum(f.stat().st_size for f in files)
+    if total <= PROGRESS_BYTES:
+        return [_hash_file(f, lambda n: None) for f in files]
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        return [_hash_file(f, lambda n: bar.advance(task, n)) for f in files]
+
+
+def _hash_file(path: Path, advance: Any) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+            advance(len(chunk))
+    return h.hexdigest()

@@ -1,0 +1,154 @@
+"""The expert store: every (layer, expert)'s weights as one aligned block, one read each.
+
+    STORE/index.json              format, version, the model's shape, where its weights
+                                  came from (``source``), the data file's name, per block:
+                                  layer, expert, offset, nbytes, crc32c and its tensors
+                                  (name, dtype, shape, offset inside the block); and a
+                                  SHA-256 of all that (``index``)
+    STORE/experts-<sha256>.bin    the blocks, each starting at a multiple of ALIGN bytes
+
+Blocks are aligned so a reader can bypass the page cache (O_DIRECT needs aligned
+offsets and sizes). Packing is deterministic: the same model gives the same
+bytes. Packing again is atomic: the new data file is written beside the old one
+under its own name (its content's hash), then index.json, which names it, is
+replaced in one rename (the switch); the old data file is removed afterwards, and
+whatever a killed pack left is removed by the next one. A store is checked
+before the first token: the index entry by entry (``index``), then against
+the model's shapes and weights (``check``). The non-expert weights are not in
+the store; they load from the model folder as usual. A model folder is packed
+without loading its model, one expert at a time from its safetensors shards
+(``pack_folder``, ``pack_stream``); a model folder offloaded without a store gets
+one packed on first use, in a cache directory (``open_store``).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stmoe.errors import StmoeError
+from stmoe.runtime.store.check import (
+    check_layout,
+    check_source,
+    check_weights,
+    materialised,
+)
+from stmoe.runtime.store.index import (
+    DTYPE_SIZES,
+    Block,
+    StoreError,
+    block_crc,
+    read_index,
+)
+from stmoe.util.fileio import check_input_file
+
+
+class ExpertStore:
+    """Read access to a packed store: one ``pread`` per expert, checked."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        index_path = self.path / "index.json"
+        if not index_path.exists():
+            raise StoreError(f"{self.path}: not an expert store (no index.json); "
+                             "write one with `stmoe pack`")
+        try:
+            check_input_file(index_path, "an expert store's index.json (write one with "
+                                         "`stmoe pack`)")
+            self.index = read_index(index_path)
+            self.data_path = self.path / self.index.data
+            if not self.data_path.exists():
+                raise StoreError(f"{self.data_path}: missing, though index.json names it; "
+                                 "the store is damaged, pack it again")
+            check_input_file(self.data_path, "an expert store's data file")
+        except StoreError:
+            raise
+        except StmoeError as exc:  # check_input_file's own: the same line, as a StoreError
+            raise StoreError(str(exc)) from None
+        self.model = self.index.model
+        self.blocks = self.index.blocks
+        size, want = self.data_path.stat().st_size, self.index.data_bytes
+        if size != want:
+            state = "truncated" if size < want else "longer than its index says"
+            raise StoreError(f"{self.data_path}: {size} bytes but the index needs {want}; "
+                             f"the store is {state}, pack it again")
+        self.source: Path | None = None  # the model folder the store was matched to
+        self._checked: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def check_source(self, model_dir: str | Path) -> None:
+        """Refuse a store packed from other weights than ``model_dir``'s checkpoint."""
+        check_source(self.path, self.index, Path(model_dir))
+        self.source = Path(model_dir)
+
+    def check_model(self, model: Any, layout: Any = None) -> None:
+        """Refuse to serve a model the store was not packed from: its shapes and dtypes,
+        block by block, and its weights (the CRC-32C of its experts while they are in
+        memory, else the checkpoint matched by ``check_source``). ``layout``: the model's
+        ``hf.layout.ModelLayout`` where the caller has it."""
+        if model in self._checked:
+            return
+        per_layer = check_layout(self.path, self.index, model, layout)
+        if materialised(per_layer):
+            check_weights(self.path, self.index, per_layer)
+        elif self.source is None:
+            raise StoreError(f"{self.path}: the model's experts are not in memory, so the "
+                             "store cannot be matched to its weights; offload the model "
+                             "folder instead")
+        self._checked.add(model)
+
+    def check_block(self, block: Block, data: memoryview) -> None:
+        """Raise a clear StoreError when a block's bytes came back short or corrupt."""
+        self.check_size(block, len(data))
+        self._check_crc(block, block_crc(data[: block.nbytes]))
+
+    def check_size(self, block: Block, got: int) -> None:
+        """Refuse a read of ``block`` that brought fewer than its bytes."""
+        if got < block.nbytes:
+            raise StoreError(f"{self.data_path}: short read of layer {block.layer}, expert "
+                             f"{block.expert} ({got} of {block.nbytes} bytes)")
+
+    def check_parts(self, block: Block, parts: list[memoryview]) -> None:
+        """``check_block`` for a block read in pieces (straight into a cache slot's tensors)."""
+        crc = 0
+        for part in parts:
+            crc = block_crc(part, crc)
+        self._check_crc(block, crc)
+
+    def _check_crc(self, block: Block, crc: int) -> None:
+        if crc != block.crc32c:
+            raise StoreError(f"{self.data_path}: layer {block.layer}, expert {block.expert} fails "
+                             "its checksum; the store is corrupt, pack it again")
+
+    def read(self, layer: int, expert: int, fd: int | None = None) -> dict[str, np.ndarray]:
+        """One expert's tensors (numpy; a dtype numpy lacks, e.g. bfloat16, as raw unsigned
+        integers of its width), read and CRC-checked."""
+        block = self.blocks.get((layer, expert))
+        if block is None:
+            raise StoreError(f"{self.path}: no block for layer {layer}, expert {expert}")
+        own = fd is None
+        fd = os.open(self.data_path, os.O_RDONLY) if own else fd
+        try:
+            data = os.pread(fd, block.nbytes, block.offset)
+        finally:
+            if own:
+                os.close(fd)
+        self.check_block(block, memoryview(data))
+        out = {}
+        for t in block.tensors:
+            dtype = _numpy_dtype(t.dtype)
+            count = int(np.prod(t.shape))
+            out[t.name] = np.frombuffer(data, dtype=dtype, count=count, offset=t.offset).reshape(
+                t.shape
+            )
+        return out
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return np.dtype(f"uint{8 * DTYPE_SIZES[name]}")

@@ -1,0 +1,77 @@
+"""The one place the bytes of an expert's block enter memory: read from the tier, checked.
+
+Why one object: the engine's compute thread (a miss), its prefetch workers and
+``stmoe calibrate`` all bring blocks in, and must do it the same way, or calibrate
+measures another read than the runtime does. Read top to bottom, a block goes:
+
+1. where the tier reads in place (``Tier.reads_in_place``: the disk's O_DIRECT read)
+   and the destination is CPU memory in block order, straight into the slot's memory:
+   one read, no copy, its size and CRC-32C checked by the tier;
+2. else the tier's bytes land in the reading thread's aligned buffer (``fetch``), are
+   refused unless complete, and are copied into the slot (a cache's ``write``, which
+   on CUDA copies on the thread's stream).
+
+The caller holds the slot (LOADING) and no lock: reads run in parallel, and only the
+cache changes which expert a slot holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from stmoe.runtime.store.expert_store import ExpertStore
+from stmoe.runtime.store.index import Block
+from stmoe.runtime.store.tiers import Tier
+
+
+class SlotMemory(Protocol):
+    """What a cache offers a loader (``runtime.cache.LayerCache``)."""
+
+    def slot_parts(self, slot: int) -> list[np.ndarray] | None: ...
+
+    def write(self, slot: int, src: torch.Tensor, stream: object = None) -> None: ...
+
+
+class Loader:
+    """Reads ``store``'s blocks through ``tier`` into cache slots or plain memory."""
+
+    def __init__(self, tier: Tier, store: ExpertStore) -> None:
+        self.tier, self.store = tier, store
+
+    def fill(self, cache: SlotMemory, slot: int, block: Block, buf: Any,
+             stream: Any = None) -> None:
+        """Bring ``block`` into row ``slot`` of ``cache`` (``buf``: the reading thread's
+        aligned buffer; ``stream``: its CUDA stream, or None)."""
+        parts = cache.slot_parts(slot) if self.tier.reads_in_place else None
+        src = self.read(block, parts, buf)
+        if src is not None:
+            cache.write(slot, src, stream)
+
+    def fill_parts(self, block: Block, parts: list[np.ndarray], buf: Any) -> None:
+        """Bring ``block`` into ``parts`` (its tensors' memory, in block order, CPU)."""
+        src = self.read(block, parts, buf)
+        if src is None:
+            return
+        raw = src.numpy()
+        for p in parts:
+            start = p.ctypes.data - parts[0].ctypes.data
+            p[:] = raw[start : start + p.nbytes]
+
+    def fetch(self, block: Block, buf: Any) -> torch.Tensor:
+        """The tier's bytes for ``block`` (CPU uint8, in ``buf``), refused unless complete."""
+        src = self.read(block, None, buf)
+        assert src is not None  # (no parts: always the tier's bytes)
+        return src
+
+    def read(self, block: Block, parts: list[np.ndarray] | None,
+             buf: Any) -> torch.Tensor | None:
+        """Straight into ``parts`` where the tier reads in place (None returned: nothing
+        left to copy), else the tier's bytes, complete (a short read refused)."""
+        if parts is not None and self.tier.reads_in_place and self.tier.read_into(block, parts):
+            return None
+        src = self.tier.fetch(block, buf)
+        self.store.check_size(block, src.numel())
+        return src

@@ -1,0 +1,191 @@
+"""Packing a model's routed experts into an expert store, and the store a model folder
+uses when none is given (packed on first use into a cache directory).
+
+Packing is deterministic: the same model gives the same bytes. Packing again is atomic:
+the new data file is written beside the old one under its own name (its content's
+hash), then index.json, which names it, is replaced in one rename (the switch); the old
+data file is removed afterwards, and whatever a killed pack left is removed by the next
+one. A model folder is packed without loading its model, one expert at a time from its
+safetensors shards (``pack_folder``, ``pack_stream``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from stmoe.errors import StmoeNote
+from stmoe.runtime.store.check import architecture, expert_params, file_records
+from stmoe.runtime.store.expert_store import ExpertStore
+from stmoe.runtime.store.index import (
+    ALIGN,
+    DATA_NAME,
+    Block,
+    StoreError,
+    TensorSlot,
+    block_crc,
+    index_text,
+)
+from stmoe.util.fileio import atomic_write_text, publish, temp_beside
+
+# progress(total_bytes, label) -> a context giving advance(nbytes), as progress.byte_progress
+ProgressFactory = Callable[[int, str], AbstractContextManager[Callable[[int], None]]]
+DATA_TEMP = "experts.bin"  # a pack's temporary data file: .experts.bin.<pid>.<random>.tmp
+_OLD_DATA = ("experts.bin", "experts.bin.tmp")  # version 1's data file and its temporary
+
+
+def pack(model: Any, out_dir: str | Path, source: str | Path | None = None) -> Path:
+    """Write ``model``'s routed experts (all in memory) as a store; returns its folder.
+
+    ``source``: the model folder ``model`` was just loaded from, unchanged. Its
+    checkpoint files are recorded so that offloading that folder with this store
+    can tell its weights are the store's (without it, only the model in memory can).
+    A folder packs without loading its model: ``pack_folder``.
+    """
+    from stmoe.hf.layout import experts_modules
+
+    modules = experts_modules(model)
+    if not modules:
+        raise StoreError(f"{type(model).__name__} has no routed-experts modules to pack")
+    num_experts = int(getattr(modules[0][1], "num_experts", 0))
+    layers = [expert_params(module, num_experts) for _, module in modules]
+    for layer, params in enumerate(layers):
+        if not params:
+            raise StoreError(f"MoE layer {layer}: no per-expert parameters found")
+    record = file_records(Path(source)) if source is not None else {"kind": "module"}
+    blocks = ((layer, expert, [(n, p.detach()[expert]) for n, p in params])
+              for layer, params in enumerate(layers) for expert in range(num_experts))
+    return _write_store(Path(out_dir), architecture(model), record, blocks, lambda n: None)
+
+
+def pack_folder(model_dir: str | Path, out_dir: str | Path,
+                progress: ProgressFactory | None = None) -> Path:
+    """Write a model folder's routed experts as a store, read one expert at a time from its
+    safetensors shards (``pack_stream``), never the whole model in memory; the same bytes
+    as ``pack`` of the loaded model. A checkpoint whose experts cannot be read one by one
+    is loaded and packed whole, with a note saying why. ``progress(total_bytes, label)``:
+    a context giving ``advance(nbytes)`` (default: a bar on stderr when on a terminal)."""
+    from stmoe.runtime.store.pack_stream import CheckpointExperts, StreamUnsupported
+    from stmoe.util.progress import byte_progress
+
+    model_dir = Path(model_dir)
+    try:
+        experts = CheckpointExperts(model_dir)
+    except StreamUnsupported as exc:
+        from stmoe.hf.loading import load_causal_lm
+
+        model = load_causal_lm(model_dir)  # its errors are clear
+        warnings.warn(f"{exc}; packing from the whole model loaded in memory", StmoeNote,
+                      stacklevel=2)
+        return pack(model, out_dir, source=model_dir)
+    record = file_records(model_dir)
+    try:
+        with (progress or byte_progress)(experts.nbytes, f"packing {model_dir.name}") as advance:
+            blocks = experts.blocks(record)
+            return _write_store(Path(out_dir), experts.architecture, record, blocks, advance)
+    finally:
+        experts.release(force=True)
+
+
+def _write_store(out: Path, model: dict[str, Any], record: dict[str, Any], blocks: Iterable[Any],
+                 advance: Callable[[int], None]) -> Path:
+    """The data file, then index.json naming it (the switch), then the replaced data file
+    removed: the one ending of both packers."""
+    out.mkdir(parents=True, exist_ok=True)
+    data, size, written = _write_data(blocks, out, advance)
+    text = index_text(model, record, data, size, written)
+    atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
+    _remove_unnamed(out, data)
+    return out
+
+
+def _write_data(blocks: Iterable[tuple[int, int, list[tuple[str, Any]]]], out: Path,
+                advance: Callable[[int], None]) -> tuple[str, int, list[Block]]:
+    """The blocks into a temporary file renamed to its content's name; (name, size, blocks)."""
+    written: list[Block] = []
+    offset, digest = 0, hashlib.sha256()
+    with temp_beside(out / DATA_TEMP) as tmp:
+        with open(tmp, "wb") as f:
+            for layer, expert, tensors in blocks:
+                blob, slots = _block_bytes(tensors)
+                del tensors  # a streamed expert's memory map may be released now
+                padded = blob + b"\0" * ((-len(blob)) % ALIGN)
+                f.write(padded)
+                digest.update(padded)
+                written.append(Block(layer, expert, offset, len(blob), block_crc(blob), slots))
+                offset += len(padded)
+                advance(len(blob))
+        name = f"experts-{digest.hexdigest()[:16]}.bin"
+        publish(tmp, out / name)
+    return name, offset, written
+
+
+def _block_bytes(tensors: list[tuple[str, Any]]) -> tuple[bytes, tuple[TensorSlot, ...]]:
+    """One expert's tensors end to end, and where each sits in the block."""
+    import torch
+
+    payload, slots, inner = [], [], 0
+    for name, t in tensors:
+        arr = t.to("cpu").contiguous()
+        data = arr.reshape(-1).view(torch.uint8).numpy().tobytes()
+        slots.append(TensorSlot(name, str(arr.dtype).removeprefix("torch."), tuple(arr.shape),
+                                inner))
+        payload.append(data)
+        inner += len(data)
+    return b"".join(payload), tuple(slots)
+
+
+def _remove_unnamed(out: Path, keep: str) -> None:
+    """Data files the index does not name: the replaced one, a killed pack's, version 1's."""
+    for f in out.iterdir():
+        if f.name != keep and (DATA_NAME.fullmatch(f.name) or f.name in _OLD_DATA):
+            f.unlink(missing_ok=True)
+
+
+def default_store_dir(model_dir: Path) -> Path:
+    """Where a model folder's store is packed on first use (``STMOE_CACHE`` overrides)."""
+    root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "stores"
+    h = hashlib.sha256(str(model_dir.resolve()).encode())
+    for f in [*sorted(model_dir.glob("*.safetensors")), model_dir / "config.json"]:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return root / f"{model_dir.name}-{h.hexdigest()[:16]}"
+
+
+def open_store(model_dir: str | Path, store: str | Path | None,
+               progress: ProgressFactory | None = None) -> ExpertStore:
+    """The store for ``model_dir``, opened and matched to its checkpoint: the given one
+    (refused when damaged or foreign, never overwritten), or the model's cached one,
+    packed now (``pack_folder``, with ``progress``) when missing, and packed again, with
+    a note, when damaged, of an older version or half-written (a killed pack)."""
+    model_dir = Path(model_dir)
+    if store is not None:
+        opened = ExpertStore(store)
+        opened.check_source(model_dir)
+        return opened
+    out = default_store_dir(model_dir)
+    if (out / "index.json").exists():
+        try:
+            opened = ExpertStore(out)
+            opened.check_source(model_dir)
+            return opened
+        except StoreError as exc:
+            warnings.warn(f"the cached store is unusable ({exc}); packing it again",
+                          StmoeNote, stacklevel=2)
+    elif out.is_dir() and any(out.iterdir()):
+        warnings.warn(f"{out}: a half-written store (no index.json); packing it again",
+                      StmoeNote, stacklevel=2)
+    pack_folder(model_dir, out, progress)
+    opened = ExpertStore(out)
+    opened.check_source(model_dir)
+    return opened
+
+
+def ensure_store(model_dir: str | Path, store: str | Path | None) -> Path:
+    """``open_store``'s folder (the given store, or the model's cached one)."""
+    return open_store(model_dir, store).path

@@ -1,0 +1,228 @@
+"""Slow tiers an expert is read from: the disk itself, or an emulated link.
+
+A tier's one job is ``fetch(block, buf)``: return the block's checked bytes as a
+CPU uint8 tensor, using ``buf`` (a page-aligned, writable buffer at least
+``padded(block)`` long, one per reading thread) where it needs somewhere to read.
+
+* ``DiskTier`` reads the store file so that a miss costs a device read: with
+  ``O_DIRECT`` where the file system allows it, otherwise with a plain read
+  followed by ``posix_fadvise(DONTNEED)`` so the page cache keeps no copy.
+* ``EmulatedLinkTier`` (**emulated**, for reproducible comparisons) keeps the
+  store in host memory and makes every read take ``latency + bytes / bandwidth``
+  on one shared link, as a PCIe or network link would serialise transfers.
+* ``PinnedHostTier`` keeps the store in pinned host memory for a GPU cache: the
+  copy to the device is the transfer (made on a copy stream by the cache).
+
+``open_tier`` makes one by the name ``stmoe.offload`` takes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from stmoe.errors import OffloadError
+from stmoe.runtime.options import TIERS, check_link
+from stmoe.runtime.store.expert_store import ExpertStore
+from stmoe.runtime.store.index import ALIGN, Block, StoreError
+from stmoe.util.units import parse_bytes, parse_seconds
+
+__all__ = ["TIERS", "DiskTier", "EmulatedLinkTier", "PinnedHostTier", "Tier", "aligned_buffer",
+           "check_link", "open_tier", "padded", "parse_bytes", "parse_seconds"]
+
+
+
+def padded(block: Block) -> int:
+    """Bytes a block occupies in the file (its payload rounded up to ALIGN)."""
+    return -(-block.nbytes // ALIGN) * ALIGN
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """A page-aligned writable buffer (anonymous mmap), as O_DIRECT requires."""
+    return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
+
+
+class Tier(Protocol):
+    """Where blocks are read from. ``reads_in_place``: ``read_into`` can read a block
+    straight into a slot's memory (else it is never called, and ``fetch`` reads into the
+    thread's buffer for a copy). ``runtime.store.loader.Loader`` is the one caller."""
+
+    name: str
+    emulated: bool
+    reads_in_place: bool
+
+    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor: ...
+
+    def read_into(self, block: Block, parts: list[np.ndarray]) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class DiskTier:
+    """Real reads from the store file, bypassing (or dropping) the page cache."""
+
+    name = "disk"
+    emulated = False
+    reads_in_place = True
+
+    def __init__(self, store: ExpertStore, direct: bool = True) -> None:
+        self.store = store
+        self.direct = False
+        fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(store.data_path, os.O_RDONLY | os.O_DIRECT)
+                self.direct = True
+            except OSError:  # tmpfs and some others refuse O_DIRECT
+                fd = -1
+        self.fd = fd if fd >= 0 else os.open(store.data_path, os.O_RDONLY)
+        self.drop_cache()
+
+    def drop_cache(self) -> None:
+        """Forget any cached pages of the store, so the next reads hit the device."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
+        size = padded(block) if self.direct else block.nbytes
+        got = self._read(block, [memoryview(buf)[:size]])
+        self.store.check_block(block, memoryview(buf)[: min(got, block.nbytes)])
+        return torch.frombuffer(buf, dtype=torch.uint8, count=block.nbytes)
+
+    def read_into(self, block: Block, parts: list[np.ndarray]) -> bool:
+        """Read ``block`` straight into ``parts`` (its tensors' destinations in block order,
+        uint8: a cache slot's memory), checked: one read, no copy. False (nothing read)
+        where O_DIRECT cannot (a part not page-aligned in address or length)."""
+        if self.direct and any(p.ctypes.data % ALIGN or p.nbytes % ALIGN for p in parts):
+            return False
+        views = [memoryview(p) for p in parts]
+        self.store.check_size(block, self._read(block, views))
+        self.store.check_parts(block, views)
+        return True
+
+    def _read(self, block: Block, views: list[memoryview]) -> int:
+        """One ``preadv`` of ``block`` into ``views`` (page cache dropped after it where
+        O_DIRECT is off); the bytes read."""
+        try:
+            got = os.preadv(self.fd, views, block.offset)
+        except OSError as exc:
+            raise StoreError(f"{self.store.data_path}: reading layer {block.layer}, expert "
+                             f"{block.expert} failed: {exc.strerror}") from None
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, block.offset, sum(map(len, views)),
+                             os.POSIX_FADV_DONTNEED)
+        return got
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class EmulatedLinkTier:
+    """EMULATED link: the store sits in host memory, each read costs latency + bytes/bandwidth.
+
+    Transfers share one link: a read waits until the link is free, so prefetches
+    and on-demand loads queue behind each other as on real hardware. The blocks
+    are checked once when the tier opens; a read then hands out a view of host
+    memory after the transfer time, so the worker spends its time waiting, not
+    copying (the copy into the cache is the transfer's landing).
+    """
+
+    name = "emulated"
+    emulated = True
+    reads_in_place = False
+
+    def __init__(self, store: ExpertStore, bandwidth: float, latency: float = 0.0) -> None:
+        if bandwidth <= 0:
+            raise OffloadError(f"the emulated link needs a bandwidth > 0 bytes/s, got {bandwidth}")
+        if latency < 0:
+            raise OffloadError(f"the emulated link needs a latency >= 0 s, got {latency}")
+        self.store = store
+        self.bandwidth = float(bandwidth)
+        self.latency = float(latency)
+        raw = _host_copy(store)
+        for block in store.blocks.values():
+            store.check_block(block, memoryview(raw)[block.offset : block.offset + block.nbytes])
+        self.host = (
+            torch.frombuffer(raw, dtype=torch.uint8)
+            if len(raw)
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # time.perf_counter() when the link is next idle
+
+    def transfer_time(self, nbytes: int) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
+        with self._lock:
+            start = max(time.perf_counter(), self._free_at)
+            self._free_at = done = start + self.transfer_time(block.nbytes)
+        wait = done - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return self.host[block.offset : block.offset + block.nbytes]
+
+    def read_into(self, block: Block, parts: list[np.ndarray]) -> bool:
+        """Never reads in place (``reads_in_place`` is False)."""
+        return False
+
+    def close(self) -> None:
+        self.host = torch.empty(0, dtype=torch.uint8)
+
+
+def _host_copy(store: ExpertStore) -> mmap.mmap | bytearray:
+    """The store's data in host memory: a private mapping of the file (its pages come from
+    the page cache, nothing is copied twice; writes, never made, would stay private)."""
+    with open(store.data_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray()
+
+
+class PinnedHostTier:
+    """The store in pinned host memory, checked once; the device copy is the transfer.
+
+    Needs CUDA. Untested until a GPU run: see docs/runtime.md.
+    """
+
+    name = "gpu"
+    emulated = False
+    reads_in_place = False
+
+    def __init__(self, store: ExpertStore) -> None:
+        if not torch.cuda.is_available():
+            raise OffloadError("--tier gpu needs CUDA, and torch sees no GPU here; "
+                               "use --tier disk or --tier emulated")
+        raw = store.data_path.read_bytes()
+        for block in store.blocks.values():
+            store.check_block(block, memoryview(raw)[block.offset : block.offset + block.nbytes])
+        self.host = torch.frombuffer(bytearray(raw), dtype=torch.uint8).pin_memory()
+
+    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
+        return self.host[block.offset : block.offset + block.nbytes]
+
+    def read_into(self, block: Block, parts: list[np.ndarray]) -> bool:
+        """Never reads in place (``reads_in_place`` is False)."""
+        return False
+
+    def close(self) -> None:
+        self.host = torch.empty(0, dtype=torch.uint8)
+
+
+def open_tier(name: str, store: ExpertStore, bandwidth: float | str | None,
+              latency: float | str) -> Tier:
+    """The tier ``name`` (one of TIERS) over ``store``; the emulated one needs a bandwidth."""
+    bw, lat = check_link(name, bandwidth, latency)
+    if name == "disk":
+        return DiskTier(store)
+    if name == "gpu":
+        return PinnedHostTier(store)
+    assert bw is not None
+    return EmulatedLinkTier(store, bw, lat)

@@ -1,0 +1,91 @@
+"""A hardware spec from ``stmoe calibrate``'s figures (``stmoe.runtime.calibrate``).
+
+Kept here, beside the specs it must load as, and free of torch: the keys of
+``sim/data/hardware.toml`` plus ``[host]``, each number with a comment saying
+how, when and on what it was measured (or that it does not apply).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def hardware_toml(f: dict[str, Any]) -> str:
+    """``calibrate``'s figures as a hardware spec (``stmoe.sim.specs.hardware_preset``):
+    the keys of ``sim/data/hardware.toml`` plus ``[host]``, each with how it was found."""
+    on = f"measured {f['when']} on {f['machine']}"
+    layers, k = f["num_layers"], f["top_k"]
+    expert_call = f["experts_s"] / layers  # one layer's experts call, K experts, one token
+    macs_per_s = f["expert_macs"] * k / expert_call if expert_call > 0 else 1.0
+    layer_s = max(0.0, (f["layers_s"] - f["experts_s"]) / layers)
+    token_s = max(0.0, f["token_s"] - f["layers_s"])
+    tier = f"{f['tier']}{' (O_DIRECT)' if f['direct_io'] else ''}"
+    if f["tier"] == "emulated":
+        tier += f" (EMULATED link {f['emulated_link']})"
+    na = "not measured: the host pipeline does not use it"
+
+    def line(key: str, value: Any, note: str) -> str:
+        text = json.dumps(value) if isinstance(value, str) else repr(value)  # TOML-escaped
+        return f"{key} = {text:<24} # {note}"
+
+    rows = [
+        f"# stmoe calibrate: {on}",
+        f"# store {f['store']} ({f['num_layers']} layers x {f['num_experts']} experts of "
+        f"{f['expert_bytes']} bytes), tier {tier}, torch threads {f['threads']}",
+        line("description", f"This machine's CPU reading experts from the {f['tier']} tier "
+             "(stmoe calibrate)", "what this preset is"),
+        line("source", on, "when and on what every figure below was measured"),
+        line("clock_hz", 1.0e9, "nominal: the CPU's rate is measured whole, in pe_macs_per_cycle"),
+        line("pe_macs_per_cycle", macs_per_s / 1e9, f"measured: one experts call ({k} experts, "
+             f"1 token) took {expert_call * 1e3:.3f} ms in the runtime"),
+        line("router_macs_per_cycle", macs_per_s / 1e9, "the router runs on the same CPU "
+             "(its time is inside host.layer_s)"),
+        line("dataflow", "weight_stationary", "one fixed kernel"),
+        line("link_bytes_per_s", f["bytes_per_s"], _single_reader(f)),
+        line("link_latency_s", f["latency_s"], "measured: median one-page read into a "
+             "faulted-in page"),
+        line("cache_experts_per_layer", f["capacity"], "the cache described (--capacity)"),
+        line("epu_cycles_per_candidate", 0, "prediction runs on the CPU: 18-61 us a layer "
+             "(docs/simulator.md), left out"),
+        line("epu_fixed_cycles", 0, na), line("verify_cycles", 0, na),
+        line("emu_stages_per_group", 0, na), line("pe_groups", 1, na),
+        line("mac_pj", 0.0, "energy not measured"), line("sram_pj_per_byte", 0.0, na),
+        line("dram_pj_per_byte", 0.0, na), line("link_pj_per_byte", 0.0, na),
+        line("static_w", 0.0, na), line("epu_bits_per_slot", 10, na),
+        "",
+        "[dataflows]",
+        "weight_stationary = { peak = 1.0, half = 0.0 }  # measured at one token (decode)",
+        "",
+        "[host]  # the runtime's host pipeline (stmoe simulate --pipeline runtime)",
+        line("tier", f["tier"], f"the tier measured: {tier}"),
+        line("workers", f["workers"], "the runtime's prefetch threads on this tier"),
+        line("read_parallel_bytes_per_s", f["parallel_bytes_per_s"], f"measured: "
+             f"{f['reads_n']['threads']} threads reading {f['reads_n']['blocks']} blocks at "
+             "once, each into its own faulted-in slot memory (their throughput, at least "
+             "one reader's)"),
+        line("layer_s", layer_s, f"measured: decoder layer time less its experts call, "
+             f"{f['tokens']} decode tokens, every expert a hit"),
+        line("token_s", token_s, "measured: decode token time outside the decoder layers"),
+        line("first_touch_s", f["first_touch_s"], f"measured: a read into never-touched "
+             f"memory less one into a faulted-in slot (medians of {f['touch_reads']} each): "
+             "paid per spare row past the capacity (a long prompt's extra experts), never by "
+             "a read into a slot, faulted in when the cache is made (measured "
+             f"{f['populate_s'] * 1e3:.2f} ms an expert, not timed by the simulator)"),
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def _single_reader(f: dict[str, Any]) -> str:
+    """How ``link_bytes_per_s`` was measured: the runtime's own reads where a trace was
+    given, else calibrate's loop."""
+    loop = (f"{f['reads_1']['blocks']} expert blocks read one at a time into slot memory "
+            "faulted in beforehand (as the runtime's slots: no page faults), CRC-32C checked "
+            "(mean time, less the latency)")
+    runtime = f.get("runtime_reads")
+    if not runtime:
+        return f"measured: {loop}"
+    return (f"measured: the runtime's own reads of its decode misses, an LRU-only replay of "
+            f"the trace ({runtime['reads']} reads over {runtime['tokens']} tokens, mean "
+            f"{runtime['mean_s'] * 1e3:.2f} ms, less the latency); calibrate's loop of {loop} "
+            f"gave {f['loop_bytes_per_s'] / 1e9:.2f} GB/s")

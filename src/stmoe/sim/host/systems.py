@@ -1,0 +1,140 @@
+"""The runtime's compared systems on the host pipeline (``stmoe simulate --pipeline runtime``).
+
+The same systems ``stmoe.evaluate.systems`` (and benchmarks/bench_offload_real.py)
+run for real, each a predictor and a cache policy: ``on-demand`` (no prefetch, no
+reuse), ``lru-only``, ``stmoe``, ``stmoe-plus`` (1.5K experts per layer) and the
+``oracle``; any other replay predictor name runs with an LRU cache. Each
+system's prefetch sets are its predictor's ``plan`` over the sequence (the
+protocol the runtime drives, in the same order); the oracle's are the routed
+experts. ``host.simulate_host`` times them on a ``stmoe calibrate`` preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from stmoe.evaluate.systems import OFFLOAD_SYSTEMS, compared_predictor
+from stmoe.predictors import REGISTRY, ModelShape, ProfiledTables, make
+from stmoe.sim.host.pipeline import HostCosts, HostRun, simulate_host
+from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
+from stmoe.trace.schema import RoutingTrace
+from stmoe.trace.select import select_sequences
+
+# the runtime's compared systems but hybrid (its gate lookahead reads the model's routers)
+RUNTIME_SYSTEMS = {k: v for k, v in OFFLOAD_SYSTEMS.items() if k != "hybrid"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HostOptions:
+    """What one replay of the runtime is: cache, sequence, tokens, tables."""
+
+    capacity: int  # experts cached per layer
+    sequence: int = 0  # the trace's sequence replayed
+    decode_tokens: int | None = None  # decode forward calls timed (None: all the sequence's)
+    tables: ProfiledTables | None = None
+
+
+def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
+    """The host pipeline's seconds from a hardware spec with a ``[host]`` table."""
+    host = hw.host
+    if host is None:
+        raise SpecError(f"hardware {hw.name!r} has no [host] table: the runtime pipeline needs "
+                        "this machine measured; write one with `stmoe calibrate`")
+    flows = hw.dataflows
+    flow = (max(flows.values(), key=lambda d: d.utilisation(1)) if hw.dataflow not in flows
+            else flows[hw.dataflow])
+    rate = hw.pe_macs_per_cycle * hw.clock_hz * flow.utilisation(1)
+    read_s = hw.link_latency_s + model.expert_bytes / hw.link_bytes_per_s
+    parallel = read_s / (model.expert_bytes / host.read_parallel_bytes_per_s)
+    return HostCosts(layer_s=host.layer_s, token_s=host.token_s,
+                     expert_s=model.expert_macs / rate if rate > 0 else 0.0, read_s=read_s,
+                     # paid by a read into a spare row only (slots are faulted in already)
+                     first_touch_s=host.first_touch_s,
+                     parallel=parallel, workers=host.workers,
+                     fifo=host.tier == "emulated")
+
+
+def system_of(name: str) -> tuple[str, str]:
+    """(predictor, cache policy) of a runtime system or a replay predictor's name."""
+    if name in RUNTIME_SYSTEMS:
+        return RUNTIME_SYSTEMS[name]
+    if name in REGISTRY:
+        return name, "lru"
+    valid = ", ".join([*RUNTIME_SYSTEMS, *(n for n in REGISTRY if n not in RUNTIME_SYSTEMS)])
+    raise SpecError(f"unknown runtime system {name!r}; choose from {valid}")
+
+
+def sequence_run(trace: RoutingTrace, o: HostOptions) -> tuple[RoutingTrace, int]:
+    """The sequence replayed, cut to its prompt and ``decode_tokens``; (it, prompt tokens)."""
+    if not 0 <= o.sequence < trace.num_sequences:
+        raise SpecError(f"sequence {o.sequence} is outside 0..{trace.num_sequences - 1}")
+    seq = select_sequences(trace, [o.sequence])
+    decode = np.asarray(seq.is_decode, dtype=bool)
+    prefill = int(np.argmax(decode)) if decode.any() else 0
+    if prefill == 0 or not decode[prefill:].all():
+        raise SpecError(f"sequence {o.sequence} is not a prompt followed by decode tokens; the "
+                        "runtime pipeline replays one prompt and its decode tokens")
+    have = len(decode) - prefill
+    want = have if o.decode_tokens is None else o.decode_tokens
+    if not 1 <= want <= have:
+        raise SpecError(f"{want} decode tokens asked for; sequence {o.sequence} has 1..{have}")
+    if want < have:
+        from stmoe.trace.select import split
+
+        seq = split(seq, (prefill + want) / seq.num_tokens, by="token")[0]
+        if seq.num_tokens != prefill + want:  # split rounds: never a wrong length silently
+            raise SpecError(f"cannot cut sequence {o.sequence} at {prefill + want} tokens")
+    return seq, prefill
+
+
+def run_host_system(name: str, seq: RoutingTrace, prefill: int, model: ModelSpec,
+                    hw: HardwareSpec, o: HostOptions) -> dict[str, Any]:
+    """One system's simulated decode of ``seq`` (from ``sequence_run``)."""
+    predictor, policy = system_of(name)
+    plan = None
+    if predictor not in ("ondemand", "oracle"):
+        p = compared_predictor(predictor, o.tables)  # stmoe-plus and hybrid at 1.5K
+        if isinstance(p, str):
+            p = make(p, ModelShape.of(seq), o.tables)
+        made = p.plan(seq)
+        plan = (made.ptr, made.ids)
+    run = HostRun(np.asarray(seq.experts, dtype=np.int64), prefill, plan,
+                  predictor == "oracle", o.capacity, policy)
+    c = simulate_host(run, host_costs(model, hw), model.num_experts)
+    t, tokens = c["time"], c["tokens"]
+    return {
+        "predictor": predictor, "policy": policy, "decode_s": t,
+        "decode_tokens": int(tokens), "decode_tokens_per_s": tokens / t if t > 0 else 0.0,
+        "stall_s": c["stall"], "stall_share": c["stall"] / t if t > 0 else 0.0,
+        "hit_rate": c["hits"] / c["demanded"] if c["demanded"] else 0.0,
+        "bytes_moved": int(c["moved"]) * model.expert_bytes,
+        "bytes_wasted": int(c["wasted"]) * model.expert_bytes,
+        "counters": c,
+    }
+
+
+def simulate_runtime(trace: RoutingTrace, model: ModelSpec, hw: HardwareSpec,
+                     systems: Sequence[str], options: HostOptions) -> dict[str, Any]:
+    """Every system of ``systems`` replaying one sequence through the runtime's pipeline."""
+    seq, prefill = sequence_run(trace, options)
+    needs = any(system_of(s)[0] not in ("ondemand", "oracle") for s in systems)
+    if needs and options.tables is None:
+        raise SpecError("the runtime pipeline's predictors need tables (--tables)")
+    if options.tables is not None:
+        options.tables.check_fits(ModelShape.of(seq))
+    if not model.top_k <= options.capacity <= model.num_experts:
+        raise SpecError(f"capacity {options.capacity} experts per layer: expected "
+                        f"{model.top_k}..{model.num_experts} (top-k..N)")
+    costs = host_costs(model, hw)
+    return {
+        "pipeline": "runtime", "model": model.name, "hardware": hw.name,
+        "trace": {"model": seq.meta.model, "synthetic": seq.meta.synthetic,
+                  "sequence": options.sequence, "prompt_tokens": prefill,
+                  "decode_tokens": seq.num_tokens - prefill},
+        "capacity": options.capacity, "costs": dataclasses.asdict(costs),
+        "systems": {s: run_host_system(s, seq, prefill, model, hw, options) for s in systems},
+    }
