@@ -36,6 +36,15 @@ needs_shared = pytest.mark.skipif(
 )
 
 
+def one_line_error(result, *fragments: str) -> None:
+    """The CLI refused with exit 1 and one ``error:`` line holding every fragment."""
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: ") and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    for fragment in fragments:
+        assert fragment in result.output, (fragment, result.output)
+
+
 class Cli:
     """Runs ``stmoe ARGS`` in-process and returns click's result."""
 
@@ -54,7 +63,7 @@ def cli() -> Cli:
 @pytest.fixture(scope="session")
 def quick_demo(tmp_path_factory: pytest.TempPathFactory):
     """``stmoe demo --quick`` once per session: (click's result, the report folder), read by
-    tests/test_demo.py and tests/test_report_browser.py (about 30 s)."""
+    tests/demo/test_demo.py and tests/demo/test_report_browser.py (about 30 s)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("quick-demo") / "demo"

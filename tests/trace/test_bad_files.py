@@ -10,11 +10,11 @@ import json
 
 import numpy as np
 import pytest
+from test_importers import routes_doc
 
 from stmoe import synthesize
 from stmoe.trace import save_trace
 from stmoe.trace.export import export_jsonl
-from test_importers import routes_doc
 
 
 def jsonl_text(**kw) -> str:

@@ -21,19 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import one_line_error
 from stmoe import synthesize
 from stmoe.errors import TraceError
 from stmoe.trace import import_file, read_native, save_trace, validate
 from stmoe.trace.io import MEMBERS
-
-
-def one_line_error(result, *fragments: str) -> None:
-    """The CLI refused with exit 1 and one ``error:`` line holding every fragment."""
-    assert result.exit_code == 1, result.output
-    assert result.output.startswith("error: ") and "Traceback" not in result.output
-    assert len(result.output.strip().splitlines()) == 1, result.output
-    for fragment in fragments:
-        assert fragment in result.output, (fragment, result.output)
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:

@@ -17,10 +17,10 @@ import sys
 
 import pytest
 
+from conftest import one_line_error  # exit 1, one `error:` line, no traceback
 from stmoe.cli.common import clean_label, plain_label
 from stmoe.trace import save_trace, synthesize
 from stmoe.trace.synth import SynthSpec
-from test_trace_hardening import one_line_error  # exit 1, one `error:` line, no traceback
 
 EVIL_MODEL = "evil[/]model[bold red]x\x1b[2J\x07"
 EVIL_DOMAINS = ("d[/]one\x1b[2J", "[bold red]x\x07")
