@@ -6,7 +6,7 @@ hidden, 256 experts of 512 width, top-8; bfloat16, experts of 6 MiB) with
 RANDOM weights and its first ``--layers`` MoE layers (8: 12 GiB of experts),
 packs its store, and replays the real routing recorded from that model
 (``../shared/traces``: one chat prompt, 36 prefill + 128 decode tokens) through
-the runtime (``OffloadedModel.replay``): every cache, prefetch, read and expert
+the runtime (``OffloadedModel.force_routing``): every cache, prefetch, read and expert
 matmul is real; only the router's choice comes from the trace.
 
 Each (round, tier, system) runs in its own process (so its peak memory is its

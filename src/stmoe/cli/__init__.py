@@ -5,7 +5,7 @@ saves. Bad input exits 1 with one line naming the file and position, and so does
 an option's value outside its range (``error: --seed -1: expected an integer >= 0``;
 NaN and infinity never pass); usage errors (an unknown option, a missing argument,
 a value of the wrong type) exit 2. Whatever a file or the user named (models,
-domains, paths) is printed as plain text: ``cli._common.clean_label``.
+domains, paths) is printed as plain text: ``cli.common.clean_label``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def calibrate_cmd(
     bandwidth: Annotated[
         str | None, typer.Option(help="The emulated link's bandwidth (e.g. 1GB).")
     ] = _D.bandwidth,
-    latency: Annotated[str, typer.Option(help="The link's latency, e.g. 50us.")] = str(_D.latency),
+    latency: Annotated[str, typer.Option(help="Link latency, e.g. 50us.")] = f"{_D.latency:g}",
     capacity: Annotated[
         str, typer.Option(help="The cache the preset describes (8, 50%, 64MB).")
     ] = _D.capacity,

@@ -133,7 +133,7 @@ def generate_cmd(
             help="Emulated link latency per transfer, e.g. 50us or 2ms (0 to 60 s; --tier "
             "emulated only)."
         ),
-    ] = str(_DEFAULT.latency),
+    ] = f"{_DEFAULT.latency:g}",
     workers: Annotated[
         int | None,
         typer.Option(

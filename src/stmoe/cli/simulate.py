@@ -21,7 +21,10 @@ from stmoe.cli.common import (
     write_json,
 )
 from stmoe.errors import StmoeError
+from stmoe.runtime.options import OffloadOptions
 from stmoe.util.units import Capacity, UnitError, parse_capacity
+
+RUNTIME_CAPACITY = str(OffloadOptions.capacity)  # the runtime's own default cache size
 
 
 def simulate_cmd(
@@ -64,7 +67,7 @@ def simulate_cmd(
     ] = "accelerator",
     capacity: Annotated[
         str, typer.Option(help="Runtime pipeline: experts cached per layer (8) or a share (50%).")
-    ] = "50%",
+    ] = RUNTIME_CAPACITY,
     layers: Annotated[
         int | None, typer.Option(help="Only the first N MoE layers (a make-model --layers model).")
     ] = None,
@@ -119,7 +122,7 @@ def simulate_cmd(
         trace = first_layers(trace, layers)
         spec_m = dataclasses.replace(spec_m, layers=layers)
     _refuse_other_pipelines(pipeline, {
-        "runtime": {"--capacity": capacity != "50%", "--decode-tokens": decode_tokens
+        "runtime": {"--capacity": capacity != RUNTIME_CAPACITY, "--decode-tokens": decode_tokens
                         is not None, "--sequence": sequence != 0},
         "accelerator": {"--batch": batch != 1, "--policy": policy != "lru", "--output":
                     output_dir is not None, "--pregate-accuracy": pregate_accuracy != 1.0,

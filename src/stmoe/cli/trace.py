@@ -125,7 +125,7 @@ def import_cmd(
         drop_partial=drop_partial,
         engine=engine,
     )
-    save_trace(trace, output)  # the importer's notes print after this (cli._common.friendly)
+    save_trace(trace, output)  # the importer's notes print after this (cli.common.friendly)
     out.print(f"wrote {clean_label(output)}: {clean_label(repr(trace))}")
 
 

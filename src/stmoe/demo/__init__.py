@@ -6,6 +6,12 @@
     plots.py   its figures
 """
 
-from stmoe.demo.run import DEMO_PROMPTS, run_demo
+from stmoe.demo.run import (
+    DEMO_PROMPTS,
+    OFFLOAD_LINK,
+    offload_section,
+    resident_tokens,
+    run_demo,
+)
 
-__all__ = ["DEMO_PROMPTS", "run_demo"]
+__all__ = ["DEMO_PROMPTS", "OFFLOAD_LINK", "offload_section", "resident_tokens", "run_demo"]

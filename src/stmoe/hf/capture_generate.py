@@ -22,7 +22,7 @@ import torch
 
 from stmoe.errors import TraceError
 from stmoe.hf.capture import CaptureError, RoutingRecorder
-from stmoe.hf.loading import load_model
+from stmoe.hf.loading import load_causal_lm, load_model
 from stmoe.trace.schema import UNLABELLED, RoutingTrace
 from stmoe.trace.select import concat
 from stmoe.util.progress import progress
@@ -203,3 +203,7 @@ def capture_text(
         domains=[p.domain for p in prompts], pad_token_id=pad, eos_token_ids=eos_ids,
         model_name=model_name,
     )
+
+
+__all__ = ["DEFAULT_PROMPTS", "Prompt", "capture_generation", "capture_prompts", "capture_text",
+           "load_causal_lm", "load_model", "read_prompts"]  # the loaders: 0.1's path

@@ -24,7 +24,7 @@ import torch
 
 from stmoe.errors import StoreError
 from stmoe.hf.capture import CaptureError
-from stmoe.hf.layout import experts_modules
+from stmoe.hf.layout import ModelLayout
 
 
 def load_model(model_dir: str | Path) -> tuple[torch.nn.Module, Any]:
@@ -129,7 +129,7 @@ def _renamer(model: torch.nn.Module) -> Callable[[str], str | None]:
     from transformers.core_model_loading import rename_source_key
 
     renamings, converters = rules
-    prefixes = tuple(f"{name}." for name, _ in experts_modules(model))
+    prefixes = ModelLayout.of(model).prefixes()
 
     def rename(key: str) -> str | None:
         name, converted = rename_source_key(key, renamings, converters)
@@ -159,7 +159,7 @@ def load_without_experts(model_dir: str | Path) -> LoadedModel:
     if not files:
         return LoadedModel(load_causal_lm(path), full_load=True)  # its errors are clear
     model = meta_model(path)
-    prefixes = tuple(f"{name}." for name, _ in experts_modules(model))
+    prefixes = ModelLayout.of(model).prefixes()
     rename = _renamer(model)
     state = {}
     for f in files:

@@ -243,9 +243,11 @@ def offload(
     model folder (the experts are never loaded). ``store``: a folder written by
     ``stmoe pack``; by default one is packed on first use (a cache directory for
     a folder, a temporary one for a loaded model). ``options``: an
-    ``OffloadOptions`` (its fields say what each does, and hold the defaults);
-    ``overrides``: any of its fields by name, e.g. ``offload(d, capacity="25%",
-    tier="emulated", bandwidth="1GB")`` (an unknown name is refused with the list).
+    ``OffloadOptions`` (default: its defaults); ``overrides``: any of its fields by
+    name, e.g. ``offload(d, capacity="25%", tier="emulated", bandwidth="1GB")`` (an
+    unknown name is refused with the list). The fields: capacity, predictor, tables,
+    policy, tier, bandwidth, latency, workers, max_loads, lookahead
+    (``help(stmoe.runtime.options.OffloadOptions)`` says what each does).
     """
     options = with_overrides(options or OffloadOptions(), overrides)
     options.check()
@@ -297,6 +299,9 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
                                "or --tier emulated")
         device = torch.device("cuda")
         move_resident(model, device)
+        # the move puts new Parameters in place: the routers the lookahead reads are found
+        # again on the device (the experts modules are the same objects)
+        layout = ModelLayout.of(model)
     source = open_tier(options.tier, expert_store, options.bandwidth, options.latency)
     settings = EngineSettings(per_layer, options.policy, options.worker_count(), device,
                               options.max_loads)

@@ -1,7 +1,7 @@
 """``stmoe.offload``'s options, checked and turned into what the engine takes.
 
-The public ``offload(...)`` call takes its options as keywords; they travel
-together as one ``OffloadOptions``. Here they are resolved against the model and
+The public ``offload(model, store, options, **overrides)`` takes them as one
+``OffloadOptions`` and any of its fields by name. Here they are resolved against the model and
 the store: the cache capacity from a count, a share or a total size in bytes, the router's
 top-K from the model's config, and the predictor from its name (with the tables
 shipped next to a model folder when none are given) or as a ready object.
@@ -33,25 +33,37 @@ TIERS = ("disk", "emulated", "gpu")  # the names stmoe.offload's ``tier`` takes
 @dataclass(frozen=True)
 class OffloadOptions:
     """The options of ``stmoe.offload``, and the one place their defaults are written
-    (``stmoe generate`` reads them)."""
+    (``stmoe generate`` reads them).
 
-    # experts cached per layer: a count (8), a share of N (50%) or bytes for the model (64MB)
+    capacity: experts cached per layer: a count (8), a share of N (50%) or bytes for
+        the whole model (64MB; a budget above all experts caches them all).
+    predictor: a registered name (stmoe, stmoe-plus, hybrid, ondemand, ...) or a ready
+        ``Predictor``.
+    tables: profiled tables; None: those shipped beside a model folder.
+    policy: eviction (``stmoe.cache_policy``): lru, lfu, or none (no reuse).
+    tier: disk (reads bypassing the page cache), emulated (host memory behind a link
+        of ``bandwidth`` bytes/s and ``latency`` s, EMULATED) or gpu (pinned host
+        memory to a CUDA cache).
+    bandwidth, latency: the emulated link's (200MB, 50us); the emulated tier only.
+    workers: prefetch threads; None: 2 for the disk (a device serves reads in
+        parallel), 1 for the single-link tiers (a second thread only queues another
+        transfer ahead of the next miss).
+    max_loads: loads one prediction may start per layer; None: the capacity.
+    lookahead: hybrid and gate-lookahead: early (the next layer's router on this
+        layer's MoE input, as this layer routes), late (on its own input through its
+        pre-MoE norm, as that layer starts: closer to the router, less time to load),
+        or auto (late where the model's norms are recognised).
+    """
+
     capacity: int | str = "50%"
-    predictor: str | Predictor = "stmoe"  # a registered name, or a ready Predictor
-    tables: str | Path | None = None  # profiled tables; None: those shipped beside a folder
-    policy: str = "lru"  # eviction (stmoe.cache_policy): lru, lfu, or none (no reuse)
-    # disk (reads bypassing the page cache), emulated (host memory behind a link of
-    # ``bandwidth`` bytes/s and ``latency`` s, EMULATED) or gpu (pinned host memory to CUDA)
+    predictor: str | Predictor = "stmoe"
+    tables: str | Path | None = None
+    policy: str = "lru"
     tier: str = "disk"
-    bandwidth: float | str | None = None  # the emulated link's bytes/s (200MB), emulated only
-    latency: float | str = 0.0  # the emulated link's seconds per transfer (50us), emulated only
-    # prefetch threads; None: 2 for the disk (a device serves reads in parallel), 1 for the
-    # single-link tiers (a second thread only queues another transfer ahead of the next miss)
+    bandwidth: float | str | None = None
+    latency: float | str = 0.0
     workers: int | None = None
-    max_loads: int | None = None  # loads one prediction may start per layer; None: capacity
-    # hybrid and gate-lookahead: early (the next layer's router on this layer's MoE input,
-    # as this layer routes), late (on its own input through its pre-MoE norm, as that layer
-    # starts: closer to the router, less time to load), auto (late where norms are found)
+    max_loads: int | None = None
     lookahead: str = "auto"
 
     def check(self) -> None:
@@ -122,14 +134,15 @@ CALIBRATED_TIERS = ("disk", "emulated")
 class CalibrateOptions:
     """What to measure and for how long (``calibrate``)."""
 
-    tier: str = "disk"
-    bandwidth: float | str | None = None  # the emulated link's (bytes/s)
-    latency: float | str = 0.0  # the emulated link's (s)
+    tier: str = OffloadOptions.tier
+    bandwidth: float | str | None = OffloadOptions.bandwidth  # the emulated link's (bytes/s)
+    latency: float | str = OffloadOptions.latency  # the emulated link's (s)
     seconds: float = 4.0  # reading time of each read measurement
     tokens: int = 12  # decode tokens of the compute measurement
     threads: int = 1  # torch compute threads
     workers: int | None = None  # prefetch threads (default: the runtime's for the tier)
-    capacity: str | int = "50%"  # the cache the preset describes (its cache_experts_per_layer)
+    # the cache the preset describes (its cache_experts_per_layer)
+    capacity: str | int = OffloadOptions.capacity
     seed: int = 0
     routing: Path | None = None  # a trace whose decode misses the reads follow (else random)
 
@@ -150,6 +163,9 @@ def check_options(o: CalibrateOptions) -> None:
 
 def with_overrides(options: OffloadOptions, overrides: dict[str, Any]) -> OffloadOptions:
     """``options`` with the named fields replaced; an unknown name is one clear error."""
+    if not isinstance(options, OffloadOptions):
+        raise OffloadError(f"options: expected an OffloadOptions, got {type(options).__name__} "
+                           "(pass single options by name, e.g. capacity='25%')")
     valid = [f.name for f in dataclasses.fields(OffloadOptions)]
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
@@ -206,7 +222,7 @@ def resolve_predictor(options: OffloadOptions, shape: ModelShape,
 
 
 def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
-               model_dir: Path | None, lookahead: str = "auto") -> Predictor:
+               model_dir: Path | None, lookahead: str) -> Predictor:
     from stmoe.predictors import REGISTRY
     from stmoe.predictors.tables import load_tables
 

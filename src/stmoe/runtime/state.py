@@ -39,10 +39,10 @@ class EngineSettings:
     """How an engine serves a model's experts (``stmoe.offload`` resolves them)."""
 
     capacity: int  # experts cached per MoE layer
-    policy: str = "lru"  # which cached expert a load evicts (stmoe.cache_policy)
-    workers: int = 2  # prefetch threads (0: every expert loads on demand)
-    device: torch.device | None = None  # where the caches live; default: the resident weights'
-    max_loads: int | None = None  # loads one prediction may start per layer; default: capacity
+    policy: str  # which cached expert a load evicts (stmoe.cache_policy)
+    workers: int  # prefetch threads (0: every expert loads on demand)
+    device: torch.device | None  # where the caches live; None: the resident weights'
+    max_loads: int | None  # loads one prediction may start per layer; None: capacity
 
 
 Future = dict[tuple[int, int], tuple[int, ...]]  # (forward call, layer) -> the experts it needs

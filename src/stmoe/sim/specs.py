@@ -74,7 +74,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class HostSpec:
-    """The offloading runtime's host pipeline (``sim/host.py``): a CPU computing, a tier
+    """The offloading runtime's host pipeline (``sim/host/pipeline.py``): a CPU computing, a tier
     read by the compute thread's misses and ``workers`` prefetch threads. Written by
     ``stmoe calibrate`` as a ``[host]`` table; the expert compute rate is the spec's
     ``pe_macs_per_cycle * clock_hz``, the tier's single-reader speed its ``link_*``."""

@@ -50,7 +50,7 @@ import torch
 
 from stmoe.errors import OffloadError
 from stmoe.runtime.cache import param_specs
-from stmoe.runtime.calibrate.compute import measure_compute, measure_runtime_reads
+from stmoe.runtime.calibrate.compute import measure_compute, measure_runtime_reads, routed_plan
 from stmoe.runtime.calibrate.reads import (
     PageFaults,
     Reads,
@@ -61,14 +61,14 @@ from stmoe.runtime.calibrate.reads import (
     routed_blocks,
     slab_memory,
 )
-from stmoe.runtime.options import CalibrateOptions, check_options
+from stmoe.runtime.options import CALIBRATED_TIERS, CalibrateOptions, check_options
 from stmoe.runtime.store import open_store
-from stmoe.runtime.store.tiers import open_tier
+from stmoe.runtime.store.tiers import DiskTier, open_tier
 
-__all__ = ["CalibrateOptions", "PageFaults", "Reads", "calibrate", "check_options",
-           "faulted_buffer", "machine", "measure_compute", "measure_latency",
+__all__ = ["CALIBRATED_TIERS", "CalibrateOptions", "PageFaults", "Reads", "calibrate",
+           "check_options", "faulted_buffer", "machine", "measure_compute", "measure_latency",
            "measure_page_faults", "measure_reads", "measure_runtime_reads", "routed_blocks",
-           "slab_memory"]
+           "routed_plan", "slab_memory"]
 
 
 def calibrate(model_dir: str | Path, store: str | Path | None,
@@ -100,7 +100,7 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         one = measure_reads(opened, tier, 1, o.seconds, o.seed, order)
         many = measure_reads(opened, tier, workers + 1, o.seconds, o.seed + 2,
                              order[len(order) // 2 :] if order else None)
-        direct = bool(getattr(tier, "direct", False))
+        direct = isinstance(tier, DiskTier) and tier.direct
     finally:
         tier.close()
     compute = measure_compute(model_dir, opened.path, o, top_k)

@@ -20,7 +20,7 @@ from stmoe.errors import OffloadError
 from stmoe.runtime.cache import param_specs, populate_pages
 from stmoe.runtime.store import ALIGN, Block, ExpertStore
 from stmoe.runtime.store.loader import Loader
-from stmoe.runtime.store.tiers import Tier, padded
+from stmoe.runtime.store.tiers import DiskTier, Tier, padded
 
 
 @dataclass(frozen=True)
@@ -183,8 +183,8 @@ def measure_latency(store: ExpertStore, tier: Tier, seconds: float, seed: int) -
     while not times or (time.perf_counter() < deadline and len(times) < 2000):
         block = rng.choice(blocks)
         start = time.perf_counter()
-        if hasattr(tier, "fd"):  # the disk: one aligned page of the block
-            os.preadv(tier.fd, [memoryview(buf)[:ALIGN]], block.offset)  # type: ignore[attr-defined]
+        if isinstance(tier, DiskTier):  # the disk: one aligned page of the block
+            os.preadv(tier.fd, [memoryview(buf)[:ALIGN]], block.offset)
         else:  # the emulated link: a transfer of one page
             tier.fetch(dataclasses.replace(block, nbytes=ALIGN), buf)
         times.append(time.perf_counter() - start)

@@ -11,20 +11,23 @@
 
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import (
-           ALIGN,
-           STORE_FORMAT,
-           STORE_VERSION,
-           Block,
-           StoreError,
-           TensorSlot,
+    ALIGN,
+    STORE_FORMAT,
+    STORE_VERSION,
+    Block,
+    StoreError,
+    TensorSlot,
 )
 from stmoe.runtime.store.packing import (
-           default_store_dir,
-           ensure_store,
-           open_store,
-           pack,
-           pack_folder,
+    DATA_TEMP,
+    ProgressFactory,
+    default_store_dir,
+    ensure_store,
+    open_store,
+    pack,
+    pack_folder,
 )
 
-__all__ = ["ALIGN", "STORE_FORMAT", "STORE_VERSION", "Block", "ExpertStore", "StoreError",
-           "TensorSlot", "default_store_dir", "ensure_store", "open_store", "pack", "pack_folder"]
+__all__ = ["ALIGN", "DATA_TEMP", "STORE_FORMAT", "STORE_VERSION", "Block", "ExpertStore",
+           "ProgressFactory", "StoreError", "TensorSlot", "default_store_dir", "ensure_store",
+           "open_store", "pack", "pack_folder"]

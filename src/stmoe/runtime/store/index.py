@@ -6,7 +6,7 @@ then every entry on its own terms (a hand-made index with a recomputed checksum
 must still describe a sound store): each (layer, expert) of the grid present
 exactly once, blocks aligned, inside the data file and not overlapping, each
 block's tensors laid end to end and adding up to its size, one layout per layer.
-Whether the blocks fit a given model is ``store_check``'s concern.
+Whether the blocks fit a given model is ``check``'s concern.
 """
 
 from __future__ import annotations

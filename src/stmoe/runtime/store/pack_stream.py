@@ -3,10 +3,10 @@
 ``stmoe pack MODEL_DIR`` must not need the whole model in memory (issue 19: an
 8-layer checkpoint of Qwen3.6-35B-A3B's shape holds 12 GiB of experts). The
 model is built on ``meta`` (shapes and dtypes, no bytes) to learn what a block
-holds: each MoE layer's experts module (``model_introspect``) and its per-expert
-parameters (``store_check.expert_params``), exactly as packing a model in memory
+holds: each MoE layer's experts module (``hf.layout``) and its per-expert
+parameters (``check.expert_params``), exactly as packing a model in memory
 sees them. Each checkpoint key is mapped to those parameters by transformers' own
-loading rules (``loading.conversions``), so both layouts on disk are read:
+loading rules (``hf.loading.conversions``), so both layouts on disk are read:
 
 - fused, as transformers 5 saves and ``stmoe make-model`` writes:
   ``mlp.experts.gate_up_proj`` [N, 2I, H]; expert e is the slice [e];
@@ -104,7 +104,7 @@ class CheckpointExperts:
 
     def blocks(self, record: dict[str, Any]) -> Iterator[tuple[int, int, list[Any]]]:
         """Each (layer, expert, tensors) in store order, then a check that no checkpoint file
-        changed while it was read (``record``: ``store_check.file_records`` taken before),
+        changed while it was read (``record``: ``check.file_records`` taken before),
         raised before the store's index is switched: a store never mixes two checkpoints."""
         for layer in range(len(self.layers)):
             for expert in range(self.num_experts):

@@ -28,13 +28,26 @@ import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
-from stmoe.runtime.options import TIERS, check_link
+from stmoe.runtime.options import MAX_LATENCY, MIN_BANDWIDTH, TIERS, check_link
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import ALIGN, Block, StoreError
 from stmoe.util.units import parse_bytes, parse_seconds
 
-__all__ = ["TIERS", "DiskTier", "EmulatedLinkTier", "PinnedHostTier", "Tier", "aligned_buffer",
-           "check_link", "open_tier", "padded", "parse_bytes", "parse_seconds"]
+__all__ = [
+    "MAX_LATENCY",
+    "MIN_BANDWIDTH",
+    "TIERS",
+    "DiskTier",
+    "EmulatedLinkTier",
+    "PinnedHostTier",
+    "Tier",
+    "aligned_buffer",
+    "check_link",
+    "open_tier",
+    "padded",
+    "parse_bytes",
+    "parse_seconds",
+]
 
 
 
@@ -51,7 +64,8 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 class Tier(Protocol):
     """Where blocks are read from. ``reads_in_place``: ``read_into`` can read a block
     straight into a slot's memory (else it is never called, and ``fetch`` reads into the
-    thread's buffer for a copy). ``runtime.store.loader.Loader`` is the one caller."""
+    thread's buffer for a copy). ``runtime.store.loader.Loader`` is the one caller that
+    brings blocks into slots (calibrate also times one-page reads of its own)."""
 
     name: str
     emulated: bool

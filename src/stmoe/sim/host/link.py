@@ -1,4 +1,4 @@
-"""The tier of the host pipeline (``sim/host.py``): how concurrent expert reads share it.
+"""The tier of the host pipeline (``sim/host/pipeline.py``): how concurrent expert reads share it.
 
 A read's *work* is the time it takes alone (``latency + bytes / bandwidth``, the
 single-reader figures ``stmoe calibrate`` measures). Two models:

@@ -32,7 +32,7 @@ when it ends), then one forward call per decode token. At every MoE layer:
 Prefetch workers (unless paused) take the most urgent request (forward call,
 layer, rank), skip a stale one, claim a slot (the policy's victim among READY
 experts neither pinned nor protected; none: the request is dropped) and read.
-Reads share the tier as ``host_link`` models it. After the prompt, the
+Reads share the tier as ``link`` models it. After the prompt, the
 predictor's set for the first decode token's layer 0 is queued (the oracle's
 sets start with decode). Cache victims come from ``stmoe.cache_policy`` with the
 runtime's stamps (one step per layer call; a prefetch is stamped with the step
