@@ -240,14 +240,14 @@ class _FailingTier:
     name, emulated, reads_in_place = "failing", False, False
 
 
-    def read_into(self, block, parts):
+    def read_into(self, block, parts, between=None):
 
         return False
 
     def __init__(self, inner, exc: BaseException) -> None:
         self.inner, self.exc, self.armed = inner, exc, True
 
-    def fetch(self, block, buf):
+    def fetch(self, block, buf, between=None):
         if self.armed and threading.current_thread().name.startswith("stmoe-prefetch"):
             raise self.exc
         return self.inner.fetch(block, buf)
@@ -331,10 +331,10 @@ def test_a_stuck_load_is_a_clear_error_after_the_stall_limit(mixtral):
             # the Tier protocol: never reads in place, so the loader fetches and copies
             name, emulated, reads_in_place = "stuck", False, False
 
-            def read_into(self, block, parts):
+            def read_into(self, block, parts, between=None):
                 return False
 
-            def fetch(self, block, buf):
+            def fetch(self, block, buf, between=None):
                 if threading.current_thread().name.startswith("stmoe-prefetch"):
                     gate.wait(LIMIT_S)
                 return inner.fetch(block, buf)

@@ -313,7 +313,7 @@ class _FaultyTier:
     name, emulated, reads_in_place = "faulty", False, False
 
 
-    def read_into(self, block, parts):
+    def read_into(self, block, parts, between=None):
 
         return False
 
@@ -321,7 +321,7 @@ class _FaultyTier:
         self.inner, self.only_workers, self.kind = inner, only_workers, kind
         self.armed = False
 
-    def fetch(self, block, buf):
+    def fetch(self, block, buf, between=None):
         worker = threading.current_thread().name.startswith("stmoe-prefetch")
         if self.armed and (worker or not self.only_workers):
             if self.kind == "short":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,6 +20,7 @@ from stmoe.cli.common import (
     print_json,
     write_json,
 )
+from stmoe.cli.generate_report import rows, summary
 from stmoe.errors import StmoeError
 from stmoe.runtime.options import OffloadOptions
 
@@ -64,6 +64,14 @@ def generate_cmd(
     sequence: Annotated[
         int, typer.Option(help="Which sequence of the --routing trace to replay (0 = first).")
     ] = 0,
+    layers: Annotated[
+        str | None,
+        typer.Option(
+            help="With --routing: the trace's MoE layers the model replays, N (the first N) "
+            "or A:B (layers A to B-1, a cut from the middle of the model); as many as the "
+            "model has. Default: the trace's first L, the model's."
+        ),
+    ] = None,
     capacity: Annotated[
         str,
         typer.Option(
@@ -112,6 +120,15 @@ def generate_cmd(
             "this layer routes), or auto (late where the model's norms are recognised)."
         ),
     ] = _DEFAULT.lookahead,
+    admission: Annotated[
+        bool,
+        typer.Option(
+            help="Decide per layer, from what the run measures (the predictor's precision "
+            "by rank, the tier's read time and busy share, the layer's time), whether a "
+            "prefetch is worth its bytes; a layer whose prefetch loses falls back to the "
+            "plain cache and probes again later. --no-admission: every predicted load."
+        ),
+    ] = _DEFAULT.admission,
     tier: Annotated[
         str,
         typer.Option(
@@ -182,6 +199,8 @@ def generate_cmd(
                          "trace's routing), not both" if prompt is not None
                          else "give --prompt TEXT, or --routing TRACE to replay a trace's "
                          "routing")
+    if layers is not None and routing is None:
+        raise StmoeError("--layers applies to --routing (which of the trace's layers to replay)")
     if model is not None and not model.is_dir():
         raise StmoeError(f"{model}: not a folder; --model expects a local transformers "
                          "checkpoint folder")
@@ -201,9 +220,10 @@ def generate_cmd(
         torch.set_num_threads(threads)
     with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
                  policy=policy, tier=tier, bandwidth=bandwidth, latency=latency,
-                 workers=workers, max_loads=max_loads, lookahead=lookahead) as om:
+                 workers=workers, max_loads=max_loads, lookahead=lookahead,
+                 admission=admission) as om:
         if routing is not None:
-            run = _replay(om, routing, sequence, max_new_tokens)
+            run = _replay(om, routing, sequence, max_new_tokens, layers)
         else:
             assert prompt is not None
             run = functools.partial(om.generate, prompt, max_new_tokens=max_new_tokens or 32)
@@ -212,7 +232,7 @@ def generate_cmd(
         if r.tokens != runs[0].tokens:  # lossless offloading gives the same tokens every run
             raise StmoeError(f"run {i} generated other tokens than run 1; the offloaded "
                              "output must not change between runs")
-    data = _summary(runs)
+    data = summary(runs)
     if to_stdout:
         print_json(data)
         return
@@ -222,7 +242,7 @@ def generate_cmd(
     else:  # unwrapped (soft_wrap): copied code keeps its lines
         out.print(plain_label((prompt or "") + runs[0].text, multiline=True), markup=False,
                   soft_wrap=True)
-    out.print(key_value_table("offloaded generation", _rows(runs)))
+    out.print(key_value_table("offloaded generation", rows(runs)))
     out.print("a single run: speed figures swing between runs on a shared machine; "
               "--repeat N reports their median and [min, max]" if repeat == 1 else
               f"median [min, max] of {repeat} runs, each from an empty cache; the same "
@@ -230,88 +250,22 @@ def generate_cmd(
     write_json(data, json_out)
 
 
-# The measured figures of one run (GenerationResult's fields) that may differ between runs.
-FIGURES = (
-    "ttft_s", "decode_s", "decode_tokens_per_s", "hit_rate", "prefetch_recall",
-    "prefetch_precision", "bytes_moved", "bytes_wasted", "stall_s", "stall_share",
-)
-
-
-def _summary(runs: list[Any]) -> dict[str, Any]:
-    """The JSON: run 1's result with each figure the median over the runs, every run's
-    figures under ``repeat`` (``stats`` are run 1's)."""
-    data = runs[0].to_dict()
-    data.update({k: statistics.median(getattr(r, k) for r in runs) for k in FIGURES})
-    data["repeat"] = {"runs": len(runs), "figures": "median over the runs",
-                      "per_run": [{k: getattr(r, k) for k in FIGURES} for r in runs]}
-    return data
-
-
-def _spread(runs: list[Any], key: str, scale: float = 1.0, fmt: str = ".1f") -> str:
-    """One figure: its median, with [min, max] when the runs differ."""
-    values = [getattr(r, key) * scale for r in runs]
-    med = f"{statistics.median(values):{fmt}}"
-    lo, hi = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
-    return med if lo == hi else f"{med} [{lo}, {hi}]"
-
-
-def _rows(runs: list[Any]) -> list[tuple[str, str]]:
-    """The table's rows: the setup in words, then each figure (median [min, max])."""
-    from stmoe.predictors import REGISTRY
-
-    r, c, mib = runs[0], runs[0].config, 1 / 2**20
-    if c["emulated"]:
-        tier = (f"emulated link: {c['bandwidth'] / 1e6:g} MB/s, {c['latency'] * 1e6:g} us "
-                "per transfer (EMULATED)")
-    elif c["tier"] == "disk":
-        tier = "disk, " + ("direct reads (page cache bypassed)" if c.get("direct_io")
-                           else "buffered reads (direct I/O unavailable here)")
-    else:
-        tier = "gpu (pinned host memory to a CUDA cache)"
-    if not getattr(REGISTRY.get(c["predictor"]), "prefetches", True):
-        predictor = f"{c['predictor']}: no prefetch (each miss loads when the router asks)"
-    else:
-        look = f", {c['lookahead']} gate lookahead" if c["lookahead"] else ""
-        predictor = f"{c['predictor']}, up to {c['max_loads']} loads per prediction{look}"
-    return [
-        ("tier", tier),
-        ("cache", f"{c['capacity']} of {c['num_experts']} experts per layer "
-                  f"({c['cache_bytes'] * mib:.1f} MiB), policy {c['policy']}"),
-        ("predictor", predictor),
-        ("tokens", f"{r.prompt_tokens} prompt + {len(r.tokens)} generated"),
-        ("time to first token", _spread(runs, "ttft_s", 1000) + " ms"),
-        ("decode", _spread(runs, "decode_tokens_per_s") + " tokens/s"),
-        ("hit rate (decode)", _spread(runs, "hit_rate", fmt=".3f")),
-        ("prefetch recall / precision", _spread(runs, "prefetch_recall", fmt=".3f") + " / "
-                                        + _spread(runs, "prefetch_precision", fmt=".3f")),
-        ("bytes moved / wasted", _spread(runs, "bytes_moved", mib) + " / "
-                                 + _spread(runs, "bytes_wasted", mib) + " MiB"),
-        ("stall (decode)", _spread(runs, "stall_s", fmt=".3f") + " s, "
-                           + _spread(runs, "stall_share", 100) + "% of decode time"),
-        ("reads of the tier (decode)", _reads(runs, "demand") + " by the compute thread (its "
-                                       "misses), " + _reads(runs, "prefetch") + " by the "
-                                       "prefetch workers"),
-    ]
-
-
-def _reads(runs: list[Any], kind: str) -> str:
-    """The decode's expert reads of ``kind`` ("demand", "prefetch"): how many and the mean
-    time of one (median over the runs): the tier's speed as the run met it."""
-    decode = [r.stats["phases"]["decode"] for r in runs]
-    count = statistics.median(d[f"{kind}_reads"] for d in decode)
-    times = [1000 * d[f"{kind}_read_s"] / d[f"{kind}_reads"] for d in decode if d[f"{kind}_reads"]]
-    return f"{count:g}" + (f", {statistics.median(times):.2f} ms each" if times else "")
-
-
-def _replay(om: Any, routing: Path, sequence: int,
-            max_new_tokens: int | None) -> Callable[[], Any]:
-    """One replay of the trace's sequence through the offloaded model
+def _replay(om: Any, routing: Path, sequence: int, max_new_tokens: int | None,
+            layers: str | None = None) -> Callable[[], Any]:
+    """One replay of the trace's sequence (its ``layers``) through the offloaded model
     (``OffloadedModel.force_routing``), as a call to repeat."""
     from stmoe.runtime.forced_routing import plan_routing
     from stmoe.trace import load_trace
+    from stmoe.trace.select import select_layers
 
     trace = load_trace(routing)
     c = om.config
+    if layers is not None:
+        trace = select_layers(trace, layers)
+        if trace.num_layers != c["num_layers"]:
+            raise StmoeError(f"--layers {layers}: {trace.num_layers} MoE layers of the trace "
+                             f"for a model of {c['num_layers']}; give as many as the model "
+                             "has")
     vocab = int(getattr(om.model.config, "vocab_size", 0) or 1)
     plan = plan_routing(trace, sequence, c["num_layers"], c["num_experts"], c["top_k"], vocab)
     return functools.partial(om.force_routing, plan, max_new_tokens)

@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from stmoe.cli.common import check_range, clean_label, out, path_option
+from stmoe.errors import StmoeError
+from stmoe.util.units import UnitError, parse_layer_range
 
 
 def make_model_cmd(
@@ -22,9 +24,12 @@ def make_model_cmd(
     ],
     output: Annotated[Path, path_option("--output", "-o", help="Checkpoint folder to write.")],
     layers: Annotated[
-        int | None,
+        str | None,
         typer.Option(
-            "--layers", help="Only the first N MoE layers (default: all of the preset's)."
+            "--layers",
+            help="Only N MoE layers (default: all of the preset's): N, or A:B for layers A "
+            "to B-1 (the same shape: with random weights any B-A layers are alike; the "
+            "range is for the routing, `profile` / `generate --routing` --layers A:B).",
         ),
     ] = None,
     dtype: Annotated[
@@ -47,9 +52,15 @@ def make_model_cmd(
     from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
 
     check_range("--seed", seed, 0)
-    check_range("--layers", layers, 1)
-
-    plan = plan_checkpoint(like, layers, dtype)
+    count = None
+    if layers is not None:
+        total = plan_checkpoint(like, None, dtype).spec.layers
+        try:
+            start, stop = parse_layer_range(layers, total)
+        except UnitError as exc:
+            raise StmoeError(str(exc)) from None
+        count = stop - start
+    plan = plan_checkpoint(like, count, dtype)
     spec, cfg = plan.spec, plan.config
     expert_mib = 3 * spec.hidden * spec.expert_intermediate * (2 if dtype != "float32" else 4)
     out.print(f"{clean_label(like)}: {cfg.model_type}, {cfg.num_hidden_layers} MoE layers x "

@@ -36,7 +36,7 @@ from stmoe.predictors import (
 from stmoe.predictors.base import ModelShape
 from stmoe.predictors.tables import ProfiledTables
 from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
-from stmoe.trace.select import first_layers
+from stmoe.trace.select import select_layers
 
 SplitOpt = Annotated[
     float | None,
@@ -71,10 +71,11 @@ def profile_cmd(
         typer.Option(help="Also keep tables of each domain (needed by stmoe-mix)."),
     ] = False,
     layers: Annotated[
-        int | None,
+        str | None,
         typer.Option(
-            help="Profile the first N MoE layers only (for a model with N of the "
-            "trace's layers, e.g. `stmoe make-model --layers N`)."
+            help="Profile MoE layers N (the first N) or A:B (layers A to B-1, a cut from the "
+            "middle) only, renumbered from 0: for a model of those layers, e.g. `stmoe "
+            "make-model --layers N`, replayed with `generate --routing --layers` alike."
         ),
     ] = None,
 ) -> None:
@@ -90,7 +91,7 @@ def profile_cmd(
     check_range("--split", split, 0, 1, exclusive=True)
     trace = _select(import_files(traces), domain, split, 0)
     if layers is not None:
-        trace = first_layers(trace, layers)
+        trace = select_layers(trace, layers)
     tables = profile(trace, row_width=row_width, by_domain=by_domain)
     save_tables(tables, output)
     out.print(

@@ -246,7 +246,7 @@ def offload(
     ``OffloadOptions`` (default: its defaults); ``overrides``: any of its fields by
     name, e.g. ``offload(d, capacity="25%", tier="emulated", bandwidth="1GB")`` (an
     unknown name is refused with the list). The fields: capacity, predictor, tables,
-    policy, tier, bandwidth, latency, workers, max_loads, lookahead
+    policy, tier, bandwidth, latency, workers, max_loads, lookahead, admission
     (``help(stmoe.runtime.options.OffloadOptions)`` says what each does).
     """
     options = with_overrides(options or OffloadOptions(), overrides)
@@ -304,7 +304,7 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
         layout = ModelLayout.of(model)
     source = open_tier(options.tier, expert_store, options.bandwidth, options.latency)
     settings = EngineSettings(per_layer, options.policy, options.worker_count(), device,
-                              options.max_loads)
+                              options.max_loads, options.admission)
     try:
         engine = OffloadEngine(model, expert_store, source, pred, settings, layout)
     except BaseException:
@@ -314,7 +314,7 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
     config = {"store": str(expert_store.path), "capacity": per_layer, "capacity_share":
               per_layer / shape.num_experts, "predictor": pred.name, "policy": settings.policy,
               "tier": options.tier, "emulated": source.emulated, "workers": settings.workers,
-              "max_loads": engine.max_loads,
+              "max_loads": engine.max_loads, "admission": settings.admission,
               "lookahead": pred.point if pred.uses_lookahead else None,
               "num_layers": shape.num_layers, "num_experts": shape.num_experts,
               "top_k": shape.top_k, "expert_bytes": engine.expert_bytes,

@@ -203,6 +203,7 @@ class LayerCache:
         ``(None, False)`` when the expert is already here or every slot is busy. An id
         outside the layer's experts is refused before anything changes.
         """
+        self.last_evicted: int | None = None  # the expert this claim displaced, if any
         if expert in self.where:
             return None, False
         if not 0 <= expert < len(self.uses):
@@ -218,6 +219,7 @@ class LayerCache:
             if slot is None:
                 return None, False
             wasted = self.prefetched[slot] and not self.used[slot]
+            self.last_evicted = self.holder[slot]
             del self.where[self.holder[slot]]
         self.where[expert] = slot
         self.holder[slot] = expert

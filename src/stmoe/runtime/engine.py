@@ -28,6 +28,7 @@ from stmoe.cache_policy import RUNTIME, policy_code
 from stmoe.errors import OffloadError
 from stmoe.hf.layout import ModelLayout
 from stmoe.predictors.base import Predictor
+from stmoe.runtime.admission import Admission
 from stmoe.runtime.cache import READY, LayerCache, param_specs
 from stmoe.runtime.hf_glue import ForwardHooks, base_forward, resident_device, take_over
 from stmoe.runtime.planning import PrefetchPlanner, gate_lookahead
@@ -91,6 +92,9 @@ class OffloadEngine:
                             cache.abandon(s)
             self.state.run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), future,
                                       self.num_layers)
+            if self.settings.admission:  # measured afresh in every run
+                self.state.run.admission = Admission(self.num_layers, self.capacity,
+                                                     self.predictor.horizon)
             self.prefetcher.discard_error()
 
     @property
@@ -113,6 +117,8 @@ class OffloadEngine:
                     c.prefetched[s] = False
             for phase in stats.phases.values():
                 phase.sync()
+            if self.state.run.admission is not None:
+                stats.admission = self.state.run.admission.summary()
             return stats
 
     def close(self) -> None:

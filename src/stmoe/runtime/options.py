@@ -53,6 +53,8 @@ class OffloadOptions:
         layer's MoE input, as this layer routes), late (on its own input through its
         pre-MoE norm, as that layer starts: closer to the router, less time to load),
         or auto (late where the model's norms are recognised).
+    admission: decide per layer, from what the run measures, whether a prefetch is
+        worth its bytes (``runtime.admission``); False: every predicted load is made.
     """
 
     capacity: int | str = "50%"
@@ -65,6 +67,7 @@ class OffloadOptions:
     workers: int | None = None
     max_loads: int | None = None
     lookahead: str = "auto"
+    admission: bool = True
 
     def check(self) -> None:
         """Refuse an unknown tier or cache policy, a link setting the tier does not take or

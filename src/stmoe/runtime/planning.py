@@ -176,6 +176,9 @@ class PrefetchPlanner:
         """Record the prediction for (``fwd``, ``layer``), keep its experts from eviction
         and queue the loads of those not cached."""
         with self.state.cv:
+            run = self.state.run
+            if run.admission is not None and run.future is None:  # the oracle is the bound
+                experts = run.admission.admit(fwd, layer, experts)
             self.state.run.pending[layer] = (fwd, frozenset(experts))
             self.state.caches[layer].protected = frozenset(experts)
             self.prefetcher.request(fwd, layer, experts, self.max_loads)

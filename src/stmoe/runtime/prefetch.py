@@ -73,11 +73,11 @@ class Prefetcher:
             self.work.notify(len(self._threads))
 
     def pause(self, paused: bool) -> None:
-        """(lock held) Hold back new loads while the compute thread stalls (loads in flight
-        go on); unpausing wakes the workers."""
+        """(lock held) Hold back new loads while the compute thread stalls; loads in flight
+        for other layers wait at their next chunk (``_between``). Every change wakes the
+        workers: one waiting at a chunk may now be needed by the layer that stalls."""
         self.paused = paused
-        if not paused and self.queue:
-            self.work.notify(len(self._threads))
+        self.work.notify_all()
 
     def cancel(self) -> None:
         """(lock held) Forget every queued request (loads in flight go on)."""
@@ -169,6 +169,12 @@ class Prefetcher:
         if slot is None:
             return None
         state.run.stats.bytes_wasted += wasted * state.expert_bytes
+        admission = state.run.admission
+        if admission is not None and cache.last_evicted is not None:
+            if wasted:
+                admission.wasted_read(layer)
+            else:  # a cached expert LRU would have kept: a miss of it is prefetch's cost
+                admission.evicted(layer, cache.last_evicted)
         return cache, slot, layer, expert, state.run.phase
 
     def _load(self, job: Job, buf: object, stream: object) -> None:
@@ -177,12 +183,22 @@ class Prefetcher:
         cache, slot, layer, expert, phase = job
         block = state.store.blocks[(layer, expert)]
         start = time.perf_counter()
-        state.loader.fill(cache, slot, block, buf, stream)
+        state.loader.fill(cache, slot, block, buf, stream, lambda: self._between(layer))
         took = time.perf_counter() - start
         with state.cv:
             cache.filled(slot)
             state.run.stats.loaded(phase, "prefetch", block.nbytes, took)
             state.cv.notify_all()
+
+    def _between(self, layer: int) -> None:
+        """Between two chunks of a worker's read for ``layer``: while the compute thread
+        stalls at another layer, wait (it reads what it needs first; the slot stays
+        LOADING). Never for the stalled layer itself: its experts, or the slots it waits
+        to claim, are what this read brings."""
+        with self.state.cv:
+            while (self.paused and not self._closing
+                   and self.state.run.pos[1] != layer):
+                self.work.wait(timeout=WAIT_S)
 
     def _failed(self, job: Job | None, exc: BaseException) -> None:
         """Keep the failure for the compute thread, free the job's slot, wake the waiter."""

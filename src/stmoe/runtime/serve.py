@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.runtime.admission import record_call
 from stmoe.runtime.arrange import plan_id_order
 from stmoe.runtime.cache import LOADING, READY, TEMP, LayerCache
 from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering
@@ -222,6 +223,8 @@ class LayerServer:
                                       for e in needed))
             if run.future is not None and not run.future:  # the oracle's recording pass
                 run.routing_log[(run.fwd, layer)] = tuple(needed)
+            if run.admission is not None and run.phase == "decode":
+                record_call(run, cache, layer, needed, time.perf_counter())
         return predicted
 
     def _touch(self, cache: LayerCache, slots: Slots) -> None:
@@ -279,6 +282,8 @@ class LayerServer:
                     extra.append(e)  # beyond the capacity: read by the compute step
                 else:
                     state.run.stats.bytes_wasted += wasted * state.expert_bytes
+                    if wasted and state.run.admission is not None:
+                        state.run.admission.wasted_read(cache.layer)
                     self._load_into(cache, slot, e)
                     slots[e] = slot
                 todo.remove(e)

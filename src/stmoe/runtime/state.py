@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.runtime.admission import Admission
 from stmoe.runtime.cache import LayerCache
 from stmoe.runtime.forced_routing import RoutingSource
 from stmoe.runtime.stats import RuntimeStats
@@ -43,6 +44,7 @@ class EngineSettings:
     workers: int  # prefetch threads (0: every expert loads on demand)
     device: torch.device | None  # where the caches live; None: the resident weights'
     max_loads: int | None  # loads one prediction may start per layer; None: capacity
+    admission: bool  # decide per layer whether prefetch pays (runtime.admission)
 
 
 Future = dict[tuple[int, int], tuple[int, ...]]  # (forward call, layer) -> the experts it needs
@@ -66,6 +68,9 @@ class RunState:
     started: float = field(default_factory=time.perf_counter)
     prefill_routing: list[np.ndarray] = field(default_factory=list)  # the prompt's, per layer
     mask: np.ndarray | None = None  # [B, S] real (not padding) positions of this call
+    admission: Admission | None = None  # per-layer prefetch admission (None: every load)
+    # (perf_counter, read seconds so far) at the last decode layer call: admission's timings
+    last_call: tuple[float, float, int] | None = None
 
     def __post_init__(self) -> None:
         self.pending = [None] * self.num_layers

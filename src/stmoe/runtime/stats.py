@@ -115,6 +115,7 @@ class RuntimeStats:
     demand_loads: int = 0
     stale_dropped: int = 0  # prefetch requests dropped because their layer had passed
     overflow_loads: int = 0  # experts a call needed beyond the capacity (read into spare rows)
+    admission: dict[str, Any] | None = None  # what prefetch admission did (runtime.admission)
 
     def __post_init__(self) -> None:
         self.phases = {p: PhaseCounters(self.num_layers) for p in PHASES}
@@ -142,4 +143,5 @@ class RuntimeStats:
             "overflow_loads": self.overflow_loads,
             "expert_bytes": self.expert_bytes,
             "phases": {p: c.summary(per_layer) for p, c in self.phases.items()},
+            **({"admission": self.admission} if self.admission is not None else {}),
         }

@@ -10,6 +10,7 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.schema import RoutingTrace, validate
+from stmoe.util.units import UnitError, parse_layer_range
 
 
 def select_sequences(trace: RoutingTrace, indices: Sequence[int] | np.ndarray) -> RoutingTrace:
@@ -214,3 +215,23 @@ def first_layers(trace: RoutingTrace, n: int) -> RoutingTrace:
         trace, experts=cut(trace.experts), weights=cut(trace.weights),
         lookahead=cut(trace.lookahead), lookahead_late=cut(trace.lookahead_late),
         meta=dataclasses.replace(trace.meta, num_layers=n)))
+
+
+def select_layers(trace: RoutingTrace, layers: int | str) -> RoutingTrace:
+    """MoE layers ``layers`` of the trace: ``N`` the first N, ``"A:B"`` layers A..B-1 (a
+    cut from the middle of the model, routed by a checkpoint of B-A layers); renumbered
+    from 0 (``util.units.parse_layer_range``'s grammar)."""
+    try:
+        start, stop = parse_layer_range(layers, trace.num_layers)
+    except UnitError as exc:
+        raise TraceError(str(exc)) from None
+    if (start, stop) == (0, trace.num_layers):
+        return trace
+
+    def cut(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.ascontiguousarray(np.asarray(a)[:, start:stop])
+
+    return validate(dataclasses.replace(
+        trace, experts=cut(trace.experts), weights=cut(trace.weights),
+        lookahead=cut(trace.lookahead), lookahead_late=cut(trace.lookahead_late),
+        meta=dataclasses.replace(trace.meta, num_layers=stop - start)))

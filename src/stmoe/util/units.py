@@ -104,3 +104,19 @@ def parse_capacity(capacity: int | str, *, allow_bytes: bool = True) -> Capacity
         if isinstance(exc, UnitError):
             raise
         raise UnitError(f"capacity {capacity!r}: {CAPACITY_GRAMMAR}") from None
+
+
+def parse_layer_range(layers: int | str, total: int) -> tuple[int, int]:
+    """``N`` (the first N MoE layers) or ``"A:B"`` (layers A to B-1) of ``total``, as
+    (start, stop); a range outside 0..total is refused naming both forms."""
+    text = str(layers).strip()
+    start_text, sep, stop_text = text.partition(":")
+    try:
+        start, stop = (int(start_text), int(stop_text)) if sep else (0, int(text))
+    except ValueError:
+        raise UnitError(f"--layers {text!r}: expected N (the first N MoE layers) or A:B "
+                        "(layers A to B-1)") from None
+    if not 0 <= start < stop <= total:
+        raise UnitError(f"--layers {text}: there are {total} MoE layers (expected N in "
+                        f"1..{total} or A:B with 0 <= A < B <= {total})")
+    return start, stop

@@ -24,7 +24,7 @@ import torch
 
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import Block
-from stmoe.runtime.store.tiers import Tier
+from stmoe.runtime.store.tiers import Between, Tier
 
 
 class SlotMemory(Protocol):
@@ -42,11 +42,12 @@ class Loader:
         self.tier, self.store = tier, store
 
     def fill(self, cache: SlotMemory, slot: int, block: Block, buf: Any,
-             stream: Any = None) -> None:
+             stream: Any = None, between: Between = None) -> None:
         """Bring ``block`` into row ``slot`` of ``cache`` (``buf``: the reading thread's
-        aligned buffer; ``stream``: its CUDA stream, or None)."""
+        aligned buffer; ``stream``: its CUDA stream, or None; ``between``: called between
+        chunks of the read, where a prefetch waits for a stalled compute thread)."""
         parts = cache.slot_parts(slot) if self.tier.reads_in_place else None
-        src = self.read(block, parts, buf)
+        src = self.read(block, parts, buf, between)
         if src is not None:
             cache.write(slot, src, stream)
 
@@ -66,12 +67,13 @@ class Loader:
         assert src is not None  # (no parts: always the tier's bytes)
         return src
 
-    def read(self, block: Block, parts: list[np.ndarray] | None,
-             buf: Any) -> torch.Tensor | None:
+    def read(self, block: Block, parts: list[np.ndarray] | None, buf: Any,
+             between: Between = None) -> torch.Tensor | None:
         """Straight into ``parts`` where the tier reads in place (None returned: nothing
         left to copy), else the tier's bytes, complete (a short read refused)."""
-        if parts is not None and self.tier.reads_in_place and self.tier.read_into(block, parts):
+        tier = self.tier
+        if parts is not None and tier.reads_in_place and tier.read_into(block, parts, between):
             return None
-        src = self.tier.fetch(block, buf)
+        src = tier.fetch(block, buf, between)
         self.store.check_size(block, src.numel())
         return src

@@ -22,6 +22,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -71,11 +72,28 @@ class Tier(Protocol):
     emulated: bool
     reads_in_place: bool
 
-    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor: ...
+    def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor: ...
 
-    def read_into(self, block: Block, parts: list[np.ndarray]) -> bool: ...
+    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None) -> bool:
+        ...
 
     def close(self) -> None: ...
+
+
+# Reads of whole blocks go in chunks of this many bytes (a multiple of ALIGN), calling
+# ``between()`` before each chunk after the first: a prefetch worker waits there while the
+# compute thread stalls, so a demand read queues behind one chunk of a prefetch, never a
+# whole expert (docs/runtime.md, Demand first). 4 MiB: on the development VM's disk 1 MiB
+# reads cost a 17 MB expert's read 12-15% more, 4 MiB 5% (benchmarks/bench_chunked_reads.py).
+CHUNK_BYTES = 4 << 20
+Between = Callable[[], None] | None
+
+
+def chunks(total: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, end) byte ranges of ``total`` in ``chunk``-sized pieces (one piece: 0)."""
+    if chunk <= 0 or total <= chunk:
+        return [(0, total)]
+    return [(s, min(s + chunk, total)) for s in range(0, total, chunk)]
 
 
 class DiskTier:
@@ -87,6 +105,7 @@ class DiskTier:
 
     def __init__(self, store: ExpertStore, direct: bool = True) -> None:
         self.store = store
+        self.chunk_bytes = CHUNK_BYTES
         self.direct = False
         fd = -1
         if direct and hasattr(os, "O_DIRECT"):
@@ -103,28 +122,39 @@ class DiskTier:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
+    def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
         size = padded(block) if self.direct else block.nbytes
-        got = self._read(block, [memoryview(buf)[:size]])
+        got = self._read(block, [memoryview(buf)[:size]], between)
         self.store.check_block(block, memoryview(buf)[: min(got, block.nbytes)])
         return torch.frombuffer(buf, dtype=torch.uint8, count=block.nbytes)
 
-    def read_into(self, block: Block, parts: list[np.ndarray]) -> bool:
+    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None) -> bool:
         """Read ``block`` straight into ``parts`` (its tensors' destinations in block order,
-        uint8: a cache slot's memory), checked: one read, no copy. False (nothing read)
-        where O_DIRECT cannot (a part not page-aligned in address or length)."""
+        uint8: a cache slot's memory), checked: no copy. False (nothing read) where
+        O_DIRECT cannot (a part not page-aligned in address or length)."""
         if self.direct and any(p.ctypes.data % ALIGN or p.nbytes % ALIGN for p in parts):
             return False
         views = [memoryview(p) for p in parts]
-        self.store.check_size(block, self._read(block, views))
+        self.store.check_size(block, self._read(block, views, between))
         self.store.check_parts(block, views)
         return True
 
-    def _read(self, block: Block, views: list[memoryview]) -> int:
-        """One ``preadv`` of ``block`` into ``views`` (page cache dropped after it where
-        O_DIRECT is off); the bytes read."""
+    def _read(self, block: Block, views: list[memoryview], between: Between = None) -> int:
+        """``block`` into ``views``: one ``preadv``, or with ``between`` one per chunk,
+        ``between()`` before each after the first (page cache dropped after it where
+        O_DIRECT is off); the bytes read (a short read stops there)."""
         try:
-            got = os.preadv(self.fd, views, block.offset)
+            if between is None:
+                got = os.preadv(self.fd, views, block.offset)
+            else:
+                got = 0
+                for i, piece in enumerate(_pieces(views, self.chunk_bytes)):
+                    if i:
+                        between()
+                    n = os.preadv(self.fd, piece, block.offset + got)
+                    got += n
+                    if n < sum(map(len, piece)):
+                        break
         except OSError as exc:
             raise StoreError(f"{self.store.data_path}: reading layer {block.layer}, expert "
                              f"{block.expert} failed: {exc.strerror}") from None
@@ -171,25 +201,54 @@ class EmulatedLinkTier:
         )
         self._lock = threading.Lock()
         self._free_at = 0.0  # time.perf_counter() when the link is next idle
+        self.chunk_bytes = CHUNK_BYTES
 
     def transfer_time(self, nbytes: int) -> float:
         return self.latency + nbytes / self.bandwidth
 
-    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
+    def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
+        """After the block's transfer time on the shared link: one transfer, or with
+        ``between`` one per chunk (the latency paid once, by the first), so another
+        reader's transfer can go between two chunks."""
+        pieces = [(0, block.nbytes)] if between is None else chunks(block.nbytes,
+                                                                    self.chunk_bytes)
+        for i, (start, end) in enumerate(pieces):
+            if i:
+                between()
+            self._transfer((self.latency if i == 0 else 0.0) + (end - start) / self.bandwidth)
+        return self.host[block.offset : block.offset + block.nbytes]
+
+    def _transfer(self, seconds: float) -> None:
+        """Hold the link for ``seconds`` after whatever is queued on it (FIFO)."""
         with self._lock:
             start = max(time.perf_counter(), self._free_at)
-            self._free_at = done = start + self.transfer_time(block.nbytes)
+            self._free_at = done = start + seconds
         wait = done - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
-        return self.host[block.offset : block.offset + block.nbytes]
 
-    def read_into(self, block: Block, parts: list[np.ndarray]) -> bool:
+    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None) -> bool:
         """Never reads in place (``reads_in_place`` is False)."""
         return False
 
     def close(self) -> None:
         self.host = torch.empty(0, dtype=torch.uint8)
+
+
+def _pieces(views: list[memoryview], chunk: int) -> list[list[memoryview]]:
+    """``views`` (destinations laid end to end) cut into lists of at most ``chunk`` bytes
+    each, in order: one ``preadv`` each."""
+    out: list[list[memoryview]] = [[]]
+    room = chunk
+    for v in views:
+        while len(v):
+            take = min(room, len(v))
+            out[-1].append(v[:take])
+            v, room = v[take:], room - take
+            if room == 0:
+                out.append([])
+                room = chunk
+    return [p for p in out if p]
 
 
 def _host_copy(store: ExpertStore) -> mmap.mmap | bytearray:
@@ -219,10 +278,10 @@ class PinnedHostTier:
             store.check_block(block, memoryview(raw)[block.offset : block.offset + block.nbytes])
         self.host = torch.frombuffer(bytearray(raw), dtype=torch.uint8).pin_memory()
 
-    def fetch(self, block: Block, buf: mmap.mmap) -> torch.Tensor:
+    def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
         return self.host[block.offset : block.offset + block.nbytes]
 
-    def read_into(self, block: Block, parts: list[np.ndarray]) -> bool:
+    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None) -> bool:
         """Never reads in place (``reads_in_place`` is False)."""
         return False
 
