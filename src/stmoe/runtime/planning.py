@@ -84,7 +84,7 @@ class PrefetchPlanner:
         if run.phase == "prefill" and run.future is None and run.prefill_routing:
             self._replay_prefill()
             for fwd, target in self._targets(self.state.num_layers - 1)[-self.horizon :]:
-                self._prefetch(fwd, target, self._predicted(fwd, target))
+                self._plan(fwd, target)
 
     def layer_started(self, layer: int, hidden: torch.Tensor) -> None:
         """Before MoE layer ``layer``'s decoder layer runs: the late lookahead (its router
@@ -94,7 +94,7 @@ class PrefetchPlanner:
             return
         assert self.late is not None
         self._lookahead(layer, hidden, self.late[layer][1])
-        self._prefetch(run.fwd, layer, self._predicted(run.fwd, layer))
+        self._plan(run.fwd, layer)
 
     # ---- each MoE layer (serve.LayerServer) ------------------------------------------
     def after_routing(self, layer: int, rows: np.ndarray, hidden: torch.Tensor) -> None:
@@ -118,7 +118,7 @@ class PrefetchPlanner:
               and layer + 1 < self.state.num_layers):
             self._lookahead(layer + 1, hidden)
         for fwd, target in targets:
-            self._prefetch(fwd, target, self._predicted(fwd, target))
+            self._plan(fwd, target)
 
     # ---- helpers -----------------------------------------------------------------------
     def _replay_prefill(self) -> None:
@@ -171,6 +171,19 @@ class PrefetchPlanner:
                                f"layer {layer}, outside this model's experts 0..{n - 1} (its "
                                "tables were profiled on another model?)")
         return out
+
+    def _plan(self, fwd: int, layer: int) -> None:
+        """Predict (call ``fwd``, ``layer``) and queue its loads, unless admission has the
+        layer's prefetch off: then the predictor is not asked (its cost on the compute
+        thread is what prefetch would have to repay); it still learns every routing."""
+        run = self.state.run
+        if run.admission is not None and run.future is None and not run.admission.wants(layer):
+            with self.state.cv:
+                run.admission.skipped(fwd, layer)
+                run.pending[layer] = (fwd, frozenset())
+                self.state.caches[layer].protected = frozenset()
+            return
+        self._prefetch(fwd, layer, self._predicted(fwd, layer))
 
     def _prefetch(self, fwd: int, layer: int, experts: list[int]) -> None:
         """Record the prediction for (``fwd``, ``layer``), keep its experts from eviction
