@@ -63,6 +63,9 @@ MOVED = {
 class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds only the names in ``MOVED``; loads each as its new module."""
 
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec] = {}  # old name -> real spec
+
     def find_spec(self, fullname: str, path: object = None, target: object = None
                   ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED:
@@ -74,12 +77,12 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         warnings.warn(f"{spec.name} moved to {new}; import it from there",
                       DeprecationWarning, stacklevel=2)
         module = importlib.import_module(new)
-        self._spec = module.__spec__
+        self._specs[spec.name] = module.__spec__
         return module
 
     def exec_module(self, module: ModuleType) -> None:
         # the import system set the alias's spec on the real module: give it its own back
-        module.__spec__ = self._spec
+        module.__spec__ = self._specs.pop(module.__spec__.name)
 
 
 def install() -> None:

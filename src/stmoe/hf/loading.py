@@ -119,7 +119,8 @@ def conversions(model: torch.nn.Module) -> tuple[list[Any], list[Any]] | None:
     return renamings, [t for t in transforms if not isinstance(t, WeightRenaming)]
 
 
-def _renamer(model: torch.nn.Module) -> Callable[[str], str | None]:
+def _renamer(model: torch.nn.Module,
+             prefixes: tuple[str, ...]) -> Callable[[str], str | None]:
     """Checkpoint key -> the model's parameter name, by transformers' own renaming rules;
     None for a key that a converter (fusing several tensors) would produce, unless it is
     an expert's."""
@@ -129,7 +130,6 @@ def _renamer(model: torch.nn.Module) -> Callable[[str], str | None]:
     from transformers.core_model_loading import rename_source_key
 
     renamings, converters = rules
-    prefixes = ModelLayout.of(model).prefixes()
 
     def rename(key: str) -> str | None:
         name, converted = rename_source_key(key, renamings, converters)
@@ -160,7 +160,7 @@ def load_without_experts(model_dir: str | Path) -> LoadedModel:
         return LoadedModel(load_causal_lm(path), full_load=True)  # its errors are clear
     model = meta_model(path)
     prefixes = ModelLayout.of(model).prefixes()
-    rename = _renamer(model)
+    rename = _renamer(model, prefixes)
     state = {}
     for f in files:
         with safe_open(str(f), framework="pt") as handle:

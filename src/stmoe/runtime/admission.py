@@ -85,10 +85,6 @@ class Admission:
         """Whether ``layer``'s prefetch is on (else the planner does not even predict)."""
         return self.layers[layer].on
 
-    def skipped(self, fwd: int, layer: int) -> None:
-        """(prefetch off) No prediction was made for (call ``fwd``, ``layer``)."""
-        self.layers[layer].prediction = None
-
     def waste_cost(self) -> float:
         """Saved reads a wasted read costs: the tier's busy share (0 idle .. 1 saturated)."""
         return min(1.0, max(0.0, self.busy))

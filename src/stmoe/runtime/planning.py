@@ -177,13 +177,8 @@ class PrefetchPlanner:
         layer's prefetch off: then the predictor is not asked (its cost on the compute
         thread is what prefetch would have to repay); it still learns every routing."""
         run = self.state.run
-        if run.admission is not None and run.future is None and not run.admission.wants(layer):
-            with self.state.cv:
-                run.admission.skipped(fwd, layer)
-                run.pending[layer] = (fwd, frozenset())
-                self.state.caches[layer].protected = frozenset()
-            return
-        self._prefetch(fwd, layer, self._predicted(fwd, layer))
+        off = run.admission is not None and run.future is None and not run.admission.wants(layer)
+        self._prefetch(fwd, layer, [] if off else self._predicted(fwd, layer))
 
     def _prefetch(self, fwd: int, layer: int, experts: list[int]) -> None:
         """Record the prediction for (``fwd``, ``layer``), keep its experts from eviction

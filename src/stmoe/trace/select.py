@@ -205,16 +205,7 @@ def first_layers(trace: RoutingTrace, n: int) -> RoutingTrace:
     if not 1 <= n <= trace.num_layers:
         raise TraceError(f"--layers {n}: the trace has {trace.num_layers} MoE layers",
                          expected=f"1..{trace.num_layers}")
-    if n == trace.num_layers:
-        return trace
-
-    def cut(a: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None else np.asarray(a)[:, :n]
-
-    return validate(dataclasses.replace(
-        trace, experts=cut(trace.experts), weights=cut(trace.weights),
-        lookahead=cut(trace.lookahead), lookahead_late=cut(trace.lookahead_late),
-        meta=dataclasses.replace(trace.meta, num_layers=n)))
+    return select_layers(trace, n)
 
 
 def select_layers(trace: RoutingTrace, layers: int | str) -> RoutingTrace:

@@ -86,24 +86,22 @@ def parse_capacity(capacity: int | str, *, allow_bytes: bool = True) -> Capacity
     text = str(capacity).strip()
     if isinstance(capacity, bool):
         raise UnitError(f"capacity {capacity!r}: {CAPACITY_GRAMMAR}")
-    try:
-        if isinstance(capacity, int) or text.isdigit():
-            return Capacity("count", int(text))
-        if text.endswith("%"):
-            share = float(text[:-1])
-            if not (math.isfinite(share) and 0 <= share <= 100):
-                raise UnitError(f"capacity {capacity!r}: expected a share from 0% to 100%")
-            return Capacity("share", share)
-        if not allow_bytes:
-            raise ValueError(text)
+    if isinstance(capacity, int) or text.isdigit():
+        return Capacity("count", int(text))
+    if text.endswith("%"):
         try:
-            return Capacity("bytes", parse_bytes(text))
-        except UnitError as exc:
-            raise UnitError(f"capacity {text!r}: {CAPACITY_GRAMMAR} ({exc})") from None
-    except ValueError as exc:
-        if isinstance(exc, UnitError):
-            raise
-        raise UnitError(f"capacity {capacity!r}: {CAPACITY_GRAMMAR}") from None
+            share = float(text[:-1])
+        except ValueError:
+            raise UnitError(f"capacity {capacity!r}: {CAPACITY_GRAMMAR}") from None
+        if not (math.isfinite(share) and 0 <= share <= 100):
+            raise UnitError(f"capacity {capacity!r}: expected a share from 0% to 100%")
+        return Capacity("share", share)
+    if not allow_bytes:
+        raise UnitError(f"capacity {capacity!r}: {CAPACITY_GRAMMAR}")
+    try:
+        return Capacity("bytes", parse_bytes(text))
+    except UnitError as exc:
+        raise UnitError(f"capacity {text!r}: {CAPACITY_GRAMMAR} ({exc})") from None
 
 
 def parse_layer_range(layers: int | str, total: int) -> tuple[int, int]:
