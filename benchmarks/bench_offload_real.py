@@ -29,11 +29,15 @@ the memory-mapped checkpoint and accelerate's disk offload (``pip install -e
 '.[bench]'``). Last, every expert cached, warm, against plain transformers with
 the whole model in RAM (same routing forced).
 
-The tables of the table predictors are profiled on the same (only) sequence
-replayed: IN-SAMPLE, an upper bound of their recall here (out-of-sample recall
-is measured by bench_plus_recall.py); the printed recall says what they achieved.
+The tables of the table predictors never see the routing replayed (HELD-OUT):
+by default the sample is split by tokens (``--split-at 100``: tables profiled on
+its prompt and first 64 decode tokens, the other 64 replayed after the 8 tokens
+before them as the prompt); ``--profile-on`` profiles on other traces instead,
+and ``--in-sample`` on the replayed sequence itself (an upper bound, labelled
+so). benchmarks/bench_heldout.py runs issue 27's whole matrix of held-out
+configurations.
 
-    python benchmarks/bench_offload_real.py [--layers 8] [--tokens 129] [--rounds 3]
+    python benchmarks/bench_offload_real.py [--layers 8 | A:B] [--tokens 129] [--rounds 3]
                                             [--tiers disk,emulated] [--bandwidth 1GB]
 
 With ``--calibrate``, ``stmoe calibrate`` runs in each round of each tier too (a
@@ -45,7 +49,7 @@ Another model's shape on routing recorded from it (a trace captured with ``stmoe
 capture`` or imported from vLLM/SGLang with ``stmoe import``; its first sequence):
 
     python benchmarks/bench_offload_real.py --like qwen1.5-moe-a2.7b --trace mine.npz \
-        --layers 4
+        --profile-on others.npz --layers 8:16
 """
 
 from __future__ import annotations
@@ -64,11 +68,12 @@ from pathlib import Path
 from typing import Any
 
 from stmoe.errors import StmoeError
-from stmoe.evaluate.compare import closed, rotated, spread, verdict
+from stmoe.evaluate.compare import closed, not_slower, rotated, spread, verdict
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SAMPLE = SHARED / "qwen3.6-35b-a3b_chat-1prompt.npz"
 PRESET = "qwen3.6-35b-a3b"
+SAMPLE_SPLIT = 36 + 64  # the sample's prompt and first 64 decode tokens profiled, the rest replayed
 SYSTEMS = {  # name: (predictor, cache policy)
     "on-demand": ("ondemand", "none"),
     "lru-only": ("ondemand", "lru"),
@@ -95,10 +100,9 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
     from stmoe.predictors import profile, save_tables
     from stmoe.trace import load_trace
-    from stmoe.trace.select import first_layers
 
     root = bench_dir()
-    layers, like, trace = args.layers, args.like, Path(args.trace)
+    layers, like = args.layers, args.like
     model = root / f"{like}-L{layers}"
     if not (model / "config.json").is_file():
         print(f"writing {model} (random weights, real shape) ...", flush=True)
@@ -108,28 +112,53 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
         print(f"packing {store} ...", flush=True)
         subprocess.run([sys.executable, "-m", "stmoe", "pack", str(model), "-o", str(store)],
                        check=True)
+    trace = Path(args.trace)
     sources = [Path(p) for p in args.profile_on.split(",")] if args.profile_on else [trace]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:8]
-    # tables of the trace replayed (IN-SAMPLE), or of --profile-on's others (HELD-OUT)
+    # tables of the trace replayed (IN-SAMPLE), of --profile-on's others or of the tokens
+    # before --split-at (HELD-OUT); the layers cut as the replay's
     tag = "" if sources == [SAMPLE] else f"-{'+'.join(p.stem for p in sources)}-{digest}"
+    tag += f"-at{args.split_at}" if args.split_at else ""
+    tag += "" if args.cut == str(layers) else f"-cut{args.cut.replace(':', '-')}"
     tables = root / f"{like}-L{layers}{tag}.tables.npz"
     if not tables.is_file():
         from stmoe.trace import concat
 
-        routing = concat([first_layers(load_trace(p), layers) for p in sources])
+        if args.split_at:
+            routing = split_routing(args, select_layers(load_trace(trace), args.cut))[0]
+        else:
+            routing = concat([select_layers(load_trace(p), args.cut) for p in sources])
         save_tables(profile(routing), tables)
     return model, store, tables
 
 
+def select_layers(trace: Any, cut: str) -> Any:
+    from stmoe.trace.select import select_layers as select
+
+    return select(trace, cut)
+
+
+def split_routing(args: argparse.Namespace, trace: Any) -> tuple[Any, Any]:
+    """``--split-at``: (the tokens before it, profiled; the tokens from it on, replayed with
+    the ``--split-prompt`` tokens just before it as their prompt): held-out by tokens."""
+    from stmoe.trace.select import held_out_tail, select_sequences
+
+    return held_out_tail(select_sequences(trace, [0]), args.split_at, args.split_prompt)
+
+
 def replay_plan(args: argparse.Namespace, config: Any) -> Any:
-    """The trace's first sequence shaped for the model (a clear error if it does not fit)."""
+    """The trace's first sequence (its layers ``--layers``; from ``--split-at`` on if given)
+    shaped for the model (a clear error if it does not fit)."""
     from stmoe.runtime.forced_routing import plan_routing
     from stmoe.sim.specs import model_preset
     from stmoe.trace import load_trace
 
     spec = model_preset(args.like)
-    return plan_routing(load_trace(args.trace), 0, args.layers, spec.num_experts, spec.top_k,
-                       config.vocab_size)
+    routing = select_layers(load_trace(args.trace), args.cut)
+    if args.split_at:
+        routing = split_routing(args, routing)[1]
+    return plan_routing(routing, 0, args.layers, spec.num_experts, spec.top_k,
+                        config.vocab_size)
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
@@ -202,12 +231,16 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
 def spawn(args: argparse.Namespace, system: str, tier: str, bound: Path | None = None,
           tokens: int | None = None) -> dict[str, Any]:
     """One run in a child process (in the memory cgroup ``bound`` if given)."""
-    cmd = [sys.executable, __file__, "--one", system, "--tier", tier, "--layers", str(args.layers),
+    cmd = [sys.executable, __file__, "--one", system, "--tier", tier, "--layers", args.cut,
            "--like", args.like, "--trace", str(args.trace),
            "--tokens", str(tokens or args.tokens), "--bandwidth", args.bandwidth, "--capacity",
            args.capacity, "--threads", str(args.threads), "--budget", str(args.budget)]
     if args.profile_on:
         cmd += ["--profile-on", args.profile_on]
+    if args.split_at:
+        cmd += ["--split-at", str(args.split_at), "--split-prompt", str(args.split_prompt)]
+    if getattr(args, "in_sample", False):
+        cmd += ["--in-sample"]
     if bound is not None:
         cmd += ["--cgroup", str(bound)]
     elif args.drop_pages and system in BASELINES:
@@ -308,10 +341,21 @@ def emulated_layers(args: argparse.Namespace) -> int:
     return max(1, min(args.layers, int(0.5 * ram // per_layer)))
 
 
-def report(tier: str, runs: dict[str, list[dict[str, Any]]], layers: int) -> dict[str, Any]:
+def tables_label(args: argparse.Namespace) -> str:
+    """Where the tables' routing comes from, said beside every figure."""
+    if args.in_sample:
+        return "IN-SAMPLE tables (profiled on the replayed sequence: an upper bound)"
+    if args.split_at:
+        return f"HELD-OUT tables (profiled on tokens 0..{args.split_at - 1}, not replayed)"
+    return f"HELD-OUT tables (profiled on {args.profile_on})"
+
+
+def report(tier: str, runs: dict[str, list[dict[str, Any]]], layers: int,
+           label: str) -> dict[str, Any]:
     med = {s: {k: statistics.median(r[k] for r in rs) for k, v in rs[0].items()
                if isinstance(v, (int, float))} for s, rs in runs.items()}
-    print(f"\n## tier {tier}{' (EMULATED)' if tier == 'emulated' else ''}, {layers} MoE layers")
+    print(f"\n## tier {tier}{' (EMULATED)' if tier == 'emulated' else ''}, {layers} MoE layers; "
+          f"{label}; RANDOM weights")
     print(f"{'system':13} {'decode tok/s':>22} {'hit':>6} {'recall':>7} {'prec':>6} {'stall':>6}"
           f" {'moved GiB':>10} {'wasted':>7} {'peak GiB':>9} {'start s':>8}")
     for s, rs in runs.items():
@@ -333,15 +377,12 @@ def report(tier: str, runs: dict[str, list[dict[str, Any]]], layers: int) -> dic
     per_round = [closed(*(1 / runs[s][i]["decode_tokens_per_s"] for s in ("lru-only", best,
                  "oracle"))) for i in range(len(runs["oracle"]))]
     mem = max(m["peak_rss"] / (m["resident_bytes"] + m["cache_bytes"]) for m in med.values())
-    lru = [r["decode_tokens_per_s"] for r in runs["lru-only"]]
+    def speeds(s: str) -> list[float]:
+        return [r["decode_tokens_per_s"] for r in runs[s]]
 
-    def not_slower(s: str) -> bool:
-        """Median >= lru-only's, or within noise: the two ranges overlap."""
-        mine = [r["decode_tokens_per_s"] for r in runs[s]]
-        return statistics.median(mine) >= statistics.median(lru) or max(mine) >= min(lru)
-
-    targets = {f"{s} >= 1.0x lru-only (median, or ranges overlapping)": not_slower(s)
-               for s in ("stmoe", "stmoe-plus") if s in runs}
+    targets = {f"{s} >= 1.0x lru-only (median, or ranges overlapping)":
+               not_slower(speeds(s), speeds("lru-only")) for s in ("stmoe", "stmoe-plus")
+               if s in runs}
     if t["lru-only"] >= 1.2 * t["oracle"]:  # the oracle >= 20% faster: a gap worth closing
         targets[f"best ({best}) closes >= 50% of lru-only -> oracle"] = gap >= 0.5
     if "on-demand" in runs and "stmoe" in runs:
@@ -409,6 +450,38 @@ def all_cached(args: argparse.Namespace) -> dict[str, Any]:
     return {"stmoe": cached, "plain": plain, "ratio": ratio}
 
 
+def held_out(args: argparse.Namespace) -> None:
+    """The tables' routing: ``--profile-on`` others, or the tokens before ``--split-at``
+    (HELD-OUT), or with ``--in-sample`` the replayed sequence itself; by default the
+    shared sample is split at ``SAMPLE_SPLIT``, and another trace needs one said."""
+    given = [name for name, on in (("--profile-on", args.profile_on),
+                                   ("--split-at", args.split_at),
+                                   ("--in-sample", args.in_sample)) if on]
+    if len(given) > 1:
+        raise SystemExit(f"{' and '.join(given)}: give one of them (the tables' routing)")
+    if given:
+        return
+    if Path(args.trace) != SAMPLE:
+        raise SystemExit(f"--trace {args.trace}: say what the tables are profiled on: "
+                         "--profile-on OTHER.npz (other prompts), --split-at TOKEN (the "
+                         "tokens before it) or --in-sample (the replayed sequence itself, "
+                         "an upper bound)")
+    args.split_at = SAMPLE_SPLIT
+
+
+def set_layers(args: argparse.Namespace) -> None:
+    """``args.cut``: the ``--layers`` text (N or A:B); ``args.layers``: how many."""
+    from stmoe.util.units import UnitError, parse_layer_range
+
+    args.cut = str(args.layers).strip()
+    try:
+        start, stop = parse_layer_range(args.cut, 10**6)
+    except UnitError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    args.layers = stop - start
+    args.cut_start = start
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -422,7 +495,9 @@ def main() -> None:
         default=SAMPLE,
         help="the routing replayed (recorded from a model of --like's shape)",
     )
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", default="8",
+                    help="MoE layers: N (the first N) or A:B (a cut from the middle: a "
+                    "checkpoint of B-A layers routed as the trace's layers A..B-1)")
     ap.add_argument(
         "--tokens",
         type=int,
@@ -459,7 +534,7 @@ def main() -> None:
         "--profile-on",
         default="",
         help="traces (comma-separated) the tables are profiled on, OTHER than --trace: "
-        "HELD-OUT figures (default: the replayed trace itself, IN-SAMPLE)",
+        "HELD-OUT figures (default: the shared sample split at token 100, --split-at)",
     )
     ap.add_argument(
         "--systems",
@@ -473,21 +548,38 @@ def main() -> None:
         help="run `stmoe calibrate` in each round of each tier (a preset per round, for "
         "bench_sim_check.py: the tier measured when the runs were)",
     )
+    ap.add_argument(
+        "--split-at",
+        type=int,
+        default=0,
+        help="held-out by tokens (a trace of one sequence): profile the tables on its tokens "
+        "before this one, replay the tokens from it on",
+    )
+    ap.add_argument("--in-sample", action="store_true",
+                    help="tables profiled on the replayed sequence itself: IN-SAMPLE, an "
+                    "upper bound of every table predictor (printed so)")
+    ap.add_argument("--split-prompt", type=int, default=8,
+                    help="with --split-at: the profiled tokens just before it replayed as the "
+                    "prompt (its forward call is not timed)")
     ap.add_argument("--json", type=Path, help="write every run's figures here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--tier", default="disk", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cgroup", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    set_layers(args)
+    held_out(args)
     if args.one:  # a child process: one run, its JSON on the last line
         fn = run_baseline if args.one in BASELINES else run_one
         print(json.dumps(fn(args)))
         return
     model_dir, _, _ = prepare(args)
     try:  # the trace must fit the model before any run starts
-        replay_plan(args, argparse.Namespace(**json.loads((model_dir / "config.json").read_text())))
+        config = json.loads((model_dir / "config.json").read_text())
+        plan = replay_plan(args, argparse.Namespace(**config))
     except StmoeError as exc:
         raise SystemExit(f"error: {exc}") from None
+    args.tokens = min(args.tokens, plan.new_tokens)  # what each replay runs (recorded)
     resident, limit = memory_budget(args)
     args.budget = resident
     args.started = time.strftime("%Y%m%d-%H%M%S")
@@ -497,11 +589,20 @@ def main() -> None:
     if unknown or not {"lru-only", "oracle"} <= set(systems):
         raise SystemExit(f"--systems {args.systems}: unknown {unknown}; lru-only and oracle "
                          f"are needed (the gap); choose from {', '.join(SYSTEMS)}")
-    results: dict[str, Any] = {"budget": resident, "bound": limit}
+    results: dict[str, Any] = {
+        "budget": resident, "bound": limit,
+        "setup": {"like": args.like, "trace": str(args.trace), "layers": args.cut,
+                  "profile_on": args.profile_on, "split_at": args.split_at,
+                  "split_prompt": args.split_prompt, "capacity": args.capacity,
+                  "tokens": args.tokens, "held_out": not args.in_sample},
+    }
     for tier in [] if "tiers" in skip else args.tiers.split(","):
         targs = args
         if tier == "emulated":
-            targs = argparse.Namespace(**{**vars(args), "layers": emulated_layers(args)})
+            n = emulated_layers(args)
+            start = args.cut_start
+            cut = str(n) if args.cut == str(args.layers) else f"{start}:{start + n}"
+            targs = argparse.Namespace(**{**vars(args), "layers": n, "cut": cut})
             prepare(targs)  # its checkpoint and store, built once
             print(f"\nthe emulated tier holds its whole store in RAM: its runs take the first "
                   f"{targs.layers} MoE layers (--emulated-layers)", flush=True)
@@ -519,8 +620,9 @@ def main() -> None:
                     f"{runs[system][-1]['decode_tokens_per_s']:.2f} tok/s",
                     flush=True,
                 )
-        results[tier] = {"layers": targs.layers, "tokens": args.tokens, "runs": runs,
-                         "presets": presets, **report(tier, runs, targs.layers)}
+        results[tier] = {"layers": targs.layers, "cut": targs.cut, "tokens": args.tokens,
+                         "runs": runs, "presets": presets, **report(tier, runs, targs.layers,
+                                                                tables_label(args))}
     if "bounded" not in skip:
         results["bounded"] = bounded(args, limit)
     if "cached" not in skip:

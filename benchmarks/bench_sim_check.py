@@ -57,12 +57,41 @@ TOLERANCE = 0.2
 FIGURE = Path(__file__).resolve().parents[1] / "docs" / "figures" / "sim_vs_measured.png"
 
 
-def bench_paths(layers: int) -> tuple[Path, Path, Path]:
-    import os
+def bench_setup(path: Path, layers: int, tokens: int) -> argparse.Namespace:
+    """The benchmark's model shape, routing and tables as its JSON records them
+    (``setup``; an older JSON: the shared sample, its first layers, in-sample tables),
+    in bench_offload_real.py's arguments."""
+    import bench_offload_real as real
 
-    root = Path(os.environ.get("STMOE_BENCH_DIR", Path.home() / ".cache" / "stmoe" / "bench"))
-    return (root / f"{PRESET}-L{layers}", root / f"{PRESET}-L{layers}.store",
-            root / f"{PRESET}-L{layers}.tables.npz")
+    setup = json.loads(path.read_text()).get("setup") or {}
+    args = argparse.Namespace(
+        like=setup.get("like", PRESET), trace=Path(setup.get("trace", SAMPLE)),
+        layers=setup.get("layers", str(layers)), profile_on=setup.get("profile_on", ""),
+        split_at=setup.get("split_at", 0), split_prompt=setup.get("split_prompt", 8),
+        held_out=setup.get("held_out", False))
+    real.set_layers(args)
+    if layers and layers != args.layers:  # --layers: the first N of the benchmark's cut
+        args.layers, args.cut = layers, (str(layers) if ":" not in args.cut
+                                         else f"{args.cut_start}:{args.cut_start + layers}")
+    args.tokens = tokens
+    return args
+
+
+def bench_paths(setup: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """(checkpoint, store, tables) of the benchmark (bench_offload_real.py's, built once)."""
+    import bench_offload_real as real
+
+    return real.prepare(setup)
+
+
+def routing(setup: argparse.Namespace) -> Any:
+    """The routing the benchmark replayed: its layers cut, from ``--split-at`` if given."""
+    import bench_offload_real as real
+
+    from stmoe.trace import load_trace
+
+    trace = real.select_layers(load_trace(setup.trace), setup.cut)
+    return real.split_routing(setup, trace)[1] if setup.split_at else trace
 
 
 def measured_runs(path: Path, tier: str) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
@@ -76,23 +105,21 @@ def measured_runs(path: Path, tier: str) -> tuple[dict[str, list[dict[str, Any]]
 
 def simulated(args: argparse.Namespace, read_s: float | None = None,
               hardware: str | None = None) -> dict[str, Any]:
-    from stmoe.predictors import load_tables, profile
+    from stmoe.predictors import load_tables
     from stmoe.sim.host.systems import HostOptions, simulate_runtime
     from stmoe.sim.specs import hardware_preset, model_preset
-    from stmoe.trace import load_trace
-    from stmoe.trace.select import first_layers
 
-    trace = first_layers(load_trace(SAMPLE), args.layers)
-    model = dataclasses.replace(model_preset(PRESET), layers=args.layers)
+    setup = args.setup
+    trace = routing(setup)
+    model = dataclasses.replace(model_preset(setup.like), layers=setup.layers)
     hw = hardware_preset(hardware or str(args.hardware))
     if read_s is not None:
         hw = with_read_s(hw, model, read_s)
-    tables_path = bench_paths(args.layers)[2]
-    tables = load_tables(tables_path) if tables_path.is_file() else profile(trace)
+    tables = load_tables(bench_paths(setup)[2])
     share = float(args.capacity.rstrip("%")) / 100
     options = HostOptions(capacity=round(share * model.num_experts),
                           decode_tokens=args.tokens - 1, tables=tables)
-    return simulate_runtime(trace, model, hw, SYSTEMS, options)
+    return simulate_runtime(trace, model, hw, args.systems, options)
 
 
 def compare(sim: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
@@ -101,10 +128,13 @@ def compare(sim: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
     rows = []
     print(f"\n{label} ({sim['hardware']})")
     print(
-        f"{'system':11} {'sim tok/s':>9} {'measured tok/s':>22} {'time ratio':>10} "
-        f"{'hit sim/meas':>13} {'stall sim/meas':>15} {'moved GiB sim/meas':>19}  within 20%"
+        f"{'system':14} {'sim tok/s':>9} {'measured tok/s':>22} {'time ratio':>10} "
+        f"{'x lru sim/meas':>15} {'hit sim/meas':>13} {'stall sim/meas':>15} "
+        f"{'moved GiB sim/meas':>19}  within 20%"
     )
-    for name in SYSTEMS:
+    lru_sim = sim["systems"]["lru-only"]["decode_tokens_per_s"]
+    lru_meas = statistics.median(r["decode_tokens_per_s"] for r in runs["lru-only"])
+    for name in sim["systems"]:
         s, rs = sim["systems"][name], runs[name]
         speeds = [r["decode_tokens_per_s"] for r in rs]
         med = {k: statistics.median(r[k] for r in rs) for k in ("hit_rate", "stall_share",
@@ -112,12 +142,15 @@ def compare(sim: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
         m = statistics.median(speeds)
         ratio = m / s["decode_tokens_per_s"]  # simulated time over measured time
         ok = abs(ratio - 1) <= TOLERANCE
+        x_sim, x_meas = s["decode_tokens_per_s"] / lru_sim, m / lru_meas  # x lru-only
         rows.append({"system": name, "simulated": s["decode_tokens_per_s"], "measured": m,
+                     "x_lru_simulated": x_sim, "x_lru_measured": x_meas,
                      "range": [min(speeds), max(speeds)], "time_ratio": ratio, "met": ok,
                      "sim": {k: s[k] for k in ("hit_rate", "stall_share", "bytes_moved")},
                      "measured_median": med})
-        print(f"{name:11} {s['decode_tokens_per_s']:9.2f} {m:8.2f} [{min(speeds):5.2f}, "
-              f"{max(speeds):5.2f}] {ratio:10.2f} {s['hit_rate']:6.3f}/{med['hit_rate']:.3f} "
+        print(f"{name:14} {s['decode_tokens_per_s']:9.2f} {m:8.2f} [{min(speeds):5.2f}, "
+              f"{max(speeds):5.2f}] {ratio:10.2f} {x_sim:7.2f}/{x_meas:.2f} "
+              f"{s['hit_rate']:6.3f}/{med['hit_rate']:.3f} "
               f"{s['stall_share']:7.2f}/{med['stall_share']:.2f} "
               f"{s['bytes_moved'] / 2**30:9.2f}/{med['bytes_moved'] / 2**30:.2f}  "
               f"{'MET' if ok else 'NOT MET'}")
@@ -147,16 +180,19 @@ def main() -> None:
     runs, record = measured_runs(args.measured, args.tier)
     args.layers = args.layers or record.get("layers") or 8
     args.tokens = args.tokens or record.get("tokens") or 64
+    args.setup = bench_setup(args.measured, args.layers, args.tokens)
+    # the systems measured, the benchmark's admission-off variants (-all) included
+    args.systems = [s for s in runs if s in SYSTEMS or s.endswith("-all")]
     presets = record.get("presets") or []
     if presets and len(presets) != len(runs["oracle"]):
         raise SystemExit(f"{args.measured}: {len(presets)} presets for "
                          f"{len(runs['oracle'])} rounds")
     args.hardware, separate = base_preset(args.hardware, args.calibrate, presets)
     if args.calibrate:
-        model, store, _ = bench_paths(args.layers)
+        model, store, _ = bench_paths(args.setup)
         subprocess.run([sys.executable, "-m", "stmoe", "calibrate", "--model", str(model),
                         "--store", str(store), "--tier", args.tier, "--capacity", args.capacity,
-                        "--seconds", args.seconds, "--routing", str(SAMPLE),
+                        "--seconds", args.seconds, "--routing", str(args.setup.trace),
                         "-o", str(args.hardware)],
                        check=True)
     sims: dict[str, dict[str, Any]] = {}
@@ -165,7 +201,8 @@ def main() -> None:
         sims["preset"] = simulated(args)
         labels["preset"] = "calibrate's preset, as written"
     if presets:
-        sims["per_round"] = per_round(lambda p: simulated(args, hardware=p), presets, SYSTEMS)
+        sims["per_round"] = per_round(lambda p: simulated(args, hardware=p), presets,
+                                      args.systems)
         labels["per_round"] = "calibrate's preset of each round (the benchmark's --calibrate)"
     read: dict[str, float] = {}
     if args.tier_from_runs:
@@ -185,7 +222,10 @@ def main() -> None:
           f"layer {c['layer_s'] * 1e3:.2f} ms, token {c['token_s'] * 1e3:.2f} ms, "
           f"expert {c['expert_s'] * 1e3:.3f} ms, read {c['read_s'] * 1e3:.2f} ms, parallel x"
           f"{c['parallel']:.2f}, first touch {c['first_touch_s'] * 1e3:.2f} ms")
-    compute = c["token_s"] + args.layers * (c["layer_s"] + 8 * c["expert_s"])
+    from stmoe.sim.specs import model_preset
+
+    top_k = model_preset(args.setup.like).top_k
+    compute = c["token_s"] + args.layers * (c["layer_s"] + top_k * c["expert_s"])
     cached = json.loads(args.measured.read_text()).get("all_cached", {}).get("stmoe")
     if cached:  # the benchmark's own compute-only run, against calibrate's
         speed = statistics.median(r["decode_tokens_per_s"] for r in cached)
@@ -193,8 +233,10 @@ def main() -> None:
               f"every-expert-cached run {1e3 / speed:.1f} ms")
     from stmoe.sim.host.check_plot import sim_vs_measured
 
-    title = (f"{PRESET}, first {args.layers} layers, {args.tokens} new tokens, "
-             f"{args.capacity} cached, tier {args.tier}\n{sim['hardware']}")
+    setup = args.setup
+    title = (f"{setup.like}, layers {setup.cut}, {args.tokens} new tokens, {args.capacity} "
+             f"cached, tier {args.tier}, "
+             f"{'HELD-OUT' if setup.held_out else 'IN-SAMPLE'} tables\n{sim['hardware']}")
     sim_vs_measured({labels[k]: rows for k, rows in checks.items()}, title, args.figure,
                     TOLERANCE)
     print(f"wrote {args.figure}")

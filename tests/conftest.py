@@ -36,6 +36,18 @@ needs_shared = pytest.mark.skipif(
 )
 
 
+def distinct_slots(look):
+    """A stand-in gate lookahead ``[T, L, J]`` made legal: an id repeated later in a row
+    (``(experts + 3) % N`` can meet a true expert) becomes -1, as validate requires."""
+    import numpy as np
+
+    look = np.array(look, dtype=np.int16)
+    for j in range(1, look.shape[2]):
+        seen = (look[:, :, :j] == look[:, :, j : j + 1]).any(axis=2)
+        look[:, :, j][seen & (look[:, :, j] >= 0)] = -1
+    return look
+
+
 def one_line_error(result, *fragments: str) -> None:
     """The CLI refused with exit 1 and one ``error:`` line holding every fragment."""
     assert result.exit_code == 1, result.output

@@ -114,3 +114,27 @@ def test_the_predictability_curves_show_every_predictor_ranked_to_4k():
     plus = p["curves"]["stmoe-plus"]
     assert plus["set_size"][-1] > 2 * trace.top_k  # ranked beyond K for the curve
     assert abs(p["set_size"]["stmoe-plus"] - trace.top_k) < 1e-9  # the table: its default size
+
+
+def test_a_layer_whose_every_slot_is_empty_is_reported_not_a_crash(cli, tmp_path):
+    """Issue 30, item 8: -1 in every slot of a layer is legal (docs/trace-format.md); the
+    layer pairs with it have nothing to test, said in a note, and the rest is tested."""
+    import dataclasses
+
+    from stmoe.trace import save_trace
+
+    trace = stmoe.synthesize(tokens=300, layers=4, experts=8, top_k=2, sequences=2, seed=1)
+    ex = np.array(trace.experts)
+    ex[:, 2] = -1
+    trace = dataclasses.replace(trace, experts=ex, weights=None)
+    for layer in (1, 2):
+        test = spatial_test(ex, layer, 8)
+        assert (test.dof, test.p_value, test.significant) == (0, 1.0, False)
+    save_trace(trace, tmp_path / "t.npz")
+    result = cli("analyze", tmp_path / "t.npz", "-o", tmp_path / "rep", "--json",
+                 tmp_path / "a.json")
+    assert result.exit_code == 0, result.output
+    assert "note: layer 2 routed no token (every slot -1)" in result.output
+    data = json.loads((tmp_path / "a.json").read_text())
+    assert data["spatial"]["pairs_total"] == 3
+    assert [p["dof"] > 0 for p in data["spatial"]["pairs"]] == [True, False, False]

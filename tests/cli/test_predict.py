@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import CONTRACT_PREDICTORS, REAL_ROUTES, needs_shared
+from conftest import CONTRACT_PREDICTORS, REAL_ROUTES, needs_shared, one_line_error
 
 ALL = list(CONTRACT_PREDICTORS)
 
@@ -154,3 +154,26 @@ def test_eval_tables_says_which_predictors_a_trace_without_lookahead_cannot_run(
         "note: skipping stmoe-mix: run it by name (--predictor stmoe-mix) with tables of "
         "`stmoe profile --by-domain`",
     ]
+
+
+def test_profiling_tables_that_cannot_fit_in_memory_is_one_line(cli, tmp_path, monkeypatch):
+    """Issue 30, item 8: a declared N of 32767 is a valid trace, but its N x N count tables
+    (56 GiB for 2 layers) are refused before anything is allocated."""
+    import numpy as np
+
+    from stmoe.trace import RoutingTrace, TraceMeta, save_trace
+
+    ex = np.array([[[0, 32766], [5, 9]], [[7, 1], [32000, 2]]], np.int16)
+    trace = RoutingTrace(ex, np.array([0]), np.zeros(2, bool),
+                         TraceMeta(num_experts=32767, top_k=2, num_layers=2))
+    save_trace(trace, tmp_path / "wide.npz")
+    monkeypatch.setattr("stmoe.predictors.profiling.available_memory", lambda: 16 << 30)
+    result = cli("profile", tmp_path / "wide.npz", "-o", tmp_path / "t.npz")
+    one_line_error(result, "N=32767 experts", "needs at least 56.0 GiB",
+                   "16.0 GiB of memory is available", "--layers")
+    assert not (tmp_path / "t.npz").exists()
+    from stmoe.predictors.base import ModelShape
+    from stmoe.predictors.profiling import check_table_memory, table_bytes
+
+    assert table_bytes(ModelShape(8, 64, 2)) < 2**21  # ordinary models are far below
+    check_table_memory(ModelShape(8, 64, 2))

@@ -8,7 +8,8 @@ import re
 import pytest
 
 from stmoe.analysis.report import recall_at_set_size
-from stmoe.demo.text import ablation_reasons, headline, markdown_html
+from stmoe.demo.text import VERSUS, ablation_reasons, headline, markdown_html
+from stmoe.evaluate.compare import against
 from stmoe.models import SHIPPED_MODEL
 
 # every metric the report uses, defined in one line where it first appears
@@ -66,8 +67,13 @@ def test_quick_demo_measures_rounds_and_checks_the_tokens(quick_demo):
         assert f"{off['systems'][name]['decode_tokens_per_s']:.1f}" in sentence, name
     # printed unwrapped: the headline on one line, the generated text exactly as generated
     lines = result.output.splitlines()
-    assert any(x.startswith("With 50% of each layer") and x.endswith("resident model's).")
-               for x in lines), result.output
+    assert any(x.startswith("With 50% of each layer") and "resident model's). Against the "
+               "LRU cache alone: stmoe " in x and x.endswith(".") for x in lines), result.output
+    # two rounds: each verdict by the rule (compare.against), never an unearned "faster"
+    for name in ("stmoe", "stmoe-plus"):
+        mine = off["systems"][name]["decode_tokens_per_s_runs"]
+        base = off["systems"]["lru-only"]["decode_tokens_per_s_runs"]
+        assert VERSUS[against(mine, base)] in sentence.replace("&#x27;", "'"), name
     assert off["prompt"] + off["text"] in result.output
 
 
@@ -108,9 +114,26 @@ def test_headline_sentence_says_the_medians_the_range_and_the_check():
     assert "4.0 for on-demand" in text and "30.0 for an LRU cache alone" in text
     assert "stmoe-plus at 41.0" in text and "oracle (perfect prediction) at 60.0" in text
     assert "medians of 5 interleaved rounds" in text and "identical to the resident" in text
+    assert "Against the LRU cache alone: stmoe 1.51x, faster (the ranges apart)" in text
+    assert "stmoe-plus 1.37x, faster" in text
     single = headline(_offload(1, same=False))
     assert "a single run each" in single and "(range" not in single
     assert "NOT every run's tokens matched" in single
+    assert "stmoe 1.51x, one run each, no range" in single
+
+
+def test_the_headline_claims_a_win_over_lru_only_only_outside_the_noise():
+    off = _offload(3)
+    runs = {"lru-only": [29.0, 30.0, 31.0], "stmoe": [29.5, 30.5, 32.0],
+            "stmoe-plus": [27.0, 28.0, 28.5]}
+    for name, speeds in runs.items():
+        off["systems"][name].update(decode_tokens_per_s=speeds[1],
+                                    decode_tokens_per_s_runs=speeds)
+    text = headline(off)
+    assert "stmoe 1.02x, as fast or faster (the ranges overlap: not a clear win)" in text
+    assert "stmoe-plus 0.93x, SLOWER (the ranges apart)" in text
+    off["systems"]["stmoe-plus"]["decode_tokens_per_s_runs"] = [28.0, 29.5]
+    assert "stmoe-plus 0.93x, as fast within noise" in headline(off)
 
 
 def _step(time: float, compute: float, loaded: int, wasted: int) -> dict:

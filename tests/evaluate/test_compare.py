@@ -24,3 +24,15 @@ def test_the_gap_closed_is_the_share_of_lru_only_to_oracle_time():
     assert math.isclose(bench.closed(0.140, 0.112, 0.100), 0.7)
     assert bench.closed(0.140, 0.095, 0.100) > 1.0  # faster than the oracle: noise, shown
     assert math.isnan(bench.closed(0.100, 0.100, 0.100))  # no gap to close
+
+
+def test_one_rule_judges_a_system_against_a_baseline():
+    base = [5.0, 5.2, 5.4]
+    assert bench.against([6.0, 6.1, 6.3], base) == "faster"  # ranges apart
+    assert bench.against([5.3, 5.5, 5.6], base) == "as fast"  # higher median, overlapping
+    assert bench.against([4.9, 5.1, 5.3], base) == "within noise"  # lower, overlapping
+    assert bench.against([4.0, 4.5, 4.9], base) == "slower"  # ranges apart
+    assert bench.against([6.0], base) == "single run"
+    assert [bench.not_slower(m, base) for m in ([6.0, 6.1], [4.9, 5.1], [4.0, 4.9])] == [
+        True, True, False]
+    assert bench.not_slower([5.3], [5.2]) and not bench.not_slower([5.1], [5.2])

@@ -85,3 +85,106 @@ def test_bad_requests_are_clear_errors(tmp_path):
     (busy / "notes.txt").write_text("mine")
     with pytest.raises(StmoeError, match="other files"):
         make_checkpoint(plan_checkpoint("stmoe-tiny", layers=1), busy)
+
+
+# ---- issue 30, item 3: a new checkpoint is written beside the old one and switched ------
+
+
+class Killed(BaseException):
+    """A kill: nothing in stmoe catches it, so only what is on disk is left."""
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _steps(monkeypatch, plan, fail_at, exc):
+    """Count every write step of make_checkpoint (each shard, the shard index, each
+    tokenizer file, the config); raise ``exc`` at step ``fail_at`` after half a file."""
+    import shutil
+
+    import safetensors.torch
+
+    import stmoe.hf.checkpoints as ckpt
+
+    seen = []
+
+    def step(name, real):
+        def wrapped(*args, **kwargs):
+            seen.append(name)
+            if len(seen) - 1 == fail_at:
+                target = str(args[1] if name == "copy" else args[0] if name == "index"
+                             else args[1])
+                if name != "config":
+                    open(target, "wb").write(b"half")  # noqa: SIM115 - a cut write
+                raise exc
+            return real(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        step("shard", safetensors.torch.save_file))
+    monkeypatch.setattr(ckpt, "atomic_write_text", step("index", ckpt.atomic_write_text))
+    monkeypatch.setattr(shutil, "copyfile", step("copy", shutil.copyfile))
+    cls = type(plan.config)
+    monkeypatch.setattr(cls, "save_pretrained", step("config", cls.save_pretrained))
+    return seen
+
+
+def test_a_kill_at_each_write_step_keeps_the_old_checkpoint_and_no_temp(tmp_path, monkeypatch):
+    plan = plan_checkpoint("stmoe-tiny", layers=2, dtype="float32")
+    out = make_checkpoint(plan, tmp_path / "m", seed=1, shard_bytes=200_000)
+    before = _files(out)
+    counted = _steps(monkeypatch, plan, -1, Killed())
+    make_checkpoint(plan, tmp_path / "count", seed=2, shard_bytes=200_000)
+    steps = len(counted)
+    assert steps >= 6 and counted.count("shard") > 1  # shards, index, tokenizer, config
+    for fail_at in range(steps):
+        monkeypatch.undo()
+        _steps(monkeypatch, plan, fail_at, Killed())
+        with pytest.raises(Killed):
+            make_checkpoint(plan, out, seed=2, shard_bytes=200_000)
+        assert _files(out) == before, fail_at  # the old weights and config, byte for byte
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["count", "m"], fail_at
+    monkeypatch.undo()
+    again = make_checkpoint(plan, out, seed=2, shard_bytes=200_000)
+    assert _files(again) == _files(tmp_path / "count")  # the new one, whole
+
+
+def test_a_killed_runs_folder_is_removed_by_the_next_run(tmp_path):
+    import subprocess
+    import sys
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout)
+    plan = plan_checkpoint("stmoe-tiny", layers=1, dtype="float32")
+    stale = tmp_path / f".m.{dead}.abcd.tmp"
+    stale.mkdir()
+    (stale / "model-00001-of-00003.safetensors").write_bytes(b"\0" * 1000)
+    make_checkpoint(plan, tmp_path / "m")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    assert not any(p.name.startswith(".") for p in (tmp_path / "m").iterdir())
+
+
+def test_a_full_disk_is_one_line_and_the_old_checkpoint_stays(tmp_path, monkeypatch, cli):
+    from safetensors import SafetensorError
+
+    out = tmp_path / "m"
+    assert cli("make-model", "--like", "stmoe-tiny", "--layers", "1", "-o", out).exit_code == 0
+    before = _files(out)
+    full = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: '
+                           'StorageFull, message: "No space left on device" })')
+    import safetensors.torch
+
+    def no_room(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"cut")  # noqa: SIM115 - the part that fitted
+        raise full
+
+    monkeypatch.setattr(safetensors.torch, "save_file", no_room)
+    res = cli("make-model", "--like", "stmoe-tiny", "--layers", "1", "--seed", "5", "-o", out)
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    error = res.output.strip().splitlines()[-1]  # after the plan's one line
+    assert error.startswith("error: ") and len(res.output.strip().splitlines()) == 2
+    for fragment in (str(out), "No space left on device", "unchanged"):
+        assert fragment in error, (fragment, error)
+    assert _files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import stmoe
-from conftest import REAL_NPZ, needs_shared
+from conftest import REAL_NPZ, distinct_slots, needs_shared
 from stmoe.evaluate.replay import evaluate
 from stmoe.predictors import PredictorError, load_tables, make, profile, save_tables
 from stmoe.predictors.base import ModelShape, Predictor
@@ -21,7 +21,7 @@ def _trace(seed: int = 5, tokens: int = 400, lookahead: bool = True) -> stmoe.Ro
     if not lookahead:
         return trace
     # a stand-in gate lookahead: the true experts, then two others, ranked (-1 at layer 0)
-    look = np.concatenate([trace.experts, (trace.experts + 3) % 16], axis=2).astype(np.int16)
+    look = distinct_slots(np.concatenate([trace.experts, (trace.experts + 3) % 16], axis=2))
     look[:, 0] = -1
     return dataclasses.replace(trace, lookahead=look)
 
@@ -195,9 +195,9 @@ def test_cli_profile_by_domain_eval_mix_and_horizons(cli, tmp_path):
 
 def _with_late(trace: stmoe.RoutingTrace) -> stmoe.RoutingTrace:
     """A stand-in late lookahead, better than the early one: the true experts first."""
-    late = np.concatenate([trace.experts, (trace.experts + 5) % 16], axis=2).astype(np.int16)
+    late = distinct_slots(np.concatenate([trace.experts, (trace.experts + 5) % 16], axis=2))
     late[:, 0] = -1
-    early = np.concatenate([(trace.experts + 7) % 16, trace.experts], axis=2).astype(np.int16)
+    early = distinct_slots(np.concatenate([(trace.experts + 7) % 16, trace.experts], axis=2))
     early[:, 0] = -1
     return dataclasses.replace(trace, lookahead=early, lookahead_late=late)
 
@@ -389,7 +389,7 @@ def _noisy_lookahead(trace: stmoe.RoutingTrace, seed: int = 0) -> stmoe.RoutingT
     rng = np.random.default_rng(seed)
     true = np.asarray(trace.experts).astype(np.int16)
     noisy = np.where(rng.random(true.shape) < 0.4, rng.integers(0, 16, true.shape), true)
-    look = np.concatenate([noisy, (true + 5) % 16], axis=2).astype(np.int16)
+    look = distinct_slots(np.concatenate([noisy, (true + 5) % 16], axis=2))
     look[:, 0] = -1
     return dataclasses.replace(trace, lookahead_late=look)
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import stmoe
+from conftest import distinct_slots
 from reference_stmoe import profile_reference, replay_reference
 from stmoe.predictors import (
     REGISTRY,
@@ -129,7 +130,7 @@ def test_compiled_replay_equals_the_independent_reference(seed, variant):
 def test_compiled_plan_equals_step_by_step_protocol_for_every_predictor():
     trace = stmoe.synthesize(tokens=400, layers=5, experts=16, top_k=2, sequences=4, seed=5)
     # a stand-in gate lookahead for hybrid: the true experts, then two others, ranked
-    look = np.concatenate([trace.experts, (trace.experts + 3) % 16], axis=2).astype(np.int16)
+    look = distinct_slots(np.concatenate([trace.experts, (trace.experts + 3) % 16], axis=2))
     look[:, 0] = -1
     trace = dataclasses.replace(trace, lookahead=look)
     prof, ev = stmoe.split(trace, 0.5)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stmoe
+from conftest import distinct_slots
 from stmoe.errors import StmoeError
 from stmoe.evaluate.replay import evaluate
 from stmoe.predictors import PredictorError, load_tables, make, names, profile, save_tables
@@ -30,7 +31,7 @@ def _trace(tokens: int = 240) -> stmoe.RoutingTrace:
     trace = stmoe.synthesize(tokens=tokens, layers=L, experts=N, top_k=K, sequences=4,
                              domains=2, seed=3)
     # a stand-in gate lookahead (hybrid, gate-lookahead): the true experts, then others
-    look = np.concatenate([trace.experts, (trace.experts + 3) % N], axis=2).astype(np.int16)
+    look = distinct_slots(np.concatenate([trace.experts, (trace.experts + 3) % N], axis=2))
     look[:, 0] = -1
     return dataclasses.replace(trace, lookahead=look)
 
@@ -376,3 +377,27 @@ def test_the_fuzz_mutations_reach_the_kernels(fuzz_base, tmp_path):
     tables = load_tables(path)
     assert tables.layer_counts.dtype.isnative
     evaluate(trace, make("stmoe-plus", ModelShape.of(trace), tables))
+
+
+@pytest.mark.parametrize(("key", "value", "words"), [
+    ("w", [1e308] + [0.5] * 9, "'w' is [1e+308"),
+    ("w_start", [0.0] * 9 + [-3e7], "'w_start' is"),
+    ("hybrid", {"w": [1.0] * 10, "w_look": 1e308}, "'w_look' is 1e+308"),
+])
+def test_finite_but_absurd_fitted_weights_are_refused(good, tmp_path, key, value, words):
+    """Issue 30, item 9: a weight of 1e308 overflows the scores to inf; stmoe-plus ran on
+    such tables without a word (recall 0.256 against 0.919)."""
+    header, arrays = _parts(good)
+    plus = header["info"]["plus"]
+    plus[key] = value
+    if key == "w_start":
+        plus.update(logistic=True, w_fresh=[0.0] * 10)
+    if key == "hybrid":
+        plus.setdefault("beta", 0.5)
+    path = _write(tmp_path / f"{key}.npz", header, arrays)
+    tables = load_tables(path)
+    for name in ("stmoe-plus", "hybrid"):
+        with pytest.raises(PredictorError) as caught:
+            make(name, tables.shape, tables)
+        text = str(caught.value)
+        assert str(path) in text and words in text and "+-1e+06" in text, text

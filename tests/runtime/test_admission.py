@@ -150,3 +150,15 @@ def test_the_runtime_turns_an_adversarial_prefetch_off_and_back_on(tmp_path):
     assert adm["turned_off"] >= layers - 1  # every predicted layer lost its first window
     assert adm["probes"] >= layers - 1 and sum(adm["off_calls"]) > 0
     assert adm["layers_off"] == []  # the prediction turned right: prefetch back on
+
+
+def test_the_first_busy_measurement_is_taken_whole():
+    """An unmeasured tier is not an idle one: the first busy share measured is the estimate
+    (averaged from 0 it would keep the break-even near 0, every rank admitted, for the
+    first several calls of a saturated tier)."""
+    adm = Admission(1, 4, 1)
+    assert adm.busy is None and adm.waste_cost() == 0.0
+    adm.timings(busy=0.8)
+    assert adm.busy == 0.8
+    adm.timings(busy=0.3)
+    assert adm.busy == pytest.approx(0.8 * 0.8 + 0.2 * 0.3)

@@ -58,6 +58,9 @@ def test_the_preset_loads_says_how_each_number_was_found_and_simulates(tiny, cli
         assert "faulted-in" in note[key] or "faulted in" in note[key], note[key]  # the tier's
     assert "never-touched" in note["first_touch_s"] and "spare row" in note["first_touch_s"]
     assert "ms an expert" in note["first_touch_s"]  # the cache's own faulting in, per slot
+    from stmoe.runtime.store.tiers import CHUNK_BYTES
+
+    assert host.chunk_bytes == CHUNK_BYTES  # the runtime's pieces, for the simulator
     assert "on " in table["source"] and "UTC" in table["source"]
 
     trace = stmoe.synthesize(tokens=30, layers=8, experts=16, top_k=4, sequences=1, seed=2)

@@ -189,3 +189,37 @@ def test_tables_a_predictor_does_not_take_are_named_not_silently_ignored(replay_
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
     assert "predictor 'ondemand' takes no profiled tables" in said and "tables.npz" in said
+
+
+def test_refusals_name_the_traces_file_not_its_model_label(tmp_path):
+    """Issue 30, item 9: the model label of a trace ("m") says nothing about which file."""
+    where = tmp_path / "routing.npz"
+    for kw in ({"num_experts": 8}, {"num_layers": 6}, {"sequence": 1}):
+        args = {"sequence": 0, "num_layers": 5, "num_experts": 16, "top_k": 4, "vocab_size": 99,
+                **kw}
+        with pytest.raises(ForcedRoutingError) as caught:
+            plan_routing(_trace(), **args, source=where)
+        assert str(caught.value).startswith(f"{where}: "), caught.value
+        assert "'m'" not in str(caught.value)
+
+
+def test_more_new_tokens_than_the_routing_holds_is_a_note(replay_setup, cli):
+    """Issue 30, item 9: --max-new-tokens 500 on a sequence routing fewer gave fewer
+    tokens without a word."""
+    root, model_dir, trace = replay_setup
+    plan = plan_routing(trace, 1, num_layers=3, num_experts=16, top_k=4, vocab_size=4096)
+    args = ["generate", "--model", model_dir, "--store", root / "store", "--capacity", "8",
+            "--predictor", "stmoe", "--tables", root / "tables.npz", "--routing",
+            root / "t.npz", "--sequence", "1"]
+    res = cli(*args, "--max-new-tokens", "500", "--json", root / "g.json")
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert (f"note: {root / 't.npz'}: sequence 1 holds the routing of {plan.new_tokens} new "
+            f"tokens, so {plan.new_tokens} are generated, not --max-new-tokens 500") in said
+    import json
+
+    assert len(json.loads((root / "g.json").read_text())["tokens"]) == plan.new_tokens
+    res = cli(*args, "--max-new-tokens", "2")
+    assert res.exit_code == 0 and "note:" not in res.output
+    res = cli(*args, "--layers", "4")
+    assert res.exit_code == 1 and str(root / "t.npz") in res.output

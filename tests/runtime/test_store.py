@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -303,3 +304,93 @@ def test_a_damaged_shard_is_one_clear_error(tmp_path, cli):
     assert res.exit_code == 1
     assert f"{shard}: not a readable safetensors file" in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_two_packs_into_one_folder_run_one_after_the_other(tmp_path, monkeypatch):
+    """Issue 30, item 5: one pack paused between publishing its data and writing
+    index.json; the other used to finish first, and the first then deleted its data (an
+    index naming a missing file). Under the folder's lock the second waits."""
+    import threading
+
+    from stmoe.errors import StmoeNote
+    from stmoe.runtime.store import packing
+
+    models = [tiny_model("mixtral", seed=s)[0] for s in (1, 2)]
+    out = tmp_path / "store"
+    published, release = threading.Event(), threading.Event()
+    real = packing.index_text
+
+    def paused(*args, **kwargs):
+        if threading.current_thread().name == "first":
+            published.set()  # its data file is in the folder, its index not yet
+            assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(packing, "index_text", paused)
+    errors: list[BaseException] = []
+
+    def run(model):
+        try:
+            pack(model, out)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    first = threading.Thread(target=run, args=(models[0],), name="first")
+    second = threading.Thread(target=run, args=(models[1],), name="second")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first.start()
+        assert published.wait(60)
+        second.start()
+        second.join(1.0)
+        assert second.is_alive()  # waiting on the lock, not racing the first
+        release.set()
+        first.join(60)
+        second.join(60)
+    assert not errors, errors
+    assert any(issubclass(w.category, StmoeNote) and "another pack" in str(w.message)
+               for w in caught)
+    store = ExpertStore(out)  # the second pack's store, whole
+    assert store.data_path.exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".pack.lock", "index.json", store.data_path.name])
+    want = ExpertStore(pack(models[1], tmp_path / "alone"))
+    assert store.data_path.name == want.data_path.name
+    for key in list(store.blocks)[:4]:
+        got, ref = store.read(*key), want.read(*key)
+        assert all(np.array_equal(got[k], ref[k]) for k in ref)
+
+
+def test_a_full_disk_while_packing_names_the_store_and_keeps_the_old_one(packed, tmp_path,
+                                                                         monkeypatch):
+    """Issue 30, item 9: ENOSPC from write(2) names no file; the error names the store."""
+    import builtins
+    import errno
+
+    from stmoe.runtime.store import packing
+
+    model, _ = packed
+    out = pack(model, tmp_path / "store")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    class Full:
+        def __init__(self, *args, **kwargs):
+            self.f = builtins.open(*args, **kwargs)  # noqa: SIM115 - closed in __exit__
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def __getattr__(self, name):  # the lock file's fileno
+            return getattr(self.f, name)
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(packing, "open", Full, raising=False)
+    with pytest.raises(OSError) as caught:
+        pack(model, out)
+    assert caught.value.filename == str(out) and "No space left" in caught.value.strerror
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import one_line_error
 from stmoe import TraceError, load_trace
 from stmoe.trace import sniff_format
 from stmoe.trace.engines import EngineOptions, ImportNote
@@ -85,7 +86,7 @@ def test_vllm_single_choice_prompt_from_usage_and_bad_base64(tmp_path):
     per = routing(fill=-1)[:1]
     doc = vllm_response(per, dtype=np.int32)
     del doc["choices"][0]["prompt_token_ids"]
-    doc["usage"]["prompt_tokens"] = PROMPTS[0]
+    doc["usage"].update(prompt_tokens=PROMPTS[0], completion_tokens=GENS[0])
     path = tmp_path / "one.json"
     path.write_text(json.dumps(doc))
     trace = load_trace(path)
@@ -197,3 +198,146 @@ def test_export_vllm_and_sglang_round_trip(tmp_path, cli):
         assert np.array_equal(back.experts, trace.experts)
         assert np.array_equal(back.is_decode, trace.is_decode)
         assert back.meta.extra["model_layer_ids"] == [1, 2, 3]
+
+
+# ---- issue 30: ids at their stored width, token counts that must fit the rows ------------
+
+
+def write_json(path, doc):
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "uint32", "int16", "int32", "int64"])
+def test_ids_are_read_at_every_stored_width(tmp_path, dtype):
+    per = routing(fill=0 if dtype.startswith("u") else -1)
+    vllm = write_json(tmp_path / "v.json", vllm_response(per, dtype=np.dtype(dtype)))
+    check(load_trace(vllm), per)
+    docs = [sglang_response(ex, p, g, dtype) for ex, p, g in zip(per, PROMPTS, GENS,
+                                                                 strict=True)]
+    sglang = write_json(tmp_path / "s.json", docs)
+    check(load_trace(sglang, engine=EngineOptions(layers=N_LAYERS, top_k=K)), per,
+          token_ids=False)
+
+
+@pytest.mark.parametrize(("dtype", "bad"), [("int64", 4294967299), ("uint32", 0xFFFFFFFF),
+                                            ("uint64", 2**63 + 1), ("int64", -2)])
+def test_an_id_that_a_cast_would_wrap_is_refused(tmp_path, cli, dtype, bad):
+    """4294967299 as int32 is expert 3, 0xFFFFFFFF an empty slot: refused as stored."""
+    per = [r.astype(dtype) if bad >= 0 else r for r in routing(fill=0)]
+    per[1][2, 3, 1] = bad
+    vllm = write_json(tmp_path / "v.json", vllm_response(per, dtype=np.dtype(dtype)))
+    result = cli("import", vllm, "-o", tmp_path / "o.npz")
+    one_line_error(result, "v.json", f"expert id {bad} is out of range",
+                   "choices[1].routed_experts, token 2, layer 3, slot 1", dtype)
+    if dtype in ("int64", "uint32") and bad >= 0:
+        docs = [sglang_response(ex, p, g, dtype)
+                for ex, p, g in zip(per, PROMPTS, GENS, strict=True)]
+        sglang = write_json(tmp_path / "s.json", docs)
+        result = cli("import", sglang, "-o", tmp_path / "o.npz", "--layers", N_LAYERS,
+                     "--top-k", K)
+        one_line_error(result, "s.json", f"expert id {bad} is out of range", "response 1")
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_sglang_int64_id_above_32_bits_and_a_declared_n(tmp_path):
+    per = [r.astype(np.int64) for r in routing(fill=-1)]
+    per[0][0, 1, 0] = 2**32 + 2  # int32 would read expert 2
+    doc = write_json(tmp_path / "s.json", sglang_response(per[0], PROMPTS[0], GENS[0], "int64"))
+    with pytest.raises(TraceError, match=r"expert id 4294967298 is out of range.*0\.\.32767"):
+        load_trace(doc, engine=EngineOptions(layers=N_LAYERS, top_k=K))
+    per[0][0, 1, 0] = 9
+    write_json(doc, sglang_response(per[0], PROMPTS[0], GENS[0], "int64"))
+    with pytest.raises(TraceError, match=r"response 0.*token 0, layer 1, slot 0.*0\.\.7"):
+        load_trace(doc, num_experts=8, engine=EngineOptions(layers=N_LAYERS, top_k=K))
+
+
+def _b64_rows(ex: np.ndarray, rows: slice) -> str:
+    return base64.b64encode(ex[rows].astype("<i4").tobytes()).decode()
+
+
+@pytest.mark.parametrize("cut", ["first 3 tokens", "last token removed", "one token more"])
+def test_sglang_routing_that_does_not_fill_its_token_counts_is_refused(tmp_path, cli, cut):
+    """A cut routed_experts was taken for a later span (prompt tokens filed as the last
+    positions, marked decode): the rows must be prompt + completion - 1."""
+    per = routing(fill=-1)
+    ex, p, g = per[2], PROMPTS[2], GENS[2]
+    doc = sglang_response(ex, p, g)
+    end = p + g - 1
+    if cut == "one token more":
+        doc["meta_info"]["routed_experts"] = _b64_rows(np.concatenate([ex, ex[:1]]),
+                                                       slice(None))
+    else:
+        doc["meta_info"]["routed_experts"] = _b64_rows(
+            ex, slice(0, 3) if cut == "first 3 tokens" else slice(0, end - 1))
+    path = write_json(tmp_path / "s.json", doc)
+    result = cli("import", path, "-o", tmp_path / "o.npz", "--layers", N_LAYERS, "--top-k", K)
+    rows = {"first 3 tokens": 3, "last token removed": end - 1, "one token more": end + 1}[cut]
+    one_line_error(result, "s.json", "response 0, meta_info.routed_experts",
+                   f"{rows} routed tokens but prompt_tokens + completion_tokens - 1 is {end}",
+                   "truncated")
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_vllm_rows_must_fit_the_prompt_and_generated_ids(tmp_path, cli):
+    per = routing(fill=-1)
+    doc = vllm_response(per, dtype=np.int32)
+    doc["choices"][1]["prompt_token_ids"] = list(range(10 * len(per[1])))  # 10x the rows
+    path = write_json(tmp_path / "v.json", doc)
+    one_line_error(cli("import", path, "-o", tmp_path / "o.npz"), "v.json", "choices[1]")
+    doc = vllm_response(per, dtype=np.int32)
+    del doc["choices"][2]["token_ids"]
+    doc["choices"][2]["prompt_token_ids"] = list(range(len(per[2]) + 5))
+    write_json(path, doc)
+    one_line_error(cli("import", path, "-o", tmp_path / "o.npz"), "v.json", "choices[2]",
+                   f"a prompt of {len(per[2]) + 5} tokens but only {len(per[2])} routed")
+    # rows = prompt + generated + 1: the ids were dropped and the import went on
+    doc = vllm_response(per, dtype=np.int32)
+    doc["choices"][0]["routed_experts"] = npy_b64(np.concatenate([per[0], per[0][:2]]))
+    write_json(path, doc)
+    one_line_error(cli("import", path, "-o", tmp_path / "o.npz"), "v.json",
+                   "choices[0].routed_experts", f"{len(per[0]) + 2} routed tokens but "
+                   f"prompt_token_ids ({PROMPTS[0]}) and token_ids ({GENS[0]})")
+    one = vllm_response(per[:1], dtype=np.int32)  # usage of one choice: its own counts
+    del one["choices"][0]["prompt_token_ids"], one["choices"][0]["token_ids"]
+    one["usage"].update(prompt_tokens=PROMPTS[0], completion_tokens=GENS[0] + 3)
+    write_json(path, one)
+    one_line_error(cli("import", path, "-o", tmp_path / "o.npz"), "v.json",
+                   "usage says", f"expected {PROMPTS[0] + GENS[0] + 2} rows")
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_a_request_without_a_prompt_length_is_all_prefill_with_a_note(tmp_path, cli):
+    per = routing(fill=-1)
+    doc = vllm_response(per, dtype=np.int32)
+    del doc["choices"][1]["prompt_token_ids"]
+    path = write_json(tmp_path / "v.json", doc)
+    result = cli("import", path, "-o", tmp_path / "o.npz")
+    assert result.exit_code == 0, result.output
+    assert "note: choices[1]: the file gives no prompt length" in result.output
+    assert "note: token ids dropped from every sequence: choices[1] has none" in result.output
+    trace = load_trace(tmp_path / "o.npz")
+    assert not trace.is_decode[trace.seq_starts[1]:trace.seq_starts[2]].any()
+    docs = [sglang_response(ex, p, g) for ex, p, g in zip(per, PROMPTS, GENS, strict=True)]
+    del docs[0]["meta_info"]["prompt_tokens"]
+    path = write_json(tmp_path / "s.json", docs)
+    result = cli("import", path, "-o", tmp_path / "s.npz", "--layers", N_LAYERS, "--top-k", K)
+    assert result.exit_code == 0, result.output
+    assert "note: response 0: the file gives no prompt length" in result.output
+    given = cli("import", path, "-o", tmp_path / "p.npz", "--layers", N_LAYERS, "--top-k", K,
+                "--prompt-lengths", ",".join(map(str, PROMPTS)))
+    assert given.exit_code == 0 and "note: response 0" not in given.output
+    check(load_trace(tmp_path / "p.npz"), per, token_ids=False)
+
+
+@pytest.mark.parametrize("axis", [1, 2])
+def test_vllm_choices_of_different_layers_or_top_k_are_refused(tmp_path, cli, axis):
+    per = routing(fill=-1)
+    per[2] = np.concatenate([per[2], per[2]], axis=axis)
+    if axis == 2:  # distinct ids in the wider slots
+        per[2][:, :, K:] = (per[2][:, :, :K] + 3) % N
+        per[2][:, :, K:][per[2][:, :, :K] < 0] = -1
+    path = write_json(tmp_path / "v.json", vllm_response(per, dtype=np.int32))
+    layers, slots = per[2].shape[1:]
+    one_line_error(cli("import", path, "-o", tmp_path / "o.npz"), "v.json", "choices[2]",
+                   f"{layers} layers x {slots} slots here but {N_LAYERS} x {K} in choices[0]")

@@ -64,7 +64,10 @@ def test_npy_with_sequence_starts_from_option_and_side_file(tmp_path):
     side = load_trace(path, num_experts=10)
     assert np.array_equal(side.experts, trace.experts)
     assert side.seq_starts.tolist() == trace.seq_starts.tolist() == [0, 20, 40]
-    (tmp_path / "t.seq_starts.npy").unlink()
+    (tmp_path / "t.seq_starts.npy").unlink()  # the export's pair broken: refused
+    with pytest.raises(TraceError, match=r"t\.seq_starts\.npy is not the file t\.manifest"):
+        load_trace(path)
+    (tmp_path / "t.manifest.json").unlink()  # a bare array: one sequence
     assert load_trace(path).seq_starts.tolist() == [0]
     assert load_trace(path, seq_starts="0,30").seq_starts.tolist() == [0, 30]
     text = tmp_path / "starts.txt"

@@ -87,3 +87,57 @@ def test_sequence_helpers():
     assert trace.seq_ends.tolist() == [2, 5]
     assert trace.sequence_of_token().tolist() == [0, 0, 1, 1, 1]
     assert [(s, (sl.start, sl.stop)) for s, sl in trace.sequences()] == [(0, (0, 2)), (1, (2, 5))]
+
+
+# ---- issue 30: what validate checks beyond the arrays -------------------------------------
+
+
+def with_extra(trace, **extra):
+    return trace.with_meta(extra={**trace.meta.extra, **extra})
+
+
+@pytest.mark.parametrize(("ids", "why"), [
+    ([0, 0], "all zeros: an export put every layer in model layer 0"),
+    ([-1, 1], "a negative layer number"),
+    ([1, 10**9], "an export would build 10^9 layers"),
+    ([3, 1], "out of model order"),
+    ([1, 2, 3], "one per MoE layer, not three for two"),
+    ([1, True], "a flag, not a number"),
+    ("1-2", "text"),
+])
+def test_model_layer_ids_must_be_one_increasing_number_per_layer(ids, why):
+    with pytest.raises(TraceError, match=r"meta.extra.model_layer_ids is .*expected 2 "
+                                         r"increasing model layer numbers in 0\.\.4095"):
+        validate(with_extra(make(GOOD), model_layer_ids=ids))
+    validate(with_extra(make(GOOD), model_layer_ids=[1, 3]))  # dense layers 0 and 2
+
+
+def test_select_layers_keeps_the_model_layer_ids_of_the_layers_kept():
+    from stmoe.trace.select import select_layers
+
+    trace = with_extra(make([[[0, 1], [2, 3], [4, 5]]]), model_layer_ids=[1, 3, 5])
+    assert select_layers(trace, "1:3").meta.extra["model_layer_ids"] == [3, 5]
+    assert select_layers(trace, 1).meta.extra["model_layer_ids"] == [1]
+
+
+@pytest.mark.parametrize(("look", "fragment"), [
+    (np.zeros((2, 2, 0), np.int16), r"lookahead has shape \(2, 2, 0\).*J >= 1"),
+    (np.array([[[-1, -1], [2, 2]], [[-1, -1], [3, 1]]], np.int16),
+     r"token 0, layer 1: lookahead names expert 2 twice"),
+])
+def test_a_lookahead_of_no_slots_or_repeated_ids_is_refused(look, fragment):
+    with pytest.raises(TraceError, match=fragment):
+        validate(dataclasses.replace(make(GOOD), lookahead=look))
+    ok = np.array([[[-1, -1], [2, 3]], [[-1, -1], [3, 1]]], np.int16)  # -1 may repeat
+    validate(dataclasses.replace(make(GOOD), lookahead=ok))
+
+
+@pytest.mark.parametrize("field", ["domains", "model"])
+def test_a_label_holding_a_lone_surrogate_is_refused(field):
+    trace = make(GOOD)
+    bad = (dataclasses.replace(trace, domains=("chat\ud800",)) if field == "domains"
+           else trace.with_meta(model="m\udcff"))
+    what = "the domain label of sequence 0" if field == "domains" else "the model name"
+    with pytest.raises(TraceError, match=f"{what} holds .*a lone surrogate.*valid UTF-8"):
+        validate(bad)
+    validate(dataclasses.replace(trace, domains=("数学 ✓",)))  # any real text is fine

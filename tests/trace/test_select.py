@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from conftest import distinct_slots
 from stmoe import (
     TraceError,
     concat,
@@ -83,7 +84,7 @@ def test_concat_round_trips_a_split_and_refuses_other_shapes(trace):
 
 
 def test_both_gate_lookaheads_follow_their_tokens_and_a_bad_one_is_refused(trace):
-    look = np.concatenate([trace.experts, (trace.experts + 1) % 8], axis=2).astype(np.int16)
+    look = distinct_slots(np.concatenate([trace.experts, (trace.experts + 1) % 8], axis=2))
     late = look[:, :, ::-1].copy()
     t = dataclasses.replace(trace, lookahead=look, lookahead_late=late)
     part = select_sequences(t, [3, 1])
@@ -100,3 +101,21 @@ def test_both_gate_lookaheads_follow_their_tokens_and_a_bad_one_is_refused(trace
 
     with pytest.raises(TraceError, match="lookahead_late expert id is out of range"):
         validate(dataclasses.replace(t, lookahead_late=late + 8))
+
+
+def test_held_out_tail_replays_only_tokens_the_profile_never_saw(trace):
+    from stmoe.trace.select import held_out_tail
+
+    one = select_sequences(trace, [2])  # 5 prefill + 15 decode tokens
+    head, tail = held_out_tail(one, at=12, prompt=3)
+    assert head.num_tokens == 12 and np.array_equal(head.experts, one.experts[:12])
+    # the tail: tokens 9..19, the first 3 (profiled) its prompt, the 8 decode tokens new
+    assert np.array_equal(tail.experts, one.experts[9:])
+    assert tail.is_decode.tolist() == [False] * 3 + [True] * 8
+    assert tail.seq_starts.tolist() == [0] and tail.num_sequences == 1
+    with pytest.raises(TraceError, match="inside the decode part"):
+        held_out_tail(one, at=4, prompt=2)  # token 4 is a prompt token
+    with pytest.raises(TraceError, match="1 sequence"):
+        held_out_tail(trace, at=12, prompt=3)
+    with pytest.raises(TraceError, match="prompt < at"):
+        held_out_tail(one, at=12, prompt=12)

@@ -78,3 +78,67 @@ def test_inputs_that_would_hang_or_fail_are_refused_in_one_line(tmp_path: Path) 
         ok.chmod(0)
         with pytest.raises(StmoeError, match="permission denied"):
             check_input_file(ok)
+
+
+# ---- issue 30: disk-full errors name the file; several files and folders switch as one --
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path: Path) -> None:
+    import errno
+
+    p = atomic_write_text(tmp_path / "r.json", "old")
+
+    def full(f: object) -> None:
+        f.write(b"ha")  # type: ignore[attr-defined]
+        raise OSError(errno.ENOSPC, "No space left on device")  # write(2) names no file
+
+    with pytest.raises(OSError) as caught:
+        atomic_write(p, full)
+    assert caught.value.filename == str(p) and caught.value.errno == errno.ENOSPC
+    assert "nothing was replaced" in caught.value.strerror
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["r.json"] and p.read_text() == "old"
+
+
+def test_files_written_together_switch_as_one_and_a_split_pair_is_named(tmp_path: Path) -> None:
+    from stmoe.util.fileio import atomic_write_files, manifest_mismatch
+
+    a, b, man = tmp_path / "a.npy", tmp_path / "a.side", tmp_path / "a.manifest.json"
+    atomic_write_files([(a, lambda f: f.write(b"A1")), (b, lambda f: f.write(b"B1"))], man)
+    assert manifest_mismatch(man) is None
+    old = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def boom(f: object) -> None:
+        f.write(b"B2-half")  # type: ignore[attr-defined]
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        atomic_write_files([(a, lambda f: f.write(b"A2")), (b, boom)], man)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == old  # no temp, no change
+    a.write_bytes(b"A2")  # what a kill between the renames leaves: new main, old side
+    assert manifest_mismatch(man) == "a.npy"
+    man.write_text("{not json")
+    assert manifest_mismatch(man) == "a.manifest.json"
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_folder_is_written_beside_the_old_one_and_switched(tmp_path: Path, monkeypatch,
+                                                             exchange: bool) -> None:
+    from stmoe.util import fileio
+
+    if not exchange:  # a system without renameat2: two renames
+        monkeypatch.setattr(fileio, "_exchange", lambda a, b: False)
+    out = tmp_path / "ckpt"
+    with fileio.atomic_folder(out) as tmp:
+        (tmp / "w.bin").write_bytes(b"old")
+    with pytest.raises(RuntimeError), fileio.atomic_folder(out) as tmp:
+        (tmp / "w.bin").write_bytes(b"ha")
+        raise RuntimeError("killed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert (out / "w.bin").read_bytes() == b"old"
+    with fileio.atomic_folder(out) as tmp:
+        (tmp / "w.bin").write_bytes(b"new")
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "w.bin"]
+    assert (out / "w.bin").read_bytes() == b"new"
+    assert out.stat().st_mode & 0o777 == 0o777 & ~current_umask()

@@ -6,6 +6,7 @@ Keys that are a contract: ``spatial.pairs_significant``, ``spatial.pairs_total``
 
 from __future__ import annotations
 
+import warnings
 from itertools import combinations
 from typing import Any
 
@@ -20,6 +21,7 @@ from stmoe.analysis.stats import (
     reuse_distances,
     spatial_test,
 )
+from stmoe.errors import StmoeNote
 from stmoe.evaluate.replay import replay
 from stmoe.predictors import names_for, profile
 from stmoe.trace.schema import RoutingTrace
@@ -35,6 +37,12 @@ def spatial(trace: RoutingTrace) -> dict[str, Any]:
     tests = [
         spatial_test(experts, layer, trace.num_experts) for layer in range(trace.num_layers - 1)
     ]
+    empty = [layer for layer in range(trace.num_layers) if not (experts[:, layer] >= 0).any()]
+    if empty and trace.num_layers > 1:
+        warnings.warn(f"layer{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
+                      "routed no token (every slot -1): the layer pairs with "
+                      f"{'them' if len(empty) > 1 else 'it'} have nothing to test and count "
+                      "as not significant", StmoeNote, stacklevel=2)
     return {
         "alpha": ALPHA,
         "pairs_total": len(tests),

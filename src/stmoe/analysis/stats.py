@@ -67,6 +67,11 @@ def spatial_test(experts: np.ndarray, layer: int, num_experts: int) -> PairTest:
     e, f = experts[:, layer].astype(np.int64), experts[:, layer + 1].astype(np.int64)
     row_use = np.bincount(e[e >= 0], minlength=n)
     col_use = np.bincount(f[f >= 0], minlength=n)
+    if not row_use.any() or not col_use.any():  # a layer that routed no token: no test
+        return PairTest(layer=layer, statistic=0.0, dof=0, p_value=1.0, cramers_v=0.0,
+                        pearson_statistic=0.0, tokens=len(e), rows_kept=0, cols_kept=0,
+                        rows_pooled=0, cols_pooled=0, rows_empty=int((row_use == 0).sum()),
+                        cols_empty=int((col_use == 0).sum()))
     pairs = (e[:, :, None] >= 0) & (f[:, None, :] >= 0)
     table = np.bincount((e[:, :, None] * n + f[:, None, :])[pairs], minlength=n * n).reshape(n, n)
     row_map, kept_r, col_map, kept_c = _merge_categories(table, row_use, col_use)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,7 +22,7 @@ from stmoe.cli.common import (
     write_json,
 )
 from stmoe.cli.generate_report import rows, summary
-from stmoe.errors import StmoeError
+from stmoe.errors import StmoeError, StmoeNote, TraceError
 from stmoe.runtime.options import OffloadOptions
 
 _DEFAULT = OffloadOptions()  # the one place the offload defaults are written
@@ -261,13 +262,21 @@ def _replay(om: Any, routing: Path, sequence: int, max_new_tokens: int | None,
     trace = load_trace(routing)
     c = om.config
     if layers is not None:
-        trace = select_layers(trace, layers)
+        try:
+            trace = select_layers(trace, layers)
+        except TraceError as exc:
+            raise exc.in_file(routing) from None
         if trace.num_layers != c["num_layers"]:
-            raise StmoeError(f"--layers {layers}: {trace.num_layers} MoE layers of the trace "
-                             f"for a model of {c['num_layers']}; give as many as the model "
-                             "has")
+            raise StmoeError(f"{routing}: --layers {layers}: {trace.num_layers} MoE layers of "
+                             f"the trace for a model of {c['num_layers']}; give as many as "
+                             "the model has")
     vocab = int(getattr(om.model.config, "vocab_size", 0) or 1)
-    plan = plan_routing(trace, sequence, c["num_layers"], c["num_experts"], c["top_k"], vocab)
+    plan = plan_routing(trace, sequence, c["num_layers"], c["num_experts"], c["top_k"], vocab,
+                        source=routing)
+    if max_new_tokens is not None and max_new_tokens > plan.new_tokens:
+        warnings.warn(f"{routing}: sequence {sequence} holds the routing of "
+                      f"{plan.new_tokens} new tokens, so {plan.new_tokens} are generated, not "
+                      f"--max-new-tokens {max_new_tokens}", StmoeNote, stacklevel=2)
     return functools.partial(om.force_routing, plan, max_new_tokens)
 
 

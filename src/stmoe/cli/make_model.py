@@ -46,8 +46,9 @@ def make_model_cmd(
     preset; the vocabulary is the shipped tokenizer's. `stmoe pack` and `stmoe
     generate` run on it unchanged. Its text and its own routing are meaningless:
     measure with real routing through it (`stmoe generate --routing TRACE`).
-    Written one shard at a time, with a progress bar; the folder is complete when
-    config.json appears.
+    Written one shard at a time, with a progress bar, into a folder beside the
+    output that takes its place once whole: a killed or failed run (a full disk)
+    leaves the old checkpoint as it was.
     """
     from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
 

@@ -62,7 +62,8 @@ def simulate_cmd(
         typer.Option(
             help="accelerator: the paper's pipeline; runtime: the offloading runtime on this "
             "host (needs a `stmoe calibrate` hardware .toml; systems on-demand, lru-only, "
-            "stmoe, stmoe-plus, oracle)."
+            "stmoe, stmoe-plus, oracle, with the runtime's prefetch admission; NAME-all, "
+            "e.g. stmoe-all: admission off, every predicted load)."
         ),
     ] = "accelerator",
     capacity: Annotated[
@@ -227,12 +228,17 @@ def _runtime(trace: Any, model: Any, hw: Any, system: list[str] | None, tables: 
     table = Table(title=f"runtime pipeline: {clean_label(data['model'])} on "
                   f"{clean_label(data['hardware'])}, {per_layer} experts cached per layer"
                   + synthetic, title_justify="left")
-    for col in ("system", "decode tok/s", "decode s", "stall share", "hit rate", "moved GiB"):
+    for col in ("system", "decode tok/s", "decode s", "stall share", "hit rate", "moved GiB",
+                "admission"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for name, r in data["systems"].items():
+        c = r["counters"]
+        adm = ("exempt (the bound)" if r["predictor"] == "oracle" else
+               f"{c['layers_off']:.0f} layers off at the end, {c['off_calls']:.0f} calls off"
+               if r["admission"] else "off: every load")
         table.add_row(clean_label(name), f"{r['decode_tokens_per_s']:.3g}", f"{r['decode_s']:.4g}",
                       f"{r['stall_share']:.2f}", f"{r['hit_rate']:.3f}",
-                      f"{r['bytes_moved'] / 2**30:.2f}")
+                      f"{r['bytes_moved'] / 2**30:.2f}", adm)
     out.print(table)
     out.print(f"tables: {clean_label(note)}")
     write_json(data, json_out)

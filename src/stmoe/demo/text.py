@@ -11,6 +11,7 @@ from typing import Any
 
 from stmoe.analysis.report import html_text as _e
 from stmoe.errors import StmoeError
+from stmoe.evaluate.compare import against
 from stmoe.util.fileio import atomic_write_text, check_input_file
 
 MODEL_CARD_HTML = "model-card.html"
@@ -36,7 +37,30 @@ def headline(off: dict[str, Any]) -> str:
             f"loading and {speed('lru-only')} for an LRU cache alone, with stmoe-plus at "
             f"{speed('stmoe-plus')} and the oracle (perfect prediction) at {speed('oracle')} "
             f"({how}; "
-            f"{same}).")
+            f"{same}). Against the LRU cache alone: {versus(off, 'stmoe')}; "
+            f"{versus(off, 'stmoe-plus')}.")
+
+
+VERSUS = {  # compare.against's verdicts, as the headline says them
+    "faster": "faster (the ranges apart)",
+    "as fast": "as fast or faster (the ranges overlap: not a clear win)",
+    "within noise": "as fast within noise (a lower median, the ranges overlap)",
+    "slower": "SLOWER (the ranges apart)",
+    "single run": "one run each, no range to tell noise from a difference",
+}
+
+
+def versus(off: dict[str, Any], name: str) -> str:
+    """``name`` against lru-only by the benchmarks' rule (``evaluate.compare.against``):
+    its ratio of medians and what the rounds' ranges allow the headline to claim."""
+    s = off["systems"]
+
+    def runs(n: str) -> list[float]:
+        return list(s[n].get("decode_tokens_per_s_runs") or s[n]["decode_tokens_per_s_range"])
+
+    how = against(runs(name), runs("lru-only")) if off["rounds"] > 1 else "single run"
+    ratio = s[name]["decode_tokens_per_s"] / s["lru-only"]["decode_tokens_per_s"]
+    return f"{name} {ratio:.2f}x, {VERSUS[how]}"
 
 
 def _ms(seconds: float) -> str:

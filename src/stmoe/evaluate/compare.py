@@ -31,3 +31,25 @@ def spread(values: list[float], fmt: str = ".2f") -> str:
 def verdict(ok: bool) -> str:
     """A target's one word: MET or NOT MET."""
     return "MET" if ok else "NOT MET"
+
+
+def against(mine: list[float], base: list[float]) -> str:
+    """How speeds ``mine`` compare with ``base`` (higher is faster), by one rule for every
+    report (issue 27): ``faster`` (median >= base's and the ranges apart), ``as fast``
+    (median >= base's, ranges overlapping), ``within noise`` (median below but the ranges
+    overlap: counts as 1.0x), ``slower`` (below, ranges apart); ``single run`` when either
+    side has one value (no range to judge by)."""
+    if len(mine) < 2 or len(base) < 2:
+        return "single run"
+    overlap = max(mine) >= min(base) and max(base) >= min(mine)
+    if statistics.median(mine) >= statistics.median(base):
+        return "as fast" if overlap else "faster"
+    return "within noise" if overlap else "slower"
+
+
+def not_slower(mine: list[float], base: list[float]) -> bool:
+    """The >= 1.0x target: median at least base's, or within noise (ranges overlap)."""
+    how = against(mine, base)
+    if how == "single run":
+        return statistics.median(mine) >= statistics.median(base)
+    return how != "slower"

@@ -28,7 +28,7 @@ from typing import Any
 
 from stmoe.errors import StmoeError
 from stmoe.sim.specs import ModelSpec, model_preset, preset_names
-from stmoe.util.fileio import atomic_write_text, publish, temp_beside
+from stmoe.util.fileio import atomic_folder, atomic_write_text
 
 # transformers architecture that has each preset's layer structure (routed experts,
 # plus one shared expert where the preset has one). Presets missing here (MLA
@@ -97,32 +97,50 @@ def plan_checkpoint(like: str, layers: int | None = None,
 
 def make_checkpoint(plan: CheckpointPlan, out_dir: str | Path, seed: int = 0,
                     shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write ``plan`` as a safetensors checkpoint folder (shards, index, config, tokenizer)."""
+    """Write ``plan`` as a safetensors checkpoint folder (shards, index, config, tokenizer).
+
+    The new checkpoint is written whole in a folder beside ``out_dir``, then switched
+    into its place (``fileio.atomic_folder``): a killed or failed write (a full disk)
+    leaves the old checkpoint as it was, never config.json without weights, and the
+    next write removes the killed one's folder. Both fit on the disk for a moment."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise StmoeError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise StmoeError(f"{out}: a folder with other files in it; give a new or empty folder")
+    from safetensors import SafetensorError
+
+    try:
+        with atomic_folder(out) as tmp:
+            _write_checkpoint(plan, tmp, out.name, seed, shard_bytes)
+    except SafetensorError as exc:  # safetensors' own error for a failed write (ENOSPC)
+        raise StmoeError(f"{out}: the checkpoint could not be written ({exc}); the old "
+                         "folder, if any, is unchanged") from None
+    except OSError as exc:
+        raise StmoeError(f"{out}: the checkpoint could not be written "
+                         f"({exc.strerror or exc}); the old folder, if any, is "
+                         "unchanged") from None
+    return out
+
+
+def _write_checkpoint(plan: CheckpointPlan, out: Path, label: str, seed: int,
+                      shard_bytes: int) -> None:
+    """The checkpoint's files into the empty folder ``out`` (shards one at a time)."""
     import torch
     from safetensors.torch import save_file
 
     from stmoe.models import SHIPPED_MODEL
     from stmoe.util.progress import byte_progress
 
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise StmoeError(f"{out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise StmoeError(f"{out}: a folder with other files in it; give a new or empty folder")
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("model*.safetensors*"):  # a previous checkpoint written here
-        old.unlink()
     shards = _shards(plan, shard_bytes)
     dtype = getattr(torch, plan.dtype)
     weight_map: dict[str, str] = {}
-    with byte_progress(plan.nbytes, f"writing {out.name}") as advance:
+    with byte_progress(plan.nbytes, f"writing {label}") as advance:
         for i, names in enumerate(shards):
             fname = (f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
                      else "model.safetensors")
             tensors = {name: _random_tensor(name, shape, dtype, seed) for name, shape in names}
-            with temp_beside(out / fname) as tmp:
-                save_file(tensors, str(tmp), metadata={"format": "pt"})
-                publish(tmp, out / fname)
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, fname))
             advance(sum(t.numel() * t.element_size() for t in tensors.values()))
             del tensors
@@ -131,8 +149,7 @@ def make_checkpoint(plan: CheckpointPlan, out_dir: str | Path, seed: int = 0,
         atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=1) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(SHIPPED_MODEL / name, out / name)
-    plan.config.save_pretrained(out)  # written last: a folder with config.json is complete
-    return out
+    plan.config.save_pretrained(out)
 
 
 def _config(model_type: str, spec: ModelSpec, layers: int, dtype: str) -> Any:

@@ -12,6 +12,7 @@ tables -> nothing of stmoe-plus; plus -> tables; profiling -> both.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.predictors.base import ModelShape, PredictorError
-from stmoe.predictors.counting import layer_tokens, pair_counts
+from stmoe.predictors.counting import D_MAX, layer_tokens, pair_counts
 from stmoe.predictors.plus.fitting import fit_weights
 from stmoe.predictors.tables import RECENT_TOKENS, ProfiledTables, cct_from_counts, cooccurrence
 from stmoe.trace.schema import RoutingTrace
@@ -50,6 +51,7 @@ def profile(
     width = shape.top_k if row_width is None else int(row_width)
     if not 1 <= width <= shape.num_experts:
         raise PredictorError(f"row width {width}: expected 1..{shape.num_experts}")
+    check_table_memory(shape)
     co = sum(cooccurrence(t) for t in traces)
     ids, conf = cct_from_counts(co, width)
     counted = [pair_counts(t) for t in traces]
@@ -81,6 +83,38 @@ def profile(
             np.int16
         ),
     )
+
+
+def table_bytes(shape: ModelShape) -> int:
+    """A floor on profiling's peak memory: the N x N counts held at once (Algorithm 1's
+    int64 co-occurrence, float64 pairs up to D_MAX layers apart and consecutive tokens),
+    which grow with N squared (32767 experts and 2 layers: 56 GiB)."""
+    n, layers = shape.num_experts, shape.num_layers
+    return 8 * n * n * ((D_MAX + 1) * max(layers - 1, 1) + layers)
+
+
+def available_memory() -> int:
+    """Bytes the system can give now (MemAvailable), else its physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_table_memory(shape: ModelShape) -> None:
+    """Refuse, before anything N x N is allocated, tables that cannot fit in memory: a
+    declared N of 32767 is a valid trace but its counts would not fit most machines."""
+    need, have = table_bytes(shape), available_memory()
+    if need > have:
+        raise PredictorError(
+            f"profiling {shape.describe()} needs at least {need / 2**30:.1f} GiB for its "
+            f"N x N count tables, but {have / 2**30:.1f} GiB of memory is available; "
+            "expected tables that fit: profile fewer layers (--layers A:B) or on a machine "
+            "with more memory")
 
 
 def _per_domain(traces: list[RoutingTrace], width: int, fit_plus: bool

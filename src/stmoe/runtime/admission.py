@@ -64,7 +64,9 @@ class Admission:
         self.layers = [_Layer([self.config.prior] * capacity) for _ in range(num_layers)]
         self.read_s: float | None = None  # one expert's read, measured
         self.layer_s: float | None = None  # one layer call's wall time, measured
-        self.busy = 0.0  # the tier's busy share (reads' seconds over wall seconds), measured
+        # the tier's busy share (reads' seconds over wall seconds), measured; None until the
+        # first measurement (an unmeasured tier is not an idle one: it starts at that)
+        self.busy: float | None = None
         self.turned_off = 0  # losing windows (reported)
         self.probes = 0
 
@@ -87,7 +89,7 @@ class Admission:
 
     def waste_cost(self) -> float:
         """Saved reads a wasted read costs: the tier's busy share (0 idle .. 1 saturated)."""
-        return min(1.0, max(0.0, self.busy))
+        return min(1.0, max(0.0, self.busy or 0.0))
 
     def budget(self) -> int:
         """Loads the tier can deliver within the horizon's layers (every load, unmeasured)."""
@@ -117,7 +119,7 @@ class Admission:
             self.layer_s = (layer_s if self.layer_s is None
                             else (1 - a) * self.layer_s + a * layer_s)
         if busy is not None:
-            self.busy = (1 - a) * self.busy + a * busy
+            self.busy = busy if self.busy is None else (1 - a) * self.busy + a * busy
 
     def layer_called(self, fwd: int, layer: int, needed: set[int], prefetch_hits: int,
                      misses: set[int]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,9 +50,10 @@ class RoutingPlan:
 
 
 def plan_routing(trace: RoutingTrace, sequence: int, num_layers: int, num_experts: int,
-                top_k: int, vocab_size: int) -> RoutingPlan:
-    """Sequence ``sequence`` of ``trace`` shaped for a model of this shape, or a clear error."""
-    where = f"--routing {trace.meta.model!r}"
+                top_k: int, vocab_size: int, source: str | Path | None = None) -> RoutingPlan:
+    """Sequence ``sequence`` of ``trace`` shaped for a model of this shape, or a clear error
+    naming ``source`` (the trace's file; its model label when no file is given)."""
+    where = str(source) if source is not None else f"--routing {trace.meta.model!r}"
     if trace.num_experts != num_experts or trace.top_k != top_k:
         raise ForcedRoutingError(f"{where}: the trace routes top-{trace.top_k} of "
                                  f"{trace.num_experts} experts but the model top-{top_k} of "

@@ -85,6 +85,9 @@ class HostSpec:
     layer_s: float  # per decode token and MoE layer, outside the experts call
     token_s: float  # per decode token, outside the MoE decoder layers
     first_touch_s: float  # extra per read into cache memory never used before (page faults)
+    # a prefetch worker's read in pieces of this many bytes (the runtime's CHUNK_BYTES; a
+    # preset without the key, written before the runtime chunked, gets today's)
+    chunk_bytes: int = 4 << 20
 
 
 HOST_TIERS = ("disk", "emulated")
@@ -194,7 +197,9 @@ def _host(where: str, table: dict[str, Any]) -> HostSpec | None:
     if not isinstance(host, dict):
         raise SpecError(f"hardware spec {where!r}: host must be a table ([host])")
     names = [f.name for f in dataclasses.fields(HostSpec)]
-    missing, unknown = sorted(set(names) - set(host)), sorted(set(host) - set(names))
+    required = [f.name for f in dataclasses.fields(HostSpec)
+                if f.default is dataclasses.MISSING]
+    missing, unknown = sorted(set(required) - set(host)), sorted(set(host) - set(names))
     if missing or unknown:
         what = "; ".join(
             ([f"lacks {', '.join(missing)}"] if missing else [])
@@ -202,11 +207,14 @@ def _host(where: str, table: dict[str, Any]) -> HostSpec | None:
         )
         raise SpecError(f"hardware spec {where!r}: [host] {what}")
     values = {f.name: _typed("hardware", where, f"host.{f.name}", host[f.name], f.type)
-              for f in dataclasses.fields(HostSpec)}
+              for f in dataclasses.fields(HostSpec) if f.name in host}
     spec = HostSpec(**values)
     if spec.tier not in HOST_TIERS:
         raise SpecError(f"hardware spec {where!r}: host.tier is {spec.tier!r}, expected "
                         f"{' or '.join(HOST_TIERS)}")
+    if not spec.chunk_bytes >= 4096:
+        raise SpecError(f"hardware spec {where!r}: host.chunk_bytes is {spec.chunk_bytes}, "
+                        "expected >= 4096 (one page)")
     for key in ("workers", "layer_s", "token_s", "first_touch_s"):
         if not getattr(spec, key) >= 0:
             raise SpecError(f"hardware spec {where!r}: host.{key} is {getattr(spec, key)}, "

@@ -3,6 +3,7 @@ axis order) and a header-less ``.npz``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -12,9 +13,11 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.engines.common import Columns, EngineOptions, finish, note, refuse_counts
+from stmoe.trace.export import manifest_path
 from stmoe.trace.io import checked_input, trace_from_arrays
 from stmoe.trace.npfiles import load_npy, read_npz_arrays
 from stmoe.trace.schema import RoutingTrace
+from stmoe.util.fileio import manifest_mismatch
 
 
 def read_npy(
@@ -27,6 +30,7 @@ def read_npy(
     with ``np.save``); sequence starts from the option, a side file
     ``NAME.seq_starts.npy``/``.txt``, or one sequence; ``--prompt-lengths`` marks decode."""
     opts = opts or EngineOptions()
+    exported = seq_starts is None and check_export_pair(path)
     starts = resolve_seq_starts(path, seq_starts)
     ex = load_npy(path, mmap=True)
     if ex.ndim != 3:
@@ -37,11 +41,29 @@ def read_npy(
     if not np.issubdtype(ex.dtype, np.integer):
         raise TraceError(f"the array has dtype {ex.dtype}", expected="integer expert ids")
     ex = oriented(ex, opts.layout)
+    if exported and opts.moe_layers is None:  # stmoe's own export holds MoE layers only
+        opts = dataclasses.replace(opts, moe_layers=tuple(range(ex.shape[1])))
     return finish(
         Columns(experts=np.asarray(ex), seq_starts=starts,
                 is_decode=decode_by_prompt(starts, ex.shape[0], opts.prompt_lengths)),
         opts, num_experts, {"source": f"imported from {path.name}", "file": str(path)},
     )
+
+
+def check_export_pair(path: Path) -> bool:
+    """An npy export's main file and side file are the pair its manifest lists (a kill
+    between their renames would otherwise pair new ids with old sequence starts): True
+    for such a pair, False for a file without a manifest (``np.save`` by hand)."""
+    manifest = manifest_path(path)
+    if not manifest.exists():
+        return False
+    bad = manifest_mismatch(manifest)
+    if bad is not None:
+        raise TraceError(f"{bad} is not the file {manifest.name} lists",
+                         expected=f"{path.name} and its side file from one `stmoe export`",
+                         hint="an export was interrupted: export again (or delete the "
+                         "manifest if you replaced the files yourself)")
+    return True
 
 
 def oriented(ex: np.ndarray, layout: str) -> np.ndarray:

@@ -23,13 +23,18 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
+from stmoe.trace.checks import CHUNK_TOKENS as _CHUNK_TOKENS  # noqa: F401 (summary, tables)
+from stmoe.trace.checks import (
+    EMPTY_SLOT,
+    check_labels,
+    check_layer_ids,
+    check_lookahead,
+    check_weights,
+)
+from stmoe.trace.checks import chunks as _chunks
+from stmoe.trace.checks import first as _first
 
-EMPTY_SLOT = -1
 UNLABELLED = "unlabelled"
-# Validation walks big traces in chunks of this many tokens so a memory-mapped
-# trace of tens of millions of token-layers is checked without loading it whole.
-_CHUNK_TOKENS = 1 << 16
-_WEIGHT_MAX = float(np.finfo(np.float32).max)  # weights are stored as float32
 # N taken as the largest id + 1 (the file does not say N) must stay below this: no
 # router has as many experts, and a flipped byte in an unchecked file makes ids huge
 # sooner than plausible; an N-sized table per layer would cost gigabytes.
@@ -171,15 +176,6 @@ class RoutingTrace:
         )
 
 
-def _chunks(n: int) -> Iterator[slice]:
-    for a in range(0, n, _CHUNK_TOKENS):
-        yield slice(a, min(a + _CHUNK_TOKENS, n))
-
-
-def _first(mask: np.ndarray) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.argwhere(mask)[0])
-
-
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
@@ -237,28 +233,16 @@ def validate(trace: RoutingTrace, *, file: str | None = None) -> RoutingTrace:
     if not any(np.asarray(trace.experts[sl]).max() >= 0 for sl in _chunks(t)):
         fail("every expert slot is empty (-1)", expected="at least one routed expert")
     if trace.weights is not None:
-        _validate_weights(trace, fail)
+        check_weights(trace, fail)
     for name in LOOKAHEAD_FIELDS:
         if getattr(trace, name) is not None:
-            _validate_lookahead(trace, name, fail)
+            check_lookahead(trace, name, fail)
+    check_layer_ids(trace, fail)
+    check_labels(trace, fail)
     return trace
 
 
 LOOKAHEAD_FIELDS = ("lookahead", "lookahead_late")
-
-
-def _validate_lookahead(trace: RoutingTrace, name: str, fail: Any) -> None:
-    look = np.asarray(getattr(trace, name))
-    if (
-        look.ndim != 3
-        or look.shape[:2] != trace.experts.shape[:2]
-        or not np.issubdtype(look.dtype, np.integer)
-    ):
-        fail(f"{name} has shape {look.shape}, dtype {look.dtype}",
-             expected=f"integer [T, L, J] with T, L = {trace.experts.shape[:2]}")
-    if look.size and (look.min() < EMPTY_SLOT or look.max() >= trace.num_experts):
-        fail(f"a {name} expert id is out of range",
-             expected=f"-1..{trace.num_experts - 1}")
 
 
 def _validate_sequences(trace: RoutingTrace, fail: Any) -> None:
@@ -325,23 +309,3 @@ def _validate_ids(trace: RoutingTrace, fail: Any) -> None:
                 expected="K distinct experts per token and layer",
             )
 
-
-def _validate_weights(trace: RoutingTrace, fail: Any) -> None:
-    w = trace.weights
-    if w.shape != trace.experts.shape:
-        fail(f"weights has shape {w.shape}", expected=f"the experts shape {trace.experts.shape}")
-    if not np.issubdtype(w.dtype, np.floating):
-        fail(f"weights has dtype {w.dtype}", expected="floating-point gate weights")
-    for sl in _chunks(trace.num_tokens):
-        # Checked as written: a float64 1e300 is finite here but inf once stored as float32.
-        block = np.asarray(w[sl])
-        with np.errstate(invalid="ignore"):
-            bad = ~np.isfinite(block) | (np.abs(block) > _WEIGHT_MAX)
-        if bad.any():
-            tok, layer, slot = _first(bad)
-            fail(
-                f"gate weight is {float(block[tok, layer, slot])}",
-                position=f"token {tok + sl.start}, layer {layer}, slot {slot}",
-                expected=f"a finite number (|w| <= {_WEIGHT_MAX:.3g}: weights are stored "
-                "as float32)",
-            )

@@ -222,7 +222,34 @@ def select_layers(trace: RoutingTrace, layers: int | str) -> RoutingTrace:
     def cut(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else np.ascontiguousarray(np.asarray(a)[:, start:stop])
 
+    extra = dict(trace.meta.extra)
+    if extra.get("model_layer_ids") is not None:  # the kept layers' own model numbers
+        extra["model_layer_ids"] = list(extra["model_layer_ids"])[start:stop]
     return validate(dataclasses.replace(
         trace, experts=cut(trace.experts), weights=cut(trace.weights),
         lookahead=cut(trace.lookahead), lookahead_late=cut(trace.lookahead_late),
-        meta=dataclasses.replace(trace.meta, num_layers=stop - start)))
+        meta=dataclasses.replace(trace.meta, num_layers=stop - start, extra=extra)))
+
+
+def held_out_tail(trace: RoutingTrace, at: int, prompt: int) -> tuple[RoutingTrace, RoutingTrace]:
+    """A one-sequence trace split by tokens for a held-out replay: (tokens ``0..at-1``, to
+    profile on; tokens ``at-prompt..`` as a new sequence, to replay). The replayed
+    sequence's first ``prompt`` tokens (already profiled) become its prompt, so every
+    decode token replayed is one the tables never saw, and the predictor's history at the
+    first of them is the real one (the tokens just before, not the original prompt's)."""
+    if trace.num_sequences != 1:
+        raise TraceError(f"a held-out tail needs a trace of 1 sequence, not "
+                         f"{trace.num_sequences}", hint="select one sequence first")
+    if not 1 <= prompt < at < trace.num_tokens:
+        raise TraceError(f"a held-out tail at token {at} with a {prompt}-token prompt of a "
+                         f"{trace.num_tokens}-token trace",
+                         expected=f"1 <= prompt < at < {trace.num_tokens}")
+    if not np.asarray(trace.is_decode)[at:].all():
+        raise TraceError(f"token {at} onwards is not all decode tokens",
+                         expected="a cut inside the decode part")
+    head = _token_range(trace, 0, at)
+    tail = _take_tokens(trace, np.arange(at - prompt, trace.num_tokens),
+                        np.zeros(1, dtype=np.int64), trace.domains[:1])
+    decode = np.ones(tail.num_tokens, dtype=bool)
+    decode[:prompt] = False
+    return head, validate(dataclasses.replace(tail, is_decode=decode))

@@ -38,6 +38,10 @@ DEFAULT_GAMMA = 0.8
 DEFAULT_BETA = 0.5  # hybrid's lookahead weight where none was fitted
 
 Weights = tuple[float, ...]  # NUM_SIGNALS weights, indexed by Signal
+# A fitted weight is tens at most (the grid's go to 16, the logistic fit's ridge keeps
+# them small); one of 1e308 is finite but overflows the scores to inf, so a file holding
+# a weight beyond this is refused, and the fit never keeps one (plus.fitting).
+WEIGHT_MAX = 1e6
 # a setting's range, as PlusConfig.check takes the same knobs: (test, what it expects)
 Range = tuple[Callable[[float], bool], str]
 _ANY: Range = (lambda v: True, "a finite number")
@@ -45,6 +49,7 @@ _AT_LEAST_0: Range = (lambda v: v >= 0, "a finite number >= 0")
 _POSITIVE: Range = (lambda v: v > 0, "a finite number > 0")
 _FRACTION: Range = (lambda v: 0 <= v <= 1, "a number 0..1")
 _DECAY: Range = (lambda v: 0 < v <= 1, "a number 0 < x <= 1")
+_WEIGHT: Range = (lambda v: abs(v) <= WEIGHT_MAX, f"a number within +-{WEIGHT_MAX:g}")
 
 
 @dataclass(frozen=True)
@@ -192,8 +197,8 @@ class _Reader:
         v = self.data[key]
         if not (isinstance(v, list) and len(v) == NUM_SIGNALS and all(
                 not isinstance(x, bool) and isinstance(x, int | float) and _finite(x)
-                for x in v)):
-            raise self._fail(key, f"{NUM_SIGNALS} finite numbers")
+                and abs(x) <= WEIGHT_MAX for x in v)):
+            raise self._fail(key, f"{NUM_SIGNALS} finite numbers within +-{WEIGHT_MAX:g}")
         return tuple(v)
 
     def lookahead(self, suffix: str) -> LookaheadFit | None:
@@ -208,7 +213,8 @@ class _Reader:
             if not isinstance(joint, dict):
                 raise self._fail(f"hybrid{suffix}", "an object with 'w' and 'w_look'")
             inner = _Reader(joint, f"{self.where}['hybrid{suffix}']")
-            w, w_look = inner.weights("w", required=True), inner.number("w_look")
+            w = inner.weights("w", required=True)
+            w_look = inner.number("w_look", None, _WEIGHT)
             if w_look is None:
                 raise PredictorError(f"{inner.where}: no 'w_look'")
             joint = JointFit(w, w_look)  # type: ignore[arg-type]

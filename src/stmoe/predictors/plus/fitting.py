@@ -27,6 +27,7 @@ from stmoe.predictors.plus.fitted import (
     DEFAULT_POWER,
     DEFAULT_SIM_DECAY,
     DEFAULT_W,
+    WEIGHT_MAX,
     JointFit,
     LookaheadFit,
     PlusFit,
@@ -262,4 +263,6 @@ def _logistic(x: np.ndarray, y: np.ndarray) -> list[float] | None:
     w = np.zeros(x.shape[1] + 1)
     w[:-1][used] = found.x[1:] / std[used]
     w[-1] = found.x[0] - float(np.sum(found.x[1:] * mean[used] / std[used]))
+    if not np.all(np.abs(w) <= WEIGHT_MAX):  # a near-constant column: no usable fit
+        return None
     return [float(v) for v in w]

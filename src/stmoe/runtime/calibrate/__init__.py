@@ -63,7 +63,7 @@ from stmoe.runtime.calibrate.reads import (
 )
 from stmoe.runtime.options import CALIBRATED_TIERS, CalibrateOptions, check_options
 from stmoe.runtime.store import open_store
-from stmoe.runtime.store.tiers import DiskTier, open_tier
+from stmoe.runtime.store.tiers import CHUNK_BYTES, DiskTier, open_tier
 
 __all__ = ["CALIBRATED_TIERS", "CalibrateOptions", "PageFaults", "Reads", "calibrate",
            "check_options", "faulted_buffer", "machine", "measure_compute", "measure_latency",
@@ -116,6 +116,7 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         "model_dir": str(model_dir), "num_layers": n_layers, "num_experts": n_experts,
         "top_k": top_k, "expert_bytes": expert_bytes, "capacity": capacity,
         "workers": workers, "threads": o.threads, "latency_s": latency,
+        "chunk_bytes": CHUNK_BYTES,
         "first_touch_s": faults.first_touch_s, "populate_s": faults.populate_s,
         "touch_reads": faults.reads,
         "expert_macs": expert_bytes // param_specs(opened.blocks[(0, 0)])[0].dtype.itemsize,

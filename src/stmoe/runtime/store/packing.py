@@ -5,17 +5,21 @@ Packing is deterministic: the same model gives the same bytes. Packing again is 
 the new data file is written beside the old one under its own name (its content's
 hash), then index.json, which names it, is replaced in one rename (the switch); the old
 data file is removed afterwards, and whatever a killed pack left is removed by the next
-one. A model folder is packed without loading its model, one expert at a time from its
+one. A pack holds the folder's advisory lock (``.pack.lock``, ``fcntl.flock``) from its
+first byte to its clean-up, so two packs into one folder run one after the other: the
+second cannot remove the data file the first has published but not yet indexed. A
+model folder is packed without loading its model, one expert at a time from its
 safetensors shards (``pack_folder``, ``pack_stream``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import warnings
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +35,13 @@ from stmoe.runtime.store.index import (
     block_crc,
     index_text,
 )
-from stmoe.util.fileio import atomic_write_text, publish, temp_beside
+from stmoe.util.fileio import atomic_write_text, naming_failures, publish, temp_beside
 
 # progress(total_bytes, label) -> a context giving advance(nbytes), as progress.byte_progress
 ProgressFactory = Callable[[int, str], AbstractContextManager[Callable[[int], None]]]
 DATA_TEMP = "experts.bin"  # a pack's temporary data file: .experts.bin.<pid>.<random>.tmp
 _OLD_DATA = ("experts.bin", "experts.bin.tmp")  # version 1's data file and its temporary
+LOCK_NAME = ".pack.lock"  # the folder's advisory lock (never removed: see pack_lock)
 
 
 def pack(model: Any, out_dir: str | Path, source: str | Path | None = None) -> Path:
@@ -97,11 +102,29 @@ def _write_store(out: Path, model: dict[str, Any], record: dict[str, Any], block
     """The data file, then index.json naming it (the switch), then the replaced data file
     removed: the one ending of both packers."""
     out.mkdir(parents=True, exist_ok=True)
-    data, size, written = _write_data(blocks, out, advance)
-    text = index_text(model, record, data, size, written)
-    atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
-    _remove_unnamed(out, data)
+    with pack_lock(out):
+        data, size, written = _write_data(blocks, out, advance)
+        text = index_text(model, record, data, size, written)
+        atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
+        _remove_unnamed(out, data)
     return out
+
+
+@contextmanager
+def pack_lock(out: Path) -> Iterator[None]:
+    """The folder's advisory lock for one pack (another pack into it waits, with a note);
+    released when the pack ends or its process dies."""
+    with open(out / LOCK_NAME, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            warnings.warn(f"{out}: another pack is writing this store; waiting for it",
+                          StmoeNote, stacklevel=3)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _write_data(blocks: Iterable[tuple[int, int, list[tuple[str, Any]]]], out: Path,
@@ -110,7 +133,7 @@ def _write_data(blocks: Iterable[tuple[int, int, list[tuple[str, Any]]]], out: P
     written: list[Block] = []
     offset, digest = 0, hashlib.sha256()
     with temp_beside(out / DATA_TEMP) as tmp:
-        with open(tmp, "wb") as f:
+        with naming_failures(out), open(tmp, "wb") as f:  # a full disk names the store
             for layer, expert, tensors in blocks:
                 blob, slots = _block_bytes(tensors)
                 del tensors  # a streamed expert's memory map may be released now
@@ -141,7 +164,9 @@ def _block_bytes(tensors: list[tuple[str, Any]]) -> tuple[bytes, tuple[TensorSlo
 
 
 def _remove_unnamed(out: Path, keep: str) -> None:
-    """Data files the index does not name: the replaced one, a killed pack's, version 1's."""
+    """Data files the index does not name: the replaced one, a killed pack's, version 1's
+    (called under ``pack_lock``, so no other pack's data is between its publish and its
+    index)."""
     for f in out.iterdir():
         if f.name != keep and (DATA_NAME.fullmatch(f.name) or f.name in _OLD_DATA):
             f.unlink(missing_ok=True)

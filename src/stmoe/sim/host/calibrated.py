@@ -60,6 +60,8 @@ def hardware_toml(f: dict[str, Any]) -> str:
         "[host]  # the runtime's host pipeline (stmoe simulate --pipeline runtime)",
         line("tier", f["tier"], f"the tier measured: {tier}"),
         line("workers", f["workers"], "the runtime's prefetch threads on this tier"),
+        line("chunk_bytes", f.get("chunk_bytes", 4 << 20), "the runtime's: a prefetch "
+             "worker reads an expert in pieces of this size, a demand read goes between"),
         line("read_parallel_bytes_per_s", f["parallel_bytes_per_s"], f"measured: "
              f"{f['reads_n']['threads']} threads reading {f['reads_n']['blocks']} blocks at "
              "once, each into its own faulted-in slot memory (their throughput, at least "

@@ -31,8 +31,13 @@ when it ends), then one forward call per decode token. At every MoE layer:
 
 Prefetch workers (unless paused) take the most urgent request (forward call,
 layer, rank), skip a stale one, claim a slot (the policy's victim among READY
-experts neither pinned nor protected; none: the request is dropped) and read.
-Reads share the tier as ``link`` models it. After the prompt, the
+experts neither pinned nor protected; none: the request is dropped) and read,
+in ``chunks`` pieces (``CHUNK_BYTES``): between two, a worker whose read is for
+another layer than the one the compute thread stalls at waits until the stall
+ends (demand first, ``Prefetcher._between``). Reads share the tier as ``link``
+models it. With ``admission`` the sets pass through the runtime's own
+``Admission``, fed the simulated timings as the runtime measures them
+(docs/simulator.md); the oracle is exempt. After the prompt, the
 predictor's set for the first decode token's layer 0 is queued (the oracle's
 sets start with decode). Cache victims come from ``stmoe.cache_policy`` with the
 runtime's stamps (one step per layer call; a prefetch is stamped with the step
@@ -43,44 +48,17 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from stmoe import cache_policy as cp
-from stmoe.sim.host.link import FifoLink, SharedLink
+from stmoe.runtime.admission import Admission
+from stmoe.sim.host.inputs import HostCosts, HostRun
+from stmoe.sim.host.tier import Tier
 from stmoe.sim.specs import SpecError
 
 _NO_FUTURE = np.zeros(0, dtype=np.int64)
 ABSENT, LOADING, READY = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class HostCosts:
-    """Seconds on this host (``host_costs`` derives them from a hardware spec)."""
-
-    layer_s: float  # non-expert work per MoE layer and token
-    token_s: float  # per forward call outside the MoE layers
-    expert_s: float  # one routed expert for one token
-    read_s: float  # one expert read alone (latency + bytes / bandwidth)
-    # extra for a read into a spare row past the capacity (its page faults); never for a
-    # read into a slot: the runtime faults the slots in when it makes the cache
-    first_touch_s: float
-    parallel: float  # the tier's speed with >= 2 readers, relative to one reader
-    workers: int
-    fifo: bool  # one serial link (emulated) rather than a shared device (disk)
-
-
-@dataclass(frozen=True)
-class HostRun:
-    """One sequence through the runtime: what it routes and what is predicted."""
-
-    experts: np.ndarray  # [prefill + decode, L, K] int routing of the sequence's tokens
-    prefill: int  # tokens of the prompt's forward call
-    plan: tuple[np.ndarray, np.ndarray] | None  # (ptr, ids) of every (token, layer)'s set
-    oracle: bool  # the sets are the routed experts themselves (decode only)
-    capacity: int  # experts cached per layer
-    policy: str  # lru, lfu or none
 
 
 class _Sim:
@@ -98,11 +76,12 @@ class _Sim:
         self.protected = np.zeros(shape, dtype=np.bool_)
         self.size = np.zeros(n_layers, dtype=np.int64)
         self.clock = np.zeros(n_layers, dtype=np.int64)
-        self.link = FifoLink() if costs.fifo else SharedLink(costs.parallel)
-        # reads in progress: id -> (layer, expert, by a worker, page faults after the device)
-        self.reads: dict[int, tuple[int, int, bool, float]] = {}
-        self.landing: list[tuple[float, int]] = []  # (when, id): device done, faults left
-        self.started = 0
+        self.tier = Tier(costs)
+        self.adm = (Admission(n_layers, run.capacity, run.horizon)
+                    if run.admission and not run.oracle else None)
+        self.read_s = 0.0  # decode reads' seconds and count (what admission is told)
+        self.read_n = 0
+        self.last_call: tuple[float, float, int] | None = None
         self.queue: list[tuple[int, int, int, int]] = []  # (call, layer, rank, expert)
         self.idle = costs.workers
         self.paused = False  # the compute thread stalls: the workers start no new read
@@ -115,31 +94,19 @@ class _Sim:
 
     # ---- the tier and the workers ----------------------------------------------------
     def _read(self, layer: int, e: int, worker: bool, t: float, spare: bool) -> int:
-        """Start a read; one into a spare row (``spare``: fresh memory each call) keeps the
-        reading thread busy with its page faults after the device is done with it
-        (``first_touch_s``), not the device. A slot's memory is faulted in already."""
-        rid = self.started
-        self.started += 1
-        self.reads[rid] = (layer, e, worker, self.c.first_touch_s if spare else 0.0)
+        """Start a read (``tier.Tier.start``), counted."""
         self.count["moved"] += 1  # the whole run's, prompt included, as bytes_moved
         self.count["spare"] += spare and self.counting
-        self.link.start(rid, t, self.c.read_s)
-        return rid
-
-    def _next(self) -> float:
-        return min(self.link.next_done(), self.landing[0][0] if self.landing else math.inf)
+        return self.tier.start(layer, e, worker, t, spare)
 
     def _advance(self, until: float) -> None:
         """Every read landing by ``until`` lands; freed workers take the next job."""
-        while self._next() <= until:
-            if self.landing and self.landing[0][0] <= self.link.next_done():
-                t, rid = heapq.heappop(self.landing)
-            else:
-                t, rid = self.link.pop()
-                if self.reads[rid][3] > 0:  # its page faults still to come
-                    heapq.heappush(self.landing, (t + self.reads[rid][3], rid))
-                    continue
-            layer, e, worker, _ = self.reads.pop(rid)
+        stalled = self.pos[1] if self.paused else None
+        while (done := self.tier.land(until, stalled)) is not None:
+            t, layer, e, worker, took = done
+            if self.counting:  # the read's seconds as the runtime times them (waits included)
+                self.read_s += took
+                self.read_n += 1
             if e >= 0:
                 self.state[layer, e] = READY
             if worker:
@@ -161,8 +128,8 @@ class _Sim:
 
     def _wait(self, rid: int | None = None) -> None:
         """The compute thread waits for its read ``rid``, or (None) for the next landing."""
-        while rid is None or rid in self.reads:
-            t = self._next()
+        while rid is None or rid in self.tier.reads:
+            t = self.tier.next_event()
             if math.isinf(t):
                 raise SpecError("host pipeline: waiting for a load that never lands (a bug)")
             self._advance(t)
@@ -182,7 +149,13 @@ class _Sim:
                                  _NO_FUTURE, self.code)
             if v < 0:
                 return False
-            self.count["wasted"] += bool(self.prefetched[layer, v] and not self.used[layer, v])
+            wasted = bool(self.prefetched[layer, v] and not self.used[layer, v])
+            self.count["wasted"] += wasted
+            if prefetch and self.adm is not None:
+                if wasted:
+                    self.adm.wasted_read(layer)
+                else:  # a cached expert LRU would have kept
+                    self.adm.evicted(layer, int(v))
             st[v] = ABSENT
             self.size[layer] -= 1
         st[e] = LOADING
@@ -207,6 +180,8 @@ class _Sim:
         # the runtime pauses right after the planner queues (no time passes between): a
         # stalling layer's queued loads wait for its ensure to end
         self.paused = bool((st[needed] != READY).any())
+        if self.adm is not None and self.counting:
+            self._record(fwd, layer, needed)
         self._predict(fwd, layer)
         start = self.t
         self._ensure(layer, needed)
@@ -216,13 +191,17 @@ class _Sim:
         self.used[layer, needed] = True
         self.uses[layer, needed] += 1
         self.paused = False
+        self.tier.resume(self.t)
         self._dispatch(self.t)  # the next layer's loads, during this layer's compute
         self.t += c.expert_s * rows.size
         self._advance(self.t)
         self.pinned[layer] = False
         if self.run.policy == "none":  # no reuse: every READY slot freed
             ready = st == READY
-            self.count["wasted"] += int((ready & self.prefetched[layer] & ~self.used[layer]).sum())
+            wasted = int((ready & self.prefetched[layer] & ~self.used[layer]).sum())
+            self.count["wasted"] += wasted
+            for _ in range(wasted if self.adm is not None else 0):
+                self.adm.wasted_read(layer)
             st[ready] = ABSENT
             self.size[layer] -= int(ready.sum())
 
@@ -262,7 +241,29 @@ class _Sim:
             # the prompt's own layers are predicted from an empty history (not modelled) but
             # by the oracle; the first decode token's layer 0 once the prompt is learnt
             return
-        self.queue_set(*target, self.predicted(*target))
+        self.plan_set(*target)
+
+    def plan_set(self, fwd: int, layer: int) -> None:
+        """The planner for (``fwd``, ``layer``): the predictor's set, through admission."""
+        if self.adm is None:
+            self.queue_set(fwd, layer, self.predicted(fwd, layer))
+            return
+        ranked = [] if not self.adm.wants(layer) else self.predicted(fwd, layer).tolist()
+        self.queue_set(fwd, layer, np.asarray(self.adm.admit(fwd, layer, ranked), np.int64))
+
+    def _record(self, fwd: int, layer: int, needed: np.ndarray) -> None:
+        """``admission.record_call``'s figures for this decode layer call, told to it."""
+        st, e = self.state[layer], needed
+        hits = int(((st[e] != ABSENT) & self.prefetched[layer, e] & ~self.used[layer, e]).sum())
+        misses = {int(x) for x in e[st[e] == ABSENT]}
+        self.adm.layer_called(fwd, layer, {int(x) for x in e}, hits, misses)
+        if self.last_call is not None:
+            then, then_s, then_n = self.last_call
+            wall, done = self.t - then, self.read_n - then_n
+            if wall > 0:
+                self.adm.timings(read_s=(self.read_s - then_s) / done if done else None,
+                                 layer_s=wall, busy=(self.read_s - then_s) / wall)
+        self.last_call = (self.t, self.read_s, self.read_n)
 
     def predicted(self, fwd: int, layer: int) -> np.ndarray:
         run = self.run
@@ -299,7 +300,8 @@ def simulate_host(run: HostRun, costs: HostCosts, num_experts: int) -> dict[str,
     for layer in range(n_layers):  # the prompt, in one forward call
         sim.layer(0, layer, run.experts[: run.prefill, layer])
     sim.t += costs.token_s
-    sim.queue_set(1, 0, sim.predicted(1, 0) if not run.oracle else np.zeros(0, np.int64))
+    if not run.oracle:
+        sim.plan_set(1, 0)
     start, sim.counting = sim.t, True
     for fwd in range(1, decode + 1):
         for layer in range(n_layers):
@@ -308,4 +310,9 @@ def simulate_host(run: HostRun, costs: HostCosts, num_experts: int) -> dict[str,
     out = {"time": sim.t - start, "stall": sim.stall, "tokens": decode, **sim.count}
     out["wasted"] += int((sim.prefetched & sim.state.astype(bool) & ~sim.used).sum())
     out["compute"] = out["time"] - out["stall"]
+    if sim.adm is not None:
+        s = sim.adm.summary()
+        out["layers_off"] = len(s["layers_off"])  # type: ignore[arg-type]
+        out["off_calls"] = sum(s["off_calls"])  # type: ignore[arg-type]
+        out["turned_off"], out["probes"] = s["turned_off"], s["probes"]
     return {k: float(v) for k, v in out.items()}

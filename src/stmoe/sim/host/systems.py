@@ -6,12 +6,16 @@ reuse), ``lru-only``, ``stmoe``, ``stmoe-plus`` (1.5K experts per layer) and the
 ``oracle``; any other replay predictor name runs with an LRU cache. Each
 system's prefetch sets are its predictor's ``plan`` over the sequence (the
 protocol the runtime drives, in the same order); the oracle's are the routed
-experts. ``host.simulate_host`` times them on a ``stmoe calibrate`` preset.
+experts. ``host.simulate_host`` times them on a ``stmoe calibrate`` preset, with
+the runtime's prefetch admission as the runtime has it by default; a system named
+``NAME-all`` (``stmoe-all``, ``stmoe-plus-all``) is NAME with admission off, every
+predicted load made (the runtime's ``admission=False``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +40,7 @@ class HostOptions:
     sequence: int = 0  # the trace's sequence replayed
     decode_tokens: int | None = None  # decode forward calls timed (None: all the sequence's)
     tables: ProfiledTables | None = None
+    admission: bool = True  # the runtime's default (a system named NAME-all: off)
 
 
 def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
@@ -50,22 +55,38 @@ def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
     rate = hw.pe_macs_per_cycle * hw.clock_hz * flow.utilisation(1)
     read_s = hw.link_latency_s + model.expert_bytes / hw.link_bytes_per_s
     parallel = read_s / (model.expert_bytes / host.read_parallel_bytes_per_s)
+    chunks = max(1, math.ceil(model.expert_bytes / host.chunk_bytes))
     return HostCosts(layer_s=host.layer_s, token_s=host.token_s,
                      expert_s=model.expert_macs / rate if rate > 0 else 0.0, read_s=read_s,
                      # paid by a read into a spare row only (slots are faulted in already)
                      first_touch_s=host.first_touch_s,
                      parallel=parallel, workers=host.workers,
-                     fifo=host.tier == "emulated")
+                     fifo=host.tier == "emulated", chunks=chunks,
+                     # every piece pays the latency (a preadv, a link transfer, of its own)
+                     chunk_s=hw.link_latency_s
+                     + model.expert_bytes / chunks / hw.link_bytes_per_s)
+
+
+ALL_SUFFIX = "-all"  # a system with admission off: every predicted load made
 
 
 def system_of(name: str) -> tuple[str, str]:
-    """(predictor, cache policy) of a runtime system or a replay predictor's name."""
+    """(predictor, cache policy) of a runtime system or a replay predictor's name (with
+    ``-all``: the same with admission off, ``admitted``)."""
+    if name.endswith(ALL_SUFFIX) and name != ALL_SUFFIX:
+        return system_of(name[: -len(ALL_SUFFIX)])
     if name in RUNTIME_SYSTEMS:
         return RUNTIME_SYSTEMS[name]
     if name in REGISTRY:
         return name, "lru"
     valid = ", ".join([*RUNTIME_SYSTEMS, *(n for n in REGISTRY if n not in RUNTIME_SYSTEMS)])
-    raise SpecError(f"unknown runtime system {name!r}; choose from {valid}")
+    raise SpecError(f"unknown runtime system {name!r}; choose from {valid} (each with "
+                    f"{ALL_SUFFIX}: admission off)")
+
+
+def admitted(name: str, options: HostOptions) -> bool:
+    """Whether system ``name`` runs with the runtime's prefetch admission."""
+    return options.admission and not name.endswith(ALL_SUFFIX)
 
 
 def sequence_run(trace: RoutingTrace, o: HostOptions) -> tuple[RoutingTrace, int]:
@@ -95,15 +116,15 @@ def run_host_system(name: str, seq: RoutingTrace, prefill: int, model: ModelSpec
                     hw: HardwareSpec, o: HostOptions) -> dict[str, Any]:
     """One system's simulated decode of ``seq`` (from ``sequence_run``)."""
     predictor, policy = system_of(name)
-    plan = None
+    plan, horizon = None, 1
     if predictor not in ("ondemand", "oracle"):
         p = compared_predictor(predictor, o.tables)  # stmoe-plus and hybrid at 1.5K
         if isinstance(p, str):
             p = make(p, ModelShape.of(seq), o.tables)
         made = p.plan(seq)
-        plan = (made.ptr, made.ids)
+        plan, horizon = (made.ptr, made.ids), p.horizon
     run = HostRun(np.asarray(seq.experts, dtype=np.int64), prefill, plan,
-                  predictor == "oracle", o.capacity, policy)
+                  predictor == "oracle", o.capacity, policy, admitted(name, o), horizon)
     c = simulate_host(run, host_costs(model, hw), model.num_experts)
     t, tokens = c["time"], c["tokens"]
     return {
@@ -113,6 +134,7 @@ def run_host_system(name: str, seq: RoutingTrace, prefill: int, model: ModelSpec
         "hit_rate": c["hits"] / c["demanded"] if c["demanded"] else 0.0,
         "bytes_moved": int(c["moved"]) * model.expert_bytes,
         "bytes_wasted": int(c["wasted"]) * model.expert_bytes,
+        "admission": run.admission and not run.oracle,
         "counters": c,
     }
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from stmoe.trace.assemble import order_by_weight
 from stmoe.trace.schema import RoutingTrace, TraceMeta, inferred_num_experts, validate
 
 LAYOUTS = ("tlk", "ltk")
+_ID_MAX = int(np.iinfo(np.int16).max)  # ids are stored as int16
 
 
 class ImportNote(StmoeNote):
@@ -139,6 +140,47 @@ class Columns:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def checked_ids(arr: np.ndarray, num_experts: int | None, where: str) -> np.ndarray:
+    """``arr`` as int32 once every id, read at its stored width (uint32, int64, ...), is
+    -1 or below N (32768 when N is not given): a cast first would wrap 2**32 + 3 to
+    expert 3 and 0xFFFFFFFF to an empty slot."""
+    arr = np.asarray(arr)
+    hi = (num_experts if num_experts is not None else _ID_MAX + 1) - 1
+    bad = arr > hi
+    if np.issubdtype(arr.dtype, np.signedinteger):
+        bad |= arr < -1
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        pos = f"token {at[0]}, layer {at[1]}, slot {at[2]}" if arr.ndim == 3 else f"index {at}"
+        raise TraceError(f"expert id {int(arr[at])} is out of range",
+                         position=f"{where}, {pos}" if where else pos,
+                         expected=f"0..{hi}, or -1 for an empty slot (read as stored, "
+                         f"{arr.dtype})")
+    return arr.astype(np.int32)
+
+
+def written_moe_layers(opts: EngineOptions, value: Any, where: str) -> EngineOptions:
+    """``opts`` with the MoE layers a ``stmoe export`` file names (``stmoe_moe_layers``)
+    when the user gave none: such a file says which layers route, no guess is needed."""
+    if value is None or opts.moe_layers is not None:
+        return opts
+    if not isinstance(value, list) or not value:
+        raise TraceError(f"'stmoe_moe_layers' is {value!r}", position=where,
+                         expected="a list of model layer numbers")
+    return replace(opts, moe_layers=layer_list(value))
+
+
+def note_missing_prompts(requests: Sequence[Request], opts: EngineOptions) -> None:
+    """One note naming the requests whose prompt length neither the file nor
+    ``--prompt-lengths`` gives: all their tokens are read as prefill."""
+    missing = [r.where for r in requests if r.prompt_len is None]
+    if missing and opts.prompt_lengths is None:
+        named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3
+                                          else "")
+        note(f"{named}: the file gives no prompt length, so every token is read as prefill; "
+             "pass --prompt-lengths to mark the generated ones decode")
+
+
 def assemble(
     requests: Sequence[Request],
     opts: EngineOptions,
@@ -154,10 +196,15 @@ def assemble(
         i = lengths.index(0)
         raise TraceError("a request has no routed token", position=requests[i].where or None,
                          expected="at least one row per request")
+    _same_shape(requests)
     weights = None
     if all(r.weights is not None for r in requests):
         weights = np.concatenate([np.asarray(r.weights, np.float32) for r in requests])
     ids = [r.token_ids for r in requests]
+    if any(t is None for t in ids) and not all(t is None for t in ids):
+        lacking = next(r.where or f"sequence {i}" for i, r in enumerate(requests)
+                       if r.token_ids is None)
+        note(f"token ids dropped from every sequence: {lacking} has none")
     extra: dict[str, Any] = {}
     for r in requests:
         extra.update(r.extra)
@@ -204,8 +251,22 @@ def finish(
                         meta=trace_meta)
 
 
+def _same_shape(requests: Sequence[Request]) -> None:
+    """Every request over the same model layers and slots (one model answered them all)."""
+    first = requests[0]
+    for r in requests[1:]:
+        if r.experts.shape[1:] != first.experts.shape[1:]:
+            (la, ka), (lb, kb) = first.experts.shape[1:], r.experts.shape[1:]
+            raise TraceError(f"{lb} layers x {kb} slots here but {la} x {ka} in "
+                             f"{first.where or 'the first request'}",
+                             position=r.where or None,
+                             expected="every request routed over the same model layers and "
+                             "top-k (responses of one model)")
+
+
 def _prompt_lengths(requests: Sequence[Request], given: tuple[int, ...] | None) -> list[int | None]:
-    """Each request's prompt length: the file's, else the option's; both must agree."""
+    """Each request's prompt length: the file's, else the option's; both must agree, and
+    a prompt never holds more tokens than the request routed (prompt + generated - 1)."""
     if given is not None and len(given) != len(requests):
         raise TraceError(f"{len(given)} prompt lengths for {len(requests)} sequences",
                          expected="--prompt-lengths with one length per sequence, "
@@ -217,7 +278,15 @@ def _prompt_lengths(requests: Sequence[Request], given: tuple[int, ...] | None) 
             raise TraceError(f"--prompt-lengths gives {opt} but the file says {r.prompt_len}",
                              position=r.where or f"sequence {i}",
                              expected="the file's own prompt length")
-        out.append(r.prompt_len if opt is None else opt)
+        prompt = r.prompt_len if opt is None else opt
+        if prompt is not None and prompt > r.start + len(r.experts):
+            raise TraceError(f"a prompt of {prompt} tokens but only {r.start + len(r.experts)} "
+                             "routed tokens", position=r.where or f"sequence {i}",
+                             expected="a prompt length of at most the routed tokens (an "
+                             "engine routes prompt + generated - 1)",
+                             hint="the routing looks truncated, or the prompt length is "
+                             "another request's")
+        out.append(prompt)
     return out
 
 

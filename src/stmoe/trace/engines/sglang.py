@@ -2,10 +2,10 @@
 
 ``--enable-return-routed-experts`` plus ``"return_routed_experts": true`` in a request
 puts ``meta_info.routed_experts`` in the response: base64 of raw little-endian ids
-(dtype in ``meta_info.routed_experts_dtype``, int32 when absent), rows for positions
-``[start, prompt + completion - 1)`` over every model layer and top-k slot. The
-response does not say L and K (``--layers``, ``--top-k``); a batch request returns a
-JSON list of such objects.
+(dtype in ``meta_info.routed_experts_dtype``, int32 when absent), one row for each of
+the positions ``[0, prompt + completion - 1)`` over every model layer and top-k slot
+(fewer rows are a cut response, refused). The response does not say L and K
+(``--layers``, ``--top-k``); a batch request returns a JSON list of such objects.
 
 The recorder (``--expert-distribution-recorder-mode per_token``, then
 ``/start_expert_distribution_record`` ... ``/dump_expert_distribution_record``) writes
@@ -25,7 +25,14 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
-from stmoe.trace.engines.common import EngineOptions, Request, assemble
+from stmoe.trace.engines.common import (
+    EngineOptions,
+    Request,
+    assemble,
+    checked_ids,
+    note_missing_prompts,
+    written_moe_layers,
+)
 from stmoe.trace.engines.jsonio import b64_bytes, load_json, opt_int
 
 _DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64")
@@ -36,12 +43,16 @@ def read_generate(path: Path, opts: EngineOptions, num_experts: int | None):
     """A ``/generate`` response (object) or a batch's (list): one sequence per response."""
     doc = load_json(path)
     responses = doc if isinstance(doc, list) else [doc]
-    requests = [_response(r, i, opts) for i, r in enumerate(responses)]
+    requests = [_response(r, i, opts, num_experts) for i, r in enumerate(responses)]
+    note_missing_prompts(requests, opts)
+    first = responses[0].get("meta_info") if isinstance(responses[0], dict) else None
+    opts = written_moe_layers(opts, first.get("stmoe_moe_layers") if isinstance(first, dict)
+                              else None, "response 0")
     meta = {"source": f"imported from {path.name} (SGLang response)", "file": str(path)}
     return assemble(requests, opts, num_experts, meta)
 
 
-def _response(resp: Any, i: int, opts: EngineOptions) -> Request:
+def _response(resp: Any, i: int, opts: EngineOptions, num_experts: int | None) -> Request:
     where = f"response {i}"
     info = resp.get("meta_info") if isinstance(resp, dict) else None
     if not isinstance(info, dict) or "routed_experts" not in info:
@@ -71,13 +82,15 @@ def _response(resp: Any, i: int, opts: EngineOptions) -> Request:
         raise TraceError(f"{n} ids are not a whole number of tokens of {layers} layers x "
                          f"{top_k} slots", position=f"{where}, meta_info.routed_experts",
                          expected="--layers and --top-k of the model that answered")
-    start = 0 if end is None else end - rows
-    if start < 0:
-        raise TraceError(f"{rows} routed tokens but prompt + completion - 1 is {end}",
-                         position=where, expected=f"at most {end} rows of {layers} x {top_k}",
-                         hint="check --layers and --top-k")
-    experts = np.frombuffer(raw, dtype=dtype).reshape(rows, layers, top_k).astype(np.int32)
-    return Request(experts, prompt, start, where=where)
+    if end is not None and rows != end:
+        raise TraceError(f"{rows} routed tokens but prompt_tokens + completion_tokens - 1 is "
+                         f"{end}", position=f"{where}, meta_info.routed_experts",
+                         expected=f"{end} rows of {layers} x {top_k} ids (one per routed "
+                         "token)", hint="the response looks truncated; else check --layers "
+                         "and --top-k")
+    stored = np.frombuffer(raw, dtype=dtype).reshape(rows, layers, top_k)
+    return Request(checked_ids(stored, num_experts, f"{where}, meta_info.routed_experts"),
+                   prompt, where=where)
 
 
 def _shape(n: int, end: int | None, opts: EngineOptions, where: str) -> tuple[int, int]:
@@ -147,7 +160,7 @@ def _checked(dump: dict) -> tuple[list[dict], np.ndarray]:
     if mapping.ndim != 2 or not np.issubdtype(mapping.dtype, np.integer):
         raise TraceError(f"last_physical_to_logical_map has shape {mapping.shape}",
                          expected="integer [layers, physical experts]")
-    return records, mapping
+    return records, checked_ids(mapping, None, "last_physical_to_logical_map")
 
 
 def _rebuild(records: list[dict], mapping: np.ndarray) -> list[Request]:

@@ -24,7 +24,15 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.assemble import expert_ids, gate_weights, layer_numbering
-from stmoe.trace.engines.common import EngineOptions, Request, assemble
+from stmoe.trace.engines.common import (
+    EngineOptions,
+    Request,
+    assemble,
+    checked_ids,
+    note,
+    note_missing_prompts,
+    written_moe_layers,
+)
 from stmoe.trace.engines.jsonio import b64_bytes, id_list, load_json, opt_int
 from stmoe.trace.npfiles import load_npy_bytes, short
 from stmoe.trace.schema import RoutingTrace
@@ -40,7 +48,10 @@ def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> R
                          expected="a vLLM completions response")
     if all(isinstance(c, dict) and isinstance(c.get("index"), int) for c in choices):
         choices = sorted(choices, key=lambda c: c["index"])
-    usage_prompt = opt_int(doc.get("usage"), "prompt_tokens", "usage")
+    usage = doc.get("usage")  # counts over all choices: only one choice's own lengths
+    counts = (opt_int(usage, "prompt_tokens", "usage"),
+              opt_int(usage, "completion_tokens", "usage")) if len(choices) == 1 \
+        else (None, None)
     top_ids = id_list(doc.get("prompt_token_ids"), "prompt_token_ids", "response")
     requests = []
     for i, choice in enumerate(choices):
@@ -48,25 +59,51 @@ def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> R
         if not isinstance(choice, dict):
             raise TraceError(f"a JSON {type(choice).__name__}", position=where,
                              expected="a choice object")
-        experts = _routed(choice.get("routed_experts"), where)
+        experts = _routed(choice.get("routed_experts"), where, num_experts)
         prompt_ids = id_list(choice.get("prompt_token_ids"), "prompt_token_ids", where)
         if prompt_ids is None and len(choices) == 1:
             prompt_ids = top_ids
-        prompt = len(prompt_ids) if prompt_ids is not None else None
-        if prompt is None and len(choices) == 1:
-            prompt = usage_prompt  # the total over choices: only one choice's own length
-        gen_ids = id_list(choice.get("token_ids"), "token_ids", where) or []
-        known = (prompt_ids or []) + gen_ids
-        tokens = np.asarray(known[: len(experts)]) if prompt_ids and len(known) >= len(experts) \
-            else None
+        gen_ids = id_list(choice.get("token_ids"), "token_ids", where)
+        prompt = len(prompt_ids) if prompt_ids is not None else counts[0]
+        _check_rows(len(experts), prompt_ids, gen_ids, counts, where)
+        known = (prompt_ids or []) + (gen_ids or [])
+        tokens = np.asarray(known[: len(experts)], dtype=np.int64) \
+            if prompt_ids is not None and len(known) >= len(experts) else None
+        if prompt_ids is not None and tokens is None:
+            note(f"{where}: token ids dropped (the response has prompt_token_ids but not "
+                 "the generated token_ids)")
         requests.append(Request(experts, prompt, token_ids=tokens, where=where))
+    note_missing_prompts(requests, opts)
+    opts = written_moe_layers(opts, doc.get("stmoe_moe_layers"), "response")
     meta = {"source": f"imported from {path.name} (vLLM response)", "file": str(path),
             "model": doc.get("model", "unknown")}
     return assemble(requests, opts, num_experts, meta)
 
 
-def _routed(value: Any, where: str) -> np.ndarray:
-    """``routed_experts``: base64 of ``.npy`` bytes (the server) or nested lists."""
+def _check_rows(rows: int, prompt_ids: list[int] | None, gen_ids: list[int] | None,
+                counts: tuple[int | None, int | None], where: str) -> None:
+    """The rows against the token counts the response gives: vLLM routes prompt +
+    generated - 1 tokens (the last sampled one never runs); ``stmoe export`` lists the
+    ids of the routed tokens only, so prompt + generated ids may equal the rows too."""
+    if prompt_ids is not None and gen_ids is not None:
+        p, g = len(prompt_ids), len(gen_ids)
+        if rows not in (p + g - 1, p + g):
+            raise TraceError(f"{rows} routed tokens but prompt_token_ids ({p}) and token_ids "
+                             f"({g}) make {p + g - 1}", position=f"{where}.routed_experts",
+                             expected="prompt + generated - 1 rows",
+                             hint="the response looks truncated or edited")
+    prompt, completion = counts
+    if prompt is not None and completion is not None and completion > 0 \
+            and rows != prompt + completion - 1:
+        raise TraceError(f"{rows} routed tokens but usage says {prompt} prompt + "
+                         f"{completion} completion tokens", position=f"{where}.routed_experts",
+                         expected=f"{prompt + completion - 1} rows (prompt + completion - 1)",
+                         hint="the response looks truncated or edited")
+
+
+def _routed(value: Any, where: str, num_experts: int | None) -> np.ndarray:
+    """``routed_experts``: base64 of ``.npy`` bytes (the server) or nested lists; ids
+    checked at the width they were stored in (``common.checked_ids``)."""
     if value is None:
         raise TraceError("the choice has no 'routed_experts'", position=where,
                          expected="routing (start vLLM with "
@@ -74,7 +111,7 @@ def _routed(value: Any, where: str) -> np.ndarray:
     if isinstance(value, list):
         try:
             arr = np.asarray(value)
-        except ValueError:
+        except (ValueError, OverflowError):
             arr = np.zeros(0)
     else:
         raw = b64_bytes(value, f"{where}.routed_experts")
@@ -89,7 +126,7 @@ def _routed(value: Any, where: str) -> np.ndarray:
         raise TraceError(f"'routed_experts' has shape {arr.shape}, dtype {arr.dtype}",
                          position=f"{where}.routed_experts",
                          expected="integer [tokens - 1, layers, top_k]")
-    return arr.astype(np.int32)
+    return checked_ids(arr, num_experts, f"{where}.routed_experts")
 
 
 _PROFILE_FIELDS = ("problem_id", "layer", "experts")

@@ -7,7 +7,10 @@ last sampled one. Only the layout's fields are written: vLLM's choice carries
 ``prompt_token_ids`` (and the known generated ``token_ids``) when the trace has
 token ids, else ``usage.prompt_tokens`` says the prompt length of a one-sequence
 trace; SGLang's ``meta_info`` always says ``prompt_tokens`` and ``completion_tokens``
-but not L and K (import it with ``--layers L --top-k K``).
+but not L and K (import it with ``--layers L --top-k K``). Both carry one field of
+stmoe's own, ``stmoe_moe_layers`` (the model layers that route), which the readers take
+in place of guessing dense layers from their fill: a layer whose every token chose
+expert 0, or none, is routing, not a dense layer.
 """
 
 from __future__ import annotations
@@ -22,12 +25,18 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.schema import RoutingTrace
+from stmoe.util.fileio import atomic_write_text
+
+
+def _layer_ids(trace: RoutingTrace) -> list[int]:
+    """The model's number of each MoE layer (validated: increasing, one per layer)."""
+    return [int(i) for i in trace.meta.extra.get("model_layer_ids") or range(trace.num_layers)]
 
 
 def _requests(trace: RoutingTrace) -> list[dict[str, Any]]:
     """Per sequence: the routing over the model's layers (dense ones, known from
     ``model_layer_ids``, hold -1 as an engine's buffer does), prompt length, token ids."""
-    layer_ids = list(trace.meta.extra.get("model_layer_ids") or range(trace.num_layers))
+    layer_ids = _layer_ids(trace)
     out = []
     for s, sl in trace.sequences():
         experts = np.full((sl.stop - sl.start, max(layer_ids) + 1, trace.top_k), -1, np.int32)
@@ -67,7 +76,7 @@ def export_vllm(trace: RoutingTrace, path: str | Path) -> Path:
         prompt_total += req["prompt"]
         gen_total += gen
     doc = {"id": "cmpl-stmoe-export", "object": "text_completion", "model": trace.meta.model,
-           "choices": choices,
+           "choices": choices, "stmoe_moe_layers": _layer_ids(trace),
            "usage": {"prompt_tokens": prompt_total, "completion_tokens": gen_total,
                      "total_tokens": prompt_total + gen_total}}
     return _write(doc, path)
@@ -83,11 +92,11 @@ def export_sglang(trace: RoutingTrace, path: str | Path) -> Path:
             "id": f"stmoe-export-{i}", "prompt_tokens": req["prompt"], "completion_tokens": gen,
             "finish_reason": {"type": "length", "length": gen},
             "routed_experts": base64.b64encode(raw).decode("ascii"),
-            "routed_experts_dtype": "int32"}})
+            "routed_experts_dtype": "int32", "stmoe_moe_layers": _layer_ids(trace)}})
     return _write(docs[0] if len(docs) == 1 else docs, path)
 
 
 def _write(doc: Any, path: str | Path) -> Path:
-    path = Path(path)
-    path.write_text(json.dumps(doc) + "\n", encoding="utf-8")
-    return path
+    """The response as one JSON document, written atomically (a killed export leaves the
+    old file whole)."""
+    return atomic_write_text(path, json.dumps(doc) + "\n")

@@ -1,0 +1,39 @@
+"""What one host-pipeline simulation takes: the host's costs and the run (``pipeline.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """Seconds on this host (``host_costs`` derives them from a hardware spec)."""
+
+    layer_s: float  # non-expert work per MoE layer and token
+    token_s: float  # per forward call outside the MoE layers
+    expert_s: float  # one routed expert for one token
+    read_s: float  # one expert read alone (latency + bytes / bandwidth)
+    # extra for a read into a spare row past the capacity (its page faults); never for a
+    # read into a slot: the runtime faults the slots in when it makes the cache
+    first_touch_s: float
+    parallel: float  # the tier's speed with >= 2 readers, relative to one reader
+    workers: int
+    fifo: bool  # one serial link (emulated) rather than a shared device (disk)
+    chunks: int = 1  # pieces of a worker's read (the compute thread's reads are whole)
+    chunk_s: float = 0.0  # one piece alone (0: read_s / chunks)
+
+
+@dataclass(frozen=True)
+class HostRun:
+    """One sequence through the runtime: what it routes and what is predicted."""
+
+    experts: np.ndarray  # [prefill + decode, L, K] int routing of the sequence's tokens
+    prefill: int  # tokens of the prompt's forward call
+    plan: tuple[np.ndarray, np.ndarray] | None  # (ptr, ids) of every (token, layer)'s set
+    oracle: bool  # the sets are the routed experts themselves (decode only)
+    capacity: int  # experts cached per layer
+    policy: str  # lru, lfu or none
+    admission: bool = False  # the runtime's per-layer prefetch admission (runtime.admission)
+    horizon: int = 1  # layers ahead the predictor's sets are for (admission's budget)
