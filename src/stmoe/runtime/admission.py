@@ -69,6 +69,8 @@ class Admission:
         self.busy: float | None = None
         self.turned_off = 0  # losing windows (reported)
         self.probes = 0
+        # (clock, read seconds so far, reads so far) at the last decode layer call
+        self.last_call: tuple[float, float, int] | None = None
 
     # ---- what the planner asks -------------------------------------------------------
     def admit(self, fwd: int, layer: int, ranked: list[int]) -> list[int]:
@@ -157,6 +159,20 @@ class Admission:
             st.backoff = 0
         st.probing = False
 
+    def observe(self, fwd: int, layer: int, needed: set[int], prefetch_hits: int,
+                misses: set[int], now: float, read_s: float, reads: int) -> None:
+        """One decode layer call, as the runtime (or the simulator) saw it: ``layer_called``,
+        then the timings since the last call from the clock ``now`` and the tier's
+        cumulative read seconds and count (one arithmetic for both)."""
+        self.layer_called(fwd, layer, needed, prefetch_hits, misses)
+        if self.last_call is not None:
+            then, then_s, then_n = self.last_call
+            wall, done = now - then, reads - then_n
+            if wall > 0:
+                self.timings(read_s=(read_s - then_s) / done if done else None,
+                             layer_s=wall, busy=(read_s - then_s) / wall)
+        self.last_call = (now, read_s, reads)
+
     def summary(self) -> dict[str, object]:
         """What admission did: layers off now, calls with prefetch off, verdicts, timings."""
         return {
@@ -172,21 +188,13 @@ class Admission:
 
 def record_call(run: Any, cache: Any, layer: int, needed: list[int], now: float) -> None:
     """(lock held) What prefetch did for one decode layer call, and the run's timings, told
-    to ``run.admission``: the routed experts a prefetch brought in (unused until now), the
+    to ``run.admission.observe``: the routed experts a prefetch brought in (unused until now), the
     misses, and since the last call its wall time and the tier's read seconds and count
     (``run``: a ``RunState``; ``cache``: the layer's ``LayerCache``)."""
-    adm = run.admission
     slots = [cache.where.get(e) for e in needed]
     hits = sum(1 for s in slots if s is not None and cache.prefetched[s] and not cache.used[s])
     misses = {e for e, s in zip(needed, slots, strict=True) if s is None}
-    adm.layer_called(run.fwd, layer, set(needed), hits, misses)
     reads = run.stats.phases["decode"].reads
-    read_s = reads["demand"][1] + reads["prefetch"][1]
-    count = reads["demand"][0] + reads["prefetch"][0]
-    if run.last_call is not None:
-        then, then_read_s, then_count = run.last_call
-        wall, done = now - then, count - then_count
-        if wall > 0:
-            adm.timings(read_s=(read_s - then_read_s) / done if done else None,
-                        layer_s=wall, busy=(read_s - then_read_s) / wall)
-    run.last_call = (now, read_s, count)
+    run.admission.observe(run.fwd, layer, set(needed), hits, misses, now,
+                          reads["demand"][1] + reads["prefetch"][1],
+                          reads["demand"][0] + reads["prefetch"][0])

@@ -69,8 +69,6 @@ class RunState:
     prefill_routing: list[np.ndarray] = field(default_factory=list)  # the prompt's, per layer
     mask: np.ndarray | None = None  # [B, S] real (not padding) positions of this call
     admission: Admission | None = None  # per-layer prefetch admission (None: every load)
-    # (perf_counter, read seconds so far) at the last decode layer call: admission's timings
-    last_call: tuple[float, float, int] | None = None
 
     def __post_init__(self) -> None:
         self.pending = [None] * self.num_layers

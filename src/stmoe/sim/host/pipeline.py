@@ -81,7 +81,6 @@ class _Sim:
                     if run.admission and not run.oracle else None)
         self.read_s = 0.0  # decode reads' seconds and count (what admission is told)
         self.read_n = 0
-        self.last_call: tuple[float, float, int] | None = None
         self.queue: list[tuple[int, int, int, int]] = []  # (call, layer, rank, expert)
         self.idle = costs.workers
         self.paused = False  # the compute thread stalls: the workers start no new read
@@ -256,14 +255,8 @@ class _Sim:
         st, e = self.state[layer], needed
         hits = int(((st[e] != ABSENT) & self.prefetched[layer, e] & ~self.used[layer, e]).sum())
         misses = {int(x) for x in e[st[e] == ABSENT]}
-        self.adm.layer_called(fwd, layer, {int(x) for x in e}, hits, misses)
-        if self.last_call is not None:
-            then, then_s, then_n = self.last_call
-            wall, done = self.t - then, self.read_n - then_n
-            if wall > 0:
-                self.adm.timings(read_s=(self.read_s - then_s) / done if done else None,
-                                 layer_s=wall, busy=(self.read_s - then_s) / wall)
-        self.last_call = (self.t, self.read_s, self.read_n)
+        self.adm.observe(fwd, layer, {int(x) for x in e}, hits, misses, self.t, self.read_s,
+                         self.read_n)
 
     def predicted(self, fwd: int, layer: int) -> np.ndarray:
         run = self.run
