@@ -91,6 +91,7 @@ def round_args(config: str, rnd: int, a: argparse.Namespace) -> argparse.Namespa
     args = argparse.Namespace(
         like=like, layers=layers, tokens=a.tokens, capacity=capacity, threads=1, budget=0,
         bandwidth=TIERS[tier] or "1GB", drop_pages=False, profile_on="", split_at=0,
+        in_sample=False,
         split_prompt=SPLIT_PROMPT, tier="emulated" if TIERS[tier] else "disk")
     if like == "qwen3.6-35b-a3b":
         args.trace, args.split_at = real.SAMPLE, SPLIT_AT

@@ -69,6 +69,7 @@ from typing import Any
 
 from stmoe.errors import StmoeError
 from stmoe.evaluate.compare import closed, not_slower, rotated, spread, verdict
+from stmoe.trace.select import select_layers
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SAMPLE = SHARED / "qwen3.6-35b-a3b_chat-1prompt.npz"
@@ -98,8 +99,6 @@ def bench_dir() -> Path:
 def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     """The checkpoint, its store and the tables (built once, then reused)."""
     from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
-    from stmoe.predictors import profile, save_tables
-    from stmoe.trace import load_trace
 
     root = bench_dir()
     layers, like = args.layers, args.like
@@ -112,15 +111,23 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
         print(f"packing {store} ...", flush=True)
         subprocess.run([sys.executable, "-m", "stmoe", "pack", str(model), "-o", str(store)],
                        check=True)
+    return model, store, tables_for(args)
+
+
+def tables_for(args: argparse.Namespace) -> Path:
+    """The tables' file (profiled once, then reused): of the trace replayed (IN-SAMPLE), of
+    --profile-on's others or of the tokens before --split-at (HELD-OUT), over the layers cut
+    as the replay's."""
+    from stmoe.predictors import profile, save_tables
+    from stmoe.trace import load_trace
+
     trace = Path(args.trace)
     sources = [Path(p) for p in args.profile_on.split(",")] if args.profile_on else [trace]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:8]
-    # tables of the trace replayed (IN-SAMPLE), of --profile-on's others or of the tokens
-    # before --split-at (HELD-OUT); the layers cut as the replay's
     tag = "" if sources == [SAMPLE] else f"-{'+'.join(p.stem for p in sources)}-{digest}"
     tag += f"-at{args.split_at}" if args.split_at else ""
-    tag += "" if args.cut == str(layers) else f"-cut{args.cut.replace(':', '-')}"
-    tables = root / f"{like}-L{layers}{tag}.tables.npz"
+    tag += "" if args.cut == str(args.layers) else f"-cut{args.cut.replace(':', '-')}"
+    tables = bench_dir() / f"{args.like}-L{args.layers}{tag}.tables.npz"
     if not tables.is_file():
         from stmoe.trace import concat
 
@@ -129,13 +136,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path, Path]:
         else:
             routing = concat([select_layers(load_trace(p), args.cut) for p in sources])
         save_tables(profile(routing), tables)
-    return model, store, tables
-
-
-def select_layers(trace: Any, cut: str) -> Any:
-    from stmoe.trace.select import select_layers as select
-
-    return select(trace, cut)
+    return tables
 
 
 def split_routing(args: argparse.Namespace, trace: Any) -> tuple[Any, Any]:
@@ -239,7 +240,7 @@ def spawn(args: argparse.Namespace, system: str, tier: str, bound: Path | None =
         cmd += ["--profile-on", args.profile_on]
     if args.split_at:
         cmd += ["--split-at", str(args.split_at), "--split-prompt", str(args.split_prompt)]
-    if getattr(args, "in_sample", False):
+    if args.in_sample:
         cmd += ["--in-sample"]
     if bound is not None:
         cmd += ["--cgroup", str(bound)]

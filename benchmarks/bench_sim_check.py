@@ -68,7 +68,7 @@ def bench_setup(path: Path, layers: int, tokens: int) -> argparse.Namespace:
         like=setup.get("like", PRESET), trace=Path(setup.get("trace", SAMPLE)),
         layers=setup.get("layers", str(layers)), profile_on=setup.get("profile_on", ""),
         split_at=setup.get("split_at", 0), split_prompt=setup.get("split_prompt", 8),
-        held_out=setup.get("held_out", False))
+        held_out=setup.get("held_out", False), in_sample=not setup.get("held_out", False))
     real.set_layers(args)
     if layers and layers != args.layers:  # --layers: the first N of the benchmark's cut
         args.layers, args.cut = layers, (str(layers) if ":" not in args.cut
@@ -78,7 +78,8 @@ def bench_setup(path: Path, layers: int, tokens: int) -> argparse.Namespace:
 
 
 def bench_paths(setup: argparse.Namespace) -> tuple[Path, Path, Path]:
-    """(checkpoint, store, tables) of the benchmark (bench_offload_real.py's, built once)."""
+    """(checkpoint, store, tables) of the benchmark (bench_offload_real.py's, built once):
+    what ``--calibrate`` measures on."""
     import bench_offload_real as real
 
     return real.prepare(setup)
@@ -89,8 +90,9 @@ def routing(setup: argparse.Namespace) -> Any:
     import bench_offload_real as real
 
     from stmoe.trace import load_trace
+    from stmoe.trace.select import select_layers
 
-    trace = real.select_layers(load_trace(setup.trace), setup.cut)
+    trace = select_layers(load_trace(setup.trace), setup.cut)
     return real.split_routing(setup, trace)[1] if setup.split_at else trace
 
 
@@ -105,21 +107,18 @@ def measured_runs(path: Path, tier: str) -> tuple[dict[str, list[dict[str, Any]]
 
 def simulated(args: argparse.Namespace, read_s: float | None = None,
               hardware: str | None = None) -> dict[str, Any]:
-    from stmoe.predictors import load_tables
     from stmoe.sim.host.systems import HostOptions, simulate_runtime
     from stmoe.sim.specs import hardware_preset, model_preset
 
     setup = args.setup
-    trace = routing(setup)
     model = dataclasses.replace(model_preset(setup.like), layers=setup.layers)
     hw = hardware_preset(hardware or str(args.hardware))
     if read_s is not None:
         hw = with_read_s(hw, model, read_s)
-    tables = load_tables(bench_paths(setup)[2])
     share = float(args.capacity.rstrip("%")) / 100
     options = HostOptions(capacity=round(share * model.num_experts),
-                          decode_tokens=args.tokens - 1, tables=tables)
-    return simulate_runtime(trace, model, hw, args.systems, options)
+                          decode_tokens=args.tokens - 1, tables=args.tables)
+    return simulate_runtime(args.routing, model, hw, args.systems, options)
 
 
 def compare(sim: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
@@ -181,6 +180,13 @@ def main() -> None:
     args.layers = args.layers or record.get("layers") or 8
     args.tokens = args.tokens or record.get("tokens") or 64
     args.setup = bench_setup(args.measured, args.layers, args.tokens)
+    import bench_offload_real as real
+
+    from stmoe.predictors import load_tables
+
+    # read once for every simulation: the routing replayed and the benchmark's tables
+    # (profiled here if its folder lacks them; no checkpoint is built for them)
+    args.routing, args.tables = routing(args.setup), load_tables(real.tables_for(args.setup))
     # the systems measured, the benchmark's admission-off variants (-all) included
     args.systems = [s for s in runs if s in SYSTEMS or s.endswith("-all")]
     presets = record.get("presets") or []

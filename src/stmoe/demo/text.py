@@ -55,10 +55,7 @@ def versus(off: dict[str, Any], name: str) -> str:
     its ratio of medians and what the rounds' ranges allow the headline to claim."""
     s = off["systems"]
 
-    def runs(n: str) -> list[float]:
-        return list(s[n].get("decode_tokens_per_s_runs") or s[n]["decode_tokens_per_s_range"])
-
-    how = against(runs(name), runs("lru-only")) if off["rounds"] > 1 else "single run"
+    how = against(s[name]["decode_tokens_per_s_runs"], s["lru-only"]["decode_tokens_per_s_runs"])
     ratio = s[name]["decode_tokens_per_s"] / s["lru-only"]["decode_tokens_per_s"]
     return f"{name} {ratio:.2f}x, {VERSUS[how]}"
 

@@ -79,8 +79,8 @@ class _Sim:
         self.tier = Tier(costs)
         self.adm = (Admission(n_layers, run.capacity, run.horizon)
                     if run.admission and not run.oracle else None)
-        self.read_s = 0.0  # decode reads' seconds and count (what admission is told)
-        self.read_n = 0
+        self.decode_read_s = 0.0  # decode reads' seconds and count (what admission is told)
+        self.decode_reads = 0
         self.queue: list[tuple[int, int, int, int]] = []  # (call, layer, rank, expert)
         self.idle = costs.workers
         self.paused = False  # the compute thread stalls: the workers start no new read
@@ -104,8 +104,8 @@ class _Sim:
         while (done := self.tier.land(until, stalled)) is not None:
             t, layer, e, worker, took = done
             if self.counting:  # the read's seconds as the runtime times them (waits included)
-                self.read_s += took
-                self.read_n += 1
+                self.decode_read_s += took
+                self.decode_reads += 1
             if e >= 0:
                 self.state[layer, e] = READY
             if worker:
@@ -255,8 +255,8 @@ class _Sim:
         st, e = self.state[layer], needed
         hits = int(((st[e] != ABSENT) & self.prefetched[layer, e] & ~self.used[layer, e]).sum())
         misses = {int(x) for x in e[st[e] == ABSENT]}
-        self.adm.observe(fwd, layer, {int(x) for x in e}, hits, misses, self.t, self.read_s,
-                         self.read_n)
+        self.adm.observe(fwd, layer, {int(x) for x in e}, hits, misses, self.t, self.decode_read_s,
+                         self.decode_reads)
 
     def predicted(self, fwd: int, layer: int) -> np.ndarray:
         run = self.run
