@@ -22,6 +22,7 @@ from stmoe.cli.common import (
     write_json,
 )
 from stmoe.cli.generate_report import rows, summary
+from stmoe.cli.pack import FORMAT_HELP, GROUP_HELP
 from stmoe.errors import StmoeError, StmoeNote, TraceError
 from stmoe.runtime.options import OffloadOptions
 
@@ -173,6 +174,12 @@ def generate_cmd(
             "[min, max] over them (one run's speed swings widely on a shared machine)."
         ),
     ] = 1,
+    weights: Annotated[
+        str | None,
+        typer.Option("--format", help=FORMAT_HELP + " Default: the --store's own, else native "
+                     "(a store in the format is packed on first use)."),
+    ] = _DEFAULT.format,
+    group_size: Annotated[int | None, typer.Option(help=GROUP_HELP)] = _DEFAULT.group_size,
     json_out: Annotated[
         Path | None,
         path_option(
@@ -222,7 +229,7 @@ def generate_cmd(
     with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
                  policy=policy, tier=tier, bandwidth=bandwidth, latency=latency,
                  workers=workers, max_loads=max_loads, lookahead=lookahead,
-                 admission=admission) as om:
+                 admission=admission, format=weights, group_size=group_size) as om:
         if routing is not None:
             run = _replay(om, routing, sequence, max_new_tokens, layers)
         else:

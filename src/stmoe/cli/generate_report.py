@@ -54,6 +54,7 @@ def rows(runs: list[Any]) -> list[tuple[str, str]]:
                       f", admission: {adm['turned_off']} losing windows, {adm['probes']} "
                       f"probes, layers off at the end {adm['layers_off'] or 'none'}")
     return [
+        ("experts' weights", c["weights_label"]),
         ("tier", tier),
         ("cache", f"{c['capacity']} of {c['num_experts']} experts per layer "
                   f"({c['cache_bytes'] * mib:.1f} MiB), policy {c['policy']}"),

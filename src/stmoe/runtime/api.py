@@ -4,10 +4,9 @@
         result = om.generate("def fib(n):", max_new_tokens=64)
         print(result.text, result.decode_tokens_per_s, result.hit_rate)
 
-The model keeps every non-expert weight resident; each MoE layer's experts come
-from the store through the chosen tier into a bounded cache, prefetched ahead
-by the predictor. Outputs are bit-identical to the resident model.
-"""
+The model keeps every non-expert weight resident; each MoE layer's experts come from the
+store (in its weight format) through the chosen tier into a bounded cache, prefetched ahead
+by the predictor. Outputs are bit-identical to the resident model in that format."""
 
 from __future__ import annotations
 
@@ -20,13 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
 from stmoe.hf.layout import ModelLayout
 from stmoe.hf.loading import load_without_experts
 from stmoe.predictors.base import ModelShape
+from stmoe.quant.experts import plan_format, select
 from stmoe.runtime.engine import OffloadEngine
 from stmoe.runtime.forced_routing import RoutingPlan, RoutingSource
 from stmoe.runtime.hf_glue import IMPL_NAME, move_resident, register
@@ -37,6 +36,7 @@ from stmoe.runtime.options import (
     top_k_of,
     with_overrides,
 )
+from stmoe.runtime.prompts import prompt_ids
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import ExpertStore, default_store_dir, open_store, pack
@@ -127,7 +127,7 @@ class OffloadedModel:
                 raise OffloadError("this offloaded model has no tokenizer; pass token ids")
             ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         else:
-            ids = _prompt_ids(prompt, self.model.config)
+            ids = prompt_ids(prompt, self.model.config)
         if ids.shape[1] == 0:
             raise OffloadError("the prompt has no tokens")
         return self._generate(ids, max_new_tokens, cold, None)
@@ -214,23 +214,6 @@ class OffloadedModel:
                                        do_sample=False, pad_token_id=pad)
 
 
-def _prompt_ids(prompt: Any, config: Any) -> torch.Tensor:
-    """[1, S] token ids from a flat list of ints within the vocabulary."""
-    vocab = getattr(config, "vocab_size", None) or getattr(
-        getattr(config, "text_config", None), "vocab_size", None)
-    ids = []
-    for i, t in enumerate(prompt):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise OffloadError(
-                f"prompt token {i} is {t!r}; expected text or a flat list of token ids"
-            )
-        if t < 0 or (vocab is not None and t >= vocab):
-            raise OffloadError(f"prompt token {i} is {t}, outside the vocabulary 0..{vocab - 1}"
-                             if vocab else f"prompt token {i} is negative")
-        ids.append(int(t))
-    return torch.tensor([ids], dtype=torch.long)
-
-
 def offload(
     model_or_dir: torch.nn.Module | str | Path,
     store: str | Path | None = None,
@@ -255,9 +238,11 @@ def offload(
     if isinstance(model_or_dir, (str, Path)):
         model_dir = _checked_model_dir(model_or_dir)
         # the store matched to the folder's checkpoint before anything is loaded
+        weights = options.weight_format()
         expert_store = open_store(model_dir, store, progress=announced_byte_progress(
             lambda total: f"packing {model_dir.name}'s experts ({total / 2**20:.0f} MiB) into "
-            f"{default_store_dir(model_dir)} (first use; later runs reuse it)"))
+            f"{default_store_dir(model_dir, weights)} (first use; later runs reuse it)"),
+            weights=weights)
         model = load_without_experts(model_dir).model
         return _offload(model, expert_store, options, model_dir, _tokenizer(model_dir), None)
     model = model_or_dir
@@ -268,7 +253,7 @@ def offload(
     if store is None:
         cleanup = Path(tempfile.mkdtemp(prefix="stmoe-store-"))
         try:
-            pack(model, cleanup)
+            pack(model, cleanup, weights=options.weight_format())
         except BaseException:
             shutil.rmtree(cleanup, ignore_errors=True)
             raise
@@ -286,7 +271,10 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
              model_dir: Path | None, tokenizer: Any,
              cleanup: Path | None) -> OffloadedModel:
     layout = ModelLayout.of(model)  # found once, handed to the checks and the engine
-    expert_store.check_model(model, layout)  # every block's layout, and the weights, first
+    modules, weights = [m for _, m in layout.modules], expert_store.weights
+    planned = plan_format(modules, weights, options.weight_format(), str(expert_store.path))
+    expert_store.check_model(model, layout, planned)  # the blocks' layouts and weights first
+    select(model, modules, planned, weights)  # a native model's experts in the store's format
     shape = ModelShape(layout.num_layers, int(expert_store.model["num_experts"]),
                        top_k_of(model.config))
     per_layer = resolve_capacity(options.capacity, shape.num_layers, shape.num_experts,
@@ -317,8 +305,8 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
               "max_loads": engine.max_loads, "admission": settings.admission,
               "lookahead": pred.point if pred.uses_lookahead else None,
               "num_layers": shape.num_layers, "num_experts": shape.num_experts,
-              "top_k": shape.top_k, "expert_bytes": engine.expert_bytes,
-              "cache_bytes": engine.cache_bytes}
+              "top_k": shape.top_k, "weights": weights.short, "weights_label": weights.label,
+              "expert_bytes": engine.expert_bytes, "cache_bytes": engine.cache_bytes}
     if options.tier == "emulated":
         config.update(bandwidth=source.bandwidth, latency=source.latency)  # type: ignore[attr-defined]
     if options.tier == "disk":

@@ -65,7 +65,7 @@ def base_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
 # numbers. A call of several tokens groups them by number, so there only a numbering in
 # the experts' id order gives the same bits (``serve``: else a copy). The eager loop
 # accumulates in expert-id order, so it is not one of them.
-_ORDER_FREE = ("grouped_mm", "batched_mm")
+_ORDER_FREE = ("grouped_mm", "batched_mm", "stmoe_quantized")  # the last: quant.experts
 
 
 def any_expert_numbering(module: torch.nn.Module) -> bool:

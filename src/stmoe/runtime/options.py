@@ -21,6 +21,7 @@ from stmoe.errors import OffloadError
 from stmoe.models import SHIPPED_TABLES
 from stmoe.predictors import make
 from stmoe.predictors.base import ModelShape, Predictor
+from stmoe.quant.formats import WeightFormat, parse_format
 from stmoe.util.units import UnitError, parse_bytes, parse_capacity, parse_seconds
 
 _TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k",
@@ -55,6 +56,10 @@ class OffloadOptions:
         or auto (late where the model's norms are recognised).
     admission: decide per layer, from what the run measures, whether a prefetch is
         worth its bytes (``runtime.admission``); False: every predicted load is made.
+    format: the experts' weight format (``stmoe.quant``): native (the checkpoint's
+        dtype, lossless), int8 or int4 (lossy, the user's choice); None: a given store's
+        own, else native. group_size: int4's (None: the largest of 128, 64, 32 dividing
+        the experts' input widths).
     """
 
     capacity: int | str = "50%"
@@ -68,6 +73,16 @@ class OffloadOptions:
     max_loads: int | None = None
     lookahead: str = "auto"
     admission: bool = True
+    format: str | None = None
+    group_size: int | None = None
+
+    def weight_format(self) -> WeightFormat | None:
+        """The format asked for, checked (None: whatever the store holds)."""
+        if self.format is None:
+            if self.group_size is not None:
+                raise OffloadError("group_size is for format int4 only")
+            return None
+        return parse_format(self.format, self.group_size)
 
     def check(self) -> None:
         """Refuse an unknown tier or cache policy, a link setting the tier does not take or
@@ -79,6 +94,10 @@ class OffloadOptions:
         for name, value in (("workers", self.workers), ("max_loads", self.max_loads)):
             if value is not None and (isinstance(value, bool) or value < 0):
                 raise OffloadError(f"{name} must be >= 0, got {value!r}")
+        weights = self.weight_format()
+        if weights is not None and weights.quantized and self.tier == "gpu":
+            raise OffloadError(f"{weights.name} experts are computed by torch's CPU kernels; "
+                               "the gpu tier takes native stores (format native)")
 
     def worker_count(self) -> int:
         """Prefetch threads: a disk serves reads in parallel; on a single link a second

@@ -47,10 +47,10 @@ def architecture(model: Any, layout: Any = None) -> dict[str, Any]:
     }
 
 
-def check_layout(store: Path, index: StoreIndex, model: Any,
-                 layout: Any = None) -> list[list[tuple[str, Any]]]:
-    """Every block holds exactly its layer's per-expert parameters (name, dtype, shape);
-    returns each layer's parameters."""
+def check_layout(store: Path, index: StoreIndex, model: Any, layout: Any = None,
+                 params: list[list[tuple[str, Any]]] | None = None) -> list[list[tuple[str, Any]]]:
+    """Every block holds exactly its layer's per-expert parameters (name, dtype, shape;
+    ``params`` where given, else the modules' own); returns each layer's parameters."""
     from stmoe.hf.layout import ModelLayout
 
     layout = layout or ModelLayout.of(model)
@@ -61,14 +61,14 @@ def check_layout(store: Path, index: StoreIndex, model: Any,
     experts = want["num_experts"]
     per_layer = []
     for layer, (_, module) in enumerate(layout.modules):
-        params = expert_params(module, experts)
+        mine = expert_params(module, experts) if params is None else params[layer]
         expect = [(n, str(p.dtype).removeprefix("torch."), tuple(p.shape[1:]))
-                  for n, p in params]
+                  for n, p in mine]
         got = [(t.name, t.dtype, t.shape) for t in index.blocks[(layer, 0)].tensors]
         if got != expect:  # the index checked every expert of a layer holds expert 0's layout
             raise StoreError(f"{store}/index.json: layer {layer} holds {got}, the model's "
                              f"experts are {expect}; pack this model again")
-        per_layer.append(params)
+        per_layer.append(mine)
     return per_layer
 
 

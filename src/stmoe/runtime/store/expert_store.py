@@ -71,6 +71,7 @@ class ExpertStore:
             raise StoreError(str(exc)) from None
         self.model = self.index.model
         self.blocks = self.index.blocks
+        self.weights = self.index.weights  # native, int8 or int4: how the experts are stored
         size, want = self.data_path.stat().st_size, self.index.data_bytes
         if size != want:
             state = "truncated" if size < want else "longer than its index says"
@@ -84,14 +85,16 @@ class ExpertStore:
         check_source(self.path, self.index, Path(model_dir))
         self.source = Path(model_dir)
 
-    def check_model(self, model: Any, layout: Any = None) -> None:
+    def check_model(self, model: Any, layout: Any = None, params: Any = None) -> None:
         """Refuse to serve a model the store was not packed from: its shapes and dtypes,
         block by block, and its weights (the CRC-32C of its experts while they are in
         memory, else the checkpoint matched by ``check_source``). ``layout``: the model's
-        ``hf.layout.ModelLayout`` where the caller has it."""
+        ``hf.layout.ModelLayout`` where the caller has it; ``params``: each layer's
+        per-expert parameters to check in place of the model's own (its experts in the
+        store's format, made but not yet installed: ``quant.experts.plan_format``)."""
         if model in self._checked:
             return
-        per_layer = check_layout(self.path, self.index, model, layout)
+        per_layer = check_layout(self.path, self.index, model, layout, params)
         if materialised(per_layer):
             check_weights(self.path, self.index, per_layer)
         elif self.source is None:

@@ -20,11 +20,14 @@ from typing import Any
 
 import crc32c
 
-from stmoe.errors import StoreError
+from stmoe.errors import OffloadError, StoreError
+from stmoe.quant.formats import NATIVE, WeightFormat, format_from_json
 
 STORE_FORMAT = "stmoe-expert-store"
-STORE_VERSION = 3  # 2: the data file named by the index (atomic repacking), checksummed index;
-# 3: blocks checksummed with CRC-32C (hardware: ~10x faster than zlib's CRC-32 on every read)
+STORE_VERSION = 4  # 2: the data file named by the index (atomic repacking), checksummed index;
+# 3: blocks checksummed with CRC-32C (hardware: ~10x faster than zlib's CRC-32 on every read);
+# 4: the experts' weight format (``weights``: native, int8, int4 and its group size)
+READ_VERSIONS = (3, 4)  # a version 3 store holds native weights and still loads
 ALIGN = 4096  # bytes: the page / O_DIRECT alignment of every block
 DATA_NAME = re.compile(r"experts-[0-9a-f]{16}\.bin")  # a plain name in the store folder
 MAX_INDEX_BYTES = 1 << 28  # far above any real model's (DeepSeek-V3: ~15k blocks, a few MB)
@@ -38,7 +41,8 @@ DTYPE_SIZES = {
 }
 MODEL_KEYS = ("hidden_size", "model_type", "moe_layers", "num_experts")
 TOP_KEYS = {"align", "blocks", "checksum", "data", "data_bytes", "format", "model", "source",
-            "version"}
+            "version", "weights"}
+V3_KEYS = TOP_KEYS - {"weights"}
 BLOCK_KEYS = {"crc32c", "expert", "layer", "nbytes", "offset", "tensors"}
 
 
@@ -77,6 +81,7 @@ class StoreIndex:
     data: str  # the data file's name in the store folder
     data_bytes: int
     blocks: dict[tuple[int, int], Block]
+    weights: WeightFormat = NATIVE  # how the blocks' expert matrices are stored
 
 
 def checksum(index: dict[str, Any]) -> str:
@@ -87,11 +92,11 @@ def checksum(index: dict[str, Any]) -> str:
 
 
 def index_text(model: dict[str, Any], source: dict[str, Any], data: str, data_bytes: int,
-               blocks: list[Block]) -> str:
+               blocks: list[Block], weights: WeightFormat = NATIVE) -> str:
     """The index.json of a store, checksum included (deterministic)."""
     index = {"format": STORE_FORMAT, "version": STORE_VERSION, "align": ALIGN, "data": data,
              "data_bytes": data_bytes, "model": model, "source": source,
-             "blocks": [_block_json(b) for b in blocks]}
+             "weights": weights.to_json(), "blocks": [_block_json(b) for b in blocks]}
     index["checksum"] = checksum(index)
     return json.dumps(index, indent=1, sort_keys=True) + "\n"
 
@@ -109,9 +114,9 @@ def read_index(path: Path) -> StoreIndex:
                          "the store is damaged, pack it again") from None
     if not isinstance(index, dict) or index.get("format") != STORE_FORMAT:
         raise StoreError(f"{path}: not an stmoe expert store index")
-    if index.get("version") != STORE_VERSION:
+    if index.get("version") not in READ_VERSIONS or isinstance(index.get("version"), bool):
         raise StoreError(f"{path}: store version {str(index.get('version'))[:20]}, this stmoe "
-                         f"reads {STORE_VERSION}; pack the model again")
+                         f"reads {' and '.join(map(str, READ_VERSIONS))}; pack the model again")
     if index.get("checksum") != checksum(index):
         raise StoreError(f"{path}: index.json fails its checksum; the store is damaged, "
                          "pack it again")
@@ -136,8 +141,15 @@ class _Checker:
         return v
 
     def index(self, index: dict[str, Any]) -> StoreIndex:
-        if set(index) != TOP_KEYS:
-            raise self.fail("top level", f"keys {sorted(index)}, expected {sorted(TOP_KEYS)}")
+        keys = TOP_KEYS if index["version"] >= 4 else V3_KEYS
+        if set(index) != keys:
+            raise self.fail("top level", f"keys {sorted(index)}, expected {sorted(keys)}")
+        weights = NATIVE
+        if "weights" in index:
+            try:
+                weights = format_from_json(index["weights"], "top level")
+            except OffloadError as exc:
+                raise self.fail("weights", str(exc).removeprefix("top level: weights: ")) from None
         if index["align"] != ALIGN:
             raise StoreError(f"{self.path}: blocks aligned to {str(index['align'])[:20]} bytes, "
                              f"this stmoe expects {ALIGN}; pack the model again")
@@ -166,7 +178,7 @@ class _Checker:
                 raise self.fail(f"block {i}", f"layer {b.layer}, expert {b.expert} twice")
             blocks[(b.layer, b.expert)] = b
         self.placement(blocks, data_bytes)
-        return StoreIndex(model, source, data, data_bytes, blocks)
+        return StoreIndex(model, source, data, data_bytes, blocks, weights)
 
     def source(self, s: Any) -> dict[str, Any]:
         if s == {"kind": "module"}:

@@ -93,6 +93,8 @@ class CheckpointExperts:
             self.layers.append(row)
             self._by_name.update((p.full, p) for p in row)
         self._prefixes = {f"{prefix}.": module for prefix, module in modules}
+        # each layer's matrices stored [in, out] (GPT-OSS): a quantized pack transposes them
+        self.transposed = [bool(getattr(m, "is_transposed", False)) for _, m in modules]
         self._handles: dict[Path, Any] = {}
         self._read = 0
         self.nbytes = self.num_experts * sum(_nbytes(p) for row in self.layers for p in row)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from stmoe.errors import StmoeNote
+from stmoe.quant.formats import NATIVE, WeightFormat
 from stmoe.runtime.store.check import architecture, expert_params, file_records
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import (
@@ -44,19 +45,30 @@ _OLD_DATA = ("experts.bin", "experts.bin.tmp")  # version 1's data file and its 
 LOCK_NAME = ".pack.lock"  # the folder's advisory lock (never removed: see pack_lock)
 
 
-def pack(model: Any, out_dir: str | Path, source: str | Path | None = None) -> Path:
+def pack(model: Any, out_dir: str | Path, source: str | Path | None = None,
+         weights: WeightFormat | None = None) -> Path:
     """Write ``model``'s routed experts (all in memory) as a store; returns its folder.
 
     ``source``: the model folder ``model`` was just loaded from, unchanged. Its
     checkpoint files are recorded so that offloading that folder with this store
     can tell its weights are the store's (without it, only the model in memory can).
-    A folder packs without loading its model: ``pack_folder``.
+    ``weights``: the store's format; a native model is quantized expert by expert, a
+    model quantized in memory (``quant.experts.quantize_model``) is stored as it is
+    (None: the model's own format). A folder packs without loading its model:
+    ``pack_folder``.
     """
     from stmoe.hf.layout import experts_modules
+    from stmoe.quant.experts import format_of, resolved_for
 
     modules = experts_modules(model)
     if not modules:
         raise StoreError(f"{type(model).__name__} has no routed-experts modules to pack")
+    held = format_of(modules[0][1])
+    if weights is None or (held.quantized and weights.accepts(held)):
+        weights = held
+    if held.quantized and weights != held:
+        raise StoreError(f"the model holds {held.label} experts; it cannot be packed as "
+                         f"{weights.label} (pack the original model)")
     num_experts = int(getattr(modules[0][1], "num_experts", 0))
     layers = [expert_params(module, num_experts) for _, module in modules]
     for layer, params in enumerate(layers):
@@ -65,16 +77,38 @@ def pack(model: Any, out_dir: str | Path, source: str | Path | None = None) -> P
     record = file_records(Path(source)) if source is not None else {"kind": "module"}
     blocks = ((layer, expert, [(n, p.detach()[expert]) for n, p in params])
               for layer, params in enumerate(layers) for expert in range(num_experts))
-    return _write_store(Path(out_dir), architecture(model), record, blocks, lambda n: None)
+    if weights != held:
+        weights = resolved_for([m for _, m in modules], weights)
+        transposed = [bool(getattr(m, "is_transposed", False)) for _, m in modules]
+        blocks = quantized_blocks(blocks, weights, transposed)
+    return _write_store(Path(out_dir), architecture(model), record, blocks, lambda n: None,
+                        weights)
+
+
+def quantized_blocks(blocks: Iterable[tuple[int, int, list[Any]]], weights: WeightFormat,
+                     transposed: list[bool], advance: Callable[[int], None] = lambda n: None,
+                     ) -> Iterator[tuple[int, int, list[Any]]]:
+    """Each native block's tensors in ``weights`` (``quant.experts.quantize_expert``);
+    ``advance`` told each block's native bytes (what a progress bar counts)."""
+    from stmoe.quant.experts import quantize_expert
+
+    for layer, expert, tensors in blocks:
+        where = f"MoE layer {layer}: "
+        quantized = quantize_expert(tensors, weights, transposed[layer], where)
+        advance(sum(t.numel() * t.element_size() for _, t in tensors))
+        del tensors
+        yield layer, expert, quantized
 
 
 def pack_folder(model_dir: str | Path, out_dir: str | Path,
-                progress: ProgressFactory | None = None) -> Path:
+                progress: ProgressFactory | None = None,
+                weights: WeightFormat = NATIVE) -> Path:
     """Write a model folder's routed experts as a store, read one expert at a time from its
     safetensors shards (``pack_stream``), never the whole model in memory; the same bytes
     as ``pack`` of the loaded model. A checkpoint whose experts cannot be read one by one
     is loaded and packed whole, with a note saying why. ``progress(total_bytes, label)``:
-    a context giving ``advance(nbytes)`` (default: a bar on stderr when on a terminal)."""
+    a context giving ``advance(nbytes)`` (default: a bar on stderr when on a terminal);
+    ``weights``: the store's format (quantized expert by expert as they are read)."""
     from stmoe.runtime.store.pack_stream import CheckpointExperts, StreamUnsupported
     from stmoe.util.progress import byte_progress
 
@@ -87,24 +121,37 @@ def pack_folder(model_dir: str | Path, out_dir: str | Path,
         model = load_causal_lm(model_dir)  # its errors are clear
         warnings.warn(f"{exc}; packing from the whole model loaded in memory", StmoeNote,
                       stacklevel=2)
-        return pack(model, out_dir, source=model_dir)
+        return pack(model, out_dir, source=model_dir, weights=weights)
+    if weights.quantized:
+        from stmoe.quant.experts import input_widths
+
+        weights = weights.resolved(input_widths([([(p.name, p.shape) for p in row], t)
+                                                 for row, t in zip(experts.layers,
+                                                                   experts.transposed,
+                                                                   strict=True)]))
     record = file_records(model_dir)
     try:
-        with (progress or byte_progress)(experts.nbytes, f"packing {model_dir.name}") as advance:
+        label = f"packing {model_dir.name}" + (f" as {weights.short}" if weights.quantized
+                                               else "")
+        with (progress or byte_progress)(experts.nbytes, label) as advance:
             blocks = experts.blocks(record)
-            return _write_store(Path(out_dir), experts.architecture, record, blocks, advance)
+            if weights.quantized:  # the bar counts the checkpoint's bytes read
+                blocks = quantized_blocks(blocks, weights, experts.transposed, advance)
+                advance = lambda n: None  # noqa: E731
+            return _write_store(Path(out_dir), experts.architecture, record, blocks, advance,
+                                weights)
     finally:
         experts.release(force=True)
 
 
 def _write_store(out: Path, model: dict[str, Any], record: dict[str, Any], blocks: Iterable[Any],
-                 advance: Callable[[int], None]) -> Path:
+                 advance: Callable[[int], None], weights: WeightFormat) -> Path:
     """The data file, then index.json naming it (the switch), then the replaced data file
     removed: the one ending of both packers."""
     out.mkdir(parents=True, exist_ok=True)
     with pack_lock(out):
         data, size, written = _write_data(blocks, out, advance)
-        text = index_text(model, record, data, size, written)
+        text = index_text(model, record, data, size, written, weights)
         atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
         _remove_unnamed(out, data)
     return out
@@ -172,32 +219,44 @@ def _remove_unnamed(out: Path, keep: str) -> None:
             f.unlink(missing_ok=True)
 
 
-def default_store_dir(model_dir: Path) -> Path:
-    """Where a model folder's store is packed on first use (``STMOE_CACHE`` overrides)."""
+def default_store_dir(model_dir: Path, weights: WeightFormat | None = None) -> Path:
+    """Where a model folder's store in ``weights`` (None: native) is packed on first use
+    (``STMOE_CACHE`` overrides)."""
     root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "stores"
     h = hashlib.sha256(str(model_dir.resolve()).encode())
     for f in [*sorted(model_dir.glob("*.safetensors")), model_dir / "config.json"]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return root / f"{model_dir.name}-{h.hexdigest()[:16]}"
+    suffix = f"-{weights.short}" if weights is not None and weights.quantized else ""
+    return root / f"{model_dir.name}-{h.hexdigest()[:16]}{suffix}"
 
 
 def open_store(model_dir: str | Path, store: str | Path | None,
-               progress: ProgressFactory | None = None) -> ExpertStore:
+               progress: ProgressFactory | None = None,
+               weights: WeightFormat | None = None) -> ExpertStore:
     """The store for ``model_dir``, opened and matched to its checkpoint: the given one
     (refused when damaged or foreign, never overwritten), or the model's cached one,
     packed now (``pack_folder``, with ``progress``) when missing, and packed again, with
-    a note, when damaged, of an older version or half-written (a killed pack)."""
+    a note, when damaged, of an older version or half-written (a killed pack).
+    ``weights``: the format wanted (None: a given store's own, else native); a given
+    store in another format is refused."""
     model_dir = Path(model_dir)
     if store is not None:
         opened = ExpertStore(store)
         opened.check_source(model_dir)
+        if weights is not None and not weights.accepts(opened.weights):
+            raise StoreError(f"{opened.path}: holds {opened.weights.label} experts, not "
+                             f"{weights.label}; pack one: stmoe pack {model_dir} -o DIR "
+                             f"--format {weights.name}")
         return opened
-    out = default_store_dir(model_dir)
+    weights = weights or NATIVE
+    out = default_store_dir(model_dir, weights)
     if (out / "index.json").exists():
         try:
             opened = ExpertStore(out)
             opened.check_source(model_dir)
+            if not weights.accepts(opened.weights):
+                raise StoreError(f"holds {opened.weights.label} experts")
             return opened
         except StoreError as exc:
             warnings.warn(f"the cached store is unusable ({exc}); packing it again",
@@ -205,12 +264,13 @@ def open_store(model_dir: str | Path, store: str | Path | None,
     elif out.is_dir() and any(out.iterdir()):
         warnings.warn(f"{out}: a half-written store (no index.json); packing it again",
                       StmoeNote, stacklevel=2)
-    pack_folder(model_dir, out, progress)
+    pack_folder(model_dir, out, progress, weights)
     opened = ExpertStore(out)
     opened.check_source(model_dir)
     return opened
 
 
-def ensure_store(model_dir: str | Path, store: str | Path | None) -> Path:
+def ensure_store(model_dir: str | Path, store: str | Path | None,
+                 weights: WeightFormat | None = None) -> Path:
     """``open_store``'s folder (the given store, or the model's cached one)."""
-    return open_store(model_dir, store).path
+    return open_store(model_dir, store, weights=weights).path

@@ -1,0 +1,12 @@
+"""Weight formats of the routed experts: native (lossless), int8, int4 (lossy: the user's choice).
+
+    formats.py  ``WeightFormat``: the names, int4's group size, how reports label them
+                (no torch: a store's index reads it)
+    kernels.py  one matrix quantized, multiplied and dequantized with torch's CPU kernels
+    experts.py  an experts module's weights in a format, ``quantize_model`` (the resident
+                reference) and the ``stmoe_quantized`` experts implementation
+"""
+
+from stmoe.quant.formats import NATIVE, WeightFormat, parse_format
+
+__all__ = ["NATIVE", "WeightFormat", "parse_format"]
