@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench, llama-quantize and llama-cli from the llama-cpp-python source
+# Build llama.cpp's llama-bench and llama-quantize from the llama-cpp-python source
 # distribution on PyPI (it carries llama.cpp's whole tree: vendor/llama.cpp, with
 # convert_hf_to_gguf.py and gguf-py), for benchmarks/bench_compute.py's comparison.
 #
@@ -24,7 +24,7 @@ command -v cmake >/dev/null || { echo "error: cmake not found (apt install cmake
 cmake -S src/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF > build.log 2>&1 || { tail -20 build.log >&2; exit 1; }
-cmake --build build --target llama-bench llama-quantize llama-cli -j "${JOBS:-2}" \
+cmake --build build --target llama-bench llama-quantize -j "${JOBS:-2}" \
     >> build.log 2>&1 || { tail -20 build.log >&2; exit 1; }
-ls build/bin/llama-bench build/bin/llama-quantize build/bin/llama-cli > /dev/null
+ls build/bin/llama-bench build/bin/llama-quantize > /dev/null
 echo "$ROOT"

@@ -23,6 +23,7 @@ from stmoe.hf.layout import experts_modules  # noqa: E402
 from stmoe.predictors import profile, save_tables  # noqa: E402
 from stmoe.quant import parse_format  # noqa: E402
 from stmoe.quant.experts import quantize_expert, quantize_model  # noqa: E402
+from stmoe.quant.linears import QuantizedLinear, quantize_linears  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.options import OffloadOptions  # noqa: E402
 from stmoe.runtime.store import ExpertStore, StoreError, pack, pack_folder  # noqa: E402
@@ -182,6 +183,27 @@ def test_int4_without_a_group_size_takes_one_that_divides_the_experts(tmp_path):
     assert parse_format("int4").resolved([192]).group_size == 64
 
 
+@pytest.mark.parametrize("name, experts, resident", [("qwen2_moe", "int4", "int8"),
+                                                     ("deepseek_v3", "int8", "int4")])
+def test_quantized_resident_linears_are_bit_identical_offloaded(name, experts, resident, tmp_path):
+    """--quantize-resident: the offloaded model with its attention, shared experts and
+    lm_head quantized equals the resident model quantized the same way; gates stay native."""
+    ref_model = quantize_model(quantizable(name), FORMATS[experts])
+    kept = quantize_linears(ref_model, parse_format(resident))
+    assert kept and all("(a gate)" in k or f"not {resident})" in k for k in kept), kept
+    assert isinstance(ref_model.lm_head, QuantizedLinear)
+    ref = _generate(ref_model)
+    store = pack(quantizable(name), tmp_path / "store", weights=FORMATS[experts])
+    with offload(quantizable(name), store, capacity=3, quantize_resident=resident,
+                 predictor="ondemand") as om:
+        seq, logits = _generate(om.model)
+        assert om.config["resident_weights"] == resident and om.config["resident_kept"] == kept
+    assert torch.equal(seq, ref[0])
+    assert all(torch.equal(a, b) for a, b in zip(logits, ref[1], strict=True))
+    with pytest.raises(OffloadError, match="quantize_resident 'native': expected int8 or int4"):
+        OffloadOptions(quantize_resident="native").check()
+
+
 def test_the_gpu_tier_takes_native_stores_only():
     with pytest.raises(OffloadError, match="int4 experts are computed by torch's CPU kernels"):
         OffloadOptions(tier="gpu", format="int4").check()
@@ -191,7 +213,6 @@ def test_the_gpu_tier_takes_native_stores_only():
 
 def test_the_cli_packs_and_generates_in_a_format_and_says_so(cli, tmp_path):
     from conftest import one_line_error
-
     from stmoe.models import SHIPPED_MODEL
 
     res = cli("pack", SHIPPED_MODEL, "-o", tmp_path / "s4", "--format", "int4")

@@ -180,6 +180,12 @@ def generate_cmd(
                      "(a store in the format is packed on first use)."),
     ] = _DEFAULT.format,
     group_size: Annotated[int | None, typer.Option(help=GROUP_HELP)] = _DEFAULT.group_size,
+    quantize_resident: Annotated[
+        str | None,
+        typer.Option(help="Quantize the resident linears too (attention, shared experts, "
+                     "lm_head), int8 or int4 (lossy; routers and gates stay native). Default: "
+                     "native."),
+    ] = _DEFAULT.quantize_resident,
     json_out: Annotated[
         Path | None,
         path_option(
@@ -229,7 +235,8 @@ def generate_cmd(
     with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
                  policy=policy, tier=tier, bandwidth=bandwidth, latency=latency,
                  workers=workers, max_loads=max_loads, lookahead=lookahead,
-                 admission=admission, format=weights, group_size=group_size) as om:
+                 admission=admission, format=weights, group_size=group_size,
+                 quantize_resident=quantize_resident) as om:
         if routing is not None:
             run = _replay(om, routing, sequence, max_new_tokens, layers)
         else:

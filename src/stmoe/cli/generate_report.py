@@ -55,6 +55,9 @@ def rows(runs: list[Any]) -> list[tuple[str, str]]:
                       f"probes, layers off at the end {adm['layers_off'] or 'none'}")
     return [
         ("experts' weights", c["weights_label"]),
+        ("resident linears", "native" if c["resident_weights"] == "native" else
+         f"{c['resident_weights']} (lossy; native: {len(c['resident_kept'])} gates or "
+         "matrices the kernel cannot take)"),
         ("tier", tier),
         ("cache", f"{c['capacity']} of {c['num_experts']} experts per layer "
                   f"({c['cache_bytes'] * mib:.1f} MiB), policy {c['policy']}"),

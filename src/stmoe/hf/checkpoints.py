@@ -90,6 +90,8 @@ def plan_checkpoint(like: str, layers: int | None = None,
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    # named as a hub checkpoint names it (llama.cpp's converter, among others, reads it)
+    config.architectures = [type(model).__name__]
     tensors = [(name, tuple(t.shape)) for name, t in model.state_dict().items()
                if not (config.tie_word_embeddings and name == "lm_head.weight")]
     return CheckpointPlan(config, tensors, dtype, spec)

@@ -5,6 +5,7 @@
     kernels.py  one matrix quantized, multiplied and dequantized with torch's CPU kernels
     experts.py  an experts module's weights in a format, ``quantize_model`` (the resident
                 reference) and the ``stmoe_quantized`` experts implementation
+    linears.py  the resident linears (attention, shared experts, lm_head) in a format
 """
 
 from stmoe.quant.formats import NATIVE, WeightFormat, parse_format

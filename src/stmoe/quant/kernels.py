@@ -78,6 +78,7 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor,
     dtype, as the kernels need)."""
     if x.dtype != qscale.dtype:
         x = x.to(qscale.dtype)
+    x = x.contiguous()  # both kernels need it (a no-op when it is)
     if fmt.name == "int4":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, fmt.group_size, qscale)
     return torch._weight_int8pack_mm(x, qweight, qscale)

@@ -26,6 +26,7 @@ from stmoe.hf.layout import ModelLayout
 from stmoe.hf.loading import load_without_experts
 from stmoe.predictors.base import ModelShape
 from stmoe.quant.experts import plan_format, select
+from stmoe.quant.linears import quantize_linears
 from stmoe.runtime.engine import OffloadEngine
 from stmoe.runtime.forced_routing import RoutingPlan, RoutingSource
 from stmoe.runtime.hf_glue import IMPL_NAME, move_resident, register
@@ -270,6 +271,8 @@ def offload(
 def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: OffloadOptions,
              model_dir: Path | None, tokenizer: Any,
              cleanup: Path | None) -> OffloadedModel:
+    resident = options.resident_format()
+    kept = quantize_linears(model, resident) if resident is not None else []
     layout = ModelLayout.of(model)  # found once, handed to the checks and the engine
     modules, weights = [m for _, m in layout.modules], expert_store.weights
     planned = plan_format(modules, weights, options.weight_format(), str(expert_store.path))
@@ -306,6 +309,7 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
               "lookahead": pred.point if pred.uses_lookahead else None,
               "num_layers": shape.num_layers, "num_experts": shape.num_experts,
               "top_k": shape.top_k, "weights": weights.short, "weights_label": weights.label,
+              "resident_weights": resident.name if resident else "native", "resident_kept": kept,
               "expert_bytes": engine.expert_bytes, "cache_bytes": engine.cache_bytes}
     if options.tier == "emulated":
         config.update(bandwidth=source.bandwidth, latency=source.latency)  # type: ignore[attr-defined]

@@ -60,6 +60,8 @@ class OffloadOptions:
         dtype, lossless), int8 or int4 (lossy, the user's choice); None: a given store's
         own, else native. group_size: int4's (None: the largest of 128, 64, 32 dividing
         the experts' input widths).
+    quantize_resident: int8 or int4 for the resident linears too (attention, shared
+        experts, lm_head; ``quant.linears``: gates stay native); None: native.
     """
 
     capacity: int | str = "50%"
@@ -75,6 +77,17 @@ class OffloadOptions:
     admission: bool = True
     format: str | None = None
     group_size: int | None = None
+    quantize_resident: str | None = None
+
+    def resident_format(self) -> WeightFormat | None:
+        """The resident linears' format, checked (None: native)."""
+        if self.quantize_resident is None:
+            return None
+        fmt = parse_format(self.quantize_resident)
+        if not fmt.quantized:
+            raise OffloadError(f"quantize_resident {self.quantize_resident!r}: expected int8 "
+                               "or int4 (leave it unset for native)")
+        return fmt
 
     def weight_format(self) -> WeightFormat | None:
         """The format asked for, checked (None: whatever the store holds)."""
@@ -94,10 +107,13 @@ class OffloadOptions:
         for name, value in (("workers", self.workers), ("max_loads", self.max_loads)):
             if value is not None and (isinstance(value, bool) or value < 0):
                 raise OffloadError(f"{name} must be >= 0, got {value!r}")
-        weights = self.weight_format()
+        weights, resident = self.weight_format(), self.resident_format()
         if weights is not None and weights.quantized and self.tier == "gpu":
             raise OffloadError(f"{weights.name} experts are computed by torch's CPU kernels; "
                                "the gpu tier takes native stores (format native)")
+        if resident is not None and self.tier == "gpu":
+            raise OffloadError("quantized resident linears compute on the CPU; the gpu tier "
+                               "takes native ones")
 
     def worker_count(self) -> int:
         """Prefetch threads: a disk serves reads in parallel; on a single link a second
