@@ -19,7 +19,19 @@ target is judged on the per-round ratios' median (MET / NOT MET):
 The same at 2 threads is reported. int8 and int4 are lossy (benchmarks/bench_quality.py
 measures them); the bytes each format really stores per weight are printed.
 
+``--bounded``: instead, each run's whole process under a memory cgroup (page cache included;
+the files' pages dropped first), llama.cpp with ``--load-mode mmap`` (its pages come and go
+with the bound), stmoe on the disk tier (direct reads) with ``--memory`` at the bound (the
+cache sized from it), stmoe-plus with tables profiled on the checkpoint's own routing of
+other prompts (``stmoe capture`` + ``profile``), lru-only beside it; 1 compute thread each
+on cores 0-1 (stmoe's prefetch workers read on the second). Two bounds:
+  bf16: non-expert bytes + half the experts' + 1 GiB: stmoe-plus native >= 1.0x llama.cpp BF16;
+  int4: 0.6 x the model's bytes + 1 GiB (llama.cpp: the Q4_K_M file; stmoe: its int4 experts
+        and int4 resident weights): stmoe-plus int4+r >= 2x llama.cpp Q4_K_M.
+The 1 GiB is the process's own (interpreter, torch; llama.cpp's buffers), the same for both.
+
     python benchmarks/bench_compute.py [--rounds 3] [--tokens 64] [--threads 1,2] [--json F]
+    python benchmarks/bench_compute.py --bounded [--rounds 3] [--tokens 64] [--json F]
 
 Needs llama.cpp built (bash benchmarks/build_llama_cpp.sh) and about 12 GB of disk in
 STMOE_BENCH_DIR (default ~/.cache/stmoe/bench): the checkpoint, its GGUF files, the stores.
@@ -101,14 +113,47 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         return {"tokens_per_s": args.tokens / (whole - first)}
     from stmoe.runtime.api import offload
 
+    if args.child in BOUNDED_STMOE:
+        fmt, resident, predictor = BOUNDED_STMOE[args.child]
+        with offload(ckpt, memory=str(args.memory), predictor=predictor, format=fmt,
+                     quantize_resident=resident, tables=tables(ckpt)) as om:
+            r = om.generate(PROMPT, max_new_tokens=args.tokens)  # cold: what a bound means
+            plan = om.config["memory_plan"]
+        return {"tokens_per_s": r.decode_tokens_per_s, "hit_rate": r.hit_rate,
+                "per_layer": plan["per_layer"], "process": plan["process"]}
     fmt, resident = STMOE[args.child]
     with offload(ckpt, capacity="100%", predictor="ondemand", format=fmt,
                  quantize_resident=resident) as om:
         om.generate(PROMPT, max_new_tokens=args.tokens)  # loads every expert it routes to
         r = om.generate(PROMPT, max_new_tokens=args.tokens, cold=False)
         expert_bytes = om.config["expert_bytes"]
+        resident_bytes = sum(t.numel() * t.element_size() for t in
+                             [*om.model.parameters(), *om.model.buffers()] if not t.is_meta)
     return {"tokens_per_s": r.decode_tokens_per_s, "hit_rate": r.hit_rate,
-            "expert_bytes": expert_bytes}
+            "expert_bytes": expert_bytes, "resident_bytes": resident_bytes}
+
+
+BOUNDED_STMOE = {"stmoe-plus native": ("native", None, "stmoe-plus"),
+                 "lru-only native": ("native", None, "ondemand"),
+                 "stmoe-plus int4+r": ("int4", "int4", "stmoe-plus"),
+                 "lru-only int4+r": ("int4", "int4", "ondemand")}
+BOUNDS = {"bf16": ["llama.cpp BF16", "stmoe-plus native", "lru-only native"],
+          "int4": ["llama.cpp Q4_K_M", "stmoe-plus int4+r", "lru-only int4+r"]}
+BOUNDED_TARGETS = {"bf16": ("stmoe-plus native", "llama.cpp BF16", 1.0),
+                   "int4": ("stmoe-plus int4+r", "llama.cpp Q4_K_M", 2.0)}
+
+
+def tables(ckpt: Path) -> Path:
+    """stmoe-plus's tables: the checkpoint's own (random) routing of capture's built-in prompts,
+    not the benchmark's prompt, profiled once."""
+    out = ckpt.parent / f"{ckpt.name}.tables.npz"
+    if not out.is_file():
+        trace = ckpt.parent / f"{ckpt.name}.capture.npz"
+        subprocess.run([sys.executable, "-m", "stmoe", "capture", "--model", str(ckpt), "-o",
+                        str(trace), "--max-new-tokens", "64"], check=True)
+        subprocess.run([sys.executable, "-m", "stmoe", "profile", str(trace), "-o", str(out)],
+                       check=True)
+    return out
 
 
 def spawn(system: str, threads: int, args: argparse.Namespace, ggufs: dict[str, Path]) -> float:
@@ -149,13 +194,105 @@ def bytes_per_weight(ggufs: dict[str, Path]) -> list[str]:
     return lines
 
 
+def spawn_bounded(system: str, limit: int, args: argparse.Namespace,
+                  ggufs: dict[str, Path]) -> dict[str, Any]:
+    """One run with its whole process in a fresh memory cgroup of ``limit`` bytes."""
+    from offload_baselines import cgroup_peak, drop_pages, make_cgroup, remove_cgroup
+
+    ckpt = checkpoint()
+    drop_pages(ckpt)
+    drop_pages(ckpt.parent)  # the GGUF files
+    group = make_cgroup(f"stmoe-compute-{os.getpid()}", limit)
+    if group is None:
+        raise SystemExit("error: no memory cgroup can be made here; --bounded needs one")
+    enter = f"echo $$ > {group}/cgroup.procs && exec "
+    try:
+        if system in LLAMA:
+            cmd = [str(llama_cpp.binary("llama-bench")), "-m", str(ggufs[system]), "-t", "1",
+                   "-r", "1", "-p", "0", "-n", str(args.tokens), "--load-mode", "mmap",
+                   "-o", "json"]
+            done = subprocess.run(["taskset", "-c", "0,1", "sh", "-c", enter + " ".join(cmd)],
+                                  capture_output=True, text=True)
+            if done.returncode in (-9, 137):  # the kernel's OOM killer: it did not fit
+                return {"tokens_per_s": 0.0, "killed": True, "peak": cgroup_peak(group)}
+            done.check_returncode()
+            out = {"tokens_per_s": float(json.loads(done.stdout)[0]["avg_ts"])}
+        else:
+            cmd = [sys.executable, __file__, "--child", system, "--threads", "1", "--tokens",
+                   str(args.tokens), "--memory", str(limit)]
+            done = subprocess.run(["taskset", "-c", "0,1", "sh", "-c",
+                                   enter + " ".join(f"'{c}'" for c in cmd)],
+                                  check=True, capture_output=True, text=True)
+            out = json.loads(done.stdout.strip().splitlines()[-1])
+        out["peak"] = cgroup_peak(group)
+        return out
+    finally:
+        remove_cgroup(group)
+
+
+def bounds(ggufs: dict[str, Path], args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """Each bound in bytes, per system (see the module docstring)."""
+    from stmoe.quant import parse_format
+    from stmoe.runtime.store import ExpertStore
+    from stmoe.runtime.store.packing import default_store_dir
+
+    ckpt = checkpoint()
+    native = ExpertStore(default_store_dir(ckpt))
+    int4 = ExpertStore(default_store_dir(ckpt, parse_format("int4")))
+    experts = sum(b.nbytes for b in native.blocks.values())
+    total = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    measured = json.loads(subprocess.run(
+        [sys.executable, __file__, "--child", "stmoe int4+r", "--threads", "1", "--tokens", "2"],
+        check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    int4_model = sum(b.nbytes for b in int4.blocks.values()) + measured["resident_bytes"]
+    bf16 = total - experts + experts // 2 + 2**30
+    return {"bf16": dict.fromkeys(BOUNDS["bf16"], bf16),
+            "int4": {"llama.cpp Q4_K_M": int(0.6 * ggufs["llama.cpp Q4_K_M"].stat().st_size)
+                     + 2**30,
+                     "stmoe-plus int4+r": int(0.6 * int4_model) + 2**30,
+                     "lru-only int4+r": int(0.6 * int4_model) + 2**30}}
+
+
+def bounded(args: argparse.Namespace, ggufs: dict[str, Path]) -> dict[str, Any]:
+    limits = bounds(ggufs, args)
+    tables(checkpoint())
+    report: dict[str, Any] = {"limits": limits, "runs": {}, "targets": []}
+    for name, systems in BOUNDS.items():
+        print(f"\n## bound {name}: " + ", ".join(f"{s} {limits[name][s] / 2**30:.2f} GiB"
+                                                 for s in systems), flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+        for rnd in range(args.rounds):
+            for system in rotated(systems, rnd):
+                runs[system].append(spawn_bounded(system, limits[name][system], args, ggufs))
+                r = runs[system][-1]
+                extra = (f", {r['per_layer']} experts per layer cached, hit rate "
+                         f"{r['hit_rate']:.3f}" if "per_layer" in r else "")
+                peak = f"{r['peak'] / 2**30:.2f} GiB" if r.get("peak") else "unknown"
+                print(f"round {rnd + 1}, {system}: {r['tokens_per_s']:.2f} tok/s (cgroup peak "
+                      f"{peak}{extra})", flush=True)
+        speeds = {s: [r["tokens_per_s"] for r in rs] for s, rs in runs.items()}
+        for s in systems:
+            print(f"  {s:<20} {spread(speeds[s])} tok/s")
+        mine, base, goal = BOUNDED_TARGETS[name]
+        ratios = [a / b for a, b in zip(speeds[mine], speeds[base], strict=True)]
+        ok = statistics.median(ratios) >= goal
+        print(f"  {mine} / {base}: {spread(ratios)}x per round; target >= {goal}x {verdict(ok)}")
+        report["runs"][name] = runs
+        report["targets"].append({"bound": name, "mine": mine, "base": base, "goal": goal,
+                                  "ratios": ratios, "met": ok})
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--bounded", action="store_true",
+                    help="the memory-bound comparison instead (see the module docstring)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--memory", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         args.threads = int(args.threads)
@@ -168,6 +305,13 @@ def main() -> None:
           f"load at start: {os.getloadavg()[0]:.2f}", flush=True)
     for system in STMOE:  # pack each format's store once, untimed
         spawn(system, 2, argparse.Namespace(tokens=2), ggufs)
+    if args.bounded:
+        report = bounded(args, ggufs)
+        load_end = os.getloadavg()[0]
+        print(f"load at end: {load_end:.2f}" + ("  (above 3: marked)" if load_end > 3 else ""))
+        if args.json:
+            args.json.write_text(json.dumps({**report, "load_end": load_end}, indent=1) + "\n")
+        return
     runs: dict[int, dict[str, list[float]]] = {t: {s: [] for s in SYSTEMS} for t in threads}
     for rnd in range(args.rounds):
         for t in threads:

@@ -75,14 +75,22 @@ def generate_cmd(
         ),
     ] = None,
     capacity: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="Cache size: experts per layer (8, at most the model's N), a share of "
             "the experts (50%, at most 100%), or a total size in bytes for the whole model "
             "(64MB; a larger budget than all experts caches them all). At least the router's "
-            "top-k."
+            f"top-k. Default: {_DEFAULT.capacity} (or what --memory leaves)."
         ),
-    ] = _DEFAULT.capacity,
+    ] = None,
+    memory: Annotated[
+        str | None,
+        typer.Option(
+            help="A memory budget for the whole process, page cache included (e.g. 10GB): "
+            "the expert cache is sized from it once the non-expert weights are loaded (the "
+            "split is printed). In place of --capacity."
+        ),
+    ] = None,
     predictor: Annotated[
         str,
         typer.Option(
@@ -232,7 +240,10 @@ def generate_cmd(
         model = SHIPPED_MODEL
     if threads is not None:
         torch.set_num_threads(threads)
-    with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
+    if memory is not None and capacity is not None:
+        raise StmoeError("give --capacity or --memory, not both (--memory sizes the cache)")
+    with offload(model, store, capacity=capacity or _DEFAULT.capacity, memory=memory,
+                 predictor=predictor, tables=tables,
                  policy=policy, tier=tier, bandwidth=bandwidth, latency=latency,
                  workers=workers, max_loads=max_loads, lookahead=lookahead,
                  admission=admission, format=weights, group_size=group_size,

@@ -34,6 +34,7 @@ def _spread(runs: list[Any], key: str, scale: float = 1.0, fmt: str = ".1f") -> 
 def rows(runs: list[Any]) -> list[tuple[str, str]]:
     """The table's rows: the setup in words, then each figure (median [min, max])."""
     from stmoe.predictors import REGISTRY
+    from stmoe.runtime.memory import MemoryPlan
 
     r, c, mib = runs[0], runs[0].config, 1 / 2**20
     if c["emulated"]:
@@ -61,6 +62,8 @@ def rows(runs: list[Any]) -> list[tuple[str, str]]:
         ("tier", tier),
         ("cache", f"{c['capacity']} of {c['num_experts']} experts per layer "
                   f"({c['cache_bytes'] * mib:.1f} MiB), policy {c['policy']}"),
+        *([("memory", MemoryPlan(**c["memory_plan"]).describe())] if c.get("memory_plan")
+          else []),
         ("predictor", predictor),
         ("tokens", f"{r.prompt_tokens} prompt + {len(r.tokens)} generated"),
         ("time to first token", _spread(runs, "ttft_s", 1000) + " ms"),

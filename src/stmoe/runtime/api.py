@@ -30,6 +30,7 @@ from stmoe.quant.linears import quantize_linears
 from stmoe.runtime.engine import OffloadEngine
 from stmoe.runtime.forced_routing import RoutingPlan, RoutingSource
 from stmoe.runtime.hf_glue import IMPL_NAME, move_resident, register
+from stmoe.runtime.memory import plan_memory, process_bytes
 from stmoe.runtime.options import (
     OffloadOptions,
     resolve_capacity,
@@ -280,8 +281,12 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
     select(model, modules, planned, weights)  # a native model's experts in the store's format
     shape = ModelShape(layout.num_layers, int(expert_store.model["num_experts"]),
                        top_k_of(model.config))
-    per_layer = resolve_capacity(options.capacity, shape.num_layers, shape.num_experts,
-                                 shape.top_k, expert_store.blocks[(0, 0)].nbytes)
+    nbytes, memory, plan = expert_store.blocks[(0, 0)].nbytes, options.memory_bytes(), None
+    if memory is not None:  # the process as loaded, then the largest cache that fits
+        plan = plan_memory(memory, process_bytes(model), shape.num_layers, shape.num_experts,
+                           shape.top_k, nbytes, options.worker_count())
+    per_layer = plan.per_layer if plan else resolve_capacity(
+        options.capacity, shape.num_layers, shape.num_experts, shape.top_k, nbytes)
     pred = resolve_predictor(options, shape, model_dir)
     device = None
     if options.tier == "gpu":
@@ -310,7 +315,8 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
               "num_layers": shape.num_layers, "num_experts": shape.num_experts,
               "top_k": shape.top_k, "weights": weights.short, "weights_label": weights.label,
               "resident_weights": resident.name if resident else "native", "resident_kept": kept,
-              "expert_bytes": engine.expert_bytes, "cache_bytes": engine.cache_bytes}
+              "expert_bytes": engine.expert_bytes, "cache_bytes": engine.cache_bytes,
+              "memory_plan": asdict(plan) if plan else None}
     if options.tier == "emulated":
         config.update(bandwidth=source.bandwidth, latency=source.latency)  # type: ignore[attr-defined]
     if options.tier == "disk":

@@ -1,11 +1,52 @@
-"""Resident-memory sampling, for the steadiness checks of long offloaded generations."""
+"""The process's memory: a whole-process budget turned into a cache size (``--memory``), and
+resident-memory sampling for the steadiness checks of long offloaded generations."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from stmoe.errors import OffloadError
+
+
+def _status_bytes(key: str) -> int:
+    """A field of /proc/self/status in bytes (0 where unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+# The shared libraries' pages this process maps (Python's, torch's): file-backed, so not in
+# RssAnon; taken when this module is imported, before any weight is.
+_LIBRARIES = _status_bytes("RssFile")
+
+
+def process_bytes(model: torch.nn.Module) -> int:
+    """What the process needs as it stands, for ``plan_memory``: its anonymous memory (after
+    a collection and, with glibc, ``malloc_trim``: quantizing frees hundreds of MB the heap
+    keeps), its shared libraries, and the model's live non-meta tensors. Weights mapped from
+    the checkpoint are file pages, not in RssAnon; those dropped (a linear replaced by its
+    quantized form) stay mapped but are clean and reclaimable, so they are not counted, and
+    tensors in anonymous memory are counted twice: an overestimate, on the safe side."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the heap as it is
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    live = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+               if not t.is_meta)
+    anon = _status_bytes("RssAnon") or rss_bytes()
+    return anon + _LIBRARIES + live
 
 
 def rss_bytes() -> int:
@@ -44,3 +85,56 @@ class MemoryProbe:
         if len(after) < 2 or after[0] == 0:
             return 0.0
         return max(after) / after[0] - 1.0
+
+
+# What a whole-process budget keeps beside the expert cache (``plan_memory``): the KV cache and
+# activations of a generation (a few MiB a thousand tokens at these sizes) and the allocator's
+# slack. Bytes; a round figure, not measured per model.
+KV_RESERVE = 256 << 20
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How ``--memory`` is spent: the process as it stands (``process_bytes``: interpreter,
+    torch, the model's non-expert weights), the reserve, the expert cache; bytes, and
+    experts per layer."""
+
+    memory: int
+    process: int
+    reserve: int  # KV cache and activations, read buffers, a long prompt's spare rows
+    cache: int
+    per_layer: int
+
+    def describe(self) -> str:
+        gib = 1 / 2**30
+        return (f"{self.memory * gib:.2f} GiB for the process: {self.process * gib:.2f} GiB as "
+                f"loaded (interpreter, torch, non-expert weights), {self.reserve * gib:.2f} GiB "
+                f"reserved (KV cache, read buffers, a prompt's spare rows), expert cache "
+                f"{self.cache * gib:.2f} GiB = {self.per_layer} experts per layer")
+
+
+def plan_memory(memory: int, process: int, num_layers: int, num_experts: int, top_k: int,
+                expert_bytes: int, workers: int) -> MemoryPlan:
+    """The largest cache (experts per layer) that keeps the whole process within ``memory``
+    bytes, page cache included: ``process`` (its RSS now), the KV reserve, one read buffer
+    per thread, and the spare rows a prompt routing one layer to every expert pages in
+    (N - C of them) beside L x C cached experts. Too little memory for top-K per layer is
+    one clear error naming what would do."""
+    buffers = (workers + 1) * expert_bytes
+    free = memory - process - KV_RESERVE - buffers
+    if free >= num_layers * num_experts * expert_bytes:
+        per_layer = num_experts
+    elif num_layers > 1:  # L*C + (N - C) experts fit
+        per_layer = (free - num_experts * expert_bytes) // ((num_layers - 1) * expert_bytes)
+    else:
+        per_layer = num_experts if free >= num_experts * expert_bytes else 0
+    per_layer = int(min(per_layer, num_experts))
+    if per_layer < top_k:
+        need = (process + KV_RESERVE + buffers
+                + ((num_layers - 1) * top_k + num_experts) * expert_bytes)
+        raise OffloadError(f"--memory {memory / 2**30:.2f} GiB cannot hold this model's process "
+                           f"({process / 2**30:.2f} GiB as loaded) and top-{top_k} experts per "
+                           f"layer; give at least {need / 2**30:.2f} GiB")
+    spare = (num_experts - per_layer) * expert_bytes
+    cache = num_layers * per_layer * expert_bytes
+    return MemoryPlan(memory, process, KV_RESERVE + buffers + spare, cache, per_layer)

@@ -62,6 +62,9 @@ class OffloadOptions:
         the experts' input widths).
     quantize_resident: int8 or int4 for the resident linears too (attention, shared
         experts, lm_head; ``quant.linears``: gates stay native); None: native.
+    memory: a budget for the whole process, page cache included ('10GB'): the cache is
+        sized from it once the model is loaded (``runtime.memory.plan_memory``) in place of
+        ``capacity`` (which must then stay at its default); None: ``capacity`` decides.
     """
 
     capacity: int | str = "50%"
@@ -78,6 +81,15 @@ class OffloadOptions:
     format: str | None = None
     group_size: int | None = None
     quantize_resident: str | None = None
+    memory: str | None = None
+
+    def memory_bytes(self) -> int | None:
+        """``memory`` in bytes, checked (None: not given)."""
+        if self.memory is None:
+            return None
+        if self.capacity != OffloadOptions.capacity:
+            raise OffloadError("give capacity or memory, not both (memory sizes the cache)")
+        return int(_parsed("--memory", self.memory, parse_bytes))
 
     def resident_format(self) -> WeightFormat | None:
         """The resident linears' format, checked (None: native)."""
@@ -108,6 +120,7 @@ class OffloadOptions:
             if value is not None and (isinstance(value, bool) or value < 0):
                 raise OffloadError(f"{name} must be >= 0, got {value!r}")
         weights, resident = self.weight_format(), self.resident_format()
+        self.memory_bytes()
         if weights is not None and weights.quantized and self.tier == "gpu":
             raise OffloadError(f"{weights.name} experts are computed by torch's CPU kernels; "
                                "the gpu tier takes native stores (format native)")
