@@ -30,8 +30,14 @@ on cores 0-1 (stmoe's prefetch workers read on the second). Two bounds:
         and int4 resident weights): stmoe-plus int4+r >= 2x llama.cpp Q4_K_M.
 The 1 GiB is the process's own (interpreter, torch; llama.cpp's buffers), the same for both.
 
+``--prefill``: time to first token of a 512-token prompt at the bf16 bound, cold: llama.cpp
+BF16 (llama-bench -p 512 -n 0: 512 / its prompt tokens/s), stmoe-plus native with the prompt's
+next layer streamed while each layer computes (runtime/planning.py) and without (the
+predictor's guess, as before).
+
     python benchmarks/bench_compute.py [--rounds 3] [--tokens 64] [--threads 1,2] [--json F]
     python benchmarks/bench_compute.py --bounded [--rounds 3] [--tokens 64] [--json F]
+    python benchmarks/bench_compute.py --prefill [--rounds 3] [--json F]
 
 Needs llama.cpp built (bash benchmarks/build_llama_cpp.sh) and about 12 GB of disk in
 STMOE_BENCH_DIR (default ~/.cache/stmoe/bench): the checkpoint, its GGUF files, the stores.
@@ -113,12 +119,18 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         return {"tokens_per_s": args.tokens / (whole - first)}
     from stmoe.runtime.api import offload
 
-    if args.child in BOUNDED_STMOE:
-        fmt, resident, predictor = BOUNDED_STMOE[args.child]
+    if args.child in BOUNDED_STMOE or args.child in PREFILL_STMOE:
+        fmt, resident, predictor = BOUNDED_STMOE[args.child.removesuffix(NO_STREAM)]
         with offload(ckpt, memory=str(args.memory), predictor=predictor, format=fmt,
                      quantize_resident=resident, tables=tables(ckpt)) as om:
-            r = om.generate(PROMPT, max_new_tokens=args.tokens)  # cold: what a bound means
+            if args.child.endswith(NO_STREAM):
+                om.engine.planner.prompt_routers = None
+            prompt = LONG_PROMPT if args.child in PREFILL_STMOE else PROMPT
+            r = om.generate(prompt, max_new_tokens=args.tokens)  # cold: what a bound means
             plan = om.config["memory_plan"]
+            if args.child in PREFILL_STMOE:
+                return {"ttft_s": r.ttft_s, "per_layer": plan["per_layer"],
+                        "prefill": r.stats["phases"]["prefill"]}
         return {"tokens_per_s": r.decode_tokens_per_s, "hit_rate": r.hit_rate,
                 "per_layer": plan["per_layer"], "process": plan["process"]}
     fmt, resident = STMOE[args.child]
@@ -137,6 +149,10 @@ BOUNDED_STMOE = {"stmoe-plus native": ("native", None, "stmoe-plus"),
                  "lru-only native": ("native", None, "ondemand"),
                  "stmoe-plus int4+r": ("int4", "int4", "stmoe-plus"),
                  "lru-only int4+r": ("int4", "int4", "ondemand")}
+NO_STREAM = " (no prompt stream)"
+PREFILL_STMOE = ["stmoe-plus native", "stmoe-plus native" + NO_STREAM]
+PREFILL = ["llama.cpp BF16", *PREFILL_STMOE]
+LONG_PROMPT = [3 + (7 * i) % 4000 for i in range(512)]  # 512 token ids (random router)
 BOUNDS = {"bf16": ["llama.cpp BF16", "stmoe-plus native", "lru-only native"],
           "int4": ["llama.cpp Q4_K_M", "stmoe-plus int4+r", "lru-only int4+r"]}
 BOUNDED_TARGETS = {"bf16": ("stmoe-plus native", "llama.cpp BF16", 1.0),
@@ -283,6 +299,51 @@ def bounded(args: argparse.Namespace, ggufs: dict[str, Path]) -> dict[str, Any]:
     return report
 
 
+def prefill(args: argparse.Namespace, ggufs: dict[str, Path]) -> dict[str, Any]:
+    """Time to first token of LONG_PROMPT at the bf16 bound (see the module docstring)."""
+    from offload_baselines import drop_pages, make_cgroup, remove_cgroup
+
+    limit = bounds(ggufs, args)["bf16"]["llama.cpp BF16"]
+    tables(checkpoint())
+    print(f"\n## time to first token, {len(LONG_PROMPT)}-token prompt, at {limit / 2**30:.2f} "
+          "GiB (the bf16 bound), cold", flush=True)
+    runs: dict[str, list[float]] = {s: [] for s in PREFILL}
+    for rnd in range(args.rounds):
+        for system in rotated(PREFILL, rnd):
+            if system in LLAMA:
+                ckpt = checkpoint()
+                drop_pages(ckpt.parent)
+                group = make_cgroup(f"stmoe-prefill-{os.getpid()}", limit)
+                assert group is not None, "no memory cgroup"
+                cmd = [str(llama_cpp.binary("llama-bench")), "-m", str(ggufs[system]), "-t",
+                       "1", "-r", "1", "-p", str(len(LONG_PROMPT)), "-n", "0", "--load-mode",
+                       "mmap", "-o", "json"]
+                try:
+                    done = subprocess.run(["taskset", "-c", "0,1", "sh", "-c",
+                                           f"echo $$ > {group}/cgroup.procs && exec "
+                                           + " ".join(cmd)], check=True, capture_output=True,
+                                          text=True)
+                finally:
+                    remove_cgroup(group)
+                ttft = len(LONG_PROMPT) / float(json.loads(done.stdout)[0]["avg_ts"])
+                note = ""
+            else:
+                out = spawn_bounded(system, limit, argparse.Namespace(tokens=1), ggufs)
+                ttft = out["ttft_s"]
+                p = out["prefill"]
+                note = (f" ({out['per_layer']} cached per layer; prompt hits {p['hits']} of "
+                        f"{p['needed']}, reads {p['demand_reads']} demand + "
+                        f"{p['prefetch_reads']} prefetch)")
+            runs[system].append(ttft)
+            print(f"round {rnd + 1}, {system}: {ttft:.2f} s{note}", flush=True)
+    for system in PREFILL:
+        print(f"  {system:<36} {spread(runs[system])} s")
+    ratios = [b / a for a, b in zip(runs[PREFILL_STMOE[0]], runs[PREFILL_STMOE[1]],
+                                    strict=True)]
+    print(f"  streaming the prompt's next layer: {spread(ratios)}x faster to the first token")
+    return {"limit": limit, "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -291,6 +352,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--bounded", action="store_true",
                     help="the memory-bound comparison instead (see the module docstring)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="time to first token of a 512-token prompt at the bf16 bound")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--memory", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -305,8 +368,8 @@ def main() -> None:
           f"load at start: {os.getloadavg()[0]:.2f}", flush=True)
     for system in STMOE:  # pack each format's store once, untimed
         spawn(system, 2, argparse.Namespace(tokens=2), ggufs)
-    if args.bounded:
-        report = bounded(args, ggufs)
+    if args.bounded or args.prefill:
+        report = bounded(args, ggufs) if args.bounded else prefill(args, ggufs)
         load_end = os.getloadavg()[0]
         print(f"load at end: {load_end:.2f}" + ("  (above 3: marked)" if load_end > 3 else ""))
         if args.json:

@@ -70,7 +70,8 @@ class OffloadEngine:
         self.caches, self.cv, self.expert_bytes = caches, self.state.cv, self.state.expert_bytes
         self.prefetcher = Prefetcher(self.state, settings.workers)
         self.planner = PrefetchPlanner(self.state, predictor, self.prefetcher, lookahead,
-                                       self.max_loads, self.capacity)
+                                       self.max_loads, self.capacity,
+                                       layout.routers if predictor.prefetches else None)
         self.server = LayerServer(self.state, layers, settings, self.prefetcher, self.planner)
         self.reset(future=None)
         self.prefetcher.start()

@@ -10,6 +10,13 @@ lookahead, the next layer's router runs on this layer's MoE input (*early*), or
 on the next layer's own input through its pre-MoE norm as that layer starts
 (*late*: a hook per decoder layer; closer to what the router sees, less time to
 load). The oracle (``run.future``) is asked nothing: it knows each layer's set.
+
+A prompt's layer needs most of its experts at once, and the predictor has not been taught
+the prompt yet; so during a prompt the next layer's loads come from its own router applied
+to this layer's MoE input for every token (the early gate lookahead, whatever the
+predictor): the experts the most tokens pick first, up to the cache's capacity, streamed
+while this layer computes (``_stream_prompt``; where the routers cannot be found, the
+predictor's set as for a decode step).
 A predicted id outside the model's experts is a clear error here, on the compute
 thread, before any of it is queued.
 """
@@ -60,7 +67,7 @@ class PrefetchPlanner:
 
     def __init__(self, state: EngineState, predictor: Predictor, prefetcher: Prefetcher,
                  lookahead: GateLookahead | None, max_loads: int,
-                 capacity: int) -> None:
+                 capacity: int, prompt_routers: list[torch.Tensor] | None = None) -> None:
         self.state, self.predictor, self.prefetcher = state, predictor, prefetcher
         self.predicts = predictor.prefetches  # else nothing to learn or queue
         self.horizon = predictor.horizon
@@ -69,6 +76,7 @@ class PrefetchPlanner:
         self.late = lookahead.late if lookahead is not None else None  # the late point's
         self.max_loads = max_loads  # loads one prediction may start (its most confident first)
         self.capacity = capacity
+        self.prompt_routers = prompt_routers  # each layer's router, for a prompt's loads
 
     # ---- the model's forward calls (hf_glue.ForwardHooks) ----------------------------
     def forward_started(self) -> None:
@@ -93,8 +101,9 @@ class PrefetchPlanner:
         if run.future is not None:
             return
         assert self.late is not None
-        self._lookahead(layer, hidden, self.late[layer][1])
-        self._plan(run.fwd, layer)
+        self._lookahead(layer, hidden, self.late[layer][1])  # a prompt's too: it learns
+        if not self._streams_prompt():
+            self._plan(run.fwd, layer)
 
     # ---- each MoE layer (serve.LayerServer) ------------------------------------------
     def after_routing(self, layer: int, rows: np.ndarray, hidden: torch.Tensor) -> None:
@@ -105,6 +114,12 @@ class PrefetchPlanner:
         last = layer == self.state.num_layers - 1
         if run.phase == "prefill" and run.future is None:
             run.prefill_routing.append(rows.astype(np.int16))
+            if self._streams_prompt():
+                if not last:
+                    if self.late is None and self.routers is not None:
+                        self._lookahead(layer + 1, hidden)  # the predictor still sees it
+                    self._stream_prompt(layer + 1, hidden)
+                return
             targets = [] if last else self._targets(layer)
         else:
             if run.future is None:
@@ -121,6 +136,24 @@ class PrefetchPlanner:
             self._plan(fwd, target)
 
     # ---- helpers -----------------------------------------------------------------------
+    def _streams_prompt(self) -> bool:
+        return (self.prompt_routers is not None and self.state.run.phase == "prefill"
+                and self.state.run.future is None)
+
+    def _stream_prompt(self, layer: int, hidden: torch.Tensor) -> None:
+        """Queue ``layer``'s loads for the prompt: its router on ``hidden`` (the layer before's
+        MoE input, every token), the experts the most tokens pick first, up to capacity."""
+        assert self.prompt_routers is not None
+        router = self.prompt_routers[layer]
+        picks = lookahead_ids(hidden.reshape(-1, hidden.shape[-1]), router,
+                              min(self.top_k, router.shape[0])).reshape(-1).to("cpu")
+        counts = torch.bincount(picks, minlength=router.shape[0])
+        ranked = torch.argsort(counts, descending=True, stable=True)[: self.capacity]
+        experts = [int(e) for e in ranked.tolist() if counts[e] > 0]
+        # not through admission: its precisions are a decode step's, and a prompt's layer
+        # needs most of these anyway
+        self._prefetch(self.state.run.fwd, layer, experts, admit=False)
+
     def _replay_prefill(self) -> None:
         """Teach the predictor the prompt token by token (the protocol's order)."""
         run = self.state.run
@@ -180,12 +213,12 @@ class PrefetchPlanner:
         off = run.admission is not None and run.future is None and not run.admission.wants(layer)
         self._prefetch(fwd, layer, [] if off else self._predicted(fwd, layer))
 
-    def _prefetch(self, fwd: int, layer: int, experts: list[int]) -> None:
+    def _prefetch(self, fwd: int, layer: int, experts: list[int], admit: bool = True) -> None:
         """Record the prediction for (``fwd``, ``layer``), keep its experts from eviction
-        and queue the loads of those not cached."""
+        and queue the loads of those not cached (``admit``: those admission admits)."""
         with self.state.cv:
             run = self.state.run
-            if run.admission is not None and run.future is None:  # the oracle is the bound
+            if admit and run.admission is not None and run.future is None:  # the oracle: bound
                 experts = run.admission.admit(fwd, layer, experts)
             self.state.run.pending[layer] = (fwd, frozenset(experts))
             self.state.caches[layer].protected = frozenset(experts)
