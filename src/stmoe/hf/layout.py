@@ -48,6 +48,14 @@ class ModelLayout:
         return tuple(f"{name}." for name, _ in self.modules)
 
 
+def expert_params(module: torch.nn.Module, num_experts: int) -> list[tuple[str, torch.Tensor]]:
+    """An experts module's per-expert parameters (first axis = experts), sorted by name:
+    what a store's block holds, in order (the one definition the packers, the store's
+    checks and the quantized formats share)."""
+    return sorted((n, p) for n, p in module.named_parameters(recurse=False)
+                  if p.dim() >= 1 and p.shape[0] == num_experts)
+
+
 def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The routed-experts modules of ``model`` in layer order (one per MoE layer).
 

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.hf.layout import expert_params
 from stmoe.quant.formats import NATIVE, WeightFormat
-from stmoe.quant.kernels import QuantizedMatrix, check_quantizable, qlinear, quantize_matrix
+from stmoe.quant.kernels import check_quantizable, qlinear, quantize_matrix
 
 IMPL_NAME = "stmoe_quantized"
 MATRICES = ("down_proj", "gate_up_proj", "up_proj")  # what batched_mm multiplies by
@@ -46,7 +47,7 @@ def input_widths(layers: list[tuple[list[tuple[str, tuple[int, ...]]], bool]]) -
 
 def resolved_for(modules: list[torch.nn.Module], fmt: WeightFormat) -> WeightFormat:
     """``fmt`` with int4's group size chosen for these experts modules' matrices."""
-    layers = [([(n, tuple(p.shape[1:])) for n, p in native_params(m, int(m.num_experts))],
+    layers = [([(n, tuple(p.shape[1:])) for n, p in expert_params(m, int(m.num_experts))],
                bool(getattr(m, "is_transposed", False))) for m in modules]
     return fmt.resolved(input_widths(layers))
 
@@ -93,11 +94,6 @@ def quantized_meta(name: str, p: torch.Tensor, fmt: WeightFormat, transposed: bo
             (f"{name}_qscale", torch.empty(sshape, dtype=sdtype, device="meta"))]
 
 
-def native_params(module: torch.nn.Module, num_experts: int) -> list[tuple[str, torch.Tensor]]:
-    return sorted((n, p) for n, p in module.named_parameters(recurse=False)
-                  if p.dim() >= 1 and p.shape[0] == num_experts)
-
-
 def quantized_params(module: torch.nn.Module, fmt: WeightFormat, num_experts: int,
                      where: str = "") -> list[tuple[str, torch.Tensor]]:
     """A native experts module's per-expert parameters in ``fmt``, sorted by name, made but
@@ -107,26 +103,22 @@ def quantized_params(module: torch.nn.Module, fmt: WeightFormat, num_experts: in
     if getattr(module, "_is_expert_parallel", False):
         raise OffloadError(f"{where}expert-parallel experts cannot be quantized here")
     transposed = bool(getattr(module, "is_transposed", False))
-    new: list[tuple[str, torch.Tensor]] = []
-    for name, p in native_params(module, num_experts):
-        if p.is_meta:
-            new += quantized_meta(name, p, fmt, transposed, where)
-        elif name not in MATRICES:
-            new.append((name, p.detach()))
-        else:
-            parts: list[QuantizedMatrix] = []
-            for e in range(num_experts):
-                w = p.detach()[e]
-                parts.append(quantize_matrix(w.t() if transposed else w, fmt, f"{where}{name}"))
-            new += [(f"{name}_qweight", torch.stack([q.qweight for q in parts])),
-                    (f"{name}_qscale", torch.stack([q.qscale for q in parts]))]
-    return sorted(new, key=lambda item: item[0])
+    params = expert_params(module, num_experts)
+    if any(p.is_meta for _, p in params):
+        return sorted((item for name, p in params
+                       for item in quantized_meta(name, p, fmt, transposed, where)),
+                      key=lambda item: item[0])
+    # expert by expert, as a packer quantizes a block: the same bytes by construction
+    rows = [quantize_expert([(n, p.detach()[e]) for n, p in params], fmt, transposed, where)
+            for e in range(num_experts)]
+    return [(name, torch.stack([row[i][1] for row in rows]))
+            for i, (name, _) in enumerate(rows[0])]
 
 
 def install(module: torch.nn.Module, params: list[tuple[str, torch.Tensor]], fmt: WeightFormat,
             num_experts: int) -> None:
     """Replace the module's native per-expert parameters with ``params`` (``fmt``'s)."""
-    for name, _ in native_params(module, num_experts):
+    for name, _ in expert_params(module, num_experts):
         del module._parameters[name]
     for name, t in params:
         module._parameters[name] = torch.nn.Parameter(t, requires_grad=False)

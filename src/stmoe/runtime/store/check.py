@@ -17,19 +17,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from stmoe.hf.layout import expert_params
 from stmoe.hf.loading import checkpoint_files
 from stmoe.runtime.store.index import StoreError, StoreIndex, block_crc
 from stmoe.util.fileio import check_input_file
 
 HASH_CHUNK = 1 << 24  # bytes read at a time when hashing a checkpoint file
 PROGRESS_BYTES = 1 << 30  # show a progress bar when hashing more than this
-
-
-def expert_params(module: Any, num_experts: int) -> list[tuple[str, Any]]:
-    """An experts module's per-expert parameters (first axis = experts), sorted by name:
-    what a block holds, in order (the one definition ``pack`` and the checks share)."""
-    return sorted((n, p) for n, p in module.named_parameters(recurse=False)
-                  if p.dim() >= 1 and p.shape[0] == num_experts)
 
 
 def architecture(model: Any, layout: Any = None) -> dict[str, Any]:

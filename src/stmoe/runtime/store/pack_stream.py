@@ -4,7 +4,7 @@
 8-layer checkpoint of Qwen3.6-35B-A3B's shape holds 12 GiB of experts). The
 model is built on ``meta`` (shapes and dtypes, no bytes) to learn what a block
 holds: each MoE layer's experts module (``hf.layout``) and its per-expert
-parameters (``check.expert_params``), exactly as packing a model in memory
+parameters (``hf.layout.expert_params``), exactly as packing a model in memory
 sees them. Each checkpoint key is mapped to those parameters by transformers' own
 loading rules (``hf.loading.conversions``), so both layouts on disk are read:
 
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from stmoe.hf.layout import experts_modules
+from stmoe.hf.layout import expert_params, experts_modules
 from stmoe.hf.loading import checkpoint_files, conversions, meta_model
-from stmoe.runtime.store.check import architecture, expert_params
+from stmoe.runtime.store.check import architecture
 from stmoe.runtime.store.index import StoreError
 from stmoe.util.fileio import check_input_file
 

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from stmoe.errors import StmoeNote
+from stmoe.hf.layout import expert_params
 from stmoe.quant.formats import NATIVE, WeightFormat
-from stmoe.runtime.store.check import architecture, expert_params, file_records
+from stmoe.runtime.store.check import architecture, file_records
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import (
     ALIGN,
