@@ -17,11 +17,15 @@ import contextlib
 import functools
 import io
 import json
+import os
 import re
 import runpy
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
+import sys
 import time
 import tomllib
 from collections.abc import Callable
@@ -70,11 +74,31 @@ def _narrow_qwen36(folder: Path) -> None:
     (folder / "qwen36-narrow.toml").write_text("\n".join(lines) + "\n")
 
 
-def _run(line: str, cli: Cli, folder: Path) -> str:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _on_free_port(text: str, port: int) -> str:
+    """The README's server port (8000) replaced by one free here."""
+    return text.replace(":8000", f":{port}").replace("--port 8000", f"--port {port}")
+
+
+def _run(line: str, cli: Cli, folder: Path, background: list[subprocess.Popen],
+         port: int) -> str:
     """One command in ``folder``: ``stmoe`` in this process (one import of torch for the
-    whole tour), anything else through bash. Returns its output; fails on exit status."""
+    whole tour), anything else through bash; a line ending in ``&`` (the server) in a
+    process of its own, stopped when the tour ends. Returns its output; fails on exit
+    status."""
     line = SUBSTITUTE.get(line.split("  #")[0].strip(), line)
-    line = line.replace("../shared/traces/", f"{SHARED_TRACES}/")
+    line = _on_free_port(line.replace("../shared/traces/", f"{SHARED_TRACES}/"), port)
+    if line.endswith("&"):
+        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+        background.append(subprocess.Popen(line[:-1], shell=True, cwd=folder, env=env,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                           start_new_session=True))
+        return ""
     argv = shlex.split(line, comments=True)
     if argv[0] == "stmoe":
         res = cli(*argv[1:])
@@ -96,6 +120,26 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def _tour(tmp_path: Path, cli: Cli, has_shared: bool, skipped: list[str],
+          timed: Callable[[str, Callable[[], object]], None],
+          background: list[subprocess.Popen], port: int) -> None:
+    """Every block of the README, in order."""
+    for i, (section, lang, code) in enumerate(blocks(README.read_text())):
+        if section in SETUP:
+            bare = [re.sub(r"\s+#.*$", "", line) for line in commands(code)]
+            assert lang == "sh" and bare == SETUP[section], (section, code)
+        elif lang == "python":
+            (tmp_path / f"block{i}.py").write_text(_on_free_port(code, port))
+            with contextlib.redirect_stdout(io.StringIO()):
+                timed(f"python block {i}", functools.partial(runpy.run_path, f"block{i}.py"))
+        elif lang == "sh":
+            for line in commands(code):
+                if line.endswith(OWN_MODEL) or (line.endswith(SHARED) and not has_shared):
+                    skipped.append(line)
+                else:
+                    timed(line, functools.partial(_run, line, cli, tmp_path, background, port))
+
+
 def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, cli, one_torch_thread):
     (tmp_path / "src").symlink_to(REPO / "src")
     _narrow_qwen36(tmp_path)
@@ -108,22 +152,17 @@ def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, cli, one_torc
         fn()
         times[key] = (round(time.perf_counter() - t, 1), round(time.process_time() - c, 1))
 
+    background: list[subprocess.Popen] = []  # the server the serve section starts
+    port = free_port()
     start = time.perf_counter()
-    for i, (section, lang, code) in enumerate(blocks(README.read_text())):
-        if section in SETUP:
-            bare = [re.sub(r"\s+#.*$", "", line) for line in commands(code)]
-            assert lang == "sh" and bare == SETUP[section], (section, code)
-        elif lang == "python":
-            (tmp_path / f"block{i}.py").write_text(code)
-            with contextlib.redirect_stdout(io.StringIO()):
-                timed(f"python block {i}", functools.partial(runpy.run_path, f"block{i}.py"))
-        elif lang == "sh":
-            for line in commands(code):
-                if line.endswith(OWN_MODEL) or (line.endswith(SHARED) and not has_shared):
-                    skipped.append(line)
-                else:
-                    timed(line, functools.partial(_run, line, cli, tmp_path))
+    try:
+        _tour(tmp_path, cli, has_shared, skipped, timed, background, port)
+    finally:
+        for proc in background:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
     took = time.perf_counter() - start
+    assert background, "the serve section starts a server"
     # the excepted lines are the few the README says; the tour wrote what it says it writes
     assert sum(line.endswith(OWN_MODEL) for line in skipped) == 2, skipped
     assert len(times) + len(skipped) >= 27, times  # every other line ran

@@ -24,6 +24,7 @@ from stmoe.cli import (
     make_model,
     pack,
     predict,
+    serve,
     simulate,
     trace,
     train_tiny,
@@ -68,6 +69,7 @@ app.command("demo")(friendly(demo.demo_cmd))
 app.command("make-model")(friendly(make_model.make_model_cmd))
 app.command("pack")(friendly(pack.pack_cmd))
 app.command("generate")(friendly(generate.generate_cmd))
+app.command("serve")(friendly(serve.serve_cmd))
 app.command("calibrate")(friendly(calibrate.calibrate_cmd))
 app.command("train-tiny")(friendly(train_tiny.train_tiny_cmd))
 

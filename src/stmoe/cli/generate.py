@@ -22,7 +22,26 @@ from stmoe.cli.common import (
     write_json,
 )
 from stmoe.cli.generate_report import rows, summary
-from stmoe.cli.pack import FORMAT_HELP, GROUP_HELP
+from stmoe.cli.offload_options import (
+    AdmissionOpt,
+    BandwidthOpt,
+    CapacityOpt,
+    FormatOpt,
+    GroupSizeOpt,
+    LatencyOpt,
+    LookaheadOpt,
+    MaxLoadsOpt,
+    MemoryOpt,
+    ModelOpt,
+    PolicyOpt,
+    PredictorOpt,
+    QuantizeResidentOpt,
+    StoreOpt,
+    TablesOpt,
+    ThreadsOpt,
+    TierOpt,
+    WorkersOpt,
+)
 from stmoe.errors import StmoeError, StmoeNote, TraceError
 from stmoe.runtime.options import OffloadOptions
 
@@ -33,19 +52,8 @@ def generate_cmd(
     prompt: Annotated[
         str | None, typer.Option(help="The prompt text (required unless --routing is given).")
     ] = None,
-    model: Annotated[
-        Path | None,
-        path_option(
-            help="Local transformers MoE checkpoint folder. Default: stmoe's shipped model."
-        ),
-    ] = None,
-    store: Annotated[
-        Path | None,
-        path_option(
-            help="Expert store from `stmoe pack`. Default: packed on first use into "
-            "~/.cache/stmoe/stores (STMOE_CACHE overrides)."
-        ),
-    ] = None,
+    model: ModelOpt = None,
+    store: StoreOpt = None,
     max_new_tokens: Annotated[
         int | None,
         typer.Option(
@@ -74,107 +82,19 @@ def generate_cmd(
             "model has. Default: the trace's first L, the model's."
         ),
     ] = None,
-    capacity: Annotated[
-        str | None,
-        typer.Option(
-            help="Cache size: experts per layer (8, at most the model's N), a share of "
-            "the experts (50%, at most 100%), or a total size in bytes for the whole model "
-            "(64MB; a larger budget than all experts caches them all). At least the router's "
-            f"top-k. Default: {_DEFAULT.capacity} (or what --memory leaves)."
-        ),
-    ] = None,
-    memory: Annotated[
-        str | None,
-        typer.Option(
-            help="A memory budget for the whole process, page cache included (e.g. 10GB): "
-            "the expert cache is sized from it once the non-expert weights are loaded (the "
-            "split is printed). In place of --capacity."
-        ),
-    ] = None,
-    predictor: Annotated[
-        str,
-        typer.Option(
-            help="Prefetch predictor: stmoe, stmoe-plus, hybrid (tables + gate "
-            "lookahead), gate-lookahead, ondemand (no prefetch), random, oracle (a first "
-            "pass learns the routing), or any other `stmoe eval` predictor."
-        ),
-    ] = _DEFAULT.predictor,
-    tables: Annotated[
-        Path | None,
-        path_option(
-            help="Profiled tables (`stmoe profile`) for table predictors. Default: "
-            "those shipped with the default model."
-        ),
-    ] = _DEFAULT.tables,
-    policy: Annotated[
-        str,
-        typer.Option(
-            help="Eviction: lru (never evicting an expert predicted for the coming layer; "
-            "'predicted' is its former name), lfu, or none (no reuse: plain on-demand "
-            "offloading). See stmoe.cache_policy."
-        ),
-    ] = _DEFAULT.policy,
-    max_loads: Annotated[
-        int | None,
-        typer.Option(
-            help="Loads one prediction may start per layer (its most confident "
-            "experts not yet cached; >= 0). Default: the capacity."
-        ),
-    ] = _DEFAULT.max_loads,
-    lookahead: Annotated[
-        str,
-        typer.Option(
-            help="Gate lookahead of hybrid and gate-lookahead: late (the next layer's "
-            "router on its own input, predicted as that layer starts: closer to the "
-            "router, less time to load), early (on this layer's MoE input, predicted as "
-            "this layer routes), or auto (late where the model's norms are recognised)."
-        ),
-    ] = _DEFAULT.lookahead,
-    admission: Annotated[
-        bool,
-        typer.Option(
-            help="Decide per layer, from what the run measures (the predictor's precision "
-            "by rank, the tier's read time and busy share, the layer's time), whether a "
-            "prefetch is worth its bytes; a layer whose prefetch loses falls back to the "
-            "plain cache and probes again later. --no-admission: every predicted load."
-        ),
-    ] = _DEFAULT.admission,
-    tier: Annotated[
-        str,
-        typer.Option(
-            help="disk (real reads, page cache bypassed), emulated (host memory "
-            "behind a link of --bandwidth and --latency; EMULATED), or gpu (pinned "
-            "host memory to a CUDA cache)."
-        ),
-    ] = _DEFAULT.tier,
-    bandwidth: Annotated[
-        str | None,
-        typer.Option(
-            help="Emulated link bandwidth in bytes/s, e.g. 200MB (at least 1KB; --tier "
-            "emulated only)."
-        ),
-    ] = _DEFAULT.bandwidth,
-    latency: Annotated[
-        str,
-        typer.Option(
-            help="Emulated link latency per transfer, e.g. 50us or 2ms (0 to 60 s; --tier "
-            "emulated only)."
-        ),
-    ] = f"{_DEFAULT.latency:g}",
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            help="Prefetch worker threads, 0 (no prefetching) to 64 (default: 2 for "
-            "disk, 1 for the single-link emulated and gpu tiers)."
-        ),
-    ] = _DEFAULT.workers,
-    threads: Annotated[
-        int | None,
-        typer.Option(
-            help="torch compute threads, 1 to 1024 (default: torch's). One leaves a core "
-            "to the prefetch workers on small machines."
-        ),
-    ] = None,
+    capacity: CapacityOpt = None,
+    memory: MemoryOpt = None,
+    predictor: PredictorOpt = _DEFAULT.predictor,
+    tables: TablesOpt = _DEFAULT.tables,
+    policy: PolicyOpt = _DEFAULT.policy,
+    max_loads: MaxLoadsOpt = _DEFAULT.max_loads,
+    lookahead: LookaheadOpt = _DEFAULT.lookahead,
+    admission: AdmissionOpt = _DEFAULT.admission,
+    tier: TierOpt = _DEFAULT.tier,
+    bandwidth: BandwidthOpt = _DEFAULT.bandwidth,
+    latency: LatencyOpt = f"{_DEFAULT.latency:g}",
+    workers: WorkersOpt = _DEFAULT.workers,
+    threads: ThreadsOpt = None,
     repeat: Annotated[
         int,
         typer.Option(
@@ -182,18 +102,9 @@ def generate_cmd(
             "[min, max] over them (one run's speed swings widely on a shared machine)."
         ),
     ] = 1,
-    weights: Annotated[
-        str | None,
-        typer.Option("--format", help=FORMAT_HELP + " Default: the --store's own, else native "
-                     "(a store in the format is packed on first use)."),
-    ] = _DEFAULT.format,
-    group_size: Annotated[int | None, typer.Option(help=GROUP_HELP)] = _DEFAULT.group_size,
-    quantize_resident: Annotated[
-        str | None,
-        typer.Option(help="Quantize the resident linears too (attention, shared experts, "
-                     "lm_head), int8 or int4 (lossy; routers and gates stay native). Default: "
-                     "native."),
-    ] = _DEFAULT.quantize_resident,
+    weights: FormatOpt = _DEFAULT.format,
+    group_size: GroupSizeOpt = _DEFAULT.group_size,
+    quantize_resident: QuantizeResidentOpt = _DEFAULT.quantize_resident,
     json_out: Annotated[
         Path | None,
         path_option(

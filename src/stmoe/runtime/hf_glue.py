@@ -139,6 +139,8 @@ class ForwardHooks:
             h.remove()
 
     def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.state.batch_member():  # the step batcher keeps the books
+            return
         ids = kwargs.get("input_ids")
         if ids is None and args:
             ids = args[0]
@@ -161,16 +163,22 @@ class ForwardHooks:
         self.planner.forward_started()
 
     def _after_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self.state.batch_member():  # the step batcher keeps the books
+            return
         self.state.run.forward_ends.append(time.perf_counter())
         self.planner.forward_ended()
 
     def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         """Every forward call's end, even a failed one: its thread lets the engine go."""
+        if self.state.batch_member():
+            return
         with self.state.cv:
             self.state.leave_forward()
 
     def _layer_start(self, layer: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.state.batch_member():
+                return
             self.planner.layer_started(layer, args[0] if args else kwargs["hidden_states"])
 
         return hook

@@ -83,7 +83,7 @@ class PrefetchPlanner:
         """A forward call started: a prompt starts each row's sequence afresh."""
         run = self.state.run
         if run.phase == "prefill" and run.future is None:
-            for slot in range(run.batch[0]):
+            for slot in run.slot_ids():
                 self.predictor.reset(slot)
 
     def forward_ended(self) -> None:
@@ -123,9 +123,9 @@ class PrefetchPlanner:
             targets = [] if last else self._targets(layer)
         else:
             if run.future is None:
-                batch, length = run.batch
-                for slot in range(batch):
-                    self.predictor.update(layer, rows[slot * length + length - 1], slot)
+                length = run.batch[1]
+                for row, slot in enumerate(run.slot_ids()):
+                    self.predictor.update(layer, rows[row * length + length - 1], slot)
             targets = self._targets(layer)
         if self.late is not None:  # the next layer is predicted as it starts (layer_started)
             targets = [(f, t) for f, t in targets if f != run.fwd]
@@ -159,13 +159,13 @@ class PrefetchPlanner:
         run = self.state.run
         batch, length = run.batch
         routing = np.stack(run.prefill_routing, axis=1)  # [B*S, L, K]
-        for slot in range(batch):
+        for row, slot in enumerate(run.slot_ids()[:batch]):
             self.predictor.reset(slot)
             for t in range(length):
-                if run.mask is not None and not run.mask[slot, t]:
+                if run.mask is not None and not run.mask[row, t]:
                     continue
                 for layer in range(self.state.num_layers):
-                    self.predictor.update(layer, routing[slot * length + t, layer], slot)
+                    self.predictor.update(layer, routing[row * length + t, layer], slot)
 
     def _targets(self, layer: int) -> list[tuple[int, int]]:
         """(forward call, layer) to predict once ``layer`` is known: ``horizon`` ahead,
@@ -181,21 +181,22 @@ class PrefetchPlanner:
         """Gate lookahead: layer ``layer``'s router on ``hidden`` (the previous layer's
         MoE input; with the late lookahead, layer ``layer``'s input through ``norm``)."""
         assert self.routers is not None
-        batch, length = self.state.run.batch
+        run = self.state.run
+        batch, length = run.batch
         last_rows = hidden.reshape(batch, length, -1)[:, -1]
         if norm is not None:
             last_rows = late_hidden(norm, last_rows)
         router = self.routers[layer]
         width = min(2 * self.top_k, router.shape[0])
         ids = lookahead_ids(last_rows, router, width).to("cpu").numpy()
-        for slot in range(batch):
-            self.predictor.lookahead(layer, ids[slot], slot)
+        for row, slot in enumerate(run.slot_ids()):
+            self.predictor.lookahead(layer, ids[row], slot)
 
     def _predicted(self, fwd: int, layer: int) -> list[int]:
         run = self.state.run
         if run.future is not None:
             return list(run.future.get((fwd, layer), ()))[: self.capacity]
-        ids = self.predictor.predict_batch(layer, range(run.batch[0]), max_size=self.capacity)
+        ids = self.predictor.predict_batch(layer, run.slot_ids(), max_size=self.capacity)
         out = [int(e) for e in ids[: self.capacity]]
         n = self.state.num_experts
         if out and (min(out) < 0 or max(out) >= n):  # checked here, not as a worker's KeyError

@@ -17,10 +17,10 @@ Experts beyond the cache's capacity (a long prompt may route to more experts tha
 fit) are read into spare rows past it, given back after the call (on the CPU;
 elsewhere into transient tensors, with the copy).
 
-The path is one caller's at a time (its read buffer, the pins, the run's position):
-a layer called outside its thread's forward call claims the engine for that call
-(``EngineState.enter_forward``), so another thread's call gets a clear busy error.
-"""
+The path is one caller's at a time (its read buffer, the pins, the run's position): a
+layer called outside its thread's forward call claims the engine for that call
+(``EngineState.enter_forward``: another thread gets a clear busy error); a server's
+requests hand their calls to its step batcher (``runtime.batching``)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ class LayerServer:
         state = self.state
         if state.closed:
             raise OffloadError("this offloaded model was closed; offload it again to run it")
+        if state.batch_member():  # a server's request: its step serves the layer
+            return state.gate.submit_layer(self.layer_of[id(module)], hidden_states,
+                                           top_k_index, top_k_weights)
         if state.owner is not threading.current_thread():  # a layer called on its own
             with state.cv:
                 state.enter_forward()
@@ -81,9 +84,16 @@ class LayerServer:
                     state.leave_forward()
         return self._serve(module, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
 
+    def serve_segments(self, module: torch.nn.Module, hidden_states: torch.Tensor,
+                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                       segments: list[slice]) -> torch.Tensor:
+        """A server step's layer call (on the engine's owner thread): several requests'
+        rows, their experts loaded once, each segment computed alone (its solo bits)."""
+        return self._serve(module, hidden_states, top_k_index, top_k_weights, segments=segments)
+
     def _serve(self, module: torch.nn.Module, hidden_states: torch.Tensor,
                top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-               *args: Any, **kwargs: Any) -> torch.Tensor:
+               *args: Any, segments: list[slice] | None = None, **kwargs: Any) -> torch.Tensor:
         state = self.state
         layer = self.layer_of[id(module)]
         forced = state.forced_routing
@@ -109,9 +119,12 @@ class LayerServer:
         self._touch(cache, slots)
         if not in_place:  # the copy is made: the slots may change
             self._unpin(cache)
-        weights = GatheredExperts(module, params, n)
+        weights, base = GatheredExperts(module, params, n), self.base[layer]
         try:
-            return self.base[layer](weights, hidden_states, index, top_k_weights, *args, **kwargs)
+            if segments is None:
+                return base(weights, hidden_states, index, top_k_weights, *args, **kwargs)
+            return torch.cat([base(weights, hidden_states[s], index[s], top_k_weights[s])
+                              for s in segments])
         finally:
             if in_place:  # computed from the rows: they stay pinned until now
                 try:

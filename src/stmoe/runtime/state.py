@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,9 +70,16 @@ class RunState:
     prefill_routing: list[np.ndarray] = field(default_factory=list)  # the prompt's, per layer
     mask: np.ndarray | None = None  # [B, S] real (not padding) positions of this call
     admission: Admission | None = None  # per-layer prefetch admission (None: every load)
+    # the predictor's slot of each row of this call (None: row i is slot i); a server's
+    # step batches requests that keep their slots while others join and leave
+    slots: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.pending = [None] * self.num_layers
+
+    def slot_ids(self) -> list[int]:
+        """The predictor's slot of each row of this call, in row order."""
+        return self.slots if self.slots is not None else list(range(self.batch[0]))
 
 
 class EngineState:
@@ -99,6 +107,14 @@ class EngineState:
         self.depth = 0  # forward calls in progress under a forward claim
         # a trace's routing replacing the router's (``OffloadedModel.force_routing``)
         self.forced_routing: RoutingSource | None = None
+        # a server's step batcher (``runtime.batching``): its requests' threads hand their
+        # experts calls to it and skip the forward hooks (it runs the steps' bookkeeping)
+        self.gate: Any = None
+
+    def batch_member(self) -> bool:
+        """Whether the calling thread runs a request of the step batcher."""
+        gate = self.gate
+        return gate is not None and gate.is_member()
 
     # ---- who the engine serves (every method: lock held) -------------------------------
     def enter_run(self) -> None:

@@ -1,0 +1,227 @@
+"""Issue 29's benchmark: does batching dilute prediction? Total and per-request decode
+speed against the number of concurrent requests, for every system.
+
+A checkpoint of Qwen1.5-MoE-A2.7B's shape (its first 4 MoE layers: 60 experts of 16.5
+MiB, top-4) with RANDOM weights, the disk tier, 50% of each layer's experts cached.
+Each request replays a window of REAL Qwen1.5-MoE routing (``../shared/traces/qwen15``):
+round r replays windows of prompt r (each request another window, so the batch's union
+is real) with tables profiled on the other two prompts (HELD-OUT). The requests run
+through the server's step batcher (``runtime.batching``: all submitted at once, their
+experts loaded once per step), 1, 2, 4 and 8 of them, every system in its own process,
+the systems' order rotated per round.
+
+Per (system, batch size): total decode throughput (every request's decode tokens over
+the batch's wall time, prompts included), the mean per-request decode speed, hit rate,
+stall share, bytes read per token, prefetch recall and bytes wasted; the figure
+docs/figures/serve_batch.png; and the targets (MET / NOT MET):
+
+* stmoe-plus at 4 concurrent requests >= 2x its own single request's total throughput;
+* at every batch size, stmoe-plus's total throughput >= LRU-only's (median of the
+  per-round ratios; within noise counts only when the rounds' range reaches 1.0).
+
+    python benchmarks/bench_serve.py [--batches 1,2,4,8] [--tokens 24] [--rounds 2]
+                                     [--json out.json] [--figure docs/figures/serve_batch.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_heldout as heldout
+import bench_offload_real as real
+
+from stmoe.evaluate.compare import rotated
+
+SYSTEMS = ("lru-only", "stmoe", "stmoe-plus", "oracle")
+WINDOW_PROMPT = 8  # each window's prompt: the 8 routed tokens before it (already profiled)
+
+
+def round_args(rnd: int, a: argparse.Namespace) -> argparse.Namespace:
+    args = heldout.round_args("q15-first4:disk:50%", rnd, a)
+    return args
+
+
+def windows(args: argparse.Namespace, count: int, tokens: int, config: Any) -> list[Any]:
+    """``count`` replay plans of ``tokens`` new tokens each, from disjoint windows of the
+    replayed prompt's decode part."""
+    from stmoe.runtime.forced_routing import plan_routing
+    from stmoe.sim.specs import model_preset
+    from stmoe.trace import load_trace
+    from stmoe.trace.select import held_out_tail, select_layers, select_sequences
+
+    spec = model_preset(args.like)
+    trace = select_sequences(select_layers(load_trace(args.trace), args.cut), [0])
+    first = int(__import__("numpy").argmax(trace.is_decode)) + WINDOW_PROMPT
+    plans = []
+    for w in range(count):
+        at = first + w * (tokens + 1)
+        if at + tokens + 1 > trace.num_tokens:
+            raise SystemExit(f"error: {args.trace}: {count} windows of {tokens} tokens do not "
+                             f"fit its {trace.num_tokens} tokens; use fewer --tokens")
+        tail = held_out_tail(trace, at, WINDOW_PROMPT)[1]
+        plans.append(plan_routing(tail, 0, args.layers, spec.num_experts, spec.top_k,
+                                  config.vocab_size))
+    return plans
+
+
+def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[str, Any]:
+    """This process: ``system`` at every batch size, each from an empty cache."""
+    import torch
+
+    from stmoe.evaluate.systems import compared_predictor
+    from stmoe.predictors import load_tables
+    from stmoe.runtime.api import offload
+    from stmoe.runtime.batching import StepBatcher, replay_request
+
+    torch.set_num_threads(1)
+    model, store, tables = real.prepare(args)
+    predictor, policy = real.SYSTEMS[system]
+    pred = predictor if predictor == "ondemand" else \
+        compared_predictor(predictor, load_tables(tables))
+    out: dict[str, Any] = {}
+    with offload(model, store, capacity="50%", predictor=pred, policy=policy,
+                 tier="disk") as om:
+        plans = windows(args, max(batches), args.tokens, om.model.config)
+        for b in batches:
+            batcher = StepBatcher(om, max_batch=b, max_queue=0)
+            try:
+                start = time.perf_counter()
+                reqs = [batcher.submit(replay_request(p, args.tokens)) for p in plans[:b]]
+                for r in reqs:
+                    r.wait(3600)
+                wall = time.perf_counter() - start
+            finally:
+                batcher.close()
+            decode = om.engine.run.stats.phases["decode"].summary()
+            moved = om.engine.run.stats.bytes_moved
+            tokens = sum(len(r.output) - 1 for r in reqs)
+            stall = sum(r.usage.stall_s for r in reqs) / b
+            out[str(b)] = {
+                "total_tok_s": tokens / wall,
+                "per_request_tok_s": statistics.mean((len(r.output) - 1) / r.decode_s()
+                                                     for r in reqs),
+                "hit_rate": decode["hit_rate"], "prefetch_recall": decode["prefetch_recall"],
+                "stall_share": stall / wall, "bytes_per_token": moved / max(tokens, 1),
+                "bytes_wasted": om.engine.run.stats.bytes_wasted, "wall_s": wall,
+                "mean_batch": statistics.mean(batcher.step_sizes) if batcher.step_sizes else 0,
+            }
+    return out
+
+
+def spawn(args: argparse.Namespace, system: str, batches: list[int]) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--one", system, "--round", str(args.rnd), "--tokens",
+           str(args.tokens), "--batches", ",".join(map(str, batches))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{system} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def judge(runs: dict[str, list[dict[str, Any]]], batches: list[int]) -> dict[str, Any]:
+    def med(system: str, b: int, key: str) -> float:
+        return statistics.median(r[str(b)][key] for r in runs[system])
+
+    print("\nsystem      batch  total tok/s  per-request  hit   recall  stall  MB/token")
+    for system in SYSTEMS:
+        for b in batches:
+            print(f"{system:<11} {b:>5}  {med(system, b, 'total_tok_s'):>10.2f}  "
+                  f"{med(system, b, 'per_request_tok_s'):>11.2f}  "
+                  f"{med(system, b, 'hit_rate'):.3f} {med(system, b, 'prefetch_recall'):.3f}  "
+                  f"{med(system, b, 'stall_share'):.2f}  "
+                  f"{med(system, b, 'bytes_per_token') / 2**20:>8.1f}")
+    targets: dict[str, Any] = {}
+    if 1 in batches and 4 in batches:
+        ratios = [r["4"]["total_tok_s"] / r["1"]["total_tok_s"] for r in runs["stmoe-plus"]]
+        m = statistics.median(ratios)
+        targets["plus_4_vs_1"] = {"ratio": m, "range": [min(ratios), max(ratios)],
+                                  "met": m >= 2.0}
+        print(f"\nstmoe-plus, 4 requests vs 1: {m:.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] "
+              f"(target >= 2x): {'MET' if m >= 2.0 else 'NOT MET'}")
+    for b in batches:
+        ratios = [p[str(b)]["total_tok_s"] / q[str(b)]["total_tok_s"]
+                  for p, q in zip(runs["stmoe-plus"], runs["lru-only"], strict=True)]
+        m = statistics.median(ratios)
+        verdict = "MET" if m >= 1.0 else "MET (noise)" if max(ratios) >= 1.0 else "NOT MET"
+        targets[f"plus_vs_lru_{b}"] = {"ratio": m, "range": [min(ratios), max(ratios)],
+                                       "verdict": verdict}
+        print(f"stmoe-plus vs lru-only at {b}: {m:.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] "
+              f"(target >= 1.0x): {verdict}")
+    return targets
+
+
+def figure(runs: dict[str, list[dict[str, Any]]], batches: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for system in SYSTEMS:
+        total = [statistics.median(r[str(n)]["total_tok_s"] for r in runs[system])
+                 for n in batches]
+        lo = [min(r[str(n)]["total_tok_s"] for r in runs[system]) for n in batches]
+        hi = [max(r[str(n)]["total_tok_s"] for r in runs[system]) for n in batches]
+        a.errorbar(batches, total, yerr=[[t - x for t, x in zip(total, lo, strict=True)],
+                                         [x - t for t, x in zip(total, hi, strict=True)]],
+                   marker="o", capsize=3, label=system)
+        b.plot(batches, [statistics.median(r[str(n)]["hit_rate"] for r in runs[system])
+                         for n in batches], marker="o", label=system)
+    a.set(xlabel="concurrent requests", ylabel="total decode tok/s (median, range)",
+          xscale="log", xticks=batches, xticklabels=batches)
+    b.set(xlabel="concurrent requests", ylabel="decode hit rate", xscale="log",
+          xticks=batches, xticklabels=batches)
+    a.legend()
+    fig.suptitle("Qwen1.5-MoE shape (4 layers, RANDOM weights), held-out real routing, "
+                 "disk, 50% cached", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--figure", type=Path, default=Path("docs/figures/serve_batch.png"))
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    batches = [int(x) for x in a.batches.split(",")]
+    a.rounds_total = a.rounds
+    if a.one:
+        args = round_args(a.round, a)
+        print(json.dumps(run_one(args, a.one, batches)))
+        return
+    load = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
+    print("load at start:", load[0], flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    for rnd in range(a.rounds):
+        args = round_args(rnd, a)
+        real.prepare(args)
+        a.rnd = rnd
+        for system in rotated(list(SYSTEMS), rnd):
+            runs[system].append(spawn(a, system, batches))
+            got = runs[system][-1]
+            print(f"[round {rnd + 1}: {Path(args.trace).stem}] {system}: " + ", ".join(
+                f"{b}: {got[str(b)]['total_tok_s']:.2f}" for b in batches) + " tok/s total",
+                flush=True)
+    load.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print("load at end:", load[1])
+    targets = judge(runs, batches)
+    figure(runs, batches, a.figure)
+    if a.json:
+        a.json.write_text(json.dumps({"runs": runs, "targets": targets, "load": load,
+                                      "tokens": a.tokens, "batches": batches}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

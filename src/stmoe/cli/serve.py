@@ -1,0 +1,127 @@
+"""`stmoe serve`: an OpenAI-compatible HTTP server over the offloaded model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from stmoe.cli.common import check_range, out
+from stmoe.cli.offload_options import (
+    _DEFAULT,
+    AdmissionOpt,
+    BandwidthOpt,
+    CapacityOpt,
+    FormatOpt,
+    GroupSizeOpt,
+    LatencyOpt,
+    MemoryOpt,
+    ModelOpt,
+    PolicyOpt,
+    PredictorOpt,
+    QuantizeResidentOpt,
+    StoreOpt,
+    TablesOpt,
+    ThreadsOpt,
+    TierOpt,
+    WorkersOpt,
+)
+from stmoe.errors import StmoeError
+
+
+def serve_cmd(
+    model: ModelOpt = None,
+    store: StoreOpt = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine "
+                                      "only; 0.0.0.0: every interface, unauthenticated).")]
+    = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port, 1 to 65535.")] = 8000,
+    max_batch: Annotated[int, typer.Option(help="Requests decoding together in each step, "
+                                           "1 to 64 (more wait in the queue).")] = 4,
+    max_queue: Annotated[int, typer.Option(help="Requests waiting for a place, 0 to 10000; "
+                                           "beyond it a request gets 429.")] = 16,
+    name: Annotated[str | None, typer.Option(help="The model's name in the API (the "
+                                             "`model` field). Default: the folder's name.")]
+    = None,
+    capacity: CapacityOpt = None,
+    memory: MemoryOpt = None,
+    predictor: PredictorOpt = "stmoe-plus",
+    tables: TablesOpt = _DEFAULT.tables,
+    policy: PolicyOpt = _DEFAULT.policy,
+    admission: AdmissionOpt = _DEFAULT.admission,
+    tier: TierOpt = _DEFAULT.tier,
+    bandwidth: BandwidthOpt = _DEFAULT.bandwidth,
+    latency: LatencyOpt = f"{_DEFAULT.latency:g}",
+    workers: WorkersOpt = _DEFAULT.workers,
+    threads: ThreadsOpt = None,
+    weights: FormatOpt = _DEFAULT.format,
+    group_size: GroupSizeOpt = _DEFAULT.group_size,
+    quantize_resident: QuantizeResidentOpt = _DEFAULT.quantize_resident,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info "
+                                           "(one line per request) or debug.")] = "info",
+) -> None:
+    """Serve the model over HTTP with the OpenAI API, its experts offloaded.
+
+    Endpoints: POST /v1/completions and /v1/chat/completions (streaming with
+    "stream": true), GET /v1/models, /health and /metrics (Prometheus). Requests
+    running at once share decode steps: their experts are loaded once per step and
+    prefetched as the union of their predictions; each request's tokens are the
+    resident model's greedy tokens, whatever else runs (docs/serve.md). Stop with
+    Ctrl-C.
+    """
+    check_range("--port", port, 1, 65535)
+    check_range("--max-batch", max_batch, 1, 64)
+    check_range("--max-queue", max_queue, 0, 10000)
+    check_range("--threads", threads, 1, 1024)
+    check_range("--workers", workers, 0, 64)
+    if log_level not in ("warning", "info", "debug"):
+        raise StmoeError(f"--log-level {log_level}: expected warning, info or debug")
+    if memory is not None and capacity is not None:
+        raise StmoeError("give --capacity or --memory, not both (--memory sizes the cache)")
+    if model is not None and not model.is_dir():
+        raise StmoeError(f"{model}: not a folder; --model expects a local transformers "
+                         "checkpoint folder")
+    try:
+        import torch
+
+        from stmoe.runtime.api import offload
+        from stmoe.serve.runner import serve_forever
+        from stmoe.serve.service import Service
+    except ImportError as exc:
+        raise StmoeError(f"serve needs torch, transformers, fastapi and uvicorn ({exc}); "
+                         "install them with pip install -e '.[hf]'") from None
+    if model is None:
+        from stmoe.models import SHIPPED_MODEL
+
+        model = SHIPPED_MODEL
+    if threads is not None:
+        torch.set_num_threads(threads)
+    om = offload(model, store, capacity=capacity or _DEFAULT.capacity, memory=memory,
+                 predictor=predictor, tables=tables, policy=policy, tier=tier,
+                 bandwidth=bandwidth, latency=latency, workers=workers,
+                 admission=admission, format=weights, group_size=group_size,
+                 quantize_resident=quantize_resident, lookahead=_lookahead(predictor))
+    try:
+        service = Service(om, name or Path(model).name, max_batch=max_batch, max_queue=max_queue)
+    except BaseException:
+        om.close()
+        raise
+    c = om.config
+    out.print(f"serving {service.name} on http://{host}:{port}/v1 ({c['weights_label']} "
+              f"experts, {c['capacity']} of {c['num_experts']} per layer cached, predictor "
+              f"{c['predictor']}, tier {c['tier']}, up to {max_batch} requests per step)",
+              markup=False)
+    try:
+        serve_forever(service, host, port, log_level)
+    finally:
+        om.close()
+
+
+def _lookahead(predictor: str) -> str:
+    """The early gate lookahead for the predictors that take one (a step of several
+    requests has no per-layer start to predict the late one at), else the default."""
+    from stmoe.predictors import REGISTRY
+
+    cls = REGISTRY.get(predictor)
+    return "early" if cls is not None and cls.uses_lookahead else _DEFAULT.lookahead

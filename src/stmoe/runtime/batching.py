@@ -1,0 +1,320 @@
+"""Step batching: several requests decode together, each exactly as it would alone.
+
+Each request runs transformers' own greedy ``generate`` on a thread of its own
+(its own KV cache, its attention and every dense layer computed as in a solo
+run). Its experts calls do not reach the engine directly: they wait at a gate.
+The batcher's thread (the engine's owner) runs *steps*: a step is one forward
+call of every request taking part, and at each MoE layer it serves the step's
+requests in ONE engine call (``LayerServer.serve_segments``): the union of their
+experts loaded once, the next layer's prefetch the union of their predictions
+(``predictors.union``, each request keeping its own predictor slot), then each
+request's rows computed on their own. A batched matmul is not bit-identical to
+one row's on the CPU (blocking depends on the row count: measured in
+docs/serve.md), so nothing is computed across requests; what a step shares is
+the I/O.
+
+A request joins and leaves between steps. A prompt (prefill) is a step alone,
+so the planner sees a prompt or a decode step of one token per request, as in a
+solo run; a decode step takes every request waiting at its first MoE layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+
+from stmoe.errors import OffloadError
+from stmoe.runtime.requests import (
+    Cancel,
+    Cancelled,
+    QueueFull,
+    Request,
+    Streamer,
+    replay_request,
+)
+
+__all__ = ["Cancelled", "QueueFull", "Request", "StepBatcher", "replay_request"]
+
+
+class StepBatcher:
+    """Runs requests on an ``OffloadedModel`` in shared steps (see the module docstring).
+
+    ``max_batch`` requests take part in steps at once; up to ``max_queue`` more wait
+    for a place, and beyond that ``submit`` raises ``QueueFull``."""
+
+    def __init__(self, om: Any, max_batch: int = 4, max_queue: int = 16) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise OffloadError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} "
+                               f"and {max_queue}")
+        engine = om.engine
+        if engine.planner.late is not None:
+            raise OffloadError("the late gate lookahead predicts from each decoder layer's input "
+                               "as it starts, which a step of several requests does not give; "
+                               "serve with --lookahead early")
+        self.om, self.engine, self.model = om, engine, om.model
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.cv = threading.Condition()
+        self.waiting: deque[Request] = deque()
+        self.members: dict[int, Request] = {}  # slot -> request taking part in steps
+        self.local = threading.local()
+        self.closed = False
+        self.steps = 0
+        self.started = 0  # requests started (names their threads)
+        self.step_sizes: list[int] = []  # decode steps' member counts (recent)
+        self.error: BaseException | None = None
+        gen = self.model.generation_config
+        pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
+        self.pad = pad[0] if isinstance(pad, list) else pad
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=self._main, name="stmoe-batcher", daemon=True)
+        self.thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    # ---- clients ---------------------------------------------------------------------
+    def submit(self, request: Request) -> Request:
+        """Queue ``request`` (it starts at the next step with a free place)."""
+        with self.cv:
+            if self.closed:
+                raise OffloadError("the batcher is closed")
+            if len(self.members) >= self.max_batch and len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.members)} requests running and {len(self.waiting)} "
+                                "queued, the most this server takes; retry later")
+            self.waiting.append(request)
+            self.cv.notify_all()
+        return request
+
+    def queue_depth(self) -> tuple[int, int]:
+        """(requests running, requests queued)."""
+        with self.cv:
+            return len(self.members), len(self.waiting)
+
+    def close(self) -> None:
+        """Cancel every request, stop the batcher's thread, let the engine go."""
+        with self.cv:
+            self.closed = True
+            for r in list(self.waiting) + list(self.members.values()):
+                r.cancel()
+            self.cv.notify_all()
+        self.thread.join()
+
+    # ---- the engine's side (``LayerServer.serve`` and the forward hooks call these) ----
+    def is_member(self) -> bool:
+        return getattr(self.local, "request", None) is not None
+
+    def submit_layer(self, layer: int, hidden: torch.Tensor, index: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor:
+        """A member's experts call: wait for the step's engine call, take its rows."""
+        r: Request = self.local.request
+        with self.cv:
+            r.arrival, r.result = (layer, hidden, index, weights), None
+            self.cv.notify_all()
+            while r.result is None:
+                self.cv.wait()
+            result, r.result = r.result, None
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    # ---- the batcher's thread --------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            with self.om._exclusive():
+                self.engine.reset(future={} if self.engine.predictor.sees_future else None)
+                self.engine.state.gate = self
+                self._ready.set()
+                try:
+                    self._loop()
+                finally:
+                    self.engine.state.gate = None
+        except BaseException as exc:
+            self.error = exc
+            self._ready.set()
+            with self.cv:
+                self.closed = True
+                for r in list(self.waiting) + list(self.members.values()):
+                    r.error = r.error or OffloadError(f"the batcher stopped: {exc}")
+                    r.cancel()
+                self.cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                self._admit()
+                step = self._next_step()
+                while step is None:
+                    if self.closed and not self.members:
+                        return
+                    self.cv.wait(0.5)
+                    self._admit()
+                    step = self._next_step()
+            self._run_step(step)
+
+    def _admit(self) -> None:
+        """(cv held) Start queued requests on free slots."""
+        while self.waiting and len(self.members) < self.max_batch and not self.closed:
+            r = self.waiting.popleft()
+            if r.cancelled.is_set():
+                self._finish(r, Cancelled("cancelled before it started"))
+                continue
+            r.slot = min(set(range(self.max_batch)) - set(self.members))
+            self.members[r.slot] = r
+            r.thread = threading.Thread(target=self._member, args=(r,), daemon=True,
+                                        name=f"stmoe-request-{self.started}-slot{r.slot}")
+            self.started += 1
+            r.thread.start()
+
+    def _next_step(self) -> list[Request] | None:
+        """(cv held) The next step's members once every member waits at its first MoE
+        layer (or has finished): the oldest new prompt alone, else every decoding one."""
+        if not self.members or any(r.arrival is None for r in self.members.values()):
+            return None
+        if any(r.arrival[0] != 0 for r in self.members.values()):  # type: ignore[index]
+            bad = next(r for r in self.members.values() if r.arrival[0] != 0)  # type: ignore[index]
+            bad.result = OffloadError("a request reached a step at a layer other than the first")
+            self.cv.notify_all()
+            return None
+        prompts = [r for r in self.members.values() if r.calls == 0]
+        if prompts:
+            return [min(prompts, key=lambda r: r.submitted)]
+        return sorted(self.members.values(), key=lambda r: r.slot)
+
+    def _member(self, r: Request) -> None:
+        from transformers import StoppingCriteriaList
+
+        self.local.request = r
+        try:
+            with torch.no_grad():
+                self.model.generate(
+                    r.ids, attention_mask=torch.ones_like(r.ids), max_new_tokens=r.max_new_tokens,
+                    min_new_tokens=r.max_new_tokens if r.ignore_eos else None, do_sample=False,
+                    pad_token_id=self.pad, streamer=Streamer(r),
+                    stopping_criteria=StoppingCriteriaList([Cancel(r)]))
+            error = Cancelled("cancelled") if r.cancelled.is_set() else None
+        except BaseException as exc:
+            error = exc
+        with self.cv:
+            del self.members[r.slot]
+            self._finish(r, error)
+            self.cv.notify_all()
+
+    def _finish(self, r: Request, error: BaseException | None) -> None:
+        r.error = error
+        r.done.set()
+        r.emit(None)
+
+    def _run_step(self, step: list[Request]) -> None:
+        """One forward call of each of ``step``'s requests, their MoE layers served together."""
+        engine, state = self.engine, self.engine.state
+        prompt = step[0].calls == 0
+        length = int(step[0].ids.shape[1]) if prompt else 1
+        with engine.cv:
+            run = state.run
+            run.fwd += 1
+            run.batch, run.phase = (len(step), length), "prefill" if prompt else "decode"
+            run.prefill_routing, run.mask, run.slots = [], None, [r.slot for r in step]
+            if run.future is not None:
+                self._foresee(run.future, run.fwd, step)
+        engine.planner.forward_started()
+        live = list(step)
+        for layer in range(engine.num_layers):
+            live = self._serve_layer(layer, live)
+            if not live:
+                break
+        run.forward_ends.append(time.perf_counter())
+        engine.planner.forward_ended()
+        self.steps += 1
+        if not prompt:
+            self.step_sizes = ([*self.step_sizes, len(step)])[-256:]
+        for r in step:
+            r.calls += 1
+            r.usage.steps += 1
+            r.usage.batch_sum += 0 if prompt else len(step)
+
+    def _serve_layer(self, layer: int, live: list[Request]) -> list[Request]:
+        """Wait for the live members' calls at ``layer``, serve them in one engine call."""
+        with self.cv:
+            while any(r.arrival is None and r.slot in self.members for r in live):
+                self.cv.wait()
+            live = [r for r in live if r.arrival is not None]
+            wrong = [r for r in live if r.arrival[0] != layer]  # type: ignore[index]
+            for r in wrong:
+                r.arrival, r.result = None, OffloadError(
+                    f"a request reached MoE layer {r.arrival[0]} where the step is at {layer}")  # type: ignore[index]
+            live = [r for r in live if r not in wrong]
+            calls = [r.arrival for r in live]
+            self.cv.notify_all()
+        for i, r in enumerate(live):  # a recorded routing at the request's own position
+            if r.routing is not None:
+                lay, hid, idx, w = calls[i]  # type: ignore[misc]
+                try:
+                    calls[i] = (lay, hid, *r.routing.routing(r.calls, layer, idx, w))
+                except BaseException as exc:
+                    return self._fail(live, exc)
+        if not live:
+            return live
+        hidden = torch.cat([c[1] for c in calls])  # type: ignore[index]
+        index = torch.cat([c[2] for c in calls])  # type: ignore[index]
+        weights = torch.cat([c[3] for c in calls])  # type: ignore[index]
+        bounds = np.cumsum([0] + [int(c[1].shape[0]) for c in calls])  # type: ignore[index]
+        segments = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+        state = self.engine.state
+        module = self.engine.layout.modules[layer][1]
+        with self.engine.cv:
+            cache, phase = state.caches[layer], state.run.stats.phases[state.run.phase]
+            for r, s in zip(live, segments, strict=True):
+                ids = set(index[s].reshape(-1).tolist())
+                r.usage.needed += len(ids)
+                r.usage.hits += sum(e in cache.where for e in ids)
+            stall0, moved0 = phase._stall[layer], state.run.stats.bytes_moved
+        try:
+            out: torch.Tensor | None = self.engine.server.serve_segments(
+                module, hidden, index, weights, segments)
+            error: BaseException | None = None
+        except BaseException as exc:
+            out, error = None, exc
+        with self.engine.cv:
+            stall = phase._stall[layer] - stall0
+            moved = state.run.stats.bytes_moved - moved0
+        with self.cv:
+            for r, s in zip(live, segments, strict=True):
+                r.usage.stall_s += stall
+                r.usage.bytes_read += moved / len(live)
+                r.arrival = None
+                r.result = error if error is not None else out[s]  # type: ignore[index]
+            self.cv.notify_all()
+        return live if error is None else []
+
+    def _fail(self, live: list[Request], error: BaseException) -> list[Request]:
+        """The step's calls at this layer all end with ``error``; the step ends."""
+        with self.cv:
+            for r in live:
+                r.arrival, r.result = None, error
+            self.cv.notify_all()
+        return []
+
+    def _foresee(self, future: dict, fwd: int, step: list[Request]) -> None:
+        """(engine lock held) The oracle's knowledge: each layer's union over the step's
+        recorded routings, for this call and (if they go on) the next."""
+        if any(r.routing is None for r in step):
+            raise OffloadError("the oracle serves recorded routings only (force_routing)")
+        for key in [k for k in future if k[0] < fwd]:
+            del future[key]
+        for ahead in (0, 1):
+            for layer in range(self.engine.num_layers):
+                ids: set[int] = set()
+                for r in step:
+                    call = r.calls + ahead
+                    if call <= r.max_new_tokens - 1:
+                        n = int(r.ids.shape[1]) if call == 0 else 1
+                        span = r.routing.positions(call, n)  # type: ignore[union-attr]
+                        ids.update(int(e) for e in
+                                   r.routing.plan.experts[span, layer].reshape(-1))  # type: ignore[union-attr]
+                future[(fwd + ahead, layer)] = tuple(sorted(ids))

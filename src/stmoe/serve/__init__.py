@@ -1,0 +1,1 @@
+"""``stmoe serve``: an OpenAI-compatible server over an offloaded model (docs/serve.md)."""

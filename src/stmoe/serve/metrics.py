@@ -1,0 +1,56 @@
+"""``/metrics``: the server's counters and the engine's, in Prometheus' text format.
+
+The engine's figures are those of the whole life of the server (one measured run
+from its start): decode-phase hit rate, prefetch recall and precision, stall,
+bytes read and wasted so far (prefetches still unused are counted when evicted).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def metrics_text(service: Any) -> str:
+    """The metrics page of ``service`` (a ``serve.service.Service``)."""
+    c = service.counters
+    with service.lock:
+        requests = dict(c.requests)
+        prompt, completion, decode_s = c.prompt_tokens, c.completion_tokens, c.decode_s
+    engine = service.om.engine
+    with engine.cv:
+        stats = engine.state.run.stats
+        decode = stats.phases["decode"].summary()
+        moved, wasted = stats.bytes_moved, stats.bytes_wasted
+    running, queued = service.batcher.queue_depth()
+    sizes = list(service.batcher.step_sizes)
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, values: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP stmoe_{name} {help_}")
+        lines.append(f"# TYPE stmoe_{name} {kind}")
+        lines.extend(f"stmoe_{name}{labels} {value:g}" for labels, value in values)
+
+    outcomes = ("ok", "error", "cancelled", "rejected")
+    metric("requests_total", "counter", "Requests by outcome.",
+           [(f'{{outcome="{o}"}}', requests.get(o, 0)) for o in outcomes])
+    metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+           [("", prompt)])
+    metric("completion_tokens_total", "counter", "Generated tokens of finished requests.",
+           [("", completion)])
+    metric("decode_tokens_per_second", "gauge",
+           "Per-request decode speed: finished requests' tokens over their decode time.",
+           [("", completion / decode_s if decode_s > 0 else 0.0)])
+    metric("hit_rate", "gauge", "Decode experts found in the cache.", [("", decode["hit_rate"])])
+    metric("stall_seconds_total", "counter", "Time MoE layers waited for experts (decode).",
+           [("", decode["stall_s"])])
+    metric("bytes_read_total", "counter", "Expert bytes read from the tier.", [("", moved)])
+    metric("bytes_wasted_total", "counter", "Prefetched bytes evicted unused.", [("", wasted)])
+    metric("prefetch_recall", "gauge", "Needed experts that were predicted (decode).",
+           [("", decode["prefetch_recall"])])
+    metric("prefetch_precision", "gauge", "Predicted experts that were needed (decode).",
+           [("", decode["prefetch_precision"])])
+    metric("queue_depth", "gauge", "Requests in the batch and waiting for a place.",
+           [('{state="running"}', running), ('{state="queued"}', queued)])
+    metric("batch_size_mean", "gauge", "Mean requests per decode step (the last 256 steps).",
+           [("", sum(sizes) / len(sizes) if sizes else 0.0)])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,125 @@
+"""What the HTTP layer serves: an offloaded model, its step batcher, and the counters.
+
+``Service`` turns a checked API request into a batcher ``Request`` (the prompt's ids,
+its limits checked against the model's positions), its tokens back into text (stop
+strings cut there), and keeps what ``/metrics`` reports.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stmoe.runtime.batching import Request, StepBatcher
+from stmoe.serve.protocol import ApiError, ChatRequest, CompletionRequest
+
+MAX_TOKENS_DEFAULT = 256  # chat requests without max_tokens (completions: the API's 16)
+
+
+@dataclass
+class Counters:
+    """The server's totals since it started (``/metrics``)."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # by outcome
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    decode_s: float = 0.0  # summed per-request decode time
+    started: float = field(default_factory=time.time)
+
+
+class Service:
+    """One offloaded model served to many clients (``stmoe serve``)."""
+
+    def __init__(self, om: Any, name: str, max_batch: int = 4, max_queue: int = 16) -> None:
+        self.om, self.name, self.tokenizer = om, name, om.tokenizer
+        self.batcher = StepBatcher(om, max_batch=max_batch, max_queue=max_queue)
+        self.positions = int(getattr(om.model.config, "max_position_embeddings", 0) or 0)
+        self.eos = _eos_ids(om.model)
+        self.counters = Counters()
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    # ---- requests ------------------------------------------------------------------
+    def completion_ids(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            return self._encode(req.prompt)
+        vocab = int(self.om.model.config.vocab_size)
+        bad = next((i for i, t in enumerate(req.prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token {bad} is {req.prompt[bad]}, outside the model's "
+                           f"vocabulary 0..{vocab - 1}", "prompt")
+        return list(req.prompt)  # type: ignore[arg-type]
+
+    def chat_ids(self, req: ChatRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        tok = self._tok()
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self._encode(text)
+
+    def request(self, ids: list[int], max_tokens: int | None) -> Request:
+        """A batcher request for ``ids``, checked against the model's positions."""
+        if not ids:
+            raise ApiError(400, "the prompt has no tokens", "prompt")
+        limit = self.positions - len(ids) if self.positions else None
+        if limit is not None and limit < 1:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model takes at most "
+                           f"{self.positions} positions, prompt and completion together",
+                           "prompt", code="context_length_exceeded")
+        n = max_tokens if max_tokens is not None else MAX_TOKENS_DEFAULT
+        if n < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {n}", "max_tokens")
+        if limit is not None and n > limit:
+            if max_tokens is not None:
+                raise ApiError(400, f"max_tokens {n} and the prompt's {len(ids)} tokens exceed "
+                               f"the model's {self.positions} positions (at most {limit} here)",
+                               "max_tokens", code="context_length_exceeded")
+            n = limit
+        return Request(torch.tensor([ids]), n)
+
+    def submit(self, request: Request) -> Request:
+        return self.batcher.submit(request)
+
+    # ---- text ----------------------------------------------------------------------
+    def text(self, tokens: list[int]) -> str:
+        """The completion's text (the end-of-sequence token not shown)."""
+        return self._tok().decode([t for t in tokens if t not in self.eos],
+                                  skip_special_tokens=True)
+
+    def finish_reason(self, request: Request, stopped: bool) -> str:
+        if stopped or (request.output and request.output[-1] in self.eos):
+            return "stop"
+        return "length"
+
+    def record(self, outcome: str, request: Request | None = None) -> None:
+        with self.lock:
+            c = self.counters
+            c.requests[outcome] = c.requests.get(outcome, 0) + 1
+            if request is not None:
+                c.prompt_tokens += int(request.ids.shape[1])
+                c.completion_tokens += len(request.output)
+                c.decode_s += request.decode_s()
+
+    def _tok(self) -> Any:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids "
+                           "to /v1/completions", "prompt")
+        return self.tokenizer
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tok()(text).input_ids)
+
+
+def _eos_ids(model: Any) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}

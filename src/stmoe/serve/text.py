@@ -1,0 +1,62 @@
+"""A completion's text as its tokens arrive: whole characters only, cut at a stop string.
+
+Tokens decode to text only together (a character may span tokens), so the text is
+decoded whole each time and the new part sent; a tail that could still begin a
+stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TextStream:
+    """The text of ``job``'s tokens so far; ``push`` returns what may be sent now."""
+
+    def __init__(self, service: Any, job: Any, stops: list[str]) -> None:
+        self.service, self.job, self.stops = service, job, stops
+        self.sent = ""
+        self.text = ""
+        self.stopped = False
+
+    def push(self) -> str:
+        """After a new token: the text that can be sent (maybe empty)."""
+        if self.stopped:
+            return ""
+        full = self.service.text(self.job.output)
+        if full.endswith("\ufffd"):  # a character still incomplete
+            return ""
+        found = [at for at in (full.find(stop) for stop in self.stops) if at >= 0]
+        if found:
+            full, self.stopped = full[: min(found)], True
+        self.text = full
+        if self.stopped:
+            self.job.cancel()  # leaves the batch at the next step
+            return self._send(full)
+        return self._send(full[: len(full) - self._held(full)])
+
+    def flush(self) -> str:
+        """At the end: everything not sent yet."""
+        if not self.stopped:
+            self.text = self.service.text(self.job.output)
+        return self._send(self.text)
+
+    def final(self) -> str:
+        self.flush()
+        return self.text
+
+    def _send(self, upto: str) -> str:
+        if len(upto) <= len(self.sent):
+            return ""
+        delta, self.sent = upto[len(self.sent):], upto
+        return delta
+
+    def _held(self, full: str) -> int:
+        """How many trailing characters could begin a stop string."""
+        held = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(full)), 0, -1):
+                if full.endswith(stop[:n]):
+                    held = max(held, n)
+                    break
+        return held

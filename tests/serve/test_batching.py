@@ -1,0 +1,167 @@
+"""Step batching keeps every request's bits: each request's logits, at every token, equal
+its solo run on the resident model, in every family, at capacities where the step's
+union overflows the cache, with requests of different lengths joining and leaving at
+different steps. Also: replayed routings (and the oracle) in a batch, a cancelled
+request leaving without touching the others, the bounded queue, the late lookahead
+refused."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from stmoe.errors import OffloadError  # noqa: E402
+from stmoe.hf.capture_generate import capture_generation  # noqa: E402
+from stmoe.predictors import profile, save_tables  # noqa: E402
+from stmoe.runtime.api import offload  # noqa: E402
+from stmoe.runtime.batching import QueueFull, Request, StepBatcher, replay_request  # noqa: E402
+from stmoe.runtime.forced_routing import plan_routing  # noqa: E402
+from tiny_moe import FAMILIES, tiny_model  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33]]
+LENGTHS = [9, 4, 7, 5]  # different lengths: requests leave at different steps
+
+
+class LogitLog:
+    """Every lm_head output, per thread: a solo run's on this thread, a request's on its own."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.by_thread: dict[str, list[torch.Tensor]] = {}
+        head = model.get_output_embeddings()
+        self.handle = head.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        self.by_thread.setdefault(threading.current_thread().name, []).append(
+            output[:, -1].detach().clone())
+
+    def take(self, name: str | None = None) -> list[torch.Tensor]:
+        return self.by_thread.pop(name or threading.current_thread().name)
+
+
+def _solo(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_request_has_its_solo_bits_whatever_runs_beside_it(name, tmp_path):
+    resident = tiny_model(name)[0]
+    log = LogitLog(resident)
+    want = []
+    for p, n in zip(PROMPTS, LENGTHS, strict=True):
+        want.append((_solo(resident, p, n), log.take()))
+    routing = capture_generation(tiny_model(name)[0], [[40, 41, 42], [50, 51]], max_new_tokens=6)
+    tables = save_tables(profile(routing), tmp_path / "tables.npz")
+    for capacity, predictor in ((2, "stmoe"), (5, "stmoe-plus")):
+        model = tiny_model(name)[0]
+        logs = LogitLog(model)
+        with offload(model, capacity=capacity, predictor=predictor, tables=tables) as om:
+            batcher = StepBatcher(om, max_batch=3)
+            try:
+                reqs = []
+                for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True)):
+                    reqs.append(batcher.submit(Request(torch.tensor([p]), n)))
+                    if i == 1:
+                        time.sleep(0.05)  # the third joins a running batch
+                got = [r.wait(120) for r in reqs]
+                assert max(batcher.step_sizes) >= 2, batcher.step_sizes  # they did share steps
+            finally:
+                batcher.close()
+            for i, (r, (tokens, logits)) in enumerate(zip(reqs, want, strict=True)):
+                where = f"{name}, capacity {capacity}, request {i}"
+                assert got[i] == tokens, where
+                mine = logs.take(r.thread.name)
+                assert len(mine) == len(logits), where
+                assert all(torch.equal(a, b) for a, b in zip(mine, logits, strict=True)), where
+                assert r.usage.needed > 0 and 0 <= r.usage.hits <= r.usage.needed, where
+
+
+def _tiny_offloaded(tmp_path, predictor: str = "stmoe", **kw):
+    model = tiny_model("qwen3_moe")[0]
+    routing = capture_generation(tiny_model("qwen3_moe")[0], [[40, 41, 42, 43], [50, 51, 52]],
+                                 max_new_tokens=10)
+    tables = save_tables(profile(routing), tmp_path / "tables.npz")
+    tables = None if predictor == "oracle" else tables
+    return offload(model, capacity=4, predictor=predictor, tables=tables, **kw), routing
+
+
+@pytest.mark.parametrize("predictor", ["stmoe-plus", "oracle"])
+def test_replayed_routings_batch_and_match_their_solo_replays(predictor, tmp_path):
+    om, routing = _tiny_offloaded(tmp_path, predictor)
+    with om:
+        c = om.config
+        plans = [plan_routing(routing, s, c["num_layers"], c["num_experts"], c["top_k"], 96)
+                 for s in range(2)]
+        solo = [om.force_routing(p, 8) for p in plans]
+        batcher = StepBatcher(om, max_batch=2)
+        try:
+            reqs = [batcher.submit(replay_request(p, 8)) for p in plans]
+            got = [r.wait(120) for r in reqs]
+        finally:
+            batcher.close()
+    assert got == [s.tokens for s in solo]
+    decode = om.engine.run.stats.phases["decode"].summary()
+    if predictor == "oracle":  # it knows each step's union: every decode expert is there
+        assert decode["hit_rate"] == 1.0, decode
+
+
+def test_a_cancelled_request_leaves_and_the_others_keep_their_bits(tmp_path):
+    resident = tiny_model("qwen3_moe")[0]
+    want = _solo(resident, PROMPTS[0], 12)
+    om, _ = _tiny_offloaded(tmp_path)
+    with om:
+        batcher = StepBatcher(om, max_batch=2)
+        try:
+            keep = batcher.submit(Request(torch.tensor([PROMPTS[0]]), 12))
+            gone = batcher.submit(Request(torch.tensor([PROMPTS[1]]), 100))
+            while len(gone.output) < 2:
+                time.sleep(0.005)
+            gone.cancel()
+            with pytest.raises(Exception, match="cancelled"):
+                gone.wait(60)
+            assert keep.wait(60) == want
+            assert len(gone.output) < 100
+            assert batcher.queue_depth() == (0, 0)
+            again = batcher.submit(Request(torch.tensor([PROMPTS[0]]), 12))  # still serving
+            assert again.wait(60) == want
+        finally:
+            batcher.close()
+        om.engine.check()
+
+
+def test_the_queue_is_bounded_and_a_closed_batcher_refuses(tmp_path):
+    om, _ = _tiny_offloaded(tmp_path)
+    with om:
+        batcher = StepBatcher(om, max_batch=1, max_queue=1)
+        try:
+            first = batcher.submit(Request(torch.tensor([PROMPTS[0]]), 60))
+            while not first.output:
+                time.sleep(0.005)
+            batcher.submit(Request(torch.tensor([PROMPTS[1]]), 2))  # waits for the place
+            with pytest.raises(QueueFull, match="retry later"):
+                batcher.submit(Request(torch.tensor([PROMPTS[2]]), 2))
+            first.cancel()
+        finally:
+            batcher.close()
+        with pytest.raises(OffloadError, match="closed"):
+            batcher.submit(Request(torch.tensor([PROMPTS[2]]), 2))
+        # the engine is free again: a plain generate runs
+        assert om.generate(PROMPTS[0], 3).tokens == _solo(tiny_model("qwen3_moe")[0],
+                                                          PROMPTS[0], 3)
+
+
+def test_the_batcher_refuses_the_late_lookahead(tmp_path):
+    model = tiny_model("qwen3_moe")[0]
+    with offload(model, capacity=4, predictor="gate-lookahead", lookahead="late") as om:
+        if om.engine.planner.late is None:
+            pytest.skip("the late point was not resolved for this family")
+        with pytest.raises(OffloadError, match="--lookahead early"):
+            StepBatcher(om)
