@@ -11,7 +11,8 @@ experts loaded once per step), 1, 2, 4 and 8 of them, every system in its own pr
 the systems' order rotated per round.
 
 Per (system, batch size): total decode throughput (every request's decode tokens over
-the batch's wall time, prompts included), the mean per-request decode speed, hit rate,
+the time of the decode steps; over the wall time with the prompts too beside it), the
+mean per-request decode speed (first token to last, prompts of others included), hit rate,
 stall share, bytes read per token, prefetch recall and bytes wasted; the figure
 docs/figures/serve_batch.png; and the targets (MET / NOT MET):
 
@@ -19,7 +20,7 @@ docs/figures/serve_batch.png; and the targets (MET / NOT MET):
 * at every batch size, stmoe-plus's total throughput >= LRU-only's (median of the
   per-round ratios; within noise counts only when the rounds' range reaches 1.0).
 
-    python benchmarks/bench_serve.py [--batches 1,2,4,8] [--tokens 24] [--rounds 2]
+    python benchmarks/bench_serve.py [--batches 1,2,4,8] [--tokens 12] [--rounds 2]
                                      [--json out.json] [--figure docs/figures/serve_batch.png]
 """
 
@@ -36,6 +37,7 @@ from typing import Any
 
 import bench_heldout as heldout
 import bench_offload_real as real
+import numpy as np
 
 from stmoe.evaluate.compare import rotated
 
@@ -44,8 +46,9 @@ WINDOW_PROMPT = 8  # each window's prompt: the 8 routed tokens before it (alread
 
 
 def round_args(rnd: int, a: argparse.Namespace) -> argparse.Namespace:
-    args = heldout.round_args("q15-first4:disk:50%", rnd, a)
-    return args
+    """bench_offload_real's arguments for round ``rnd``: prompt ``rnd`` replayed, tables of
+    the other two (bench_heldout's q15-first4 rotation)."""
+    return heldout.round_args("q15-first4:disk:50%", rnd, a)
 
 
 def windows(args: argparse.Namespace, count: int, tokens: int, config: Any) -> list[Any]:
@@ -58,7 +61,7 @@ def windows(args: argparse.Namespace, count: int, tokens: int, config: Any) -> l
 
     spec = model_preset(args.like)
     trace = select_sequences(select_layers(load_trace(args.trace), args.cut), [0])
-    first = int(__import__("numpy").argmax(trace.is_decode)) + WINDOW_PROMPT
+    first = int(np.argmax(trace.is_decode)) + WINDOW_PROMPT
     plans = []
     for w in range(count):
         at = first + w * (tokens + 1)
@@ -76,7 +79,7 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
     import torch
 
     from stmoe.evaluate.systems import compared_predictor
-    from stmoe.predictors import load_tables
+    from stmoe.predictors import REGISTRY, load_tables
     from stmoe.runtime.api import offload
     from stmoe.runtime.batching import StepBatcher, replay_request
 
@@ -86,8 +89,9 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
     pred = predictor if predictor == "ondemand" else \
         compared_predictor(predictor, load_tables(tables))
     out: dict[str, Any] = {}
-    with offload(model, store, capacity="50%", predictor=pred, policy=policy,
-                 tier="disk") as om:
+    takes_tables = isinstance(pred, str) and REGISTRY[pred].needs_tables
+    with offload(model, store, capacity="50%", predictor=pred, policy=policy, tier="disk",
+                 tables=tables if takes_tables else None) as om:
         plans = windows(args, max(batches), args.tokens, om.model.config)
         for b in batches:
             batcher = StepBatcher(om, max_batch=b, max_queue=0)
@@ -99,16 +103,21 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
                 wall = time.perf_counter() - start
             finally:
                 batcher.close()
+            log = list(batcher.step_log)
+            ends = [t for t, _, _ in log[1:]] + [start + wall]
+            decode_s = sum(e - t for (t, prompt, _), e in zip(log, ends, strict=True)
+                           if not prompt)
             decode = om.engine.run.stats.phases["decode"].summary()
             moved = om.engine.run.stats.bytes_moved
             tokens = sum(len(r.output) - 1 for r in reqs)
-            stall = sum(r.usage.stall_s for r in reqs) / b
+            stall = decode["stall_s"]
             out[str(b)] = {
-                "total_tok_s": tokens / wall,
+                "total_tok_s": tokens / decode_s,  # over the decode steps' time
+                "wall_tok_s": tokens / wall,  # over the batch's wall time, prompts included
                 "per_request_tok_s": statistics.mean((len(r.output) - 1) / r.decode_s()
                                                      for r in reqs),
                 "hit_rate": decode["hit_rate"], "prefetch_recall": decode["prefetch_recall"],
-                "stall_share": stall / wall, "bytes_per_token": moved / max(tokens, 1),
+                "stall_share": stall / decode_s, "bytes_per_token": moved / max(tokens, 1),
                 "bytes_wasted": om.engine.run.stats.bytes_wasted, "wall_s": wall,
                 "mean_batch": statistics.mean(batcher.step_sizes) if batcher.step_sizes else 0,
             }
@@ -128,10 +137,12 @@ def judge(runs: dict[str, list[dict[str, Any]]], batches: list[int]) -> dict[str
     def med(system: str, b: int, key: str) -> float:
         return statistics.median(r[str(b)][key] for r in runs[system])
 
-    print("\nsystem      batch  total tok/s  per-request  hit   recall  stall  MB/token")
+    print("\nsystem      batch  total tok/s  with prompts  per-request  hit   recall  stall  "
+          "MB/token")
     for system in SYSTEMS:
         for b in batches:
             print(f"{system:<11} {b:>5}  {med(system, b, 'total_tok_s'):>10.2f}  "
+                  f"{med(system, b, 'wall_tok_s'):>12.2f}  "
                   f"{med(system, b, 'per_request_tok_s'):>11.2f}  "
                   f"{med(system, b, 'hit_rate'):.3f} {med(system, b, 'prefetch_recall'):.3f}  "
                   f"{med(system, b, 'stall_share'):.2f}  "
@@ -177,6 +188,8 @@ def figure(runs: dict[str, list[dict[str, Any]]], batches: list[int], path: Path
           xscale="log", xticks=batches, xticklabels=batches)
     b.set(xlabel="concurrent requests", ylabel="decode hit rate", xscale="log",
           xticks=batches, xticklabels=batches)
+    for ax in (a, b):
+        ax.minorticks_off()
     a.legend()
     fig.suptitle("Qwen1.5-MoE shape (4 layers, RANDOM weights), held-out real routing, "
                  "disk, 50% cached", fontsize=9)
@@ -188,15 +201,23 @@ def figure(runs: dict[str, list[dict[str, Any]]], batches: list[int], path: Path
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,2,4,8")
-    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--tokens", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", type=Path)
     p.add_argument("--figure", type=Path, default=Path("docs/figures/serve_batch.png"))
+    p.add_argument("--replot", type=Path, help="Print the table and draw the figure again "
+                   "from a --json this script wrote (nothing is run).")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     a.rounds_total = a.rounds
+    if a.replot:
+        saved = json.loads(a.replot.read_text())
+        print("load:", *saved["load"], sep="\n  ")
+        judge(saved["runs"], saved["batches"])
+        figure(saved["runs"], saved["batches"], a.figure)
+        return
     if a.one:
         args = round_args(a.round, a)
         print(json.dumps(run_one(args, a.one, batches)))

@@ -8,12 +8,15 @@ experts than the cache holds. Rather than a compact copy of every needed expert
 experts, in id order, to the rows they already occupy, then to spare rows past
 the capacity, and lists the row copies that put them there: each row is copied at
 most once, plus one copy per cycle through a one-expert buffer (``TEMP``). The
-experts not cached yet are read straight into their rows afterwards.
+experts not cached yet are read straight into their rows afterwards. Where a call's
+implementation cannot compute in place, ``gather`` makes the compact copy instead.
 """
 
 from __future__ import annotations
 
-from stmoe.runtime.cache import TEMP
+import torch
+
+from stmoe.runtime.cache import TEMP, LayerCache
 
 
 def plan_id_order(needed: list[int], slots: dict[int, int], extra: int,
@@ -40,3 +43,14 @@ def plan_id_order(needed: list[int], slots: dict[int, int], extra: int,
         del readers[src]
         moves.append((src, dst))
     return target, moves
+
+
+def gather(cache: LayerCache, needed: list[int], slots: dict[int, int],
+           overflow: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The needed experts' weights as compact [U, ...] tensors, in expert-id order."""
+    if not overflow:
+        order = torch.tensor([slots[e] for e in needed], device=cache.device)
+        return {p.name: cache.slabs[p.name].index_select(0, order) for p in cache.params}
+    return {p.name: torch.stack([cache.slabs[p.name][slots[e]] if e in slots
+                                 else overflow[e][p.name] for e in needed])
+            for p in cache.params}

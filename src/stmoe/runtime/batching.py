@@ -21,9 +21,11 @@ solo run; a decode step takes every request waiting at its first MoE layer.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -48,7 +50,8 @@ class StepBatcher:
     ``max_batch`` requests take part in steps at once; up to ``max_queue`` more wait
     for a place, and beyond that ``submit`` raises ``QueueFull``."""
 
-    def __init__(self, om: Any, max_batch: int = 4, max_queue: int = 16) -> None:
+    def __init__(self, om: Any, max_batch: int = 4, max_queue: int = 16,
+                 compute_threads: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise OffloadError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} "
                                f"and {max_queue}")
@@ -59,6 +62,10 @@ class StepBatcher:
                                "serve with --lookahead early")
         self.om, self.engine, self.model = om, engine, om.model
         self.max_batch, self.max_queue = max_batch, max_queue
+        # the step's requests' expert rows computed side by side (each alone: its own bits);
+        # default: one thread per core, 1: one after the other
+        threads = compute_threads or min(max_batch, os.cpu_count() or 1)
+        self.pool = ThreadPoolExecutor(threads, "stmoe-compute") if threads > 1 else None
         self.cv = threading.Condition()
         self.waiting: deque[Request] = deque()
         self.members: dict[int, Request] = {}  # slot -> request taking part in steps
@@ -67,6 +74,8 @@ class StepBatcher:
         self.steps = 0
         self.started = 0  # requests started (names their threads)
         self.step_sizes: list[int] = []  # decode steps' member counts (recent)
+        # the recent steps' (start time, prompt or not, members): a step lasts until the next
+        self.step_log: deque[tuple[float, bool, int]] = deque(maxlen=4096)
         self.error: BaseException | None = None
         gen = self.model.generation_config
         pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
@@ -104,6 +113,8 @@ class StepBatcher:
                 r.cancel()
             self.cv.notify_all()
         self.thread.join()
+        if self.pool is not None:
+            self.pool.shutdown()
 
     # ---- the engine's side (``LayerServer.serve`` and the forward hooks call these) ----
     def is_member(self) -> bool:
@@ -214,6 +225,7 @@ class StepBatcher:
         """One forward call of each of ``step``'s requests, their MoE layers served together."""
         engine, state = self.engine, self.engine.state
         prompt = step[0].calls == 0
+        self.step_log.append((time.perf_counter(), prompt, len(step)))
         length = int(step[0].ids.shape[1]) if prompt else 1
         with engine.cv:
             run = state.run
@@ -276,7 +288,7 @@ class StepBatcher:
             stall0, moved0 = phase._stall[layer], state.run.stats.bytes_moved
         try:
             out: torch.Tensor | None = self.engine.server.serve_segments(
-                module, hidden, index, weights, segments)
+                module, hidden, index, weights, segments, self.pool if len(live) > 1 else None)
             error: BaseException | None = None
         except BaseException as exc:
             out, error = None, exc

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ import torch
 
 from stmoe.errors import OffloadError
 from stmoe.runtime.admission import record_call
-from stmoe.runtime.arrange import plan_id_order
+from stmoe.runtime.arrange import gather, plan_id_order
 from stmoe.runtime.cache import LOADING, READY, TEMP, LayerCache
 from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering
 from stmoe.runtime.planning import PrefetchPlanner
@@ -86,14 +87,17 @@ class LayerServer:
 
     def serve_segments(self, module: torch.nn.Module, hidden_states: torch.Tensor,
                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       segments: list[slice]) -> torch.Tensor:
+                       segments: list[slice], pool: Executor | None = None) -> torch.Tensor:
         """A server step's layer call (on the engine's owner thread): several requests'
-        rows, their experts loaded once, each segment computed alone (its solo bits)."""
-        return self._serve(module, hidden_states, top_k_index, top_k_weights, segments=segments)
+        rows, their experts loaded once, each segment computed alone (its solo bits), on
+        ``pool``'s threads side by side where one is given."""
+        return self._serve(module, hidden_states, top_k_index, top_k_weights,
+                           segments=(segments, pool))
 
     def _serve(self, module: torch.nn.Module, hidden_states: torch.Tensor,
-               top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-               *args: Any, segments: list[slice] | None = None, **kwargs: Any) -> torch.Tensor:
+               top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args: Any,
+               segments: tuple[list[slice], Executor | None] | None = None,
+               **kwargs: Any) -> torch.Tensor:
         state = self.state
         layer = self.layer_of[id(module)]
         forced = state.forced_routing
@@ -123,8 +127,9 @@ class LayerServer:
         try:
             if segments is None:
                 return base(weights, hidden_states, index, top_k_weights, *args, **kwargs)
-            return torch.cat([base(weights, hidden_states[s], index[s], top_k_weights[s])
-                              for s in segments])
+            parts, pool = segments
+            one = lambda s: base(weights, hidden_states[s], index[s], top_k_weights[s])  # noqa: E731
+            return torch.cat(list(pool.map(one, parts)) if pool else [one(s) for s in parts])
         finally:
             if in_place:  # computed from the rows: they stay pinned until now
                 try:
@@ -337,14 +342,3 @@ class LayerServer:
         with state.cv:
             state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took, overflow=True)
         return out
-
-
-def gather(cache: LayerCache, needed: list[int], slots: Slots,
-           overflow: Overflow) -> dict[str, torch.Tensor]:
-    """The needed experts' weights as compact [U, ...] tensors, in expert-id order."""
-    if not overflow:
-        order = torch.tensor([slots[e] for e in needed], device=cache.device)
-        return {p.name: cache.slabs[p.name].index_select(0, order) for p in cache.params}
-    return {p.name: torch.stack([cache.slabs[p.name][slots[e]] if e in slots
-                                 else overflow[e][p.name] for e in needed])
-            for p in cache.params}
