@@ -165,3 +165,43 @@ def test_the_batcher_refuses_the_late_lookahead(tmp_path):
             pytest.skip("the late point was not resolved for this family")
         with pytest.raises(OffloadError, match="--lookahead early"):
             StepBatcher(om)
+
+
+class _FailingReads:
+    """Wraps a tier: every read fails while ``armed`` (a damaged disk, on cue)."""
+
+    name, emulated, reads_in_place = "failing", False, False
+
+    def __init__(self, inner) -> None:
+        self.inner, self.armed = inner, False
+
+    def read_into(self, block, parts, between=None):
+        return False
+
+    def fetch(self, block, buf, between=None):
+        if self.armed:
+            raise OSError(5, "Input/output error (injected)")
+        return self.inner.fetch(block, buf)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_failed_read_fails_its_step_and_the_batcher_keeps_serving(tmp_path):
+    want = _solo(tiny_model("qwen3_moe")[0], PROMPTS[0], 6)
+    om, _ = _tiny_offloaded(tmp_path)
+    with om:
+        om.engine.tier = tier = _FailingReads(om.engine.tier)
+        batcher = StepBatcher(om, max_batch=2)
+        try:
+            tier.armed = True
+            failed = [batcher.submit(Request(torch.tensor([p]), 6)) for p in PROMPTS[:2]]
+            for r in failed:
+                with pytest.raises(Exception, match="Input/output error"):
+                    r.wait(60)
+            tier.armed = False
+            assert batcher.submit(Request(torch.tensor([PROMPTS[0]]), 6)).wait(60) == want
+            assert batcher.queue_depth() == (0, 0)
+        finally:
+            batcher.close()
+        om.engine.check()

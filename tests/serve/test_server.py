@@ -92,6 +92,10 @@ def test_completion_and_chat_equal_the_solo_run(server, solo):
                                      messages=[{"role": "user", "content": "hello"}])
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == solo("user: hello\nassistant:", 8)
+    parts = c.chat.completions.create(model=NAME, max_tokens=8, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text",
+                                                                       "text": "lo"}]}])
+    assert parts.choices[0].message.content == chat.choices[0].message.content
     assert [m.id for m in c.models.list().data] == [NAME]
     assert json.loads(_get(url + "/health"))["status"] == "ok"
 
@@ -203,7 +207,9 @@ def test_bad_chat_messages_are_refused(server):
     url, _ = server
     for body, says in ((json.dumps({"model": NAME, "messages": []}), "messages"),
                        (json.dumps({"model": NAME, "messages": [{"role": "wizard",
-                                                                 "content": "x"}]}), "role")):
+                                                                 "content": "x"}]}), "role"),
+                       (json.dumps({"model": NAME, "messages": [{"role": "user", "content": [
+                           {"type": "image_url", "image_url": {"url": "x"}}]}]}), "content")):
         code, answer = _post(url + "/v1/chat/completions", body)
         assert code == 400 and says in answer["error"]["message"], answer
 

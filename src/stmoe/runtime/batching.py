@@ -128,6 +128,9 @@ class StepBatcher:
             r.arrival, r.result = (layer, hidden, index, weights), None
             self.cv.notify_all()
             while r.result is None:
+                if self.error is not None:  # the batcher's thread has stopped
+                    r.arrival = None
+                    raise OffloadError(f"the batcher stopped: {self.error}")
                 self.cv.wait()
             result, r.result = r.result, None
         if isinstance(result, BaseException):
@@ -146,12 +149,13 @@ class StepBatcher:
                 finally:
                     self.engine.state.gate = None
         except BaseException as exc:
-            self.error = exc
             self._ready.set()
             with self.cv:
-                self.closed = True
-                for r in list(self.waiting) + list(self.members.values()):
-                    r.error = r.error or OffloadError(f"the batcher stopped: {exc}")
+                self.error, self.closed = exc, True
+                while self.waiting:  # never started: they end here
+                    self._finish(self.waiting.popleft(), OffloadError(f"the batcher stopped: "
+                                                                      f"{exc}"))
+                for r in self.members.values():  # their threads raise at the gate
                     r.cancel()
                 self.cv.notify_all()
 
@@ -166,7 +170,14 @@ class StepBatcher:
                     self.cv.wait(0.5)
                     self._admit()
                     step = self._next_step()
-            self._run_step(step)
+            try:
+                self._run_step(step)
+            except Exception as exc:  # the step's requests fail; the batcher goes on
+                with self.cv:
+                    for r in step:
+                        if r.arrival is not None:
+                            r.arrival, r.result = None, exc
+                    self.cv.notify_all()
 
     def _admit(self) -> None:
         """(cv held) Start queued requests on free slots."""
@@ -238,8 +249,8 @@ class StepBatcher:
         live = list(step)
         for layer in range(engine.num_layers):
             live = self._serve_layer(layer, live)
-            if not live:
-                break
+            if not live:  # a failed call: the step's requests have their error
+                return
         run.forward_ends.append(time.perf_counter())
         engine.planner.forward_ended()
         self.steps += 1

@@ -131,11 +131,25 @@ class CompletionRequest(_Common):
         return v
 
 
+class TextPart(BaseModel):
+    """A message's content part; text only (this server's models read text)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: str | list[TextPart]
     name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
 
 
 class ChatRequest(_Common):

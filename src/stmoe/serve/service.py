@@ -57,7 +57,7 @@ class Service:
         return list(req.prompt)  # type: ignore[arg-type]
 
     def chat_ids(self, req: ChatRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         tok = self._tok()
         if getattr(tok, "chat_template", None):
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
