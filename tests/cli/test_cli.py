@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,11 @@ COMMANDS = [
     "capture",
     "simulate",
     "train-tiny",
+    "generate",
+    "pack",
+    "make-model",
+    "calibrate",
+    "serve",
 ]
 
 
@@ -32,6 +38,20 @@ def test_every_command_has_help(cli, command):
     result = cli(command, "--help")
     assert result.exit_code == 0
     assert "Usage: stmoe" in result.output and len(result.output) > 200
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_texts_keep_their_square_brackets(cli, command):
+    """"[min, max]" is text, not a markup tag to drop (it was, in generate --repeat)."""
+    import typer.main
+
+    from stmoe.cli import app
+
+    params = typer.main.get_command(app).commands[command].params
+    shown = " ".join(cli(command, "--help").output.split())
+    for p in params:
+        for bracket in re.findall(r"\[[^\]]*\]", getattr(p, "help", None) or ""):
+            assert " ".join(bracket.split()) in shown, (command, p.name, bracket)
 
 
 def test_top_level_help_lists_commands(cli):
@@ -152,3 +172,20 @@ def test_written_traces_follow_the_umask(cli, tmp_path):
         os.umask(old)
     assert res.exit_code == 0, res.output
     assert (tmp_path / "u.npz").stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("capacity", ["0", "150%", "99", "2", "lots"])
+def test_a_refused_capacity_is_refused_before_torch_loads(command, capacity):
+    """From config.json alone: under a second, torch never imported."""
+    code = ("import sys, time; from typer.testing import CliRunner; from stmoe.cli import app; "
+            "t = time.perf_counter(); r = CliRunner().invoke(app, sys.argv[1:]); "
+            "print(r.exit_code, 'torch' in sys.modules, time.perf_counter() - t); "
+            "print(r.output)")
+    args = [command, "--capacity", capacity] + (["--prompt", "x"] if command == "generate" else [])
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         check=True).stdout
+    status, torch_loaded, seconds = out.split("\n")[0].split()
+    assert status == "1" and torch_loaded == "False", out
+    assert float(seconds) < 1.0, out
+    assert "capacity" in out, out

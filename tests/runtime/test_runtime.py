@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from stmoe.errors import OffloadError  # noqa: E402
 from stmoe.hf.capture_generate import capture_generation  # noqa: E402
 from stmoe.hf.layout import experts_modules  # noqa: E402
-from stmoe.predictors import profile, save_tables  # noqa: E402
+from stmoe.predictors import REGISTRY, profile, save_tables  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.cache import READY, LayerCache, ParamSpec  # noqa: E402
 from stmoe.runtime.options import resolve_capacity  # noqa: E402
@@ -65,7 +65,8 @@ def test_offloaded_generation_is_bit_identical_to_the_resident_model(family, pre
     name, (ref_seq, ref_logits), ref_forward, store, tables, num_experts = family
     for capacity in (2, 5, num_experts):  # top-K .. all experts
         model, _ = tiny_model(name)  # offloading releases the experts: a fresh copy each time
-        with offload(model, store, capacity=capacity, predictor=predictor, tables=tables,
+        with offload(model, store, capacity=capacity, predictor=predictor,
+                     tables=tables if REGISTRY[predictor].needs_tables else None,
                      tier="disk", workers=2) as om:
             (seq, logits), stats = om.measure(lambda om=om: _generate(om.model))
             om.engine.check()

@@ -37,6 +37,9 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # help texts are plain text: "[min, max]" and "[x>=1]" stay as written (rich markup
+    # would take them for tags and drop them)
+    rich_markup_mode=None,
 )
 
 

@@ -41,6 +41,7 @@ from stmoe.cli.offload_options import (
     ThreadsOpt,
     TierOpt,
     WorkersOpt,
+    check_capacity_early,
 )
 from stmoe.errors import StmoeError, StmoeNote, TraceError
 from stmoe.runtime.options import OffloadOptions
@@ -137,6 +138,7 @@ def generate_cmd(
     if model is not None and not model.is_dir():
         raise StmoeError(f"{model}: not a folder; --model expects a local transformers "
                          "checkpoint folder")
+    check_capacity_early(model, capacity)
     to_stdout = json_to_stdout(json_out)
     try:
         import torch

@@ -157,3 +157,43 @@ QuantizeResidentOpt = Annotated[
                  "lm_head), int8 or int4 (lossy; routers and gates stay native). Default: "
                  "native."),
 ]
+
+
+def check_capacity_early(model: Path | None, capacity: str | None) -> None:
+    """A --capacity the model cannot take, refused from its config.json alone, before
+    torch and the model load (seconds): the grammar, a count above its N, a share or
+    count below its top-k. A byte budget's check needs the store, so it comes later."""
+    import json
+
+    from stmoe.errors import OffloadError, StmoeError
+    from stmoe.runtime.options import _TOP_K_NAMES, resolve_capacity
+    from stmoe.util.units import UnitError, parse_capacity
+
+    if capacity is None:
+        return
+    try:
+        parsed = parse_capacity(capacity)
+    except UnitError as exc:
+        raise StmoeError(str(exc)) from None
+    if parsed.kind == "bytes":
+        return
+    if model is None:
+        from stmoe.models import SHIPPED_MODEL
+
+        model = SHIPPED_MODEL
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the loader says what is wrong with the folder
+    configs = [config, config.get("text_config") or {}]
+    experts = next((c[k] for c in configs for k in ("num_experts", "num_local_experts",
+                                                      "n_routed_experts")
+                    if isinstance(c.get(k), int)), None)
+    top_k = next((c[k] for c in configs for k in _TOP_K_NAMES if isinstance(c.get(k), int)),
+                 None)
+    if experts is None or top_k is None:
+        return
+    try:
+        resolve_capacity(capacity, 1, experts, top_k, 1)
+    except OffloadError as exc:
+        raise StmoeError(str(exc)) from None

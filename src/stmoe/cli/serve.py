@@ -26,6 +26,7 @@ from stmoe.cli.offload_options import (
     ThreadsOpt,
     TierOpt,
     WorkersOpt,
+    check_capacity_early,
 )
 from stmoe.errors import StmoeError
 
@@ -82,6 +83,7 @@ def serve_cmd(
     if model is not None and not model.is_dir():
         raise StmoeError(f"{model}: not a folder; --model expects a local transformers "
                          "checkpoint folder")
+    check_capacity_early(model, capacity)
     try:
         import torch
 

@@ -156,6 +156,8 @@ def info_cmd(
         ("sequences", summary["sequences"]),
         ("prefill / decode", f"{summary['prefill_tokens']} / {summary['decode_tokens']}"),
         ("gate weights", "yes" if summary["has_weights"] else "no"),
+        ("rank order", "the router's" if summary["rank_order"] else
+         "not kept by the source: each row is a set"),
         ("empty slots", summary["empty_slots"]),
         (
             "load max/mean",

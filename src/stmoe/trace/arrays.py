@@ -46,7 +46,9 @@ def read_npy(
     return finish(
         Columns(experts=np.asarray(ex), seq_starts=starts,
                 is_decode=decode_by_prompt(starts, ex.shape[0], opts.prompt_lengths)),
-        opts, num_experts, {"source": f"imported from {path.name}", "file": str(path)},
+        opts, num_experts, {"source": f"imported from {path.name}", "file": str(path),
+                            # a bare array (vLLM's) does not say it keeps rank order
+                            "rank_order": bool(exported)},
     )
 
 

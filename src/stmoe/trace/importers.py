@@ -158,7 +158,11 @@ def import_files(
         merged = torchfile.read_many([Path(p) for p in paths], opts, options.get("num_experts"))
         if merged is not None:
             return _finish(merged, domain, options.get("model"))
-    parts = [import_file(p, format=format, domain=domain, **options) for p in paths]
+    engine = options.get("engine")
+    if len(paths) > 1 and engine is not None and engine.prompt_lengths is not None:
+        parts = _with_prompt_lengths(paths, engine.prompt_lengths, format, domain, options)
+    else:
+        parts = [import_file(p, format=format, domain=domain, **options) for p in paths]
     try:
         return concat(parts, drop_partial=drop_partial)
     except TraceError as exc:
@@ -170,6 +174,33 @@ def import_files(
             if inferred
             else (exc.hint or "import traces of different models separately"),
         ) from None
+
+
+def _with_prompt_lengths(paths: Sequence[str | Path], lengths: tuple[int, ...], format: str,
+                         domain: str | None, options: dict[str, Any]) -> list[RoutingTrace]:
+    """Several files and one --prompt-lengths list: one length per sequence across the
+    files, in file order (each file read once to count its sequences, then with its share)."""
+    import dataclasses
+    import warnings
+
+    counts = []
+    for p in paths:
+        with warnings.catch_warnings():  # the missing-prompt note: the lengths come next
+            warnings.simplefilter("ignore")
+            plain = dict(options, engine=dataclasses.replace(options["engine"],
+                                                             prompt_lengths=None))
+            counts.append(import_file(p, format=format, domain=domain, **plain).num_sequences)
+    if sum(counts) != len(lengths):
+        raise TraceError(f"{len(lengths)} prompt lengths for {sum(counts)} sequences in "
+                         f"{len(paths)} files", position="--prompt-lengths",
+                         expected="one per sequence, across the files in the order given")
+    parts, at = [], 0
+    for p, n in zip(paths, counts, strict=True):
+        share = dict(options, engine=dataclasses.replace(options["engine"],
+                                                         prompt_lengths=lengths[at:at + n]))
+        parts.append(import_file(p, format=format, domain=domain, **share))
+        at += n
+    return parts
 
 
 def _kind(path: Path, format: str) -> str:

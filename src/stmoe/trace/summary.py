@@ -52,6 +52,8 @@ def summarize(trace: RoutingTrace) -> dict[str, Any]:
         "prefill_tokens": trace.num_tokens - n_decode,
         "decode_tokens": n_decode,
         "has_weights": trace.weights is not None,
+        # False where the source does not keep the router's rank inside a row (vLLM)
+        "rank_order": trace.meta.extra.get("rank_order", True) is not False,
         "domains": seq_of_domain,
         "empty_slots": int(trace.num_tokens * trace.num_layers * trace.top_k - load.sum()),
         "load_balance_max_over_mean": [round(float(x), 4) for x in balance],

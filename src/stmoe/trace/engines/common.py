@@ -2,10 +2,10 @@
 
 Engines hand out routing per request, over the model's *every* layer (dense ones
 hold a fill value), with the prompt length somewhere else or nowhere. Each reader
-turns its layout into ``Request`` objects; ``assemble`` applies the same rules to
-all of them: the user's ``--prompt-lengths`` against the file's own, dense layers
-dropped with a note (``--moe-layers`` overrides the guess), empty trailing slots
-trimmed, ids range-checked before they are narrowed to int16.
+turns its layout into ``Request`` objects; ``assemble`` applies the same rules to all
+of them: the user's ``--prompt-lengths`` against the file's own, an all-zero routing
+refused, dense layers dropped with a note (``--moe-layers`` overrides the guess), empty
+trailing slots trimmed, ids range-checked before they are narrowed to int16.
 """
 
 from __future__ import annotations
@@ -175,8 +175,7 @@ def note_missing_prompts(requests: Sequence[Request], opts: EngineOptions) -> No
     ``--prompt-lengths`` gives: all their tokens are read as prefill."""
     missing = [r.where for r in requests if r.prompt_len is None]
     if missing and opts.prompt_lengths is None:
-        named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3
-                                          else "")
+        named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" * (len(missing) > 3))
         note(f"{named}: the file gives no prompt length, so every token is read as prefill; "
              "pass --prompt-lengths to mark the generated ones decode")
 
@@ -226,6 +225,9 @@ def finish(
     cols: Columns, opts: EngineOptions, num_experts: int | None, meta: dict[str, Any]
 ) -> RoutingTrace:
     """Drop dense layers and unused slots, check ids, narrow to int16, validate."""
+    if np.size(cols.experts) > np.shape(cols.experts)[-1] and not np.any(cols.experts):
+        raise TraceError("every routed expert id is 0", expected="the router's choices", hint=(
+            "one fused-kernel path of vLLM returns all zeros; record with enforce_eager=True"))
     keep, extra = _moe_layers(cols.experts, opts.moe_layers)
     extra.update(cols.extra)
     experts = np.asarray(cols.experts)[:, keep]
@@ -237,6 +239,8 @@ def finish(
         experts, weights, changed = order_by_weight(experts, weights[:, :, :width])
         if changed:
             extra["reordered_by_weight"] = changed
+    extra.update({} if weights is not None or meta.get("rank_order") is not False else
+                 {"rank_order": False})  # each row a set: the order is the file's
     if num_experts is None:
         num_experts = inferred_num_experts(experts)
         extra["num_experts_inferred"] = True

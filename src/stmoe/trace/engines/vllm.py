@@ -76,7 +76,7 @@ def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> R
     note_missing_prompts(requests, opts)
     opts = written_moe_layers(opts, doc.get("stmoe_moe_layers"), "response")
     meta = {"source": f"imported from {path.name} (vLLM response)", "file": str(path),
-            "model": doc.get("model", "unknown")}
+            "model": doc.get("model", "unknown"), "rank_order": False}  # CPU: topk unsorted
     return assemble(requests, opts, num_experts, meta)
 
 
