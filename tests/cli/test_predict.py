@@ -177,3 +177,27 @@ def test_profiling_tables_that_cannot_fit_in_memory_is_one_line(cli, tmp_path, m
 
     assert table_bytes(ModelShape(8, 64, 2)) < 2**21  # ordinary models are far below
     check_table_memory(ModelShape(8, 64, 2))
+
+
+def test_eval_without_tables_gives_each_skipped_predictor_its_own_reason(cli, tmp_path):
+    """A trace that records the gate lookahead: hybrid is skipped for want of tables (it
+    needs both), not for a lookahead the trace has; gate-lookahead runs."""
+    pytest.importorskip("torch")
+    prompts, trace = tmp_path / "p.txt", tmp_path / "c.npz"
+    prompts.write_text("def fib(n):\nThe river\n")
+    assert cli("capture", "--prompts", prompts, "-o", trace, "--max-new-tokens", "4").exit_code == 0
+    result = cli("eval", trace, "--json", "-")
+    assert result.exit_code == 0, result.output
+    assert "gate-lookahead" in json.loads(result.stdout)["predictors"]
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: skipping")]
+    assert not any("records no gate lookahead" in n for n in notes), notes
+    assert any(n.startswith("note: skipping") and "hybrid" in n and "no --tables" in n
+               for n in notes), notes
+
+
+def test_eval_table_has_no_column_that_repeats_recall(cli, tmp_path):
+    trace = tmp_path / "s.npz"
+    cli("synth", "-o", trace, "--tokens", "200", "--layers", "3", "--experts", "8",
+        "--top-k", "2", "--sequences", "2")
+    header = next(line for line in cli("eval", trace).output.splitlines() if "recall" in line)
+    assert "prefill recall" in header and "decode" not in header, header

@@ -60,7 +60,7 @@ def test_the_cli_refuses_both_and_prints_the_split(cli):
     res = cli("generate", "--prompt", "def f(", "--max-new-tokens", "2", "--memory", "2GB",
               "--json", "-")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["config"]["memory_plan"]["per_layer"] == 16
+    assert json.loads(res.stdout)["config"]["memory_plan"]["per_layer"] == 16
 
 
 def test_a_process_under_a_cgroup_of_its_budget_stays_within_it(tmp_path):

@@ -230,4 +230,4 @@ def test_the_cli_packs_and_generates_in_a_format_and_says_so(cli, tmp_path):
                    "weight format 'int2' is not one of native, int8, int4")
     res = cli(*args, "--format", "int8", "--json", "-")  # packed on first use, in int8
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["config"]["weights"] == "int8"
+    assert json.loads(res.stdout)["config"]["weights"] == "int8"

@@ -394,3 +394,24 @@ def test_a_full_disk_while_packing_names_the_store_and_keeps_the_old_one(packed,
         pack(model, out)
     assert caught.value.filename == str(out) and "No space left" in caught.value.strerror
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_pack_the_disk_cannot_hold_is_refused_in_one_line(tmp_path, monkeypatch):
+    from stmoe.runtime.store import pack_folder
+
+    folder = _saved("mixtral", tmp_path / "model")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=1000))  # a nearly full disk
+    with pytest.raises(StoreError, match=r"needs about .* GiB and .* has 0\.0 GiB free"):
+        pack_folder(folder, tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+
+
+def test_packing_on_first_use_is_announced_off_a_terminal_too(tmp_path, monkeypatch, capsys):
+    folder = _saved("mixtral", tmp_path / "model")
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
+    with offload(folder, capacity=4, predictor="ondemand"):
+        pass
+    err = capsys.readouterr().err
+    assert "packing model's experts" in err and "first use" in err, err

@@ -121,10 +121,11 @@ def _default_predictors(trace: RoutingTrace, tables: ProfiledTables | None) -> l
     """Every predictor this trace and these tables can run, with a note naming the others
     and why (a default run never drops a predictor silently)."""
     chosen, notes = names_for(trace), []
+    # each skipped predictor named once, with its own reason
+    look = [n for n in names() if REGISTRY[n].uses_lookahead and n not in chosen]
     if tables is None:
         notes.append(("no --tables", [n for n in chosen if REGISTRY[n].needs_tables]))
         chosen = [n for n in chosen if not REGISTRY[n].needs_tables]
-    look = [n for n in names() if REGISTRY[n].uses_lookahead and n not in chosen]
     notes.append(("the trace records no gate lookahead (`stmoe capture` of a transformers "
                   "model records it)", look))
     mix = [n for n in names() if REGISTRY[n].needs_domain_tables and n not in look]
@@ -261,7 +262,9 @@ def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
     synthetic = " [SYNTHETIC]" if trace.meta.synthetic else ""
     table = Table(title=f"{clean_label(trace.meta.model)}{synthetic}: {clean_label(data['scope'])}",
                   title_justify="left")
-    for col in ("predictor", "recall", "precision", "set size", "decode", "prefill"):
+    # recall is over the scope's tokens (decode tokens where the trace has any: the title
+    # says which); prefill recall beside it (a decode column would repeat recall)
+    for col in ("predictor", "recall", "precision", "set size", "prefill recall"):
         table.add_column(col, justify="left" if col == "predictor" else "right")
     has_cache = any("cache" in e for e in data["predictors"].values())
     if has_cache:
@@ -269,7 +272,7 @@ def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
             table.add_column(col, justify="right")
     for name, e in data["predictors"].items():
         row = [clean_label(name), f"{e['recall']:.3f}", f"{e['precision']:.3f}",
-               f"{e['set_size']:.2f}", _recall(e["decode"]), _recall(e["prefill"])]
+               f"{e['set_size']:.2f}", _recall(e["prefill"])]
         if has_cache:
             c = e["cache"]
             row += [f"{c['hit_rate']:.3f}", f"{c['moved_per_token']:.1f}",

@@ -78,13 +78,13 @@ def byte_progress(total: int, description: str) -> Iterator[Callable[[int], None
 def announced_byte_progress(
     announce: Callable[[int], str],
 ) -> Callable[[int, str], AbstractContextManager[Callable[[int], None]]]:
-    """A ``byte_progress`` factory that first prints ``announce(total)`` (on a terminal
-    only): for work a person did not ask for by name (packing a store on first use)."""
+    """A ``byte_progress`` factory that first prints ``announce(total)`` on stderr, on a
+    terminal or not (the bar itself only on a terminal): for work a person did not ask
+    for by name (packing a store on first use: gigabytes of disk)."""
 
     @contextmanager
     def bar(total: int, description: str) -> Iterator[Callable[[int], None]]:
-        if _enabled():
-            print(announce(total), file=sys.stderr)
+        print(announce(total), file=sys.stderr, flush=True)
         with byte_progress(total, description) as advance:
             yield advance
 

@@ -130,6 +130,8 @@ def pack_folder(model_dir: str | Path, out_dir: str | Path,
                                                  for row, t in zip(experts.layers,
                                                                    experts.transposed,
                                                                    strict=True)]))
+    # the store: the native bytes, or about 1/2 (int8) and 1/4 (int4) of bf16 experts
+    _check_disk(Path(out_dir), experts.nbytes * {"int8": 0.5, "int4": 0.25}.get(weights.name, 1))
     record = file_records(model_dir)
     try:
         label = f"packing {model_dir.name}" + (f" as {weights.short}" if weights.quantized
@@ -269,6 +271,19 @@ def open_store(model_dir: str | Path, store: str | Path | None,
     opened = ExpertStore(out)
     opened.check_source(model_dir)
     return opened
+
+
+def _check_disk(out_dir: Path, needed: float) -> None:
+    """Refuse, in one line, a pack the disk under ``out_dir`` cannot hold (``needed``: the
+    experts' bytes in the store's format, estimated from the checkpoint's headers)."""
+    import shutil
+
+    where = next((p for p in [out_dir, *out_dir.parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(where).free
+    if free < needed:
+        raise StoreError(f"{out_dir}: the store needs about {needed / 2**30:.1f} GiB and "
+                         f"{where} has {free / 2**30:.1f} GiB free; free some space or pass "
+                         "--store (or STMOE_CACHE) on another disk")
 
 
 def ensure_store(model_dir: str | Path, store: str | Path | None,
