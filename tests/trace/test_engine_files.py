@@ -182,3 +182,26 @@ def test_moe_infinity_expert_drop_binary_and_npz(tmp_path, cli):
     npz = load_trace(tmp_path / "drop.npz")
     assert npz.num_tokens == 3 and npz.num_layers == 2
     assert np.array_equal(npz.experts, trace.experts[trace.is_decode])
+
+
+def test_moe_infinity_passes_follow_its_own_step_grouping(tmp_path):
+    """cost_model.group_steps: records in seq order, a new step where the layer does not
+    increase; a seq that counts records (not passes) imports to the same trace."""
+    ne, recs = expert_drop_records()
+
+    def write(records, name):
+        out = bytearray(b"MOEDROPT" + struct.pack("<iiiiq", 1, ne, 4, 0, len(records)))
+        out += np.zeros(4 * ne, "<i8").tobytes()
+        for seq, layer, rows, w, m in records:
+            out += struct.pack("<qiiB", seq, layer, rows, 1) + w.tobytes() + m.tobytes()
+            out += np.ones(ne, np.uint8).tobytes()
+        (tmp_path / name).write_bytes(bytes(out))
+        return load_trace(tmp_path / name)
+
+    per_pass = write(recs, "a.bin")
+    per_record = write([(i * 10, *r[1:]) for i, r in enumerate(recs)], "b.bin")
+    shuffled = write([(i * 10, *r[1:]) for i, r in enumerate(recs)][::-1], "c.bin")
+    for t in (per_record, shuffled):
+        assert np.array_equal(t.experts, per_pass.experts)
+        assert t.seq_starts.tolist() == per_pass.seq_starts.tolist()
+

@@ -7,8 +7,10 @@ Binary (little-endian), written by ``ExpertDispatcher::DumpExpertDropTrace``: ma
 residency-known, f32 weights ``[rows * E]``, u8 mask ``[rows * E]``, u8 resident ``[E]``.
 The ``.npz`` keeps decode records only: ``weights``/``mask``/``resident`` ``[R, E]``,
 ``layer``/``seq`` ``[R]``, ``byte_size`` and scalars. A record is one (forward pass,
-layer); its routed experts are the mask's, ordered by weight. A pass with several
-rows is a prompt (prefill), which starts a new sequence; one-row passes are decode.
+layer); its routed experts are the mask's, ordered by weight. Records are grouped into
+passes as MoE-Infinity's ``cost_model.group_steps`` does: in ``seq`` order, a new pass
+where the layer does not increase. A pass with several rows is a prompt (prefill),
+which starts a new sequence; one-row passes are decode.
 """
 
 from __future__ import annotations
@@ -87,16 +89,14 @@ def read_npz(arrays: dict[str, np.ndarray], path: Path, opts: EngineOptions,
 def _trace(records: list[Record], opts: EngineOptions, num_experts: int, meta: dict):
     if not records:
         raise TraceError("the trace holds no records", expected="at least one routed token")
-    passes: dict[int, list[Record]] = {}
-    for rec in records:
-        passes.setdefault(rec[0], []).append(rec)  # first-appearance order
+    passes = _steps(records)
     mapping, layer_extra = layer_numbering(r[1] for r in records)
     k = max(int(m.sum(axis=1).max(initial=0)) for _, _, _, m in records)
     requests: list[Request] = []
     blocks: list[tuple[np.ndarray, np.ndarray]] = []
     prompt = 0
-    for seq, recs in passes.items():
-        rows = _pass_rows(seq, recs, mapping)
+    for recs in passes:
+        rows = _pass_rows(recs[0][0], recs, mapping)
         if rows > 1 and blocks:
             requests.append(_request(blocks, prompt, len(requests), layer_extra))
             blocks = []
@@ -105,6 +105,19 @@ def _trace(records: list[Record], opts: EngineOptions, num_experts: int, meta: d
         blocks.append(_routing(recs, rows, mapping, k))
     requests.append(_request(blocks, prompt, len(requests), layer_extra))
     return assemble(requests, opts, num_experts, meta)
+
+
+def _steps(records: list[Record]) -> list[list[Record]]:
+    """The forward passes, as MoE-Infinity's own ``cost_model.group_steps`` reads them:
+    records in ``seq`` order (stable), a new pass wherever the layer does not increase
+    (``seq`` orders the records; it need not be one number per pass)."""
+    order = sorted(range(len(records)), key=lambda i: records[i][0])
+    steps: list[list[Record]] = []
+    for i in order:
+        if not steps or records[i][1] <= steps[-1][-1][1]:
+            steps.append([])
+        steps[-1].append(records[i])
+    return steps
 
 
 def _pass_rows(seq: int, recs: list[Record], mapping: dict[int, int]) -> int:
