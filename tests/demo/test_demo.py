@@ -221,3 +221,22 @@ def test_normalized_time_chart_marks_the_lossy_system(monkeypatch, tmp_path, qui
     assert hatches == expected + expected
     assert any(t.get_text().startswith("adap-gating: LOSSY: runs") and "not comparable"
                in t.get_text() for t in fig.texts)
+
+
+def test_an_interrupted_demo_says_so_and_keeps_the_previous_report(cli, tmp_path, monkeypatch):
+    import stmoe.demo
+
+    report = tmp_path / "demo"
+    report.mkdir()
+    (report / "index.html").write_text("previous run")
+
+    def interrupted(out_dir, **kwargs):
+        (out_dir / "index.html").write_text("half of a new run")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stmoe.demo, "run_demo", interrupted)
+    result = cli("demo", "-o", report)
+    assert result.exit_code == 130
+    assert f"interrupted; the report in {report} is from the previous run" in result.output
+    assert (report / "index.html").read_text() == "previous run"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no half-written folder

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from stmoe.cli.common import clean_label, err, out, path_option, plain_label
 from stmoe.errors import StmoeError
+from stmoe.util.fileio import atomic_folder
 
 
 def demo_cmd(
@@ -51,7 +52,14 @@ def demo_cmd(
             out.print(f"[{time.perf_counter() - start:5.1f} s] {clean_label(text)}", soft_wrap=True)
             status.update(clean_label(text))
 
-        summary = run_demo(output_dir, quick=quick, rounds=rounds, stage=stage)
+        try:  # written beside the old report and switched in at the end: never a mix
+            with atomic_folder(output_dir) as folder:
+                summary = run_demo(folder, quick=quick, rounds=rounds, stage=stage)
+        except KeyboardInterrupt:
+            kept = (f"the report in {clean_label(output_dir)} is from the previous run"
+                    if (output_dir / "index.html").exists() else "no report was written")
+            err.print(f"interrupted; {kept}", markup=False, soft_wrap=True)
+            raise typer.Exit(130) from None
     off = summary["offload"]
     # the headline and the generated text unwrapped: rich would cut them at the terminal's
     # width and break copied text (soft_wrap), and the model's text is not markup
