@@ -119,7 +119,7 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
                 "hit_rate": decode["hit_rate"], "prefetch_recall": decode["prefetch_recall"],
                 "stall_share": stall / decode_s, "bytes_per_token": moved / max(tokens, 1),
                 "bytes_wasted": om.engine.run.stats.bytes_wasted, "wall_s": wall,
-                "mean_batch": statistics.mean(batcher.step_sizes) if batcher.step_sizes else 0,
+                "mean_batch": statistics.mean(batcher.decode_sizes() or [0]),
             }
     return out
 

@@ -41,7 +41,8 @@ from stmoe.cli.offload_options import (
     ThreadsOpt,
     TierOpt,
     WorkersOpt,
-    check_capacity_early,
+    checked_model,
+    offload_for,
 )
 from stmoe.errors import StmoeError, StmoeNote, TraceError
 from stmoe.runtime.options import OffloadOptions
@@ -135,32 +136,14 @@ def generate_cmd(
                          "routing")
     if layers is not None and routing is None:
         raise StmoeError("--layers applies to --routing (which of the trace's layers to replay)")
-    if model is not None and not model.is_dir():
-        raise StmoeError(f"{model}: not a folder; --model expects a local transformers "
-                         "checkpoint folder")
-    check_capacity_early(model, capacity)
+    model = checked_model(model, capacity, memory)
     to_stdout = json_to_stdout(json_out)
-    try:
-        import torch
-
-        from stmoe.runtime.api import offload
-    except ImportError as exc:
-        raise StmoeError(f"generate needs torch and transformers ({exc}); install them with "
-                         "pip install -e '.[hf]'") from None
-    if model is None:
-        from stmoe.models import SHIPPED_MODEL
-
-        model = SHIPPED_MODEL
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if memory is not None and capacity is not None:
-        raise StmoeError("give --capacity or --memory, not both (--memory sizes the cache)")
-    with offload(model, store, capacity=capacity or _DEFAULT.capacity, memory=memory,
-                 predictor=predictor, tables=tables,
-                 policy=policy, tier=tier, bandwidth=bandwidth, latency=latency,
-                 workers=workers, max_loads=max_loads, lookahead=lookahead,
-                 admission=admission, format=weights, group_size=group_size,
-                 quantize_resident=quantize_resident) as om:
+    with offload_for("generate", model, store, capacity, threads, memory=memory,
+                     predictor=predictor, tables=tables, policy=policy, tier=tier,
+                     bandwidth=bandwidth, latency=latency, workers=workers,
+                     max_loads=max_loads, lookahead=lookahead, admission=admission,
+                     format=weights, group_size=group_size,
+                     quantize_resident=quantize_resident) as om:
         if routing is not None:
             run = _replay(om, routing, sequence, max_new_tokens, layers)
         else:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -159,14 +159,52 @@ QuantizeResidentOpt = Annotated[
 ]
 
 
-def check_capacity_early(model: Path | None, capacity: str | None) -> None:
-    """A --capacity the model cannot take, refused from its config.json alone, before
-    torch and the model load (seconds): the grammar, a count above its N, a share or
-    count below its top-k. A byte budget's check needs the store, so it comes later."""
+def checked_model(model: Path | None, capacity: str | None, memory: str | None) -> Path:
+    """The model folder (the shipped model by default), with what can be refused before
+    torch and the model load (seconds): --capacity beside --memory, a --model that is not
+    a folder, a --capacity the model cannot take (``check_capacity_early``)."""
+    from stmoe.errors import StmoeError
+
+    if memory is not None and capacity is not None:
+        raise StmoeError("give --capacity or --memory, not both (--memory sizes the cache)")
+    if model is not None and not model.is_dir():
+        raise StmoeError(f"{model}: not a folder; --model expects a local transformers "
+                         "checkpoint folder")
+    if model is None:
+        from stmoe.models import SHIPPED_MODEL
+
+        model = Path(SHIPPED_MODEL)
+    check_capacity_early(model, capacity)
+    return model
+
+
+def offload_for(command: str, model: Path, store: Path | None, capacity: str | None,
+                threads: int | None, **options: Any) -> Any:
+    """``stmoe.offload`` of ``model`` for a command: torch's threads set, the capacity's
+    default applied, a missing torch or transformers said in one line."""
+    from stmoe.errors import StmoeError
+
+    try:
+        import torch
+
+        from stmoe.runtime.api import offload
+    except ImportError as exc:
+        raise StmoeError(f"{command} needs torch and transformers ({exc}); install them with "
+                         "pip install -e '.[hf]'") from None
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return offload(model, store, capacity=capacity or _DEFAULT.capacity, **options)
+
+
+def check_capacity_early(model: Path, capacity: str | None) -> None:
+    """A --capacity the model cannot take, refused from its config.json alone: the
+    grammar, a count above its N, a share or count below its top-k. A byte budget's check
+    needs the store, so it comes later."""
     import json
+    from types import SimpleNamespace
 
     from stmoe.errors import OffloadError, StmoeError
-    from stmoe.runtime.options import _TOP_K_NAMES, resolve_capacity
+    from stmoe.runtime.options import resolve_capacity, top_k_of
     from stmoe.util.units import UnitError, parse_capacity
 
     if capacity is None:
@@ -177,21 +215,21 @@ def check_capacity_early(model: Path | None, capacity: str | None) -> None:
         raise StmoeError(str(exc)) from None
     if parsed.kind == "bytes":
         return
-    if model is None:
-        from stmoe.models import SHIPPED_MODEL
-
-        model = SHIPPED_MODEL
     try:
-        config = json.loads((Path(model) / "config.json").read_text())
+        config = json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
         return  # the loader says what is wrong with the folder
-    configs = [config, config.get("text_config") or {}]
-    experts = next((c[k] for c in configs for k in ("num_experts", "num_local_experts",
-                                                      "n_routed_experts")
-                    if isinstance(c.get(k), int)), None)
-    top_k = next((c[k] for c in configs for k in _TOP_K_NAMES if isinstance(c.get(k), int)),
-                 None)
-    if experts is None or top_k is None:
+    if not isinstance(config, dict):
+        return
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    found = [c.get(k) for c in (config, text) for k in ("num_experts", "num_local_experts",
+                                                        "n_routed_experts")]
+    experts = next((n for n in found if isinstance(n, int)), None)
+    try:
+        top_k = top_k_of(SimpleNamespace(**config, text_config=SimpleNamespace(**text)))
+    except OffloadError:
+        return  # the loader says what the config lacks
+    if experts is None:
         return
     try:
         resolve_capacity(capacity, 1, experts, top_k, 1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -26,7 +25,8 @@ from stmoe.cli.offload_options import (
     ThreadsOpt,
     TierOpt,
     WorkersOpt,
-    check_capacity_early,
+    checked_model,
+    offload_for,
 )
 from stmoe.errors import StmoeError
 
@@ -78,46 +78,26 @@ def serve_cmd(
     check_range("--workers", workers, 0, 64)
     if log_level not in ("warning", "info", "debug"):
         raise StmoeError(f"--log-level {log_level}: expected warning, info or debug")
-    if memory is not None and capacity is not None:
-        raise StmoeError("give --capacity or --memory, not both (--memory sizes the cache)")
-    if model is not None and not model.is_dir():
-        raise StmoeError(f"{model}: not a folder; --model expects a local transformers "
-                         "checkpoint folder")
-    check_capacity_early(model, capacity)
+    model = checked_model(model, capacity, memory)
     try:
-        import torch
-
-        from stmoe.runtime.api import offload
         from stmoe.serve.runner import serve_forever
         from stmoe.serve.service import Service
     except ImportError as exc:
-        raise StmoeError(f"serve needs torch, transformers, fastapi and uvicorn ({exc}); "
-                         "install them with pip install -e '.[hf]'") from None
-    if model is None:
-        from stmoe.models import SHIPPED_MODEL
-
-        model = SHIPPED_MODEL
-    if threads is not None:
-        torch.set_num_threads(threads)
-    om = offload(model, store, capacity=capacity or _DEFAULT.capacity, memory=memory,
-                 predictor=predictor, tables=tables, policy=policy, tier=tier,
-                 bandwidth=bandwidth, latency=latency, workers=workers,
-                 admission=admission, format=weights, group_size=group_size,
-                 quantize_resident=quantize_resident, lookahead=_lookahead(predictor))
-    try:
-        service = Service(om, name or Path(model).name, max_batch=max_batch, max_queue=max_queue)
-    except BaseException:
-        om.close()
-        raise
-    c = om.config
-    out.print(f"serving {service.name} on http://{host}:{port}/v1 ({c['weights_label']} "
-              f"experts, {c['capacity']} of {c['num_experts']} per layer cached, predictor "
-              f"{c['predictor']}, tier {c['tier']}, up to {max_batch} requests per step)",
-              markup=False)
-    try:
-        serve_forever(service, host, port, log_level)
-    finally:
-        om.close()
+        raise StmoeError(f"serve needs fastapi and uvicorn ({exc}); install them with "
+                         "pip install -e '.[hf]'") from None
+    with offload_for("serve", model, store, capacity, threads, memory=memory,
+                     predictor=predictor, tables=tables, policy=policy, tier=tier,
+                     bandwidth=bandwidth, latency=latency, workers=workers,
+                     admission=admission, format=weights, group_size=group_size,
+                     quantize_resident=quantize_resident,
+                     lookahead=_lookahead(predictor)) as om:
+        service = Service(om, name or model.name, max_batch=max_batch, max_queue=max_queue)
+        c = om.config
+        out.print(f"serving {service.name} on http://{host}:{port}/v1 ({c['weights_label']} "
+                  f"experts, {c['capacity']} of {c['num_experts']} per layer cached, predictor "
+                  f"{c['predictor']}, tier {c['tier']}, up to {max_batch} requests per step)",
+                  markup=False)
+        serve_forever(service, host, port, log_level)  # closes the service
 
 
 def _lookahead(predictor: str) -> str:

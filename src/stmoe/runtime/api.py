@@ -38,7 +38,7 @@ from stmoe.runtime.options import (
     top_k_of,
     with_overrides,
 )
-from stmoe.runtime.prompts import prompt_ids
+from stmoe.runtime.prompts import greedy_generate, prompt_ids
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import ExpertStore, default_store_dir, open_store, pack
@@ -206,14 +206,7 @@ class OffloadedModel:
         return result, self.engine.finish()
 
     def _run(self, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        gen = self.model.generation_config
-        pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
-        if isinstance(pad, list):
-            pad = pad[0]
-        with torch.no_grad():
-            return self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                       max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                       do_sample=False, pad_token_id=pad)
+        return greedy_generate(self.model, ids, max_new_tokens, ignore_eos=True)
 
 
 def offload(

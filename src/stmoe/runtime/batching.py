@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.runtime.prompts import greedy_generate
 from stmoe.runtime.requests import (
     Cancel,
     Cancelled,
@@ -73,13 +74,9 @@ class StepBatcher:
         self.closed = False
         self.steps = 0
         self.started = 0  # requests started (names their threads)
-        self.step_sizes: list[int] = []  # decode steps' member counts (recent)
         # the recent steps' (start time, prompt or not, members): a step lasts until the next
         self.step_log: deque[tuple[float, bool, int]] = deque(maxlen=4096)
         self.error: BaseException | None = None
-        gen = self.model.generation_config
-        pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
-        self.pad = pad[0] if isinstance(pad, list) else pad
         self._ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name="stmoe-batcher", daemon=True)
         self.thread.start()
@@ -99,6 +96,10 @@ class StepBatcher:
             self.waiting.append(request)
             self.cv.notify_all()
         return request
+
+    def decode_sizes(self) -> list[int]:
+        """The recent decode steps' member counts (from ``step_log``)."""
+        return [n for _, prompt, n in list(self.step_log) if not prompt]
 
     def queue_depth(self) -> tuple[int, int]:
         """(requests running, requests queued)."""
@@ -174,10 +175,8 @@ class StepBatcher:
                 self._run_step(step)
             except Exception as exc:  # the step's requests fail; the batcher goes on
                 with self.cv:
-                    for r in step:
-                        if r.arrival is not None:
-                            r.arrival, r.result = None, exc
-                    self.cv.notify_all()
+                    waiting = [r for r in step if r.arrival is not None]
+                self._fail(waiting, exc)
 
     def _admit(self) -> None:
         """(cv held) Start queued requests on free slots."""
@@ -213,12 +212,8 @@ class StepBatcher:
 
         self.local.request = r
         try:
-            with torch.no_grad():
-                self.model.generate(
-                    r.ids, attention_mask=torch.ones_like(r.ids), max_new_tokens=r.max_new_tokens,
-                    min_new_tokens=r.max_new_tokens if r.ignore_eos else None, do_sample=False,
-                    pad_token_id=self.pad, streamer=Streamer(r),
-                    stopping_criteria=StoppingCriteriaList([Cancel(r)]))
+            greedy_generate(self.model, r.ids, r.max_new_tokens, r.ignore_eos, streamer=Streamer(r),
+                            stopping_criteria=StoppingCriteriaList([Cancel(r)]))
             error = Cancelled("cancelled") if r.cancelled.is_set() else None
         except BaseException as exc:
             error = exc
@@ -254,8 +249,6 @@ class StepBatcher:
         run.forward_ends.append(time.perf_counter())
         engine.planner.forward_ended()
         self.steps += 1
-        if not prompt:
-            self.step_sizes = ([*self.step_sizes, len(step)])[-256:]
         for r in step:
             r.calls += 1
             r.usage.steps += 1
@@ -298,11 +291,10 @@ class StepBatcher:
                 r.usage.hits += sum(e in cache.where for e in ids)
             stall0, moved0 = phase._stall[layer], state.run.stats.bytes_moved
         try:
-            out: torch.Tensor | None = self.engine.server.serve_segments(
+            out = self.engine.server.serve_segments(
                 module, hidden, index, weights, segments, self.pool if len(live) > 1 else None)
-            error: BaseException | None = None
-        except BaseException as exc:
-            out, error = None, exc
+        except BaseException as exc:  # every request of the call gets it
+            return self._fail(live, exc)
         with self.engine.cv:
             stall = phase._stall[layer] - stall0
             moved = state.run.stats.bytes_moved - moved0
@@ -310,10 +302,9 @@ class StepBatcher:
             for r, s in zip(live, segments, strict=True):
                 r.usage.stall_s += stall
                 r.usage.bytes_read += moved / len(live)
-                r.arrival = None
-                r.result = error if error is not None else out[s]  # type: ignore[index]
+                r.arrival, r.result = None, out[s]
             self.cv.notify_all()
-        return live if error is None else []
+        return live
 
     def _fail(self, live: list[Request], error: BaseException) -> list[Request]:
         """The step's calls at this layer all end with ``error``; the step ends."""

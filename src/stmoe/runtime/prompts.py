@@ -1,5 +1,6 @@
 """A prompt given as token ids, checked before it reaches the model (a bad id would index
-past the embedding, or be silently wrapped)."""
+past the embedding, or be silently wrapped), and the one greedy generation every
+runner calls (``OffloadedModel.generate``, each request of the step batcher)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,17 @@ def prompt_ids(prompt: Any, config: Any) -> torch.Tensor:
                              if vocab else f"prompt token {i} is negative")
         ids.append(int(t))
     return torch.tensor([ids], dtype=torch.long)
+
+
+def greedy_generate(model: Any, ids: torch.Tensor, max_new_tokens: int, ignore_eos: bool,
+                    **extra: Any) -> torch.Tensor:
+    """transformers' greedy ``generate`` on ``ids`` [1, S], no padding; ``ignore_eos``:
+    exactly ``max_new_tokens`` (a measured run); ``extra``: a streamer, stopping criteria."""
+    gen = model.generation_config
+    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids),
+                              max_new_tokens=max_new_tokens,
+                              min_new_tokens=max_new_tokens if ignore_eos else None,
+                              do_sample=False, pad_token_id=pad[0] if isinstance(pad, list)
+                              else pad, **extra)

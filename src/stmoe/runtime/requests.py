@@ -34,10 +34,10 @@ class Usage:
     batch_sum: int = 0  # the members of its decode steps, summed (mean batch = / steps)
 
     def to_dict(self) -> dict[str, Any]:
-        decode = max(self.steps - 1, 1)
+        decode_steps = self.steps - 1  # its first step is its prompt, alone
         return {"hit_rate": self.hits / self.needed if self.needed else 0.0,
                 "stall_s": self.stall_s, "bytes_read": int(self.bytes_read),
-                "mean_batch": self.batch_sum / decode if self.steps > 1 else 1.0}
+                "mean_batch": self.batch_sum / decode_steps if decode_steps > 0 else 1.0}
 
 
 @dataclass(eq=False)

@@ -184,7 +184,7 @@ async def _sse(service: Service, job: Job, events: asyncio.Queue[int | None], te
     try:
         if chat:
             yield chunk(None, None, first=True)
-        while (token := await events.get()) is not None:
+        while await events.get() is not None:
             delta = text.push()
             if delta:
                 yield chunk(delta, None)
@@ -200,7 +200,6 @@ async def _sse(service: Service, job: Job, events: asyncio.Queue[int | None], te
             yield "data: " + json.dumps({**meta, "object": kind, "choices": [],
                                          "usage": _usage(job)}) + "\n\n"
         yield "data: [DONE]\n\n"
-        del token
     finally:  # the client went away (or the stream ended): the job leaves the batch
         if not job.done.is_set():
             job.cancel()

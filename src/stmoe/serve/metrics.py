@@ -22,7 +22,7 @@ def metrics_text(service: Any) -> str:
         decode = stats.phases["decode"].summary()
         moved, wasted = stats.bytes_moved, stats.bytes_wasted
     running, queued = service.batcher.queue_depth()
-    sizes = list(service.batcher.step_sizes)
+    sizes = service.batcher.decode_sizes()[-256:]
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_: str, values: list[tuple[str, float]]) -> None:
