@@ -223,3 +223,38 @@ def test_more_new_tokens_than_the_routing_holds_is_a_note(replay_setup, cli):
     assert res.exit_code == 0 and "note:" not in res.output
     res = cli(*args, "--layers", "4")
     assert res.exit_code == 1 and str(root / "t.npz") in res.output
+
+
+def _set_rows(trace):
+    """``trace`` as a set-only source imports it (vLLM: no weights, ``rank_order: false``)."""
+    import dataclasses
+
+    meta = dataclasses.replace(trace.meta, extra={**trace.meta.extra, "rank_order": False})
+    return dataclasses.replace(trace, meta=meta, weights=None)
+
+
+def test_set_rows_are_served_in_their_canonical_order():
+    """Forced routing reads rows as sets (uniform weights: the rank decides no weight),
+    so any order inside a row gives the same plan."""
+    import dataclasses
+
+    trace = _set_rows(_trace())
+    flipped = dataclasses.replace(trace, experts=np.ascontiguousarray(trace.experts[:, :, ::-1]))
+    a, b = (plan_routing(t, 0, 5, 16, 4, vocab_size=4096) for t in (trace, flipped))
+    assert not a.ranked and np.array_equal(a.experts, b.experts)
+    assert np.all(np.diff(a.experts, axis=-1) > 0) and np.all(a.weights == 0.25)
+    assert plan_routing(_trace(), 0, 5, 16, 4, vocab_size=4096).ranked
+
+
+def test_generate_refuses_set_rows_for_a_predictor_that_reads_rank(replay_setup, cli):
+    from conftest import one_line_error
+    from stmoe.trace import save_trace
+
+    root, model_dir, trace = replay_setup
+    save_trace(_set_rows(trace), root / "sets.npz")
+    args = ["generate", "--model", model_dir, "--store", root / "store", "--capacity", "8",
+            "--tables", root / "tables.npz", "--routing", root / "sets.npz", "--sequence", "1"]
+    one_line_error(cli(*args, "--predictor", "stmoe"), "predictor 'stmoe' reads the router's "
+                   "rank order", "online update", str(root / "sets.npz"), "rank_order: false")
+    res = cli(*args, "--predictor", "stmoe-plus", "--json", "-")  # reads rows as sets
+    assert res.exit_code == 0, res.output

@@ -7,6 +7,7 @@ per-request files with one --prompt-lengths list, and the server's response."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -131,3 +132,30 @@ def test_live_vllm_gives_the_recorded_arrays(tmp_path):  # pragma: no cover - op
     subprocess.run([sys.executable, str(work / "record.py")], check=True, cwd=work)
     for i in range(3):
         assert np.array_equal(np.load(work / f"req{i}.npy"), np.load(DATA / f"req{i}.npy"))
+
+
+def test_set_reading_consumers_give_the_same_figures_as_on_the_ranked_capture(captured):
+    """The real engine's rows (sets) and stmoe's capture of the same prompts (rank order,
+    the same sets): every predictor that reads rows as sets, and profiling, give the same
+    figures on both; the ones that read rank refuse vLLM's (docs/trace-format.md)."""
+    from stmoe.errors import TraceError
+    from stmoe.evaluate.replay import replay
+    from stmoe.predictors import names_for, profile, rank_readers
+    from stmoe.trace.schema import RoutingTrace
+
+    lengths = [len(r["prompt_token_ids"]) for r in RECORD]
+    sets = import_files([DATA / f"req{i}.npy" for i in range(3)],
+                        engine=EngineOptions.parse(",".join(map(str, lengths))))
+    rows = [_sequence(captured, s)[0][: int(sets.seq_ends[s] - sets.seq_starts[s])]
+            for s in range(sets.num_sequences)]
+    ranked = RoutingTrace(np.concatenate(rows).astype(np.int16), sets.seq_starts,
+                          sets.is_decode, dataclasses.replace(sets.meta, extra={}))
+    assert _sets(ranked.experts) == _sets(sets.experts)
+    assert not np.array_equal(ranked.experts, sets.experts)  # (other orders inside rows)
+    names = names_for(sets)
+    assert set(names).isdisjoint(rank_readers())
+    got = [replay(t, names, profile(t)).to_dict()["predictors"] for t in (sets, ranked)]
+    assert got[0] == got[1]
+    with pytest.raises(TraceError, match="predictor 'stmoe' reads the router's rank order"):
+        replay(sets, ["stmoe"], profile(sets))
+    replay(ranked, ["stmoe"], profile(ranked))  # the capture keeps rank: fine

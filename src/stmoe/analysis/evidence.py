@@ -23,7 +23,8 @@ from stmoe.analysis.stats import (
 )
 from stmoe.errors import StmoeNote
 from stmoe.evaluate.replay import replay
-from stmoe.predictors import names_for, profile
+from stmoe.predictors import names_for, profile, rank_readers
+from stmoe.trace.ranks import is_ranked
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import select_domain, split_auto
 from stmoe.trace.summary import expert_load, summarize
@@ -131,6 +132,11 @@ def predictability(trace: RoutingTrace, fraction: float = 0.5) -> dict[str, Any]
         return None
     prof, held_out = split_auto(trace, fraction)
     names, tables = names_for(held_out), profile(prof)
+    unranked = [] if is_ranked(held_out) else rank_readers()
+    if unranked:
+        warnings.warn(f"predictability: {', '.join(unranked)} not replayed: they read the "
+                      "router's rank order inside a row, and this trace's rows are sets "
+                      "(rank_order: false)", StmoeNote, stacklevel=2)
     result = replay(held_out, names, tables, options={"seed": 0}).to_dict()
     curves = {n: e["budget_curve"] for n, e in result["predictors"].items()}
     # predictors whose set size is a knob rank every expert: their curves run to 4K
@@ -147,6 +153,7 @@ def predictability(trace: RoutingTrace, fraction: float = 0.5) -> dict[str, Any]
         "curves": curves,
         "recall": {n: e["recall"] for n, e in result["predictors"].items()},
         "set_size": {n: e["set_size"] for n, e in result["predictors"].items()},
+        "skipped_rank_order": unranked,  # predictors left out: they read rank, rows are sets
     }
 
 

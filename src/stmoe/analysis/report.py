@@ -143,7 +143,10 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
              "to its B highest-scored experts (B = 1..4K) and plots recall against the mean "
              "set size that gives; stmoe-plus, hybrid, gate-lookahead, frequency and random "
              "rank 4K experts for their curves. The table gives each predictor at its default "
-             "set size, then at mean set sizes K and 2K ('-': its sets never get that large)."],
+             "set size, then at mean set sizes K and 2K ('-': its sets never get that large)."
+             + (f" Not replayed: {', '.join(p['skipped_rank_order'])}, which read the router's "
+                "rank order inside a row; this trace's rows are sets (its source did not keep "
+                "that order)." if p.get("skipped_rank_order") else "")],
             [("predictability.png", "Recall versus mean set size.")],
             (["predictor", "recall", "mean set size", f"recall at set size K = {k}",
               f"at 2K = {2 * k}"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
 import typer
 from rich.table import Table
 
@@ -31,11 +30,13 @@ from stmoe.predictors import (
     names,
     names_for,
     profile,
+    rank_readers,
     save_tables,
 )
 from stmoe.predictors.base import ModelShape
 from stmoe.predictors.tables import ProfiledTables
 from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
+from stmoe.trace.ranks import is_ranked, set_order
 from stmoe.trace.select import select_layers
 
 SplitOpt = Annotated[
@@ -107,8 +108,10 @@ def _warn_in_sample(trace: RoutingTrace, tables: ProfiledTables) -> None:
     stmoe-plus's memory recalls nearly everything it has seen."""
     if tables.recent is None or tables.shape != ModelShape.of(trace):
         return
-    seen = {row.tobytes() for row in np.asarray(tables.recent, dtype=np.int16)}
-    routing = np.asarray(trace.experts, dtype=np.int16)
+    # compared as sets (each row in the canonical order): a trace whose rows are sets
+    # may hold a profiled token's experts in another order
+    seen = {row.tobytes() for row in set_order(tables.recent)[0]}
+    routing = set_order(trace.experts)[0]
     known = sum(routing[t].tobytes() in seen for t in range(trace.num_tokens))
     if known > trace.num_tokens / 2:
         err.print(f"note: {known} of the {trace.num_tokens} tokens replayed were profiled into "
@@ -131,6 +134,13 @@ def _default_predictors(trace: RoutingTrace, tables: ProfiledTables | None) -> l
     mix = [n for n in names() if REGISTRY[n].needs_domain_tables and n not in look]
     notes.append(("run it by name (--predictor stmoe-mix) with tables of `stmoe profile "
                   "--by-domain`", mix))
+    if not is_ranked(trace):  # each reason once, with the predictors it keeps out
+        by_reason: dict[str, list[str]] = {}
+        for n in rank_readers():
+            by_reason.setdefault(REGISTRY[n].needs_rank_order, []).append(n)
+        notes += [(f"they read the router's rank order inside a row ({why}) and this trace's "
+                   "rows are sets (rank_order: false; docs/trace-format.md)", skipped)
+                  for why, skipped in by_reason.items()]
     for why, skipped in notes:
         if skipped:
             err.print(f"note: skipping {', '.join(skipped)}: {why}", markup=False,

@@ -3,6 +3,8 @@
 Order (docs/method.md): tokens one at a time in trace order, prefill included, so online
 tables learn from the prompt too; within a token, layer by layer. Headline
 figures cover decode tokens (when the trace marks them) at layers 1..L-1.
+A trace whose rows are sets (``trace.ranks``) is replayed in their canonical order,
+so every result is a function of the sets; a predictor that reads rank refuses it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from stmoe.predictors import (
     profile,
 )
 from stmoe.predictors.kernels import plan_hits
+from stmoe.trace.ranks import as_sets
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import select_domain, split_auto
 
@@ -131,6 +134,8 @@ def evaluate(
     policy: str = "lru",
 ) -> PredictorResult:
     """Replay one predictor over ``trace`` (the predictor learns as it goes)."""
+    predictor.check_rows(trace)
+    trace = as_sets(trace)  # (the trace itself where its rows are in rank order)
     plan = predictor.plan(trace)
     budgets = default_budgets(trace) if budgets is None else np.asarray(budgets, dtype=np.int64)
     mask = scope_mask(trace)
@@ -166,6 +171,8 @@ def replay(
         predictors = {
             n: make(n, shape, tables, **_options_for(n, options or {})) for n in predictors
         }
+    for p in predictors.values():  # every refusal before any replay runs
+        p.check_rows(trace)
     results = {
         name: evaluate(trace, p, name, budgets=budgets, capacity=capacity, policy=policy)
         for name, p in predictors.items()

@@ -24,6 +24,7 @@ from stmoe.predictors.base import (
 from stmoe.predictors.profiling import profile
 from stmoe.predictors.st_moe import STMoEConfig, STMoEPredictor
 from stmoe.predictors.tables import ProfiledTables, load_tables, save_tables
+from stmoe.trace.ranks import is_ranked
 from stmoe.trace.schema import RoutingTrace
 
 DEFAULT_SET = ("stmoe", "ondemand", "previous-token", "cct-static", "cct-online", "frequency",
@@ -37,11 +38,20 @@ def names() -> list[str]:
 
 def names_for(trace: RoutingTrace) -> list[str]:
     """The predictors that can replay ``trace`` with ordinary tables (hybrid needs the
-    trace's gate lookahead; stmoe-mix needs per-domain tables, so it is left out)."""
+    trace's gate lookahead; stmoe-mix needs per-domain tables, so it is left out; where
+    the rows are sets, the predictors that read rank are left out, ``needs_rank_order``)."""
     has_look = trace.lookahead is not None or trace.lookahead_late is not None
+    ranked = is_ranked(trace)
     return [n for n in names()
             if (has_look or not REGISTRY[n].uses_lookahead)
-            and not REGISTRY[n].needs_domain_tables]
+            and not REGISTRY[n].needs_domain_tables
+            and (ranked or not REGISTRY[n].needs_rank_order)]
+
+
+def rank_readers() -> list[str]:
+    """The predictors that read the order inside a row (``needs_rank_order``): a trace
+    whose rows are sets is refused by them."""
+    return [n for n in names() if REGISTRY[n].needs_rank_order]
 
 
 def make(
@@ -94,6 +104,7 @@ __all__ = [
     "names",
     "names_for",
     "profile",
+    "rank_readers",
     "register",
     "save_tables",
 ]

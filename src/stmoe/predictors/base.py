@@ -30,6 +30,7 @@ import numpy as np
 
 from stmoe.errors import StmoeError
 from stmoe.predictors.union import union_of_scores, union_of_sets
+from stmoe.trace.ranks import require_ranked
 from stmoe.trace.schema import RoutingTrace
 
 
@@ -101,6 +102,12 @@ class Predictor:
     # True: scores(layer, slot) gives [N] scores over every expert (batches sum them),
     # and ``mean_set_size`` is the experts one prediction takes on average
     scores_experts: ClassVar[bool] = False
+    # Why the order of ids inside a row (the router's rank) changes this predictor's
+    # sets; "" where it reads every row as a set. Such a predictor refuses a trace whose
+    # rows are sets (trace.ranks) in ``check_rows``: its ``plan`` must call it, as
+    # ``Predictor.plan`` and ``STMoEPredictor.plan`` do (replay checks every predictor
+    # first, the runtime before a forced routing).
+    needs_rank_order: ClassVar[str] = ""
     mean_set_size: float
 
     def __init__(self, shape: ModelShape, tables: object = None) -> None:
@@ -230,6 +237,7 @@ class Predictor:
     def plan(self, trace: RoutingTrace) -> PrefetchPlan:
         """Replay ``trace`` step by step through the protocol; every prefetch set."""
         self.check_shape(ModelShape.of(trace))
+        self.check_rows(trace)
         n_layers = trace.num_layers
         ptr = np.zeros(trace.num_tokens * n_layers + 1, dtype=np.int64)
         chunks: list[np.ndarray] = []
@@ -253,6 +261,16 @@ class Predictor:
         return PrefetchPlan(ptr=ptr, ids=ids, num_layers=n_layers)
 
     # ---- helpers -------------------------------------------------------------
+    def rank_order_reason(self) -> str:
+        """``needs_rank_order`` for this instance's settings ("" where rows are sets)."""
+        return self.needs_rank_order
+
+    def check_rows(self, trace: RoutingTrace) -> None:
+        """Refuse, in one line, a trace of set rows when this predictor reads rank."""
+        reason = self.rank_order_reason()
+        if reason:
+            require_ranked(trace, f"predictor {self.name!r}", reason)
+
     def check_shape(self, shape: ModelShape) -> None:
         if shape != self.shape:
             raise PredictorError(

@@ -47,6 +47,7 @@ class PreviousTokenPredictor(STMoEPredictor):
 
     name = "previous-token"
     needs_tables = False
+    needs_rank_order = ""  # no online CCT update: rows are sets
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None = None, w_ht: float = 1.0,
                  max_set_size: int = 0) -> None:
@@ -60,6 +61,7 @@ class CCTStaticPredictor(STMoEPredictor):
     """CCT only, as profiled: no history, no online learning."""
 
     name = "cct-static"
+    needs_rank_order = ""  # no online CCT update: rows are sets
 
     def __init__(self, shape: ModelShape, tables: ProfiledTables | None,
                  max_set_size: int = 0) -> None:

@@ -23,6 +23,7 @@ from stmoe.predictors.base import ModelShape, PredictorError
 from stmoe.predictors.counting import D_MAX, layer_tokens, pair_counts
 from stmoe.predictors.plus.fitting import fit_weights
 from stmoe.predictors.tables import RECENT_TOKENS, ProfiledTables, cct_from_counts, cooccurrence
+from stmoe.trace.ranks import as_sets
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.summary import expert_load
 
@@ -40,6 +41,9 @@ def profile(
     held-back tail of these same traces. ``by_domain`` adds tables of each domain
     (for stmoe-mix)."""
     traces = [traces] if isinstance(traces, RoutingTrace) else list(traces)
+    # rows that are sets in their canonical order: the counts never read rank, and so the
+    # tables' token memory and stmoe-plus's fit are functions of the sets too
+    traces = [as_sets(t) for t in traces]
     if not traces:
         raise TraceError("nothing to profile", expected="at least one trace")
     shape = ModelShape.of(traces[0])

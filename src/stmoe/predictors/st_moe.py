@@ -48,6 +48,10 @@ class STMoEPredictor(Predictor):
     name = "stmoe"
     config_class = STMoEConfig
     needs_tables = True
+    # kernels.update_row: where a CCT row has fewer free slots than new experts, the
+    # router's first-ranked ones take them (predict itself ranks by score, then id)
+    needs_rank_order = ("Algorithm 3's online update gives a full CCT row's free slots to "
+                        "the router's top-ranked experts first")
 
     def __init__(
         self,
@@ -84,6 +88,11 @@ class STMoEPredictor(Predictor):
         self._empty = np.full(shape.top_k, -1, dtype=np.int16)
         self._no_row_ids = np.full((1, 1), -1, dtype=np.int16)
         self._no_row_conf = np.zeros((1, 1), dtype=np.int8)
+
+    def rank_order_reason(self) -> str:
+        """Only the online CCT update reads rank: without it (HT only, static tables) every
+        row counts as a set."""
+        return self.needs_rank_order if self.config.online and self.config.use_cct else ""
 
     def reset(self, slot: int = 0) -> None:
         super().reset(slot)
@@ -133,6 +142,7 @@ class STMoEPredictor(Predictor):
         Learns in place as the step path does, so tables carry over to later calls.
         """
         self.check_shape(ModelShape.of(trace))
+        self.check_rows(trace)
         new_seq = np.zeros(trace.num_tokens, dtype=bool)
         new_seq[trace.seq_starts] = True
         c = self.config

@@ -43,6 +43,7 @@ from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import ExpertStore, default_store_dir, open_store, pack
 from stmoe.runtime.store.tiers import open_tier
+from stmoe.trace.ranks import unranked_error
 from stmoe.util.progress import announced_byte_progress
 
 T = TypeVar("T")
@@ -144,6 +145,10 @@ class OffloadedModel:
                                "routers, which a routing replay overrides; replay with a "
                                "predictor that learns from the routing (stmoe, stmoe-plus, "
                                "...)")
+        reason = self.engine.predictor.rank_order_reason()
+        if reason and not plan.ranked:  # the forced rows teach the predictor
+            raise unranked_error(f"predictor {self.engine.predictor.name!r}", reason,
+                                 plan.source or "this routing")
         steps = plan.new_tokens if max_new_tokens is None else min(max_new_tokens, plan.new_tokens)
         if steps < 1:
             raise OffloadError("max_new_tokens must be at least 1")

@@ -9,7 +9,9 @@ has L). The cache, the prefetch workers, the tiers, the predictors and the
 expert arithmetic then run exactly as they would on that routing; the text
 produced is meaningless (the output says so), the time, stalls, hits and bytes
 are what is measured. Gate weights come from the trace when it has them, else
-are uniform (1/K): they change the arithmetic's values, never its cost.
+are uniform (1/K): they change the arithmetic's values, never its cost. Rows that
+are sets (``trace.ranks``: no weights, no rank) are served in their canonical order;
+a runtime predictor that reads rank refuses them (``OffloadedModel.force_routing``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from stmoe.errors import StmoeError
+from stmoe.trace.ranks import describe, is_ranked, set_order
 from stmoe.trace.schema import RoutingTrace
 
 
@@ -37,6 +40,8 @@ class RoutingPlan:
     weights: np.ndarray  # [T, L, K] float32
     prefill: int  # tokens of the first forward call (the prompt)
     token_ids: list[int]  # the prompt to feed (the trace's ids where it has them)
+    ranked: bool = True  # False: each row is a set (trace.ranks), in its canonical order
+    source: str = ""  # the trace, for messages
 
     @property
     def decode_steps(self) -> int:
@@ -83,10 +88,15 @@ def plan_routing(trace: RoutingTrace, sequence: int, num_layers: int, num_expert
         weights = np.asarray(trace.weights[a:b, :num_layers], dtype=np.float32)
     else:
         weights = np.full(experts.shape, 1.0 / top_k, dtype=np.float32)
+    ranked = is_ranked(trace)
+    if not ranked:  # one order per set, so a run is a function of the sets
+        ordered, kept = set_order(experts, weights)
+        experts, weights = ordered.astype(np.int64), np.asarray(kept, dtype=np.float32)
     ids = trace.token_ids[a : a + prefill] if trace.token_ids is not None else None
     if ids is None or (np.asarray(ids) >= vocab_size).any() or (np.asarray(ids) < 0).any():
         ids = np.arange(1, prefill + 1) % vocab_size  # the model's vocabulary is not the trace's
-    return RoutingPlan(experts, weights, prefill, [int(i) for i in ids])
+    return RoutingPlan(experts, weights, prefill, [int(i) for i in ids], ranked,
+                       str(source) if source is not None else describe(trace))
 
 
 class RoutingSource:

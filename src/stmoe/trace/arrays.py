@@ -16,6 +16,7 @@ from stmoe.trace.engines.common import Columns, EngineOptions, finish, note, ref
 from stmoe.trace.export import manifest_path
 from stmoe.trace.io import checked_input, trace_from_arrays
 from stmoe.trace.npfiles import load_npy, read_npz_arrays
+from stmoe.trace.ranks import RANK_ORDER
 from stmoe.trace.schema import RoutingTrace
 from stmoe.util.fileio import manifest_mismatch
 
@@ -31,6 +32,8 @@ def read_npy(
     ``NAME.seq_starts.npy``/``.txt``, or one sequence; ``--prompt-lengths`` marks decode."""
     opts = opts or EngineOptions()
     exported = seq_starts is None and check_export_pair(path)
+    # stmoe's own export keeps rank order, unless its manifest says the rows were sets
+    ranked = exported and json.loads(manifest_path(path).read_text()).get(RANK_ORDER) is not False
     starts = resolve_seq_starts(path, seq_starts)
     ex = load_npy(path, mmap=True)
     if ex.ndim != 3:
@@ -48,7 +51,7 @@ def read_npy(
                 is_decode=decode_by_prompt(starts, ex.shape[0], opts.prompt_lengths)),
         opts, num_experts, {"source": f"imported from {path.name}", "file": str(path),
                             # a bare array (vLLM's) does not say it keeps rank order
-                            "rank_order": bool(exported)},
+                            "rank_order": bool(ranked)},
     )
 
 

@@ -2,10 +2,11 @@
 
 The native format (``io.save_trace``) is the one lossless format; these exports
 carry what their format can (JSON Lines: all but token ids; npy: expert ids and
-sequence starts only; vllm and sglang: the engines' response layouts, see
-``engines.writers``). Every export is written atomically (``util.fileio``): a killed
-or failed export leaves the old file whole; npy's two files switch as one, bound by
-a manifest (``NAME.manifest.json``) that the npy reader checks.
+sequence starts only, the manifest saying where rows are sets; vllm and sglang: the
+engines' response layouts, see ``engines.writers``). Every export is written
+atomically (``util.fileio``): a killed or failed export leaves the old file whole;
+npy's two files switch as one, bound by a manifest (``NAME.manifest.json``) that the
+npy reader checks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.engines.writers import export_sglang, export_vllm
+from stmoe.trace.ranks import RANK_ORDER, is_ranked
 from stmoe.trace.schema import RoutingTrace
 from stmoe.util.fileio import atomic_write, atomic_write_files
 from stmoe.util.progress import progress
@@ -60,7 +62,7 @@ def export_npy(trace: RoutingTrace, path: str | Path) -> Path:
     main, _ = atomic_write_files(  # np.save(path) would append ".npy" to other names
         [(path, lambda f: np.save(f, experts)),
          (path.with_suffix(".seq_starts.npy"), lambda f: np.save(f, starts))],
-        manifest_path(path))
+        manifest_path(path), None if is_ranked(trace) else {RANK_ORDER: False})
     return main
 
 

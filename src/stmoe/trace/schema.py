@@ -106,7 +106,7 @@ def meta_int(data: Mapping[str, Any], key: str, default: int | None = None) -> i
 class RoutingTrace:
     """Per-token, per-MoE-layer expert routing of one or more sequences."""
 
-    experts: np.ndarray  # [T, L, K] int16, router rank order, -1 = empty slot
+    experts: np.ndarray  # [T, L, K] int16, router rank order (or sets: trace.ranks), -1 = empty
     seq_starts: np.ndarray  # [S] int64, first token of each sequence; [0] == 0
     is_decode: np.ndarray  # [T] bool, True for generated (decode) tokens
     meta: TraceMeta

@@ -9,6 +9,7 @@ from typing import Literal
 import numpy as np
 
 from stmoe.errors import TraceError
+from stmoe.trace.ranks import RANK_ORDER, all_ranked
 from stmoe.trace.schema import RoutingTrace, validate
 from stmoe.util.units import UnitError, parse_layer_range
 
@@ -138,10 +139,14 @@ def concat(traces: Sequence[RoutingTrace], *, drop_partial: bool = False) -> Rou
     offsets = np.cumsum([0] + [t.num_tokens for t in traces[:-1]])
     has_w, has_ids = complete["weights"], complete["token_ids"]
     sources = list(dict.fromkeys(t.meta.source for t in traces if t.meta.source))
+    extra = dict(first.meta.extra)
+    if not all_ranked(traces):  # one part of sets makes the whole a trace of sets
+        extra[RANK_ORDER] = False
     meta = dataclasses.replace(
         first.meta,
         source="; ".join(sources),
         synthetic=any(t.meta.synthetic for t in traces),
+        extra=extra,
     )
     return validate(
         RoutingTrace(

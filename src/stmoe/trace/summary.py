@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from stmoe.trace.ranks import is_ranked
 from stmoe.trace.schema import _CHUNK_TOKENS, RoutingTrace
 
 
@@ -53,7 +54,7 @@ def summarize(trace: RoutingTrace) -> dict[str, Any]:
         "decode_tokens": n_decode,
         "has_weights": trace.weights is not None,
         # False where the source does not keep the router's rank inside a row (vLLM)
-        "rank_order": trace.meta.extra.get("rank_order", True) is not False,
+        "rank_order": is_ranked(trace),
         "domains": seq_of_domain,
         "empty_slots": int(trace.num_tokens * trace.num_layers * trace.top_k - load.sum()),
         "load_balance_max_over_mean": [round(float(x), 4) for x in balance],

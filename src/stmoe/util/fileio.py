@@ -172,11 +172,11 @@ def atomic_write(path: str | Path, write: Writer) -> Path:
     return target
 
 
-def atomic_write_files(files: Sequence[tuple[str | Path, Writer]],
-                       manifest: str | Path) -> list[Path]:
+def atomic_write_files(files: Sequence[tuple[str | Path, Writer]], manifest: str | Path,
+                       info: dict[str, object] | None = None) -> list[Path]:
     """Write files that belong together (a main file and its side file) so they switch as
-    one: every file is written beside its target first, then all are renamed in, the
-    ``manifest`` (each file's size and SHA-256) last. An error at any step leaves every
+    one: each file is written beside its target, then all are renamed in, the ``manifest``
+    (each file's size and SHA-256, and ``info``) last. An error at any step leaves every
     old file as it was and no temporary file; a kill between two renames leaves a set
     that ``manifest_mismatch`` names, never a mix a reader takes for whole."""
     targets = [check_output_path(p) for p, _ in files]
@@ -190,7 +190,8 @@ def atomic_write_files(files: Sequence[tuple[str | Path, Writer]],
             listed[target.name] = _digest(tmp)
             temps.append(tmp)
         man_tmp = stack.enter_context(temp_beside(man))
-        text = json.dumps({"format": MANIFEST_FORMAT, "version": 1, "files": listed}, indent=1)
+        text = json.dumps({"format": MANIFEST_FORMAT, "version": 1, "files": listed,
+                           **(info or {})}, indent=1)
         with naming_failures(man):
             with open(man_tmp, "wb") as f:
                 f.write(text.encode("utf-8") + b"\n")

@@ -49,6 +49,8 @@ def read_generate(path: Path, opts: EngineOptions, num_experts: int | None):
     opts = written_moe_layers(opts, first.get("stmoe_moe_layers") if isinstance(first, dict)
                               else None, "response 0")
     meta = {"source": f"imported from {path.name} (SGLang response)", "file": str(path)}
+    if isinstance(first, dict) and first.get("stmoe_rank_order") is False:
+        meta["rank_order"] = False  # stmoe's export of a trace whose rows are sets
     return assemble(requests, opts, num_experts, meta)
 
 

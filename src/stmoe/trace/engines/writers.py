@@ -10,7 +10,9 @@ trace; SGLang's ``meta_info`` always says ``prompt_tokens`` and ``completion_tok
 but not L and K (import it with ``--layers L --top-k K``). Both carry one field of
 stmoe's own, ``stmoe_moe_layers`` (the model layers that route), which the readers take
 in place of guessing dense layers from their fill: a layer whose every token chose
-expert 0, or none, is routing, not a dense layer.
+expert 0, or none, is routing, not a dense layer. SGLang's also says
+``stmoe_rank_order: false`` where the trace's rows are sets (a vLLM import always
+reads so).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
+from stmoe.trace.ranks import is_ranked
 from stmoe.trace.schema import RoutingTrace
 from stmoe.util.fileio import atomic_write_text
 
@@ -92,7 +95,8 @@ def export_sglang(trace: RoutingTrace, path: str | Path) -> Path:
             "id": f"stmoe-export-{i}", "prompt_tokens": req["prompt"], "completion_tokens": gen,
             "finish_reason": {"type": "length", "length": gen},
             "routed_experts": base64.b64encode(raw).decode("ascii"),
-            "routed_experts_dtype": "int32", "stmoe_moe_layers": _layer_ids(trace)}})
+            "routed_experts_dtype": "int32", "stmoe_moe_layers": _layer_ids(trace),
+            **({} if is_ranked(trace) else {"stmoe_rank_order": False})}})
     return _write(docs[0] if len(docs) == 1 else docs, path)
 
 

@@ -1,0 +1,80 @@
+"""Whether a trace's rows hold the router's rank order, and the two ways a consumer copes.
+
+``experts[t, l]`` is documented as the router's rank order (highest gate weight
+first), but some sources only keep the SET: vLLM's CPU router takes
+``topk(sorted=False)``, and a bare ``.npy`` does not say. Their importers record
+``rank_order: false`` in ``meta.extra`` (``is_ranked`` reads it). A consumer whose
+output depends on the order inside a row then either refuses such a trace in one
+line (``require_ranked``: ST-MoE's online update, which keeps the top-ranked
+experts first) or reads the rows as sets (``as_sets``: one canonical order,
+ascending ids, so its output is a function of each row's set alone).
+docs/trace-format.md lists which consumer does which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import numpy as np
+
+from stmoe.errors import TraceError
+from stmoe.trace.schema import RoutingTrace
+
+RANK_ORDER = "rank_order"  # the meta.extra key; absent means rank order (the contract)
+_LAST = np.iinfo(np.int16).max  # sorts after every id (ids are int16, N <= 32767)
+
+
+def is_ranked(trace: RoutingTrace) -> bool:
+    """False only where the trace's source said its rows are sets (``rank_order: false``)."""
+    return trace.meta.extra.get(RANK_ORDER, True) is not False
+
+
+def all_ranked(traces: Iterable[RoutingTrace]) -> bool:
+    """Whether every part keeps rank order: a join of parts is ranked only then."""
+    return all(is_ranked(t) for t in traces)
+
+
+def unranked_error(consumer: str, why: str, where: str) -> TraceError:
+    """The one refusal of a set-row trace by a consumer that reads rank (``why``)."""
+    return TraceError(
+        f"{consumer} reads the router's rank order inside each row ({why}), but the rows "
+        f"of {where} are sets: its source did not keep that order (rank_order: false)",
+        hint="give it routing in rank order (a file with gate weights, or `stmoe capture`), "
+        "or a consumer that reads rows as sets (docs/trace-format.md, vLLM)")
+
+
+def describe(trace: RoutingTrace) -> str:
+    """How a refusal names a trace: where it came from, else its model."""
+    source = trace.meta.source or f"model {trace.meta.model}"
+    return f"the trace ({source})"
+
+
+def require_ranked(trace: RoutingTrace, consumer: str, why: str) -> None:
+    """Refuse ``trace`` for ``consumer`` when its rows are sets."""
+    if not is_ranked(trace):
+        raise unranked_error(consumer, why, describe(trace))
+
+
+def set_order(experts: np.ndarray, weights: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Each row's ids ascending, empty slots (-1) last: the canonical order of a set
+    row (it means nothing); ``weights``, when given, follow their ids."""
+    ex = np.asarray(experts)
+    key = np.where(ex < 0, _LAST, ex).astype(np.int16)
+    if weights is None:
+        key.sort(axis=-1)
+        key[key == _LAST] = -1
+        return key, None
+    order = np.argsort(key, axis=-1, kind="stable")
+    return (np.take_along_axis(ex, order, axis=-1).astype(np.int16),
+            np.take_along_axis(np.asarray(weights), order, axis=-1))
+
+
+def as_sets(trace: RoutingTrace) -> RoutingTrace:
+    """``trace`` itself when ranked; else the same trace with every row in the canonical
+    order, so a consumer reading rows as sets gives one answer per set, bit for bit."""
+    if is_ranked(trace):
+        return trace
+    experts, weights = set_order(trace.experts, trace.weights)
+    return dataclasses.replace(trace, experts=experts, weights=weights)
