@@ -153,8 +153,13 @@ def test_ablation_reasons_come_from_the_numbers():
     assert lines[1].startswith("+ HT: 5.6% slower than dynamic")
     assert "experts moved 100 -> 120 (40 prefetched, 20 of them unused)" in lines[1]
     assert lines[2].startswith("Why: on this model the link is the bottleneck")
-    compute_bound = {"ablation": {"a": _step(1.0, 0.8, 10, 0), "b": _step(0.9, 0.8, 10, 0)}}
-    assert ablation_reasons(compute_bound)[-1].startswith("Why: compute takes 89%")
+    assert lines[3].startswith("The on-chip buffer keeps no expert across tokens")
+    compute_bound = {"ablation": {"a": _step(1.0, 0.8, 10, 0), "b": _step(0.9, 0.8, 10, 0)},
+                     "buffer": {"experts_per_layer": 4}}
+    lines = ablation_reasons(compute_bound)
+    assert lines[-2].startswith("Why: compute takes 89%")
+    assert lines[-1].startswith("The on-chip buffer keeps 4 experts per layer across tokens")
+    assert "docs/simulator.md ('Where the paper's figures hold')" in lines[-1]
 
 
 def test_model_card_markdown_renders_its_parts():

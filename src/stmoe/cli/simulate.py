@@ -51,6 +51,22 @@ def simulate_cmd(
     policy: Annotated[
         str, typer.Option(help="Expert cache eviction: lru, lfu or none (stmoe.cache_policy).")
     ] = "lru",
+    buffer: Annotated[
+        str | None,
+        typer.Option(
+            help="Expert buffer kept across tokens, overriding the hardware's "
+            "cache_experts_per_layer: experts per layer (4), a share of them (10%) or bytes "
+            "per layer (64MiB, rounded down to whole experts)."
+        ),
+    ] = None,
+    buffer_for: Annotated[
+        str | None,
+        typer.Option(
+            help="Who keeps experts in that buffer: all (every system) or epu (the systems "
+            "with a prediction unit, and the oracle; the paper's baselines keep none). "
+            "Default: the hardware's buffer_for."
+        ),
+    ] = None,
     pregate_accuracy: Annotated[
         float, typer.Option(help="Accuracy of the pre-gated system's pre-gate, 0 to 1.")
     ] = 1.0,
@@ -122,12 +138,14 @@ def simulate_cmd(
     if layers is not None:  # a model of the first N layers routes the trace's first N
         trace = first_layers(trace, layers)
         spec_m = dataclasses.replace(spec_m, layers=layers)
+    spec_h = _with_buffer(spec_h, spec_m, buffer, buffer_for)
     _refuse_other_pipelines(pipeline, {
         "runtime": {"--capacity": capacity != RUNTIME_CAPACITY, "--decode-tokens": decode_tokens
                         is not None, "--sequence": sequence != 0},
         "accelerator": {"--batch": batch != 1, "--policy": policy != "lru", "--output":
                     output_dir is not None, "--pregate-accuracy": pregate_accuracy != 1.0,
-                    "--adap-threshold": adap_threshold != 0.8},
+                    "--adap-threshold": adap_threshold != 0.8, "--buffer": buffer is not None,
+                    "--buffer-for": buffer_for is not None},
     })
     if pipeline == "runtime":
         _runtime(trace, spec_m, spec_h, system, loaded, (capacity, decode_tokens, sequence),
@@ -166,6 +184,28 @@ def simulate_cmd(
         out.print(f"wrote figures to {clean_label(output_dir)}/")
 
 
+def _with_buffer(hw: Any, model: Any, buffer: str | None, buffer_for: str | None) -> Any:
+    """The hardware with ``--buffer`` and ``--buffer-for`` applied (checked first)."""
+    from stmoe.sim.specs import BUFFER_FOR
+
+    if buffer_for is not None and buffer_for not in BUFFER_FOR:
+        raise StmoeError(f"--buffer-for {clean_label(buffer_for)}: expected "
+                         f"{' or '.join(BUFFER_FOR)}")
+    changes: dict[str, Any] = {} if buffer_for is None else {"buffer_for": buffer_for}
+    if buffer is not None:
+        try:
+            parsed = parse_capacity(buffer)
+        except UnitError as exc:
+            raise StmoeError(f"--buffer: {exc}") from None
+        experts = parsed.per_layer(model.num_experts, 1, model.expert_bytes)  # bytes: a layer's
+        if parsed.kind == "count" and parsed.value > model.num_experts:
+            raise StmoeError(f"--buffer {clean_label(buffer)}: expected at most "
+                             f"{model.num_experts} experts per layer ({model.name} has "
+                             f"{model.num_experts})")
+        changes["cache_experts_per_layer"] = int(min(experts, model.num_experts))
+    return dataclasses.replace(hw, **changes) if changes else hw
+
+
 def _print(data: dict) -> None:
     synthetic = " [SYNTHETIC TRACE]" if data["trace"]["synthetic"] else ""
     title = (
@@ -182,6 +222,12 @@ def _print(data: dict) -> None:
                       f"{r['energy']:.4g}", f"{r['edp']:.4g}", f"{r['hit_rate']:.2f}")
     out.print(table)
     out.print(f"tables: {clean_label(data['tables'])}")
+    buf = data.get("buffer") or {}
+    if buf.get("experts_per_layer"):
+        who = "every system" if buf["for"] == "all" else "the EPU systems and the oracle"
+        out.print(f"expert buffer: {buf['experts_per_layer']} experts per layer kept across "
+                  f"tokens by {who} ({buf['mib']:,.0f} MiB, ~{buf['area_mm2_estimate']:,.0f} "
+                  "mm2 at 40 nm)")
     q = data["systems"].get("adap-gating", {}).get("quality")
     if q:
         kept, dropped = q["experts_per_token_layer"], q["dropped_gate_mass"]

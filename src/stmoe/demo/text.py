@@ -103,6 +103,18 @@ def ablation_reasons(sim: dict[str, Any]) -> list[str]:
             f"for {share:.0%}, so correct prefetches hide their transfers behind compute and each "
             "table that raises the hit rate shortens the stall."
         )
+    kept = (sim.get("buffer") or {}).get("experts_per_layer", 0)
+    lines.append(
+        ("The on-chip buffer keeps no expert across tokens on this preset (capacity 0), so "
+         "the HT's prediction (the previous token's experts) is a reload over the link, not "
+         "a hit in place: the temporal step can only start those loads earlier."
+         if not kept else
+         f"The on-chip buffer keeps {kept} experts per layer across tokens, so the HT's "
+         "experts are often still on chip and need no transfer.")
+        + " docs/simulator.md ('Where the paper's figures hold') sweeps the buffer, the link "
+        "and the PE array to show where the paper's ratios and ablation appear, and what "
+        "chip that takes."
+    )
     return lines
 
 

@@ -91,6 +91,7 @@ class HostSpec:
 
 
 HOST_TIERS = ("disk", "emulated")
+BUFFER_FOR = ("all", "epu")  # HardwareSpec.buffer_for
 
 
 @dataclass(frozen=True)
@@ -116,13 +117,20 @@ class HardwareSpec:
     static_w: float
     epu_bits_per_slot: int
     dataflows: dict[str, Dataflow]
+    # leakage of the expert buffer's SRAM, W per bit (0: not counted; a key a spec may omit)
+    sram_leak_w_per_bit: float = 0.0
+    # who keeps experts across steps (cache_experts_per_layer): "all" systems, or "epu":
+    # only those with a prediction unit (its HT says what to keep) and the oracle, the
+    # paper's baselines holding just the experts in use and those prefetched
+    buffer_for: str = "all"
     host: HostSpec | None = None  # the runtime's host pipeline, where calibrated
 
 
 def _load(kind: str, name_or_path: str, cls: type) -> Any:
     table = _table(kind, name_or_path)
     fields = {f.name for f in dataclasses.fields(cls)} - {"name", "dataflows", "host"}
-    missing = sorted(fields - set(table) - {"description", "source"})
+    optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    missing = sorted(fields - optional - set(table) - {"description", "source"})
     if missing:
         raise SpecError(f"{kind} spec {name_or_path!r} lacks {', '.join(missing)}")
     unknown = sorted(set(table) - fields - {"dataflows", "host", "description", "source"})
@@ -141,6 +149,9 @@ def _load(kind: str, name_or_path: str, cls: type) -> Any:
         values["host"] = _host(name_or_path, table)
     spec = cls(**values)
     _check_positive(kind, name_or_path, spec)
+    if getattr(spec, "buffer_for", "all") not in BUFFER_FOR:
+        raise SpecError(f"{kind} spec {name_or_path!r}: buffer_for is {spec.buffer_for!r}, "
+                        f"expected {' or '.join(BUFFER_FOR)}")
     return spec
 
 

@@ -89,3 +89,49 @@ def sweep(result: dict[str, Any], data: dict[str, Any], path: Path, xlabel: str)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return _save(fig, path)
+
+
+def region(results: list[dict[str, Any]], path: Path, columns: int = 4) -> Path:
+    """Heatmaps of how many of the paper's five claims hold (``region.sweep_region``'s
+    rows): a row of panels per trace, one panel per buffer size (the smallest, 1, and
+    the two largest), link bandwidth across, PE array up; hatched where no 40 nm-era
+    chip could be (``region.Plausible``), a star where all five hold."""
+    fig, axes = plt.subplots(len(results), columns, figsize=(3.1 * columns, 2.5 * len(results)),
+                             squeeze=False, sharey=True)
+    image = None
+    for i_row, (row, result) in enumerate(zip(axes, results, strict=True)):
+        rows = result["rows"]
+        bws = sorted({r["link_bytes_per_s"] for r in rows})
+        pes = sorted({r["pe_macs_per_cycle"] for r in rows})
+        caps = sorted({r["cache_experts_per_layer"] for r in rows})
+        shown = caps[:columns]
+        for ax, cap in zip(row, shown, strict=False):
+            met = np.zeros((len(pes), len(bws)))
+            for r in rows:
+                if r["cache_experts_per_layer"] != cap:
+                    continue
+                i, j = pes.index(r["pe_macs_per_cycle"]), bws.index(r["link_bytes_per_s"])
+                met[i, j] = r["met"]
+                if not r["plausible"]:
+                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False,
+                                               hatch="///", linewidth=0, color="0.35"))
+                if r["met"] == 5:
+                    ax.plot(j, i, marker="*", color="black", markersize=9)
+            image = ax.imshow(met, origin="lower", cmap="viridis", vmin=0, vmax=5, aspect="auto")
+            bottom = i_row == len(results) - 1  # tick labels on the last row only: shared
+            ax.set_xticks(range(len(bws)), [f"{b / 1e9:.0f}" for b in bws] if bottom else [],
+                          rotation=60, fontsize=7)
+            ax.set_yticks(range(len(pes)), [f"{p:.0f}" for p in pes], fontsize=7)
+            mm2 = next(r["buffer_mm2"] for r in rows if r["cache_experts_per_layer"] == cap)
+            ax.set_title(f"buffer {cap}/layer ({mm2:,.0f} mm2)", fontsize=8)
+        row[0].set_ylabel(result["trace"], fontsize=8)
+        for ax in row[len(shown):]:
+            ax.axis("off")
+    fig.supxlabel("link bandwidth (GB/s)")
+    fig.supylabel("PE array (MACs per cycle), one row per trace")
+    rule = results[0]["buffer_for"] if results else "?"
+    fig.suptitle("how many of the paper's five claims hold (star: all five; hatched: beyond "
+                 f"a 40 nm-era chip)\nstmoe-asic swept; buffer kept by: {rule}", fontsize=10)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label="claims met (of 5)")
+    return _save(fig, path)

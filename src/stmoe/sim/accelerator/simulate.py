@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 
 from stmoe.predictors import ModelShape, ProfiledTables, profile
-from stmoe.sim.accelerator.systems import ABLATION, DEFAULT_SYSTEMS, RunOptions, run_system
+from stmoe.sim.accelerator.systems import (
+    ABLATION,
+    DEFAULT_SYSTEMS,
+    RunOptions,
+    buffer_bits,
+    run_system,
+)
 from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import split_auto
@@ -46,6 +52,19 @@ def epu_storage(model: ModelSpec, hw: HardwareSpec, row_width: int) -> dict[str,
         "kib": (cct + ht) / 8 / 1024,
         "area_mm2_estimate": (cct + ht) * SRAM_UM2_PER_BIT_40NM / 1e6,
         "area_source": "40 nm 6T SRAM bitcell ~0.25 um^2, x2 periphery (estimate)",
+    }
+
+
+def buffer_storage(model: ModelSpec, hw: HardwareSpec) -> dict[str, Any]:
+    """The expert buffer kept across steps: its size and an area estimate at 40 nm (the
+    EPU's bitcell), for comparison with what a chip can hold."""
+    bits = buffer_bits(model, hw.cache_experts_per_layer)
+    return {
+        "experts_per_layer": hw.cache_experts_per_layer,
+        "for": hw.buffer_for,
+        "mib": bits / 8 / 2**20,
+        "area_mm2_estimate": bits * SRAM_UM2_PER_BIT_40NM / 1e6,
+        "leak_w": bits * hw.sram_leak_w_per_bit,
     }
 
 
@@ -107,6 +126,7 @@ def simulate(
         "tables": note,
         "systems": {n: r.to_dict(base) for n, r in results.items() if n in systems},
         "epu": epu_storage(model, hw, tables.row_width),
+        "buffer": buffer_storage(model, hw),
     }
     if ablation:
         steps = {}
@@ -115,6 +135,9 @@ def simulate(
             steps[label] = r.to_dict(base)
         out["ablation"] = steps
     return out
+
+
+SWEEPABLE = ("link_bytes_per_s", "cache_experts_per_layer", "pe_macs_per_cycle")
 
 
 def sweep(
@@ -135,7 +158,7 @@ def sweep(
         spec, opts = hw, options
         if parameter == "batch":
             opts = dataclasses.replace(options, batch=int(value))
-        elif parameter in ("link_bytes_per_s", "cache_experts_per_layer"):
+        elif parameter in SWEEPABLE:
             cast = int if parameter == "cache_experts_per_layer" else float
             spec = dataclasses.replace(hw, **{parameter: cast(value)})
         else:

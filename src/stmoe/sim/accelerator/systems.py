@@ -148,10 +148,11 @@ def run_system(
     """Simulate one system on ``trace`` (``options``: default ``RunOptions()``)."""
     o = options or RunOptions()
     code = cp.policy_code(o.policy, cp.SIMULATOR, SpecError)
-    cache = pl.Cache(0 if code == cp.NONE else hw.cache_experts_per_layer, code, o.warm)
+    predictor_name, use_predictor, dynamic = _system(name)
+    capacity = buffer_capacity(hw, keeps=use_predictor or name == "oracle")
+    cache = pl.Cache(0 if code == cp.NONE else capacity, code, o.warm)
     experts = np.ascontiguousarray(trace.experts, dtype=np.int16)
     quality: dict[str, float] = {}
-    predictor_name, use_predictor, dynamic = _system(name)
     if name == "adap-gating":
         experts, quality = adaptive_gating(trace, o.adap_threshold)
     if name == "pregated":
@@ -182,14 +183,23 @@ def run_system(
         ("time", "compute", "stall", "link", "epu", "macs", "sram", "loaded", "prefetched",
          "wasted", "demanded", "hits", "predicted_hits"))}
     counters["epu_per_lookup"] = float(params[pl.P_EPU])
+    counters["buffer_experts"] = float(cache.capacity)
     return SystemResult(name, counters, prefill_time, energy(counters, model, hw), quality)
 
 
-def energy(c: dict[str, float], model: ModelSpec, hw: HardwareSpec) -> dict[str, float]:
-    """Joules by part: MACs, on-chip SRAM, off-chip DRAM, link, EPU lookups, static.
+def buffer_capacity(hw: HardwareSpec, *, keeps: bool) -> int:
+    """Experts per layer a system keeps across steps: the hardware's buffer, or none for
+    a system outside ``hw.buffer_for`` (``keeps``: it has an EPU, or is the oracle)."""
+    return hw.cache_experts_per_layer if hw.buffer_for == "all" or keeps else 0
 
-    An EPU lookup reads K CCT rows plus the HT entry (docs/method.md) from its SRAM.
-    """
+
+def energy(c: dict[str, float], model: ModelSpec, hw: HardwareSpec) -> dict[str, float]:
+    """Joules by part: MACs, on-chip SRAM, off-chip DRAM, link, EPU lookups, static, and
+    the expert buffer's leakage (0 without one).
+
+    An EPU lookup reads K CCT rows plus the HT entry (docs/method.md) from its SRAM. The
+    buffer's reads are the ``sram`` part; its writes of loaded experts are not counted
+    (as the staging buffer's are not at capacity 0: 2.5 of the 160 pJ a byte costs)."""
     pj = 1e-12
     moved = c["loaded"] * model.expert_bytes
     lookups = c["epu"] / c["epu_per_lookup"] if c.get("epu_per_lookup") else 0.0
@@ -201,7 +211,14 @@ def energy(c: dict[str, float], model: ModelSpec, hw: HardwareSpec) -> dict[str,
         "dram": moved * hw.dram_pj_per_byte * pj,
         "link": moved * hw.link_pj_per_byte * pj,
         "static": hw.static_w * c["time"],
+        "buffer": buffer_bits(model, c.get("buffer_experts", 0.0)) * hw.sram_leak_w_per_bit
+        * c["time"],
     }
+
+
+def buffer_bits(model: ModelSpec, experts_per_layer: float) -> float:
+    """Bits of an expert buffer keeping ``experts_per_layer`` experts at every MoE layer."""
+    return experts_per_layer * model.layers * model.expert_bytes * 8
 
 
 def adaptive_gating(trace: RoutingTrace, threshold: float) -> tuple[np.ndarray, dict[str, float]]:
