@@ -132,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.figure.stem}_all")
             region([r for r in results if r["buffer_for"] == rule], path)
             print(f"wrote {path}")
+        from stmoe.sim.accelerator.plots import buffer_curves
+
+        first = next(r for r in results if r["buffer_for"] == "epu")  # a real Qwen1.5 prompt
+        base = hw.link_bytes_per_s
+        links = sorted({r["link_bytes_per_s"] for r in first["rows"]})
+        shown = [x for x in links if x in (base / 2, base, 4 * base)] or links[:1]
+        path = args.figure.with_stem(f"{args.figure.stem}_buffer")
+        buffer_curves(first, path, hw.pe_macs_per_cycle if not args.quick else 1024, shown)
+        print(f"wrote {path}")
     return 0
 
 

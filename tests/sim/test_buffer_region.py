@@ -185,6 +185,7 @@ def test_the_region_benchmark_runs_quick(tmp_path):
     assert {r["buffer_for"] for r in data["results"]} == {"epu", "all"}
     assert (tmp_path / "region.png").stat().st_size > 0
     assert (tmp_path / "region_all.png").stat().st_size > 0
+    assert (tmp_path / "region_buffer.png").stat().st_size > 0
 
 
 def _real(name):

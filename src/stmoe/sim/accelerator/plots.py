@@ -135,3 +135,38 @@ def region(results: list[dict[str, Any]], path: Path, columns: int = 4) -> Path:
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="claims met (of 5)")
     return _save(fig, path)
+
+
+def buffer_curves(result: dict[str, Any], path: Path, pe: float, links: list[float]) -> Path:
+    """The headline ratios and the ablation against the expert buffer's size, one panel
+    per link bandwidth, at one PE array (``region.sweep_region``'s rows of one trace)."""
+    rows = [r for r in result["rows"] if r["pe_macs_per_cycle"] == pe]
+    fig, axes = plt.subplots(2, len(links), figsize=(3.6 * len(links), 6.0), squeeze=False,
+                             sharey="row", layout="constrained")
+    for col, link in enumerate(links):
+        pts = sorted((r for r in rows if r["link_bytes_per_s"] == link),
+                     key=lambda r: r["cache_experts_per_layer"])
+        caps = [r["cache_experts_per_layer"] for r in pts]
+        top, bottom = axes[0][col], axes[1][col]
+        top.plot(caps, [r["figures"]["stmoe_vs_gpu"] for r in pts], "o-", label="ST-MoE / GPU")
+        top.plot(caps, [1 / r["figures"]["pregated_vs_stmoe"] for r in pts], "s-",
+                 label="ST-MoE / Pre-gated")
+        top.axhline(0.45, color="0.5", linestyle=":", label="claim: 0.45 / 0.77")
+        top.axhline(1 / 1.3, color="0.5", linestyle=":")
+        top.set_title(f"link {link / 1e9:.0f} GB/s, PE {pe:.0f} MACs", fontsize=9)
+        steps = np.array([r["figures"]["ablation"] for r in pts])
+        for i, label in enumerate(("static", "dynamic dataflow", "+ temporal (HT)",
+                                   "+ spatial (CCT)")):
+            bottom.plot(caps, steps[:, i], "o-", label=label)
+        for ax in (top, bottom):
+            ax.set_xscale("symlog", linthresh=1)
+            ax.set_xlim(left=-0.3)
+            ax.set_xlabel("buffer (experts per layer)")
+            ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("time ratio (lower: ST-MoE faster)")
+    axes[1][0].set_ylabel("ablation: speed-up over the GPU baseline")
+    axes[0][0].legend(fontsize=7)
+    axes[1][0].legend(fontsize=7)
+    fig.suptitle(f"{result['trace']}: the paper's ratios and ablation against the buffer "
+                 f"(kept by: {result['buffer_for']})", fontsize=10)
+    return _save(fig, path)
