@@ -8,7 +8,7 @@ import re
 import pytest
 
 from stmoe.analysis.report import recall_at_set_size
-from stmoe.demo.text import VERSUS, ablation_reasons, headline, markdown_html
+from stmoe.demo.text import VERSUS, ablation_reasons, headline, markdown_html, shipped_line
 from stmoe.evaluate.compare import against
 from stmoe.models import SHIPPED_MODEL
 
@@ -52,14 +52,20 @@ def test_quick_demo_writes_the_report(quick_demo):
 
 def test_quick_demo_measures_rounds_and_checks_the_tokens(quick_demo):
     result, folder = quick_demo
-    off = json.loads((folder / "offload.json").read_text())
-    assert off["rounds"] == 2 and off["new_tokens"] == 8 and len(off["reference_tokens"]) == 8
-    assert off["identical_tokens"] is True
-    for name, row in off["systems"].items():
-        runs = row["decode_tokens_per_s_runs"]
-        assert len(runs) == 2 and row["identical_to_resident"] is True, name
-        assert row["decode_tokens_per_s_range"] == [min(runs), max(runs)]
-        assert row["decode_tokens_per_s"] == pytest.approx(sum(runs) / 2)  # median of two
+    off = json.loads((folder / "offload.json").read_text())  # the headline's: real sizes
+    shipped = json.loads((folder / "offload-shipped.json").read_text())
+    assert off["expert_mib"] == pytest.approx(6.0) and shipped["expert_mib"] < 0.25
+    assert "held out" in off["tables"] and "replayed" in off["routing"] and off["layers"] == 2
+    assert set(off["systems"]) == {"on-demand", "lru-only", "stmoe", "stmoe-plus",
+                                   "stmoe-plus-all", "oracle"}
+    for section in (off, shipped):
+        assert section["rounds"] == 2 and section["new_tokens"] == 8
+        assert len(section["reference_tokens"]) == 8 and section["identical_tokens"] is True
+        for name, row in section["systems"].items():
+            runs = row["decode_tokens_per_s_runs"]
+            assert len(runs) == 2 and row["identical_to_reference"] is True, name
+            assert row["decode_tokens_per_s_range"] == [min(runs), max(runs)]
+            assert row["decode_tokens_per_s"] == pytest.approx(sum(runs) / 2)  # median of 2
     page = (folder / "index.html").read_text()
     # the headline names each headline system's median, as offload.json has it
     sentence = re.search(r"<p class='headline' id='headline'>(.*?)</p>", page).group(1)
@@ -67,14 +73,17 @@ def test_quick_demo_measures_rounds_and_checks_the_tokens(quick_demo):
         assert f"{off['systems'][name]['decode_tokens_per_s']:.1f}" in sentence, name
     # printed unwrapped: the headline on one line, the generated text exactly as generated
     lines = result.output.splitlines()
-    assert any(x.startswith("With 50% of each layer") and "resident model's). Against the "
-               "LRU cache alone: stmoe " in x and x.endswith(".") for x in lines), result.output
+    assert any(x.startswith("With 50% of each layer") and "at real expert sizes (6.0 MiB "
+               "experts" in x and "every expert cached). Against the LRU cache alone: stmoe "
+               in x and x.endswith(".") for x in lines), result.output
+    assert any(x.startswith("At the shipped model's own sizes (216 KiB experts")
+               for x in lines), result.output
     # two rounds: each verdict by the rule (compare.against), never an unearned "faster"
-    for name in ("stmoe", "stmoe-plus"):
+    for name in ("stmoe", "stmoe-plus", "stmoe-plus-all"):
         mine = off["systems"][name]["decode_tokens_per_s_runs"]
         base = off["systems"]["lru-only"]["decode_tokens_per_s_runs"]
         assert VERSUS[against(mine, base)] in sentence.replace("&#x27;", "'"), name
-    assert off["prompt"] + off["text"] in result.output
+    assert shipped["prompt"] + shipped["text"] in result.output
 
 
 def test_quick_demo_marks_the_lossy_system(quick_demo):
@@ -103,7 +112,9 @@ def test_recall_at_set_size_reads_the_curve():
 def _offload(rounds: int, same: bool = True) -> dict:
     speeds = {"on-demand": 4.0, "lru-only": 30.0, "stmoe": 45.25, "stmoe-plus": 41.0,
               "hybrid": 40.0, "oracle": 60.0}
-    return {"capacity": "50%", "link": "200MB", "rounds": rounds, "identical_tokens": same,
+    return {"capacity": "50%", "link": "1GB", "rounds": rounds, "identical_tokens": same,
+            "reference": "the same routing with every expert cached", "expert_mib": 6.0,
+            "routing": "the shipped model's routing of demo prompt 0, replayed",
             "systems": {n: {"decode_tokens_per_s": v, "decode_tokens_per_s_range": [v - 1, v + 2],
                             "decode_tokens_per_s_runs": [v - 1, v, v + 2][:max(rounds, 1)]}
                         for n, v in speeds.items()}}
@@ -114,7 +125,10 @@ def test_headline_sentence_says_the_medians_the_range_and_the_check():
     assert "ST-MoE prefetching decodes at 45.2 tokens/s (range 44.2-47.2)" in text
     assert "4.0 for on-demand" in text and "30.0 for an LRU cache alone" in text
     assert "stmoe-plus at 41.0" in text and "oracle (perfect prediction) at 60.0" in text
-    assert "medians of 5 interleaved rounds" in text and "identical to the resident" in text
+    assert "medians of 5 interleaved rounds" in text
+    assert "identical to the same routing with every expert cached" in text
+    assert "at real expert sizes (6.0 MiB experts, RANDOM weights replaying" in text
+    assert "on-demand loading waits" not in text  # the fixture has no stall share
     assert "Against the LRU cache alone: stmoe 1.51x, faster (the ranges apart)" in text
     assert "stmoe-plus 1.37x, faster" in text
     single = headline(_offload(1, same=False))
@@ -245,3 +259,35 @@ def test_an_interrupted_demo_says_so_and_keeps_the_previous_report(cli, tmp_path
     assert f"interrupted; the report in {report} is from the previous run" in result.output
     assert (report / "index.html").read_text() == "previous run"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no half-written folder
+
+
+def test_the_headline_names_the_sizes_the_wait_and_the_admission_off_run():
+    off = _offload(3)
+    off["systems"]["on-demand"]["stall_share"] = 0.8
+    off["systems"]["stmoe-plus-all"] = dict(off["systems"]["stmoe-plus"],
+                                            decode_tokens_per_s=50.0,
+                                            decode_tokens_per_s_runs=[49.0, 50.0, 51.0])
+    text = headline(off)
+    assert "on-demand loading waits for weights 80% of its decode)" in text
+    assert "stmoe-plus at 41.0 (50.0 with every predicted load, admission off)" in text
+    assert text.endswith("stmoe-plus-all 1.67x, faster (the ranges apart).")
+    shipped = {k: v for k, v in off.items() if k != "routing"} | {"expert_mib": 0.2109375}
+    assert "on the shipped" not in headline(shipped)
+    assert "at the shipped model's own sizes (216 KiB experts; on-demand" in headline(shipped)
+    assert shipped_line(shipped).startswith("At the shipped model's own sizes (216 KiB")
+
+
+def test_the_real_size_model_is_refused_in_one_line_when_the_disk_cannot_hold_it(
+        tmp_path, monkeypatch):
+    import shutil
+
+    from stmoe.demo.offload import real_model
+    from stmoe.errors import StmoeError
+
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 0, 2**20))
+    said = []
+    with pytest.raises(StmoeError, match=r"the demo's real-size model needs about 0\.5 GiB "
+                       r"and .* has 0\.0 GiB free; free some space or set STMOE_CACHE"):
+        real_model(2, said.append)
+    assert said == [] and not (tmp_path / "demo").exists()

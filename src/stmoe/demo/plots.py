@@ -41,9 +41,10 @@ def decode_speed(offload: dict[str, Any], systems: list[str], path: Path) -> Pat
     ax.set_ylabel("decode tokens/s (higher is faster)")
     same = "yes" if offload["identical_tokens"] else "NO"
     ax.set_title(
-        f"Decode speed, experts offloaded: {offload['capacity']} of each layer's experts cached, "
-        f"EMULATED {offload['link']}/s link\nmedian of {offload['rounds']} interleaved rounds "
-        f"(whiskers: slowest and fastest round); tokens identical to the resident model: {same}",
+        f"Decode speed, experts offloaded ({offload['expert_mib']:.1f} MiB experts): "
+        f"{offload['capacity']} of each layer's cached, EMULATED {offload['link']}/s link\n"
+        f"median of {offload['rounds']} interleaved rounds "
+        f"(whiskers: slowest and fastest round); same tokens as the reference: {same}",
         fontsize=10,
     )
     ax.grid(axis="y", alpha=0.3)

@@ -2,24 +2,24 @@
 
 capture (3 domains) -> per-domain tables -> replay of every predictor and the
 cross-domain matrix -> correlation analysis -> simulator -> offloaded generation
-(interleaved rounds, every run checked against the resident model) ->
+(``demo.offload``: the shipped model, then the captured routing through a model with
+real-size experts; interleaved rounds, every run's tokens checked) ->
 ``DIR/index.html`` (its HTML is ``stmoe.demo.report``'s).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Callable
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from stmoe.demo.offload import SHIPPED_LINK, real_size_section, shipped_section
 from stmoe.errors import StmoeError
 from stmoe.hf.capture_generate import Prompt
-from stmoe.models import SHIPPED_MODEL, SHIPPED_TABLES
+from stmoe.models import SHIPPED_MODEL
 from stmoe.trace.schema import RoutingTrace
 from stmoe.util.fileio import atomic_write_text
 
@@ -106,85 +106,22 @@ def run_demo(
     _write_json(out / "simulator" / "simulate.json", sim)
 
     stage(f"generating with the experts offloaded: {rounds} interleaved rounds of every system "
-          "(EMULATED link, half the experts cached)")
-    offloaded = offload_section(model, tokenizer, model_dir, out,
-                                new_tokens=8 if quick else 32, rounds=rounds)
+          f"on the shipped model (EMULATED {SHIPPED_LINK}/s link, half the experts cached)")
+    shipped = shipped_section(model, tokenizer, Path(model_dir), out, DEMO_PROMPTS[1].text,
+                              new_tokens=8 if quick else 32, rounds=rounds)
+    _write_json(out / "offload-shipped.json", shipped)
+    stage("generating at real expert sizes: the captured routing replayed through a "
+          "RANDOM-weight model with 6 MiB experts")
+    real = real_size_section(trace, sequence=0, layers=2 if quick else 8,
+                             new_tokens=8 if quick else 24, rounds=rounds, stage=stage)
+    _write_json(out / "offload.json", real)
 
     summary = _summary(trace, per_domain, matrix, analysis, sim)
-    summary["offload"] = offloaded
+    summary["offload"] = real
+    summary["offload_shipped"] = shipped
     summary["parameters"] = int(sum(p.numel() for p in model.parameters()))
     write_index(out, summary, per_domain, analysis, sim, _samples(trace, tokenizer))
     return summary
-
-
-OFFLOAD_LINK = "200MB"  # EMULATED link bandwidth of the demo's offloaded generation
-# per-run figures kept (medians over the rounds); tokens are checked, not averaged
-_MEASURED = ("decode_tokens_per_s", "stall_share", "hit_rate", "prefetch_recall",
-             "prefetch_precision", "bytes_moved", "bytes_wasted")
-
-
-def offload_section(model: Any, tokenizer: Any, model_dir: str | Path, out: Path, *,
-                    new_tokens: int, rounds: int) -> dict[str, Any]:
-    """Generate with each system at 50% capacity in ``rounds`` interleaved rounds.
-
-    Interleaving (each round runs every system once, in a rotated order) spreads a
-    shared machine's slow spells over all systems instead of one; an untimed warm-up
-    run of each system comes first. Every run's tokens
-    are compared with the resident model's greedy output: offloading must be lossless."""
-    from stmoe.evaluate.systems import OFFLOAD_SYSTEMS, compared_predictor
-    from stmoe.predictors import load_tables
-    from stmoe.runtime.api import offload
-    from stmoe.runtime.store import pack
-
-    prompt = DEMO_PROMPTS[1].text
-    reference = resident_tokens(model, tokenizer, prompt, new_tokens)
-    store = pack(model, out / "store", source=model_dir)  # model: model_dir, as loaded
-    tables = load_tables(Path(model_dir) / SHIPPED_TABLES)
-    names = list(OFFLOAD_SYSTEMS)
-    runs: dict[str, list[Any]] = {n: [] for n in names}
-    with ExitStack() as stack:
-        models = {name: stack.enter_context(
-            offload(model_dir, store, capacity="50%", policy=policy, tier="emulated",
-                    predictor=compared_predictor(predictor, tables), bandwidth=OFFLOAD_LINK))
-            for name, (predictor, policy) in OFFLOAD_SYSTEMS.items()}
-        for om in models.values():  # untimed: first calls pay one-off set-up costs
-            om.generate(prompt, max_new_tokens=2)
-        for r in range(rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                runs[name].append(models[name].generate(prompt, max_new_tokens=new_tokens))
-    systems = {}
-    for name, results in runs.items():
-        row: dict[str, Any] = {k: statistics.median(getattr(x, k) for x in results)
-                               for k in _MEASURED}
-        speeds = [x.decode_tokens_per_s for x in results]
-        row["decode_tokens_per_s_range"] = [min(speeds), max(speeds)]
-        row["decode_tokens_per_s_runs"] = speeds
-        row["identical_to_resident"] = all(x.tokens == reference for x in results)
-        systems[name] = row
-    result = {
-        "link": OFFLOAD_LINK, "capacity": "50%", "prompt": prompt, "new_tokens": new_tokens,
-        "rounds": rounds, "statistic": "median over the rounds (range: min-max)",
-        "reference_tokens": reference, "text": tokenizer.decode(reference),
-        "identical_tokens": all(s["identical_to_resident"] for s in systems.values()),
-        "systems": systems,
-    }
-    _write_json(out / "offload.json", result)
-    return result
-
-
-def resident_tokens(model: Any, tokenizer: Any, prompt: str, new_tokens: int) -> list[int]:
-    """The resident (not offloaded) model's greedy tokens: what every system must match."""
-    import torch
-
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    gen = model.generation_config
-    pad = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
-    pad = pad[0] if isinstance(pad, list) else pad
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             pad_token_id=pad)
-    return out[0, ids.shape[1] :].tolist()
 
 
 def _write_json(path: Path, data: Any) -> None:

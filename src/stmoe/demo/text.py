@@ -18,7 +18,8 @@ MODEL_CARD_HTML = "model-card.html"
 
 
 def headline(off: dict[str, Any]) -> str:
-    """The report's first sentence: decode speed of the headline systems, with the range."""
+    """The report's first sentence: decode speed of the headline systems, with the range,
+    the sizes they ran at, and each predictor against the LRU cache by the rounds' rule."""
     s = off["systems"]
 
     def speed(name: str, unit: str = "") -> str:
@@ -29,15 +30,37 @@ def headline(off: dict[str, Any]) -> str:
 
     how = (f"medians of {off['rounds']} interleaved rounds" if off["rounds"] > 1 else
            "a single run each (no range; --rounds N gives medians)")
-    same = ("every run's tokens identical to the resident model's" if off["identical_tokens"]
-            else "NOT every run's tokens matched the resident model's")
+    same = (f"every run's tokens identical to {off['reference']}" if off["identical_tokens"]
+            else f"NOT every run's tokens matched {off['reference']}")
+    every = (f" ({speed('stmoe-plus-all')} with every predicted load, admission off)"
+             if "stmoe-plus-all" in s else "")
+    compared = [n for n in ("stmoe", "stmoe-plus", "stmoe-plus-all") if n in s]
     return (f"With {off['capacity']} of each layer's experts cached and the rest fetched over an "
-            f"EMULATED {off['link']}/s link, ST-MoE prefetching decodes at "
+            f"EMULATED {off['link']}/s link, at {sizes(off)}, ST-MoE prefetching decodes at "
             f"{speed('stmoe', ' tokens/s')}, against {speed('on-demand')} for on-demand "
             f"loading and {speed('lru-only')} for an LRU cache alone, with stmoe-plus at "
-            f"{speed('stmoe-plus')} and the oracle (perfect prediction) at {speed('oracle')} "
-            f"({how}; "
-            f"{same}). Against the LRU cache alone: {versus(off, 'stmoe')}; "
+            f"{speed('stmoe-plus')}{every} and the oracle (perfect prediction) at "
+            f"{speed('oracle')} ({how}; {same}). Against the LRU cache alone: "
+            f"{'; '.join(versus(off, n) for n in compared)}.")
+
+
+def sizes(off: dict[str, Any]) -> str:
+    """Where a section ran: its expert size, its weights and routing, and how much of the
+    on-demand decode waited for weights (what prefetching can win back)."""
+    waited = off["systems"].get("on-demand", {}).get("stall_share")
+    wait = f"; on-demand loading waits for weights {waited:.0%} of its decode" if waited else ""
+    if "routing" in off:
+        return (f"real expert sizes ({off['expert_mib']:.1f} MiB experts, RANDOM weights "
+                f"replaying the shipped model's routing{wait})")
+    return f"the shipped model's own sizes ({off['expert_mib'] * 1024:.0f} KiB experts{wait})"
+
+
+def shipped_line(off: dict[str, Any]) -> str:
+    """One line for the second table: the shipped model's own sizes."""
+    s = off["systems"]
+    return (f"At {sizes(off)}: ST-MoE {s['stmoe']['decode_tokens_per_s']:.1f} tokens/s, "
+            f"LRU cache alone {s['lru-only']['decode_tokens_per_s']:.1f}, oracle "
+            f"{s['oracle']['decode_tokens_per_s']:.1f}; {versus(off, 'stmoe')}; "
             f"{versus(off, 'stmoe-plus')}.")
 
 

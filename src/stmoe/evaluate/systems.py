@@ -31,6 +31,8 @@ SYSTEM_DESCRIPTIONS = {
     "stmoe-plus": "stmoe-plus prefetch (1.5K experts per layer) into the LRU cache",
     "hybrid": "stmoe-plus fused with gate lookahead (1.5K experts) into the LRU cache",
     "oracle": "prefetches exactly the experts the router will choose (known from a first pass)",
+    "stmoe-plus-all": "stmoe-plus with the runtime's prefetch admission off: every predicted "
+    "load made",
 }
 # the systems of the demo's headline figure: the baselines, ST-MoE, stmoe-plus and the bound
 HEADLINE_SYSTEMS = ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle")

@@ -41,6 +41,7 @@ ARCHITECTURES = {
     "mixtral-8x7b": "mixtral",
     "olmoe-1b-7b": "olmoe",
     "stmoe-tiny": "qwen2_moe",
+    "demo-real-experts": "qwen3_moe",
 }
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 INIT_STD = 0.02  # transformers' default initializer_range
