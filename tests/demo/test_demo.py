@@ -291,3 +291,17 @@ def test_the_real_size_model_is_refused_in_one_line_when_the_disk_cannot_hold_it
                        r"and .* has 0\.0 GiB free; free some space or set STMOE_CACHE"):
         real_model(2, said.append)
     assert said == [] and not (tmp_path / "demo").exists()
+
+
+def test_the_demo_help_the_readme_and_its_own_estimate_agree(cli, quick_demo):
+    from pathlib import Path
+
+    from stmoe.demo.run import ESTIMATE
+
+    result, _ = quick_demo
+    assert f"the demo takes {ESTIMATE}" in result.output
+    help_text = " ".join(cli("demo", "--help").output.split())
+    assert "About 3.5 minutes on 2 cores, 35 s more the first time (--quick: under one)" in (
+        help_text) and ESTIMATE.startswith("about 3.5 minutes on 2 cores, 35 s more")
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert "3.5 minutes the second" in readme and "`--quick`: under one" in readme

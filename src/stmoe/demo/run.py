@@ -45,6 +45,11 @@ DEMO_PROMPTS = (
 )
 
 
+# how long it takes (docs/benchmarks.md, the demo's running time): `stmoe demo --help` and
+# the README say the same (tests/demo/test_demo.py)
+ESTIMATE = "about 3.5 minutes on 2 cores, 35 s more the first time (--quick: under one)"
+
+
 def run_demo(
     out_dir: str | Path,
     *,
@@ -75,6 +80,7 @@ def run_demo(
     out.mkdir(parents=True, exist_ok=True)
     if not (Path(model_dir) / "config.json").exists():
         raise StmoeError(f"{model_dir}: the shipped model is missing from this install")
+    stage(f"the demo takes {ESTIMATE}")
     prompts = [p for i, p in enumerate(DEMO_PROMPTS) if not quick or i % 4 == 0]
     stage(f"capturing routing from the shipped model on {len(prompts)} prompts")
     model, tokenizer = load_model(model_dir)
