@@ -107,7 +107,7 @@ def test_the_simulator_takes_the_same_names(tmp_path):
 
 def _drive_runtime_cache(trace, plan: PrefetchPlan, capacity: int, policy: str):
     """The engine's calls on one LayerCache per layer (no threads: in request order):
-    the ranked prefetch set protected and claimed most confident first (residency
+    the prefetch set protected whole and claimed most confident first (residency
     checked at the claim, as a worker does), then the demand pinned, missed experts
     claimed, every used slot touched."""
     torch = pytest.importorskip("torch", reason="the runtime's cache needs torch")
@@ -120,7 +120,7 @@ def _drive_runtime_cache(trace, plan: PrefetchPlan, capacity: int, policy: str):
     for t in range(trace.num_tokens):
         for layer, cache in enumerate(caches):
             wanted = tuple(int(e) for e in plan.at(t, layer))[:capacity]
-            cache.protected = wanted  # ranked: each load protects the set up to itself
+            cache.protected = frozenset(wanted)  # the whole set, as the planner sets it
             for e in wanted:
                 if e in cache.where:
                     continue

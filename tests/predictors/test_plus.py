@@ -9,6 +9,7 @@ import pytest
 
 import stmoe
 from conftest import REAL_NPZ, distinct_slots, needs_shared
+from stmoe.errors import StmoeNote
 from stmoe.evaluate.replay import evaluate
 from stmoe.predictors import PredictorError, load_tables, make, profile, save_tables
 from stmoe.predictors.base import ModelShape, Predictor
@@ -314,7 +315,8 @@ def test_fits_of_an_older_stmoe_plus_are_ignored():
     assert tables.info["plus"]["version"] == 3
     old = dataclasses.replace(tables, info={**tables.info, "plus": {
         **tables.info["plus"], "version": None, "power": 2.0}})
-    assert make("stmoe-plus", old.shape, old).power == 8.0  # the default, not the old fit
+    with pytest.warns(StmoeNote, match="a fit of version None; this stmoe reads version 3"):
+        assert make("stmoe-plus", old.shape, old).power == 8.0  # the default, not the old fit
     with pytest.raises(PredictorError, match="takes no gate lookahead"):
         make("stmoe-plus", tables.shape, tables, lookahead="late")
     with pytest.raises(PredictorError, match="sim_decay"):

@@ -74,6 +74,8 @@ def recorder_dump(rank: int = 0, with_map: bool = True) -> tuple[dict, list, np.
     return dump, [np.stack(t) for t in truth], phys_to_log
 
 
+# the note is asserted in test_engines.py (its CLI output)
+@pytest.mark.filterwarnings('ignore:dropped dense layer 0:stmoe.errors.StmoeNote')
 def test_sglang_per_token_recorder(tmp_path, cli):
     torch = pytest.importorskip("torch")
     dump, truth, _ = recorder_dump()

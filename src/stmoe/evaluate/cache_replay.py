@@ -2,8 +2,9 @@
 
 Each MoE layer has its own cache of ``capacity`` experts. At every (token, layer):
 
-1. the prefetch set is loaded, most confident first (already resident: nothing
-   moves); an insertion never evicts an expert of the same prefetch set, and
+1. the prefetch set's first ``capacity`` experts are loaded, most confident first
+   (already resident: nothing moves); an insertion never evicts an expert of the
+   same set (the whole set is protected first, as the runtime's planner does), and
    when only those are left, the rest of the set is dropped;
 2. the router's experts are demanded: resident ones are hits; the others are
    misses, loaded on demand, never evicting another expert of the same demand.
@@ -164,10 +165,12 @@ def _replay(experts, plan, cache, count_mask, occurrences, n):  # pragma: no cov
                         cursor[c] += 1
                     nxt[e] = occ[cursor[c]] if cursor[c] < occ_ptr[c + 1] else cp.NEVER
             res = resident[layer]
-            start, stop = ptr[t * n_layers + layer], ptr[t * n_layers + layer + 1]
+            start = ptr[t * n_layers + layer]
+            stop = min(ptr[t * n_layers + layer + 1], start + capacity)  # what a cache holds
+            for i in range(start, stop):  # the whole set first: no insertion evicts a member
+                protect[ids[i]] = True
             for i in range(start, stop):  # 1. prefetch, most confident first
                 p = ids[i]
-                protect[p] = True
                 if res[p]:
                     continue
                 if size[layer] >= capacity:

@@ -17,9 +17,8 @@ names and their rules are documented there, once for every cache), with the
 same rules as the cache replay, so both give the same hits on the same requests
 (``tests/test_cache_policy.py``): only a READY slot may be a victim; never an
 expert the compute thread is using (``pinned``) nor one predicted for
-the coming layer (``protected``: the prefetch set being inserted; given ranked,
-as a tuple, a prefetch protects the set's experts up to its own, literally the
-replay's rule, where a frozenset protects all of them). A use is
+the coming layer (``protected``: the whole prefetch set being inserted, as in the
+replay, so a load never evicts a member of its own set). A use is
 stamped with the cache's step: setting ``pinned`` to a demand starts a step,
 every expert of that demand shares its stamp, and a prefetched expert is stamped
 with the step it was loaded for (the next one); ties go to the smaller id.
@@ -133,7 +132,7 @@ class LayerCache:
         self.clock = 0  # the current step (see the module docstring)
         self._in_step = False  # a demand is pinned: its uses share one stamp
         # predicted for the coming layer: the prefetch set being inserted (a tuple: ranked)
-        self.protected: frozenset[int] | tuple[int, ...] = frozenset()
+        self.protected: frozenset[int] = frozenset()
         self._pinned: frozenset[int] = frozenset()  # being used by the compute thread
 
     def _slab(self, p: ParamSpec, device: torch.device) -> torch.Tensor:
@@ -215,7 +214,7 @@ class LayerCache:
             slot = next((s for s in range(self.capacity) if self.state[s] == FREE), None)
         wasted = False
         if slot is None:
-            slot = self._victim(expert if prefetch else None)
+            slot = self._victim()
             if slot is None:
                 return None, False
             wasted = self.prefetched[slot] and not self.used[slot]
@@ -232,17 +231,14 @@ class LayerCache:
             self.last_use[expert] = self.clock + 1
         return slot, wasted
 
-    def _victim(self, prefetching: int | None) -> int | None:
+    def _victim(self) -> int | None:
         """(a full cache) The slot of the policy's victim, or None when all are protected."""
-        ranked = self.protected
-        if isinstance(ranked, tuple) and prefetching in ranked:  # the set up to this expert
-            ranked = ranked[: ranked.index(prefetching) + 1]
         evictable = np.zeros(len(self.uses), dtype=np.bool_)
         for s in range(self.capacity):
             if self.state[s] == READY:
                 evictable[self.holder[s]] = True
         keep = np.zeros(len(self.uses), dtype=np.bool_)
-        for e in self.pinned.union(ranked):
+        for e in self.pinned.union(self.protected):
             keep[e] = True
         e = cp.choose_victim(evictable, keep, self.last_use, self.uses, _NO_FUTURE, self._code)
         return self.where[e] if e >= 0 else None
