@@ -79,6 +79,13 @@ def test_the_budget_is_what_the_tier_delivers_within_the_horizon():
     assert adm.budget() == 1
     assert adm.admit(0, 0, [1, 2, 3]) == [1]
 
+    # a serial link (the emulated tier): what it cannot deliver in time is dropped
+    # unstarted when its layer begins, so only the confidence rule cuts the set
+    serial = Admission(num_layers=1, capacity=8, horizon=2, config=CFG, serial=True)
+    serial.timings(read_s=0.100, layer_s=0.005, busy=0.0)
+    assert serial.budget() == 8
+    assert serial.admit(0, 0, [1, 2, 3]) == [1, 2, 3]
+
 
 def test_wasted_reads_cost_their_share_of_the_tier():
     """Each call: one prefetch hit, two wasted reads; on an idle tier that pays (+1), on a

@@ -11,7 +11,11 @@ cache would have hit. So, per MoE layer, as the run goes (docs/runtime.md, Admis
   is what a wasted read costs in saved reads: the tier's measured busy share (an idle
   tier's wasted read delays nothing; a saturated tier's delays a needed one);
 * **bandwidth**: no more loads than the tier can deliver before they are needed, the
-  horizon's measured layer time over the measured read time of one expert;
+  horizon's measured layer time over the measured read time of one expert, where reads
+  share a device (the disk: one read in flight slows the others). On a serial link (the
+  emulated tier: reads one after another) a load the link cannot deliver in time never
+  starts: it is dropped as stale when its layer begins and a demand read goes first, so
+  it costs nothing and the budget is the cache's; the confidence rule still decides;
 * **fall back**: every ``window`` calls a layer's prefetch is scored: experts it brought
   in that were routed (saved reads) minus misses of experts a prefetch evicted (LRU
   would have hit them) minus ``w`` per wasted read. A losing layer turns prefetch off
@@ -58,9 +62,10 @@ class Admission:
     """Per-layer admission of a predictor's ranked prefetch sets."""
 
     def __init__(self, num_layers: int, capacity: int, horizon: int,
-                 config: AdmissionConfig | None = None) -> None:
+                 config: AdmissionConfig | None = None, *, serial: bool = False) -> None:
         self.config = config or AdmissionConfig()
         self.capacity, self.horizon = capacity, horizon
+        self.serial = serial  # the tier reads one block at a time (see the module doc)
         self.layers = [_Layer([self.config.prior] * capacity) for _ in range(num_layers)]
         self.read_s: float | None = None  # one expert's read, measured
         self.layer_s: float | None = None  # one layer call's wall time, measured
@@ -94,8 +99,9 @@ class Admission:
         return min(1.0, max(0.0, self.busy or 0.0))
 
     def budget(self) -> int:
-        """Loads the tier can deliver within the horizon's layers (every load, unmeasured)."""
-        if not self.read_s or not self.layer_s:
+        """Loads the tier can deliver within the horizon's layers (every load, unmeasured;
+        on a serial link, every load: what cannot arrive in time is dropped unstarted)."""
+        if self.serial or not self.read_s or not self.layer_s:
             return self.capacity
         return max(1, min(self.capacity, int(self.horizon * self.layer_s / self.read_s)))
 

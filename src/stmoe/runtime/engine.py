@@ -95,7 +95,8 @@ class OffloadEngine:
                                       self.num_layers)
             if self.settings.admission:  # measured afresh in every run
                 self.state.run.admission = Admission(self.num_layers, self.capacity,
-                                                     self.predictor.horizon)
+                                                     self.predictor.horizon,
+                                                     serial=self.tier.emulated)
             self.prefetcher.discard_error()
 
     @property
