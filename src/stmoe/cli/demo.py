@@ -39,7 +39,7 @@ def demo_cmd(
     against the resident model), then replays the captured routing through a model
     with real-size experts (6 MiB, RANDOM weights; made once, 1.9 GiB in
     ~/.cache/stmoe/demo or STMOE_CACHE) for the headline, and writes DIR/index.html.
-    About 3.5 minutes on 2 cores, 35 s more the first time (--quick: under one).
+    About 3.5 minutes on 2 cores, 40 s more the first time (--quick: under one).
     """
     try:
         from stmoe.demo import run_demo

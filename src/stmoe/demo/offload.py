@@ -151,7 +151,7 @@ def real_model(layers: int, stage: Callable[[str], None]) -> tuple[Path, Path, i
     ``STMOE_CACHE``/demo (said so, with the disk it takes; refused in one line when the
     disk cannot hold it)."""
     from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
-    from stmoe.runtime.store.packing import ensure_store
+    from stmoe.runtime.store.packing import pack_folder
 
     root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "demo"
     model_dir = root / f"{REAL_LIKE}-L{layers}"
@@ -169,4 +169,7 @@ def real_model(layers: int, stage: Callable[[str], None]) -> tuple[Path, Path, i
               f"{plan.spec.expert_bytes / 2**20:.1f} MiB) and its store, "
               f"{need / 2**30:.1f} GiB in {root} (kept for the next run)")
         make_checkpoint(plan, model_dir)
-    return model_dir, ensure_store(model_dir, None), plan.spec.expert_bytes
+    store = root / f"{REAL_LIKE}-L{layers}.store"  # beside it: one folder holds both
+    if not (store / "index.json").is_file():
+        pack_folder(model_dir, store)
+    return model_dir, store, plan.spec.expert_bytes

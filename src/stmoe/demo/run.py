@@ -47,7 +47,7 @@ DEMO_PROMPTS = (
 
 # how long it takes (docs/benchmarks.md, the demo's running time): `stmoe demo --help` and
 # the README say the same (tests/demo/test_demo.py)
-ESTIMATE = "about 3.5 minutes on 2 cores, 35 s more the first time (--quick: under one)"
+ESTIMATE = "about 3.5 minutes on 2 cores, 40 s more the first time (--quick: under one)"
 
 
 def run_demo(
