@@ -17,12 +17,11 @@ from stmoe.predictors import profile
 from stmoe.sim.accelerator.region import (
     Plausible,
     Targets,
-    buffer_mm2,
     closest,
     conditions,
     sweep_region,
 )
-from stmoe.sim.accelerator.simulate import simulate
+from stmoe.sim.accelerator.simulate import buffer_mm2, simulate
 from stmoe.sim.accelerator.systems import RunOptions, run_system
 from stmoe.sim.specs import SpecError, hardware_preset, model_preset
 from stmoe.trace.select import concat

@@ -134,8 +134,7 @@ def evaluate(
     policy: str = "lru",
 ) -> PredictorResult:
     """Replay one predictor over ``trace`` (the predictor learns as it goes)."""
-    predictor.check_rows(trace)
-    trace = as_sets(trace)  # (the trace itself where its rows are in rank order)
+    trace = as_sets(trace)  # (itself where ranked; a predictor reading rank refuses in plan)
     plan = predictor.plan(trace)
     budgets = default_budgets(trace) if budgets is None else np.asarray(budgets, dtype=np.int64)
     mask = scope_mask(trace)

@@ -131,7 +131,7 @@ class LayerCache:
         self.uses = np.zeros(num_experts, dtype=np.int64)
         self.clock = 0  # the current step (see the module docstring)
         self._in_step = False  # a demand is pinned: its uses share one stamp
-        # predicted for the coming layer: the prefetch set being inserted (a tuple: ranked)
+        # predicted for the coming layer: the whole prefetch set being inserted
         self.protected: frozenset[int] = frozenset()
         self._pinned: frozenset[int] = frozenset()  # being used by the compute thread
 

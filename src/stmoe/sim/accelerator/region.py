@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stmoe.predictors import ProfiledTables
-from stmoe.sim.accelerator.simulate import SRAM_UM2_PER_BIT_40NM
-from stmoe.sim.accelerator.systems import ABLATION, RunOptions, buffer_bits, run_system
+from stmoe.sim.accelerator.simulate import buffer_mm2
+from stmoe.sim.accelerator.systems import ABLATION, RunOptions, run_system
 from stmoe.sim.specs import HardwareSpec, ModelSpec
 from stmoe.trace.schema import RoutingTrace
 from stmoe.util.progress import progress
@@ -49,7 +49,7 @@ class Plausible:
     """What a 40 nm-era accelerator could hold (assumptions, docs/simulator.md)."""
 
     # half of a ~800 mm2 reticle-limit die given to the expert buffer, at the EPU's
-    # 40 nm SRAM density (SRAM_UM2_PER_BIT_40NM)
+    # 40 nm SRAM density (simulate.SRAM_UM2_PER_BIT_40NM)
     buffer_mm2: float = 400.0
     # AMD Fiji (2015, 28 nm): four HBM1 stacks, 512 GB/s, the widest memory of the era
     link_bytes_per_s: float = 512e9
@@ -91,11 +91,6 @@ def conditions(fig: dict[str, Any], targets: Targets) -> dict[str, bool]:
 def premise(fig: dict[str, Any], targets: Targets) -> bool:
     """Whether the GPU baseline spends the paper's ~70% of its time on communication."""
     return targets.comm_share_low <= fig["baseline_comm_share"] <= targets.comm_share_high
-
-
-def buffer_mm2(model: ModelSpec, experts_per_layer: int) -> float:
-    """The expert buffer's area estimate at 40 nm (the EPU's bitcell and periphery)."""
-    return buffer_bits(model, experts_per_layer) * SRAM_UM2_PER_BIT_40NM / 1e6
 
 
 def is_plausible(model: ModelSpec, hw: HardwareSpec, limits: Plausible) -> bool:

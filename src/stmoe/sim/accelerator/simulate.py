@@ -55,6 +55,11 @@ def epu_storage(model: ModelSpec, hw: HardwareSpec, row_width: int) -> dict[str,
     }
 
 
+def buffer_mm2(model: ModelSpec, experts_per_layer: int) -> float:
+    """The expert buffer's area estimate at 40 nm (the EPU's bitcell and periphery)."""
+    return buffer_bits(model, experts_per_layer) * SRAM_UM2_PER_BIT_40NM / 1e6
+
+
 def buffer_storage(model: ModelSpec, hw: HardwareSpec) -> dict[str, Any]:
     """The expert buffer kept across steps: its size and an area estimate at 40 nm (the
     EPU's bitcell), for comparison with what a chip can hold."""
@@ -63,7 +68,7 @@ def buffer_storage(model: ModelSpec, hw: HardwareSpec) -> dict[str, Any]:
         "experts_per_layer": hw.cache_experts_per_layer,
         "for": hw.buffer_for,
         "mib": bits / 8 / 2**20,
-        "area_mm2_estimate": bits * SRAM_UM2_PER_BIT_40NM / 1e6,
+        "area_mm2_estimate": buffer_mm2(model, hw.cache_experts_per_layer),
         "leak_w": bits * hw.sram_leak_w_per_bit,
     }
 
