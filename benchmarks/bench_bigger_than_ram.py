@@ -1,22 +1,29 @@
 """A whole model bigger than this machine's RAM, decoded under one memory budget (issue 28, item 4).
 
 All 24 layers of Qwen1.5-MoE-A2.7B's shape (``stmoe make-model --like qwen1.5-moe-a2.7b``:
-28.6 GB of bf16, **random weights**; this machine has 24 GiB), experts packed in int4
-(``stmoe pack --format int4``: 7.6 GB; the bf16 experts are not repacked: a second full copy
-is what item 4's in-place reads are to avoid, not built yet), every process bounded by a
+28.6 GB of bf16, **random weights**; this machine has 24 GiB), every process bounded by a
 memory cgroup of ``--memory`` (default 10GB, page cache included; the files' pages dropped
-first). stmoe (``generate --memory 10GB --format int4 --quantize-resident int4``) replays the
-REAL routing of one of the three ``../shared/traces/qwen15`` prompts (all 24 layers), tables
-profiled on the other two (HELD-OUT; rotated each round): on-demand, lru-only, stmoe,
-stmoe-plus, oracle. llama.cpp (Q4_K_M, from the converter's Q8_0, ``--load-mode mmap``) cannot
-replay a trace: it free-runs on the checkpoint's random router, which repeats itself more
-than real routing does (a kinder case for its page cache). Targets: stmoe-plus >= 3x
-llama.cpp's decode, and stmoe-plus closes >= 70% of the lru-only -> oracle time gap.
+first), in one of two weight formats:
 
-    python benchmarks/bench_bigger_than_ram.py [--rounds 3] [--tokens 32] [--memory 10GB]
+- ``--weights int4``: experts packed in int4 (``stmoe pack --format int4``: 7.6 GB), stmoe
+  with ``--quantize-resident int4``, against llama.cpp Q4_K_M (from the converter's Q8_0);
+- ``--weights bf16``: the bf16 experts read IN PLACE from the checkpoint's safetensors
+  (``stmoe pack --in-place``: an index.json, no second copy), against llama.cpp BF16 (the
+  converter's GGUF: a second 28.6 GB on disk, llama.cpp's own format).
 
-Needs ~45 GB of disk in STMOE_BENCH_DIR (checked first) and llama.cpp built
-(benchmarks/build_llama_cpp.sh); ``--clean`` deletes what it wrote.
+stmoe (``generate --memory``) replays the REAL routing of one of the three
+``../shared/traces/qwen15`` prompts (all 24 layers), tables profiled on the other two
+(HELD-OUT; rotated each round): on-demand, lru-only, stmoe, stmoe-plus, oracle. llama.cpp
+(``--load-mode mmap``) cannot replay a trace: it free-runs on the checkpoint's random router,
+which repeats itself more than real routing does (a kinder case for its page cache).
+Targets: stmoe-plus >= 3x llama.cpp's decode, and stmoe-plus closes >= 70% of the lru-only
+-> oracle time gap.
+
+    python benchmarks/bench_bigger_than_ram.py [--weights int4|bf16] [--rounds 3] [--tokens 32]
+                                              [--memory 10GB]
+
+Needs ~45 GB (int4) or ~60 GB (bf16) of disk in STMOE_BENCH_DIR (checked first) and
+llama.cpp built (benchmarks/build_llama_cpp.sh); ``--clean`` deletes what it wrote.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ LIKE = "qwen1.5-moe-a2.7b"
 SHARED = Path(os.environ.get("STMOE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 PROMPTS = ("history_1", "cooking_1", "ml_moe_1")
 SYSTEMS = ["on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle"]
-NEED_BYTES = 45 * 10**9
+NEED_BYTES = {"int4": 45 * 10**9, "bf16": 60 * 10**9}
 
 
 def root() -> Path:
@@ -54,23 +61,28 @@ def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, **kw)
 
 
-def prepare() -> tuple[Path, Path, Path]:
-    """The checkpoint, its int4 store and the Q4_K_M GGUF (made once, each checked)."""
+def prepare(weights: str) -> tuple[Path, Path, Path]:
+    """The checkpoint, its int4 store and the Q4_K_M GGUF, or its in-place index and the
+    BF16 GGUF (made once, each checked)."""
     base = root()
     base.mkdir(parents=True, exist_ok=True)
-    ckpt, store = base / f"{LIKE}-L24", base / f"{LIKE}-L24.int4"
-    gguf = base / f"{LIKE}-L24.q4_k_m.gguf"
+    ckpt = base / f"{LIKE}-L24"
+    store = base / f"{LIKE}-L24.{'int4' if weights == 'int4' else 'in-place'}"
+    gguf = base / f"{LIKE}-L24.{'q4_k_m' if weights == 'int4' else 'bf16'}.gguf"
     if not (ckpt / "config.json").is_file() or not (store / "index.json").is_file() \
             or not gguf.is_file():
+        have = sum(f.stat().st_size for f in [*ckpt.glob("*"), gguf] if f.is_file())
         free = shutil.disk_usage(base).free
-        if free < NEED_BYTES:
+        if free + have < NEED_BYTES[weights]:
             raise SystemExit(f"error: {base} has {free / 1e9:.0f} GB free, this needs "
-                             f"{NEED_BYTES / 1e9:.0f} GB")
+                             f"{(NEED_BYTES[weights] - have) / 1e9:.0f} GB more")
     if not (ckpt / "config.json").is_file():
         run([sys.executable, "-m", "stmoe", "make-model", "--like", LIKE, "-o", str(ckpt)])
     if not (store / "index.json").is_file():
-        run([sys.executable, "-m", "stmoe", "pack", str(ckpt), "-o", str(store), "--format",
-             "int4"])
+        how = ["--format", "int4"] if weights == "int4" else ["--in-place"]
+        run([sys.executable, "-m", "stmoe", "pack", str(ckpt), "-o", str(store), *how])
+    if weights == "bf16" and not gguf.is_file():
+        llama_cpp.convert(ckpt, gguf)
     if not gguf.is_file():
         q8 = base / f"{LIKE}-L24.q8_0.gguf"
         llama_cpp.convert(ckpt, q8, outtype="q8_0")  # no 28.6 GB BF16 copy on the way
@@ -129,8 +141,10 @@ def stmoe_run(system: str, replayed: str, args: argparse.Namespace, ckpt: Path, 
     predictor, policy = OFFLOAD_SYSTEMS[system]
     cmd = [sys.executable, "-m", "stmoe", "generate", "--model", str(ckpt), "--store",
            str(store), "--routing", str(found[replayed]), "--max-new-tokens", str(args.tokens),
-           "--memory", args.memory, "--quantize-resident", "int4", "--predictor", predictor,
-           "--policy", policy, "--threads", "1", "--json", "-"]
+           "--memory", args.memory, "--predictor", predictor, "--policy", policy,
+           "--threads", "1", "--json", "-"]
+    if args.weights == "int4":
+        cmd += ["--quantize-resident", "int4"]
     if predictor in ("stmoe", "stmoe-plus"):
         cmd += ["--tables", str(tables(replayed, found))]
     out, peak = in_cgroup(cmd, args.limit, [ckpt, store])
@@ -159,6 +173,9 @@ def llama_run(gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--weights", choices=["int4", "bf16"], default="int4",
+                    help="int4: a packed int4 store against Q4_K_M; bf16: the experts read in "
+                    "place against llama.cpp BF16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--memory", default="10GB")
@@ -170,11 +187,14 @@ def main() -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         return
     args.limit = int(parse_bytes(args.memory))
-    ckpt, store, gguf = prepare()
+    ckpt, store, gguf = prepare(args.weights)
     found = traces()
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    print(f"{ckpt}: {size / 1e9:.1f} GB of bf16 (RANDOM weights); int4 store "
-          f"{sum(f.stat().st_size for f in store.glob('*.bin')) / 1e9:.1f} GB; Q4_K_M "
+    held = (f"int4 store {sum(f.stat().st_size for f in store.glob('*.bin')) / 1e9:.1f} GB"
+            if args.weights == "int4" else "bf16 experts read in place (index.json "
+            f"{(store / 'index.json').stat().st_size / 1e6:.1f} MB)")
+    print(f"{ckpt}: {size / 1e9:.1f} GB of bf16 (RANDOM weights); {held}; "
+          f"{'Q4_K_M' if args.weights == 'int4' else 'BF16'} GGUF "
           f"{gguf.stat().st_size / 1e9:.1f} GB; every process bounded to {args.memory}; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     names = [*SYSTEMS, "llama.cpp"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 import tomllib
 
@@ -119,13 +120,13 @@ def test_reads_land_in_faulted_in_memory_and_faults_are_measured_apart(tiny, mon
     reads into never-touched memory, half its reads, the other half into a faulted slot."""
     from stmoe.runtime.calibrate import reads as cal
     from stmoe.runtime.store import open_store
-    from stmoe.runtime.store.tiers import open_tier
+    from stmoe.runtime.store.reading import open_tier
 
     root, model_dir = tiny
     store = open_store(model_dir, root / "store")
     tier = open_tier("disk", store, None, 0.0)
     seen: list[bool] = []
-    fill, preadv = cal._fill, cal.os.preadv
+    fill, preadv = cal._fill, os.preadv
 
     def checked_fill(tier, store, block, parts, buf):
         seen.append(resident(parts[0].ctypes.data, sum(p.nbytes for p in parts)))
@@ -139,7 +140,7 @@ def test_reads_land_in_faulted_in_memory_and_faults_are_measured_apart(tiny, mon
     monkeypatch.setattr(cal, "_fill", checked_fill)
     try:
         with monkeypatch.context() as m:  # the latency's one-page reads (the tier's own too)
-            m.setattr(cal.os, "preadv", checked_preadv)
+            m.setattr(os, "preadv", checked_preadv)  # the tiers' own module, os
             cal.measure_latency(store, tier, 0.05, 0)
         cal.measure_reads(store, tier, 1, 0.1, 0)
         cal.measure_reads(store, tier, 3, 0.1, 2)

@@ -15,7 +15,8 @@ from stmoe.runtime.options import OffloadOptions  # noqa: E402
 from stmoe.runtime.store import ExpertStore, pack  # noqa: E402
 from stmoe.runtime.store.index import DTYPE_SIZES  # noqa: E402
 from stmoe.runtime.store.loader import Loader  # noqa: E402
-from stmoe.runtime.store.tiers import aligned_buffer, open_tier, padded  # noqa: E402
+from stmoe.runtime.store.reading import open_tier  # noqa: E402
+from stmoe.runtime.store.tiers import aligned_buffer, padded  # noqa: E402
 from tiny_moe import tiny_model  # noqa: E402
 
 

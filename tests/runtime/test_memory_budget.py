@@ -63,10 +63,12 @@ def test_the_cli_refuses_both_and_prints_the_split(cli):
     assert json.loads(res.stdout)["config"]["memory_plan"]["per_layer"] == 16
 
 
-def test_a_process_under_a_cgroup_of_its_budget_stays_within_it(tmp_path):
-    """The shipped model under a memory cgroup of exactly --memory (page cache included):
-    it generates, and the cgroup's peak stays within the bound. Skipped where no memory
-    cgroup can be made (an unprivileged container)."""
+@pytest.mark.parametrize("store", ["packed", "in-place"])
+def test_a_process_under_a_cgroup_of_its_budget_stays_within_it(store, tmp_path):
+    """The shipped model under a memory cgroup of exactly --memory (page cache included),
+    its experts from a packed store or read in place from its checkpoint: it generates,
+    and the cgroup's peak stays within the bound. Skipped where no memory cgroup can be
+    made (an unprivileged container)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from offload_baselines import cgroup_peak, make_cgroup, remove_cgroup
 
@@ -79,7 +81,7 @@ def test_a_process_under_a_cgroup_of_its_budget_stays_within_it(tmp_path):
                 "from stmoe.cli import app; sys.argv = ['stmoe'] + sys.argv[2:]; app()")
         done = subprocess.run([sys.executable, "-c", code, str(group), "generate", "--prompt",
                                "def fib(n):", "--max-new-tokens", "16", "--memory", str(limit),
-                               "--store", str(_store(tmp_path))],
+                               "--store", str(_store(tmp_path, store))],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         peak = cgroup_peak(group)
@@ -88,8 +90,11 @@ def test_a_process_under_a_cgroup_of_its_budget_stays_within_it(tmp_path):
         remove_cgroup(group)
 
 
-def _store(tmp_path: Path) -> Path:
+def _store(tmp_path: Path, kind: str = "packed") -> Path:
     from stmoe.models import SHIPPED_MODEL
     from stmoe.runtime.store import pack_folder
+    from stmoe.runtime.store.in_place_index import make_in_place
 
+    if kind == "in-place":
+        return make_in_place(SHIPPED_MODEL, tmp_path / "store")
     return pack_folder(SHIPPED_MODEL, tmp_path / "store")

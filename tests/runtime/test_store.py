@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
+from checkpoint_folders import FOLDERS, make_model_folder, saved_folder  # noqa: E402
 from stmoe.hf.layout import experts_modules  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.store import ALIGN, ExpertStore, StoreError, pack  # noqa: E402
@@ -169,39 +170,6 @@ def test_a_fuzzed_index_is_one_clear_error_or_the_same_tokens(fuzz_base, data):
 
 
 # ---- packing a folder streams its shards: the same bytes as packing the loaded model ---------
-def _make_model(arch: str, out: Path, dtype: str = "float32") -> Path:
-    """``stmoe make-model``'s checkpoint (fused experts, several shards) of architecture
-    ``arch`` at the stmoe-tiny preset's sizes (RANDOM weights)."""
-    from transformers import AutoModelForCausalLM
-
-    from stmoe.hf import checkpoints
-    from stmoe.sim.specs import model_preset
-
-    spec = model_preset("stmoe-tiny")
-    config = checkpoints._config(arch, spec, 2, dtype)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
-    plan = checkpoints.CheckpointPlan(config, [(n, tuple(t.shape)) for n, t in
-                                               meta.state_dict().items()], dtype, spec)
-    return checkpoints.make_checkpoint(plan, out, shard_bytes=400_000)
-
-
-def _saved(family: str, out: Path) -> Path:
-    """``save_pretrained``'s checkpoint (per-expert tensors, as the hub's) of a tiny model."""
-    tiny_model(family)[0].save_pretrained(out)
-    return out
-
-
-FOLDERS = {
-    "shipped": lambda out: __import__("stmoe.models", fromlist=["x"]).SHIPPED_MODEL,
-    **{f"saved-{f}": lambda out, f=f: _saved(f, out)
-       for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")},
-    **{f"made-{a}": lambda out, a=a: _make_model(a, out)
-       for a in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")},
-    "made-qwen3_moe-bf16": lambda out: _make_model("qwen3_moe", out, "bfloat16"),
-}
-
-
 def _same_store(a: Path, b: Path) -> None:
     """Byte for byte: index.json (blocks, CRC32s, checkpoint fingerprints) and data file."""
     assert (a / "index.json").read_bytes() == (b / "index.json").read_bytes()
@@ -262,10 +230,10 @@ def test_a_checkpoint_that_cannot_stream_is_packed_loaded_with_a_note(case, tmp_
     from stmoe.runtime.store import pack_folder
 
     if case == "unexpected tensor":
-        folder = _saved("mixtral", tmp_path / "model")
+        folder = saved_folder("mixtral", tmp_path / "model")
         said = _with_extra_expert_tensor(folder)
     else:
-        folder = _make_model("qwen3_moe", tmp_path / "model", "bfloat16")
+        folder = make_model_folder("qwen3_moe", tmp_path / "model", "bfloat16")
         said = _with_config_dtype(folder)
     want = pack(load_causal_lm(folder), tmp_path / "memory", source=folder)
     with pytest.warns(StmoeNote, match=re.escape(said)) as notes:
@@ -278,7 +246,7 @@ def test_a_checkpoint_that_cannot_stream_is_packed_loaded_with_a_note(case, tmp_
 def test_a_checkpoint_changed_while_packing_is_refused_the_old_store_kept(tmp_path, monkeypatch):
     from stmoe.runtime.store import pack_folder, pack_stream
 
-    folder = _make_model("olmoe", tmp_path / "model")
+    folder = make_model_folder("olmoe", tmp_path / "model")
     old = pack_folder(folder, tmp_path / "store")
     before = {p.name: p.read_bytes() for p in old.iterdir()}
     real = pack_stream.CheckpointExperts.tensors
@@ -297,7 +265,7 @@ def test_a_checkpoint_changed_while_packing_is_refused_the_old_store_kept(tmp_pa
 
 
 def test_a_damaged_shard_is_one_clear_error(tmp_path, cli):
-    folder = _make_model("qwen2_moe", tmp_path / "model")
+    folder = make_model_folder("qwen2_moe", tmp_path / "model")
     shard = sorted(folder.glob("*.safetensors"))[1]
     shard.write_bytes(b"\x10" + b"\0" * 7 + b'{"a": 1}')
     res = cli("pack", folder, "-o", tmp_path / "store")
@@ -399,7 +367,7 @@ def test_a_full_disk_while_packing_names_the_store_and_keeps_the_old_one(packed,
 def test_a_pack_the_disk_cannot_hold_is_refused_in_one_line(tmp_path, monkeypatch):
     from stmoe.runtime.store import pack_folder
 
-    folder = _saved("mixtral", tmp_path / "model")
+    folder = saved_folder("mixtral", tmp_path / "model")
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage",
                         lambda p: real(p)._replace(free=1000))  # a nearly full disk
@@ -409,7 +377,7 @@ def test_a_pack_the_disk_cannot_hold_is_refused_in_one_line(tmp_path, monkeypatc
 
 
 def test_packing_on_first_use_is_announced_off_a_terminal_too(tmp_path, monkeypatch, capsys):
-    folder = _saved("mixtral", tmp_path / "model")
+    folder = saved_folder("mixtral", tmp_path / "model")
     monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
     with offload(folder, capacity=4, predictor="ondemand"):
         pass

@@ -28,6 +28,7 @@ from stmoe.cli.offload_options import (
     CapacityOpt,
     FormatOpt,
     GroupSizeOpt,
+    InPlaceOpt,
     LatencyOpt,
     LookaheadOpt,
     MaxLoadsOpt,
@@ -106,6 +107,7 @@ def generate_cmd(
     ] = 1,
     weights: FormatOpt = _DEFAULT.format,
     group_size: GroupSizeOpt = _DEFAULT.group_size,
+    in_place: InPlaceOpt = _DEFAULT.in_place,
     quantize_resident: QuantizeResidentOpt = _DEFAULT.quantize_resident,
     json_out: Annotated[
         Path | None,
@@ -142,7 +144,7 @@ def generate_cmd(
                      predictor=predictor, tables=tables, policy=policy, tier=tier,
                      bandwidth=bandwidth, latency=latency, workers=workers,
                      max_loads=max_loads, lookahead=lookahead, admission=admission,
-                     format=weights, group_size=group_size,
+                     format=weights, group_size=group_size, in_place=in_place,
                      quantize_resident=quantize_resident) as om:
         if routing is not None:
             run = _replay(om, routing, sequence, max_new_tokens, layers)

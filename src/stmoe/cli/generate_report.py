@@ -55,7 +55,8 @@ def rows(runs: list[Any]) -> list[tuple[str, str]]:
                       f", admission: {adm['turned_off']} losing windows, {adm['probes']} "
                       f"probes, layers off at the end {adm['layers_off'] or 'none'}")
     return [
-        ("experts' weights", c["weights_label"]),
+        ("experts' weights", c["weights_label"] + (", read in place from the checkpoint"
+                                                   if c.get("in_place") else "")),
         ("resident linears", "native" if c["resident_weights"] == "native" else
          f"{c['resident_weights']} (lossy; native: {len(c['resident_kept'])} gates or "
          "matrices the kernel cannot take)"),

@@ -14,6 +14,10 @@ FORMAT_HELP = ("Experts' weight format: native (the checkpoint's dtype, bf16 for
                "output channel) or int4 (a scale and zero per group of --group-size weights). "
                "int8 and int4 are lossy: outputs are then bit-identical to the resident model "
                "in that format, not to the original; docs/benchmarks.md gives their quality.")
+IN_PLACE_HELP = ("Read the native experts where the checkpoint's safetensors hold them: no "
+                 "store is written, only a small index (made once, every expert read once "
+                 "for its checksum). For a checkpoint too big to copy; the disk tier and "
+                 "--format native only.")
 GROUP_HELP = ("int4's group size: 32, 64, 128 or 256 weights per scale and zero (default: the "
               "largest of 128, 64, 32 that divides every expert matrix's input width).")
 
@@ -23,6 +27,8 @@ def pack_cmd(
     output: Annotated[Path, path_option("--output", "-o", help="Store folder to write.")],
     weights: Annotated[str, typer.Option("--format", help=FORMAT_HELP)] = "native",
     group_size: Annotated[int | None, typer.Option(help=GROUP_HELP)] = None,
+    in_place: Annotated[bool, typer.Option("--in-place", help=IN_PLACE_HELP + " Writes "
+                                           "only OUTPUT/index.json.")] = False,
 ) -> None:
     """Write every (layer, expert)'s weights as one contiguous, 4 KiB-aligned block.
 
@@ -34,10 +40,24 @@ def pack_cmd(
     one step (a killed pack leaves the old store whole).
     """
     from stmoe.quant import parse_format
-    from stmoe.runtime.store import ExpertStore, pack_folder
+    from stmoe.runtime.store import ExpertStore, StoreError, pack_folder
 
-    path = pack_folder(model_dir, output, weights=parse_format(weights, group_size))
+    fmt = parse_format(weights, group_size)
+    if in_place:
+        from stmoe.runtime.store.in_place_index import make_in_place
+
+        if fmt.quantized:
+            raise StoreError(f"--in-place reads the checkpoint's own bytes; {fmt.label} "
+                             "experts are packed (leave out --in-place)")
+        path = make_in_place(model_dir, output)
+        store = ExpertStore(path)
+        out.print(f"wrote {path / 'index.json'}: {store.index.data_bytes / 2**20:.1f} MiB of "
+                  f"experts read in place from {model_dir}, {store.weights.label}",
+                  markup=False)
+        return
+    path = pack_folder(model_dir, output, weights=fmt)
     store = ExpertStore(path)
+    assert store.data_path is not None
     size = store.data_path.stat().st_size
     out.print(f"wrote {path}: {size / 2**20:.1f} MiB of experts, {store.weights.label}",
               markup=False)

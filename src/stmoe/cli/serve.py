@@ -14,6 +14,7 @@ from stmoe.cli.offload_options import (
     CapacityOpt,
     FormatOpt,
     GroupSizeOpt,
+    InPlaceOpt,
     LatencyOpt,
     MemoryOpt,
     ModelOpt,
@@ -58,6 +59,7 @@ def serve_cmd(
     threads: ThreadsOpt = None,
     weights: FormatOpt = _DEFAULT.format,
     group_size: GroupSizeOpt = _DEFAULT.group_size,
+    in_place: InPlaceOpt = _DEFAULT.in_place,
     quantize_resident: QuantizeResidentOpt = _DEFAULT.quantize_resident,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info "
                                            "(one line per request) or debug.")] = "info",
@@ -89,6 +91,7 @@ def serve_cmd(
                      predictor=predictor, tables=tables, policy=policy, tier=tier,
                      bandwidth=bandwidth, latency=latency, workers=workers,
                      admission=admission, format=weights, group_size=group_size,
+                     in_place=in_place,
                      quantize_resident=quantize_resident,
                      lookahead=_lookahead(predictor)) as om:
         service = Service(om, name or model.name, max_batch=max_batch, max_queue=max_queue)

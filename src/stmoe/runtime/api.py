@@ -42,7 +42,8 @@ from stmoe.runtime.prompts import greedy_generate, prompt_ids
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import ExpertStore, default_store_dir, open_store, pack
-from stmoe.runtime.store.tiers import open_tier
+from stmoe.runtime.store.reading import open_tier
+from stmoe.runtime.store.tiers import buffer_bytes
 from stmoe.trace.ranks import unranked_error
 from stmoe.util.progress import announced_byte_progress
 
@@ -238,14 +239,18 @@ def offload(
     if isinstance(model_or_dir, (str, Path)):
         model_dir = _checked_model_dir(model_or_dir)
         # the store matched to the folder's checkpoint before anything is loaded
-        weights = options.weight_format()
+        weights, in_place = options.weight_format(), options.in_place
+        verb = "indexing (reading once)" if in_place else "packing"
         expert_store = open_store(model_dir, store, progress=announced_byte_progress(
-            lambda total: f"packing {model_dir.name}'s experts ({total / 2**20:.0f} MiB) into "
-            f"{default_store_dir(model_dir, weights)} (first use; later runs reuse it)"),
-            weights=weights)
+            lambda total: f"{verb} {model_dir.name}'s experts ({total / 2**20:.0f} MiB) into "
+            f"{default_store_dir(model_dir, weights, in_place)} (first use; later runs reuse "
+            "it)"), weights=weights, in_place=in_place)
         model = load_without_experts(model_dir).model
         return _offload(model, expert_store, options, model_dir, _tokenizer(model_dir), None)
     model = model_or_dir
+    if options.in_place:
+        raise OffloadError("in_place reads a model folder's checkpoint files; offload the "
+                           "folder, not a loaded model")
     if getattr(model.config, "_experts_implementation", None) == IMPL_NAME:
         raise OffloadError("this model is already offloaded (or was, and is closed); "
                            "offload a freshly loaded model or its folder")
@@ -282,7 +287,8 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
     nbytes, memory, plan = expert_store.blocks[(0, 0)].nbytes, options.memory_bytes(), None
     if memory is not None:  # the process as loaded, then the largest cache that fits
         plan = plan_memory(memory, process_bytes(model), shape.num_layers, shape.num_experts,
-                           shape.top_k, nbytes, options.worker_count())
+                           shape.top_k, nbytes, options.worker_count(),
+                           buffer_bytes(expert_store.blocks[(0, 0)]))
     per_layer = plan.per_layer if plan else resolve_capacity(
         options.capacity, shape.num_layers, shape.num_experts, shape.top_k, nbytes)
     pred = resolve_predictor(options, shape, model_dir)
@@ -312,6 +318,7 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
               "lookahead": pred.point if pred.uses_lookahead else None,
               "num_layers": shape.num_layers, "num_experts": shape.num_experts,
               "top_k": shape.top_k, "weights": weights.short, "weights_label": weights.label,
+              "in_place": expert_store.in_place,
               "resident_weights": resident.name if resident else "native", "resident_kept": kept,
               "expert_bytes": engine.expert_bytes, "cache_bytes": engine.cache_bytes,
               "memory_plan": asdict(plan) if plan else None}

@@ -114,13 +114,14 @@ class MemoryPlan:
 
 
 def plan_memory(memory: int, process: int, num_layers: int, num_experts: int, top_k: int,
-                expert_bytes: int, workers: int) -> MemoryPlan:
+                expert_bytes: int, workers: int, buffer_bytes: int | None = None) -> MemoryPlan:
     """The largest cache (experts per layer) that keeps the whole process within ``memory``
     bytes, page cache included: ``process`` (its RSS now), the KV reserve, one read buffer
     per thread, and the spare rows a prompt routing one layer to every expert pages in
     (N - C of them) beside L x C cached experts. Too little memory for top-K per layer is
-    one clear error naming what would do."""
-    buffers = (workers + 1) * expert_bytes
+    one clear error naming what would do. ``buffer_bytes``: each read buffer's (default
+    ``expert_bytes``; reading in place needs one chunk more: ``tiers.buffer_bytes``)."""
+    buffers = (workers + 1) * (buffer_bytes or expert_bytes)
     free = memory - process - KV_RESERVE - buffers
     if free >= num_layers * num_experts * expert_bytes:
         per_layer = num_experts

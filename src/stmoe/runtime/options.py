@@ -65,6 +65,9 @@ class OffloadOptions:
     memory: a budget for the whole process, page cache included ('10GB'): the cache is
         sized from it once the model is loaded (``runtime.memory.plan_memory``) in place of
         ``capacity`` (which must then stay at its default); None: ``capacity`` decides.
+    in_place: read a model folder's native experts where its safetensors hold them
+        (``runtime.store.in_place``: a small index made once, no second copy on disk);
+        the disk tier and the native format only; False: a packed store.
     """
 
     capacity: int | str = "50%"
@@ -82,6 +85,7 @@ class OffloadOptions:
     group_size: int | None = None
     quantize_resident: str | None = None
     memory: str | None = None
+    in_place: bool = False
 
     def memory_bytes(self) -> int | None:
         """``memory`` in bytes, checked (None: not given)."""
@@ -124,6 +128,11 @@ class OffloadOptions:
         if weights is not None and weights.quantized and self.tier == "gpu":
             raise OffloadError(f"{weights.name} experts are computed by torch's CPU kernels; "
                                "the gpu tier takes native stores (format native)")
+        if self.in_place and (self.tier != "disk" or (weights is not None
+                                                      and weights.quantized)):
+            raise OffloadError("in_place reads the checkpoint's own bytes from the disk: "
+                               "tier disk and format native only (a quantized or in-memory "
+                               "store is packed)")
         if resident is not None and self.tier == "gpu":
             raise OffloadError("quantized resident linears compute on the CPU; the gpu tier "
                                "takes native ones")

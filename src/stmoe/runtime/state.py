@@ -33,7 +33,7 @@ from stmoe.runtime.forced_routing import RoutingSource
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import ExpertStore
 from stmoe.runtime.store.loader import Loader
-from stmoe.runtime.store.tiers import padded
+from stmoe.runtime.store.tiers import buffer_bytes
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class EngineState:
         self.num_layers = len(caches)
         self.num_experts = int(store.model["num_experts"])
         self.expert_bytes = store.blocks[(0, 0)].nbytes
-        self.max_block = max(padded(b) for b in store.blocks.values())  # read buffers' size
+        self.max_block = max(buffer_bytes(b) for b in store.blocks.values())  # read buffers
         self.closed = False
         self.run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), None,
                             self.num_layers)

@@ -63,7 +63,8 @@ from stmoe.runtime.calibrate.reads import (
 )
 from stmoe.runtime.options import CALIBRATED_TIERS, CalibrateOptions, check_options
 from stmoe.runtime.store import open_store
-from stmoe.runtime.store.tiers import CHUNK_BYTES, DiskTier, open_tier
+from stmoe.runtime.store.reading import open_tier
+from stmoe.runtime.store.tiers import CHUNK_BYTES, DiskTier
 
 __all__ = ["CALIBRATED_TIERS", "CalibrateOptions", "PageFaults", "Reads", "calibrate",
            "check_options", "faulted_buffer", "machine", "measure_compute", "measure_latency",

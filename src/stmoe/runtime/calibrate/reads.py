@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
-import os
 import random
 import statistics
 import threading
@@ -20,7 +19,7 @@ from stmoe.errors import OffloadError
 from stmoe.runtime.cache import param_specs, populate_pages
 from stmoe.runtime.store import ALIGN, Block, ExpertStore
 from stmoe.runtime.store.loader import Loader
-from stmoe.runtime.store.tiers import DiskTier, Tier, padded
+from stmoe.runtime.store.tiers import Tier, buffer_bytes
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ def measure_reads(store: ExpertStore, tier: Tier, threads: int, seconds: float,
     blocks = list(order) if order else list(store.blocks.values())
     if not order:
         random.Random(seed).shuffle(blocks)  # a small store's blocks come round again
-    size = max(padded(b) for b in blocks)
+    size = max(buffer_bytes(b) for b in blocks)
     lock, times, moved, taken = threading.Lock(), [], [0], [0]
     deadline = time.perf_counter() + seconds
 
@@ -154,7 +153,7 @@ def measure_page_faults(store: ExpertStore, tier: Tier, reads: int, seed: int) -
     into fresh memory and one into a faulted-in slot, alternating which goes first."""
     blocks = list(store.blocks.values())
     random.Random(seed + 3).shuffle(blocks)
-    size = max(padded(b) for b in blocks)
+    size = max(buffer_bytes(b) for b in blocks)
     spare, slot, buf = slab_memory(size * reads), faulted_buffer(size), faulted_buffer(size)
     fresh, faulted = [], []
     for i in range(reads):
@@ -183,8 +182,8 @@ def measure_latency(store: ExpertStore, tier: Tier, seconds: float, seed: int) -
     while not times or (time.perf_counter() < deadline and len(times) < 2000):
         block = rng.choice(blocks)
         start = time.perf_counter()
-        if isinstance(tier, DiskTier):  # the disk: one aligned page of the block
-            os.preadv(tier.fd, [memoryview(buf)[:ALIGN]], block.offset)
+        if not tier.emulated:  # the disk: one aligned page of the block
+            tier.read_page(block, buf)  # type: ignore[attr-defined]
         else:  # the emulated link: a transfer of one page
             tier.fetch(dataclasses.replace(block, nbytes=ALIGN), buf)
         times.append(time.perf_counter() - start)

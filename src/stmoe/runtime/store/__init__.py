@@ -5,7 +5,11 @@
     expert_store.py  ``ExpertStore``: one checked ``pread`` per expert
     packing.py       packing (atomic), and the store a model folder uses by default
     pack_stream.py   packing one expert at a time from a checkpoint's safetensors shards
+    folder.py        a store folder's lock and leftover data files (both index writers')
+    in_place_index.py  an index reading a checkpoint's experts where its files hold them
+    in_place.py      reading those extents (O_DIRECT, aligned spans): ``InPlaceTier``
     tiers.py         where blocks are read from: disk, an emulated link, pinned host memory
+    reading.py       ``open_tier``: which tier reads a store
     loader.py        ``Loader``: the one place the bytes of a block enter a cache slot
 """
 

@@ -18,7 +18,9 @@ the model's shapes and weights (``check``). The non-expert weights are not in
 the store; they load from the model folder as usual. A model folder is packed
 without loading its model, one expert at a time from its safetensors shards
 (``pack_folder``, ``pack_stream``); a model folder offloaded without a store gets
-one packed on first use, in a cache directory (``open_store``).
+one packed on first use, in a cache directory (``open_store``). An in-place store
+(``in_place``) has no data file: its index lists each block's bytes in the checkpoint's
+own files, read where they lie (``in_place``), so a bf16 checkpoint is never copied.
 """
 
 from __future__ import annotations
@@ -60,11 +62,13 @@ class ExpertStore:
             check_input_file(index_path, "an expert store's index.json (write one with "
                                          "`stmoe pack`)")
             self.index = read_index(index_path)
-            self.data_path = self.path / self.index.data
-            if not self.data_path.exists():
-                raise StoreError(f"{self.data_path}: missing, though index.json names it; "
-                                 "the store is damaged, pack it again")
-            check_input_file(self.data_path, "an expert store's data file")
+            self.in_place = self.index.in_place  # read from the checkpoint's own files
+            self.data_path: Path | None = None if self.in_place else self.path / self.index.data
+            if self.data_path is not None:
+                if not self.data_path.exists():
+                    raise StoreError(f"{self.data_path}: missing, though index.json names "
+                                     "it; the store is damaged, pack it again")
+                check_input_file(self.data_path, "an expert store's data file")
         except StoreError:
             raise
         except StmoeError as exc:  # check_input_file's own: the same line, as a StoreError
@@ -72,11 +76,12 @@ class ExpertStore:
         self.model = self.index.model
         self.blocks = self.index.blocks
         self.weights = self.index.weights  # native, int8 or int4: how the experts are stored
-        size, want = self.data_path.stat().st_size, self.index.data_bytes
-        if size != want:
-            state = "truncated" if size < want else "longer than its index says"
-            raise StoreError(f"{self.data_path}: {size} bytes but the index needs {want}; "
-                             f"the store is {state}, pack it again")
+        if self.data_path is not None:
+            size, want = self.data_path.stat().st_size, self.index.data_bytes
+            if size != want:
+                state = "truncated" if size < want else "longer than its index says"
+                raise StoreError(f"{self.data_path}: {size} bytes but the index needs {want}; "
+                                 f"the store is {state}, pack it again")
         self.source: Path | None = None  # the model folder the store was matched to
         self._checked: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -84,6 +89,22 @@ class ExpertStore:
         """Refuse a store packed from other weights than ``model_dir``'s checkpoint."""
         check_source(self.path, self.index, Path(model_dir))
         self.source = Path(model_dir)
+
+    def checkpoint_files(self) -> list[Path]:
+        """An in-place store's checkpoint files, numbered as its extents number them (the
+        folder matched by ``check_source`` first: the index names files, not a folder)."""
+        if self.source is None:
+            raise StoreError(f"{self.path}: an in-place index reads the experts from the "
+                             "checkpoint's own files; offload the model folder it was made "
+                             "from (a model in memory cannot use it)")
+        return [self.source / f[0] for f in self.index.source["files"]]
+
+    @property
+    def where(self) -> str:
+        """What a failed read names: the data file, or the checkpoint read in place."""
+        if self.data_path is not None:
+            return str(self.data_path)
+        return f"{self.source or self.path} (read in place)"
 
     def check_model(self, model: Any, layout: Any = None, params: Any = None) -> None:
         """Refuse to serve a model the store was not packed from: its shapes and dtypes,
@@ -94,6 +115,8 @@ class ExpertStore:
         store's format, made but not yet installed: ``quant.experts.plan_format``)."""
         if model in self._checked:
             return
+        if self.in_place:
+            self.checkpoint_files()  # refused now, not at the first miss
         per_layer = check_layout(self.path, self.index, model, layout, params)
         if materialised(per_layer):
             check_weights(self.path, self.index, per_layer)
@@ -106,12 +129,12 @@ class ExpertStore:
     def check_block(self, block: Block, data: memoryview) -> None:
         """Raise a clear StoreError when a block's bytes came back short or corrupt."""
         self.check_size(block, len(data))
-        self._check_crc(block, block_crc(data[: block.nbytes]))
+        self.check_crc(block, block_crc(data[: block.nbytes]))
 
     def check_size(self, block: Block, got: int) -> None:
         """Refuse a read of ``block`` that brought fewer than its bytes."""
         if got < block.nbytes:
-            raise StoreError(f"{self.data_path}: short read of layer {block.layer}, expert "
+            raise StoreError(f"{self.where}: short read of layer {block.layer}, expert "
                              f"{block.expert} ({got} of {block.nbytes} bytes)")
 
     def check_parts(self, block: Block, parts: list[memoryview]) -> None:
@@ -119,12 +142,19 @@ class ExpertStore:
         crc = 0
         for part in parts:
             crc = block_crc(part, crc)
-        self._check_crc(block, crc)
+        self.check_crc(block, crc)
 
-    def _check_crc(self, block: Block, crc: int) -> None:
-        if crc != block.crc32c:
-            raise StoreError(f"{self.data_path}: layer {block.layer}, expert {block.expert} fails "
-                             "its checksum; the store is corrupt, pack it again")
+    def check_crc(self, block: Block, crc: int) -> None:
+        """Refuse a block whose bytes' CRC-32C is not its index entry's."""
+        if crc == block.crc32c:
+            return
+        if self.in_place:
+            raise StoreError(f"{self.where}: layer {block.layer}, expert {block.expert} fails "
+                             "the in-place index's checksum; the checkpoint changed after the "
+                             "index was made, or is damaged: make it again (stmoe pack "
+                             "--in-place)")
+        raise StoreError(f"{self.where}: layer {block.layer}, expert {block.expert} fails "
+                         "its checksum; the store is corrupt, pack it again")
 
     def read(self, layer: int, expert: int, fd: int | None = None) -> dict[str, np.ndarray]:
         """One expert's tensors (numpy; a dtype numpy lacks, e.g. bfloat16, as raw unsigned
@@ -132,13 +162,21 @@ class ExpertStore:
         block = self.blocks.get((layer, expert))
         if block is None:
             raise StoreError(f"{self.path}: no block for layer {layer}, expert {expert}")
-        own = fd is None
-        fd = os.open(self.data_path, os.O_RDONLY) if own else fd
-        try:
-            data = os.pread(fd, block.nbytes, block.offset)
-        finally:
-            if own:
-                os.close(fd)
+        if self.in_place:  # plain reads of its extents (the runtime's are ``InPlaceTier``'s)
+            files = self.checkpoint_files()
+            pieces = []
+            for e in block.extents:
+                with open(files[e.file], "rb") as f:
+                    pieces.append(os.pread(f.fileno(), e.nbytes, e.offset))
+            data = b"".join(pieces)
+        else:
+            own = fd is None
+            fd = os.open(self.data_path, os.O_RDONLY) if own else fd
+            try:
+                data = os.pread(fd, block.nbytes, block.offset)
+            finally:
+                if own:
+                    os.close(fd)
         self.check_block(block, memoryview(data))
         out = {}
         for t in block.tensors:

@@ -6,17 +6,21 @@ then every entry on its own terms (a hand-made index with a recomputed checksum
 must still describe a sound store): each (layer, expert) of the grid present
 exactly once, blocks aligned, inside the data file and not overlapping, each
 block's tensors laid end to end and adding up to its size, one layout per layer.
-Whether the blocks fit a given model is ``check``'s concern.
+An in-place index (``data`` is ``"checkpoint"``: ``store.in_place``) has no data file:
+each block lists its extents in the checkpoint's own files instead, each inside its
+file's recorded size and none sharing a byte with another. Whether the blocks fit a
+given model is ``check``'s concern.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 
@@ -24,10 +28,13 @@ from stmoe.errors import OffloadError, StoreError
 from stmoe.quant.formats import NATIVE, WeightFormat, format_from_json
 
 STORE_FORMAT = "stmoe-expert-store"
-STORE_VERSION = 4  # 2: the data file named by the index (atomic repacking), checksummed index;
+STORE_VERSION = 5  # 2: the data file named by the index (atomic repacking), checksummed index;
 # 3: blocks checksummed with CRC-32C (hardware: ~10x faster than zlib's CRC-32 on every read);
-# 4: the experts' weight format (``weights``: native, int8, int4 and its group size)
-READ_VERSIONS = (3, 4)  # a version 3 store holds native weights and still loads
+# 4: the experts' weight format (``weights``: native, int8, int4 and its group size);
+# 5: an index may read its blocks in place from the checkpoint (``IN_PLACE``)
+READ_VERSIONS = (3, 4, 5)  # a version 3 store holds native weights and still loads
+IN_PLACE = "checkpoint"  # ``data`` of an in-place index: the blocks are the checkpoint's bytes
+MAX_EXTENTS = 64  # per block (an expert's tensors, each at most one piece per shard)
 ALIGN = 4096  # bytes: the page / O_DIRECT alignment of every block
 DATA_NAME = re.compile(r"experts-[0-9a-f]{16}\.bin")  # a plain name in the store folder
 MAX_INDEX_BYTES = 1 << 28  # far above any real model's (DeepSeek-V3: ~15k blocks, a few MB)
@@ -44,6 +51,7 @@ TOP_KEYS = {"align", "blocks", "checksum", "data", "data_bytes", "format", "mode
             "version", "weights"}
 V3_KEYS = TOP_KEYS - {"weights"}
 BLOCK_KEYS = {"crc32c", "expert", "layer", "nbytes", "offset", "tensors"}
+IN_PLACE_KEYS = BLOCK_KEYS - {"offset"} | {"extents"}
 
 
 def block_crc(data: Any, crc: int = 0) -> int:
@@ -62,14 +70,23 @@ class TensorSlot:
     offset: int  # bytes from the block start
 
 
+class Extent(NamedTuple):
+    """Bytes of an in-place block in one checkpoint file."""
+
+    file: int  # position in the index's ``source`` files
+    offset: int  # bytes from the start of that file
+    nbytes: int
+
+
 @dataclass(frozen=True)
 class Block:
     layer: int  # MoE layer 0..L-1
     expert: int
-    offset: int  # bytes from the start of the data file
+    offset: int  # bytes from the start of the data file (-1 in place: ``extents``)
     nbytes: int  # payload bytes (the block occupies nbytes rounded up to ALIGN)
     crc32c: int  # CRC-32C (Castagnoli) of the payload: ``block_crc``
     tensors: tuple[TensorSlot, ...]
+    extents: tuple[Extent, ...] = ()  # in place: the payload's pieces, end to end
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,11 @@ class StoreIndex:
     data_bytes: int
     blocks: dict[tuple[int, int], Block]
     weights: WeightFormat = NATIVE  # how the blocks' expert matrices are stored
+
+    @property
+    def in_place(self) -> bool:
+        """The blocks are read from the checkpoint's own files (no data file)."""
+        return self.data == IN_PLACE
 
 
 def checksum(index: dict[str, Any]) -> str:
@@ -116,7 +138,7 @@ def read_index(path: Path) -> StoreIndex:
         raise StoreError(f"{path}: not an stmoe expert store index")
     if index.get("version") not in READ_VERSIONS or isinstance(index.get("version"), bool):
         raise StoreError(f"{path}: store version {str(index.get('version'))[:20]}, this stmoe "
-                         f"reads {' and '.join(map(str, READ_VERSIONS))}; pack the model again")
+                         f"reads {READ_VERSIONS[0]} to {READ_VERSIONS[-1]}; pack the model again")
     if index.get("checksum") != checksum(index):
         raise StoreError(f"{path}: index.json fails its checksum; the store is damaged, "
                          "pack it again")
@@ -128,6 +150,7 @@ class _Checker:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.files: list[int] | None = None  # in place: each checkpoint file's recorded size
 
     def fail(self, where: str, problem: str) -> StoreError:
         return StoreError(f"{self.path}: {where}: {problem}; the store is damaged, pack it again")
@@ -162,10 +185,15 @@ class _Checker:
         if not isinstance(model["model_type"], str):
             raise self.fail("model", "model_type is not a string")
         data = index["data"]
-        if not isinstance(data, str) or not DATA_NAME.fullmatch(data):
+        in_place = data == IN_PLACE and index["version"] >= 5
+        if not in_place and (not isinstance(data, str) or not DATA_NAME.fullmatch(data)):
             raise self.fail("data", f"{str(data)[:40]!r} is not a data file name of a store")
         data_bytes = self.int_field(index, "data_bytes", "data_bytes")
         source = self.source(index["source"])
+        if in_place and (source["kind"] != "folder" or weights != NATIVE):
+            raise self.fail("data", "an in-place index reads a checkpoint folder's own "
+                                    "(native) bytes")
+        self.files = [f[1] for f in source.get("files", [])] if in_place else None
         raw = index["blocks"]
         if not isinstance(raw, list) or len(raw) != layers * experts:
             count = len(raw) if isinstance(raw, list) else "no list of"
@@ -173,11 +201,15 @@ class _Checker:
                                       f"{layers} x {experts}")
         blocks: dict[tuple[int, int], Block] = {}
         for i, entry in enumerate(raw):
-            b = self.block(entry, f"block {i}", layers, experts, data_bytes)
+            b = (self.in_place_block(entry, f"block {i}", layers, experts) if in_place
+                 else self.block(entry, f"block {i}", layers, experts, data_bytes))
             if (b.layer, b.expert) in blocks:
                 raise self.fail(f"block {i}", f"layer {b.layer}, expert {b.expert} twice")
             blocks[(b.layer, b.expert)] = b
-        self.placement(blocks, data_bytes)
+        if in_place:
+            self.extent_placement(blocks, data_bytes)
+        else:
+            self.placement(blocks, data_bytes)
         return StoreIndex(model, source, data, data_bytes, blocks, weights)
 
     def source(self, s: Any) -> dict[str, Any]:
@@ -211,7 +243,42 @@ class _Checker:
         if offset + nbytes > data_bytes:
             raise self.fail(where, f"bytes {offset}..{offset + nbytes} run past the data "
                                    f"({data_bytes} bytes)")
-        tensors = d["tensors"]
+        return Block(layer, expert, offset, nbytes, crc, self.tensors(d["tensors"], where,
+                                                                      nbytes))
+
+    def in_place_block(self, d: Any, where: str, layers: int, experts: int) -> Block:
+        """An in-place index's block: its extents inside their files, adding up to it."""
+        if not isinstance(d, dict) or set(d) != IN_PLACE_KEYS:
+            raise self.fail(where, f"expected an object with keys {sorted(IN_PLACE_KEYS)}")
+        layer = self.int_field(d, "layer", where, 0, layers - 1)
+        expert = self.int_field(d, "expert", where, 0, experts - 1)
+        where = f"{where} (layer {layer}, expert {expert})"
+        nbytes = self.int_field(d, "nbytes", where, 1)
+        crc = self.int_field(d, "crc32c", where, 0, 0xFFFFFFFF)
+        raw = d["extents"]
+        if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_EXTENTS:
+            raise self.fail(where, f"extents: expected a list of 1..{MAX_EXTENTS}")
+        assert self.files is not None
+        extents = []
+        for j, e in enumerate(raw):
+            ok = (isinstance(e, list) and len(e) == 3
+                  and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+                  and 0 <= e[0] < len(self.files) and e[1] >= 0 and e[2] >= 1)
+            if not ok:
+                raise self.fail(f"{where}, extent {j}", "expected [file, offset, nbytes] "
+                                f"with file 0..{len(self.files) - 1}")
+            if e[1] + e[2] > self.files[e[0]]:
+                raise self.fail(f"{where}, extent {j}", f"bytes {e[1]}..{e[1] + e[2]} run past "
+                                f"checkpoint file {e[0]} ({self.files[e[0]]} bytes)")
+            extents.append(Extent(*e))
+        if sum(e.nbytes for e in extents) != nbytes:
+            raise self.fail(where, f"nbytes {nbytes}, but its extents hold "
+                                   f"{sum(e.nbytes for e in extents)}")
+        return Block(layer, expert, -1, nbytes, crc, self.tensors(d["tensors"], where, nbytes),
+                     tuple(extents))
+
+    def tensors(self, tensors: Any, where: str, nbytes: int) -> tuple[TensorSlot, ...]:
+        """A block's tensors, laid end to end and adding up to its ``nbytes``."""
         if not isinstance(tensors, list) or not 1 <= len(tensors) <= MAX_TENSORS:
             raise self.fail(where, f"tensors: expected a list of 1..{MAX_TENSORS}")
         slots, inner = [], 0
@@ -224,7 +291,7 @@ class _Checker:
             slots.append(slot)
         if inner != nbytes:
             raise self.fail(where, f"nbytes {nbytes}, but its tensors hold {inner}")
-        return Block(layer, expert, offset, nbytes, crc, tuple(slots))
+        return tuple(slots)
 
     def slot(self, t: Any, where: str) -> TensorSlot:
         ok = (isinstance(t, list) and len(t) == 4 and isinstance(t[0], str) and t[0]
@@ -245,6 +312,23 @@ class _Checker:
                 raise self.fail(f"layer {b.layer}, expert {b.expert}",
                                 f"offset {b.offset} overlaps the block before it")
             end = b.offset + b.nbytes
+        self.layouts(blocks)
+
+    def extent_placement(self, blocks: dict[tuple[int, int], Block], data_bytes: int) -> None:
+        """No two extents share a checkpoint byte; the blocks add up to ``data_bytes``."""
+        pieces = sorted(((e, b) for b in blocks.values() for e in b.extents), key=lambda p: p[0])
+        for (a, _), (e, b) in itertools.pairwise(pieces):
+            if e.file == a.file and e.offset < a.offset + a.nbytes:
+                raise self.fail(f"layer {b.layer}, expert {b.expert}", f"bytes from "
+                                f"{e.offset} of checkpoint file {e.file} overlap another "
+                                "block's")
+        total = sum(b.nbytes for b in blocks.values())
+        if total != data_bytes:
+            raise self.fail("data_bytes", f"{data_bytes}, but the blocks hold {total}")
+        self.layouts(blocks)
+
+    def layouts(self, blocks: dict[tuple[int, int], Block]) -> None:
+        """Each layer has one tensor layout (its caches have one)."""
         for (layer, expert), b in blocks.items():
             if b.tensors != blocks[(layer, 0)].tensors:
                 raise self.fail(f"layer {layer}, expert {expert}",
@@ -259,6 +343,8 @@ def slot_bytes(t: TensorSlot) -> int:
 
 
 def _block_json(b: Block) -> dict[str, Any]:
-    return {"layer": b.layer, "expert": b.expert, "offset": b.offset, "nbytes": b.nbytes,
+    where: dict[str, Any] = ({"extents": [list(e) for e in b.extents]} if b.extents
+                             else {"offset": b.offset})
+    return {"layer": b.layer, "expert": b.expert, **where, "nbytes": b.nbytes,
             "crc32c": b.crc32c, "tensors": [[t.name, t.dtype, list(t.shape), t.offset]
                                           for t in b.tensors]}

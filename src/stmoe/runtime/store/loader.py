@@ -72,7 +72,8 @@ class Loader:
         """Straight into ``parts`` where the tier reads in place (None returned: nothing
         left to copy), else the tier's bytes, complete (a short read refused)."""
         tier = self.tier
-        if parts is not None and tier.reads_in_place and tier.read_into(block, parts, between):
+        if parts is not None and tier.reads_in_place and tier.read_into(block, parts, between,
+                                                                         buf):
             return None
         src = tier.fetch(block, buf, between)
         self.store.check_size(block, src.numel())

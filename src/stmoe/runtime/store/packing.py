@@ -14,12 +14,11 @@ safetensors shards (``pack_folder``, ``pack_stream``).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,9 @@ from stmoe.hf.layout import expert_params
 from stmoe.quant.formats import NATIVE, WeightFormat
 from stmoe.runtime.store.check import architecture, file_records
 from stmoe.runtime.store.expert_store import ExpertStore
+from stmoe.runtime.store.folder import pack_lock, remove_unnamed
 from stmoe.runtime.store.index import (
     ALIGN,
-    DATA_NAME,
     Block,
     StoreError,
     TensorSlot,
@@ -42,8 +41,6 @@ from stmoe.util.fileio import atomic_write_text, naming_failures, publish, temp_
 # progress(total_bytes, label) -> a context giving advance(nbytes), as progress.byte_progress
 ProgressFactory = Callable[[int, str], AbstractContextManager[Callable[[int], None]]]
 DATA_TEMP = "experts.bin"  # a pack's temporary data file: .experts.bin.<pid>.<random>.tmp
-_OLD_DATA = ("experts.bin", "experts.bin.tmp")  # version 1's data file and its temporary
-LOCK_NAME = ".pack.lock"  # the folder's advisory lock (never removed: see pack_lock)
 
 
 def pack(model: Any, out_dir: str | Path, source: str | Path | None = None,
@@ -156,25 +153,8 @@ def _write_store(out: Path, model: dict[str, Any], record: dict[str, Any], block
         data, size, written = _write_data(blocks, out, advance)
         text = index_text(model, record, data, size, written, weights)
         atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
-        _remove_unnamed(out, data)
+        remove_unnamed(out, data)
     return out
-
-
-@contextmanager
-def pack_lock(out: Path) -> Iterator[None]:
-    """The folder's advisory lock for one pack (another pack into it waits, with a note);
-    released when the pack ends or its process dies."""
-    with open(out / LOCK_NAME, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            warnings.warn(f"{out}: another pack is writing this store; waiting for it",
-                          StmoeNote, stacklevel=3)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _write_data(blocks: Iterable[tuple[int, int, list[tuple[str, Any]]]], out: Path,
@@ -213,37 +193,35 @@ def _block_bytes(tensors: list[tuple[str, Any]]) -> tuple[bytes, tuple[TensorSlo
     return b"".join(payload), tuple(slots)
 
 
-def _remove_unnamed(out: Path, keep: str) -> None:
-    """Data files the index does not name: the replaced one, a killed pack's, version 1's
-    (called under ``pack_lock``, so no other pack's data is between its publish and its
-    index)."""
-    for f in out.iterdir():
-        if f.name != keep and (DATA_NAME.fullmatch(f.name) or f.name in _OLD_DATA):
-            f.unlink(missing_ok=True)
-
-
-def default_store_dir(model_dir: Path, weights: WeightFormat | None = None) -> Path:
-    """Where a model folder's store in ``weights`` (None: native) is packed on first use
-    (``STMOE_CACHE`` overrides)."""
+def default_store_dir(model_dir: Path, weights: WeightFormat | None = None,
+                      in_place: bool = False) -> Path:
+    """Where a model folder's store in ``weights`` (None: native) is packed on first use,
+    or its in-place index made (``STMOE_CACHE`` overrides)."""
     root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "stores"
     h = hashlib.sha256(str(model_dir.resolve()).encode())
     for f in [*sorted(model_dir.glob("*.safetensors")), model_dir / "config.json"]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     suffix = f"-{weights.short}" if weights is not None and weights.quantized else ""
+    suffix += "-in-place" if in_place else ""
     return root / f"{model_dir.name}-{h.hexdigest()[:16]}{suffix}"
 
 
 def open_store(model_dir: str | Path, store: str | Path | None,
                progress: ProgressFactory | None = None,
-               weights: WeightFormat | None = None) -> ExpertStore:
+               weights: WeightFormat | None = None, in_place: bool = False) -> ExpertStore:
     """The store for ``model_dir``, opened and matched to its checkpoint: the given one
     (refused when damaged or foreign, never overwritten), or the model's cached one,
     packed now (``pack_folder``, with ``progress``) when missing, and packed again, with
     a note, when damaged, of an older version or half-written (a killed pack).
     ``weights``: the format wanted (None: a given store's own, else native); a given
-    store in another format is refused."""
+    store in another format is refused. ``in_place``: the cached one is an in-place
+    index (``in_place.make_in_place``), made the same way."""
     model_dir = Path(model_dir)
+    if in_place and weights is not None and weights.quantized:
+        raise StoreError(f"{weights.label} experts are not the checkpoint's bytes, so they "
+                         f"cannot be read in place; pack them: stmoe pack {model_dir} -o DIR "
+                         f"--format {weights.name}")
     if store is not None:
         opened = ExpertStore(store)
         opened.check_source(model_dir)
@@ -253,13 +231,15 @@ def open_store(model_dir: str | Path, store: str | Path | None,
                              f"--format {weights.name}")
         return opened
     weights = weights or NATIVE
-    out = default_store_dir(model_dir, weights)
+    out = default_store_dir(model_dir, weights, in_place)
     if (out / "index.json").exists():
         try:
             opened = ExpertStore(out)
             opened.check_source(model_dir)
             if not weights.accepts(opened.weights):
                 raise StoreError(f"holds {opened.weights.label} experts")
+            if opened.in_place != in_place:
+                raise StoreError("in place" if opened.in_place else "not in place")
             return opened
         except StoreError as exc:
             warnings.warn(f"the cached store is unusable ({exc}); packing it again",
@@ -267,7 +247,12 @@ def open_store(model_dir: str | Path, store: str | Path | None,
     elif out.is_dir() and any(out.iterdir()):
         warnings.warn(f"{out}: a half-written store (no index.json); packing it again",
                       StmoeNote, stacklevel=2)
-    pack_folder(model_dir, out, progress, weights)
+    if in_place:
+        from stmoe.runtime.store.in_place_index import make_in_place
+
+        make_in_place(model_dir, out, progress)
+    else:
+        pack_folder(model_dir, out, progress, weights)
     opened = ExpertStore(out)
     opened.check_source(model_dir)
     return opened
@@ -287,6 +272,6 @@ def _check_disk(out_dir: Path, needed: float) -> None:
 
 
 def ensure_store(model_dir: str | Path, store: str | Path | None,
-                 weights: WeightFormat | None = None) -> Path:
+                 weights: WeightFormat | None = None, in_place: bool = False) -> Path:
     """``open_store``'s folder (the given store, or the model's cached one)."""
-    return open_store(model_dir, store, weights=weights).path
+    return open_store(model_dir, store, weights=weights, in_place=in_place).path

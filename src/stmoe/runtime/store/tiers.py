@@ -13,7 +13,7 @@ CPU uint8 tensor, using ``buf`` (a page-aligned, writable buffer at least
 * ``PinnedHostTier`` keeps the store in pinned host memory for a GPU cache: the
   copy to the device is the transfer (made on a copy stream by the cache).
 
-``open_tier`` makes one by the name ``stmoe.offload`` takes.
+``reading.open_tier`` makes one by the name ``stmoe.offload`` takes.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ __all__ = [
     "PinnedHostTier",
     "Tier",
     "aligned_buffer",
+    "buffer_bytes",
     "check_link",
-    "open_tier",
     "padded",
     "parse_bytes",
     "parse_seconds",
@@ -55,6 +55,12 @@ __all__ = [
 def padded(block: Block) -> int:
     """Bytes a block occupies in the file (its payload rounded up to ALIGN)."""
     return -(-block.nbytes // ALIGN) * ALIGN
+
+
+def buffer_bytes(block: Block) -> int:
+    """A reading thread's buffer for ``block``: its padded size; for a block read in place
+    (``in_place``) one chunk's aligned span more, where its pieces land before their copy."""
+    return padded(block) + (CHUNK_BYTES + 2 * ALIGN if block.extents else 0)
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -74,7 +80,8 @@ class Tier(Protocol):
 
     def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor: ...
 
-    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None) -> bool:
+    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None,
+                  buf: mmap.mmap | None = None) -> bool:
         ...
 
     def close(self) -> None: ...
@@ -122,16 +129,21 @@ class DiskTier:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
+    def read_page(self, block: Block, buf: mmap.mmap) -> None:
+        """One aligned page of ``block`` (calibrate's per-read cost)."""
+        os.preadv(self.fd, [memoryview(buf)[:ALIGN]], block.offset)
+
     def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
         size = padded(block) if self.direct else block.nbytes
         got = self._read(block, [memoryview(buf)[:size]], between)
         self.store.check_block(block, memoryview(buf)[: min(got, block.nbytes)])
         return torch.frombuffer(buf, dtype=torch.uint8, count=block.nbytes)
 
-    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None) -> bool:
+    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None,
+                  buf: mmap.mmap | None = None) -> bool:
         """Read ``block`` straight into ``parts`` (its tensors' destinations in block order,
-        uint8: a cache slot's memory), checked: no copy. False (nothing read) where
-        O_DIRECT cannot (a part not page-aligned in address or length)."""
+        uint8: a cache slot's memory), checked: no copy (``buf`` unused). False (nothing
+        read) where O_DIRECT cannot (a part not page-aligned in address or length)."""
         if self.direct and any(p.ctypes.data % ALIGN or p.nbytes % ALIGN for p in parts):
             return False
         views = [memoryview(p) for p in parts]
@@ -227,7 +239,8 @@ class EmulatedLinkTier:
         if wait > 0:
             time.sleep(wait)
 
-    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None) -> bool:
+    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None,
+                  buf: mmap.mmap | None = None) -> bool:
         """Never reads in place (``reads_in_place`` is False)."""
         return False
 
@@ -281,21 +294,10 @@ class PinnedHostTier:
     def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
         return self.host[block.offset : block.offset + block.nbytes]
 
-    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None) -> bool:
+    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None,
+                  buf: mmap.mmap | None = None) -> bool:
         """Never reads in place (``reads_in_place`` is False)."""
         return False
 
     def close(self) -> None:
         self.host = torch.empty(0, dtype=torch.uint8)
-
-
-def open_tier(name: str, store: ExpertStore, bandwidth: float | str | None,
-              latency: float | str) -> Tier:
-    """The tier ``name`` (one of TIERS) over ``store``; the emulated one needs a bandwidth."""
-    bw, lat = check_link(name, bandwidth, latency)
-    if name == "disk":
-        return DiskTier(store)
-    if name == "gpu":
-        return PinnedHostTier(store)
-    assert bw is not None
-    return EmulatedLinkTier(store, bw, lat)

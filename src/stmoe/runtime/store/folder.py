@@ -1,0 +1,47 @@
+"""A store folder's lock and its leftovers: what every writer of an index.json shares.
+
+Both writers (``packing``: a data file and its index; ``in_place_index``: an index
+alone) hold the folder's advisory lock while they write, so two writers into one
+folder run one after the other, and remove the data files the new index does not
+name (a replaced store, a killed pack's, version 1's).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from stmoe.errors import StmoeNote
+from stmoe.runtime.store.index import DATA_NAME
+
+OLD_DATA = ("experts.bin", "experts.bin.tmp")  # version 1's data file and its temporary
+LOCK_NAME = ".pack.lock"  # the folder's advisory lock (never removed: see pack_lock)
+
+
+@contextmanager
+def pack_lock(out: Path) -> Iterator[None]:
+    """The folder's advisory lock for one pack (another pack into it waits, with a note);
+    released when the pack ends or its process dies."""
+    with open(out / LOCK_NAME, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            warnings.warn(f"{out}: another pack is writing this store; waiting for it",
+                          StmoeNote, stacklevel=3)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def remove_unnamed(out: Path, keep: str) -> None:
+    """Data files the index does not name: the replaced one, a killed pack's, version 1's
+    (called under ``pack_lock``, so no other pack's data is between its publish and its
+    index)."""
+    for f in out.iterdir():
+        if f.name != keep and (DATA_NAME.fullmatch(f.name) or f.name in OLD_DATA):
+            f.unlink(missing_ok=True)
