@@ -3,15 +3,20 @@
 stmoe's int8 and int4 formats call torch's own CPU kernels directly
 (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``: ``stmoe.quant.kernels``).
 torchao wraps quantized weights in tensor subclasses (``quantize_`` with
-``Int8WeightOnlyConfig`` / ``Int4WeightOnlyConfig``) and dispatches ``linear`` on them. This
+``Int8WeightOnlyConfig``, and for int4 on the CPU the prototype
+``PrototypeInt4WeightOnlyConfig``, torchao 0.18) and dispatches ``linear`` on them. This
 times both, and torch's bf16 ``linear``, on Qwen1.5-MoE's expert matrices (gate/up 2816 x
 2048, down 2048 x 1408; RANDOM weights) for one decode token, 1 thread, ``--calls`` calls
-per sample, the kinds interleaved in rotated order for ``--rounds`` rounds. Target: for
+per sample (the same matrix again: cache-resident, so a kernel's own speed, not memory's),
+the kinds interleaved in rotated order for ``--rounds`` rounds. Target: for
 each format, torch's kernel as stmoe calls it is at least 0.95x the speed of torchao's
 (else stmoe should switch to torchao's).
 
-    pip install torchao   # the bench extra: pip install -e '.[bench]'
+    pip install torchao==0.18.0   # for this script only, then pip uninstall torchao:
     python benchmarks/bench_kernels.py [--rounds 5] [--calls 200]
+
+(Not in an extra: once installed, transformers imports torchao in every process, with
+warnings on stderr, so the other benchmarks would run with it loaded.)
 """
 
 from __future__ import annotations
@@ -40,13 +45,19 @@ def stmoe_kind(w: torch.Tensor, fmt_name: str) -> Callable[[torch.Tensor], torch
 
 
 def torchao_kind(w: torch.Tensor, fmt_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
     lin.weight.data.copy_(w)
     lin = copy.deepcopy(lin)
-    config = (Int8WeightOnlyConfig() if fmt_name == "int8" else
-              Int4WeightOnlyConfig(group_size=128, int4_packing_format="opaque"))
+    if fmt_name == "int8":
+        config = Int8WeightOnlyConfig()
+    else:  # torchao's CPU int4 (its opaque layout; a prototype config in torchao 0.18)
+        from torchao.prototype.quantization.int4.inference_workflow import (
+            PrototypeInt4WeightOnlyConfig,
+        )
+
+        config = PrototypeInt4WeightOnlyConfig(group_size=128, set_inductor_config=False)
     quantize_(lin, config)
     return lin
 
@@ -69,8 +80,8 @@ def main() -> None:
     try:
         import torchao
     except ImportError:
-        raise SystemExit("error: torchao is not installed (pip install torchao, or the "
-                         "bench extra: pip install -e '.[bench]')") from None
+        raise SystemExit("error: torchao is not installed (pip install torchao==0.18.0; "
+                         "uninstall it after: see this script's docstring)") from None
     load = [os.getloadavg()[0]]
     print(f"torch {torch.__version__}, torchao {torchao.__version__}, 1 thread, RANDOM "
           f"weights; load {load[0]:.2f}", flush=True)
@@ -95,7 +106,8 @@ def main() -> None:
         print(f"\n{label}, one token (ms per call, median [min, max] of {args.rounds}):")
         for k, v in ms.items():
             gb = out * inner * 2 / (statistics.median(v) / 1e3) / 1e9
-            print(f"  {k:28s} {spread(v, '.3f')}  ({gb:.1f} GB/s of bf16-equivalent weights)")
+            print(f"  {k:28s} {spread(v, '.3f')}  ({gb:.1f} GB/s of bf16-equivalent weights, "
+                  "cache-resident)")
         for fmt in ("int8", "int4"):
             mine, theirs = ms[f"stmoe {fmt} (torch's kernel)"], ms.get(f"torchao {fmt}")
             if theirs is None:
