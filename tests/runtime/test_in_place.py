@@ -220,6 +220,9 @@ def test_what_cannot_read_in_place_is_refused_in_one_line(indexed, tmp_path):
     with pytest.raises(StoreError, match="cannot be read in place"):
         open_store(folder, None, weights=__import__("stmoe.quant", fromlist=["x"])
                    .parse_format("int8"), in_place=True)
+    packed = pack_folder(folder, tmp_path / "packed")  # asked in place, given a packed store
+    with pytest.raises(StoreError, match="a packed store, not an in-place index"):
+        open_store(folder, packed, in_place=True)
     model = load_causal_lm(folder)  # an in-place index given with a model in memory
     with pytest.raises(StoreError, match="a model in memory cannot use it"):
         offload(model, index_dir)

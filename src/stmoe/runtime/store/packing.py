@@ -229,6 +229,10 @@ def open_store(model_dir: str | Path, store: str | Path | None,
             raise StoreError(f"{opened.path}: holds {opened.weights.label} experts, not "
                              f"{weights.label}; pack one: stmoe pack {model_dir} -o DIR "
                              f"--format {weights.name}")
+        if in_place and not opened.in_place:
+            raise StoreError(f"{opened.path}: a packed store, not an in-place index; leave "
+                             f"out in-place, or make one: stmoe pack {model_dir} -o DIR "
+                             "--in-place")
         return opened
     weights = weights or NATIVE
     out = default_store_dir(model_dir, weights, in_place)
