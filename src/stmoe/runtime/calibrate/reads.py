@@ -18,8 +18,9 @@ import numpy as np
 from stmoe.errors import OffloadError
 from stmoe.runtime.cache import param_specs, populate_pages
 from stmoe.runtime.store import ALIGN, Block, ExpertStore
+from stmoe.runtime.store.in_place import InPlaceTier
 from stmoe.runtime.store.loader import Loader
-from stmoe.runtime.store.tiers import Tier, buffer_bytes
+from stmoe.runtime.store.tiers import DiskTier, Tier, buffer_bytes
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,8 @@ def measure_latency(store: ExpertStore, tier: Tier, seconds: float, seed: int) -
     while not times or (time.perf_counter() < deadline and len(times) < 2000):
         block = rng.choice(blocks)
         start = time.perf_counter()
-        if not tier.emulated:  # the disk: one aligned page of the block
-            tier.read_page(block, buf)  # type: ignore[attr-defined]
+        if isinstance(tier, DiskTier | InPlaceTier):  # the disk: one aligned page of the block
+            tier.read_page(block, buf)
         else:  # the emulated link: a transfer of one page
             tier.fetch(dataclasses.replace(block, nbytes=ALIGN), buf)
         times.append(time.perf_counter() - start)

@@ -100,6 +100,17 @@ def file_records(model_dir: Path) -> dict[str, Any]:
                                         for f, st, h in rows]}
 
 
+def check_unchanged(model_dir: Path, record: dict[str, Any], doing: str, again: str) -> None:
+    """Refuse a store made while a checkpoint file changed (``record``: ``file_records``
+    taken before ``doing`` began): raised before its index is switched, so a store never
+    mixes two checkpoints."""
+    for name, size, mtime, _ in record["files"]:
+        st = (model_dir / name).stat()
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            raise StoreError(f"{model_dir / name}: changed while it was being {doing}; "
+                             f"{again}")
+
+
 def check_source(store: Path, index: StoreIndex, model_dir: Path) -> None:
     """The store was packed from ``model_dir``'s checkpoint (see the module docstring)."""
     hint = f"pack this model again: stmoe pack {model_dir} -o {store}"

@@ -13,6 +13,7 @@ is refused before anything is written: it is packed instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from stmoe.quant.formats import NATIVE
+from stmoe.runtime.store.check import check_unchanged, file_records
 from stmoe.runtime.store.folder import pack_lock, remove_unnamed
 from stmoe.runtime.store.in_place import ExtentReader
 from stmoe.runtime.store.index import (
@@ -34,6 +36,7 @@ from stmoe.runtime.store.index import (
     TensorSlot,
     index_text,
 )
+from stmoe.runtime.store.pack_stream import CheckpointExperts, StreamUnsupported, param_nbytes
 from stmoe.runtime.store.tiers import CHUNK_BYTES, aligned_buffer
 
 MAX_HEADER = 100 << 20  # bytes: safetensors' own limit on a header
@@ -49,8 +52,6 @@ def make_in_place(model_dir: str | Path, out_dir: str | Path,
     read once for its CRC-32C, ``progress`` a byte bar as ``pack_folder``'s); returns
     ``out_dir``. Refused (``NotInPlace``) for a checkpoint whose experts are not byte
     ranges of its files, before anything is written."""
-    from stmoe.runtime.store.check import file_records
-    from stmoe.runtime.store.pack_stream import CheckpointExperts, StreamUnsupported
     from stmoe.util.fileio import atomic_write_text
     from stmoe.util.progress import byte_progress
 
@@ -75,16 +76,11 @@ def make_in_place(model_dir: str | Path, out_dir: str | Path,
                                          f"indexing {model_dir.name}'s experts") as advance:
             for b in planned:
                 crc = reader.read(b, [dest[: b.nbytes]], scratch, where=str(model_dir))
-                blocks.append(Block(b.layer, b.expert, -1, b.nbytes, crc, b.tensors,
-                                    b.extents))
+                blocks.append(dataclasses.replace(b, crc32c=crc))
                 advance(b.nbytes)
     finally:
         reader.close()
-    for name, size, mtime, _ in record["files"]:
-        st = (model_dir / name).stat()
-        if (st.st_size, st.st_mtime_ns) != (size, mtime):
-            raise StoreError(f"{model_dir / name}: changed while it was being indexed; "
-                             "index it again")
+    check_unchanged(model_dir, record, "indexed", "index it again")
     out.mkdir(parents=True, exist_ok=True)
     with pack_lock(out):
         total = sum(b.nbytes for b in blocks)
@@ -109,14 +105,14 @@ def _planned_blocks(experts: Any, files: list[Path]) -> Iterator[Block]:
             extents: list[Extent] = []
             slots, inner = [], 0
             for p in params:
-                nbytes = p.dtype.itemsize * int(np.prod(p.shape))
+                nbytes = param_nbytes(p)
                 for f, start, n in _param_pieces(p, expert, nbytes, experts.num_experts,
                                                  span):
                     extents.append(Extent(number[f], start, n))
                 slots.append(TensorSlot(p.name, str(p.dtype).removeprefix("torch."),
                                         tuple(p.shape), inner))
                 inner += nbytes
-            yield Block(layer, expert, -1, inner, 0, tuple(slots), tuple(_merged(extents)))
+            yield Block(layer, expert, -1, inner, 0, tuple(slots), _merged(extents))
 
 
 def _param_pieces(p: Any, expert: int, nbytes: int, num_experts: int,
@@ -145,7 +141,7 @@ def _param_pieces(p: Any, expert: int, nbytes: int, num_experts: int,
     return pieces
 
 
-def _merged(extents: list[Extent]) -> Iterator[Extent]:
+def _merged(extents: list[Extent]) -> tuple[Extent, ...]:
     """Extents that continue one another in one file as one."""
     out: list[Extent] = []
     for e in extents:
@@ -154,7 +150,7 @@ def _merged(extents: list[Extent]) -> Iterator[Extent]:
             out[-1] = Extent(e.file, last.offset, last.nbytes + e.nbytes)
         else:
             out.append(e)
-    yield from out
+    return tuple(out)
 
 
 def _check_against_stream(experts: Any, blocks: list[Block], files: list[Path]) -> None:

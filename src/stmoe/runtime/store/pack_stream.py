@@ -37,7 +37,7 @@ import torch
 
 from stmoe.hf.layout import expert_params, experts_modules
 from stmoe.hf.loading import checkpoint_files, conversions, meta_model
-from stmoe.runtime.store.check import architecture
+from stmoe.runtime.store.check import architecture, check_unchanged
 from stmoe.runtime.store.index import StoreError
 from stmoe.util.fileio import check_input_file
 
@@ -97,7 +97,8 @@ class CheckpointExperts:
         self.transposed = [bool(getattr(m, "is_transposed", False)) for _, m in modules]
         self._handles: dict[Path, Any] = {}
         self._read = 0
-        self.nbytes = self.num_experts * sum(_nbytes(p) for row in self.layers for p in row)
+        self.nbytes = self.num_experts * sum(param_nbytes(p) for row in self.layers
+                                             for p in row)
         self._map(conversions(model))
         for row in self.layers:
             for p in row:
@@ -112,11 +113,7 @@ class CheckpointExperts:
             for expert in range(self.num_experts):
                 yield layer, expert, self.tensors(layer, expert)
                 self.release()
-        for name, size, mtime, _ in record["files"]:
-            st = (self.path / name).stat()
-            if (st.st_size, st.st_mtime_ns) != (size, mtime):
-                raise StoreError(f"{self.path / name}: changed while it was being packed; "
-                                 "pack the model again")
+        check_unchanged(self.path, record, "packed", "pack the model again")
 
     def tensors(self, layer: int, expert: int) -> list[tuple[str, torch.Tensor]]:
         """Expert ``expert`` of MoE layer ``layer``: its parameters' slices, sorted by name."""
@@ -243,7 +240,8 @@ class CheckpointExperts:
         return next(iter(inputs.values()))[0]
 
 
-def _nbytes(p: _Param) -> int:
+def param_nbytes(p: _Param) -> int:
+    """One expert's bytes of parameter ``p``."""
     count = 1
     for n in p.shape:
         count *= n
