@@ -30,6 +30,13 @@ on cores 0-1 (stmoe's prefetch workers read on the second). Two bounds:
         and int4 resident weights): stmoe-plus int4+r >= 2x llama.cpp Q4_K_M.
 The 1 GiB is the process's own (interpreter, torch; llama.cpp's buffers), the same for both.
 
+``--bounded --real-routing``: stmoe alone at the same two bounds, replaying REAL
+Qwen1.5-MoE routing (llama.cpp cannot replay a trace): round r replays the decode of
+``../shared/traces/qwen15`` prompt r with tables profiled on the other two (HELD-OUT, as
+bench_heldout.py), stmoe-plus (1.5K experts a prediction), lru-only and the oracle, to
+show what real routing's lower reuse does at the bound (reported against lru-only, the
+issue 27 rule: stmoe-plus >= 1.0x).
+
 ``--prefill``: time to first token of a 512-token prompt at the bf16 bound, cold: llama.cpp
 BF16 (llama-bench -p 512 -n 0: 512 / its prompt tokens/s), stmoe-plus native with the prompt's
 next layer streamed while each layer computes (runtime/planning.py) and without (the
@@ -37,6 +44,7 @@ predictor's guess, as before).
 
     python benchmarks/bench_compute.py [--rounds 3] [--tokens 64] [--threads 1,2] [--json F]
     python benchmarks/bench_compute.py --bounded [--rounds 3] [--tokens 64] [--json F]
+    python benchmarks/bench_compute.py --bounded --real-routing [--rounds 3] [--tokens 32]
     python benchmarks/bench_compute.py --prefill [--rounds 3] [--json F]
 
 Needs llama.cpp built (bash benchmarks/build_llama_cpp.sh) and about 12 GB of disk in
@@ -119,6 +127,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         return {"tokens_per_s": args.tokens / (whole - first)}
     from stmoe.runtime.api import offload
 
+    if args.trace:
+        return replayed(args, ckpt)
     if args.child in BOUNDED_STMOE or args.child in PREFILL_STMOE:
         fmt, resident, predictor = BOUNDED_STMOE[args.child.removesuffix(NO_STREAM)]
         with offload(ckpt, memory=str(args.memory), predictor=predictor, format=fmt,
@@ -143,6 +153,49 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                              [*om.model.parameters(), *om.model.buffers()] if not t.is_meta)
     return {"tokens_per_s": r.decode_tokens_per_s, "hit_rate": r.hit_rate,
             "expert_bytes": expert_bytes, "resident_bytes": resident_bytes}
+
+
+def replayed(args: argparse.Namespace, ckpt: Path) -> dict[str, Any]:
+    """A bounded stmoe run replaying ``args.trace``'s routing, tables of ``args.profile_on``."""
+    import bench_offload_real as real
+
+    from stmoe.evaluate.systems import compared_predictor
+    from stmoe.predictors import REGISTRY, load_tables
+    from stmoe.runtime.api import offload
+
+    ns = real_args(args.trace, args.profile_on)
+    tables = real.tables_for(ns)
+    fmt, resident, predictor = REPLAYED[args.child]
+    pred = predictor if predictor == "ondemand" else \
+        compared_predictor(predictor, load_tables(tables))
+    takes_tables = isinstance(pred, str) and REGISTRY[pred].needs_tables
+    with offload(ckpt, memory=str(args.memory), predictor=pred, format=fmt,
+                 quantize_resident=resident, tables=tables if takes_tables else None) as om:
+        r = om.force_routing(real.replay_plan(ns, om.model.config), max_new_tokens=args.tokens)
+        plan = om.config["memory_plan"]
+    return {"tokens_per_s": r.decode_tokens_per_s, "hit_rate": r.hit_rate,
+            "per_layer": plan["per_layer"], "stall_share": r.stall_share,
+            "prefetch_recall": r.prefetch_recall}
+
+
+def real_args(trace: str, profile_on: str) -> argparse.Namespace:
+    """bench_offload_real's arguments for this checkpoint replaying ``trace``."""
+    import bench_offload_real as real
+
+    ns = argparse.Namespace(like=LIKE, layers=str(LAYERS), trace=trace, profile_on=profile_on,
+                            split_at=0, in_sample=False)
+    real.set_layers(ns)
+    return ns
+
+
+REPLAYED = {"stmoe-plus native": ("native", None, "stmoe-plus"),
+            "lru-only native": ("native", None, "ondemand"),
+            "oracle native": ("native", None, "oracle"),
+            "stmoe-plus int4+r": ("int4", "int4", "stmoe-plus"),
+            "lru-only int4+r": ("int4", "int4", "ondemand"),
+            "oracle int4+r": ("int4", "int4", "oracle")}
+REPLAYED_BOUNDS = {"bf16": ["stmoe-plus native", "lru-only native", "oracle native"],
+                   "int4": ["stmoe-plus int4+r", "lru-only int4+r", "oracle int4+r"]}
 
 
 BOUNDED_STMOE = {"stmoe-plus native": ("native", None, "stmoe-plus"),
@@ -211,7 +264,7 @@ def bytes_per_weight(ggufs: dict[str, Path]) -> list[str]:
 
 
 def spawn_bounded(system: str, limit: int, args: argparse.Namespace,
-                  ggufs: dict[str, Path]) -> dict[str, Any]:
+                  ggufs: dict[str, Path], extra: list[str] | None = None) -> dict[str, Any]:
     """One run with its whole process in a fresh memory cgroup of ``limit`` bytes."""
     from offload_baselines import cgroup_peak, drop_pages, make_cgroup, remove_cgroup
 
@@ -235,7 +288,7 @@ def spawn_bounded(system: str, limit: int, args: argparse.Namespace,
             out = {"tokens_per_s": float(json.loads(done.stdout)[0]["avg_ts"])}
         else:
             cmd = [sys.executable, __file__, "--child", system, "--threads", "1", "--tokens",
-                   str(args.tokens), "--memory", str(limit)]
+                   str(args.tokens), "--memory", str(limit), *(extra or [])]
             done = subprocess.run(["taskset", "-c", "0,1", "sh", "-c",
                                    enter + " ".join(f"'{c}'" for c in cmd)],
                                   check=True, capture_output=True, text=True)
@@ -299,6 +352,45 @@ def bounded(args: argparse.Namespace, ggufs: dict[str, Path]) -> dict[str, Any]:
     return report
 
 
+def bounded_real(args: argparse.Namespace, ggufs: dict[str, Path]) -> dict[str, Any]:
+    """stmoe alone at each bound, replaying real routing held out (the module docstring)."""
+    import bench_heldout as heldout
+
+    from stmoe.evaluate.compare import closed
+
+    limits = bounds(ggufs, args)
+    report: dict[str, Any] = {"limits": limits, "runs": {}, "targets": []}
+    for name, systems in REPLAYED_BOUNDS.items():
+        limit = limits[name][BOUNDS[name][1]]  # stmoe's bound
+        print(f"\n## bound {name}, REAL Qwen1.5-MoE routing (held out): {limit / 2**30:.2f} "
+              "GiB", flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+        for rnd in range(args.rounds):
+            replay = heldout.PROMPTS[rnd % len(heldout.PROMPTS)]
+            others = ",".join(str(heldout.imported(p)) for p in heldout.PROMPTS if p != replay)
+            extra = ["--trace", str(heldout.imported(replay)), "--profile-on", others]
+            for system in rotated(systems, rnd):
+                r = spawn_bounded(system, limit, args, ggufs, extra)
+                runs[system].append(r)
+                print(f"round {rnd + 1} ({replay}), {system}: {r['tokens_per_s']:.2f} tok/s, "
+                      f"{r['per_layer']} cached per layer, hit rate {r['hit_rate']:.3f}, stall "
+                      f"{r['stall_share']:.2f}", flush=True)
+        plus, lru, oracle = ([r["tokens_per_s"] for r in runs[s]] for s in systems)
+        for s in systems:
+            print(f"  {s:<20} {spread([r['tokens_per_s'] for r in runs[s]])} tok/s, hit rate "
+                  f"{spread([r['hit_rate'] for r in runs[s]], '.3f')}")
+        ratios = [a / b for a, b in zip(plus, lru, strict=True)]
+        gap = [closed(1 / b, 1 / a, 1 / o) for a, b, o in zip(plus, lru, oracle, strict=True)]
+        ok = statistics.median(ratios) >= 1.0
+        above = [o / b for o, b in zip(oracle, lru, strict=True)]
+        print(f"  {systems[0]} / {systems[1]}: {spread(ratios)}x per round; >= 1.0x "
+              f"{verdict(ok)}; oracle / lru-only {spread(above)}x; gap closed "
+              f"{spread([100 * g for g in gap], '.0f')}%")
+        report["runs"][name] = runs
+        report["targets"].append({"bound": name, "ratios": ratios, "gap": gap, "met": ok})
+    return report
+
+
 def prefill(args: argparse.Namespace, ggufs: dict[str, Path]) -> dict[str, Any]:
     """Time to first token of LONG_PROMPT at the bf16 bound (see the module docstring)."""
     from offload_baselines import drop_pages, make_cgroup, remove_cgroup
@@ -354,7 +446,12 @@ def main() -> None:
                     help="the memory-bound comparison instead (see the module docstring)")
     ap.add_argument("--prefill", action="store_true",
                     help="time to first token of a 512-token prompt at the bf16 bound")
+    ap.add_argument("--real-routing", action="store_true",
+                    help="with --bounded: stmoe alone replaying real Qwen1.5-MoE routing "
+                    "(held out) at the same bounds")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--trace", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-on", default="", help=argparse.SUPPRESS)
     ap.add_argument("--memory", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -368,8 +465,13 @@ def main() -> None:
           f"load at start: {os.getloadavg()[0]:.2f}", flush=True)
     for system in STMOE:  # pack each format's store once, untimed
         spawn(system, 2, argparse.Namespace(tokens=2), ggufs)
+    if args.real_routing and not args.bounded:
+        raise SystemExit("error: --real-routing goes with --bounded")
     if args.bounded or args.prefill:
-        report = bounded(args, ggufs) if args.bounded else prefill(args, ggufs)
+        if args.real_routing:
+            report = bounded_real(args, ggufs)
+        else:
+            report = bounded(args, ggufs) if args.bounded else prefill(args, ggufs)
         load_end = os.getloadavg()[0]
         print(f"load at end: {load_end:.2f}" + ("  (above 3: marked)" if load_end > 3 else ""))
         if args.json:

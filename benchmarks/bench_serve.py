@@ -20,8 +20,15 @@ docs/figures/serve_batch.png; and the targets (MET / NOT MET):
 * at every batch size, stmoe-plus's total throughput >= LRU-only's (median of the
   per-round ratios; within noise counts only when the rounds' range reaches 1.0).
 
+``--format int4|int8``: experts packed in that format (a store made once beside the
+checkpoint) and the resident linears quantized the same way (``--quantize-resident``;
+LOSSY, its quality in bench_quality.py): then the step batcher computes a step's rows
+together (runtime/step_rows.py), and ``stmoe-plus (rows alone)`` runs beside the other
+systems with that off, each request's rows computed alone as in bf16: the A/B of the fix.
+
     python benchmarks/bench_serve.py [--batches 1,2,4,8] [--tokens 12] [--rounds 2]
-                                     [--json out.json] [--figure docs/figures/serve_batch.png]
+                                     [--format native|int8|int4] [--json out.json]
+                                     [--figure docs/figures/serve_batch.png]
 """
 
 from __future__ import annotations
@@ -42,13 +49,17 @@ import numpy as np
 from stmoe.evaluate.compare import rotated
 
 SYSTEMS = ("lru-only", "stmoe", "stmoe-plus", "oracle")
+FIGURE = Path("docs/figures/serve_batch.png")
+ALONE = " (rows alone)"  # quantized formats: the system with the step's rows not computed together
 WINDOW_PROMPT = 8  # each window's prompt: the 8 routed tokens before it (already profiled)
 
 
 def round_args(rnd: int, a: argparse.Namespace) -> argparse.Namespace:
     """bench_offload_real's arguments for round ``rnd``: prompt ``rnd`` replayed, tables of
     the other two (bench_heldout's q15-first4 rotation)."""
-    return heldout.round_args("q15-first4:disk:50%", rnd, a)
+    args = heldout.round_args("q15-first4:disk:50%", rnd, a)
+    args.format = a.format
+    return args
 
 
 def windows(args: argparse.Namespace, count: int, tokens: int, config: Any) -> list[Any]:
@@ -85,16 +96,21 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
 
     torch.set_num_threads(1)
     model, store, tables = real.prepare(args)
-    predictor, policy = real.SYSTEMS[system]
+    quantized = args.format != "native"
+    fmt = {"format": args.format, "quantize_resident": args.format} if quantized else {}
+    if quantized:  # its own store: packed on first use (main does it, untimed), then reused
+        store = None
+    predictor, policy = real.SYSTEMS[system.removesuffix(ALONE)]
     pred = predictor if predictor == "ondemand" else \
         compared_predictor(predictor, load_tables(tables))
     out: dict[str, Any] = {}
     takes_tables = isinstance(pred, str) and REGISTRY[pred].needs_tables
     with offload(model, store, capacity="50%", predictor=pred, policy=policy, tier="disk",
-                 tables=tables if takes_tables else None) as om:
+                 tables=tables if takes_tables else None, **fmt) as om:
         plans = windows(args, max(batches), args.tokens, om.model.config)
         for b in batches:
-            batcher = StepBatcher(om, max_batch=b, max_queue=0)
+            batcher = StepBatcher(om, max_batch=b, max_queue=0,
+                                  share_rows=not system.endswith(ALONE))
             try:
                 start = time.perf_counter()
                 reqs = [batcher.submit(replay_request(p, args.tokens)) for p in plans[:b]]
@@ -120,13 +136,15 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
                 "stall_share": stall / decode_s, "bytes_per_token": moved / max(tokens, 1),
                 "bytes_wasted": om.engine.run.stats.bytes_wasted, "wall_s": wall,
                 "mean_batch": statistics.mean(batcher.decode_sizes() or [0]),
+                "rows_together": batcher.share_rows, "weights": om.config["weights_label"],
+                "resident_weights": om.config["resident_weights"],
             }
     return out
 
 
 def spawn(args: argparse.Namespace, system: str, batches: list[int]) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--one", system, "--round", str(args.rnd), "--tokens",
-           str(args.tokens), "--batches", ",".join(map(str, batches))]
+           str(args.tokens), "--batches", ",".join(map(str, batches)), "--format", args.format]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{system} failed:\n{proc.stderr[-3000:]}")
@@ -137,17 +155,26 @@ def judge(runs: dict[str, list[dict[str, Any]]], batches: list[int]) -> dict[str
     def med(system: str, b: int, key: str) -> float:
         return statistics.median(r[str(b)][key] for r in runs[system])
 
-    print("\nsystem      batch  total tok/s  with prompts  per-request  hit   recall  stall  "
-          "MB/token")
-    for system in SYSTEMS:
+    print("\nsystem                   batch  total tok/s  with prompts  per-request  hit   "
+          "recall  stall  MB/token")
+    for system in runs:
         for b in batches:
-            print(f"{system:<11} {b:>5}  {med(system, b, 'total_tok_s'):>10.2f}  "
+            print(f"{system:<24} {b:>5}  {med(system, b, 'total_tok_s'):>10.2f}  "
                   f"{med(system, b, 'wall_tok_s'):>12.2f}  "
                   f"{med(system, b, 'per_request_tok_s'):>11.2f}  "
                   f"{med(system, b, 'hit_rate'):.3f} {med(system, b, 'prefetch_recall'):.3f}  "
                   f"{med(system, b, 'stall_share'):.2f}  "
                   f"{med(system, b, 'bytes_per_token') / 2**20:>8.1f}")
     targets: dict[str, Any] = {}
+    for system in [s for s in runs if s + ALONE in runs]:  # the A/B of computing rows together
+        for b in batches:
+            ratios = [p[str(b)]["total_tok_s"] / q[str(b)]["total_tok_s"]
+                      for p, q in zip(runs[system], runs[system + ALONE], strict=True)]
+            targets[f"{system}_together_vs_alone_{b}"] = ratios
+            print(f"{system}, rows together / alone at {b}: {statistics.median(ratios):.2f}x "
+                  f"[{min(ratios):.2f}, {max(ratios):.2f}]")
+    if "stmoe-plus" not in runs or "lru-only" not in runs:
+        return targets
     if 1 in batches and 4 in batches:
         ratios = [r["4"]["total_tok_s"] / r["1"]["total_tok_s"] for r in runs["stmoe-plus"]]
         m = statistics.median(ratios)
@@ -167,14 +194,15 @@ def judge(runs: dict[str, list[dict[str, Any]]], batches: list[int]) -> dict[str
     return targets
 
 
-def figure(runs: dict[str, list[dict[str, Any]]], batches: list[int], path: Path) -> None:
+def figure(runs: dict[str, list[dict[str, Any]]], batches: list[int], path: Path,
+           weights: str = "native") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for system in SYSTEMS:
+    for system in runs:
         total = [statistics.median(r[str(n)]["total_tok_s"] for r in runs[system])
                  for n in batches]
         lo = [min(r[str(n)]["total_tok_s"] for r in runs[system]) for n in batches]
@@ -192,7 +220,7 @@ def figure(runs: dict[str, list[dict[str, Any]]], batches: list[int], path: Path
         ax.minorticks_off()
     a.legend()
     fig.suptitle("Qwen1.5-MoE shape (4 layers, RANDOM weights), held-out real routing, "
-                 "disk, 50% cached", fontsize=9)
+                 f"disk, 50% cached, weights {weights}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -204,9 +232,16 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", type=Path)
-    p.add_argument("--figure", type=Path, default=Path("docs/figures/serve_batch.png"))
+    p.add_argument("--figure", type=Path, default=FIGURE,
+                   help="(with --format int4|int8: serve_batch_FORMAT.png beside it)")
     p.add_argument("--replot", type=Path, help="Print the table and draw the figure again "
                    "from a --json this script wrote (nothing is run).")
+    p.add_argument("--format", default="native", choices=["native", "int8", "int4"],
+                   help="the experts' and resident linears' weights (quantized: LOSSY; "
+                   "their rows computed together in a step)")
+    p.add_argument("--systems", default="", help="comma-separated, instead of every system; "
+                   "with --format int4|int8 a name + ' (rows alone)' runs it with the step's "
+                   "rows computed per request")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -216,7 +251,7 @@ def main() -> None:
         saved = json.loads(a.replot.read_text())
         print("load:", *saved["load"], sep="\n  ")
         judge(saved["runs"], saved["batches"])
-        figure(saved["runs"], saved["batches"], a.figure)
+        figure(saved["runs"], saved["batches"], a.figure, saved.get("format", "native"))
         return
     if a.one:
         args = round_args(a.round, a)
@@ -224,12 +259,26 @@ def main() -> None:
         return
     load = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
     print("load at start:", load[0], flush=True)
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    systems = [*SYSTEMS, "stmoe-plus" + ALONE] if a.format != "native" else list(SYSTEMS)
+    if a.systems:
+        systems = a.systems.split(",")
+        unknown = [s for s in systems if s.removesuffix(ALONE) not in SYSTEMS]
+        if unknown or (a.format == "native" and any(s.endswith(ALONE) for s in systems)):
+            raise SystemExit(f"error: --systems {a.systems}: each of {', '.join(SYSTEMS)}, "
+                             f"and with --format int8|int4 any of them + '{ALONE}'")
+    if a.format != "native":
+        if a.figure == FIGURE:
+            a.figure = FIGURE.with_name(f"serve_batch_{a.format}.png")
+        a.rnd = 0  # the store packed once, untimed
+        spawn(argparse.Namespace(**{**vars(a), "tokens": 2}), "lru-only", [1])
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    print(f"weights: {a.format}" + (" (experts and resident linears; LOSSY)"
+                                    if a.format != "native" else ""), flush=True)
     for rnd in range(a.rounds):
         args = round_args(rnd, a)
         real.prepare(args)
         a.rnd = rnd
-        for system in rotated(list(SYSTEMS), rnd):
+        for system in rotated(systems, rnd):
             runs[system].append(spawn(a, system, batches))
             got = runs[system][-1]
             print(f"[round {rnd + 1}: {Path(args.trace).stem}] {system}: " + ", ".join(
@@ -238,10 +287,11 @@ def main() -> None:
     load.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     print("load at end:", load[1])
     targets = judge(runs, batches)
-    figure(runs, batches, a.figure)
+    figure(runs, batches, a.figure, a.format)
     if a.json:
         a.json.write_text(json.dumps({"runs": runs, "targets": targets, "load": load,
-                                      "tokens": a.tokens, "batches": batches}, indent=1))
+                                      "tokens": a.tokens, "batches": batches,
+                                      "format": a.format}, indent=1))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,11 @@ def serve_cmd(
     = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port, 1 to 65535.")] = 8000,
     max_batch: Annotated[int, typer.Option(help="Requests decoding together in each step, "
-                                           "1 to 64 (more wait in the queue).")] = 4,
+                                           "1 to 64 (more wait in the queue). With "
+                                           "--quantize-resident int8|int4 a step's linears "
+                                           "are computed for its requests in one call (the "
+                                           "kernels keep each row's bits); in bf16 each "
+                                           "request's rows alone.")] = 4,
     max_queue: Annotated[int, typer.Option(help="Requests waiting for a place, 0 to 10000; "
                                            "beyond it a request gets 429.")] = 16,
     name: Annotated[str | None, typer.Option(help="The model's name in the API (the "
@@ -98,8 +102,10 @@ def serve_cmd(
         c = om.config
         out.print(f"serving {service.name} on http://{host}:{port}/v1 ({c['weights_label']} "
                   f"experts, {c['capacity']} of {c['num_experts']} per layer cached, predictor "
-                  f"{c['predictor']}, tier {c['tier']}, up to {max_batch} requests per step)",
-                  markup=False)
+                  f"{c['predictor']}, tier {c['tier']}, up to {max_batch} requests per step; "
+                  + ("a step's rows computed together: the int8/int4 kernels keep each row's "
+                     "bits)" if service.batcher.share_rows else "each request's rows computed "
+                     "alone: its bits)"), markup=False)
         serve_forever(service, host, port, log_level)  # closes the service
 
 

@@ -14,6 +14,8 @@ input width (or the size given).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from stmoe.errors import OffloadError
@@ -31,13 +33,40 @@ class QuantizedLinear(torch.nn.Module):
         self.qweight = torch.nn.Parameter(q.qweight, requires_grad=False)
         self.qscale = torch.nn.Parameter(q.qscale, requires_grad=False)
         self.bias = linear.bias
+        # set by the step batcher: the call waits for the step's other requests' rows
+        # (runtime/step_rows.py); None: computed here
+        self.gather: Callable[[QuantizedLinear, torch.Tensor], torch.Tensor] | None = None
+        self._columns: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather is not None:
+            return self.gather(self, x)
+        return self.rows(x)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The product itself, for any number of rows (each row's bits the same whatever
+        the count: kernels.qlinear)."""
         flat = x.reshape(-1, x.shape[-1])
         y = qlinear(flat, self.qweight, self.qscale, self.fmt).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def columns(self, flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Output features ``start:stop`` of ``flat`` [M, in] (bias not added): the same
+        bits as those columns of the whole product (each column is its own dot products),
+        so a product can be split over threads (int4: ``start`` a multiple of 64). The
+        slice's scales are kept (int4's are strided: a copy, ``in / group x (stop - start)
+        x 2`` values)."""
+        if (start, stop) not in self._columns:
+            if self.fmt.name == "int4" and start % 64:
+                raise OffloadError(f"int4 columns start at a multiple of 64 (the kernel's "
+                                   f"packing), not {start}")
+            scale = self.qscale[start:stop] if self.fmt.name == "int8" else \
+                self.qscale[:, start:stop].contiguous()
+            self._columns[(start, stop)] = (self.qweight[start:stop], scale)
+        weight, scale = self._columns[(start, stop)]
+        return qlinear(flat, weight, scale, self.fmt).to(flat.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.fmt.label}"

@@ -8,10 +8,13 @@ call of every request taking part, and at each MoE layer it serves the step's
 requests in ONE engine call (``LayerServer.serve_segments``): the union of their
 experts loaded once, the next layer's prefetch the union of their predictions
 (``predictors.union``, each request keeping its own predictor slot), then each
-request's rows computed on their own. A batched matmul is not bit-identical to
-one row's on the CPU (blocking depends on the row count: measured in
-docs/serve.md), so nothing is computed across requests; what a step shares is
-the I/O.
+request's rows computed on their own. A batched bf16 matmul is not bit-identical
+to one row's on the CPU (blocking depends on the row count: measured in
+docs/serve.md), so in bf16 what a step shares is the I/O. torch's int8/int4
+weight-only kernels are row for row the same at any row count, so with quantized
+resident linears a step's linears wait for each other and are computed in one call
+(``step_rows``): the weights read once. (The routed experts' rows stay per request,
+side by side on the compute threads: on two cores that beats one call over the union.)
 
 A request joins and leaves between steps. A prompt (prefill) is a step alone,
 so the planner sees a prompt or a decode step of one token per request, as in a
@@ -39,8 +42,10 @@ from stmoe.runtime.requests import (
     QueueFull,
     Request,
     Streamer,
+    foresee,
     replay_request,
 )
+from stmoe.runtime.step_rows import StepRows
 
 __all__ = ["Cancelled", "QueueFull", "Request", "StepBatcher", "replay_request"]
 
@@ -49,10 +54,12 @@ class StepBatcher:
     """Runs requests on an ``OffloadedModel`` in shared steps (see the module docstring).
 
     ``max_batch`` requests take part in steps at once; up to ``max_queue`` more wait
-    for a place, and beyond that ``submit`` raises ``QueueFull``."""
+    for a place, and beyond that ``submit`` raises ``QueueFull``. ``share_rows``: with
+    quantized resident linears, compute a step's rows of each in one call (False: each
+    request's alone, as in bf16)."""
 
     def __init__(self, om: Any, max_batch: int = 4, max_queue: int = 16,
-                 compute_threads: int | None = None) -> None:
+                 compute_threads: int | None = None, share_rows: bool = True) -> None:
         if max_batch < 1 or max_queue < 0:
             raise OffloadError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} "
                                f"and {max_queue}")
@@ -71,6 +78,9 @@ class StepBatcher:
         self.waiting: deque[Request] = deque()
         self.members: dict[int, Request] = {}  # slot -> request taking part in steps
         self.local = threading.local()
+        self.rows = StepRows(self.model, self.cv, self.local, self.pool, threads)
+        # rows together only where the kernels keep each row's bits (module docstring)
+        self.share_rows = share_rows and self.rows.active
         self.closed = False
         self.steps = 0
         self.started = 0  # requests started (names their threads)
@@ -144,11 +154,14 @@ class StepBatcher:
             with self.om._exclusive():
                 self.engine.reset(future={} if self.engine.predictor.sees_future else None)
                 self.engine.state.gate = self
+                if self.share_rows:
+                    self.rows.install()
                 self._ready.set()
                 try:
                     self._loop()
                 finally:
                     self.engine.state.gate = None
+                    self.rows.remove()
         except BaseException as exc:
             self._ready.set()
             with self.cv:
@@ -175,7 +188,7 @@ class StepBatcher:
                 self._run_step(step)
             except Exception as exc:  # the step's requests fail; the batcher goes on
                 with self.cv:
-                    waiting = [r for r in step if r.arrival is not None]
+                    waiting = [r for r in step if r.arrival is not None or r.row_call is not None]
                 self._fail(waiting, exc)
 
     def _admit(self) -> None:
@@ -239,13 +252,19 @@ class StepBatcher:
             run.batch, run.phase = (len(step), length), "prefill" if prompt else "decode"
             run.prefill_routing, run.mask, run.slots = [], None, [r.slot for r in step]
             if run.future is not None:
-                self._foresee(run.future, run.fwd, step)
+                foresee(run.future, run.fwd, step, engine.num_layers)
         engine.planner.forward_started()
         live = list(step)
+        with self.cv:  # from here to its lm_head a request's quantized linears gather
+            for r in live:
+                r.in_step = self.share_rows and not prompt and len(step) > 1
         for layer in range(engine.num_layers):
             live = self._serve_layer(layer, live)
             if not live:  # a failed call: the step's requests have their error
                 return
+        with self.cv:  # the linears after the last MoE layer, up to the lm_head
+            self._wait(live, lambda: all(not r.in_step or r.slot not in self.members
+                                         for r in live))
         run.forward_ends.append(time.perf_counter())
         engine.planner.forward_ended()
         self.steps += 1
@@ -257,8 +276,8 @@ class StepBatcher:
     def _serve_layer(self, layer: int, live: list[Request]) -> list[Request]:
         """Wait for the live members' calls at ``layer``, serve them in one engine call."""
         with self.cv:
-            while any(r.arrival is None and r.slot in self.members for r in live):
-                self.cv.wait()
+            self._wait(live, lambda: not any(r.arrival is None and r.slot in self.members
+                                             for r in live))
             live = [r for r in live if r.arrival is not None]
             wrong = [r for r in live if r.arrival[0] != layer]  # type: ignore[index]
             for r in wrong:
@@ -306,29 +325,16 @@ class StepBatcher:
             self.cv.notify_all()
         return live
 
+    def _wait(self, live: list[Request], done: Any) -> None:
+        """(cv held) Until ``done()``, serving the step's gathered linears meanwhile."""
+        while not done():
+            if not self.rows.serve(live, self.members):
+                self.cv.wait()
+
     def _fail(self, live: list[Request], error: BaseException) -> list[Request]:
         """The step's calls at this layer all end with ``error``; the step ends."""
         with self.cv:
             for r in live:
-                r.arrival, r.result = None, error
+                r.arrival, r.result, r.in_step = None, error, False
             self.cv.notify_all()
         return []
-
-    def _foresee(self, future: dict, fwd: int, step: list[Request]) -> None:
-        """(engine lock held) The oracle's knowledge: each layer's union over the step's
-        recorded routings, for this call and (if they go on) the next."""
-        if any(r.routing is None for r in step):
-            raise OffloadError("the oracle serves recorded routings only (force_routing)")
-        for key in [k for k in future if k[0] < fwd]:
-            del future[key]
-        for ahead in (0, 1):
-            for layer in range(self.engine.num_layers):
-                ids: set[int] = set()
-                for r in step:
-                    call = r.calls + ahead
-                    if call <= r.max_new_tokens - 1:
-                        n = int(r.ids.shape[1]) if call == 0 else 1
-                        span = r.routing.positions(call, n)  # type: ignore[union-attr]
-                        ids.update(int(e) for e in
-                                   r.routing.plan.experts[span, layer].reshape(-1))  # type: ignore[union-attr]
-                future[(fwd + ahead, layer)] = tuple(sorted(ids))

@@ -59,6 +59,8 @@ class Request:
     calls: int = 0  # forward calls completed (0: the prompt is next)
     arrival: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     result: torch.Tensor | BaseException | None = None
+    row_call: tuple[torch.nn.Module, torch.Tensor] | None = None  # a gathered linear's input
+    in_step: bool = False  # in a step whose gathered linears wait for each other
     thread: threading.Thread | None = None
     token_times: list[float] = field(default_factory=list)  # perf_counter at each token
     listener: Callable[[int | None], None] | None = None  # told each token, then None
@@ -125,3 +127,23 @@ def replay_request(plan: RoutingPlan, max_new_tokens: int | None = None) -> Requ
     steps = plan.new_tokens if max_new_tokens is None else min(max_new_tokens, plan.new_tokens)
     return Request(torch.tensor([plan.token_ids]), steps, ignore_eos=True,
                    routing=RoutingSource(plan))
+
+
+def foresee(future: dict, fwd: int, step: list[Request], num_layers: int) -> None:
+    """(engine lock held) The oracle's knowledge: each layer's union over the step's
+    recorded routings, for this call and (if they go on) the next."""
+    if any(r.routing is None for r in step):
+        raise OffloadError("the oracle serves recorded routings only (force_routing)")
+    for key in [k for k in future if k[0] < fwd]:
+        del future[key]
+    for ahead in (0, 1):
+        for layer in range(num_layers):
+            ids: set[int] = set()
+            for r in step:
+                call = r.calls + ahead
+                if call <= r.max_new_tokens - 1:
+                    n = int(r.ids.shape[1]) if call == 0 else 1
+                    span = r.routing.positions(call, n)  # type: ignore[union-attr]
+                    ids.update(int(e) for e in
+                               r.routing.plan.experts[span, layer].reshape(-1))  # type: ignore[union-attr]
+            future[(fwd + ahead, layer)] = tuple(sorted(ids))

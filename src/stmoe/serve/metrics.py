@@ -53,4 +53,6 @@ def metrics_text(service: Any) -> str:
            [('{state="running"}', running), ('{state="queued"}', queued)])
     metric("batch_size_mean", "gauge", "Mean requests per decode step (the last 256 steps).",
            [("", sum(sizes) / len(sizes) if sizes else 0.0)])
+    metric("gathered_linear_calls_total", "counter", "Resident linear calls computed for a "
+           "step's requests together (int8/int4 only).", [("", service.batcher.rows.calls)])
     return "\n".join(lines) + "\n"

@@ -1,0 +1,167 @@
+"""A step's rows computed together in the quantized formats, each request keeping its bits.
+
+torch's int8/int4 weight-only kernels give M rows in one call exactly the M one-row calls'
+bits (checked here at the shapes of a real model's linears); so with quantized experts
+and resident linears the batcher computes a step's experts call and its linears for all
+its requests at once (runtime/step_rows.py), and every request's logits must still equal
+its solo run on the resident model in that format, in every family. In bf16 nothing is
+gathered. Requests reaching different calls fail with a clear error, not a hang.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from stmoe.errors import OffloadError  # noqa: E402
+from stmoe.quant import parse_format  # noqa: E402
+from stmoe.quant.experts import quantize_model  # noqa: E402
+from stmoe.quant.kernels import qlinear, quantize_matrix  # noqa: E402
+from stmoe.quant.linears import QuantizedLinear, quantize_linears  # noqa: E402
+from stmoe.runtime.api import offload  # noqa: E402
+from stmoe.runtime.batching import Request, StepBatcher  # noqa: E402
+from stmoe.runtime.step_rows import StepRows  # noqa: E402
+from stmoe.runtime.store import pack  # noqa: E402
+from tiny_moe import FAMILIES, tiny_model  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33]]
+LENGTHS = [9, 4, 7, 5]
+FORMATS = {"int8": parse_format("int8"), "int4": parse_format("int4", 32)}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("out_in", [(2048, 2048), (2816, 2048), (2048, 1408), (4096, 2048)])
+def test_quantized_kernels_give_each_row_its_one_row_bits(fmt, out_in, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(1)
+        f = parse_format(fmt).resolved([out_in[1]])
+        q = quantize_matrix(torch.randn(*out_in, dtype=torch.bfloat16) * 0.02, f)
+        x = torch.randn(16, out_in[1], dtype=torch.bfloat16)
+        solo = torch.cat([qlinear(x[i:i + 1], q.qweight, q.qscale, f) for i in range(16)])
+        for m in (2, 3, 4, 8, 16):
+            assert torch.equal(qlinear(x[:m], q.qweight, q.qscale, f), solo[:m]), m
+    finally:
+        torch.set_num_threads(before)
+
+
+def quantized(name: str, fmt: str) -> torch.nn.Module:
+    changes = {"moe_intermediate_size": 32} if "moe_intermediate_size" in FAMILIES[name][1] else {}
+    model = quantize_model(tiny_model(name, **changes)[0], FORMATS[fmt])
+    quantize_linears(model, parse_format(fmt))
+    return model
+
+
+def native(name: str) -> torch.nn.Module:
+    changes = {"moe_intermediate_size": 32} if "moe_intermediate_size" in FAMILIES[name][1] else {}
+    return tiny_model(name, **changes)[0]
+
+
+class HeadLog:
+    """Every lm_head output, per thread."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.by_thread: dict[str, list[torch.Tensor]] = {}
+        model.get_output_embeddings().register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        self.by_thread.setdefault(threading.current_thread().name, []).append(
+            output[:, -1].detach().clone())
+
+
+def _solo(model, prompt, n, log):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist(), log.by_thread.pop(threading.current_thread().name)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_rows_together_keep_every_requests_solo_bits(name, tmp_path):
+    fmt = "int4"
+    resident = quantized(name, fmt)
+    log = HeadLog(resident)
+    want = [_solo(resident, p, n, log) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    store = pack(native(name), tmp_path / "store", weights=FORMATS[fmt])
+    with offload(native(name), store, capacity=3, quantize_resident=fmt,
+                 predictor="ondemand") as om:
+        logs = HeadLog(om.model)
+        gathered = isinstance(om.model.get_output_embeddings(), QuantizedLinear)
+        batcher = StepBatcher(om, max_batch=3)
+        try:
+            assert batcher.share_rows == gathered
+            reqs = []
+            for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True)):
+                reqs.append(batcher.submit(Request(torch.tensor([p]), n)))
+                if i == 1:
+                    time.sleep(0.05)  # the third joins a running batch
+            got = [r.wait(120) for r in reqs]
+            assert max(batcher.decode_sizes()) >= 2
+            if gathered:
+                assert batcher.rows.calls > 0  # the step's linears were computed together
+        finally:
+            batcher.close()
+        assert all(m.gather is None for m in om.model.modules()
+                   if isinstance(m, QuantizedLinear))  # taken off when the batcher closes
+    for i, (r, (tokens, logits)) in enumerate(zip(reqs, want, strict=True)):
+        assert got[i] == tokens, (name, i)
+        mine = logs.by_thread.pop(r.thread.name)
+        assert len(mine) == len(logits)
+        assert all(torch.equal(a, b) for a, b in zip(mine, logits, strict=True)), (name, i)
+
+
+def test_bf16_never_gathers(tmp_path):
+    with offload(native("qwen2_moe"), capacity=3, predictor="ondemand") as om:
+        batcher = StepBatcher(om, max_batch=2)
+        try:
+            assert not batcher.share_rows
+            reqs = [batcher.submit(Request(torch.tensor([p]), 4)) for p in PROMPTS[:2]]
+            [r.wait(60) for r in reqs]
+            assert batcher.rows.calls == 0
+        finally:
+            batcher.close()
+
+
+def test_requests_at_different_calls_fail_clearly():
+    model = quantized("qwen2_moe", "int8")
+    cv = threading.Condition()
+    rows = StepRows(model, cv, threading.local())
+    a, b = (Request(torch.tensor([[1]]), 1) for _ in range(2))
+    a.slot, b.slot = 0, 1
+    linears = rows.linears
+    x = torch.zeros(1, 1, linears[0].in_features)
+    for r, m in ((a, linears[0]), (b, linears[1])):
+        r.in_step, r.row_call = True, (m, x)
+    with cv:
+        assert rows.serve([a, b], {0: a, 1: b})
+    for r in (a, b):
+        assert isinstance(r.result, OffloadError) and "different" in str(r.result)
+        assert not r.in_step and r.row_call is None
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_wide_product_split_over_threads_keeps_each_rows_bits(fmt):
+    """The lm_head-wide products are split by output columns over the compute threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stmoe.runtime.step_rows import SPLIT_COLUMNS, split_rows
+
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(64, SPLIT_COLUMNS + 48, bias=True).to(torch.bfloat16)
+    module = QuantizedLinear(linear, parse_format(fmt).resolved([64]), "wide")
+    xs = [torch.randn(1, 1, 64, dtype=torch.bfloat16) for _ in range(3)]
+    with ThreadPoolExecutor(2) as pool:
+        for workers in (2, 3):
+            got = split_rows(module, xs, pool, workers)
+            assert module._columns  # it was split
+            for x, y in zip(xs, got, strict=True):
+                assert y.shape == (1, 1, SPLIT_COLUMNS + 48)
+                assert torch.equal(y, module.rows(x)), workers
