@@ -7,7 +7,6 @@ refused."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from staggered_requests import LENGTHS, PROMPTS, LogitLog, submit_staggered  # noqa: E402
+from staggered_requests import solo as _solo  # noqa: E402
 from stmoe.errors import OffloadError  # noqa: E402
 from stmoe.hf.capture_generate import capture_generation  # noqa: E402
 from stmoe.predictors import profile, save_tables  # noqa: E402
@@ -22,33 +23,6 @@ from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.batching import QueueFull, Request, StepBatcher, replay_request  # noqa: E402
 from stmoe.runtime.forced_routing import plan_routing  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
-
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33]]
-LENGTHS = [9, 4, 7, 5]  # different lengths: requests leave at different steps
-
-
-class LogitLog:
-    """Every lm_head output, per thread: a solo run's on this thread, a request's on its own."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.by_thread: dict[str, list[torch.Tensor]] = {}
-        head = model.get_output_embeddings()
-        self.handle = head.register_forward_hook(self._hook)
-
-    def _hook(self, module, args, output) -> None:
-        self.by_thread.setdefault(threading.current_thread().name, []).append(
-            output[:, -1].detach().clone())
-
-    def take(self, name: str | None = None) -> list[torch.Tensor]:
-        return self.by_thread.pop(name or threading.current_thread().name)
-
-
-def _solo(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -66,14 +40,7 @@ def test_each_request_has_its_solo_bits_whatever_runs_beside_it(name, tmp_path):
         with offload(model, capacity=capacity, predictor=predictor, tables=tables) as om:
             batcher = StepBatcher(om, max_batch=3)
             try:
-                reqs = []
-                for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True)):
-                    reqs.append(batcher.submit(Request(torch.tensor([p]), n)))
-                    if i == 1:
-                        time.sleep(0.05)  # the third joins a running batch
-                got = [r.wait(120) for r in reqs]
-                sizes = batcher.decode_sizes()
-                assert max(sizes) >= 2, sizes  # they did share steps
+                reqs, got = submit_staggered(batcher)
             finally:
                 batcher.close()
             for i, (r, (tokens, logits)) in enumerate(zip(reqs, want, strict=True)):

@@ -11,13 +11,13 @@ gathered. Requests reaching different calls fail with a clear error, not a hang.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from staggered_requests import LENGTHS, PROMPTS, LogitLog, solo, submit_staggered  # noqa: E402
 from stmoe.errors import OffloadError  # noqa: E402
 from stmoe.quant import parse_format  # noqa: E402
 from stmoe.quant.experts import quantize_model  # noqa: E402
@@ -29,8 +29,6 @@ from stmoe.runtime.step_rows import StepRows  # noqa: E402
 from stmoe.runtime.store import pack  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33]]
-LENGTHS = [9, 4, 7, 5]
 FORMATS = {"int8": parse_format("int8"), "int4": parse_format("int4", 32)}
 
 
@@ -64,47 +62,21 @@ def native(name: str) -> torch.nn.Module:
     return tiny_model(name, **changes)[0]
 
 
-class HeadLog:
-    """Every lm_head output, per thread."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.by_thread: dict[str, list[torch.Tensor]] = {}
-        model.get_output_embeddings().register_forward_hook(self._hook)
-
-    def _hook(self, module, args, output) -> None:
-        self.by_thread.setdefault(threading.current_thread().name, []).append(
-            output[:, -1].detach().clone())
-
-
-def _solo(model, prompt, n, log):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist(), log.by_thread.pop(threading.current_thread().name)
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_rows_together_keep_every_requests_solo_bits(name, tmp_path):
     fmt = "int4"
     resident = quantized(name, fmt)
-    log = HeadLog(resident)
-    want = [_solo(resident, p, n, log) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+    log = LogitLog(resident)
+    want = [(solo(resident, p, n), log.take()) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
     store = pack(native(name), tmp_path / "store", weights=FORMATS[fmt])
     with offload(native(name), store, capacity=3, quantize_resident=fmt,
                  predictor="ondemand") as om:
-        logs = HeadLog(om.model)
+        logs = LogitLog(om.model)
         gathered = isinstance(om.model.get_output_embeddings(), QuantizedLinear)
         batcher = StepBatcher(om, max_batch=3)
         try:
             assert batcher.share_rows == gathered
-            reqs = []
-            for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True)):
-                reqs.append(batcher.submit(Request(torch.tensor([p]), n)))
-                if i == 1:
-                    time.sleep(0.05)  # the third joins a running batch
-            got = [r.wait(120) for r in reqs]
-            assert max(batcher.decode_sizes()) >= 2
+            reqs, got = submit_staggered(batcher)
             if gathered:
                 assert batcher.rows.calls > 0  # the step's linears were computed together
         finally:
@@ -113,7 +85,7 @@ def test_rows_together_keep_every_requests_solo_bits(name, tmp_path):
                    if isinstance(m, QuantizedLinear))  # taken off when the batcher closes
     for i, (r, (tokens, logits)) in enumerate(zip(reqs, want, strict=True)):
         assert got[i] == tokens, (name, i)
-        mine = logs.by_thread.pop(r.thread.name)
+        mine = logs.take(r.thread.name)
         assert len(mine) == len(logits)
         assert all(torch.equal(a, b) for a, b in zip(mine, logits, strict=True)), (name, i)
 

@@ -1,0 +1,55 @@
+"""What the step-batching tests share: requests of different lengths joining a running
+batch, and every lm_head output logged per thread (a solo run's on the test's thread, a
+request's on its own), so each request's logits can be compared with its solo run's."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33]]
+LENGTHS = [9, 4, 7, 5]  # different lengths: requests leave at different steps
+
+
+class LogitLog:
+    """Every lm_head output, per thread."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.by_thread: dict[str, list[torch.Tensor]] = {}
+        head = model.get_output_embeddings()
+        self.handle = head.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        self.by_thread.setdefault(threading.current_thread().name, []).append(
+            output[:, -1].detach().clone())
+
+    def take(self, name: str | None = None) -> list[torch.Tensor]:
+        return self.by_thread.pop(name or threading.current_thread().name)
+
+
+def solo(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Greedy ``n`` tokens of ``prompt`` on ``model`` alone."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def submit_staggered(batcher: Any) -> tuple[list[Any], list[list[int]]]:
+    """PROMPTS submitted with LENGTHS, the third joining a running batch; (the requests,
+    their tokens), after checking they shared steps."""
+    from stmoe.runtime.batching import Request
+
+    reqs = []
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True)):
+        reqs.append(batcher.submit(Request(torch.tensor([p]), n)))
+        if i == 1:
+            time.sleep(0.05)  # the third joins a running batch
+    got = [r.wait(120) for r in reqs]
+    sizes = batcher.decode_sizes()
+    assert max(sizes) >= 2, sizes  # they did share steps
+    return reqs, got
