@@ -24,7 +24,7 @@ from stmoe.quant.experts import quantize_model  # noqa: E402
 from stmoe.quant.kernels import qlinear, quantize_matrix  # noqa: E402
 from stmoe.quant.linears import QuantizedLinear, quantize_linears  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
-from stmoe.runtime.batching import Request, StepBatcher  # noqa: E402
+from stmoe.runtime.batching import Cancelled, Request, StepBatcher  # noqa: E402
 from stmoe.runtime.step_rows import StepRows  # noqa: E402
 from stmoe.runtime.store import pack  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
@@ -137,3 +137,33 @@ def test_a_wide_product_split_over_threads_keeps_each_rows_bits(fmt):
             for x, y in zip(xs, got, strict=True):
                 assert y.shape == (1, 1, SPLIT_COLUMNS + 48)
                 assert torch.equal(y, module.rows(x)), workers
+
+
+class _Stop(BaseException):
+    """Not an Exception: it stops the batcher's thread itself, not just the step."""
+
+
+def test_requests_at_a_gathered_linear_end_when_the_batcher_stops(tmp_path, monkeypatch):
+    store = pack(native("qwen2_moe"), tmp_path / "store", weights=FORMATS["int4"])
+    with offload(native("qwen2_moe"), store, capacity=3, quantize_resident="int4",
+                 predictor="ondemand") as om:
+        batcher = StepBatcher(om, max_batch=2)
+        real_serve = batcher.rows.serve
+
+        def serve(live, members):
+            if any(r.row_call is not None for r in live):
+                raise _Stop()
+            return real_serve(live, members)
+
+        monkeypatch.setattr(batcher.rows, "serve", serve)
+        try:
+            reqs = [batcher.submit(Request(torch.tensor([p]), 6)) for p in PROMPTS[:2]]
+            errors = []
+            for r in reqs:  # each ends with an error, none hangs
+                with pytest.raises((OffloadError, Cancelled)) as caught:
+                    r.wait(60)
+                errors.append(str(caught.value))
+            # the one waiting at the linear is told why; another may end cancelled
+            assert any("the batcher stopped" in e for e in errors), errors
+        finally:
+            batcher.close()

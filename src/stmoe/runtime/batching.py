@@ -171,6 +171,9 @@ class StepBatcher:
                                                                       f"{exc}"))
                 for r in self.members.values():  # their threads raise at the gate
                     r.cancel()
+                    r.in_step = False  # their next linears compute alone, then the gate raises
+                    if r.row_call is not None:  # or at a gathered linear
+                        r.row_call, r.result = None, OffloadError(f"the batcher stopped: {exc}")
                 self.cv.notify_all()
 
     def _loop(self) -> None:
