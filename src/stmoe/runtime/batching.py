@@ -56,10 +56,11 @@ class StepBatcher:
     ``max_batch`` requests take part in steps at once; up to ``max_queue`` more wait
     for a place, and beyond that ``submit`` raises ``QueueFull``. ``share_rows``: with
     quantized resident linears, compute a step's rows of each in one call (False: each
-    request's alone, as in bf16)."""
+    request's alone, as in bf16). ``cold=False`` keeps the cache's experts (a warm run)."""
 
     def __init__(self, om: Any, max_batch: int = 4, max_queue: int = 16,
-                 compute_threads: int | None = None, share_rows: bool = True) -> None:
+                 compute_threads: int | None = None, share_rows: bool = True,
+                 cold: bool = True) -> None:
         if max_batch < 1 or max_queue < 0:
             raise OffloadError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} "
                                f"and {max_queue}")
@@ -69,7 +70,7 @@ class StepBatcher:
                                "as it starts, which a step of several requests does not give; "
                                "serve with --lookahead early")
         self.om, self.engine, self.model = om, engine, om.model
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.cold = max_batch, max_queue, cold
         # the step's requests' expert rows computed side by side (each alone: its own bits);
         # default: one thread per core, 1: one after the other
         threads = compute_threads or min(max_batch, os.cpu_count() or 1)
@@ -152,7 +153,8 @@ class StepBatcher:
     def _main(self) -> None:
         try:
             with self.om._exclusive():
-                self.engine.reset(future={} if self.engine.predictor.sees_future else None)
+                self.engine.reset(future={} if self.engine.predictor.sees_future else None,
+                                  cold=self.cold)
                 self.engine.state.gate = self
                 if self.share_rows:
                     self.rows.install()
