@@ -159,18 +159,13 @@ def replayed(args: argparse.Namespace, ckpt: Path) -> dict[str, Any]:
     """A bounded stmoe run replaying ``args.trace``'s routing, tables of ``args.profile_on``."""
     import bench_offload_real as real
 
-    from stmoe.evaluate.systems import compared_predictor
-    from stmoe.predictors import REGISTRY, load_tables
     from stmoe.runtime.api import offload
 
     ns = real_args(args.trace, args.profile_on)
-    tables = real.tables_for(ns)
     fmt, resident, predictor = REPLAYED[args.child]
-    pred = predictor if predictor == "ondemand" else \
-        compared_predictor(predictor, load_tables(tables))
-    takes_tables = isinstance(pred, str) and REGISTRY[pred].needs_tables
+    pred, takes = real.compared(predictor, real.tables_for(ns))
     with offload(ckpt, memory=str(args.memory), predictor=pred, format=fmt,
-                 quantize_resident=resident, tables=tables if takes_tables else None) as om:
+                 quantize_resident=resident, tables=takes) as om:
         r = om.force_routing(real.replay_plan(ns, om.model.config), max_new_tokens=args.tokens)
         plan = om.config["memory_plan"]
     return {"tokens_per_s": r.decode_tokens_per_s, "hit_rate": r.hit_rate,

@@ -162,29 +162,36 @@ def replay_plan(args: argparse.Namespace, config: Any) -> Any:
                         config.vocab_size)
 
 
+def compared(predictor: str, tables: Path) -> tuple[Any, Path | None]:
+    """(what ``offload(predictor=...)`` takes for a compared system, the ``tables`` it takes
+    beside it: None where the predictor is an object holding them or needs none)."""
+    from stmoe.evaluate.systems import compared_predictor
+    from stmoe.predictors import REGISTRY, load_tables
+
+    pred = predictor if predictor == "ondemand" else \
+        compared_predictor(predictor, load_tables(tables))
+    takes_tables = isinstance(pred, str) and REGISTRY[pred].needs_tables
+    return pred, tables if takes_tables else None
+
+
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One system on one tier (this process): the replay's figures and the peak memory."""
     import torch
 
-    from stmoe.evaluate.systems import compared_predictor
-    from stmoe.predictors import REGISTRY, load_tables, make
+    from stmoe.predictors import load_tables, make
     from stmoe.runtime.api import offload
 
     torch.set_num_threads(args.threads)
     model, store, tables = prepare(args)
     predictor, policy = SYSTEMS.get(args.one, ("ondemand", "lru"))
-    pred = predictor
-    if predictor != "ondemand":
-        pred = compared_predictor(predictor, load_tables(tables))
+    pred, takes = compared(predictor, tables)
     if args.one == "stmoe-plus-2k":
         loaded = load_tables(tables)
         pred = make("stmoe-plus", loaded.shape, loaded, set_size=2.0 * loaded.shape.top_k)
     link = {"bandwidth": args.bandwidth} if args.tier == "emulated" else {}
     capacity = "100%" if args.one == "all-cached" else args.capacity
     started = time.perf_counter()
-    takes_tables = isinstance(pred, str) and REGISTRY[pred].needs_tables  # (else a note)
-    with offload(model, store, capacity=capacity, predictor=pred,
-                 tables=tables if takes_tables else None, policy=policy,
+    with offload(model, store, capacity=capacity, predictor=pred, tables=takes, policy=policy,
                  tier=args.tier, admission=not args.one.endswith("-all"), **link) as om:
         offload_s = time.perf_counter() - started  # loading, the cache made (its pages faulted in)
         plan = replay_plan(args, om.model.config)

@@ -93,8 +93,6 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
     """This process: ``system`` at every batch size, each from an empty cache."""
     import torch
 
-    from stmoe.evaluate.systems import compared_predictor
-    from stmoe.predictors import REGISTRY, load_tables
     from stmoe.runtime.api import offload
     from stmoe.runtime.batching import StepBatcher, replay_request
 
@@ -105,12 +103,10 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
     if quantized:  # its own store: packed on first use (main does it, untimed), then reused
         store = None
     predictor, policy = real.SYSTEMS[system.removesuffix(ALONE)]
-    pred = predictor if predictor == "ondemand" else \
-        compared_predictor(predictor, load_tables(tables))
+    pred, takes = real.compared(predictor, tables)
     out: dict[str, Any] = {}
-    takes_tables = isinstance(pred, str) and REGISTRY[pred].needs_tables
     with offload(model, store, capacity=args.capacity, predictor=pred, policy=policy, tier="disk",
-                 tables=tables if takes_tables else None, **fmt) as om:
+                 tables=takes, **fmt) as om:
         plans = windows(args, max(batches), args.tokens, om.model.config)
         for b in batches:
             if args.warm:  # once untimed: the step's experts then all cached (capacity 100%)
