@@ -27,8 +27,11 @@ the targets are judged at the defaults (50%, cold).
 ``--format int4|int8``: experts packed in that format (a store made once beside the
 checkpoint) and the resident linears quantized the same way (``--quantize-resident``;
 LOSSY, its quality in bench_quality.py): then the step batcher computes a step's rows
-together (runtime/step_rows.py), and ``stmoe-plus (rows alone)`` runs beside the other
-systems with that off, each request's rows computed alone as in bf16: the A/B of the fix.
+together, a decode step as one batched forward where the model allows it
+(runtime/step_forward.py), and ``stmoe-plus (own forwards)`` runs beside the other systems
+with each request's own forward, its quantized linears gathered (runtime/step_rows.py):
+the A/B of the batched forward. ``X (rows alone)`` is X with neither, each request's rows
+computed alone as in bf16 (the A/B of the gathering).
 
     python benchmarks/bench_serve.py [--batches 1,2,4,8] [--tokens 12] [--rounds 2]
                                      [--format native|int8|int4] [--json out.json]
@@ -55,6 +58,16 @@ from stmoe.evaluate.compare import rotated
 SYSTEMS = ("lru-only", "stmoe", "stmoe-plus", "oracle")
 FIGURE = Path("docs/figures/serve_batch.png")
 ALONE = " (rows alone)"  # quantized formats: the system with the step's rows not computed together
+OWN = " (own forwards)"  # quantized formats: each request's own forward, its linears gathered
+MODES = {ALONE: {"share_rows": False}, OWN: {"batched": False}}  # a suffix's StepBatcher options
+
+
+def split_system(system: str) -> tuple[str, dict[str, bool]]:
+    """(the compared system, the StepBatcher options its suffix names)."""
+    for suffix, options in MODES.items():
+        if system.endswith(suffix):
+            return system.removesuffix(suffix), options
+    return system, {}
 WINDOW_PROMPT = 8  # each window's prompt: the 8 routed tokens before it (already profiled)
 
 
@@ -102,7 +115,8 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
     fmt = {"format": args.format, "quantize_resident": args.format} if quantized else {}
     if quantized:  # its own store: packed on first use (main does it, untimed), then reused
         store = None
-    predictor, policy = real.SYSTEMS[system.removesuffix(ALONE)]
+    base, mode = split_system(system)
+    predictor, policy = real.SYSTEMS[base]
     pred, takes = real.compared(predictor, tables)
     out: dict[str, Any] = {}
     with offload(model, store, capacity=args.capacity, predictor=pred, policy=policy, tier="disk",
@@ -115,8 +129,7 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
                     [warm.submit(replay_request(p, args.tokens)).wait(3600) for p in plans[:b]]
                 finally:
                     warm.close()
-            batcher = StepBatcher(om, max_batch=b, max_queue=0, cold=not args.warm,
-                                  share_rows=not system.endswith(ALONE))
+            batcher = StepBatcher(om, max_batch=b, max_queue=0, cold=not args.warm, **mode)
             try:
                 start = time.perf_counter()
                 reqs = [batcher.submit(replay_request(p, args.tokens)) for p in plans[:b]]
@@ -142,7 +155,8 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
                 "stall_share": stall / decode_s, "bytes_per_token": moved / max(tokens, 1),
                 "bytes_wasted": om.engine.run.stats.bytes_wasted, "wall_s": wall,
                 "mean_batch": statistics.mean(batcher.decode_sizes() or [0]),
-                "rows_together": batcher.share_rows, "weights": om.config["weights_label"],
+                "rows_together": batcher.share_rows, "batched_forward": batcher.batched,
+                "batched_steps": batcher.step_forward.steps, "weights": om.config["weights_label"],
                 "resident_weights": om.config["resident_weights"],
             }
     return out
@@ -173,13 +187,16 @@ def judge(runs: dict[str, list[dict[str, Any]]], batches: list[int]) -> dict[str
                   f"{med(system, b, 'stall_share'):.2f}  "
                   f"{med(system, b, 'bytes_per_token') / 2**20:>8.1f}")
     targets: dict[str, Any] = {}
-    for system in [s for s in runs if s + ALONE in runs]:  # the A/B of computing rows together
-        for b in batches:
-            ratios = [p[str(b)]["total_tok_s"] / q[str(b)]["total_tok_s"]
-                      for p, q in zip(runs[system], runs[system + ALONE], strict=True)]
-            targets[f"{system}_together_vs_alone_{b}"] = ratios
-            print(f"{system}, rows together / alone at {b}: {statistics.median(ratios):.2f}x "
-                  f"[{min(ratios):.2f}, {max(ratios):.2f}]")
+    for suffix, (key, what) in {ALONE: ("together_vs_alone", "rows together / alone"),
+                                OWN: ("batched_vs_own", "one batched forward / own forwards")
+                                }.items():  # the A/Bs: the gathering, the batched forward
+        for system in [s for s in runs if s + suffix in runs]:
+            for b in batches:
+                ratios = [p[str(b)]["total_tok_s"] / q[str(b)]["total_tok_s"]
+                          for p, q in zip(runs[system], runs[system + suffix], strict=True)]
+                targets[f"{system}_{key}_{b}"] = ratios
+                print(f"{system}, {what} at {b}: {statistics.median(ratios):.2f}x "
+                      f"[{min(ratios):.2f}, {max(ratios):.2f}]")
     if "stmoe-plus" not in runs or "lru-only" not in runs:
         return targets
     if 1 in batches and 4 in batches:
@@ -251,8 +268,9 @@ def main() -> None:
                    help="run each batch once untimed first and keep the cache (with "
                    "--capacity 100%%: no reads, the compute alone)")
     p.add_argument("--systems", default="", help="comma-separated, instead of every system; "
-                   "with --format int4|int8 a name + ' (rows alone)' runs it with the step's "
-                   "rows computed per request")
+                   f"with --format int4|int8 a name + '{OWN}' runs it with each request's "
+                   f"own forward (linears gathered), + '{ALONE}' with each request's rows "
+                   "computed alone")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -271,13 +289,14 @@ def main() -> None:
         return
     load = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
     print("load at start:", load[0], flush=True)
-    systems = [*SYSTEMS, "stmoe-plus" + ALONE] if a.format != "native" else list(SYSTEMS)
+    systems = [*SYSTEMS, "stmoe-plus" + OWN] if a.format != "native" else list(SYSTEMS)
     if a.systems:
         systems = a.systems.split(",")
-        unknown = [s for s in systems if s.removesuffix(ALONE) not in SYSTEMS]
-        if unknown or (a.format == "native" and any(s.endswith(ALONE) for s in systems)):
+        unknown = [s for s in systems if split_system(s)[0] not in SYSTEMS]
+        if unknown or (a.format == "native" and any(split_system(s)[1] for s in systems)):
             raise SystemExit(f"error: --systems {a.systems}: each of {', '.join(SYSTEMS)}, "
-                             f"and with --format int8|int4 any of them + '{ALONE}'")
+                             f"and with --format int8|int4 any of them + '{OWN}' or "
+                             f"'{ALONE}'")
     if a.format != "native":
         if a.figure == FIGURE:
             a.figure = FIGURE.with_name(f"serve_batch_{a.format}.png")

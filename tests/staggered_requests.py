@@ -30,6 +30,19 @@ class LogitLog:
         return self.by_thread.pop(name or threading.current_thread().name)
 
 
+class ForwardLog(LogitLog):
+    """Every forward call's last-position logits, per thread: a request's own forward or,
+    in a batched step, its row handed back to its thread."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.by_thread = {}
+        self.handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        self.by_thread.setdefault(threading.current_thread().name, []).append(
+            output.logits[:, -1].detach().clone())
+
+
 def solo(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """Greedy ``n`` tokens of ``prompt`` on ``model`` alone."""
     ids = torch.tensor([prompt])
@@ -53,3 +66,24 @@ def submit_staggered(batcher: Any) -> tuple[list[Any], list[list[int]]]:
     sizes = batcher.decode_sizes()
     assert max(sizes) >= 2, sizes  # they did share steps
     return reqs, got
+
+
+class Stop(BaseException):
+    """Not an Exception: it stops the batcher's thread itself, not just the step."""
+
+
+def errors_when_the_batcher_stops(batcher: Any) -> list[str]:
+    """Two requests submitted to ``batcher`` (patched to raise ``Stop`` on its thread):
+    each must end with an error, none hang; their messages."""
+    import pytest
+
+    from stmoe.errors import OffloadError
+    from stmoe.runtime.batching import Cancelled, Request
+
+    reqs = [batcher.submit(Request(torch.tensor([p]), 6)) for p in PROMPTS[:2]]
+    errors = []
+    for r in reqs:
+        with pytest.raises((OffloadError, Cancelled)) as caught:
+            r.wait(60)
+        errors.append(str(caught.value))
+    return errors

@@ -44,8 +44,12 @@ def server():
 @pytest.fixture(scope="module")
 def solo():
     """Greedy text of the resident model, run alone."""
+    return solo_text(AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL).eval())
+
+
+def solo_text(model: torch.nn.Module):
+    """``run(prompt, n)``: ``model``'s greedy text of ``n`` tokens, alone."""
     tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL).eval()
     eos = model.generation_config.eos_token_id
 
     def run(prompt: str, n: int) -> str:
@@ -61,6 +65,23 @@ def solo():
 
 def _client(url: str):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _ask_together(c, lengths: list[int]) -> dict[int, str]:
+    """PROMPTS[i] for lengths[i] tokens each, the clients a little apart: their texts."""
+    got: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        got[i] = c.completions.create(model=NAME, prompt=PROMPTS[i],
+                                      max_tokens=lengths[i]).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(lengths))]
+    for t in threads:
+        t.start()
+        time.sleep(0.03)
+    for t in threads:
+        t.join(120)
+    return got
 
 
 def _post(url: str, body: str | bytes) -> tuple[int, dict]:
@@ -129,19 +150,8 @@ def test_concurrent_clients_each_get_their_solo_output(server, solo):
     url, service = server
     c = _client(url)
     lengths = [14, 6, 10, 8]
-    got: dict[int, str] = {}
-
-    def ask(i: int) -> None:
-        got[i] = c.completions.create(model=NAME, prompt=PROMPTS[i],
-                                      max_tokens=lengths[i]).choices[0].text
-
     before = service.batcher.steps
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-        time.sleep(0.03)
-    for t in threads:
-        t.join(120)
+    got = _ask_together(c, lengths)
     assert got == {i: solo(PROMPTS[i], lengths[i]) for i in range(4)}
     assert service.batcher.steps > before
     assert max(service.batcher.decode_sizes()) >= 2  # they shared steps
@@ -234,3 +244,34 @@ def test_more_clients_than_the_batch_and_queue_get_429(server):
     for name in ("hit_rate", "stall_seconds_total", "bytes_read_total", "prefetch_recall",
                  "bytes_wasted_total", "queue_depth", "decode_tokens_per_second"):
         assert f"\nstmoe_{name}" in metrics, name
+
+
+def test_int4_server_batches_decode_steps_and_keeps_each_clients_solo_output(tmp_path,
+                                                                           monkeypatch):
+    """--format int4 --quantize-resident int4: decode steps run as one batched forward,
+    and every client's text is its solo run on the resident model in int4."""
+    from stmoe.quant import parse_format
+    from stmoe.quant.experts import quantize_model
+    from stmoe.quant.linears import quantize_linears
+
+    resident = quantize_model(AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL).eval(),
+                              parse_format("int4"))
+    quantize_linears(resident, parse_format("int4"))
+    alone = solo_text(resident)
+    lengths = [12, 5, 9]
+
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path))  # its int4 store packed there
+    om = offload(SHIPPED_MODEL, capacity="50%", predictor="stmoe-plus", format="int4",
+                 quantize_resident="int4")
+    service = Service(om, NAME, max_batch=3, max_queue=2)
+    try:
+        assert service.batcher.batched
+        with ServerThread(service) as url:
+            got = _ask_together(_client(url), lengths)
+            metrics = _get(url + "/metrics")
+    finally:
+        om.close()
+    assert got == {i: alone(PROMPTS[i], lengths[i]) for i in range(3)}
+    assert max(service.batcher.decode_sizes()) >= 2  # they shared steps
+    steps = service.batcher.step_forward.steps
+    assert steps > 0 and f"stmoe_batched_forward_steps_total {steps}" in metrics

@@ -3,9 +3,11 @@
 torch's int8/int4 weight-only kernels give M rows in one call exactly the M one-row calls'
 bits (checked here at the shapes of a real model's linears); so with quantized experts
 and resident linears the batcher computes a step's experts call and its linears for all
-its requests at once (runtime/step_rows.py), and every request's logits must still equal
-its solo run on the resident model in that format, in every family. In bf16 nothing is
-gathered. Requests reaching different calls fail with a clear error, not a hang.
+its requests at once (runtime/step_rows.py; here with each request's own forward,
+``batched=False``: the batched forward is tests/serve/test_step_forward.py), and every
+request's logits must still equal its solo run on the resident model in that format, in
+every family. In bf16 nothing is gathered. Requests reaching different calls fail with a
+clear error, not a hang.
 """
 
 from __future__ import annotations
@@ -17,14 +19,22 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from staggered_requests import LENGTHS, PROMPTS, LogitLog, solo, submit_staggered  # noqa: E402
+from staggered_requests import (  # noqa: E402
+    LENGTHS,
+    PROMPTS,
+    LogitLog,
+    Stop,
+    errors_when_the_batcher_stops,
+    solo,
+    submit_staggered,
+)
 from stmoe.errors import OffloadError  # noqa: E402
 from stmoe.quant import parse_format  # noqa: E402
 from stmoe.quant.experts import quantize_model  # noqa: E402
 from stmoe.quant.kernels import qlinear, quantize_matrix  # noqa: E402
 from stmoe.quant.linears import QuantizedLinear, quantize_linears  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
-from stmoe.runtime.batching import Cancelled, Request, StepBatcher  # noqa: E402
+from stmoe.runtime.batching import Request, StepBatcher  # noqa: E402
 from stmoe.runtime.step_rows import StepRows  # noqa: E402
 from stmoe.runtime.store import pack  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
@@ -73,7 +83,7 @@ def test_rows_together_keep_every_requests_solo_bits(name, tmp_path):
                  predictor="ondemand") as om:
         logs = LogitLog(om.model)
         gathered = isinstance(om.model.get_output_embeddings(), QuantizedLinear)
-        batcher = StepBatcher(om, max_batch=3)
+        batcher = StepBatcher(om, max_batch=3, batched=False)  # each request's forward
         try:
             assert batcher.share_rows == gathered
             reqs, got = submit_staggered(batcher)
@@ -139,30 +149,21 @@ def test_a_wide_product_split_over_threads_keeps_each_rows_bits(fmt):
                 assert torch.equal(y, module.rows(x)), workers
 
 
-class _Stop(BaseException):
-    """Not an Exception: it stops the batcher's thread itself, not just the step."""
-
-
 def test_requests_at_a_gathered_linear_end_when_the_batcher_stops(tmp_path, monkeypatch):
     store = pack(native("qwen2_moe"), tmp_path / "store", weights=FORMATS["int4"])
     with offload(native("qwen2_moe"), store, capacity=3, quantize_resident="int4",
                  predictor="ondemand") as om:
-        batcher = StepBatcher(om, max_batch=2)
+        batcher = StepBatcher(om, max_batch=2, batched=False)
         real_serve = batcher.rows.serve
 
         def serve(live, members):
             if any(r.row_call is not None for r in live):
-                raise _Stop()
+                raise Stop()
             return real_serve(live, members)
 
         monkeypatch.setattr(batcher.rows, "serve", serve)
         try:
-            reqs = [batcher.submit(Request(torch.tensor([p]), 6)) for p in PROMPTS[:2]]
-            errors = []
-            for r in reqs:  # each ends with an error, none hangs
-                with pytest.raises((OffloadError, Cancelled)) as caught:
-                    r.wait(60)
-                errors.append(str(caught.value))
+            errors = errors_when_the_batcher_stops(batcher)
             # the one waiting at the linear is told why; another may end cancelled
             assert any("the batcher stopped" in e for e in errors), errors
         finally:

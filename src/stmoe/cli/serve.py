@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -103,10 +103,19 @@ def serve_cmd(
         out.print(f"serving {service.name} on http://{host}:{port}/v1 ({c['weights_label']} "
                   f"experts, {c['capacity']} of {c['num_experts']} per layer cached, predictor "
                   f"{c['predictor']}, tier {c['tier']}, up to {max_batch} requests per step; "
-                  + ("a step's rows computed together: the int8/int4 kernels keep each row's "
-                     "bits)" if service.batcher.share_rows else "each request's rows computed "
-                     "alone: its bits)"), markup=False)
+                  + _step_mode(service.batcher), markup=False)
         serve_forever(service, host, port, log_level)  # closes the service
+
+
+def _step_mode(batcher: Any) -> str:
+    """What a decode step of several requests computes together, for the start line."""
+    if batcher.batched:
+        return ("a decode step is one batched forward: the int8/int4 kernels keep each "
+                "row's bits, attention and routers row by row)")
+    if batcher.share_rows:
+        why = batcher.step_forward.why_not
+        return (f"a step's linears computed together, each request's own forward: {why})")
+    return "each request's rows computed alone: its bits)"
 
 
 def _lookahead(predictor: str) -> str:

@@ -1,29 +1,24 @@
 """Step batching: several requests decode together, each exactly as it would alone.
 
-Each request runs transformers' own greedy ``generate`` on a thread of its own
-(its own KV cache, its attention and every dense layer computed as in a solo
-run). Its experts calls do not reach the engine directly: they wait at a gate.
-The batcher's thread (the engine's owner) runs *steps*: a step is one forward
-call of every request taking part, and at each MoE layer it serves the step's
-requests in ONE engine call (``LayerServer.serve_segments``): the union of their
+Each request runs transformers' own greedy ``generate`` on a thread of its own (its
+own KV cache). The batcher's thread (the engine's owner) runs *steps*, and at each MoE
+layer serves the step's requests in ONE engine call (``step_layer``): the union of their
 experts loaded once, the next layer's prefetch the union of their predictions
-(``predictors.union``, each request keeping its own predictor slot), then each
-request's rows computed on their own. A batched bf16 matmul is not bit-identical
-to one row's on the CPU (blocking depends on the row count: measured in
-docs/serve.md), so in bf16 what a step shares is the I/O. torch's int8/int4
-weight-only kernels are row for row the same at any row count, so with quantized
-resident linears a step's linears wait for each other and are computed in one call
-(``step_rows``): the weights read once. (The routed experts' rows stay per request,
-side by side on the compute threads: on two cores that beats one call over the union.)
+(``predictors.union``, each request its own predictor slot), each request's rows
+computed on their own, side by side on the compute threads. What else a step shares
+depends on the weights. bf16: each request runs its own forward, its experts calls
+waiting at a gate; a batched bf16 matmul is not bit-identical to one row's on the CPU
+(docs/serve.md), so the step shares the I/O. int8/int4 resident linears, whose kernels
+are row for row the same at any row count: a decode step is ONE batched forward on the
+batcher's thread (``step_forward``; the requests' decode calls wait for it), or where
+that cannot hold, each request's own forward with its linears gathered (``step_rows``).
 
-A request joins and leaves between steps. A prompt (prefill) is a step alone,
-so the planner sees a prompt or a decode step of one token per request, as in a
-solo run; a decode step takes every request waiting at its first MoE layer.
+A request joins and leaves between steps. A prompt (prefill) is a step alone, so the
+planner sees a prompt or a decode step of one token per request, as in a solo run.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -31,7 +26,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
@@ -42,9 +36,10 @@ from stmoe.runtime.requests import (
     QueueFull,
     Request,
     Streamer,
-    foresee,
     replay_request,
 )
+from stmoe.runtime.step_forward import StepForward, decode_call, step_caches
+from stmoe.runtime.step_layer import begin_step, end_step, serve_calls
 from stmoe.runtime.step_rows import StepRows
 
 __all__ = ["Cancelled", "QueueFull", "Request", "StepBatcher", "replay_request"]
@@ -56,11 +51,13 @@ class StepBatcher:
     ``max_batch`` requests take part in steps at once; up to ``max_queue`` more wait
     for a place, and beyond that ``submit`` raises ``QueueFull``. ``share_rows``: with
     quantized resident linears, compute a step's rows of each in one call (False: each
-    request's alone, as in bf16). ``cold=False`` keeps the cache's experts (a warm run)."""
+    request's alone, as in bf16). ``batched``: where ``step_forward`` holds, a decode step
+    is one batched forward (False: each request's own forward, its linears gathered).
+    ``cold=False`` keeps the cache's experts (a warm run)."""
 
     def __init__(self, om: Any, max_batch: int = 4, max_queue: int = 16,
                  compute_threads: int | None = None, share_rows: bool = True,
-                 cold: bool = True) -> None:
+                 cold: bool = True, batched: bool = True) -> None:
         if max_batch < 1 or max_queue < 0:
             raise OffloadError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} "
                                f"and {max_queue}")
@@ -82,6 +79,8 @@ class StepBatcher:
         self.rows = StepRows(self.model, self.cv, self.local, self.pool, threads)
         # rows together only where the kernels keep each row's bits (module docstring)
         self.share_rows = share_rows and self.rows.active
+        self.step_forward = StepForward(self.model, self.pool, threads)
+        self.batched = batched and self.share_rows and self.step_forward.why_not is None
         self.closed = False
         self.steps = 0
         self.started = 0  # requests started (names their threads)
@@ -130,24 +129,22 @@ class StepBatcher:
 
     # ---- the engine's side (``LayerServer.serve`` and the forward hooks call these) ----
     def is_member(self) -> bool:
-        return getattr(self.local, "request", None) is not None
+        """A request's thread, or this batcher's in a batched forward (it keeps the books)."""
+        return getattr(self.local, "request", None) is not None or step_caches() is not None
 
     def submit_layer(self, layer: int, hidden: torch.Tensor, index: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
         """A member's experts call: wait for the step's engine call, take its rows."""
+        if step_caches() is not None:  # the batcher's own batched forward: a row per request
+            live = self.local.step
+            calls = [(layer, hidden[b:b + 1], index[b:b + 1], weights[b:b + 1])
+                     for b in range(len(live))]
+            return serve_calls(self.engine, self.pool, layer, live, calls)[0]
         r: Request = self.local.request
         with self.cv:
             r.arrival, r.result = (layer, hidden, index, weights), None
             self.cv.notify_all()
-            while r.result is None:
-                if self.error is not None:  # the batcher's thread has stopped
-                    r.arrival = None
-                    raise OffloadError(f"the batcher stopped: {self.error}")
-                self.cv.wait()
-            result, r.result = r.result, None
-        if isinstance(result, BaseException):
-            raise result
-        return result
+            return r.await_result(self.cv, lambda: self.error)
 
     # ---- the batcher's thread --------------------------------------------------------
     def _main(self) -> None:
@@ -156,7 +153,9 @@ class StepBatcher:
                 self.engine.reset(future={} if self.engine.predictor.sees_future else None,
                                   cold=self.cold)
                 self.engine.state.gate = self
-                if self.share_rows:
+                if self.batched:
+                    self.step_forward.install(self._member_forward)
+                elif self.share_rows:
                     self.rows.install()
                 self._ready.set()
                 try:
@@ -164,6 +163,7 @@ class StepBatcher:
                 finally:
                     self.engine.state.gate = None
                     self.rows.remove()
+                    self.step_forward.remove()
         except BaseException as exc:
             self._ready.set()
             with self.cv:
@@ -174,8 +174,9 @@ class StepBatcher:
                 for r in self.members.values():  # their threads raise at the gate
                     r.cancel()
                     r.in_step = False  # their next linears compute alone, then the gate raises
-                    if r.row_call is not None:  # or at a gathered linear
-                        r.row_call, r.result = None, OffloadError(f"the batcher stopped: {exc}")
+                    if r.row_call is not None or r.forward_call is not None:  # or waiting here
+                        r.row_call, r.forward_call = None, None
+                        r.result = OffloadError(f"the batcher stopped: {exc}")
                 self.cv.notify_all()
 
     def _loop(self) -> None:
@@ -193,7 +194,8 @@ class StepBatcher:
                 self._run_step(step)
             except Exception as exc:  # the step's requests fail; the batcher goes on
                 with self.cv:
-                    waiting = [r for r in step if r.arrival is not None or r.row_call is not None]
+                    waiting = [r for r in step if r.arrival is not None or r.row_call is not None
+                               or r.forward_call is not None]
                 self._fail(waiting, exc)
 
     def _admit(self) -> None:
@@ -212,11 +214,13 @@ class StepBatcher:
 
     def _next_step(self) -> list[Request] | None:
         """(cv held) The next step's members once every member waits at its first MoE
-        layer (or has finished): the oldest new prompt alone, else every decoding one."""
-        if not self.members or any(r.arrival is None for r in self.members.values()):
+        layer or its batched decode call (or has finished): the oldest new prompt alone,
+        else every decoding one."""
+        members = self.members.values()
+        if not members or any(r.arrival is None and r.forward_call is None for r in members):
             return None
-        if any(r.arrival[0] != 0 for r in self.members.values()):  # type: ignore[index]
-            bad = next(r for r in self.members.values() if r.arrival[0] != 0)  # type: ignore[index]
+        if any(r.arrival is not None and r.arrival[0] != 0 for r in members):
+            bad = next(r for r in members if r.arrival is not None and r.arrival[0] != 0)
             bad.result = OffloadError("a request reached a step at a layer other than the first")
             self.cv.notify_all()
             return None
@@ -245,38 +249,60 @@ class StepBatcher:
         r.done.set()
         r.emit(None)
 
+    def _member_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward on a request's thread: its prompt its own, each decode call
+        handed to the step's batched forward (``_run_forward``), its row's output back."""
+        r: Request | None = getattr(self.local, "request", None)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if r is None or cache is None or cache.get_seq_length() == 0:  # not a decode call
+            return self.step_forward.forward(*args, **kwargs)
+        call = decode_call(args, kwargs)
+        with self.cv:
+            r.forward_call, r.result = call, None
+            self.cv.notify_all()
+            return r.await_result(self.cv, lambda: self.error)
+
+    def _run_forward(self, step: list[Request]) -> None:
+        """(a decode step, batched) The step's one forward, on this thread."""
+        self.local.step = step
+        try:
+            outs: list[Any] = self.step_forward.run([r.forward_call for r in step])  # type: ignore[misc]
+        except Exception as exc:  # every request of the step gets it (a BaseException
+            outs = [exc] * len(step)  # stops the batcher: ``_main`` tells them)
+        with self.cv:
+            for r, out in zip(step, outs, strict=True):
+                r.forward_call, r.result = None, out
+            self.cv.notify_all()
+        if isinstance(outs[0], BaseException):
+            raise outs[0]
+
     def _run_step(self, step: list[Request]) -> None:
-        """One forward call of each of ``step``'s requests, their MoE layers served together."""
-        engine, state = self.engine, self.engine.state
+        """One forward call of each of ``step``'s requests, their MoE layers served together
+        (or, batched, one forward call of them all)."""
         prompt = step[0].calls == 0
         self.step_log.append((time.perf_counter(), prompt, len(step)))
-        length = int(step[0].ids.shape[1]) if prompt else 1
-        with engine.cv:
-            run = state.run
-            run.fwd += 1
-            run.batch, run.phase = (len(step), length), "prefill" if prompt else "decode"
-            run.prefill_routing, run.mask, run.slots = [], None, [r.slot for r in step]
-            if run.future is not None:
-                foresee(run.future, run.fwd, step, engine.num_layers)
-        engine.planner.forward_started()
+        begin_step(self.engine, step, prompt)
+        if not prompt and self.batched:
+            self._run_forward(step)
+        elif not self._run_own_forwards(step, prompt):
+            return  # a failed call: the step's requests have their error
+        end_step(self.engine, step, prompt)
+        self.steps += 1
+
+    def _run_own_forwards(self, step: list[Request], prompt: bool) -> bool:
+        """Each request's own forward, their MoE layers served together; False if failed."""
         live = list(step)
         with self.cv:  # from here to its lm_head a request's quantized linears gather
             for r in live:
                 r.in_step = self.share_rows and not prompt and len(step) > 1
-        for layer in range(engine.num_layers):
+        for layer in range(self.engine.num_layers):
             live = self._serve_layer(layer, live)
-            if not live:  # a failed call: the step's requests have their error
-                return
+            if not live:
+                return False
         with self.cv:  # the linears after the last MoE layer, up to the lm_head
             self._wait(live, lambda: all(not r.in_step or r.slot not in self.members
                                          for r in live))
-        run.forward_ends.append(time.perf_counter())
-        engine.planner.forward_ended()
-        self.steps += 1
-        for r in step:
-            r.calls += 1
-            r.usage.steps += 1
-            r.usage.batch_sum += 0 if prompt else len(step)
+        return True
 
     def _serve_layer(self, layer: int, live: list[Request]) -> list[Request]:
         """Wait for the live members' calls at ``layer``, serve them in one engine call."""
@@ -291,41 +317,12 @@ class StepBatcher:
             live = [r for r in live if r not in wrong]
             calls = [r.arrival for r in live]
             self.cv.notify_all()
-        for i, r in enumerate(live):  # a recorded routing at the request's own position
-            if r.routing is not None:
-                lay, hid, idx, w = calls[i]  # type: ignore[misc]
-                try:
-                    calls[i] = (lay, hid, *r.routing.routing(r.calls, layer, idx, w))
-                except BaseException as exc:
-                    return self._fail(live, exc)
-        if not live:
-            return live
-        hidden = torch.cat([c[1] for c in calls])  # type: ignore[index]
-        index = torch.cat([c[2] for c in calls])  # type: ignore[index]
-        weights = torch.cat([c[3] for c in calls])  # type: ignore[index]
-        bounds = np.cumsum([0] + [int(c[1].shape[0]) for c in calls])  # type: ignore[index]
-        segments = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
-        state = self.engine.state
-        module = self.engine.layout.modules[layer][1]
-        with self.engine.cv:
-            cache, phase = state.caches[layer], state.run.stats.phases[state.run.phase]
-            for r, s in zip(live, segments, strict=True):
-                ids = set(index[s].reshape(-1).tolist())
-                r.usage.needed += len(ids)
-                r.usage.hits += sum(e in cache.where for e in ids)
-            stall0, moved0 = phase._stall[layer], state.run.stats.bytes_moved
         try:
-            out = self.engine.server.serve_segments(
-                module, hidden, index, weights, segments, self.pool if len(live) > 1 else None)
+            out, segments = serve_calls(self.engine, self.pool, layer, live, calls)  # type: ignore[arg-type]
         except BaseException as exc:  # every request of the call gets it
             return self._fail(live, exc)
-        with self.engine.cv:
-            stall = phase._stall[layer] - stall0
-            moved = state.run.stats.bytes_moved - moved0
         with self.cv:
             for r, s in zip(live, segments, strict=True):
-                r.usage.stall_s += stall
-                r.usage.bytes_read += moved / len(live)
                 r.arrival, r.result = None, out[s]
             self.cv.notify_all()
         return live
@@ -340,6 +337,6 @@ class StepBatcher:
         """The step's calls at this layer all end with ``error``; the step ends."""
         with self.cv:
             for r in live:
-                r.arrival, r.result, r.in_step = None, error, False
+                r.arrival, r.result, r.in_step, r.forward_call = None, error, False, None
             self.cv.notify_all()
         return []

@@ -61,6 +61,7 @@ class Request:
     result: torch.Tensor | BaseException | None = None
     row_call: tuple[torch.nn.Module, torch.Tensor] | None = None  # a gathered linear's input
     in_step: bool = False  # in a step whose gathered linears wait for each other
+    forward_call: dict[str, Any] | None = None  # a decode call waiting for the batched forward
     thread: threading.Thread | None = None
     token_times: list[float] = field(default_factory=list)  # perf_counter at each token
     listener: Callable[[int | None], None] | None = None  # told each token, then None
@@ -77,6 +78,21 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def await_result(self, cv: threading.Condition,
+                     stopped: Callable[[], BaseException | None]) -> Any:
+        """(``cv`` held, a call of this request posted) The batcher's result for it, raised
+        if an error; ``stopped()``: the batcher thread's error once it has stopped."""
+        while self.result is None:
+            error = stopped()
+            if error is not None:
+                self.arrival = self.forward_call = None
+                raise OffloadError(f"the batcher stopped: {error}")
+            cv.wait()
+        result, self.result = self.result, None
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def wait(self, timeout: float | None = None) -> list[int]:
         """The generated ids, once done (the request's error raised)."""

@@ -55,4 +55,6 @@ def metrics_text(service: Any) -> str:
            [("", sum(sizes) / len(sizes) if sizes else 0.0)])
     metric("gathered_linear_calls_total", "counter", "Resident linear calls computed for a "
            "step's requests together (int8/int4 only).", [("", service.batcher.rows.calls)])
+    metric("batched_forward_steps_total", "counter", "Decode steps run as one batched forward "
+           "(int8/int4 only).", [("", service.batcher.step_forward.steps)])
     return "\n".join(lines) + "\n"
