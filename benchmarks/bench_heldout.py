@@ -105,13 +105,13 @@ def round_args(config: str, rnd: int, a: argparse.Namespace) -> argparse.Namespa
 
 def run_config(config: str, a: argparse.Namespace) -> dict[str, Any]:
     """Every system in ``a.rounds`` interleaved rounds; per-round ratios; the targets."""
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in (*SYSTEMS, *a.also)}
     replayed = []
     for rnd in range(a.rounds):
         args = round_args(config, rnd, a)
         real.prepare(args)  # checkpoint, store and tables, built once
         replayed.append(Path(args.trace).stem + (f"@{args.split_at}" if args.split_at else ""))
-        for system in rotated(list(SYSTEMS), rnd):
+        for system in rotated(list(runs), rnd):
             runs[system].append(real.spawn(args, system, args.tier))
             print(f"[{config} round {rnd + 1}: {replayed[-1]}] {system}: "
                   f"{runs[system][-1]['decode_tokens_per_s']:.2f} tok/s", flush=True)
@@ -154,6 +154,11 @@ def judge(config: str, runs: dict[str, list[dict[str, Any]]],
           f"{statistics.median(stall_gaps):.0%})")
     for name, v in targets.items():
         print(f"  {v:11} {name}")
+    for s in [s for s in runs if s not in SYSTEMS]:  # an A/B run beside (--also)
+        base = s.removesuffix("-all")
+        if base in runs:
+            ab = [speed[base][i] / speed[s][i] for i in range(n)]
+            print(f"  {base} / {s}: {spread(ab)}x per round")
     return {"runs": runs, "replayed": replayed, "ratio": ratio, "best": best,
             "gap_closed": gaps, "stall_gap_closed": stall_gaps, "targets": targets}
 
@@ -186,7 +191,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved rounds (Qwen1.5: one prompt replayed per round)")
     ap.add_argument("--json", type=Path, help="write every run's figures here")
+    ap.add_argument("--also", default="", help="comma-separated systems of "
+                    "bench_offload_real.py run beside, e.g. stmoe-plus-all (admission off: "
+                    "every predicted load); each one's base system / it is printed")
     a = ap.parse_args()
+    a.also = [s for s in a.also.split(",") if s]
+    unknown = [s for s in a.also if s not in real.SYSTEMS or s in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"--also {','.join(unknown)}: expected systems of "
+                         f"bench_offload_real.py not already run: "
+                         f"{', '.join(s for s in real.SYSTEMS if s not in SYSTEMS)}")
     if a.list:
         print("\n".join(all_configs()))
         return

@@ -4,14 +4,17 @@ The server runs as its own process (`python -m stmoe serve`, the shipped model, 
 cached, stmoe-plus, --max-batch 8). Each client loops over the prompts below with
 varying `max_tokens` (streamed every third request), through the official `openai`
 client, and compares every text with the same request run alone on the resident
-model (computed first, here). The server's resident memory (VmRSS of its process) is
-sampled every 5 s. Targets (MET / NOT MET):
+model (computed first, here; with ``--format int8|int4`` the server's experts and resident
+linears in that format, LOSSY, and the resident model quantized the same way: a decode
+step is then one batched forward, runtime/step_forward.py). The server's resident
+memory (VmRSS of its process) is sampled every 5 s. Targets (MET / NOT MET):
 
 * no request lost: every request sent gets a complete response;
 * every response equals its solo run;
 * RSS flat after the warm-up (the first 20% of the run): max / min <= 1.05.
 
-    python benchmarks/soak_serve.py [--seconds 300] [--clients 8] [--json out.json]
+    python benchmarks/soak_serve.py [--seconds 300] [--clients 8] [--format int4]
+                                    [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,15 +36,21 @@ PROMPTS = ["def fib(n):", "The capital of France is", "import numpy as np\n", "O
 LENGTHS = [4, 9, 16, 24]
 
 
-def solo_texts() -> dict[tuple[int, int], str]:
-    """Every (prompt, length)'s greedy text on the resident model, run alone."""
+def solo_texts(fmt: str = "native") -> dict[tuple[int, int], str]:
+    """Every (prompt, length)'s greedy text on the resident model in ``fmt``, run alone."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from stmoe.models import SHIPPED_MODEL
+    from stmoe.quant import parse_format
+    from stmoe.quant.experts import quantize_model
+    from stmoe.quant.linears import quantize_linears
 
     tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
     model = AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL).eval()
+    if fmt != "native":  # the experts and the resident linears, as the server has them
+        model = quantize_model(model, parse_format(fmt))
+        quantize_linears(model, parse_format(fmt))
     eos = model.generation_config.eos_token_id
     out = {}
     for i, p in enumerate(PROMPTS):
@@ -73,12 +82,17 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--port", type=int, default=8471)
     p.add_argument("--json", type=Path)
+    p.add_argument("--format", default="native", choices=["native", "int8", "int4"],
+                   help="the server's experts and resident linears (quantized: LOSSY)")
     a = p.parse_args()
-    want = solo_texts()
+    want = solo_texts(a.format)
+    quantized = ["--format", a.format, "--quantize-resident", a.format] \
+        if a.format != "native" else []
     load = [os.getloadavg()]
     server = subprocess.Popen([sys.executable, "-m", "stmoe", "serve", "--port", str(a.port),
                                "--max-batch", "8", "--max-queue", "64", "--capacity", "50%",
-                               "--log-level", "warning"], stdout=subprocess.DEVNULL)
+                               "--log-level", "warning", *quantized],
+                              stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{a.port}"
     try:
         for _ in range(600):
@@ -136,7 +150,7 @@ def main() -> None:
     lost = counts["sent"] - counts["ok"] - counts["mismatch"] - counts["error"]
     result: dict[str, Any] = {**counts, "lost": lost, "rss_growth": growth,
                               "rss_samples": samples, "load": load, "errors": errors[:10],
-                              "seconds": a.seconds, "clients": a.clients}
+                              "seconds": a.seconds, "clients": a.clients, "format": a.format}
     print(f"load (1, 5, 15 min) at start {load[0]}, at end {load[1]}")
     print(f"{counts['sent']} requests in {a.seconds:.0f} s from {a.clients} clients: "
           f"{counts['ok']} equal to their solo run, {counts['mismatch']} different, "
@@ -144,7 +158,8 @@ def main() -> None:
     print(f"server RSS after warm-up: {min(after) / 2**20:.0f}-{max(after) / 2**20:.0f} MiB "
           f"(x{growth:.3f})")
     for line in metrics.splitlines():
-        if line.startswith(("stmoe_requests_total", "stmoe_batch_size_mean", "stmoe_hit_rate")):
+        if line.startswith(("stmoe_requests_total", "stmoe_batch_size_mean", "stmoe_hit_rate",
+                            "stmoe_batched_forward_steps_total")):
             print("  " + line)
     ok = counts["error"] == 0 and lost == 0
     print(f"no request lost: {'MET' if ok else 'NOT MET'}")

@@ -41,10 +41,10 @@ def serve_cmd(
     port: Annotated[int, typer.Option(help="TCP port, 1 to 65535.")] = 8000,
     max_batch: Annotated[int, typer.Option(help="Requests decoding together in each step, "
                                            "1 to 64 (more wait in the queue). With "
-                                           "--quantize-resident int8|int4 a step's linears "
-                                           "are computed for its requests in one call (the "
-                                           "kernels keep each row's bits); in bf16 each "
-                                           "request's rows alone.")] = 4,
+                                           "--quantize-resident int8|int4 a decode step is "
+                                           "one batched forward (the kernels keep each row's "
+                                           "bits; attention and routers row by row); in bf16 "
+                                           "each request's rows alone.")] = 4,
     max_queue: Annotated[int, typer.Option(help="Requests waiting for a place, 0 to 10000; "
                                            "beyond it a request gets 429.")] = 16,
     name: Annotated[str | None, typer.Option(help="The model's name in the API (the "
