@@ -54,6 +54,21 @@ def test_offload_sizes_its_cache_from_the_budget(tmp_path):
         offload(tiny_model("qwen3_moe")[0], store, memory="lots")
 
 
+def test_the_budget_measures_the_process_with_its_predictor_made(tmp_path, monkeypatch):
+    """The predictor (its tables, stmoe-plus's compiled kernels: tens of MiB) is made
+    before the process is measured, so the cache's share of the budget leaves room for it."""
+    import stmoe.runtime.api as api
+
+    order = []
+    real_resolve, real_measure = api.resolve_predictor, api.process_bytes
+    monkeypatch.setattr(api, "resolve_predictor",
+                        lambda *a: order.append("predictor") or real_resolve(*a))
+    monkeypatch.setattr(api, "process_bytes", lambda m: order.append("measured") or real_measure(m))
+    store = pack(tiny_model("qwen3_moe")[0], tmp_path / "store")
+    with offload(tiny_model("qwen3_moe")[0], store, memory="64GB", predictor="ondemand"):
+        assert order == ["predictor", "measured"]
+
+
 def test_the_cli_refuses_both_and_prints_the_split(cli):
     one_line_error(cli("generate", "--prompt", "x", "--memory", "2GB", "--capacity", "4"),
                    "give --capacity or --memory, not both")

@@ -284,6 +284,9 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
     select(model, modules, planned, weights)  # a native model's experts in the store's format
     shape = ModelShape(layout.num_layers, int(expert_store.model["num_experts"]),
                        top_k_of(model.config))
+    # the predictor first: its tables and compiled kernels (stmoe-plus: ~22 MiB) are part of
+    # the process a memory budget measures
+    pred = resolve_predictor(options, shape, model_dir)
     nbytes, memory, plan = expert_store.blocks[(0, 0)].nbytes, options.memory_bytes(), None
     if memory is not None:  # the process as loaded, then the largest cache that fits
         plan = plan_memory(memory, process_bytes(model), shape.num_layers, shape.num_experts,
@@ -291,7 +294,6 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
                            buffer_bytes(expert_store.blocks[(0, 0)]))
     per_layer = plan.per_layer if plan else resolve_capacity(
         options.capacity, shape.num_layers, shape.num_experts, shape.top_k, nbytes)
-    pred = resolve_predictor(options, shape, model_dir)
     device = None
     if options.tier == "gpu":
         if not torch.cuda.is_available():

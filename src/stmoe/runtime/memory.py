@@ -96,8 +96,8 @@ KV_RESERVE = 256 << 20
 @dataclass(frozen=True)
 class MemoryPlan:
     """How ``--memory`` is spent: the process as it stands (``process_bytes``: interpreter,
-    torch, the model's non-expert weights), the reserve, the expert cache; bytes, and
-    experts per layer."""
+    torch, the model's non-expert weights, the predictor), the reserve, the expert cache;
+    bytes, and experts per layer."""
 
     memory: int
     process: int
@@ -108,7 +108,8 @@ class MemoryPlan:
     def describe(self) -> str:
         gib = 1 / 2**30
         return (f"{self.memory * gib:.2f} GiB for the process: {self.process * gib:.2f} GiB as "
-                f"loaded (interpreter, torch, non-expert weights), {self.reserve * gib:.2f} GiB "
+                f"loaded (interpreter, torch, non-expert weights, predictor), "
+                f"{self.reserve * gib:.2f} GiB "
                 f"reserved (KV cache, read buffers, a prompt's spare rows), expert cache "
                 f"{self.cache * gib:.2f} GiB = {self.per_layer} experts per layer")
 
