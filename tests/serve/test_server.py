@@ -109,6 +109,7 @@ def test_completion_and_chat_equal_the_solo_run(server, solo):
     assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 0
     extra = r.usage.model_extra["stmoe"]
     assert 0 <= extra["hit_rate"] <= 1 and extra["bytes_read"] >= 0
+    assert extra["weights"].startswith("native") and extra["resident_weights"] == "native"
     chat = c.chat.completions.create(model=NAME, max_tokens=8,
                                      messages=[{"role": "user", "content": "hello"}])
     assert chat.choices[0].message.role == "assistant"
@@ -268,6 +269,8 @@ def test_int4_server_batches_decode_steps_and_keeps_each_clients_solo_output(tmp
         assert service.batcher.batched
         with ServerThread(service) as url:
             got = _ask_together(_client(url), lengths)
+            usage = _client(url).completions.create(model=NAME, prompt=PROMPTS[0],
+                                                    max_tokens=2).usage.model_extra["stmoe"]
             metrics = _get(url + "/metrics")
     finally:
         om.close()
@@ -275,3 +278,6 @@ def test_int4_server_batches_decode_steps_and_keeps_each_clients_solo_output(tmp
     assert max(service.batcher.decode_sizes()) >= 2  # they shared steps
     steps = service.batcher.step_forward.steps
     assert steps > 0 and f"stmoe_batched_forward_steps_total {steps}" in metrics
+    # the lossy format is named in every response
+    assert "int4" in usage["weights"] and "lossy" in usage["weights"]
+    assert usage["resident_weights"] == "int4"

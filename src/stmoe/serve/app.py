@@ -154,7 +154,7 @@ async def _respond(service: Service, http: Request, job: Job, req: Any, chat: bo
     else:
         choice["text"] = text.final()
     return {**meta, "object": "chat.completion" if chat else "text_completion",
-            "choices": [choice], "usage": _usage(job)}
+            "choices": [choice], "usage": _usage(job, service)}
 
 
 async def _next(events: asyncio.Queue[int | None], http: Request, job: Job) -> int | None:
@@ -198,7 +198,7 @@ async def _sse(service: Service, job: Job, events: asyncio.Queue[int | None], te
         yield chunk(rest, service.finish_reason(job, text.stopped))
         if include_usage:
             yield "data: " + json.dumps({**meta, "object": kind, "choices": [],
-                                         "usage": _usage(job)}) + "\n\n"
+                                         "usage": _usage(job, service)}) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or the stream ended): the job leaves the batch
         if not job.done.is_set():
@@ -218,10 +218,14 @@ def _failure(service: Service, job: Job) -> str:
     return f"the request failed: {job.error}"
 
 
-def _usage(job: Job) -> dict[str, Any]:
+def _usage(job: Job, service: Service) -> dict[str, Any]:
+    """The OpenAI usage, with stmoe's extension: what the request met, and the weights'
+    formats it ran in (a quantized one is lossy: named in every response)."""
     prompt, completion = int(job.ids.shape[1]), len(job.output)
     decode = job.decode_s()
     extra = job.usage.to_dict()
+    extra["weights"] = service.om.config["weights_label"]
+    extra["resident_weights"] = service.om.config["resident_weights"]
     extra["decode_tokens_per_s"] = (completion - 1) / decode if decode > 0 else 0.0
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion, "stmoe": extra}
