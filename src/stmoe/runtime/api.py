@@ -284,8 +284,7 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
     select(model, modules, planned, weights)  # a native model's experts in the store's format
     shape = ModelShape(layout.num_layers, int(expert_store.model["num_experts"]),
                        top_k_of(model.config))
-    # the predictor first: its tables and compiled kernels (stmoe-plus: ~22 MiB) are part of
-    # the process a memory budget measures
+    # first: its tables and compiled kernels (stmoe-plus: ~22 MiB) are in the process measured
     pred = resolve_predictor(options, shape, model_dir)
     nbytes, memory, plan = expert_store.blocks[(0, 0)].nbytes, options.memory_bytes(), None
     if memory is not None:  # the process as loaded, then the largest cache that fits
