@@ -31,7 +31,9 @@ together, a decode step as one batched forward where the model allows it
 (runtime/step_forward.py), and ``stmoe-plus (own forwards)`` runs beside the other systems
 with each request's own forward, its quantized linears gathered (runtime/step_rows.py):
 the A/B of the batched forward. ``X (rows alone)`` is X with neither, each request's rows
-computed alone as in bf16 (the A/B of the gathering).
+computed alone as in bf16 (the A/B of the gathering). In any format, ``X (lfu)`` is X
+with the lfu cache policy (fewest steps used, then least recent) in place of lru: a step's
+union keeps the experts several requests share, which lru does not tell apart.
 
     python benchmarks/bench_serve.py [--batches 1,2,4,8] [--tokens 12] [--rounds 2]
                                      [--format native|int8|int4] [--json out.json]
@@ -60,6 +62,7 @@ FIGURE = Path("docs/figures/serve_batch.png")
 ALONE = " (rows alone)"  # quantized formats: the system with the step's rows not computed together
 OWN = " (own forwards)"  # quantized formats: each request's own forward, its linears gathered
 MODES = {ALONE: {"share_rows": False}, OWN: {"batched": False}}  # a suffix's StepBatcher options
+LFU = " (lfu)"  # any format: the system with the lfu cache policy in place of lru
 
 
 def split_system(system: str) -> tuple[str, dict[str, bool]]:
@@ -68,6 +71,11 @@ def split_system(system: str) -> tuple[str, dict[str, bool]]:
         if system.endswith(suffix):
             return system.removesuffix(suffix), options
     return system, {}
+
+
+def policy_of(system: str) -> tuple[str, str | None]:
+    """(the system without its ' (lfu)' suffix, the cache policy that suffix names or None)."""
+    return (system.removesuffix(LFU), "lfu") if system.endswith(LFU) else (system, None)
 WINDOW_PROMPT = 8  # each window's prompt: the 8 routed tokens before it (already profiled)
 
 
@@ -115,8 +123,10 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
     fmt = {"format": args.format, "quantize_resident": args.format} if quantized else {}
     if quantized:  # its own store: packed on first use (main does it, untimed), then reused
         store = None
-    base, mode = split_system(system)
+    named, policy_override = policy_of(system)
+    base, mode = split_system(named)
     predictor, policy = real.SYSTEMS[base]
+    policy = policy_override or policy
     pred, takes = real.compared(predictor, tables)
     out: dict[str, Any] = {}
     with offload(model, store, capacity=args.capacity, predictor=pred, policy=policy, tier="disk",
@@ -188,12 +198,15 @@ def judge(runs: dict[str, list[dict[str, Any]]], batches: list[int]) -> dict[str
                   f"{med(system, b, 'bytes_per_token') / 2**20:>8.1f}")
     targets: dict[str, Any] = {}
     for suffix, (key, what) in {ALONE: ("together_vs_alone", "rows together / alone"),
-                                OWN: ("batched_vs_own", "one batched forward / own forwards")
-                                }.items():  # the A/Bs: the gathering, the batched forward
+                                OWN: ("batched_vs_own", "one batched forward / own forwards"),
+                                LFU: ("lfu_vs_lru", "cache policy lfu / lru"),
+                                }.items():  # the A/Bs: the gathering, the batched forward, lfu
         for system in [s for s in runs if s + suffix in runs]:
             for b in batches:
                 ratios = [p[str(b)]["total_tok_s"] / q[str(b)]["total_tok_s"]
                           for p, q in zip(runs[system], runs[system + suffix], strict=True)]
+                if suffix == LFU:  # said as the candidate against the shipped policy
+                    ratios = [1 / r for r in ratios]
                 targets[f"{system}_{key}_{b}"] = ratios
                 print(f"{system}, {what} at {b}: {statistics.median(ratios):.2f}x "
                       f"[{min(ratios):.2f}, {max(ratios):.2f}]")
@@ -270,7 +283,7 @@ def main() -> None:
     p.add_argument("--systems", default="", help="comma-separated, instead of every system; "
                    f"with --format int4|int8 a name + '{OWN}' runs it with each request's "
                    f"own forward (linears gathered), + '{ALONE}' with each request's rows "
-                   "computed alone")
+                   f"computed alone; in any format + '{LFU}' with the lfu cache policy")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -292,11 +305,12 @@ def main() -> None:
     systems = [*SYSTEMS, "stmoe-plus" + OWN] if a.format != "native" else list(SYSTEMS)
     if a.systems:
         systems = a.systems.split(",")
-        unknown = [s for s in systems if split_system(s)[0] not in SYSTEMS]
-        if unknown or (a.format == "native" and any(split_system(s)[1] for s in systems)):
+        unknown = [s for s in systems if split_system(policy_of(s)[0])[0] not in SYSTEMS]
+        if unknown or (a.format == "native"
+                       and any(split_system(policy_of(s)[0])[1] for s in systems)):
             raise SystemExit(f"error: --systems {a.systems}: each of {', '.join(SYSTEMS)}, "
-                             f"and with --format int8|int4 any of them + '{OWN}' or "
-                             f"'{ALONE}'")
+                             f"any of them + '{LFU}', and with --format int8|int4 any of them "
+                             f"+ '{OWN}' or '{ALONE}'")
     if a.format != "native":
         if a.figure == FIGURE:
             a.figure = FIGURE.with_name(f"serve_batch_{a.format}.png")

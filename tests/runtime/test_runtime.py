@@ -229,6 +229,21 @@ def test_every_policy_is_lossless_and_stays_within_capacity(tmp_path, policy):
         assert stats.phases["decode"].hits.sum() <= stats.phases["decode"].predicted_used.sum()
 
 
+def test_a_cold_run_starts_lfu_from_no_counts(tmp_path):
+    """lfu's use counts belong to a run: a cold one (empty caches) must not evict by the
+    counts of runs before it, a warm one keeps them with the experts."""
+    model, _ = tiny_model("qwen3_moe")
+    store = pack(model, tmp_path / "store")
+    with offload(model, store, capacity=3, predictor="ondemand", policy="lfu") as om:
+        om.measure(lambda: _generate(om.model))
+        counts = [c.uses.copy() for c in om.engine.caches]
+        assert all(u.sum() > 0 for u in counts)
+        om.engine.reset(cold=False)
+        assert all((c.uses == u).all() for c, u in zip(om.engine.caches, counts, strict=True))
+        om.engine.reset()
+        assert all(c.uses.sum() == 0 and not c.where for c in om.engine.caches)
+
+
 def test_capacity_below_top_k_and_bad_settings_are_clear_errors(tmp_path):
     model, _ = tiny_model("mixtral")
     store = pack(model, tmp_path / "store")

@@ -91,6 +91,7 @@ class OffloadEngine:
                     for s in range(cache.capacity):
                         if cache.state[s] == READY:
                             cache.abandon(s)
+                    cache.uses[:] = 0  # lfu's counts are the run's: none carried into it
             self.state.run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), future,
                                       self.num_layers)
             if self.settings.admission:  # measured afresh in every run
