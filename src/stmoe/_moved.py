@@ -57,6 +57,7 @@ MOVED = {
     "stmoe.cli.trace_cmds": "stmoe.cli.trace",
     "stmoe.cli.train_cmd": "stmoe.cli.train_tiny",
     "stmoe.runtime.routing_replay": "stmoe.runtime.forced_routing",
+    "stmoe.runtime.admission": "stmoe.admission",
 }
 
 

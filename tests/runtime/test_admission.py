@@ -1,4 +1,4 @@
-"""Prefetch admission (runtime.admission): scripted outcomes with hand-worked verdicts, and
+"""Prefetch admission (stmoe.admission): scripted outcomes with hand-worked verdicts, and
 the runtime turning a layer's prefetch off on an adversarial prediction and back on once
 the prediction is right, its tokens the resident model's all along."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stmoe.runtime.admission import Admission, AdmissionConfig
+from stmoe.admission import Admission, AdmissionConfig
 
 CFG = AdmissionConfig(window=4, backoff=3, max_backoff=12, ema=0.5, prior=0.5)
 

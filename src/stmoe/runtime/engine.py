@@ -28,7 +28,7 @@ from stmoe.cache_policy import RUNTIME, policy_code
 from stmoe.errors import OffloadError
 from stmoe.hf.layout import ModelLayout
 from stmoe.predictors.base import Predictor
-from stmoe.runtime.admission import Admission
+from stmoe.admission import Admission
 from stmoe.runtime.cache import READY, LayerCache, param_specs
 from stmoe.runtime.hf_glue import ForwardHooks, base_forward, resident_device, take_over
 from stmoe.runtime.planning import PrefetchPlanner, gate_lookahead

@@ -55,7 +55,7 @@ class OffloadOptions:
         pre-MoE norm, as that layer starts: closer to the router, less time to load),
         or auto (late where the model's norms are recognised).
     admission: decide per layer, from what the run measures, whether a prefetch is
-        worth its bytes (``runtime.admission``); False: every predicted load is made.
+        worth its bytes (``stmoe.admission``); False: every predicted load is made.
     format: the experts' weight format (``stmoe.quant``): native (the checkpoint's
         dtype, lossless), int8 or int4 (lossy, the user's choice); None: a given store's
         own, else native. group_size: int4's (None: the largest of 128, 64, 32 dividing

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
-from stmoe.runtime.admission import record_call
+from stmoe.admission import record_call
 from stmoe.runtime.arrange import gather, plan_id_order
 from stmoe.runtime.cache import LOADING, READY, TEMP, LayerCache
 from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering

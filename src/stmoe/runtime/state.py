@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
-from stmoe.runtime.admission import Admission
+from stmoe.admission import Admission
 from stmoe.runtime.cache import LayerCache
 from stmoe.runtime.forced_routing import RoutingSource
 from stmoe.runtime.stats import RuntimeStats
@@ -45,7 +45,7 @@ class EngineSettings:
     workers: int  # prefetch threads (0: every expert loads on demand)
     device: torch.device | None  # where the caches live; None: the resident weights'
     max_loads: int | None  # loads one prediction may start per layer; None: capacity
-    admission: bool  # decide per layer whether prefetch pays (runtime.admission)
+    admission: bool  # decide per layer whether prefetch pays (stmoe.admission)
 
 
 Future = dict[tuple[int, int], tuple[int, ...]]  # (forward call, layer) -> the experts it needs

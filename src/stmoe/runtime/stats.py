@@ -115,7 +115,7 @@ class RuntimeStats:
     demand_loads: int = 0
     stale_dropped: int = 0  # prefetch requests dropped because their layer had passed
     overflow_loads: int = 0  # experts a call needed beyond the capacity (read into spare rows)
-    admission: dict[str, Any] | None = None  # what prefetch admission did (runtime.admission)
+    admission: dict[str, Any] | None = None  # what prefetch admission did (stmoe.admission)
 
     def __post_init__(self) -> None:
         self.phases = {p: PhaseCounters(self.num_layers) for p in PHASES}

@@ -35,5 +35,5 @@ class HostRun:
     oracle: bool  # the sets are the routed experts themselves (decode only)
     capacity: int  # experts cached per layer
     policy: str  # lru, lfu or none
-    admission: bool = False  # the runtime's per-layer prefetch admission (runtime.admission)
+    admission: bool = False  # the runtime's per-layer prefetch admission (stmoe.admission)
     horizon: int = 1  # layers ahead the predictor's sets are for (admission's budget)

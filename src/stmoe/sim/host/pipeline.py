@@ -52,7 +52,7 @@ import math
 import numpy as np
 
 from stmoe import cache_policy as cp
-from stmoe.runtime.admission import Admission
+from stmoe.admission import Admission
 from stmoe.sim.host.inputs import HostCosts, HostRun
 from stmoe.sim.host.tier import Tier
 from stmoe.sim.specs import SpecError
