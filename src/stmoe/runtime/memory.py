@@ -140,3 +140,65 @@ def plan_memory(memory: int, process: int, num_layers: int, num_experts: int, to
     spare = (num_experts - per_layer) * expert_bytes
     cache = num_layers * per_layer * expert_bytes
     return MemoryPlan(memory, process, KV_RESERVE + buffers + spare, cache, per_layer)
+
+
+# What a GPU's plan keeps beside the resident weights, the KV cache and the expert slots:
+# activations, the CUDA context's own allocations, cuBLAS workspaces and the caching
+# allocator's fragmentation. Bytes; a round figure, not measured per model.
+DEVICE_RESERVE = 1 << 30
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """How a GPU's free memory is spent (``--memory`` on the gpu tiers): the resident
+    weights, the KV cache, the reserve (with one layer's gathered copy), the expert slots."""
+
+    free: int  # device memory free before the model moved there (``torch.cuda.mem_get_info``)
+    resident: int
+    kv: int
+    reserve: int
+    cache: int
+    per_layer: int
+
+    def describe(self) -> str:
+        gib = 1 / 2**30
+        return (f"{self.free * gib:.2f} GiB free on the GPU: {self.resident * gib:.2f} GiB "
+                f"resident weights, {self.kv * gib:.2f} GiB KV cache, "
+                f"{self.reserve * gib:.2f} GiB reserved (activations, a long prompt's "
+                f"gathered experts), expert slots {self.cache * gib:.2f} GiB = "
+                f"{self.per_layer} experts per layer")
+
+
+def plan_device_memory(free: int, resident: int, kv: int, num_layers: int, num_experts: int,
+                       top_k: int, expert_bytes: int,
+                       reserve: int = DEVICE_RESERVE) -> DevicePlan:
+    """The most expert slots per layer a GPU with ``free`` bytes holds beside ``resident``
+    bytes of non-expert weights and a KV cache of ``kv`` bytes (``kv_cache_bytes``), a
+    reserve, and the compact copy a long prompt's layer computes on (up to every expert of
+    one layer, beyond the slots: on a GPU the needed experts are gathered). Fewer than
+    top-K per layer is one clear error naming what would do."""
+    gather = num_experts * expert_bytes
+    room = free - resident - kv - reserve - gather
+    per_layer = int(min(num_experts, max(room, 0) // max(num_layers * expert_bytes, 1)))
+    if per_layer < top_k:
+        need = resident + kv + reserve + gather + num_layers * top_k * expert_bytes
+        raise OffloadError(f"the GPU has {free / 2**30:.2f} GiB free, too little for this "
+                           f"model's resident weights ({resident / 2**30:.2f} GiB), KV cache "
+                           f"({kv / 2**30:.2f} GiB) and top-{top_k} experts per layer; it "
+                           f"needs at least {need / 2**30:.2f} GiB")
+    return DevicePlan(free, resident, kv, reserve + gather, num_layers * per_layer * expert_bytes,
+                      per_layer)
+
+
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, batch: int = 1,
+                   dtype_bytes: int = 2) -> int:
+    """A standard attention KV cache's bytes: keys and values of every layer, head and
+    token. (Latent or linear attention holds less: give its own figure to the plan.)"""
+    return 2 * layers * kv_heads * head_dim * tokens * batch * dtype_bytes
+
+
+def device_free_bytes(device: int | None = None) -> int:
+    """Free memory on a CUDA device now (``torch.cuda.mem_get_info``)."""
+    if not torch.cuda.is_available():
+        raise OffloadError("planning GPU memory needs CUDA, and torch sees no GPU here")
+    return int(torch.cuda.mem_get_info(device)[0])

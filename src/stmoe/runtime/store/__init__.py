@@ -8,7 +8,10 @@
     folder.py        a store folder's lock and leftover data files (both index writers')
     in_place_index.py  an index reading a checkpoint's experts where its files hold them
     in_place.py      reading those extents (O_DIRECT, aligned spans): ``InPlaceTier``
-    tiers.py         where blocks are read from: disk, an emulated link, pinned host memory
+    tiers.py         where blocks are read from: the disk, an emulated link
+    device_ops.py    what the GPU tiers ask of a device: pinning, async copies, events
+    pinned.py        the store in pinned host memory, once per process (``--tier gpu``)
+    bounce.py        disk -> GPU through a few pinned bounce buffers
     reading.py       ``open_tier``: which tier reads a store
     loader.py        ``Loader``: the one place the bytes of a block enter a cache slot
 """

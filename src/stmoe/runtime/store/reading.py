@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from stmoe.runtime.options import check_link
+from stmoe.runtime.store.bounce import DEFAULT_BUFFERS, DiskToDeviceTier
+from stmoe.runtime.store.device_ops import DeviceOps, HostPinning
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.in_place import InPlaceTier, refuse_tier
-from stmoe.runtime.store.tiers import DiskTier, EmulatedLinkTier, PinnedHostTier, Tier
+from stmoe.runtime.store.pinned import PinnedHostTier
+from stmoe.runtime.store.tiers import DiskTier, EmulatedLinkTier, Tier
 
 
 def open_tier(name: str, store: ExpertStore, bandwidth: float | str | None,
@@ -22,3 +25,17 @@ def open_tier(name: str, store: ExpertStore, bandwidth: float | str | None,
         return PinnedHostTier(store)
     assert bw is not None
     return EmulatedLinkTier(store, bw, lat)
+
+
+def open_disk_to_device(store: ExpertStore, ops: DeviceOps | None = None,
+                        pinning: HostPinning | None = None,
+                        buffers: int = DEFAULT_BUFFERS) -> DiskToDeviceTier:
+    """The disk tier feeding a device cache through pinned bounce buffers, for a packed
+    store or one read in place (not yet a name in TIERS: the engine's GPU path takes it
+    once its copies are asynchronous; docs/runtime.md, The GPU tiers)."""
+    reader: DiskTier | InPlaceTier = InPlaceTier(store) if store.in_place else DiskTier(store)
+    try:
+        return DiskToDeviceTier(reader, ops, pinning, buffers)
+    except BaseException:
+        reader.close()
+        raise

@@ -10,10 +10,11 @@ CPU uint8 tensor, using ``buf`` (a page-aligned, writable buffer at least
 * ``EmulatedLinkTier`` (**emulated**, for reproducible comparisons) keeps the
   store in host memory and makes every read take ``latency + bytes / bandwidth``
   on one shared link, as a PCIe or network link would serialise transfers.
-* ``PinnedHostTier`` keeps the store in pinned host memory for a GPU cache: the
-  copy to the device is the transfer (made on a copy stream by the cache).
 
-``reading.open_tier`` makes one by the name ``stmoe.offload`` takes.
+The tiers that feed a GPU cache live beside this module: ``pinned.PinnedHostTier`` (the
+store in page-locked host memory, once per process) and ``bounce.DiskToDeviceTier`` (the
+disk's reads through a few pinned bounce buffers). ``reading.open_tier`` makes one by the
+name ``stmoe.offload`` takes.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ __all__ = [
     "TIERS",
     "DiskTier",
     "EmulatedLinkTier",
-    "PinnedHostTier",
     "Tier",
     "aligned_buffer",
     "buffer_bytes",
@@ -49,8 +49,6 @@ __all__ = [
     "parse_bytes",
     "parse_seconds",
 ]
-
-
 
 def padded(block: Block) -> int:
     """Bytes a block occupies in the file (its payload rounded up to ALIGN)."""
@@ -134,10 +132,16 @@ class DiskTier:
         os.preadv(self.fd, [memoryview(buf)[:ALIGN]], block.offset)
 
     def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
-        size = padded(block) if self.direct else block.nbytes
-        got = self._read(block, [memoryview(buf)[:size]], between)
-        self.store.check_block(block, memoryview(buf)[: min(got, block.nbytes)])
+        self.read_block(block, memoryview(buf), between)
         return torch.frombuffer(buf, dtype=torch.uint8, count=block.nbytes)
+
+    def read_block(self, block: Block, dest: memoryview, between: Between = None) -> None:
+        """``block`` into the start of ``dest`` (page-aligned, at least ``padded(block)``
+        long), its size and CRC-32C checked: the one aligned read the pinned store and the
+        bounce buffers fill themselves with."""
+        size = padded(block) if self.direct else block.nbytes
+        got = self._read(block, [dest[:size]], between)
+        self.store.check_block(block, dest[: min(got, block.nbytes)])
 
     def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None,
                   buf: mmap.mmap | None = None) -> bool:
@@ -270,34 +274,3 @@ def _host_copy(store: ExpertStore) -> mmap.mmap | bytearray:
     with open(store.data_path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray()
-
-
-class PinnedHostTier:
-    """The store in pinned host memory, checked once; the device copy is the transfer.
-
-    Needs CUDA. Untested until a GPU run: see docs/runtime.md.
-    """
-
-    name = "gpu"
-    emulated = False
-    reads_in_place = False
-
-    def __init__(self, store: ExpertStore) -> None:
-        if not torch.cuda.is_available():
-            raise OffloadError("--tier gpu needs CUDA, and torch sees no GPU here; "
-                               "use --tier disk or --tier emulated")
-        raw = store.data_path.read_bytes()
-        for block in store.blocks.values():
-            store.check_block(block, memoryview(raw)[block.offset : block.offset + block.nbytes])
-        self.host = torch.frombuffer(bytearray(raw), dtype=torch.uint8).pin_memory()
-
-    def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
-        return self.host[block.offset : block.offset + block.nbytes]
-
-    def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None,
-                  buf: mmap.mmap | None = None) -> bool:
-        """Never reads in place (``reads_in_place`` is False)."""
-        return False
-
-    def close(self) -> None:
-        self.host = torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,269 @@
+"""The tiers that feed a GPU, on the CPU: the pinned store (filled once, checked, shared in
+the process, released by its last user) and the disk -> device tier's bounce buffers,
+whose copies are made by a stand-in that completes them late, on another thread, reading
+the source only then: a buffer overwritten before its copy's event completed shows up
+as wrong bytes at the destination (and the test that removes the wait proves it would)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from stmoe.errors import OffloadError  # noqa: E402
+from stmoe.runtime.store import ExpertStore, StoreError, pack  # noqa: E402
+from stmoe.runtime.store.bounce import BouncePool  # noqa: E402
+from stmoe.runtime.store.device_ops import HostThreadOps, NoPinning  # noqa: E402
+from stmoe.runtime.store.in_place_index import make_in_place  # noqa: E402
+from stmoe.runtime.store.index import ALIGN, slot_bytes  # noqa: E402
+from stmoe.runtime.store.loader import Loader  # noqa: E402
+from stmoe.runtime.store.pinned import PinnedHostTier, host_bytes, shared_stores  # noqa: E402
+from stmoe.runtime.store.reading import open_disk_to_device  # noqa: E402
+from stmoe.runtime.store.tiers import aligned_buffer, buffer_bytes  # noqa: E402
+from tiny_moe import tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    model, _ = tiny_model("mixtral")
+    return ExpertStore(pack(model, tmp_path_factory.mktemp("gpu-tiers") / "store"))
+
+
+def _want(store, block) -> bytes:
+    raw = store.read(block.layer, block.expert)
+    return b"".join(raw[t.name].tobytes() for t in block.tensors)
+
+
+def _slot(block) -> list[torch.Tensor]:
+    """A 'device' slot: one uint8 tensor per parameter, in block order, filled with 0xAA."""
+    return [torch.full((slot_bytes(t),), 0xAA, dtype=torch.uint8) for t in block.tensors]
+
+
+def _bytes(parts: list[torch.Tensor]) -> bytes:
+    return b"".join(p.numpy().tobytes() for p in parts)
+
+
+def test_the_pinned_store_holds_exactly_the_stores_bytes_once_checked(store):
+    pinning = NoPinning()
+    tier = PinnedHostTier(store, pinning, HostThreadOps())
+    try:
+        size = store.data_path.stat().st_size
+        assert host_bytes(store) == -(-size // ALIGN) * ALIGN == tier.host.numel()
+        assert pinning.registered == {tier.host.data_ptr(): tier.host.numel()}  # one lock
+        for block in store.blocks.values():
+            assert tier.fetch(block).numpy().tobytes() == _want(store, block)
+    finally:
+        tier.close()
+    assert pinning.registered == {} and shared_stores() == 0
+
+
+def test_offloads_in_one_process_share_one_pinned_store(store, tmp_path):
+    pinning = NoPinning()
+    first = PinnedHostTier(store, pinning, HostThreadOps())
+    second = PinnedHostTier(ExpertStore(store.path), NoPinning(), HostThreadOps())
+    other_model, _ = tiny_model("mixtral", seed=1)
+    other = PinnedHostTier(ExpertStore(pack(other_model, tmp_path / "other")), pinning,
+                           HostThreadOps())
+    try:
+        assert second.pinned is first.pinned and first.pinned.users == 2
+        assert other.pinned is not first.pinned and shared_stores() == 2
+        assert len(pinning.registered) == 2  # one lock per store, not per offload
+        first.close()
+        assert second.pinned.users == 1 and len(pinning.registered) == 2
+        second.close()
+        assert len(pinning.registered) == 1 and shared_stores() == 1  # the other store's
+    finally:
+        for t in (first, second, other):
+            t.close()
+    assert pinning.registered == {} and shared_stores() == 0
+
+
+def test_a_damaged_store_is_refused_and_nothing_stays_pinned(store, tmp_path):
+    import shutil
+
+    copy = tmp_path / "damaged"
+    shutil.copytree(store.path, copy)
+    data = copy / store.index.data
+    block = sorted(store.blocks.values(), key=lambda b: b.offset)[-1]
+    raw = bytearray(data.read_bytes())
+    raw[block.offset + 7] ^= 0x10
+    data.write_bytes(bytes(raw))
+    pinning = NoPinning()
+    with pytest.raises(StoreError, match=f"layer {block.layer}, expert {block.expert} fails"):
+        PinnedHostTier(ExpertStore(copy), pinning, HostThreadOps())
+    assert pinning.registered == {} and shared_stores() == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+def test_the_real_pinned_path_is_refused_in_one_line_without_cuda(store):
+    with pytest.raises(OffloadError, match=r"^--tier gpu needs CUDA, and torch sees no GPU") as e:
+        PinnedHostTier(store)
+    assert "\n" not in str(e.value)
+    with pytest.raises(OffloadError, match="needs CUDA"):
+        open_disk_to_device(store)
+
+
+def test_the_pinned_tier_copies_a_block_into_a_slot_asynchronously(store):
+    ops = HostThreadOps(delay=0.01)
+    tier = PinnedHostTier(store, NoPinning(), ops)
+    try:
+        block = next(iter(store.blocks.values()))
+        parts = _slot(block)
+        event = tier.load(block, parts, stream=None)
+        assert not event.query()  # the copy is queued, not made
+        event.synchronize()
+        assert _bytes(parts) == _want(store, block)
+    finally:
+        tier.close()
+        ops.close()
+
+
+def _load_all(tier, blocks, threads: int = 1):
+    """Every block loaded into its own slot, back to back (no wait between loads), from
+    ``threads`` readers on their own streams; then every copy waited for."""
+    slots = {b: _slot(b) for b in blocks}
+    events = []
+    lock = threading.Lock()
+
+    def run(mine):
+        for b in mine:
+            e = tier.load(b, slots[b], stream=threading.current_thread().name)
+            with lock:
+                events.append(e)
+
+    workers = [threading.Thread(target=run, args=(blocks[i::threads],), name=f"s{i}")
+               for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    for e in events:
+        e.synchronize()
+    return slots
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_bounce_buffer_is_never_overwritten_before_its_copy_completed(store, threads):
+    ops = HostThreadOps(delay=0.003)  # each copy lands well after the next read could
+    tier = open_disk_to_device(store, ops, NoPinning(), buffers=2)
+    try:
+        blocks = list(store.blocks.values())
+        slots = _load_all(tier, blocks, threads)
+        for b in blocks:
+            assert _bytes(slots[b]) == _want(store, b), (b.layer, b.expert)
+        assert tier.pool.waited > 0  # the protocol was exercised, not idle
+        assert ops.copies == sum(len(b.tensors) for b in blocks)
+    finally:
+        tier.close()
+        ops.close()
+
+
+def test_without_the_wait_the_stand_in_catches_the_race(store, monkeypatch):
+    """The check above has teeth: with the wait for the copy's event removed, later reads
+    overwrite buffers whose copies have not run yet, and slots get other experts' bytes."""
+    monkeypatch.setattr(BouncePool, "_drain", lambda self, b: setattr(b, "pending", None))
+    ops = HostThreadOps(delay=0.003)
+    tier = open_disk_to_device(store, ops, NoPinning(), buffers=2)
+    try:
+        blocks = list(store.blocks.values())
+        slots = _load_all(tier, blocks)
+        wrong = [b for b in blocks if _bytes(slots[b]) != _want(store, b)]
+        assert wrong
+    finally:
+        tier.close()
+        ops.close()
+
+
+def test_the_disk_to_device_tier_reads_an_in_place_store(tmp_path):
+    from stmoe.models import SHIPPED_MODEL
+
+    in_place = ExpertStore(make_in_place(SHIPPED_MODEL, tmp_path / "in-place"))
+    in_place.check_source(SHIPPED_MODEL)
+    ops = HostThreadOps(delay=0.001)
+    tier = open_disk_to_device(in_place, ops, NoPinning(), buffers=2)
+    try:
+        blocks = list(in_place.blocks.values())[:12]
+        slots = _load_all(tier, blocks)
+        for b in blocks:
+            assert _bytes(slots[b]) == _want(in_place, b)
+        block = blocks[0]  # the gathered copy's way in: the thread's own buffer
+        got = tier.fetch(block, aligned_buffer(buffer_bytes(block)))
+        assert got.numpy().tobytes() == _want(in_place, block)
+    finally:
+        tier.close()
+        ops.close()
+
+
+class _DeviceCache:
+    """A cache whose slots are 'device' tensors: with ``device_parts`` (the asynchronous
+    path) or only ``write`` (today's cache: it copies and waits)."""
+
+    def __init__(self, block, parts: bool) -> None:
+        self.rows = [_slot(block) for _ in range(2)]
+        if parts:
+            self.device_parts = lambda slot: self.rows[slot]
+
+    def slot_parts(self, slot):
+        return None
+
+    def write(self, slot, src, stream=None):
+        pos = 0
+        for p in self.rows[slot]:
+            p.copy_(src[pos : pos + p.numel()])
+            pos += p.numel()
+
+
+@pytest.mark.parametrize("parts", [True, False], ids=["device_parts", "write"])
+@pytest.mark.parametrize("kind", ["pinned", "disk"])
+def test_the_loader_fills_a_device_slot_and_returns_its_event(store, kind, parts):
+    ops = HostThreadOps(delay=0.005)
+    tier = (PinnedHostTier(store, NoPinning(), ops) if kind == "pinned"
+            else open_disk_to_device(store, ops, NoPinning(), buffers=1))
+    try:
+        loader = Loader(tier, store)
+        block = list(store.blocks.values())[3]
+        cache = _DeviceCache(block, parts)
+        buf = aligned_buffer(buffer_bytes(block))
+        event = loader.fill(cache, 1, block, buf, stream="s")  # waits, as the engine expects
+        assert event.query() and _bytes(cache.rows[1]) == _want(store, block)
+        event = loader.fill(cache, 0, block, buf, stream="s", wait=False)
+        event.synchronize()
+        assert _bytes(cache.rows[0]) == _want(store, block)
+    finally:
+        tier.close()
+        ops.close()
+
+
+def test_the_gpu_plan_splits_free_memory_and_refuses_too_little():
+    from stmoe.runtime.memory import DEVICE_RESERVE, kv_cache_bytes, plan_device_memory
+
+    mib, gib = 1 << 20, 1 << 30
+    kv = kv_cache_bytes(layers=8, kv_heads=4, head_dim=128, tokens=4096)
+    assert kv == 2 * 8 * 4 * 128 * 4096 * 2
+    plan = plan_device_memory(free=12 * gib, resident=3 * gib, kv=kv, num_layers=8,
+                              num_experts=256, top_k=8, expert_bytes=6 * mib)
+    room = 12 * gib - 3 * gib - kv - DEVICE_RESERVE - 256 * 6 * mib
+    assert plan.per_layer == room // (8 * 6 * mib) and plan.per_layer < 256
+    assert plan.cache == 8 * plan.per_layer * 6 * mib
+    assert plan.resident + plan.kv + plan.reserve + plan.cache <= plan.free
+    assert f"{plan.per_layer} experts per layer" in plan.describe()
+    every = plan_device_memory(141 * gib, 3 * gib, kv, 8, 256, 8, 6 * mib)
+    assert every.per_layer == 256  # a ceiling, not a request
+    with pytest.raises(OffloadError, match=r"too little .* top-8 experts per layer; it needs "
+                                           r"at least \d+\.\d+ GiB"):
+        plan_device_memory(5 * gib, 3 * gib, kv, 8, 256, 8, 6 * mib)
+
+
+def test_unaligned_slots_are_refused_before_any_copy(store):
+    ops = HostThreadOps()
+    tier = PinnedHostTier(store, NoPinning(), ops)
+    try:
+        block = next(iter(store.blocks.values()))
+        with pytest.raises(ValueError, match="a slot of"):
+            tier.load(block, [torch.zeros(3, dtype=torch.uint8)], None)
+        assert ops.copies == 0
+    finally:
+        tier.close()
+        ops.close()
