@@ -267,3 +267,53 @@ def test_unaligned_slots_are_refused_before_any_copy(store):
     finally:
         tier.close()
         ops.close()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; CI has none")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_the_pinned_store_is_page_locked_and_its_copies_land(store):
+    tier = PinnedHostTier(store)
+    try:
+        assert tier.host.is_pinned() and tier.host.numel() == host_bytes(store)
+        stream = torch.cuda.Stream()
+        for block in store.blocks.values():
+            parts = [torch.empty(slot_bytes(t), dtype=torch.uint8, device="cuda")
+                     for t in block.tensors]
+            tier.load(block, parts, stream).synchronize()
+            assert _bytes([p.cpu() for p in parts]) == _want(store, block)
+    finally:
+        tier.close()
+    assert shared_stores() == 0
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("threads", [1, 3])
+def test_on_cuda_the_disk_to_device_tier_lands_every_block(store, threads):
+    tier = open_disk_to_device(store, buffers=2)
+    try:
+        assert all(b.tensor.is_pinned() for b in tier.pool.buffers)
+        blocks = list(store.blocks.values())
+        slots = {b: [torch.empty(slot_bytes(t), dtype=torch.uint8, device="cuda")
+                     for t in b.tensors] for b in blocks}
+        streams = [torch.cuda.Stream() for _ in range(threads)]
+        events = []
+
+        def run(i):
+            for b in blocks[i::threads]:
+                events.append(tier.load(b, slots[b], streams[i]))
+
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        for e in events:
+            e.synchronize()
+        for b in blocks:
+            assert _bytes([p.cpu() for p in slots[b]]) == _want(store, b)
+    finally:
+        tier.close()

@@ -15,7 +15,10 @@ computed in place: no dequantized copy per call.
 
 Scales (and zeros) are kept in the model's dtype, as the kernels take them, and are
 rounded to it before the weights are rounded, so what is stored is what is computed.
-Quantization is deterministic: the same matrix gives the same bytes, whoever packs it.
+Quantization is deterministic: the same matrix gives the same bytes on any machine of the
+same CPU capability (int4's packed layout is the CPU's: ``int4_layout``). On CUDA tensors
+``qlinear`` and ``dequantize`` take the same stored bytes to torch's CUDA kernels
+(``cuda_kernels``): callers do not change.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from typing import NamedTuple
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.quant.cuda_kernels import qlinear_cuda
 from stmoe.quant.formats import WeightFormat
+from stmoe.quant.int4_layout import dequantize_int4, unpack_cpu_int4
 
 
 class QuantizedMatrix(NamedTuple):
@@ -79,6 +84,8 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor,
     if x.dtype != qscale.dtype:
         x = x.to(qscale.dtype)
     x = x.contiguous()  # both kernels need it (a no-op when it is)
+    if x.is_cuda:
+        return qlinear_cuda(x, qweight, qscale, fmt)
     if fmt.name == "int4":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, fmt.group_size, qscale)
     return torch._weight_int8pack_mm(x, qweight, qscale)
@@ -90,6 +97,9 @@ def dequantize(qweight: torch.Tensor, qscale: torch.Tensor, fmt: WeightFormat) -
     its values are read through the kernel (an identity input gives them exactly)."""
     if fmt.name == "int8":
         return qweight.float() * qscale.float()[:, None]
+    assert fmt.group_size is not None
+    if qweight.device.type != "cpu":  # the values, unpacked: no CPU kernel there
+        return dequantize_int4(unpack_cpu_int4(qweight), qscale, fmt.group_size)
     inner = qweight.shape[1] * 2
     eye = torch.eye(inner, dtype=torch.float32)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, qweight, fmt.group_size,
