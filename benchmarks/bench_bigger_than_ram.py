@@ -40,10 +40,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_tools as llama_cpp
-from offload_baselines import cgroup_peak, drop_pages, make_cgroup, remove_cgroup
 
 from stmoe.evaluate.compare import closed, rotated, spread, verdict
 from stmoe.evaluate.systems import OFFLOAD_SYSTEMS
+from stmoe.util.cgroup import cgroup_peak, drop_pages, make_cgroup, remove_cgroup
 from stmoe.util.units import parse_bytes
 
 LIKE = "qwen1.5-moe-a2.7b"

@@ -261,7 +261,7 @@ def bytes_per_weight(ggufs: dict[str, Path]) -> list[str]:
 def spawn_bounded(system: str, limit: int, args: argparse.Namespace,
                   ggufs: dict[str, Path], extra: list[str] | None = None) -> dict[str, Any]:
     """One run with its whole process in a fresh memory cgroup of ``limit`` bytes."""
-    from offload_baselines import cgroup_peak, drop_pages, make_cgroup, remove_cgroup
+    from stmoe.util.cgroup import cgroup_peak, drop_pages, make_cgroup, remove_cgroup
 
     ckpt = checkpoint()
     drop_pages(ckpt)
@@ -388,7 +388,7 @@ def bounded_real(args: argparse.Namespace, ggufs: dict[str, Path]) -> dict[str, 
 
 def prefill(args: argparse.Namespace, ggufs: dict[str, Path]) -> dict[str, Any]:
     """Time to first token of LONG_PROMPT at the bf16 bound (see the module docstring)."""
-    from offload_baselines import drop_pages, make_cgroup, remove_cgroup
+    from stmoe.util.cgroup import drop_pages, make_cgroup, remove_cgroup
 
     limit = bounds(ggufs, args)["bf16"]["llama.cpp BF16"]
     tables(checkpoint())

@@ -217,7 +217,9 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     """A system a user would pick instead (``offload_baselines``), the same routing forced
     on its layers; bounded by the cgroup the parent made, or by dropping pages."""
     import torch
-    from offload_baselines import decode_speed, drop_pages, enter_cgroup, load_baseline
+    from offload_baselines import decode_speed, load_baseline
+
+    from stmoe.util.cgroup import drop_pages, enter_cgroup
 
     if args.cgroup:
         enter_cgroup(Path(args.cgroup))
@@ -284,7 +286,7 @@ def calibrate(args: argparse.Namespace, tier: str, rnd: int) -> Path:
 def spawn_bounded(args: argparse.Namespace, system: str, limit: int) -> dict[str, Any]:
     """``system`` with the whole process (page cache included) bounded to ``limit`` bytes:
     a fresh cgroup per run, the checkpoint's pages dropped first (charged to none)."""
-    from offload_baselines import cgroup_peak, drop_pages, make_cgroup, remove_cgroup
+    from stmoe.util.cgroup import cgroup_peak, drop_pages, make_cgroup, remove_cgroup
 
     model_dir, _, _ = prepare(args)
     drop_pages(model_dir)

@@ -8,69 +8,18 @@
   forward call).
 
 The bound covers the whole process, page cache included: each bounded run gets its own
-memory cgroup (cgroup v2 ``memory.max``, or v1 ``memory.limit_in_bytes`` where only v1 is
-mounted and writable), entered by the child before it loads anything, and the checkpoint's
-pages are dropped from the page cache first, so none is charged elsewhere. Where no cgroup
-can be made, every forward call drops the checkpoint's pages first: the bound's worst case
-(nothing kept between tokens), said as such in the output.
+memory cgroup (``stmoe.util.cgroup``: v2 ``memory.max``, or v1 ``memory.limit_in_bytes`` where
+only v1 is mounted and writable), entered by the child before it loads anything, and the
+checkpoint's pages are dropped from the page cache first, so none is charged elsewhere. Where
+no cgroup can be made, every forward call drops the checkpoint's pages first: the bound's worst
+case (nothing kept between tokens), said as such in the output.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from pathlib import Path
 from typing import Any
-
-CGROUP_V2 = Path("/sys/fs/cgroup")
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-
-
-def make_cgroup(name: str, limit: int) -> Path | None:
-    """A memory cgroup of ``limit`` bytes (page cache included), or None where none can be
-    made here (no cgroup file system mounted, or not writable)."""
-    if (CGROUP_V2 / "cgroup.controllers").is_file():
-        path, knob = CGROUP_V2 / name, "memory.max"
-    elif (CGROUP_V1 / "memory.limit_in_bytes").is_file():
-        path, knob = CGROUP_V1 / name, "memory.limit_in_bytes"
-    else:
-        return None
-    try:
-        path.mkdir(exist_ok=True)
-        (path / knob).write_text(str(limit))
-    except OSError:
-        return None
-    return path
-
-
-def enter_cgroup(path: Path) -> None:
-    """The calling process joins ``path`` (its memory from now on counts against the bound)."""
-    (path / "cgroup.procs").write_text(str(os.getpid()))
-
-
-def cgroup_peak(path: Path) -> int | None:
-    """The most memory the cgroup ever held (RSS and page cache), if the kernel says."""
-    for knob in ("memory.peak", "memory.max_usage_in_bytes"):
-        if (path / knob).is_file():
-            return int((path / knob).read_text().split()[0])
-    return None
-
-
-def remove_cgroup(path: Path) -> None:
-    with contextlib.suppress(OSError):  # still has a process (it would be gone): leave it
-        path.rmdir()
-
-
-def drop_pages(folder: Path) -> None:
-    """Drop the page cache's copy of every file in ``folder`` (clean pages: no root needed)."""
-    for f in folder.iterdir():
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def load_baseline(kind: str, model_dir: Path, budget: int, offload_dir: Path) -> Any:

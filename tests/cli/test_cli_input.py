@@ -88,8 +88,8 @@ def test_emoji_codes_in_labels_print_literally(cli, small, tmp_path):
     ("args", "fragments"),
     [
         (["eval", "{t}", "--seed", "-1"], ["--seed -1", "integer >= 0"]),
-        (["eval", "{t}", "--capacity", "100"], ["--capacity 100", "from 1 to 8", "8 experts"]),
-        (["eval", "{t}", "--capacity", "0"], ["--capacity 0", "from 1 to 8"]),
+        (["eval", "{t}", "--capacity", "100"], ["--capacity 100", "so at most 8", "2 to 8"]),
+        (["eval", "{t}", "--capacity", "0"], ["--capacity 0", "below the router's top-2"]),
         (["eval", "{t}", "--set-size", "9"], ["--set-size 9", "from 0 to 8"]),
         (["eval", "{t}", "--set-size", "-1"], ["--set-size -1", "from 0 to 8"]),
         (["eval", "{t}", "--horizon", "4"], ["--horizon 4", "from 1 to 3"]),
@@ -185,7 +185,7 @@ def test_generate_refuses_a_model_path_that_is_not_a_folder(cli, small):
         ("17", "at most 16"),
         ("-5", "above zero"),
         ("1e400", "above zero"),
-        (True, "expected experts per layer"),
+        (True, "not a count, a share or a size"),
     ],
 )
 def test_capacity_beyond_the_experts_is_refused(capacity, message):
@@ -213,6 +213,103 @@ def test_parse_bytes_refuses_non_finite_and_non_positive(text):
 
     with pytest.raises(UnitError):
         parse_bytes(text)
+
+
+def test_sizes_take_terabytes():
+    """Issue 44: ``--memory 1TB`` was refused as an unknown unit."""
+    from stmoe.util.units import parse_bytes
+
+    assert parse_bytes("1TB") == 1e12 and parse_bytes("2TiB") == 2 * 2**40
+    assert parse_bytes("1.5tb") == 1.5e12 and parse_bytes("1TB/s") == 1e12
+
+
+# One capacity parser (issue 42, item 3): 16 experts per layer, top-4, 4 layers of 1000-byte
+# experts; every caller reads a capacity through it.
+
+
+@pytest.mark.parametrize(
+    ("capacity", "per_layer"),
+    [
+        (8, 8), ("8", 8), (" 16 ", 16), (4, 4),  # counts, top-k to N
+        ("50%", 8), ("100%", 16), ("25%", 4), ("31.25%", 5),  # shares of N, rounded
+        ("24KB", 6), ("16000B", 4), ("64GB", 16), ("1TB", 16),  # bytes: a ceiling
+    ],
+)
+def test_a_capacity_in_every_form_gives_experts_per_layer(capacity, per_layer):
+    from stmoe.util.units import capacity_per_layer
+
+    assert capacity_per_layer(capacity, 16, 4, num_layers=4, expert_bytes=1000) == per_layer
+
+
+@pytest.mark.parametrize(
+    ("capacity", "problem"),
+    [
+        (17, "there are 16 experts per layer, so at most 16"),
+        ("3", "gives 3 experts per layer, below the router's top-4"),
+        (0, "gives 0 experts per layer, below the router's top-4"),
+        (-1, "gives -1 experts per layer"),
+        ("20%", "gives 3 experts per layer, below the router's top-4"),
+        ("0%", "gives 0 experts per layer"),
+        ("100.5%", "a share is from 0% to 100%"),
+        ("-5%", "a share is from 0% to 100%"),
+        ("nan%", "a share is from 0% to 100%"),
+        ("x%", "not a share"),
+        ("15999B", "gives 3 experts per layer"),  # bytes: 3 of 1000 in each of 4 layers
+        ("1KB", "gives 0 experts per layer"),
+        ("-5", "not a finite size above zero"),
+        ("1e400", "not a finite size above zero"),
+        ("3 parsecs", "unknown unit 'parsecs'"),
+        ("lots", "not a count, a share or a size"),
+        (True, "not a count, a share or a size"),
+    ],
+)
+def test_a_capacity_out_of_bounds_names_what_was_given_and_what_is_allowed(capacity, problem):
+    from stmoe.util.units import UnitError, capacity_per_layer
+
+    with pytest.raises(UnitError) as refused:
+        capacity_per_layer(capacity, 16, 4, num_layers=4, expert_bytes=1000)
+    message = str(refused.value)
+    given = repr(capacity) if isinstance(capacity, str) else str(capacity)
+    assert message.startswith(f"capacity {given}"), message
+    assert problem in message, message
+    assert message.endswith("expected 4 to 16 experts per layer, a share of the experts (50%, "
+                            "at most 100%) or a size in bytes (64MB)"), message
+
+
+def test_a_capacity_of_the_forms_a_caller_takes_refused_in_its_error_and_name():
+    from stmoe.errors import OffloadError
+    from stmoe.util.units import capacity_per_layer
+
+    with pytest.raises(OffloadError, match=r"^--capacity '64MB': not a count or a share; "
+                       r"expected 2 to 8 experts per layer or a share of the experts"):
+        capacity_per_layer("64MB", 8, 2, forms=("count", "share"), name="--capacity",
+                           error=OffloadError)
+    with pytest.raises(OffloadError, match=r"^--capacity '50%': not a count; expected 2 to 8 "
+                       r"experts per layer$"):
+        capacity_per_layer("50%", 8, 2, forms=("count",), name="--capacity", error=OffloadError)
+    assert capacity_per_layer("0", 8, 0, forms=("count",)) == 0  # a bound of 0: none is allowed
+
+
+def test_a_byte_budget_before_the_experts_size_is_known_is_checked_for_its_grammar_only():
+    from stmoe.util.units import UnitError, capacity_per_layer
+
+    assert capacity_per_layer("1B", 16, 4) is None  # its count: once the store is open
+    assert capacity_per_layer("50%", 16, 4) == 8
+    with pytest.raises(UnitError, match="unknown unit"):
+        capacity_per_layer("1XB", 16, 4)
+
+
+def test_the_config_names_are_read_from_a_config_object_or_its_json():
+    from types import SimpleNamespace
+
+    from stmoe.util.config_names import NUM_EXPERTS, TOP_K, config_int
+
+    mixtral = {"num_local_experts": 8, "num_experts_per_tok": 2}
+    assert (config_int(mixtral, NUM_EXPERTS), config_int(mixtral, TOP_K)) == (8, 2)
+    multimodal = SimpleNamespace(text_config=SimpleNamespace(n_routed_experts=64, moe_topk=6))
+    assert (config_int(multimodal, NUM_EXPERTS), config_int(multimodal, TOP_K)) == (64, 6)
+    assert config_int({"num_experts": True, "top_k": 0}, NUM_EXPERTS + TOP_K) is None
+    assert config_int(None, TOP_K) is None and config_int([1], TOP_K) is None
 
 
 @pytest.mark.parametrize("text", ["inf", "nan", "-5s", "-1ms", "1e400"])

@@ -226,8 +226,10 @@ def test_reads_follow_a_traces_routing(tiny, tmp_path, cli):
     (("--pipeline", "runtime", "--policy", "lfu"), "--policy: an option of --pipeline accelerator"),
     (("--pipeline", "runtime", "--batch", "4"), "--batch: an option of --pipeline accelerator"),
     (("--capacity", "25%"), "--capacity: an option of --pipeline runtime"),
-    (("--pipeline", "runtime", "--capacity", "nan%"), "expected 1 to 16 experts per layer"),
-    (("--pipeline", "runtime", "--capacity", "-5%"), "expected 1 to 16 experts per layer"),
+    (("--pipeline", "runtime", "--capacity", "nan%"), "expected 4 to 16 experts per layer"),
+    (("--pipeline", "runtime", "--capacity", "-5%"), "a share is from 0% to 100%"),
+    (("--pipeline", "runtime", "--capacity", "2"), "below the router's top-4"),
+    (("--pipeline", "runtime", "--capacity", "64MB"), "not a count or a share"),
 ])
 def test_simulate_refuses_what_its_pipeline_would_ignore(tiny, tmp_path, cli, args, message):
     """An option of the other pipeline, or an absurd capacity, is one line, not ignored."""

@@ -12,11 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import REPO, one_line_error  # noqa: E402
+from conftest import one_line_error  # noqa: E402
 from stmoe.errors import OffloadError  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.memory import KV_RESERVE, plan_memory  # noqa: E402
 from stmoe.runtime.store import pack  # noqa: E402
+from stmoe.util.cgroup import cgroup_peak, make_cgroup, remove_cgroup  # noqa: E402
 from tiny_moe import tiny_model  # noqa: E402
 
 MIB = 1 << 20
@@ -84,9 +85,6 @@ def test_a_process_under_a_cgroup_of_its_budget_stays_within_it(store, tmp_path)
     its experts from a packed store or read in place from its checkpoint: it generates,
     and the cgroup's peak stays within the bound. Skipped where no memory cgroup can be
     made (an unprivileged container)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from offload_baselines import cgroup_peak, make_cgroup, remove_cgroup
-
     limit = int(1.2 * 2**30)
     group = make_cgroup(f"stmoe-test-memory-{tmp_path.name}", limit)
     if group is None:

@@ -134,8 +134,8 @@ def test_simulate_cli_takes_the_buffer_in_experts_shares_or_bytes(tmp_path, cli)
         assert result.exit_code == 0, result.output
         buf = json.loads(result.output)["buffer"]
         assert (buf["experts_per_layer"], buf["for"]) == (experts, "epu"), value
-    for args, message in ((("--buffer", "61"), "expected at most 60 experts per layer"),
-                          (("--buffer", "3x"), "--buffer: capacity '3x'"),
+    for args, message in ((("--buffer", "61"), "so at most 60"),
+                          (("--buffer", "3x"), "--buffer '3x': unknown unit 'x'"),
                           (("--buffer-for", "gpu"), "--buffer-for gpu: expected all or epu")):
         result = cli("simulate", path, "--model", "qwen1.5-moe-a2.7b", *args)
         assert result.exit_code != 0 and message in result.output, result.output

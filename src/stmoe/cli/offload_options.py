@@ -200,41 +200,22 @@ def offload_for(command: str, model: Path, store: Path | None, capacity: str | N
 
 
 def check_capacity_early(model: Path, capacity: str | None) -> None:
-    """A --capacity the model cannot take, refused from its config.json alone: the
-    grammar, a count above its N, a share or count below its top-k. A byte budget's check
-    needs the store, so it comes later."""
+    """A --capacity the model cannot take, refused from its config.json alone
+    (``util.units.capacity_per_layer``: the grammar, a count above its N, a share or
+    count below its top-k). A byte budget's count needs the store, so it comes later."""
     import json
-    from types import SimpleNamespace
 
-    from stmoe.errors import OffloadError, StmoeError
-    from stmoe.runtime.options import resolve_capacity, top_k_of
-    from stmoe.util.units import UnitError, parse_capacity
+    from stmoe.errors import StmoeError
+    from stmoe.util.config_names import NUM_EXPERTS, TOP_K, config_int
+    from stmoe.util.units import capacity_per_layer
 
     if capacity is None:
-        return
-    try:
-        parsed = parse_capacity(capacity)
-    except UnitError as exc:
-        raise StmoeError(str(exc)) from None
-    if parsed.kind == "bytes":
         return
     try:
         config = json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
         return  # the loader says what is wrong with the folder
-    if not isinstance(config, dict):
-        return
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    found = [c.get(k) for c in (config, text) for k in ("num_experts", "num_local_experts",
-                                                        "n_routed_experts")]
-    experts = next((n for n in found if isinstance(n, int)), None)
-    try:
-        top_k = top_k_of(SimpleNamespace(**config, text_config=SimpleNamespace(**text)))
-    except OffloadError:
-        return  # the loader says what the config lacks
-    if experts is None:
-        return
-    try:
-        resolve_capacity(capacity, 1, experts, top_k, 1)
-    except OffloadError as exc:
-        raise StmoeError(str(exc)) from None
+    experts, top_k = (config_int(config, names) for names in (NUM_EXPERTS, TOP_K))
+    if not isinstance(config, dict) or experts is None or top_k is None:
+        return  # the loader says what the config lacks; the runtime checks the capacity then
+    capacity_per_layer(capacity, experts, top_k, error=StmoeError)

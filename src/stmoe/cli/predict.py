@@ -38,6 +38,7 @@ from stmoe.predictors.tables import ProfiledTables
 from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
 from stmoe.trace.ranks import is_ranked, set_order
 from stmoe.trace.select import select_layers
+from stmoe.util.units import capacity_per_layer
 
 SplitOpt = Annotated[
     float | None,
@@ -225,7 +226,9 @@ def eval_cmd(
     trace = _select(import_files([trace_path]), domain, split, 1)
     n = trace.meta.num_experts
     why = f"the trace has {n} experts per layer"
-    check_range("--capacity", capacity, 1, n, why=why)
+    if capacity is not None:
+        capacity_per_layer(capacity, n, trace.meta.top_k, forms=("count",), name="--capacity",
+                           error=StmoeError)
     policy_code(policy, REPLAY, StmoeError)  # checked even where no --capacity uses it
     check_range("--set-size", set_size, 0, n, why=why)
     if tables is not None:

@@ -22,7 +22,7 @@ from stmoe.cli.common import (
 )
 from stmoe.errors import StmoeError
 from stmoe.runtime.options import OffloadOptions
-from stmoe.util.units import Capacity, UnitError, parse_capacity
+from stmoe.util.units import capacity_per_layer
 
 RUNTIME_CAPACITY = str(OffloadOptions.capacity)  # the runtime's own default cache size
 
@@ -192,17 +192,10 @@ def _with_buffer(hw: Any, model: Any, buffer: str | None, buffer_for: str | None
         raise StmoeError(f"--buffer-for {clean_label(buffer_for)}: expected "
                          f"{' or '.join(BUFFER_FOR)}")
     changes: dict[str, Any] = {} if buffer_for is None else {"buffer_for": buffer_for}
-    if buffer is not None:
-        try:
-            parsed = parse_capacity(buffer)
-        except UnitError as exc:
-            raise StmoeError(f"--buffer: {exc}") from None
-        experts = parsed.per_layer(model.num_experts, 1, model.expert_bytes)  # bytes: a layer's
-        if parsed.kind == "count" and parsed.value > model.num_experts:
-            raise StmoeError(f"--buffer {clean_label(buffer)}: expected at most "
-                             f"{model.num_experts} experts per layer ({model.name} has "
-                             f"{model.num_experts})")
-        changes["cache_experts_per_layer"] = int(min(experts, model.num_experts))
+    if buffer is not None:  # bytes: one layer's buffer; none at all is allowed (0)
+        changes["cache_experts_per_layer"] = capacity_per_layer(
+            buffer, model.num_experts, 0, expert_bytes=model.expert_bytes, name="--buffer",
+            error=StmoeError)
     return dataclasses.replace(hw, **changes) if changes else hw
 
 
@@ -249,21 +242,10 @@ def _runtime(trace: Any, model: Any, hw: Any, system: list[str] | None, tables: 
     if tables is None:  # as benchmarks/bench_offload_real.py: in-sample, said so
         tables = profile(trace, fit_plus=needs_plus_fit(systems))
         note = "profiled on the simulated trace itself (IN-SAMPLE)"
-    text = capacity.strip()
-    try:
-        parsed: Capacity | None = parse_capacity(text, allow_bytes=False)
-    except UnitError:
-        if not (text.endswith("%") or text.lstrip("-").isdigit()):
-            raise StmoeError(f"--capacity {clean_label(capacity)}: expected experts per layer "
-                             "(8) or a share (50%)") from None
-        parsed = None  # a number out of range
-    limit = 100 if text.endswith("%") else model.num_experts
-    if parsed is None or not 0 < parsed.value <= limit:
-        raise StmoeError(f"--capacity {clean_label(capacity)}: expected 1 to "
-                         f"{model.num_experts} experts per layer or a share "
-                         "in (0%, 100%]")
-    per_layer = parsed.per_layer(model.num_experts)
-    options = HostOptions(capacity=int(per_layer), sequence=sequence,
+    per_layer = capacity_per_layer(capacity, model.num_experts, model.top_k,
+                                   expert_bytes=model.expert_bytes, forms=("count", "share"),
+                                   name="--capacity", error=StmoeError)
+    options = HostOptions(capacity=per_layer, sequence=sequence,
                           decode_tokens=decode_tokens, tables=tables)
     data = simulate_runtime(trace, model, hw, systems, options)
     data["tables"] = note

@@ -22,11 +22,8 @@ from stmoe.models import SHIPPED_TABLES
 from stmoe.predictors import make
 from stmoe.predictors.base import ModelShape, Predictor
 from stmoe.quant.formats import WeightFormat, parse_format
-from stmoe.util.units import UnitError, parse_bytes, parse_capacity, parse_seconds
-
-_TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k",
-                "experts_per_token", "n_activated_experts")
-
+from stmoe.util.config_names import TOP_K, config_int
+from stmoe.util.units import UnitError, capacity_per_layer, parse_bytes, parse_seconds
 
 TIERS = ("disk", "emulated", "gpu")  # the names stmoe.offload's ``tier`` takes
 
@@ -234,37 +231,23 @@ def with_overrides(options: OffloadOptions, overrides: dict[str, Any]) -> Offloa
     return dataclasses.replace(options, **overrides)
 
 
-def top_k_of(config: Any) -> int:
-    """The router's K from a transformers config (text sub-config included)."""
-    for cfg in (config, getattr(config, "text_config", None)):
-        for name in _TOP_K_NAMES:
-            value = getattr(cfg, name, None) if cfg is not None else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    raise OffloadError(f"cannot tell the router's top-k from the {type(config).__name__}; "
-                       f"expected one of {', '.join(_TOP_K_NAMES)}")
+def top_k_of(config: object) -> int:
+    """The router's K from a transformers config (text sub-config included), read under the
+    names of ``util.config_names.TOP_K``."""
+    top_k = config_int(config, TOP_K)
+    if top_k is None:
+        raise OffloadError(f"cannot tell the router's top-k from the {type(config).__name__}; "
+                           f"expected one of {', '.join(TOP_K)}")
+    return top_k
 
 
 def resolve_capacity(capacity: int | str, num_layers: int, num_experts: int, top_k: int,
                      expert_bytes: int) -> int:
-    """Experts per layer from a count (8), a share of the experts ('50%'), or a byte
-    budget for the whole model ('64MB'), the grammar of ``util.units.parse_capacity``.
-    Below top-K is an error, and so are a count above N and a share above 100%; a byte
-    budget above what all experts take caches them all (a budget is a ceiling, not a
-    request)."""
-    try:
-        parsed = parse_capacity(capacity)
-    except UnitError as exc:
-        raise OffloadError(str(exc)) from None
-    if parsed.kind == "count" and parsed.value > num_experts:
-        raise OffloadError(f"capacity {capacity!r}: the model has {num_experts} experts "
-                           f"per layer, so at most {num_experts} (or 100%)")
-    count = parsed.per_layer(num_experts, num_layers, expert_bytes)
-    if count < top_k:
-        raise OffloadError(f"capacity {capacity!r} gives {count} experts per layer, below the "
-                           f"router's top-{top_k}; one token's experts must fit, so use at "
-                           f"least {top_k} (of {num_experts})")
-    return count
+    """Experts per layer from a count (8), a share of the experts ('50%') or a byte budget
+    for the whole model ('64MB'): ``util.units.capacity_per_layer`` (its grammar, bounds
+    and message), refused as the runtime's ``OffloadError``."""
+    return capacity_per_layer(capacity, num_experts, top_k, num_layers=num_layers,
+                              expert_bytes=expert_bytes, error=OffloadError)
 
 
 def resolve_predictor(options: OffloadOptions, shape: ModelShape,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stmoe.errors import StmoeError
+from stmoe.util.config_names import NUM_EXPERTS, TOP_K
 
 
 class SpecError(StmoeError, ValueError):
@@ -270,7 +271,8 @@ def model_spec_from_config(
     config: Any, moe_layers: int, name: str, dtype_bytes: int = 4
 ) -> ModelSpec:
     """A ModelSpec from a transformers MoE config (Qwen-MoE-style field names, with the
-    usual alternatives), for simulating a model that has no preset."""
+    usual alternatives; the experts' and top-k's from ``util.config_names``), for
+    simulating a model that has no preset."""
 
     def first(*keys: str, default: Any = None) -> Any:
         for key in keys:
@@ -288,8 +290,8 @@ def model_spec_from_config(
         dense_layers=int(first("num_hidden_layers")) - moe_layers,
         hidden=int(first("hidden_size")),
         expert_intermediate=int(first("moe_intermediate_size", "intermediate_size")),
-        num_experts=int(first("num_experts", "num_local_experts", "n_routed_experts")),
-        top_k=int(first("num_experts_per_tok")),
+        num_experts=int(first(*NUM_EXPERTS)),
+        top_k=int(first(*TOP_K)),
         shared_intermediate=int(first("shared_expert_intermediate_size", default=0)),
         attention_heads=int(first("num_attention_heads")),
         kv_heads=int(first("num_key_value_heads", "num_attention_heads")),

@@ -1,44 +1,54 @@
-"""Sizes, durations and the capacity grammar, parsed in one place (no torch).
+"""Sizes, durations and cache capacities, parsed (and a capacity bounds-checked) in one place
+(no torch).
 
-Why one module: the runtime (``--capacity``, ``--bandwidth``, ``--latency``), calibrate
-and the simulator's runtime pipeline read the same texts; two parsers of "50%" would
-drift apart. Each parser refuses with a ``UnitError`` that says what it expected; the
-caller prefixes the option's name.
+Why one module: the runtime (``--capacity``, ``--memory``, ``--bandwidth``, ``--latency``),
+the CLI's checks before torch loads, calibrate, eval and the simulator read the same texts;
+two parsers of "50%", or two checks of its bounds, would drift apart. Each refuses with a
+``UnitError`` (or the caller's error type) that says what it expected.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Collection
+from typing import Literal, overload
 
 from stmoe.errors import StmoeError
 
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20,
-               "gib": 2**30}
-CAPACITY_GRAMMAR = ("expected experts per layer (8), a share of the experts (50%) or a size "
-                    "in bytes (64MB)")
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
+               "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+CapacityForm = Literal["count", "share", "bytes"]
+CAPACITY_FORMS: tuple[CapacityForm, ...] = ("count", "share", "bytes")
 
 
 class UnitError(StmoeError, ValueError):
-    """A size, duration or capacity text that does not parse."""
+    """A size, duration or capacity that does not parse, or a capacity out of bounds."""
 
 
 def parse_bytes(text: str) -> float:
-    """'200MB' -> 2e8, '1.5GiB' -> 1.5 * 2**30, '5e7' -> 5e7 (bytes, or bytes per second):
-    a finite amount above zero."""
+    """'200MB' -> 2e8, '1.5GiB' -> 1.5 * 2**30, '1TB' -> 1e12, '5e7' -> 5e7 (bytes, or
+    bytes per second): a finite amount above zero."""
+    try:
+        return _size(text)
+    except UnitError as exc:
+        raise UnitError(f"{text!r}: {exc}") from None
+
+
+def _size(text: str) -> float:
+    """``parse_bytes`` refusing with the problem alone (the caller names the text)."""
     s = text.strip().lower().removesuffix("/s")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num) :].strip()
     try:
         value = float(num)
     except ValueError:
-        raise UnitError(f"{text!r} is not a size; expected a number with an optional unit "
-                        "such as 200MB, 1.5GiB or 5e7") from None
+        raise UnitError("not a size (a number with an optional unit, such as 200MB, 1.5GiB "
+                        "or 5e7)") from None
     if unit not in _BYTE_UNITS:
-        raise UnitError(f"{text!r}: unknown unit {unit!r}; use B, KB, MB, GB, KiB, MiB or GiB")
+        raise UnitError(f"unknown unit {unit!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)")
     if not (math.isfinite(value * _BYTE_UNITS[unit]) and value > 0):
-        raise UnitError(f"{text!r}: expected a finite size above zero, such as 200MB")
+        raise UnitError("not a finite size above zero (such as 200MB)")
     return value * _BYTE_UNITS[unit]
 
 
@@ -60,48 +70,84 @@ def parse_seconds(text: str) -> float:
     return seconds
 
 
-@dataclass(frozen=True)
-class Capacity:
-    """A parsed cache size: ``count`` experts per layer, a ``share`` of them (0..100, in
-    percent), or a ``bytes`` budget for the whole model."""
-
-    kind: Literal["count", "share", "bytes"]
-    value: float
-
-    def per_layer(self, num_experts: int, num_layers: int = 1, expert_bytes: int = 1) -> int:
-        """Experts per layer for a model of these sizes (a byte budget above what all
-        experts take caches them all: a budget is a ceiling, not a request)."""
-        if self.kind == "count":
-            return int(self.value)
-        if self.kind == "share":
-            return round(self.value / 100 * num_experts)
-        return int(min(self.value // (expert_bytes * num_layers), num_experts))
+@overload
+def capacity_per_layer(capacity: int | str, num_experts: int, top_k: int, *,
+                       expert_bytes: int, num_layers: int = 1,
+                       forms: Collection[CapacityForm] = CAPACITY_FORMS,
+                       name: str = "capacity",
+                       error: type[Exception] = UnitError) -> int: ...
 
 
-def parse_capacity(capacity: int | str, *, allow_bytes: bool = True) -> Capacity:
-    """``8``, ``"8"``, ``"50%"`` (0% to 100%) or, where ``allow_bytes``, ``"64MB"``.
+@overload
+def capacity_per_layer(capacity: int | str, num_experts: int, top_k: int, *,
+                       expert_bytes: None = None, num_layers: int = 1,
+                       forms: Collection[CapacityForm] = CAPACITY_FORMS,
+                       name: str = "capacity",
+                       error: type[Exception] = UnitError) -> int | None: ...
 
-    The count's upper bound (the model's N) is the caller's to check: it is not known
-    here."""
-    text = str(capacity).strip()
-    if isinstance(capacity, bool):
-        raise UnitError(f"capacity {capacity!r}: {CAPACITY_GRAMMAR}")
-    if isinstance(capacity, int) or text.isdigit():
-        return Capacity("count", int(text))
-    if text.endswith("%"):
+
+def capacity_per_layer(capacity: int | str, num_experts: int, top_k: int, *,
+                       expert_bytes: int | None = None, num_layers: int = 1,
+                       forms: Collection[CapacityForm] = CAPACITY_FORMS,
+                       name: str = "capacity",
+                       error: type[Exception] = UnitError) -> int | None:
+    """A cache's experts per layer from ``capacity``, parsed and bounds-checked: the one
+    place every caller (``stmoe.offload``, the CLI before torch loads, calibrate, eval, the
+    simulator, the engine) reads a capacity, so each refuses the same values in the same
+    words. It is a count (8 or "8"), a share of the ``num_experts`` ("50%", 0% to 100%)
+    or a byte budget for ``num_layers`` layers of ``expert_bytes`` experts ("64MB"), of
+    the ``forms`` the caller takes; what it gives must be ``top_k`` to ``num_experts`` (a
+    byte budget above what all experts take gives all of them: a ceiling, not a request).
+
+    A refusal is one ``error`` naming ``name``, the value given and what is allowed.
+    ``expert_bytes`` None (the CLI, before the store is open): a byte budget's grammar is
+    checked and None returned; its count is checked where its experts' size is known."""
+    text = "" if isinstance(capacity, bool) else str(capacity).strip()
+    given = f"{name} {capacity!r}" if isinstance(capacity, str) else f"{name} {capacity}"
+    allowed = _allowed(num_experts, top_k, forms)
+
+    def refused(problem: str) -> Exception:
+        return error(f"{given}: {problem}; {allowed}")
+
+    if "count" in forms and (type(capacity) is int or text.isdigit()):
+        count = int(text)
+    elif "share" in forms and text.endswith("%"):
         try:
             share = float(text[:-1])
         except ValueError:
-            raise UnitError(f"capacity {capacity!r}: {CAPACITY_GRAMMAR}") from None
+            raise refused("not a share") from None
         if not (math.isfinite(share) and 0 <= share <= 100):
-            raise UnitError(f"capacity {capacity!r}: expected a share from 0% to 100%")
-        return Capacity("share", share)
-    if not allow_bytes:
-        raise UnitError(f"capacity {capacity!r}: {CAPACITY_GRAMMAR}")
-    try:
-        return Capacity("bytes", parse_bytes(text))
-    except UnitError as exc:
-        raise UnitError(f"capacity {text!r}: {CAPACITY_GRAMMAR} ({exc})") from None
+            raise refused("a share is from 0% to 100%")
+        count = round(share / 100 * num_experts)
+    elif "bytes" in forms and any(c.isdigit() for c in text):
+        try:
+            budget = _size(text)
+        except UnitError as exc:
+            raise refused(str(exc)) from None
+        if expert_bytes is None:
+            return None
+        count = int(min(budget // (expert_bytes * num_layers), num_experts))
+    else:
+        raise refused(_listed(["a count", "a share", "a size"], forms, "not "))
+    if count > num_experts:
+        raise refused(f"there are {num_experts} experts per layer, so at most {num_experts}")
+    if count < top_k:
+        raise error(f"{given} gives {count} experts per layer, below the router's "
+                    f"top-{top_k} (one token's experts must fit); {allowed}")
+    return count
+
+
+def _allowed(num_experts: int, top_k: int, forms: Collection[CapacityForm]) -> str:
+    """What a capacity of these forms may be, for a refusal's message."""
+    return _listed([f"{top_k} to {num_experts} experts per layer",
+                    "a share of the experts (50%, at most 100%)", "a size in bytes (64MB)"],
+                   forms, "expected ")
+
+
+def _listed(phrases: list[str], forms: Collection[CapacityForm], head: str) -> str:
+    """``head`` and the phrases of ``forms`` (in ``CAPACITY_FORMS`` order), as a list."""
+    kept = [p for f, p in zip(CAPACITY_FORMS, phrases, strict=True) if f in forms]
+    return head + (f"{', '.join(kept[:-1])} or {kept[-1]}" if len(kept) > 1 else kept[0])
 
 
 def parse_layer_range(layers: int | str, total: int) -> tuple[int, int]:

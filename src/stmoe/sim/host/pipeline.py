@@ -56,6 +56,7 @@ from stmoe.admission import Admission
 from stmoe.sim.host.inputs import HostCosts, HostRun
 from stmoe.sim.host.tier import Tier
 from stmoe.sim.specs import SpecError
+from stmoe.util.units import capacity_per_layer
 
 _NO_FUTURE = np.zeros(0, dtype=np.int64)
 ABSENT, LOADING, READY = 0, 1, 2
@@ -285,8 +286,8 @@ class _Sim:
 
 def simulate_host(run: HostRun, costs: HostCosts, num_experts: int) -> dict[str, float]:
     """Decode time and counters of ``run`` on a host with ``costs`` (module docstring)."""
-    if run.capacity < run.experts.shape[2]:
-        raise SpecError(f"capacity {run.capacity} is below top-{run.experts.shape[2]}")
+    capacity_per_layer(run.capacity, num_experts, run.experts.shape[2], forms=("count",),
+                       error=SpecError)
     sim = _Sim(run, costs, num_experts)
     n_layers = run.experts.shape[1]
     decode = run.experts.shape[0] - run.prefill

@@ -27,6 +27,7 @@ from stmoe.sim.host.pipeline import HostCosts, HostRun, simulate_host
 from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import select_sequences
+from stmoe.util.units import capacity_per_layer
 
 # the runtime's compared systems but hybrid (its gate lookahead reads the model's routers)
 RUNTIME_SYSTEMS = {k: v for k, v in OFFLOAD_SYSTEMS.items() if k != "hybrid"}
@@ -148,9 +149,8 @@ def simulate_runtime(trace: RoutingTrace, model: ModelSpec, hw: HardwareSpec,
         raise SpecError("the runtime pipeline's predictors need tables (--tables)")
     if options.tables is not None:
         options.tables.check_fits(ModelShape.of(seq))
-    if not model.top_k <= options.capacity <= model.num_experts:
-        raise SpecError(f"capacity {options.capacity} experts per layer: expected "
-                        f"{model.top_k}..{model.num_experts} (top-k..N)")
+    capacity_per_layer(options.capacity, model.num_experts, model.top_k, forms=("count",),
+                       error=SpecError)
     costs = host_costs(model, hw)
     return {
         "pipeline": "runtime", "model": model.name, "hardware": hw.name,
