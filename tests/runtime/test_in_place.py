@@ -151,6 +151,59 @@ def test_a_damaged_or_hand_made_index_is_refused_naming_the_entry(case, indexed)
     assert words in str(err.value) and str(index_dir) in str(err.value)
 
 
+def _crc_of(folder, index: dict, extents: list) -> int:
+    """The CRC-32C of the bytes ``extents`` name (what a forger recomputes)."""
+    from stmoe.runtime.store.index import block_crc
+
+    crc = 0
+    for file, offset, nbytes in extents:
+        with open(folder / index["source"]["files"][file][0], "rb") as f:
+            crc = block_crc(os.pread(f.fileno(), nbytes, offset), crc)
+    return crc
+
+
+def _swapped(folder, index: dict) -> None:
+    """Blocks (1, 2) and (1, 5) trade extents and CRC-32Cs: no byte overlaps, every read
+    passes its checksum, each expert serves the other's weights."""
+    one, two = (next(b for b in index["blocks"] if (b["layer"], b["expert"]) == (1, e))
+                for e in (2, 5))
+    for key in ("extents", "crc32c"):
+        one[key], two[key] = two[key], one[key]
+
+
+def _header(folder, index: dict) -> None:
+    """Block (0, 3)'s first 64 bytes read from the file's safetensors header instead."""
+    b = next(b for b in index["blocks"] if (b["layer"], b["expert"]) == (0, 3))
+    (file, offset, nbytes), *rest = b["extents"]
+    b["extents"] = [[file, 0, 64], [file, offset + 64, nbytes - 64], *rest]
+    b["crc32c"] = _crc_of(folder, index, b["extents"])
+
+
+@pytest.mark.parametrize("forge", [_swapped, _header], ids=["swapped", "header"])
+def test_a_forged_index_is_refused_where_the_checkpoint_says_otherwise(indexed, forge, cli):
+    """Sound on its own terms (checksum recomputed, no overlap, each CRC-32C its bytes'), so
+    only the checkpoint's headers can tell: the extents are derived again at open."""
+    folder, index_dir = indexed
+    _rewrite(index_dir, lambda i: forge(folder, i))
+    store = ExpertStore(index_dir)
+    with pytest.raises(StoreError) as err:
+        store.check_source(folder)
+    msg = str(err.value)
+    where = "layer 1, expert 2" if forge is _swapped else "layer 0, expert 3"
+    assert f"{where} lists bytes" in msg and "safetensors headers hold that expert" in msg
+    assert "\n" not in msg and str(index_dir) in msg
+    with pytest.raises(StoreError, match="safetensors headers"):
+        offload(folder, index_dir, capacity="100%", predictor="ondemand")
+    result = cli("pack", str(folder), "-o", str(index_dir), "--verify")
+    assert result.exit_code == 1 and "safetensors headers" in result.output
+
+
+def test_verify_proves_an_in_place_index(indexed, cli):
+    folder, index_dir = indexed
+    result = cli("pack", str(folder), "-o", str(index_dir), "--verify")
+    assert result.exit_code == 0 and "every block of this in-place index" in result.output
+
+
 def test_one_flipped_byte_of_the_index_fails_its_checksum(indexed):
     _, index_dir = indexed
     path = index_dir / "index.json"

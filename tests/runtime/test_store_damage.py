@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from stmoe.errors import StmoeNote  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.store import ExpertStore, StoreError, open_store, pack, pack_folder  # noqa: E402
 from stmoe.runtime.store import packing as store_mod  # noqa: E402
-from stmoe.runtime.store.index import checksum  # noqa: E402
+from stmoe.runtime.store.index import block_crc, checksum  # noqa: E402
+from stmoe.runtime.store.verify import verify_store  # noqa: E402
 from tiny_moe import tiny_model  # noqa: E402
 
 PROMPT, NEW = [5, 6, 7, 8, 9], 4
@@ -109,7 +111,7 @@ FIELDS = {
     "layer": (_set((*B, "layer"), 7), "layer is 7, expected a whole number 0..2"),
     "expert": (_set((*B, "expert"), 0), "layer 0, expert 0 twice"),
     "offset": (_set((*B, "offset"), _digit), "is not a multiple of 4096"),
-    "offset-overlap": (_set((*B, "offset"), 0), "overlaps the block before it"),
+    "offset-overlap": (_set((*B, "offset"), 0), "where packing puts this block at 24576"),
     "offset-past-end": (_set((*B, "offset"), 1 << 30), "expected a whole number"),
     "nbytes": (_set((*B, "nbytes"), _digit), "but its tensors hold"),
     "crc32c": (_set((*B, "crc32c"), _digit), "holds other weights than the model's"),
@@ -139,7 +141,7 @@ FIELDS = {
     "weights-int8": (_set(("weights", "name"), "int8"), "layer 0 holds"),
     "data": (_set(("data",), "../experts-0000000000000000.bin"), "not a data file name"),
     "data-missing": (_set(("data",), "experts-0000000000000000.bin"), "missing, though"),
-    "data-bytes": (_set(("data_bytes",), lambda n: n + 4096), "the store is truncated"),
+    "data-bytes": (_set(("data_bytes",), lambda n: n + 4096), "but the blocks end at"),
     "source": (_set(("source",), {"kind": "module"}), "packed from a model in memory"),
     "source-files": (_set(("source", "files", 0, 3), "00"), "[name, size, mtime_ns, sha256]"),
 }
@@ -334,3 +336,61 @@ def test_the_cached_store_is_packed_again_with_a_note_and_a_given_one_refused(
     with pytest.raises(StoreError, match="fails its checksum"):
         tokens(given, folder=folder)
     assert (given / "index.json").read_text() == text
+
+
+# ---- an index edited by hand, its checksum recomputed (docs/runtime.md: what it can do) -------
+def _swap(layer: int, a: int, b: int, *keys: str):
+    """Blocks (layer, a) and (layer, b) swap ``keys`` (their expert numbers: the entries
+    trade places; their CRC-32Cs: each keeps its bytes but lists the other's)."""
+
+    def mutate(index):
+        one, two = (next(x for x in index["blocks"] if (x["layer"], x["expert"]) == (layer, e))
+                    for e in (a, b))
+        for key in keys:
+            one[key], two[key] = two[key], one[key]
+
+    return mutate
+
+
+@pytest.mark.parametrize("fmt", ["native", "int8", "int4"])
+def test_an_index_with_two_experts_swapped_is_refused_at_open(packed, tmp_path, fmt):
+    from stmoe.quant import parse_format
+
+    folder, _, _ = packed
+    store = pack_folder(folder, tmp_path / "store", weights=parse_format(fmt))
+    bad = rewrite(store, tmp_path / "bad", _swap(1, 2, 5, "expert"), recompute=True)
+    with pytest.raises(StoreError) as exc:
+        open_store(folder, bad)
+    msg = one_line_naming(exc, bad / "index.json")
+    assert "layer 1, expert 2: offset" in msg and "where packing puts this block" in msg
+    assert verify_store(folder, store).weights.name == fmt  # its own store is proven
+
+
+def test_an_index_whose_checksums_are_swapped_fails_the_read_not_silently(packed, tmp_path):
+    _, store, _ = packed
+    bad = rewrite(store, tmp_path / "bad", _swap(0, 1, 2, "crc32c"), recompute=True)
+    opened = ExpertStore(bad)  # sound on its own terms: each block where packing puts it
+    with pytest.raises(StoreError, match="layer 0, expert 1 fails its checksum"):
+        opened.read(0, 1)
+
+
+def test_a_data_file_edited_with_its_index_is_caught_by_verify(packed, tmp_path, cli):
+    """Two blocks' bytes swapped in the data file AND their CRC-32Cs in the index: the store
+    opens (what the checks at open cannot prove), and --verify refuses it."""
+    folder, store, _ = packed
+    bad = rewrite(store, tmp_path / "bad", _swap(1, 2, 5, "crc32c"), recompute=True)
+    opened = ExpertStore(bad)
+    one, two = opened.blocks[(1, 2)], opened.blocks[(1, 5)]
+    with open(opened.data_path, "r+b") as f:
+        a, b = (os.pread(f.fileno(), x.nbytes, x.offset) for x in (one, two))
+        os.pwrite(f.fileno(), b, one.offset)
+        os.pwrite(f.fileno(), a, two.offset)
+    assert block_crc(b) == one.crc32c  # consistent: every read passes its checksum
+    ExpertStore(bad).check_source(folder)
+    with pytest.raises(StoreError) as exc:
+        verify_store(folder, bad)
+    assert "layer 1, expert 2 is not what packing" in one_line_naming(exc, bad)
+    result = cli("pack", folder, "-o", bad, "--verify")
+    assert result.exit_code == 1 and "layer 1, expert 2 is not what packing" in result.output
+    result = cli("pack", folder, "-o", store, "--verify")
+    assert result.exit_code == 0 and f"verified {store}" in result.output, result.output

@@ -18,6 +18,10 @@ IN_PLACE_HELP = ("Read the native experts where the checkpoint's safetensors hol
                  "store is written, only a small index (made once, every expert read once "
                  "for its checksum). For a checkpoint too big to copy; the disk tier and "
                  "--format native only.")
+VERIFY_HELP = ("Write nothing: prove OUTPUT is what packing MODEL_DIR gives (every checkpoint "
+               "file hashed again, every block re-derived and compared with the store's entry "
+               "and bytes; for an in-place index, its extents and every block's checksum). "
+               "The cost of one pack's read; for a store from someone else.")
 GROUP_HELP = ("int4's group size: 32, 64, 128 or 256 weights per scale and zero (default: the "
               "largest of 128, 64, 32 that divides every expert matrix's input width).")
 
@@ -29,6 +33,7 @@ def pack_cmd(
     group_size: Annotated[int | None, typer.Option(help=GROUP_HELP)] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help=IN_PLACE_HELP + " Writes "
                                            "only OUTPUT/index.json.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help=VERIFY_HELP)] = False,
 ) -> None:
     """Write every (layer, expert)'s weights as one contiguous, 4 KiB-aligned block.
 
@@ -37,11 +42,21 @@ def pack_cmd(
     only ever used with this model's weights. The experts are read one at a time
     from the safetensors shards, never the whole model in memory. Packing the same
     model twice gives the same bytes; packing over an existing store replaces it in
-    one step (a killed pack leaves the old store whole).
+    one step (a killed pack leaves the old store whole). With --verify nothing is
+    written: an existing OUTPUT is proven to be MODEL_DIR's (docs/runtime.md says
+    what an index edited by hand can and cannot do without it).
     """
     from stmoe.quant import parse_format
     from stmoe.runtime.store import ExpertStore, StoreError, pack_folder
 
+    if verify:
+        from stmoe.runtime.store.verify import verify_store
+
+        store = verify_store(model_dir, output)
+        kind = "in-place index" if store.in_place else "store"
+        out.print(f"verified {output}: every block of this {kind} is {model_dir}'s own "
+                  f"({len(store.blocks)} blocks, {store.weights.label})", markup=False)
+        return
     fmt = parse_format(weights, group_size)
     if in_place:
         from stmoe.runtime.store.in_place_index import make_in_place

@@ -86,8 +86,14 @@ class ExpertStore:
         self._checked: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def check_source(self, model_dir: str | Path) -> None:
-        """Refuse a store packed from other weights than ``model_dir``'s checkpoint."""
+        """Refuse a store packed from other weights than ``model_dir``'s checkpoint, and an
+        in-place index whose extents are not where that checkpoint's headers put each
+        expert (``extents.check_extents``: derived again, never trusted)."""
         check_source(self.path, self.index, Path(model_dir))
+        if self.in_place:
+            from stmoe.runtime.store.extents import check_extents
+
+            check_extents(self.path, self.index, Path(model_dir))
         self.source = Path(model_dir)
 
     def checkpoint_files(self) -> list[Path]:

@@ -4,12 +4,13 @@ An index is trusted only after it passes, in this order: the format and version,
 a SHA-256 of its own canonical content (one flipped bit anywhere is caught), and
 then every entry on its own terms (a hand-made index with a recomputed checksum
 must still describe a sound store): each (layer, expert) of the grid present
-exactly once, blocks aligned, inside the data file and not overlapping, each
-block's tensors laid end to end and adding up to its size, one layout per layer.
-An in-place index (``data`` is ``"checkpoint"``: ``store.in_place``) has no data file:
-each block lists its extents in the checkpoint's own files instead, each inside its
-file's recorded size and none sharing a byte with another. Whether the blocks fit a
-given model is ``check``'s concern.
+exactly once, each block's tensors laid end to end and adding up to its size, one
+layout per layer, and each block exactly where packing puts it (``placement``: an
+index edited alone cannot send a (layer, expert) to another's bytes). An in-place
+index (``data`` is ``"checkpoint"``: ``store.in_place``) has no data file: each block
+lists its extents in the checkpoint's own files instead, each inside its file's
+recorded size and none sharing a byte with another (where the checkpoint's headers put
+them is checked with its folder: ``extents``). Fitting a model is ``check``'s concern.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,11 +240,8 @@ class _Checker:
         offset = self.int_field(d, "offset", where, 0, data_bytes)
         nbytes = self.int_field(d, "nbytes", where, 1, data_bytes)
         crc = self.int_field(d, "crc32c", where, 0, 0xFFFFFFFF)
-        if offset % ALIGN:
+        if offset % ALIGN:  # (inside the data: ``placement``)
             raise self.fail(where, f"offset {offset} is not a multiple of {ALIGN}")
-        if offset + nbytes > data_bytes:
-            raise self.fail(where, f"bytes {offset}..{offset + nbytes} run past the data "
-                                   f"({data_bytes} bytes)")
         return Block(layer, expert, offset, nbytes, crc, self.tensors(d["tensors"], where,
                                                                       nbytes))
 
@@ -305,13 +304,16 @@ class _Checker:
         return TensorSlot(t[0], t[1], tuple(t[2]), t[3])
 
     def placement(self, blocks: dict[tuple[int, int], Block], data_bytes: int) -> None:
-        """No two blocks share a byte; each layer has one tensor layout (its caches have one)."""
+        """Each block where packing puts it: in (layer, expert) order, each at the end of the
+        one before rounded up to ALIGN, the data ending with the last (module docstring)."""
         end = 0
-        for b in sorted(blocks.values(), key=lambda b: b.offset):
-            if b.offset < end:
-                raise self.fail(f"layer {b.layer}, expert {b.expert}",
-                                f"offset {b.offset} overlaps the block before it")
-            end = b.offset + b.nbytes
+        for b in (blocks[key] for key in sorted(blocks)):
+            if b.offset != end:
+                raise self.fail(f"layer {b.layer}, expert {b.expert}", f"offset {b.offset}, "
+                                f"where packing puts this block at {end}")
+            end = -(-(b.offset + b.nbytes) // ALIGN) * ALIGN
+        if end != data_bytes:
+            raise self.fail("data_bytes", f"{data_bytes}, but the blocks end at {end}")
         self.layouts(blocks)
 
     def extent_placement(self, blocks: dict[tuple[int, int], Block], data_bytes: int) -> None:
@@ -336,10 +338,7 @@ class _Checker:
 
 
 def slot_bytes(t: TensorSlot) -> int:
-    count = 1
-    for n in t.shape:
-        count *= n
-    return count * DTYPE_SIZES[t.dtype]
+    return math.prod(t.shape) * DTYPE_SIZES[t.dtype]
 
 
 def _block_json(b: Block) -> dict[str, Any]:
