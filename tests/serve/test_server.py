@@ -1,16 +1,18 @@
 """`stmoe serve` live on 127.0.0.1, driven by the official openai client: completions and
 chat, streamed and not, concurrent clients whose texts equal their solo runs on the
-resident model, a client that disconnects mid-stream, the bounded queue's 429, and every
-bad input answered with the OpenAI error object while the server goes on serving."""
+resident model, a client that disconnects (counted cancelled), the one default
+max_tokens, the bounded queue's 429, and every bad input (strictly typed: never
+reinterpreted) answered with the OpenAI error object while the server goes on serving.
+
+Nothing here depends on the machine's speed: where requests must run together, or one
+must still be running when its client leaves, a gate on the batcher's steps
+(``serve_live.StepGate``) holds them there; waits have a ceiling for a hang, no margin."""
 
 from __future__ import annotations
 
 import json
 import socket
 import threading
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -19,56 +21,31 @@ pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from serve_live import (  # noqa: E402
+    NAME,
+    PROMPTS,
+    Solo,
+    StepGate,
+    all_submitted,
+    get,
+    post,
+    until,
+)
+from serve_live import client as _client  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from stmoe.models import SHIPPED_MODEL  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.serve.runner import ServerThread  # noqa: E402
 from stmoe.serve.service import Service  # noqa: E402
 
-NAME = "tiny-moe"
-PROMPTS = ["def fib(n):", "The capital of France is", "import numpy as np\n", "Once upon a"]
+_post, _get = post, get
 
 
-@pytest.fixture(scope="module")
-def server():
-    om = offload(SHIPPED_MODEL, capacity="50%", predictor="stmoe-plus")
-    service = Service(om, NAME, max_batch=3, max_queue=2)
-    try:
-        with ServerThread(service) as url:
-            yield url, service
-    finally:
-        om.close()
-
-
-@pytest.fixture(scope="module")
-def solo():
-    """Greedy text of the resident model, run alone."""
-    return solo_text(AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL).eval())
-
-
-def solo_text(model: torch.nn.Module):
-    """``run(prompt, n)``: ``model``'s greedy text of ``n`` tokens, alone."""
-    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
-    eos = model.generation_config.eos_token_id
-
-    def run(prompt: str, n: int) -> str:
-        ids = tok(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                 do_sample=False, pad_token_id=eos)
-        return tok.decode([t for t in out[0, ids.shape[1]:].tolist() if t != eos],
-                          skip_special_tokens=True)
-
-    return run
-
-
-def _client(url: str):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _ask_together(c, lengths: list[int]) -> dict[int, str]:
-    """PROMPTS[i] for lengths[i] tokens each, the clients a little apart: their texts."""
+def _ask_together(c, batcher, lengths: list[int]) -> dict[int, str]:
+    """PROMPTS[i] for lengths[i] tokens each, from clients on threads of their own: their
+    texts. No step runs until every request is in (``all_submitted``): they share steps
+    however far apart a busy machine starts their clients."""
     got: dict[int, str] = {}
 
     def ask(i: int) -> None:
@@ -76,28 +53,12 @@ def _ask_together(c, lengths: list[int]) -> dict[int, str]:
                                       max_tokens=lengths[i]).choices[0].text
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(lengths))]
-    for t in threads:
-        t.start()
-        time.sleep(0.03)
-    for t in threads:
-        t.join(120)
+    with StepGate(batcher, all_submitted(batcher, len(lengths))):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
     return got
-
-
-def _post(url: str, body: str | bytes) -> tuple[int, dict]:
-    data = body.encode() if isinstance(body, str) else body
-    req = urllib.request.Request(url, data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as f:
-            return f.status, json.loads(f.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as f:
-        return f.read().decode()
 
 
 def test_completion_and_chat_equal_the_solo_run(server, solo):
@@ -152,32 +113,89 @@ def test_concurrent_clients_each_get_their_solo_output(server, solo):
     c = _client(url)
     lengths = [14, 6, 10, 8]
     before = service.batcher.steps
-    got = _ask_together(c, lengths)
+    got = _ask_together(c, service.batcher, lengths)
     assert got == {i: solo(PROMPTS[i], lengths[i]) for i in range(4)}
     assert service.batcher.steps > before
     assert max(service.batcher.decode_sizes()) >= 2  # they shared steps
 
 
-def test_a_client_that_disconnects_mid_stream_is_cancelled(server, solo):
-    url, service = server
+def _held_until_cancelled(after: int):
+    """A ``StepGate`` hold: a step waits while one of its requests has ``after`` tokens and
+    is not cancelled, so it cannot finish before its client's going is seen."""
+    return lambda step: any(len(m.request.output) >= after and not m.request.cancelled.is_set()
+                            for m in step)
+
+
+def _raw(url: str, body: str) -> socket.socket:
+    """A connection that sent ``body`` to /v1/completions (the caller closes it)."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": NAME, "prompt": PROMPTS[0], "max_tokens": 500, "stream": True})
-    before = service.counters.requests.get("cancelled", 0)
-    with socket.create_connection((host, int(port))) as s:
-        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
-                   f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
-        received = b""
-        while received.count(b"data:") < 3:
-            received += s.recv(4096)
-    deadline = time.monotonic() + 30
-    while service.batcher.queue_depth() != (0, 0) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert service.batcher.queue_depth() == (0, 0)  # it left the batch
-    assert service.counters.requests.get("cancelled", 0) == before + 1
+    s = socket.create_connection((host, int(port)), timeout=120)
+    s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+               f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    return s
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_is_cancelled_and_counted_so(server, solo, stream):
+    url, service = server
+    body = json.dumps({"model": NAME, "prompt": PROMPTS[0], "max_tokens": 500,
+                       "stream": stream})
+    counts = service.counters.requests
+    before = {k: counts.get(k, 0) for k in ("cancelled", "error", "ok")}
+    with StepGate(service.batcher, _held_until_cancelled(8)) as gate:
+        with _raw(url, body) as s:
+            if stream:  # mid-stream: some of its text came
+                received = b""
+                while b"data:" not in received:
+                    received += s.recv(4096)
+            else:  # mid-run: its 8th token made, the rest held until it is cancelled
+                assert gate.held.wait(120)
+        until(lambda: counts.get("cancelled", 0) == before["cancelled"] + 1,
+              "counted cancelled")
+    until(lambda: service.batcher.queue_depth() == (0, 0), "out of the batch")
+    assert {k: counts.get(k, 0) for k in ("error", "ok")} == {"error": before["error"],
+                                                              "ok": before["ok"]}
+    metrics = _get(url + "/metrics")
+    assert f'stmoe_requests_total{{outcome="cancelled"}} {before["cancelled"] + 1}' in metrics
     r = _client(url).completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=5)
     assert r.choices[0].text == solo(PROMPTS[3], 5)  # and the server goes on
 
 
+def _prompt_of(solo, tokens: int) -> tuple[str, list[int]]:
+    """A chat message whose rendered prompt is ``tokens`` tokens: (content, the ids)."""
+    for k in range(tokens, 0, -1):
+        content = " ".join(["one"] * k)
+        ids = solo.ids(f"user: {content}\nassistant:")
+        if len(ids) <= tokens:
+            return content, ids
+    raise AssertionError("no such prompt")
+
+
+def test_max_tokens_absent_or_null_is_one_default_up_to_the_context(server, solo):
+    """The default is the positions the prompt leaves (both endpoints, absent or null
+    alike): a prompt that fits is never refused for a filled-in default."""
+    url, service = server
+    for left in (1, 3):
+        ids = [5 + i % 50 for i in range(service.positions - left)]
+        want = {"text": solo.text_of(ids, left), "tokens": len(solo.tokens(ids, left))}
+        for extra in ({}, {"max_tokens": None}):
+            code, answer = _post(url + "/v1/completions",
+                                 json.dumps({"model": NAME, "prompt": ids, **extra}))
+            assert code == 200, answer
+            got = {"text": answer["choices"][0]["text"],
+                   "tokens": answer["usage"]["completion_tokens"]}
+            assert got == want, (left, extra)
+    content, ids = _prompt_of(solo, service.positions - 2)
+    left = service.positions - len(ids)
+    for extra in ({}, {"max_tokens": None}, {"max_completion_tokens": None}):
+        code, answer = _post(url + "/v1/chat/completions", json.dumps(
+            {"model": NAME, "messages": [{"role": "user", "content": content}], **extra}))
+        assert code == 200, answer
+        assert answer["choices"][0]["message"]["content"] == solo.text_of(ids, left), extra
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+
+
+DEEP = "[" * 3000 + "]" * 3000
 BAD = [
     (b"{not json", 400, None, "not valid JSON"),
     (b"[1, 2]", 400, None, "JSON object"),
@@ -197,6 +215,33 @@ BAD = [
      "greedily"),
     (json.dumps({"model": "gpt-4", "prompt": "x"}), 404, "model", "not served"),
     (json.dumps({"model": NAME, "prompt": "x", "max_tokens": "many"}), 400, "max_tokens", ""),
+    # strictly typed: never reinterpreted (issue 44)
+    (json.dumps({"model": NAME, "prompt": ["1", 2]}), 400, "prompt", "token ids (integers)"),
+    (json.dumps({"model": NAME, "prompt": [True, False]}), 400, "prompt", "boolean"),
+    (json.dumps({"model": NAME, "prompt": "x", "max_tokens": True}), 400, "max_tokens",
+     "valid integer"),
+    (json.dumps({"model": NAME, "prompt": "x", "max_tokens": 2.0}), 400, "max_tokens",
+     "valid integer"),
+    (json.dumps({"model": NAME, "prompt": "x", "stream": 1}), 400, "stream", "boolean"),
+    (json.dumps({"model": NAME, "prompt": "x", "n": True}), 400, "n", "valid integer"),
+    (json.dumps({"model": NAME, "prompt": "x", "temperature": "0"}), 400, "temperature",
+     "valid number"),
+    (json.dumps({"model": NAME, "prompt": "x", "stop": 5}), 400, "stop", "a string"),
+    (json.dumps({"model": NAME, "prompt": "x", "stop": ["a", None]}), 400, "stop", "a string"),
+    (json.dumps({"model": NAME, "prompt": "x", "stream_options": {"include_usage": 1}}), 400,
+     "stream_options.include_usage", "boolean"),
+    (json.dumps({"model": 5, "prompt": "x"}), 400, "model", "valid string"),
+    # failures of parsing and encoding: the error object, never a 500
+    (json.dumps({"model": NAME, "prompt": "abc\ud800def"}), 400, "prompt", "lone surrogate"),
+    (json.dumps({"model": NAME, "prompt": "x", "user": "\udc00"}), 400, "user", "surrogate"),
+    (json.dumps({"model": NAME, "prompt": "x", "\ud800": 1}), 400, None, "valid string"),
+    (f'{{"model": "{NAME}", "prompt": {DEEP}}}', 400, None, "nested too deeply"),
+    (DEEP, 400, None, "nested too deeply"),
+    (f'{{"model": "{NAME}", "prompt": "x", "max_tokens": {"9" * 5000}}}', 400, None,
+     "not valid JSON"),
+    (b'{"model": "tiny-moe", "prompt": "\xed\xa0\x80"}', 400, "prompt", "lone surrogate"),
+    (b'{"model": "tiny-moe", "prompt": "\xff"}', 400, None, "not valid JSON"),
+    (b"", 400, None, "not valid JSON"),
 ]
 
 
@@ -216,30 +261,45 @@ def test_bad_input_gets_the_openai_error_and_the_server_goes_on(server, body, st
 
 def test_bad_chat_messages_are_refused(server):
     url, _ = server
-    for body, says in ((json.dumps({"model": NAME, "messages": []}), "messages"),
-                       (json.dumps({"model": NAME, "messages": [{"role": "wizard",
-                                                                 "content": "x"}]}), "role"),
-                       (json.dumps({"model": NAME, "messages": [{"role": "user", "content": [
-                           {"type": "image_url", "image_url": {"url": "x"}}]}]}), "content")):
+
+    def user(content) -> str:
+        return json.dumps({"model": NAME, "messages": [{"role": "user", "content": content}]})
+
+    for body, param, says in (
+            (json.dumps({"model": NAME, "messages": []}), "messages", "messages"),
+            (json.dumps({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}),
+             "messages.0.role", "role"),
+            (user([{"type": "image_url", "image_url": {"url": "x"}}]), "messages.0.content",
+             "content"),
+            (user("abc\ud800def"), "messages.0.content", "lone surrogate"),
+            (user([{"type": "text", "text": "\ud800"}]), "messages.0.content", "surrogate"),
+            (user(5), "messages.0.content", "a string"),
+            (user(["hi"]), "messages.0.content", "content part"),
+            (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                         "max_completion_tokens": True}), "max_completion_tokens", "integer"),
+            (json.dumps({"model": NAME, "messages": "hi"}), "messages", "list")):
         code, answer = _post(url + "/v1/chat/completions", body)
         assert code == 400 and says in answer["error"]["message"], answer
+        assert answer["error"]["param"] == param, answer
 
 
 def test_more_clients_than_the_batch_and_queue_get_429(server):
+    """No step runs while the five are sent (a gate), so none can finish and free a place:
+    the sixth is refused whatever the machine's load, and whether or not the batcher's
+    thread has moved the queued ones into the batch yet."""
     url, service = server
     c = _client(url)
-    streams = [c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=400, stream=True)
-               for _ in range(5)]  # 3 running + 2 queued
-    try:
-        with pytest.raises(openai.RateLimitError, match="retry later"):
-            c.completions.create(model=NAME, prompt="x", max_tokens=2)
-    finally:
-        for s in streams:
-            s.close()
-    deadline = time.monotonic() + 60
-    while service.batcher.queue_depth() != (0, 0) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert service.batcher.queue_depth() == (0, 0)
+    with StepGate(service.batcher, lambda step: True):
+        streams = [c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=400,
+                                        stream=True) for _ in range(5)]  # 3 running + 2 queued
+        try:
+            assert sum(service.batcher.queue_depth()) == 5
+            with pytest.raises(openai.RateLimitError, match="retry later"):
+                c.completions.create(model=NAME, prompt="x", max_tokens=2)
+        finally:
+            for s in streams:
+                s.close()
+    until(lambda: service.batcher.queue_depth() == (0, 0), "out of the batch")
     metrics = _get(url + "/metrics")
     assert 'stmoe_requests_total{outcome="rejected"}' in metrics
     for name in ("hit_rate", "stall_seconds_total", "bytes_read_total", "prefetch_recall",
@@ -258,7 +318,7 @@ def test_int4_server_batches_decode_steps_and_keeps_each_clients_solo_output(tmp
     resident = quantize_model(AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL).eval(),
                               parse_format("int4"))
     quantize_linears(resident, parse_format("int4"))
-    alone = solo_text(resident)
+    alone = Solo(resident)
     lengths = [12, 5, 9]
 
     monkeypatch.setenv("STMOE_CACHE", str(tmp_path))  # its int4 store packed there
@@ -268,7 +328,7 @@ def test_int4_server_batches_decode_steps_and_keeps_each_clients_solo_output(tmp
     try:
         assert service.batcher.batched
         with ServerThread(service) as url:
-            got = _ask_together(_client(url), lengths)
+            got = _ask_together(_client(url), service.batcher, lengths)
             usage = _client(url).completions.create(model=NAME, prompt=PROMPTS[0],
                                                     max_tokens=2).usage.model_extra["stmoe"]
             metrics = _get(url + "/metrics")

@@ -1,16 +1,21 @@
 """The HTTP side of ``stmoe serve``: FastAPI routes speaking the OpenAI API.
 
 Every body is parsed and checked here (``protocol``) before it reaches the model; a
-bad one gets the OpenAI error object with its status (400, 404, 413, 429, 500) and
-the server goes on serving. A streaming client that goes away has its request
-cancelled (it leaves the batch at the next step); so does one whose non-streaming
-request is still running when it disconnects.
+bad one gets the OpenAI error object with its status (400, 404, 408, 413, 429, 500) and
+the server goes on serving. The body is read within its limits, not checked after:
+a ``Content-Length`` over ``MAX_BODY`` is refused before a byte of it is read, a
+chunked body is cut off at the limit, and one that does not arrive within
+``body_timeout`` seconds is answered 408. A streaming client that goes away has its
+request cancelled (it leaves the batch at the next step); so does one whose
+non-streaming request is still running when it disconnects (counted ``cancelled``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,10 +26,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from stmoe.errors import OffloadError
-from stmoe.runtime.batching import QueueFull
-from stmoe.runtime.batching import Request as Job
+from stmoe.runtime.batcher import QueueFull
+from stmoe.runtime.batcher import Request as Job
 from stmoe.serve.metrics import metrics_text
 from stmoe.serve.protocol import (
     ApiError,
@@ -36,15 +43,24 @@ from stmoe.serve.service import Service
 from stmoe.serve.text import TextStream
 
 MAX_BODY = 4 * 2**20
+BODY_TIMEOUT = 30.0  # seconds for a request's body to arrive whole
+log = logging.getLogger("stmoe.serve")
 
 
-def create_app(service: Service) -> FastAPI:
+def create_app(service: Service, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     """The routes over ``service`` (which the caller closes)."""
     app = FastAPI(title="stmoe serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        """A failure no check foresaw: the OpenAI error object, one log line, no traceback."""
+        log.error("a request failed: %s: %s", type(exc).__name__, exc)
+        return error_response(ApiError(500, f"the server failed: {type(exc).__name__}",
+                                       kind="server_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -75,14 +91,14 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(http: Request) -> Any:
-        req = _parse(CompletionRequest, await _body(http))
+        req = _parse(CompletionRequest, await _body(http, body_timeout))
         _check_model(service, req.model)
-        job = service.request(service.completion_ids(req), req.max_tokens)
+        job = service.request(service.completion_ids(req), req.limit())
         return await _respond(service, http, job, req, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request) -> Any:
-        req = _parse(ChatRequest, await _body(http))
+        req = _parse(ChatRequest, await _body(http, body_timeout))
         _check_model(service, req.model)
         job = service.request(service.chat_ids(req), req.limit())
         return await _respond(service, http, job, req, chat=True)
@@ -90,14 +106,48 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-async def _body(http: Request) -> Any:
-    raw = await http.body()
-    if len(raw) > MAX_BODY:
-        raise ApiError(413, f"the body is {len(raw)} bytes, over the {MAX_BODY} this server "
-                       "takes")
+class QuietErrors:
+    """``app`` without the traceback uvicorn would log for an exception Starlette re-raises
+    after its handler (``_unexpected``) answered it and logged one line."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with contextlib.suppress(Exception):  # answered and logged by ``_unexpected``
+            await self.app(scope, receive, send)
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    """``exc`` as the OpenAI error object (``Connection: close`` where the body was not read
+    whole: the connection cannot carry another request)."""
+    headers = {"Connection": "close"} if exc.close else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _body(http: Request, timeout: float) -> Any:
+    """The body as JSON, read within MAX_BODY bytes and ``timeout`` seconds."""
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
+        raise ApiError(413, f"the body is {declared} bytes, over the {MAX_BODY} this server "
+                       "takes", close=True)
+    raw = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in http.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY:
+                    raise ApiError(413, f"the body is over the {MAX_BODY} bytes this server "
+                                   "takes", close=True)
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {timeout:g} s", close=True) from None
+    except ClientDisconnect:  # nobody left to read the answer
+        raise ApiError(400, "the client went away while sending its body", close=True) from None
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer too long
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
 
 
@@ -144,7 +194,12 @@ async def _respond(service: Service, http: Request, job: Job, req: Any, chat: bo
             text.push()
     except BaseException:
         job.cancel()
+        service.record("cancelled")
         raise
+    text.flush()  # the last piece, its stop strings applied
+    if job.error is not None and job.cancelled.is_set() and not text.stopped:
+        service.record("cancelled")  # its client went away (or the server is closing)
+        raise ApiError(503, "the request was cancelled before it finished", kind="server_error")
     _raise_failed(service, job, text.stopped)
     service.record("ok", job)
     reason = service.finish_reason(job, text.stopped)

@@ -14,10 +14,13 @@ from typing import Any
 
 import torch
 
-from stmoe.runtime.batching import Request, StepBatcher
+from stmoe.runtime.batcher import Request, StepBatcher
 from stmoe.serve.protocol import ApiError, ChatRequest, CompletionRequest
 
-MAX_TOKENS_DEFAULT = 256  # chat requests without max_tokens (completions: the API's 16)
+# max_tokens absent or null, on both endpoints: up to the model's positions (as vLLM's
+# server does: a prompt that fits is never refused for a filled-in default); this many
+# where the model states no positions
+MAX_TOKENS_DEFAULT = 256
 
 
 @dataclass
@@ -66,7 +69,8 @@ class Service:
         return self._encode(text)
 
     def request(self, ids: list[int], max_tokens: int | None) -> Request:
-        """A batcher request for ``ids``, checked against the model's positions."""
+        """A batcher request for ``ids``, checked against the model's positions;
+        ``max_tokens`` None: the default, whatever else was sent (``default_tokens``)."""
         if not ids:
             raise ApiError(400, "the prompt has no tokens", "prompt")
         limit = self.positions - len(ids) if self.positions else None
@@ -74,16 +78,20 @@ class Service:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this model takes at most "
                            f"{self.positions} positions, prompt and completion together",
                            "prompt", code="context_length_exceeded")
-        n = max_tokens if max_tokens is not None else MAX_TOKENS_DEFAULT
-        if n < 1:
-            raise ApiError(400, f"max_tokens must be at least 1, got {n}", "max_tokens")
-        if limit is not None and n > limit:
-            if max_tokens is not None:
-                raise ApiError(400, f"max_tokens {n} and the prompt's {len(ids)} tokens exceed "
-                               f"the model's {self.positions} positions (at most {limit} here)",
-                               "max_tokens", code="context_length_exceeded")
-            n = limit
-        return Request(torch.tensor([ids]), n)
+        if max_tokens is None:
+            return Request(torch.tensor([ids]), self.default_tokens(len(ids)))
+        if max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if limit is not None and max_tokens > limit:
+            raise ApiError(400, f"max_tokens {max_tokens} and the prompt's {len(ids)} tokens "
+                           f"exceed the model's {self.positions} positions (at most {limit} "
+                           "here)", "max_tokens", code="context_length_exceeded")
+        return Request(torch.tensor([ids]), max_tokens)
+
+    def default_tokens(self, prompt: int) -> int:
+        """The one default ``max_tokens`` (absent or null alike): the positions the prompt
+        leaves, or MAX_TOKENS_DEFAULT where the model states none."""
+        return self.positions - prompt if self.positions else MAX_TOKENS_DEFAULT
 
     def submit(self, request: Request) -> Request:
         return self.batcher.submit(request)

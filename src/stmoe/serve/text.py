@@ -26,6 +26,17 @@ class TextStream:
         full = self.service.text(self.job.output)
         if full.endswith("\ufffd"):  # a character still incomplete
             return ""
+        return self._advance(full, last=False)
+
+    def flush(self) -> str:
+        """At the end: everything not sent yet, its stop strings applied as ``push``'s (the
+        last token's text may have been held back as an incomplete character)."""
+        if self.stopped:
+            return self._send(self.text)
+        return self._advance(self.service.text(self.job.output), last=True)
+
+    def _advance(self, full: str, last: bool) -> str:
+        """``full`` cut at its first stop string; what may be sent of it now."""
         found = [at for at in (full.find(stop) for stop in self.stops) if at >= 0]
         if found:
             full, self.stopped = full[: min(found)], True
@@ -33,13 +44,7 @@ class TextStream:
         if self.stopped:
             self.job.cancel()  # leaves the batch at the next step
             return self._send(full)
-        return self._send(full[: len(full) - self._held(full)])
-
-    def flush(self) -> str:
-        """At the end: everything not sent yet."""
-        if not self.stopped:
-            self.text = self.service.text(self.job.output)
-        return self._send(self.text)
+        return self._send(full if last else full[: len(full) - self._held(full)])
 
     def final(self) -> str:
         self.flush()

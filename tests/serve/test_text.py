@@ -1,0 +1,63 @@
+"""``TextStream``: a completion's text as its tokens come, held back while it could begin a
+stop string or ends in an incomplete character, cut at a stop string, the last piece
+included (``flush``)."""
+
+from __future__ import annotations
+
+from stmoe.serve.text import TextStream
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.output: list[int] = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Service:
+    """Token i decodes to ``pieces[i]``; the text of several is theirs joined."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def text(self, tokens: list[int]) -> str:
+        return "".join(self.pieces[t] for t in tokens)
+
+
+def _run(pieces: list[str], stops: list[str]) -> tuple[list[str], str, TextStream, _Job]:
+    """Every token pushed, then the flush: (what each push sent, the flush's, the stream)."""
+    job = _Job()
+    stream = TextStream(_Service(pieces), job, stops)
+    sent = []
+    for t in range(len(pieces)):
+        job.output.append(t)
+        sent.append(stream.push())
+    return sent, stream.flush(), stream, job
+
+
+def test_a_stop_string_cuts_the_text_and_cancels_the_job():
+    sent, rest, stream, job = _run(["ab", "c", "STOP", "de"], ["STOP"])
+    assert "".join(sent) + rest == "abc" and stream.text == "abc"
+    assert stream.stopped and job.cancelled
+
+
+def test_a_tail_that_may_begin_a_stop_string_is_held_then_sent():
+    sent, rest, stream, _ = _run(["ab", "ST", "x"], ["STOP"])
+    assert sent == ["ab", "", "STx"] and rest == "" and not stream.stopped
+
+
+def test_the_last_piece_has_its_stop_strings_applied():
+    """The last token ends in an incomplete character, so ``push`` sent nothing for it: the
+    stop string it completes is found at the flush, not sent."""
+    sent, rest, stream, job = _run(["ab", "cSTOP\ufffd"], ["STOP"])
+    assert sent == ["ab", ""]
+    assert rest == "c" and stream.text == "abc" and stream.stopped and job.cancelled
+    assert stream.final() == "abc"
+
+
+def test_the_last_piece_is_sent_whole_without_a_stop():
+    sent, rest, stream, _ = _run(["ab", "ST"], ["STOP"])
+    assert sent == ["ab", ""] and rest == "ST" and stream.final() == "abST"
+    assert not stream.stopped
