@@ -51,6 +51,14 @@ PROMPTS = (
 )
 
 
+def shipped(threads: int) -> tuple[Path, Any]:
+    """The shipped model's store (packed once into the benchmarks' cache) and its tables,
+    with torch's compute threads set."""
+    torch.set_num_threads(threads)
+    os.environ.setdefault("STMOE_CACHE", str(Path(tempfile.gettempdir()) / "stmoe-bench"))
+    return ensure_store(SHIPPED_MODEL, None), load_tables(SHIPPED_MODEL / SHIPPED_TABLES)
+
+
 def run_system(om: OffloadedModel, tokens: int) -> dict[str, Any]:
     om.generate(PROMPTS[0], max_new_tokens=4)  # untimed: compiles the predictor's kernels
     results = [om.generate(p, max_new_tokens=tokens) for p in PROMPTS]
@@ -119,10 +127,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("STMOE_CACHE", str(Path(tempfile.gettempdir()) / "stmoe-bench"))
-    store = ensure_store(SHIPPED_MODEL, None)
-    tables = load_tables(SHIPPED_MODEL / SHIPPED_TABLES)
+    store, tables = shipped(args.threads)
     systems = dict(OFFLOAD_SYSTEMS)
     for name in args.extra:
         systems[name] = (name, "lru")

@@ -6,7 +6,7 @@ MiB, top-4) with RANDOM weights, the disk tier, 50% of each layer's experts cach
 Each request replays a window of REAL Qwen1.5-MoE routing (``../shared/traces/qwen15``):
 round r replays windows of prompt r (each request another window, so the batch's union
 is real) with tables profiled on the other two prompts (HELD-OUT). The requests run
-through the server's step batcher (``runtime.batching``: all submitted at once, their
+through the server's step batcher (``runtime.batcher``: all submitted at once, their
 experts loaded once per step), 1, 2, 4 and 8 of them, every system in its own process,
 the systems' order rotated per round.
 
@@ -28,8 +28,8 @@ the targets are judged at the defaults (50%, cold).
 checkpoint) and the resident linears quantized the same way (``--quantize-resident``;
 LOSSY, its quality in bench_quality.py): then the step batcher computes a step's rows
 together, a decode step as one batched forward where the model allows it
-(runtime/step_forward.py), and ``stmoe-plus (own forwards)`` runs beside the other systems
-with each request's own forward, its quantized linears gathered (runtime/step_rows.py):
+(runtime/batcher/step_forward.py), and ``stmoe-plus (own forwards)`` runs beside the other systems
+with each request's own forward, its quantized linears gathered (runtime/batcher/step_rows.py):
 the A/B of the batched forward. ``X (rows alone)`` is X with neither, each request's rows
 computed alone as in bf16 (the A/B of the gathering). In any format, ``X (lfu)`` is X
 with the lfu cache policy (fewest steps used, then least recent) in place of lru: a step's
@@ -115,7 +115,7 @@ def run_one(args: argparse.Namespace, system: str, batches: list[int]) -> dict[s
     import torch
 
     from stmoe.runtime.api import offload
-    from stmoe.runtime.batching import StepBatcher, replay_request
+    from stmoe.runtime.batcher import StepBatcher, replay_request
 
     torch.set_num_threads(1)
     model, store, tables = real.prepare(args)

@@ -22,7 +22,7 @@ import torch
 
 from stmoe.quant import parse_format
 from stmoe.quant.linears import QuantizedLinear
-from stmoe.runtime.step_rows import split_rows
+from stmoe.runtime.batcher.step_rows import split_rows
 
 
 def main() -> None:

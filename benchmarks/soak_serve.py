@@ -6,7 +6,7 @@ varying `max_tokens` (streamed every third request), through the official `opena
 client, and compares every text with the same request run alone on the resident
 model (computed first, here; with ``--format int8|int4`` the server's experts and resident
 linears in that format, LOSSY, and the resident model quantized the same way: a decode
-step is then one batched forward, runtime/step_forward.py). The server's resident
+step is then one batched forward, runtime/batcher/step_forward.py). The server's resident
 memory (VmRSS of its process) is sampled every 5 s. Targets (MET / NOT MET):
 
 * no request lost: every request sent gets a complete response;

@@ -167,6 +167,8 @@ def run(out_dir: Path) -> None:
         work, "routing", ["--routing", "tiny.npz", "--sequence", "1", *common[2:],
                           "--predictor", "stmoe"], False)
     result["api:offload"] = _api_offload()
+    result["serve:bf16"] = _serve_tokens(None)
+    result["serve:int4"] = _serve_tokens("int4")
 
     (out_dir / "equivalence.json").write_text(json.dumps(result, indent=1, sort_keys=True))
     print(f"wrote {out_dir / 'equivalence.json'}: {len(result)} entries")
@@ -188,6 +190,34 @@ def _api_offload() -> dict[str, Any]:
         res = off.generate("Once upon a time", max_new_tokens=6)
         out["ondemand-lfu"] = {"tokens": list(res.tokens), "stats": _clean(res.stats)}
     return out
+
+
+SERVE_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24], [30, 31, 32, 33]]
+SERVE_LENGTHS = [9, 4, 7, 5]
+
+
+def _serve_tokens(quantized: str | None) -> dict[str, Any]:
+    """Tokens of four requests served together by the step batcher on the shipped model at
+    25% cached (bf16: each request's own forward; int4 with its resident linears quantized:
+    one batched forward per decode step), and each request alone on the same model."""
+    import torch
+    from stmoe.runtime.batching import Request, StepBatcher
+
+    import stmoe
+    from stmoe.models import SHIPPED_MODEL
+
+    extra = {"format": quantized, "quantize_resident": quantized} if quantized else {}
+    with stmoe.offload(SHIPPED_MODEL, capacity="25%", predictor="stmoe-plus", **extra) as off:
+        batcher = StepBatcher(off, max_batch=4)
+        try:
+            reqs = [batcher.submit(Request(torch.tensor([p]), n))
+                    for p, n in zip(SERVE_PROMPTS, SERVE_LENGTHS, strict=True)]
+            together = [list(r.wait(300)) for r in reqs]
+        finally:
+            batcher.close()
+        alone = [list(off.generate(p, max_new_tokens=n).tokens)
+                 for p, n in zip(SERVE_PROMPTS, SERVE_LENGTHS, strict=True)]
+    return {"together": together, "alone": alone}
 
 
 def compare(a: Path, b: Path) -> int:

@@ -84,3 +84,37 @@ def quick_demo(tmp_path_factory: pytest.TempPathFactory):
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(TEST_CACHE, ignore_errors=True)
+
+
+# ---- tests/serve: the live server of the shipped model (per test module) and its solo runs.
+# Here, not in a tests/serve/conftest.py: every folder imports ``from conftest import ...``,
+# and a second module named conftest would answer some of those imports.
+@pytest.fixture(scope="module")
+def server():
+    """`stmoe serve` of the shipped model at 50%: (url, its Service); 3 running, 2 queued."""
+    pytest.importorskip("fastapi")
+    from serve_live import NAME
+
+    from stmoe.models import SHIPPED_MODEL
+    from stmoe.runtime.api import offload
+    from stmoe.serve.runner import ServerThread
+    from stmoe.serve.service import Service
+
+    om = offload(SHIPPED_MODEL, capacity="50%", predictor="stmoe-plus")
+    service = Service(om, NAME, max_batch=3, max_queue=2)
+    try:
+        with ServerThread(service) as url:
+            yield url, service
+    finally:
+        om.close()
+
+
+@pytest.fixture(scope="module")
+def solo():
+    """The resident model's greedy output, alone (``serve_live.Solo``)."""
+    from serve_live import Solo
+    from transformers import AutoModelForCausalLM
+
+    from stmoe.models import SHIPPED_MODEL
+
+    return Solo(AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL).eval())

@@ -55,7 +55,7 @@ def solo(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 def submit_staggered(batcher: Any) -> tuple[list[Any], list[list[int]]]:
     """PROMPTS submitted with LENGTHS, the third joining a running batch; (the requests,
     their tokens), after checking they shared steps."""
-    from stmoe.runtime.batching import Request
+    from stmoe.runtime.batcher import Request
 
     reqs = []
     for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True)):
@@ -78,7 +78,7 @@ def errors_when_the_batcher_stops(batcher: Any) -> list[str]:
     import pytest
 
     from stmoe.errors import OffloadError
-    from stmoe.runtime.batching import Cancelled, Request
+    from stmoe.runtime.batcher import Cancelled, Request
 
     reqs = [batcher.submit(Request(torch.tensor([p]), 6)) for p in PROMPTS[:2]]
     errors = []

@@ -58,6 +58,11 @@ MOVED = {
     "stmoe.cli.train_cmd": "stmoe.cli.train_tiny",
     "stmoe.runtime.routing_replay": "stmoe.runtime.forced_routing",
     "stmoe.runtime.admission": "stmoe.admission",
+    "stmoe.runtime.serve": "stmoe.runtime.experts_path",
+    "stmoe.runtime.batching": "stmoe.runtime.batcher",
+    "stmoe.runtime.requests": "stmoe.runtime.batcher.requests",
+    "stmoe.runtime.step_forward": "stmoe.runtime.batcher.step_forward",
+    "stmoe.runtime.step_rows": "stmoe.runtime.batcher.step_rows",
 }
 
 

@@ -308,7 +308,7 @@ def test_a_slot_whose_loader_died_is_reloaded_by_the_caller(mixtral):
         _plant_a_dead_load(engine, cache, 3)
         with engine.cv:
             cache.pinned = frozenset({3})
-        slots, _, _, _ = _bounded(lambda: engine.server._ensure(cache, [3]), 10.0)
+        slots, _, _, _ = _bounded(lambda: engine.path._ensure(cache, [3]), 10.0)
         with engine.cv:
             cache.pinned = frozenset()
         assert cache.holder[slots[3]] == 3 and not cache.loading()

@@ -118,12 +118,12 @@ def test_bfloat16_prompts_beyond_the_cache_are_bit_identical(name, tmp_path, mon
     routing each layer to more experts than the cache holds compute in place, the cached
     experts moved into id order and the rest read into spare rows, and equal the resident
     model bit for bit, before and after a generation has shuffled the slots."""
-    import stmoe.runtime.serve as serve
+    import stmoe.runtime.experts_path as experts_path
 
     def no_copy(*args):
         raise AssertionError("the compact copy was taken; the rows should be used in place")
 
-    monkeypatch.setattr(serve, "gather", no_copy)
+    monkeypatch.setattr(experts_path, "gather", no_copy)
     model, _ = tiny_model(name)
     model = model.to(torch.bfloat16)
     store = pack(model, tmp_path / "store")

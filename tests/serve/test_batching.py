@@ -20,7 +20,7 @@ from stmoe.errors import OffloadError  # noqa: E402
 from stmoe.hf.capture_generate import capture_generation  # noqa: E402
 from stmoe.predictors import profile, save_tables  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
-from stmoe.runtime.batching import QueueFull, Request, StepBatcher, replay_request  # noqa: E402
+from stmoe.runtime.batcher import QueueFull, Request, StepBatcher, replay_request  # noqa: E402
 from stmoe.runtime.forced_routing import plan_routing  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
@@ -46,7 +46,7 @@ def test_each_request_has_its_solo_bits_whatever_runs_beside_it(name, tmp_path):
             for i, (r, (tokens, logits)) in enumerate(zip(reqs, want, strict=True)):
                 where = f"{name}, capacity {capacity}, request {i}"
                 assert got[i] == tokens, where
-                mine = logs.take(r.thread.name)
+                mine = logs.take(r.thread_name)
                 assert len(mine) == len(logits), where
                 assert all(torch.equal(a, b) for a, b in zip(mine, logits, strict=True)), where
                 assert r.usage.needed > 0 and 0 <= r.usage.hits <= r.usage.needed, where

@@ -1,7 +1,7 @@
 """A decode step as one batched forward, each request keeping its solo bits.
 
 With quantized experts and resident linears the step batcher runs a decode step's
-requests through the model in ONE forward (runtime/step_forward.py): quantized linears
+requests through the model in ONE forward (runtime/batcher/step_forward.py): quantized linears
 over all rows, routers, native linears, attention and routed experts row by row. Every
 request's logits must equal its solo run on the resident model in that format, in every
 family where the batched forward is used; where it cannot hold (eager attention, sliding
@@ -30,8 +30,8 @@ from staggered_requests import (  # noqa: E402
 from stmoe.errors import OffloadError  # noqa: E402
 from stmoe.quant.linears import QuantizedLinear  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
-from stmoe.runtime.batching import Request, StepBatcher  # noqa: E402
-from stmoe.runtime.step_forward import decode_call, why_not  # noqa: E402
+from stmoe.runtime.batcher import Request, StepBatcher  # noqa: E402
+from stmoe.runtime.batcher.step_forward import decode_call, why_not  # noqa: E402
 from stmoe.runtime.store import pack  # noqa: E402
 from tiny_moe import FAMILIES  # noqa: E402
 
@@ -61,7 +61,7 @@ def staggered_against_solo(name: str, fmt: str, tmp_path, **batcher_options) -> 
         assert all(m.gather is None for m in om.model.modules() if isinstance(m, QuantizedLinear))
     for i, (r, (tokens, logits)) in enumerate(zip(reqs, want, strict=True)):
         assert got[i] == tokens, (name, i)
-        mine = logs.take(r.thread.name)
+        mine = logs.take(r.thread_name)
         assert len(mine) == len(logits)
         assert all(torch.equal(a, b) for a, b in zip(mine, logits, strict=True)), (name, i)
     return batcher

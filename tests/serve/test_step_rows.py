@@ -3,7 +3,7 @@
 torch's int8/int4 weight-only kernels give M rows in one call exactly the M one-row calls'
 bits (checked here at the shapes of a real model's linears); so with quantized experts
 and resident linears the batcher computes a step's experts call and its linears for all
-its requests at once (runtime/step_rows.py; here with each request's own forward,
+its requests at once (runtime/batcher/step_rows.py; here with each request's own forward,
 ``batched=False``: the batched forward is tests/serve/test_step_forward.py), and every
 request's logits must still equal its solo run on the resident model in that format, in
 every family. In bf16 nothing is gathered. Requests reaching different calls fail with a
@@ -34,8 +34,9 @@ from stmoe.quant.experts import quantize_model  # noqa: E402
 from stmoe.quant.kernels import qlinear, quantize_matrix  # noqa: E402
 from stmoe.quant.linears import QuantizedLinear, quantize_linears  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
-from stmoe.runtime.batching import Request, StepBatcher  # noqa: E402
-from stmoe.runtime.step_rows import StepRows  # noqa: E402
+from stmoe.runtime.batcher import Request, StepBatcher  # noqa: E402
+from stmoe.runtime.batcher.member import Member  # noqa: E402
+from stmoe.runtime.batcher.step_rows import StepRows  # noqa: E402
 from stmoe.runtime.store import pack  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
 
@@ -95,7 +96,7 @@ def test_rows_together_keep_every_requests_solo_bits(name, tmp_path):
                    if isinstance(m, QuantizedLinear))  # taken off when the batcher closes
     for i, (r, (tokens, logits)) in enumerate(zip(reqs, want, strict=True)):
         assert got[i] == tokens, (name, i)
-        mine = logs.take(r.thread.name)
+        mine = logs.take(r.thread_name)
         assert len(mine) == len(logits)
         assert all(torch.equal(a, b) for a, b in zip(mine, logits, strict=True)), (name, i)
 
@@ -116,14 +117,13 @@ def test_requests_at_different_calls_fail_clearly():
     model = quantized("qwen2_moe", "int8")
     cv = threading.Condition()
     rows = StepRows(model, cv, threading.local())
-    a, b = (Request(torch.tensor([[1]]), 1) for _ in range(2))
-    a.slot, b.slot = 0, 1
+    a, b = (Member(Request(torch.tensor([[1]]), 1), slot) for slot in range(2))
     linears = rows.linears
     x = torch.zeros(1, 1, linears[0].in_features)
     for r, m in ((a, linears[0]), (b, linears[1])):
         r.in_step, r.row_call = True, (m, x)
     with cv:
-        assert rows.serve([a, b], {0: a, 1: b})
+        assert rows.compute([a, b], {0: a, 1: b})
     for r in (a, b):
         assert isinstance(r.result, OffloadError) and "different" in str(r.result)
         assert not r.in_step and r.row_call is None
@@ -134,7 +134,7 @@ def test_a_wide_product_split_over_threads_keeps_each_rows_bits(fmt):
     """The lm_head-wide products are split by output columns over the compute threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from stmoe.runtime.step_rows import SPLIT_COLUMNS, split_rows
+    from stmoe.runtime.batcher.step_rows import SPLIT_COLUMNS, split_rows
 
     torch.manual_seed(2)
     linear = torch.nn.Linear(64, SPLIT_COLUMNS + 48, bias=True).to(torch.bfloat16)
@@ -154,14 +154,14 @@ def test_requests_at_a_gathered_linear_end_when_the_batcher_stops(tmp_path, monk
     with offload(native("qwen2_moe"), store, capacity=3, quantize_resident="int4",
                  predictor="ondemand") as om:
         batcher = StepBatcher(om, max_batch=2, batched=False)
-        real_serve = batcher.rows.serve
+        real_compute = batcher.rows.compute
 
-        def serve(live, members):
-            if any(r.row_call is not None for r in live):
+        def compute(live, members):
+            if any(m.row_call is not None for m in live):
                 raise Stop()
-            return real_serve(live, members)
+            return real_compute(live, members)
 
-        monkeypatch.setattr(batcher.rows, "serve", serve)
+        monkeypatch.setattr(batcher.rows, "compute", compute)
         try:
             errors = errors_when_the_batcher_stops(batcher)
             # the one waiting at the linear is told why; another may end cancelled

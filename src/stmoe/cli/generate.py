@@ -6,7 +6,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -47,6 +47,9 @@ from stmoe.cli.offload_options import (
 )
 from stmoe.errors import StmoeError, StmoeNote, TraceError
 from stmoe.runtime.options import OffloadOptions
+
+if TYPE_CHECKING:
+    from stmoe.runtime.api import OffloadedModel
 
 _DEFAULT = OffloadOptions()  # the one place the offload defaults are written
 
@@ -174,7 +177,7 @@ def generate_cmd(
     write_json(data, json_out)
 
 
-def _replay(om: Any, routing: Path, sequence: int, max_new_tokens: int | None,
+def _replay(om: OffloadedModel, routing: Path, sequence: int, max_new_tokens: int | None,
             layers: str | None = None) -> Callable[[], Any]:
     """One replay of the trace's sequence (its ``layers``) through the offloaded model
     (``OffloadedModel.force_routing``), as a call to repeat."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -30,6 +30,9 @@ from stmoe.cli.offload_options import (
     offload_for,
 )
 from stmoe.errors import StmoeError
+
+if TYPE_CHECKING:
+    from stmoe.runtime.batcher import StepBatcher
 
 
 def serve_cmd(
@@ -107,7 +110,7 @@ def serve_cmd(
         serve_forever(service, host, port, log_level)  # closes the service
 
 
-def _step_mode(batcher: Any) -> str:
+def _step_mode(batcher: StepBatcher) -> str:
     """What a decode step of several requests computes together, for the start line."""
     if batcher.batched:
         return ("a decode step is one batched forward: the int8/int4 kernels keep each "

@@ -34,7 +34,7 @@ class QuantizedLinear(torch.nn.Module):
         self.qscale = torch.nn.Parameter(q.qscale, requires_grad=False)
         self.bias = linear.bias
         # set by the step batcher: the call waits for the step's other requests' rows
-        # (runtime/step_rows.py); None: computed here
+        # (runtime/batcher/step_rows.py); None: computed here
         self.gather: Callable[[QuantizedLinear, torch.Tensor], torch.Tensor] | None = None
         self._columns: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -98,26 +98,18 @@ class OffloadedModel:
     def close(self) -> None:
         """End the model, after a call another thread is running (called from inside a
         run, it ends that run at its next layer)."""
-        inside = self.engine.state.owner is threading.current_thread()
-        with nullcontext() if inside else self._serial:
+        with nullcontext() if self.engine.serves_caller() else self._serial:
             self.engine.close()
         if self._cleanup is not None:
             shutil.rmtree(self._cleanup, ignore_errors=True)
 
     @contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """This thread's measured run: after any other thread's, the engine claimed."""
-        engine = self.engine
-        with engine.cv:  # before the lock: waiting for ourselves would hang
-            engine.state.refuse_nested()
-        with self._serial:
-            with engine.cv:
-                engine.state.enter_run()  # refused while another thread's direct call runs
-            try:
-                yield
-            finally:
-                with engine.cv:
-                    engine.state.leave_run()
+    def exclusive(self, routing: RoutingSource | None = None) -> Iterator[None]:
+        """This thread's measured run (``routing`` forced on it): after any other thread's,
+        the engine claimed (refused while another thread's direct call runs)."""
+        self.engine.refuse_nested()  # before the lock: waiting for ourselves would hang
+        with self._serial, self.engine.claimed_run(routing):
+            yield
 
     def generate(
         self, prompt: str | list[int], max_new_tokens: int = 32, cold: bool = True
@@ -164,13 +156,8 @@ class OffloadedModel:
     def _generate(self, ids: torch.Tensor, max_new_tokens: int, cold: bool,
                   replay: RoutingSource | None) -> GenerationResult:
         ids = ids.to(self.engine.device)
-        state = self.engine.state
-        with self._exclusive():  # the run is read after it, before another starts
-            state.forced_routing = replay
-            try:
-                out, stats = self._measure(lambda: self._run(ids, max_new_tokens), cold)
-            finally:
-                state.forced_routing = None
+        with self.exclusive(replay):  # the run is read after it, before another starts
+            out, stats = self._measure(lambda: self._run(ids, max_new_tokens), cold)
             run = self.engine.run
         ends = run.forward_ends
         ttft = ends[0] - run.started
@@ -198,7 +185,7 @@ class OffloadedModel:
         oracle then knows in advance (outputs are the same, being lossless). Runs
         of several threads are serialised (see the class docstring).
         """
-        with self._exclusive():
+        with self.exclusive():
             return self._measure(fn, cold)
 
     def _measure(self, fn: Callable[[], T], cold: bool) -> tuple[T, RuntimeStats]:

@@ -6,7 +6,11 @@ top-k ids, top-k weights). The model keeps its own routing code; only where the
 expert weights come from changes. The engine builds and wires its parts, one
 concern each, and runs their life cycle (measured runs, shutdown):
 
-- ``serve``: the per-layer path: the router's experts made sure of in the layer's
+- the step API (``runtime.step``): ``begin_step`` / ``serve_layer`` / ``end_step`` /
+  ``leave_step``, the one home of the run's books, called by transformers' forward hooks
+  (a solo forward is a step of one part), by the server's step batcher, and by whatever
+  drives the engine next (a GPU stream, a vLLM layer);
+- ``experts_path``: the per-layer path: the router's experts made sure of in the layer's
   cache (the wait is the *stall*), laid out (in place, or a copy), and computed by the model's own
   experts implementation, so every output bit is the resident model's;
 - ``planning``: what the predictor is taught and asked, for which layer and when
@@ -20,25 +24,35 @@ concern each, and runs their life cycle (measured runs, shutdown):
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Executor
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
+from stmoe.admission import Admission
 from stmoe.cache_policy import RUNTIME, policy_code
 from stmoe.errors import OffloadError
 from stmoe.hf.layout import ModelLayout
 from stmoe.predictors.base import Predictor
-from stmoe.admission import Admission
 from stmoe.runtime.cache import READY, LayerCache, param_specs
+from stmoe.runtime.experts_path import ExpertsPath
+from stmoe.runtime.forced_routing import RoutingSource
 from stmoe.runtime.hf_glue import ForwardHooks, base_forward, resident_device, take_over
 from stmoe.runtime.planning import PrefetchPlanner, gate_lookahead
 from stmoe.runtime.prefetch import Prefetcher
-from stmoe.runtime.serve import LayerServer
 from stmoe.runtime.state import EngineSettings, EngineState, Future, RunState
 from stmoe.runtime.stats import RuntimeStats
+from stmoe.runtime.step import LayerTally, Part, Step, current_driver, foresee
 from stmoe.runtime.store import ExpertStore
 from stmoe.runtime.store.loader import Loader
 from stmoe.runtime.store.tiers import Tier
+from stmoe.util.units import capacity_per_layer
 
 
 class OffloadEngine:
@@ -55,9 +69,11 @@ class OffloadEngine:
         self.settings, self.policy = settings, settings.policy
         self.num_layers = len(modules)
         self.num_experts = int(store.model["num_experts"])
-        self.capacity = _checked_capacity(settings.capacity, self.num_experts)
+        self.capacity = capacity_per_layer(settings.capacity, self.num_experts,
+                                           predictor.shape.top_k, forms=("count",),
+                                           error=OffloadError)
         lookahead = gate_lookahead(layout, predictor)
-        self.max_loads = _checked_max_loads(settings, predictor.shape.top_k)
+        self.max_loads = _checked_max_loads(settings)
         self.device = settings.device or resident_device(model)
         # each layer's experts module and its own implementation (refuses an offloaded model)
         layers = [(module, base_forward(module)) for _, module in modules]
@@ -72,10 +88,10 @@ class OffloadEngine:
         self.planner = PrefetchPlanner(self.state, predictor, self.prefetcher, lookahead,
                                        self.max_loads, self.capacity,
                                        layout.routers if predictor.prefetches else None)
-        self.server = LayerServer(self.state, layers, settings, self.prefetcher, self.planner)
+        self.path = ExpertsPath(self.state, layers, settings, self.prefetcher, self.planner)
         self.reset(future=None)
         self.prefetcher.start()
-        self.hooks = ForwardHooks(model, self.state, self.planner)
+        self.hooks = ForwardHooks(model, self, self.planner)
 
     # ---- runs ----------------------------------------------------------------
     def reset(self, future: Future | None = None, cold: bool = True) -> None:
@@ -104,6 +120,41 @@ class OffloadEngine:
     def run(self) -> RunState:
         """The current measured run (its counters, forward-call times, oracle log)."""
         return self.state.run
+
+    @contextmanager
+    def claimed_run(self, routing: RoutingSource | None = None) -> Iterator[None]:
+        """The calling thread's measured run: the engine claimed for it (refused while
+        another thread's call runs) with ``routing`` forced on its steps, let go after."""
+        with self.cv:
+            self.state.enter_run()
+            self.state.forced_routing = routing
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.state.forced_routing = None
+                self.state.leave_run()
+
+    def refuse_nested(self) -> None:
+        """A measured run inside the calling thread's own run or call is an error."""
+        with self.cv:
+            self.state.refuse_nested()
+
+    def serves_caller(self) -> bool:
+        """Whether the engine is the calling thread's now (its run or its call)."""
+        return self.state.owner is threading.current_thread()
+
+    def most_cached(self) -> int:
+        """The most experts any layer's cache holds now."""
+        with self.cv:
+            return max(len(c.where) for c in self.caches)
+
+    def counters(self) -> tuple[dict[str, float], int, int]:
+        """The run so far, read under the lock: the decode phase's summary, the bytes
+        read and the bytes wasted."""
+        with self.cv:
+            stats = self.state.run.stats
+            return stats.phases["decode"].summary(), stats.bytes_moved, stats.bytes_wasted
 
     def finish(self) -> RuntimeStats:
         """End of a run: the last prefetches land (or fail: raised here), prefetched
@@ -155,12 +206,101 @@ class OffloadEngine:
         """Each MoE layer's (decoder layer, pre-MoE norm) when the late lookahead is in use."""
         return self.planner.late
 
-    # ---- the experts forward (hf_glue routes every offloaded experts call here) -------
+    # ---- the step API: the one home of the run's books ------------------------------
+    def solo_step(self, batch: int, length: int, mask: np.ndarray | None) -> Step:
+        """The step of a forward call transformers runs itself: its whole batch one part
+        (a recorded routing forced by ``OffloadedModel.force_routing`` at the run's call)."""
+        fwd = self.state.run.fwd + 1
+        part = Part(tuple(range(batch)), fwd, self.state.forced_routing)
+        return Step((part,), length, prefill=length > 1 or fwd == 0, mask=mask)
+
+    def begin_step(self, step: Step) -> None:
+        """``step`` starts on the calling thread: the engine claimed for it (another
+        thread's step in progress: a clear busy error), the run's books opened, the
+        planner told (a prompt starts its rows' predictor slots afresh)."""
+        with self.cv:
+            state = self.state
+            state.enter_forward()
+            run = state.run
+            run.fwd += 1
+            run.step, run.batch = step, (step.rows, step.length)
+            run.phase = "prefill" if step.prefill else "decode"
+            run.prefill_routing, run.mask, run.slots = [], step.mask, step.slots
+            if run.future is not None and step.parts[0].limit is not None:
+                foresee(run.future, run.fwd, step, self.num_layers)  # a server's oracle
+        self.planner.forward_started()
+
+    def serve_layer(self, layer: int, parts: list[Part],
+                    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    pool: Executor | None = None) -> tuple[torch.Tensor, list[slice], LayerTally]:
+        """A step's MoE layer for ``parts`` (the step's still running, each with its
+        (hidden, top-k ids, top-k weights)) in ONE path call: the union of their experts
+        loaded once, each part's rows computed alone (on ``pool``'s threads side by side).
+        The output, each part's rows in it, and what the layer met."""
+        calls = [(h, *p.routing.routing(p.call, layer, i, w)) if p.routing is not None
+                 else (h, i, w) for p, (h, i, w) in zip(parts, calls, strict=True)]
+        hidden, index = torch.cat([c[0] for c in calls]), torch.cat([c[1] for c in calls])
+        weights = torch.cat([c[2] for c in calls])
+        bounds = np.cumsum([0] + [int(c[0].shape[0]) for c in calls]).tolist()
+        segments = [slice(a, b) for a, b in itertools.pairwise(bounds)]
+        with self.cv:
+            where = self.caches[layer].where
+            distinct = [set(index[s].reshape(-1).tolist()) for s in segments]
+            needed = tuple(len(ids) for ids in distinct)
+            hits = tuple(sum(e in where for e in ids) for ids in distinct)
+            moved0 = self.state.run.stats.bytes_moved
+        out, stall = self.path.run(layer, hidden, index, weights,
+                                   segments=(segments, pool if len(parts) > 1 else None))
+        with self.cv:
+            moved = self.state.run.stats.bytes_moved - moved0
+        return out, segments, LayerTally(needed, hits, stall, moved)
+
+    def end_step(self, step: Step) -> None:
+        """``step``'s forward call completed: the books closed, the planner told (after a
+        prompt it learns the prompt's routing and predicts the first decode token's)."""
+        run = self.state.run
+        if run.step is not step:
+            raise OffloadError("end_step of a step the engine is not running")
+        run.forward_ends.append(time.perf_counter())
+        self.planner.forward_ended()
+
+    def leave_step(self) -> None:
+        """The calling thread's step is over, completed or failed: the engine let go (a
+        no-op for another thread, or inside a measured run, which keeps its claim)."""
+        with self.cv:
+            self.state.leave_forward()
+
+    # ---- transformers' experts call (hf_glue routes every offloaded experts call here) ---
     def experts_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor,
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.server.serve(module, hidden_states, top_k_index, top_k_weights,
-                                 *args, **kwargs)
+        layer = self.path.layer_of[id(module)]
+        driver = current_driver()
+        if driver is not None:  # a driven forward: its driver serves the layer in its step
+            return driver.experts_call(layer, hidden_states, top_k_index, top_k_weights)
+        state = self.state
+        if state.owner is threading.current_thread():
+            return self._solo_layer(layer, hidden_states, top_k_index, top_k_weights,
+                                    *args, **kwargs)
+        with self.cv:  # a layer called on its own: claimed for the call
+            state.enter_forward()
+        try:
+            return self._solo_layer(layer, hidden_states, top_k_index, top_k_weights,
+                                    *args, **kwargs)
+        finally:
+            with self.cv:
+                state.leave_forward()
+
+    def _solo_layer(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """A solo step's layer: the whole batch one part (its recorded routing, if any)."""
+        step = self.state.run.step
+        part = step.parts[0] if step is not None else None
+        if part is not None and part.routing is not None:
+            top_k_index, top_k_weights = part.routing.routing(part.call, layer, top_k_index,
+                                                              top_k_weights)
+        return self.path.run(layer, hidden_states, top_k_index, top_k_weights,
+                             *args, **kwargs)[0]
 
     def check(self) -> None:
         """Invariants, for tests: every cache consistent and within its capacity."""
@@ -175,20 +315,10 @@ def _check_settings(settings: EngineSettings) -> None:
         raise OffloadError(f"workers must be >= 0, got {settings.workers}")
 
 
-def _checked_capacity(capacity: int, num_experts: int) -> int:
-    if not 1 <= capacity <= num_experts:
-        raise OffloadError(f"capacity {capacity} experts per layer is outside 1..{num_experts}")
-    return capacity
-
-
-def _checked_max_loads(settings: EngineSettings, top_k: int) -> int:
+def _checked_max_loads(settings: EngineSettings) -> int:
     """Loads a prediction may start per layer (the most confident experts not yet cached)."""
     capacity, max_loads = settings.capacity, settings.max_loads
     out = min(capacity, max_loads if max_loads is not None else capacity)
     if out < 0:
         raise OffloadError(f"max_loads must be >= 0, got {max_loads}")
-    if capacity < top_k:
-        raise OffloadError(f"capacity {capacity} experts per layer is below top-{top_k}: "
-                           "one token's experts would not fit; use at least "
-                           f"{top_k}")
     return out

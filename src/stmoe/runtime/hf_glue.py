@@ -6,27 +6,27 @@ its engine with the router's decision, the model keeping its own routing code.
 ``take_over`` releases a module's per-expert weights to storage-free meta tensors
 and points the module at the engine; ``base_forward`` is the implementation it
 used before (its arithmetic, which the engine calls on the gathered experts).
-``ForwardHooks`` follows the model's forward calls: which call, its batch shape
-and padding mask, prefill (a prompt) or decode (one token per row), and tells
-the prefetch planner as each call starts and ends and as each decoder layer
-with a late gate lookahead starts. Each forward call claims the engine for its
-thread before touching the run (``EngineState.enter_forward``: another thread's
-call in progress is a clear busy error) and lets it go when it ends, failed or
-not (a hook with ``always_call``).
+``ForwardHooks`` turns each of the model's own forward calls into a step of the
+engine's step API (``runtime.step``: its batch shape and padding mask, prefill or
+decode): ``begin_step`` claims the engine for the thread (another thread's call in
+progress is a clear busy error), ``end_step`` closes the books, and ``leave_step``
+lets the engine go when the call ends, failed or not (a hook with ``always_call``).
+It also tells the planner as each decoder layer with a late gate lookahead starts.
 """
 
 from __future__ import annotations
 
 import inspect
-import time
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
 from stmoe.runtime.planning import PrefetchPlanner
-from stmoe.runtime.state import EngineState
+from stmoe.runtime.step import Step, current_driver
 
 IMPL_NAME = "stmoe_offload"
 
@@ -75,7 +75,15 @@ def any_expert_numbering(module: torch.nn.Module) -> bool:
     return getattr(module.config, "_experts_implementation", None) in _ORDER_FREE
 
 
-def take_over(module: torch.nn.Module, engine: Any, num_experts: int) -> None:
+class ExpertsEngine(Protocol):
+    """Where an offloaded experts module's calls go (``OffloadEngine.experts_forward``)."""
+
+    def experts_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor,
+                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        *args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+
+def take_over(module: torch.nn.Module, engine: ExpertsEngine, num_experts: int) -> None:
     """Release the module's per-expert parameters (storage-free meta tensors from now on)
     and send its experts calls to ``engine.experts_forward``."""
     for name, p in list(module.named_parameters(recurse=False)):
@@ -87,15 +95,31 @@ def take_over(module: torch.nn.Module, engine: Any, num_experts: int) -> None:
 
 
 class GatheredExperts:
-    """Stands in for an experts module: the gathered experts' weights, all else delegated."""
+    """Stands in for an experts module: the gathered experts' weights, all else delegated.
 
-    def __init__(self, module: torch.nn.Module, params: dict[str, torch.Tensor], n: int) -> None:
-        self.__dict__.update(params)
-        self.__dict__["num_experts"] = n
-        self.__dict__["_module"] = module
+    One per layer, bound to each call's weights (``bind``): what the implementation reads of
+    the module (its config, activation, flags: the same few names at every call) is looked
+    up once and kept, since a lookup through ``nn.Module.__getattr__`` at every call and
+    layer is a measurable share of a small layer's time. Anything the implementation sets
+    on it lives for one call only (``bind`` starts afresh)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.__dict__.update(_module=module, _seen={})
+
+    def bind(self, params: dict[str, torch.Tensor], n: int) -> GatheredExperts:
+        d = self.__dict__
+        module, seen = d["_module"], d["_seen"]
+        d.clear()
+        d.update(seen)
+        d.update(params)
+        d.update(num_experts=n, _module=module, _seen=seen)
+        return self
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_module"], name)
+        value = getattr(self.__dict__["_module"], name)
+        if name != "training":  # the one attribute a user may change between calls
+            self.__dict__["_seen"][name] = self.__dict__[name] = value
+        return value
 
 
 def resident_device(model: torch.nn.Module) -> torch.device:
@@ -118,16 +142,26 @@ def move_resident(model: torch.nn.Module, device: torch.device) -> None:
                 module._buffers[name] = b.to(device)
 
 
-class ForwardHooks:
-    """The model's forward calls followed (``state.run``), the planner told of each."""
+class StepEngine(Protocol):
+    """The engine's step API, as the forward hooks call it (``OffloadEngine``)."""
 
-    def __init__(self, model: torch.nn.Module, state: EngineState,
+    def solo_step(self, batch: int, length: int, mask: np.ndarray | None) -> Step: ...
+    def begin_step(self, step: Step) -> None: ...
+    def end_step(self, step: Step) -> None: ...
+    def leave_step(self) -> None: ...
+
+
+class ForwardHooks:
+    """transformers' own forward calls as steps of one part (``StepEngine``); a forward
+    driven by a step driver (``runtime.step.driven_by``) is left to its driver."""
+
+    def __init__(self, model: torch.nn.Module, engine: StepEngine,
                  planner: PrefetchPlanner) -> None:
-        self.state, self.planner = state, planner
+        self.engine, self.planner = engine, planner
+        self._steps = threading.local()  # this thread's open steps (nested forwards: a stack)
         self._handles = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                          model.register_forward_hook(self._after_forward),
-                         model.register_forward_hook(self._forward_done,
-                                                     always_call=True)]
+                         model.register_forward_hook(self._forward_done, always_call=True)]
         if planner.late is not None:  # predict layer l as layer l starts (the late lookahead)
             self._handles += [decoder_layer.register_forward_pre_hook(self._layer_start(layer),
                                                                       with_kwargs=True)
@@ -138,8 +172,15 @@ class ForwardHooks:
         for h in self._handles:
             h.remove()
 
+    def _open(self) -> list[Step | None]:
+        stack = getattr(self._steps, "stack", None)
+        if stack is None:
+            stack = self._steps.stack = []
+        return stack
+
     def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.state.batch_member():  # the step batcher keeps the books
+        if current_driver() is not None:  # its driver keeps the books
+            self._open().append(None)
             return
         ids = kwargs.get("input_ids")
         if ids is None and args:
@@ -150,35 +191,26 @@ class ForwardHooks:
             raise OffloadError("an offloaded model needs input_ids or inputs_embeds")
         batch, length = int(ids.shape[0]), int(ids.shape[1])
         mask = kwargs.get("attention_mask")
-        with self.state.cv:
-            self.state.enter_forward()  # refuses while another thread's call runs
-            run = self.state.run
-            run.fwd += 1
-            run.batch = (batch, length)
-            run.phase = "prefill" if length > 1 or run.fwd == 0 else "decode"
-            run.prefill_routing = []
-            run.mask = None
-            if mask is not None and mask.dim() == 2:
-                run.mask = mask[:, -length:].detach().to("cpu").bool().numpy()
-        self.planner.forward_started()
+        rows = (mask[:, -length:].detach().to("cpu").bool().numpy()
+                if mask is not None and mask.dim() == 2 else None)
+        step = self.engine.solo_step(batch, length, rows)
+        self.engine.begin_step(step)  # refuses while another thread's step runs
+        self._open().append(step)
 
     def _after_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self.state.batch_member():  # the step batcher keeps the books
-            return
-        self.state.run.forward_ends.append(time.perf_counter())
-        self.planner.forward_ended()
+        stack = self._open()
+        if stack and stack[-1] is not None:
+            self.engine.end_step(stack[-1])
 
     def _forward_done(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         """Every forward call's end, even a failed one: its thread lets the engine go."""
-        if self.state.batch_member():
-            return
-        with self.state.cv:
-            self.state.leave_forward()
+        stack = self._open()
+        if stack and stack.pop() is not None:
+            self.engine.leave_step()
 
     def _layer_start(self, layer: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if self.state.batch_member():
-                return
-            self.planner.layer_started(layer, args[0] if args else kwargs["hidden_states"])
+            if current_driver() is None:
+                self.planner.layer_started(layer, args[0] if args else kwargs["hidden_states"])
 
         return hook

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stmoe.errors import OffloadError
+
+if TYPE_CHECKING:
+    from stmoe.runtime.engine import OffloadEngine
 
 
 def _status_bytes(key: str) -> int:
@@ -61,7 +64,7 @@ def rss_bytes() -> int:
 class MemoryProbe:
     """Samples RSS and the largest cache occupancy every ``every`` forward calls."""
 
-    def __init__(self, model: torch.nn.Module, engine: Any, every: int = 50) -> None:
+    def __init__(self, model: torch.nn.Module, engine: OffloadEngine, every: int = 50) -> None:
         self.engine, self.every = engine, every
         self.samples: list[tuple[int, int]] = []  # (forward call, rss bytes)
         self.peak_cached = 0  # most experts any layer's cache held at a sample
@@ -72,9 +75,7 @@ class MemoryProbe:
         self._calls += 1
         if self._calls % self.every == 0:
             self.samples.append((self._calls, rss_bytes()))
-            with self.engine.cv:
-                held = max(len(c.where) for c in self.engine.caches)
-            self.peak_cached = max(self.peak_cached, held)
+            self.peak_cached = max(self.peak_cached, self.engine.most_cached())
 
     def close(self) -> None:
         self._hook.remove()

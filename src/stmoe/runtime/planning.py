@@ -105,7 +105,7 @@ class PrefetchPlanner:
         if not self._streams_prompt():
             self._plan(run.fwd, layer)
 
-    # ---- each MoE layer (serve.LayerServer) ------------------------------------------
+    # ---- each MoE layer (experts_path.ExpertsPath) ----------------------------------
     def after_routing(self, layer: int, rows: np.ndarray, hidden: torch.Tensor) -> None:
         """Learn what the router chose and queue the prefetch ``horizon`` layers ahead."""
         if not self.predicts:

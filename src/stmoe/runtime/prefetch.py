@@ -75,7 +75,13 @@ class Prefetcher:
     def pause(self, paused: bool) -> None:
         """(lock held) Hold back new loads while the compute thread stalls; loads in flight
         for other layers wait at their next chunk (``_between``). Every change wakes the
-        workers: one waiting at a chunk may now be needed by the layer that stalls."""
+        workers: one waiting at a chunk may now be needed by the layer that stalls. No
+        change wakes nobody: a layer whose experts are all cached calls this twice, and
+        waking every idle worker for nothing hands the GIL back and forth at every layer.
+        (``paused`` returns to False at every layer's end, so the layer a worker's chunk
+        waits for never changes while it stays True.)"""
+        if paused == self.paused:
+            return
         self.paused = paused
         self.work.notify_all()
 

@@ -21,16 +21,16 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
-from stmoe.errors import OffloadError
 from stmoe.admission import Admission
+from stmoe.errors import OffloadError
 from stmoe.runtime.cache import LayerCache
 from stmoe.runtime.forced_routing import RoutingSource
 from stmoe.runtime.stats import RuntimeStats
+from stmoe.runtime.step import Step
 from stmoe.runtime.store import ExpertStore
 from stmoe.runtime.store.loader import Loader
 from stmoe.runtime.store.tiers import buffer_bytes
@@ -58,7 +58,7 @@ class RunState:
     stats: RuntimeStats
     future: Future | None  # the oracle's routing, known in advance; {}: its recording pass
     num_layers: int
-    fwd: int = -1  # the model's forward call in progress (0: the prompt)
+    fwd: int = -1  # the forward call (step) in progress (0: the prompt)
     pos: tuple[int, int] = (-1, -1)  # (call, layer) the compute thread reached: older is stale
     batch: tuple[int, int] = (1, 1)  # this call's (rows, tokens per row)
     phase: str = "prefill"  # "prefill" (the prompt) or "decode" (one token per row)
@@ -73,6 +73,7 @@ class RunState:
     # the predictor's slot of each row of this call (None: row i is slot i); a server's
     # step batches requests that keep their slots while others join and leave
     slots: list[int] | None = None
+    step: Step | None = None  # the step in progress (``OffloadEngine.begin_step``)
 
     def __post_init__(self) -> None:
         self.pending = [None] * self.num_layers
@@ -105,16 +106,9 @@ class EngineState:
         self.owner: threading.Thread | None = None  # the thread the engine serves now
         self.owner_run = False  # its claim is a measured run (else forward calls)
         self.depth = 0  # forward calls in progress under a forward claim
-        # a trace's routing replacing the router's (``OffloadedModel.force_routing``)
+        # a trace's routing replacing the router's (``OffloadedModel.force_routing``): the
+        # next solo steps' (``OffloadEngine.solo_step``)
         self.forced_routing: RoutingSource | None = None
-        # a server's step batcher (``runtime.batching``): its requests' threads hand their
-        # experts calls to it and skip the forward hooks (it runs the steps' bookkeeping)
-        self.gate: Any = None
-
-    def batch_member(self) -> bool:
-        """Whether the calling thread runs a request of the step batcher."""
-        gate = self.gate
-        return gate is not None and gate.is_member()
 
     # ---- who the engine serves (every method: lock held) -------------------------------
     def enter_run(self) -> None:

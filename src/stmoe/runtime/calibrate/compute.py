@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.runtime.api import OffloadedModel
+from stmoe.runtime.forced_routing import RoutingPlan
 from stmoe.runtime.options import CalibrateOptions
 
 
@@ -41,8 +43,8 @@ def measure_compute(model_dir: Path, store_path: Path | None, o: CalibrateOption
                               2, [1, 2])
         expert_s: list[float] = []
         layer_s: list[float] = []
-        server = om.engine.server
-        server.base = [_timed(f, expert_s) for f in server.base]
+        path = om.engine.path
+        path.base = [_timed(f, expert_s) for f in path.base]
         hooks = []
         for name, _ in om.engine.layout.modules:
             layer = om.model.get_submodule(_decoder_layer(name))
@@ -95,7 +97,7 @@ def measure_runtime_reads(model_dir: Path, store_path: Path, o: CalibrateOptions
             "tokens": result.decode_tokens}
 
 
-def routed_plan(routing: Path, om: Any, n_layers: int, top_k: int) -> Any:
+def routed_plan(routing: Path, om: OffloadedModel, n_layers: int, top_k: int) -> RoutingPlan:
     """The trace's first sequence as a replay plan for ``om``'s model."""
     from stmoe.runtime.forced_routing import plan_routing
     from stmoe.trace import load_trace

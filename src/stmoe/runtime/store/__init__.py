@@ -7,7 +7,9 @@
     pack_stream.py   packing one expert at a time from a checkpoint's safetensors shards
     folder.py        a store folder's lock and leftover data files (both index writers')
     in_place_index.py  an index reading a checkpoint's experts where its files hold them
+    extents.py       an in-place index's extents derived again from the safetensors headers
     in_place.py      reading those extents (O_DIRECT, aligned spans): ``InPlaceTier``
+    verify.py        ``stmoe pack --verify``: every block re-derived from the checkpoint
     tiers.py         where blocks are read from: the disk, an emulated link
     device_ops.py    what the GPU tiers ask of a device: pinning, async copies, events
     pinned.py        the store in pinned host memory, once per process (``--tier gpu``)

@@ -165,7 +165,7 @@ def _write_data(blocks: Iterable[tuple[int, int, list[tuple[str, Any]]]], out: P
     with temp_beside(out / DATA_TEMP) as tmp:
         with naming_failures(out), open(tmp, "wb") as f:  # a full disk names the store
             for layer, expert, tensors in blocks:
-                blob, slots = _block_bytes(tensors)
+                blob, slots = block_bytes(tensors)
                 del tensors  # a streamed expert's memory map may be released now
                 padded = blob + b"\0" * ((-len(blob)) % ALIGN)
                 f.write(padded)
@@ -178,7 +178,7 @@ def _write_data(blocks: Iterable[tuple[int, int, list[tuple[str, Any]]]], out: P
     return name, offset, written
 
 
-def _block_bytes(tensors: list[tuple[str, Any]]) -> tuple[bytes, tuple[TensorSlot, ...]]:
+def block_bytes(tensors: list[tuple[str, Any]]) -> tuple[bytes, tuple[TensorSlot, ...]]:
     """One expert's tensors end to end, and where each sits in the block."""
     import torch
 

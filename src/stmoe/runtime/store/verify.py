@@ -24,7 +24,7 @@ from stmoe.runtime.store.check import file_records
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import StoreError, block_crc
 from stmoe.runtime.store.pack_stream import CheckpointExperts, StreamUnsupported
-from stmoe.runtime.store.packing import ProgressFactory, _block_bytes, quantized_blocks
+from stmoe.runtime.store.packing import ProgressFactory, block_bytes, quantized_blocks
 
 
 def verify_store(model_dir: str | Path, store_dir: str | Path,
@@ -70,7 +70,7 @@ def _compare_packed(store: ExpertStore, model_dir: Path, record: dict[str, Any],
         if store.weights.quantized:  # the index's format, its group size resolved
             blocks = quantized_blocks(blocks, store.weights, experts.transposed)
         for layer, expert, tensors in blocks:
-            blob, slots = _block_bytes(tensors)
+            blob, slots = block_bytes(tensors)
             del tensors
             b = store.blocks[(layer, expert)]
             same = (b.tensors == slots and b.nbytes == len(blob)

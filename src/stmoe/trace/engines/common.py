@@ -1,11 +1,11 @@
 """What every engine reader shares: the options a file cannot answer, and the assembly.
 
-Engines hand out routing per request, over the model's *every* layer (dense ones
-hold a fill value), with the prompt length somewhere else or nowhere. Each reader
-turns its layout into ``Request`` objects; ``assemble`` applies the same rules to all
-of them: the user's ``--prompt-lengths`` against the file's own, an all-zero routing
-refused, dense layers dropped with a note (``--moe-layers`` overrides the guess), empty
-trailing slots trimmed, ids range-checked before they are narrowed to int16.
+Engines hand out routing per request, over the model's *every* layer (dense ones hold a
+fill value), with the prompt length somewhere else or nowhere. Each reader turns its
+layout into ``SequenceRouting`` objects; ``assemble`` applies the same rules to all of
+them: the user's ``--prompt-lengths`` against the file's own, an all-zero routing refused,
+dense layers dropped with a note (``--moe-layers`` overrides the guess), empty trailing
+slots trimmed, ids range-checked before they are narrowed to int16.
 """
 
 from __future__ import annotations
@@ -112,12 +112,10 @@ def layer_list(value: str | Sequence[int]) -> tuple[int, ...]:
 
 
 @dataclass
-class Request:
-    """One sequence's routing as an engine laid it out.
-
-    Row ``i`` of ``experts`` ([rows, model layers, slots], any integer dtype) is the
-    token at position ``start + i``; tokens at positions ``>= prompt_len`` are decode.
-    """
+class SequenceRouting:
+    """One sequence's routing as an engine laid it out: row ``i`` of ``experts`` ([rows,
+    model layers, slots], any integer dtype) is the token at position ``start + i``;
+    tokens at positions ``>= prompt_len`` are decode."""
 
     experts: np.ndarray
     prompt_len: int | None = None  # None: the file does not say
@@ -170,7 +168,7 @@ def written_moe_layers(opts: EngineOptions, value: Any, where: str) -> EngineOpt
     return replace(opts, moe_layers=layer_list(value))
 
 
-def note_missing_prompts(requests: Sequence[Request], opts: EngineOptions) -> None:
+def note_missing_prompts(requests: Sequence[SequenceRouting], opts: EngineOptions) -> None:
     """One note naming the requests whose prompt length neither the file nor
     ``--prompt-lengths`` gives: all their tokens are read as prefill."""
     missing = [r.where for r in requests if r.prompt_len is None]
@@ -181,7 +179,7 @@ def note_missing_prompts(requests: Sequence[Request], opts: EngineOptions) -> No
 
 
 def assemble(
-    requests: Sequence[Request],
+    requests: Sequence[SequenceRouting],
     opts: EngineOptions,
     num_experts: int | None,
     meta: dict[str, Any],
@@ -255,7 +253,7 @@ def finish(
                         meta=trace_meta)
 
 
-def _same_shape(requests: Sequence[Request]) -> None:
+def _same_shape(requests: Sequence[SequenceRouting]) -> None:
     """Every request over the same model layers and slots (one model answered them all)."""
     first = requests[0]
     for r in requests[1:]:
@@ -268,7 +266,8 @@ def _same_shape(requests: Sequence[Request]) -> None:
                              "top-k (responses of one model)")
 
 
-def _prompt_lengths(requests: Sequence[Request], given: tuple[int, ...] | None) -> list[int | None]:
+def _prompt_lengths(requests: Sequence[SequenceRouting],
+                    given: tuple[int, ...] | None) -> list[int | None]:
     """Each request's prompt length: the file's, else the option's; both must agree, and
     a prompt never holds more tokens than the request routed (prompt + generated - 1)."""
     if given is not None and len(given) != len(requests):

@@ -23,7 +23,7 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.assemble import layer_numbering
-from stmoe.trace.engines.common import EngineOptions, Request, assemble, check_size
+from stmoe.trace.engines.common import EngineOptions, SequenceRouting, assemble, check_size
 
 MAGIC = b"MOEDROPT"
 NPZ_KEYS = {"weights", "mask", "layer", "seq"}
@@ -92,7 +92,7 @@ def _trace(records: list[Record], opts: EngineOptions, num_experts: int, meta: d
     passes = _steps(records)
     mapping, layer_extra = layer_numbering(r[1] for r in records)
     k = max(int(m.sum(axis=1).max(initial=0)) for _, _, _, m in records)
-    requests: list[Request] = []
+    requests: list[SequenceRouting] = []
     blocks: list[tuple[np.ndarray, np.ndarray]] = []
     prompt = 0
     for recs in passes:
@@ -143,7 +143,7 @@ def _routing(recs: Iterable[Record], rows: int, mapping: dict[int, int], k: int)
     return experts, weights
 
 
-def _request(blocks: list, prompt: int, i: int, extra: dict) -> Request:
-    return Request(np.concatenate([b[0] for b in blocks]), prompt,
+def _request(blocks: list, prompt: int, i: int, extra: dict) -> SequenceRouting:
+    return SequenceRouting(np.concatenate([b[0] for b in blocks]), prompt,
                    weights=np.concatenate([b[1] for b in blocks]),
                    where=f"sequence {i}", extra=dict(extra))

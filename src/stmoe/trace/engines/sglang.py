@@ -27,7 +27,7 @@ import numpy as np
 from stmoe.errors import TraceError
 from stmoe.trace.engines.common import (
     EngineOptions,
-    Request,
+    SequenceRouting,
     assemble,
     checked_ids,
     note_missing_prompts,
@@ -54,7 +54,7 @@ def read_generate(path: Path, opts: EngineOptions, num_experts: int | None):
     return assemble(requests, opts, num_experts, meta)
 
 
-def _response(resp: Any, i: int, opts: EngineOptions, num_experts: int | None) -> Request:
+def _response(resp: Any, i: int, opts: EngineOptions, num_experts: int | None) -> SequenceRouting:
     where = f"response {i}"
     info = resp.get("meta_info") if isinstance(resp, dict) else None
     if not isinstance(info, dict) or "routed_experts" not in info:
@@ -91,7 +91,7 @@ def _response(resp: Any, i: int, opts: EngineOptions, num_experts: int | None) -
                          "token)", hint="the response looks truncated; else check --layers "
                          "and --top-k")
     stored = np.frombuffer(raw, dtype=dtype).reshape(rows, layers, top_k)
-    return Request(checked_ids(stored, num_experts, f"{where}, meta_info.routed_experts"),
+    return SequenceRouting(checked_ids(stored, num_experts, f"{where}, meta_info.routed_experts"),
                    prompt, where=where)
 
 
@@ -127,7 +127,7 @@ def read_recorder(dumps: list[tuple[Path, dict]], opts: EngineOptions,
                   num_experts: int | None):
     """Per-token recorder dumps (one per rank) -> one trace; a rank whose passes repeat
     another's exactly (tensor parallelism) is read once."""
-    requests: list[Request] = []
+    requests: list[SequenceRouting] = []
     seen: set[int] = set()
     for path, dump in dumps:
         try:
@@ -165,7 +165,7 @@ def _checked(dump: dict) -> tuple[list[dict], np.ndarray]:
     return records, checked_ids(mapping, None, "last_physical_to_logical_map")
 
 
-def _rebuild(records: list[dict], mapping: np.ndarray) -> list[Request]:
+def _rebuild(records: list[dict], mapping: np.ndarray) -> list[SequenceRouting]:
     order = sorted(range(len(records)), key=lambda i: (records[i].get("forward_pass_id") or 0, i))
     reqs: list[_Open] = []
     for i in order:
@@ -208,7 +208,7 @@ def _rebuild(records: list[dict], mapping: np.ndarray) -> list[Request]:
             used.add(j)
             a += n
     return [
-        Request(np.concatenate(r.rows), r.first_decode, r.start,
+        SequenceRouting(np.concatenate(r.rows), r.first_decode, r.start,
                 token_ids=np.asarray(r.ids, dtype=np.int64), where=f"request {k}")
         for k, r in enumerate(reqs)
     ]

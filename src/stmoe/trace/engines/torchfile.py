@@ -23,7 +23,7 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.engines import sglang
-from stmoe.trace.engines.common import EngineOptions, Request, assemble, refuse_counts
+from stmoe.trace.engines.common import EngineOptions, SequenceRouting, assemble, refuse_counts
 from stmoe.trace.schema import RoutingTrace
 
 
@@ -134,7 +134,7 @@ def _router_logits(logits: list, path: Path, opts: EngineOptions,
                          f"{seq} tokens", expected="--prompt-lengths with one true length per "
                          "sequence of the batch")
     requests = [
-        Request(top[b * seq : b * seq + p].astype(np.int32), None,
+        SequenceRouting(top[b * seq : b * seq + p].astype(np.int32), None,
                 weights=weights[b * seq : b * seq + p], where=f"sequence {b}")
         for b, p in enumerate(lengths)
     ]

@@ -26,7 +26,7 @@ from stmoe.errors import TraceError
 from stmoe.trace.assemble import expert_ids, gate_weights, layer_numbering
 from stmoe.trace.engines.common import (
     EngineOptions,
-    Request,
+    SequenceRouting,
     assemble,
     checked_ids,
     note,
@@ -72,7 +72,7 @@ def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> R
         if prompt_ids is not None and tokens is None:
             note(f"{where}: token ids dropped (the response has prompt_token_ids but not "
                  "the generated token_ids)")
-        requests.append(Request(experts, prompt, token_ids=tokens, where=where))
+        requests.append(SequenceRouting(experts, prompt, token_ids=tokens, where=where))
     note_missing_prompts(requests, opts)
     opts = written_moe_layers(opts, doc.get("stmoe_moe_layers"), "response")
     meta = {"source": f"imported from {path.name} (vLLM response)", "file": str(path),
@@ -162,7 +162,7 @@ def read_profile(path: Path, opts: EngineOptions, num_experts: int | None) -> Ro
     return assemble(requests, opts, num_experts, meta)
 
 
-def _profile_request(key: Any, per: dict, mapping: dict[int, int], extra: dict) -> Request:
+def _profile_request(key: Any, per: dict, mapping: dict[int, int], extra: dict) -> SequenceRouting:
     counts = {layer: len(recs) for layer, recs in per.items()}
     first = min(per)
     bad = next((layer for layer in mapping if counts.get(layer, 0) != counts[first]), None)
@@ -186,7 +186,8 @@ def _profile_request(key: Any, per: dict, mapping: dict[int, int], extra: dict) 
     # The prefill pass numbers its tokens 0..P-1; every decode step restarts at 0.
     positions = [r[0] for r in per[first]]
     prompt = next((i for i, p in enumerate(positions) if p != i), len(positions))
-    return Request(experts, prompt, weights=weights, where=f"problem {key!r}", extra=dict(extra))
+    return SequenceRouting(experts, prompt, weights=weights, where=f"problem {key!r}",
+                           extra=dict(extra))
 
 
 def _lines(path: Path):

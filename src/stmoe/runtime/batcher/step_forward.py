@@ -14,8 +14,8 @@ the requests' tokens, run by the batcher's thread, and each request keeps its so
   depends on the row count), the attention itself (each request's own KV cache and length:
   ``cache.update`` and sdpa on that row alone, as a solo decode step calls them; where the
   cache holds something else than the attention's keys, DeepSeek's compressed latents, the
-  whole attention module row by row), and the routed experts (``step_layer``: the union
-  of the requests' experts loaded once, a segment per request);
+  whole attention module row by row), and the routed experts (the engine's ``serve_layer``:
+  the union of the requests' experts loaded once, a part per request);
 - norms, activations, rotary embeddings and residual sums are row-wise, so batched.
 
 Each request's thread still runs transformers' ``generate`` (its logits processors,
@@ -41,7 +41,7 @@ import torch
 
 from stmoe.errors import OffloadError
 from stmoe.quant.linears import QuantizedLinear, is_gate
-from stmoe.runtime.step_rows import split_rows
+from stmoe.runtime.batcher.step_rows import split_rows
 
 # the batcher's thread, during a batched forward: the step's requests' KV caches, in row order
 # (``caches``), and whether sdpa appends each row's keys to them (``in_sdpa``; else the

@@ -1,6 +1,7 @@
 """The compute thread's path through one MoE layer call, from the router to the output.
 
-``LayerServer.serve`` is what an experts module's forward becomes once offloaded:
+``ExpertsPath.run`` is what an experts module's forward becomes once offloaded (the
+engine calls it for a solo forward's layer, and for a server step's, ``serve_layer``):
 
 1. hand the routing to the planner, which learns it and queues the next layer's
    prefetches (the predictor's work overlaps any wait for this layer's loads);
@@ -17,14 +18,11 @@ Experts beyond the cache's capacity (a long prompt may route to more experts tha
 fit) are read into spare rows past it, given back after the call (on the CPU;
 elsewhere into transient tensors, with the copy).
 
-The path is one caller's at a time (its read buffer, the pins, the run's position): a
-layer called outside its thread's forward call claims the engine for that call
-(``EngineState.enter_forward``: another thread gets a clear busy error); a server's
-requests hand their calls to its step batcher (``runtime.batching``)."""
+The path is one caller's at a time (its read buffer, the pins, the run's position): the
+engine's step API claims the engine for the caller's thread first."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -33,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stmoe.errors import OffloadError
 from stmoe.admission import record_call
+from stmoe.errors import OffloadError
 from stmoe.runtime.arrange import gather, plan_id_order
 from stmoe.runtime.cache import LOADING, READY, TEMP, LayerCache
 from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering
@@ -47,15 +45,18 @@ Slots = dict[int, int]  # expert -> cache slot
 Overflow = dict[int, dict[str, torch.Tensor]]  # expert -> its tensors, outside the cache
 # each MoE layer's experts module and the experts implementation it had before offloading
 Layers = list[tuple[torch.nn.Module, Callable[..., torch.Tensor]]]
+Segments = tuple[list[slice], Executor | None]  # rows computed alone, and on which threads
 
 
-class LayerServer:
-    """Serves every MoE layer's experts calls from the caches of ``state``."""
+class ExpertsPath:
+    """Every MoE layer's experts calls, served from the caches of ``state``."""
 
     def __init__(self, state: EngineState, layers: Layers, settings: EngineSettings,
                  prefetcher: Prefetcher, planner: PrefetchPlanner) -> None:
         self.state, self.prefetcher, self.planner = state, prefetcher, planner
         self.layer_of = {id(module): i for i, (module, _) in enumerate(layers)}
+        self.modules = [module for module, _ in layers]
+        self.gathered = [GatheredExperts(module) for module, _ in layers]  # bound per call
         self.base = [forward for _, forward in layers]
         # implementations whose result does not depend on how experts are numbered (each
         # token's top-k outputs summed in routing order): they compute on the cache's
@@ -65,46 +66,18 @@ class LayerServer:
         self._buf = aligned_buffer(state.max_block)  # the compute thread's read buffer
         self._stream = torch.cuda.Stream() if state.device.type == "cuda" else None
 
-    def serve(self, module: torch.nn.Module, hidden_states: torch.Tensor,
-              top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-              *args: Any, **kwargs: Any) -> torch.Tensor:
+    def run(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+            top_k_weights: torch.Tensor, *args: Any, segments: Segments | None = None,
+            **kwargs: Any) -> tuple[torch.Tensor, float]:
+        """Layer ``layer``'s experts call (the caller holds the engine's claim): the output
+        and the seconds it waited for experts. ``segments``: several requests' rows, their
+        experts loaded once, each segment computed alone (its solo bits), on the pool's
+        threads side by side where one is given."""
         state = self.state
         if state.closed:
             raise OffloadError("this offloaded model was closed; offload it again to run it")
-        if state.batch_member():  # a server's request: its step serves the layer
-            return state.gate.submit_layer(self.layer_of[id(module)], hidden_states,
-                                           top_k_index, top_k_weights)
-        if state.owner is not threading.current_thread():  # a layer called on its own
-            with state.cv:
-                state.enter_forward()
-            try:
-                return self._serve(module, hidden_states, top_k_index, top_k_weights,
-                                   *args, **kwargs)
-            finally:
-                with state.cv:
-                    state.leave_forward()
-        return self._serve(module, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-
-    def serve_segments(self, module: torch.nn.Module, hidden_states: torch.Tensor,
-                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       segments: list[slice], pool: Executor | None = None) -> torch.Tensor:
-        """A server step's layer call (on the engine's owner thread): several requests'
-        rows, their experts loaded once, each segment computed alone (its solo bits), on
-        ``pool``'s threads side by side where one is given."""
-        return self._serve(module, hidden_states, top_k_index, top_k_weights,
-                           segments=(segments, pool))
-
-    def _serve(self, module: torch.nn.Module, hidden_states: torch.Tensor,
-               top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args: Any,
-               segments: tuple[list[slice], Executor | None] | None = None,
-               **kwargs: Any) -> torch.Tensor:
-        state = self.state
-        layer = self.layer_of[id(module)]
-        forced = state.forced_routing
-        if forced is not None:  # a recorded routing in place of the router's
-            top_k_index, top_k_weights = forced.routing(state.run.fwd, layer, top_k_index,
-                                                        top_k_weights)
-        rows = top_k_index.detach().to("cpu").numpy()
+        ids = top_k_index.detach()
+        rows = (ids if ids.device.type == "cpu" else ids.to("cpu")).numpy()
         if rows.shape[-1] > self.capacity:
             raise OffloadError(f"the router picks {rows.shape[-1]} experts per token but the "
                                f"cache holds {self.capacity} per layer")
@@ -114,22 +87,28 @@ class LayerServer:
         predicted = self._begin(layer, cache, needed)  # the workers paused if this layer waits
         try:
             self.planner.after_routing(layer, rows, hidden_states)
-            params, n, index, in_place, spare, slots = self._prepare(
+            params, n, index, in_place, spare, slots, stall = self._prepare(
                 layer, cache, needed, rows, top_k_index, predicted)
-        finally:
+        except BaseException:
             with state.cv:
                 self.prefetcher.pause(False)
-        index = index.to(top_k_index.device, top_k_index.dtype)
-        self._touch(cache, slots)
-        if not in_place:  # the copy is made: the slots may change
-            self._unpin(cache)
-        weights, base = GatheredExperts(module, params, n), self.base[layer]
+            raise
+        if index is not top_k_index:
+            index = index.to(top_k_index.device, top_k_index.dtype)
+        with state.cv:  # the layer has its experts: the workers go on, the slots used now
+            self.prefetcher.pause(False)
+            for s in slots.values():
+                cache.touch(s)
+            if not in_place:  # the copy is made: the slots may change
+                self._unpinned(cache)
+        weights, base = self.gathered[layer].bind(params, n), self.base[layer]
         try:
             if segments is None:
-                return base(weights, hidden_states, index, top_k_weights, *args, **kwargs)
+                return base(weights, hidden_states, index, top_k_weights, *args, **kwargs), stall
             parts, pool = segments
             one = lambda s: base(weights, hidden_states[s], index[s], top_k_weights[s])  # noqa: E731
-            return torch.cat(list(pool.map(one, parts)) if pool else [one(s) for s in parts])
+            out = torch.cat(list(pool.map(one, parts)) if pool else [one(s) for s in parts])
+            return out, stall
         finally:
             if in_place:  # computed from the rows: they stay pinned until now
                 try:
@@ -139,10 +118,10 @@ class LayerServer:
 
     def _prepare(self, layer: int, cache: LayerCache, needed: list[int], rows: np.ndarray,
                  top_k_index: torch.Tensor, predicted: frozenset[int]) -> tuple[
-                     dict[str, torch.Tensor], int, torch.Tensor, bool, int, Slots]:
+                     dict[str, torch.Tensor], int, torch.Tensor, bool, int, Slots, float]:
         """The needed experts made ready and laid out for the implementation: (weights,
         their number, the router's ids renumbered, in place or a copy, spare rows used,
-        expert -> slot); the layer's counters recorded."""
+        expert -> slot, the seconds waited); the layer's counters recorded."""
         state = self.state
         start = time.perf_counter()
         slots, extra, hits, late = self._ensure(cache, needed)
@@ -178,7 +157,7 @@ class LayerServer:
             layer, stall, len(needed), hits, late, len(predicted),
             len(predicted.intersection(needed)),
         )
-        return params, n, index, in_place, spare, slots
+        return params, n, index, in_place, spare, slots, stall
 
     def _arrange(self, cache: LayerCache, needed: list[int], slots: Slots,
                  extra: list[int]) -> tuple[dict[int, int], float]:
@@ -241,23 +220,21 @@ class LayerServer:
                                       for e in needed))
             if run.future is not None and not run.future:  # the oracle's recording pass
                 run.routing_log[(run.fwd, layer)] = tuple(needed)
-            if run.admission is not None and run.phase == "decode":
+            # admission judges prefetches: without a predictor that makes them, nothing
+            if run.admission is not None and run.phase == "decode" and self.planner.predicts:
                 record_call(run, cache, layer, needed, time.perf_counter())
         return predicted
 
-    def _touch(self, cache: LayerCache, slots: Slots) -> None:
-        """The layer has its experts: recently used now."""
-        with self.state.cv:
-            for s in slots.values():
-                cache.touch(s)
-
     def _unpin(self, cache: LayerCache) -> None:
         """The layer no longer reads its slots: they may be evicted (no reuse: dropped)."""
-        state = self.state
-        with state.cv:
-            cache.pinned = frozenset()
-            if self.policy == "none":
-                state.run.stats.bytes_wasted += cache.drop_ready() * state.expert_bytes
+        with self.state.cv:
+            self._unpinned(cache)
+
+    def _unpinned(self, cache: LayerCache) -> None:
+        """(lock held) ``_unpin``."""
+        cache.pinned = frozenset()
+        if self.policy == "none":
+            self.state.run.stats.bytes_wasted += cache.drop_ready() * self.state.expert_bytes
 
     def _ensure(self, cache: LayerCache,
                 needed: list[int]) -> tuple[Slots, list[int], int, int]:
@@ -272,6 +249,10 @@ class LayerServer:
         slots: Slots = {}
         extra: list[int] = []
         with self.state.cv:
+            where, state = cache.where, cache.state
+            held = [where.get(e) for e in needed]
+            if all(s is not None and state[s] == READY for s in held):  # every one a hit
+                return dict(zip(needed, held, strict=True)), extra, len(needed), 0  # type: ignore[arg-type]
             hits = sum(e in cache.where for e in needed)
             late = sum(e in cache.where and cache.state[cache.where[e]] == LOADING for e in needed)
             self._wait_or_load(cache, list(needed), slots, extra)

@@ -30,7 +30,7 @@ import torch
 
 from stmoe.errors import OffloadError
 from stmoe.quant.linears import QuantizedLinear
-from stmoe.runtime.requests import Request
+from stmoe.runtime.batcher.member import Member
 
 
 def gathered_linears(model: torch.nn.Module) -> list[QuantizedLinear]:
@@ -43,7 +43,7 @@ def gathered_linears(model: torch.nn.Module) -> list[QuantizedLinear]:
 
 
 class StepRows:
-    """The request threads' side (``call``) and the batcher's (``serve``, under its lock)."""
+    """The request threads' side (``call``) and the batcher's (``compute``, under its lock)."""
 
     def __init__(self, model: torch.nn.Module, cv: threading.Condition,
                  local: threading.local, pool: Executor | None = None, workers: int = 1) -> None:
@@ -67,7 +67,7 @@ class StepRows:
 
     def call(self, module: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
         """A linear's call on a request's thread: alone unless the request is in a step."""
-        r: Request | None = getattr(self.local, "request", None)
+        r: Member | None = getattr(self.local, "member", None)
         if r is None or not r.in_step:
             return module.rows(x)
         with self.cv:
@@ -80,7 +80,7 @@ class StepRows:
             raise result
         return result
 
-    def serve(self, live: list[Request], members: dict[int, Request]) -> bool:
+    def compute(self, live: list[Member], members: dict[int, Member]) -> bool:
         """(``cv`` held) If every live member of the step waits at the same gathered
         linear, compute it for all of them (the lock released meanwhile) and hand each its
         rows; True if it did. Members waiting at different calls fail with a clear error

@@ -1,17 +1,19 @@
 """Step batching: several requests decode together, each exactly as it would alone.
 
-Each request runs transformers' own greedy ``generate`` on a thread of its own (its
-own KV cache). The batcher's thread (the engine's owner) runs *steps*, and at each MoE
-layer serves the step's requests in ONE engine call (``step_layer``): the union of their
-experts loaded once, the next layer's prefetch the union of their predictions
-(``predictors.union``, each request its own predictor slot), each request's rows
-computed on their own, side by side on the compute threads. What else a step shares
-depends on the weights. bf16: each request runs its own forward, its experts calls
-waiting at a gate; a batched bf16 matmul is not bit-identical to one row's on the CPU
-(docs/serve.md), so the step shares the I/O. int8/int4 resident linears, whose kernels
-are row for row the same at any row count: a decode step is ONE batched forward on the
-batcher's thread (``step_forward``; the requests' decode calls wait for it), or where
-that cannot hold, each request's own forward with its linears gathered (``step_rows``).
+Each request runs transformers' own greedy ``generate`` on a thread of its own (its own
+KV cache), driven by the batcher (``runtime.step.driven_by``). The batcher's thread (the
+engine's owner) runs *steps* through the engine's step API (``begin_step``,
+``serve_layer``, ``end_step``); at each MoE layer ONE engine call serves the step's
+requests: the union of their experts loaded once, the next layer's prefetch the union of
+their predictions (``predictors.union``, each request its own predictor slot), each
+request's rows computed on their own, side by side on the compute threads. What else a
+step shares depends on the weights. bf16: each request runs its own forward, its experts
+calls waiting for the step's layer; a batched bf16 matmul is not bit-identical to one
+row's on the CPU (docs/serve.md), so the step shares the I/O. int8/int4 resident
+linears, whose kernels are row for row the same at any row count: a decode step is ONE
+batched forward on the batcher's thread (``step_forward``; the requests' decode calls
+wait for it), or where that cannot hold, each request's own forward with its linears
+gathered (``step_rows``).
 
 A request joins and leaves between steps. A prompt (prefill) is a step alone, so the
 planner sees a prompt or a decode step of one token per request, as in a solo run.
@@ -23,39 +25,36 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.runtime.api import OffloadedModel
+from stmoe.runtime.batcher.member import Cancel, Member, Streamer, charge, finish
+from stmoe.runtime.batcher.requests import Cancelled, QueueFull, Request
+from stmoe.runtime.batcher.step_forward import StepForward, decode_call, step_caches
+from stmoe.runtime.batcher.step_rows import StepRows
 from stmoe.runtime.prompts import greedy_generate
-from stmoe.runtime.requests import (
-    Cancel,
-    Cancelled,
-    QueueFull,
-    Request,
-    Streamer,
-    replay_request,
-)
-from stmoe.runtime.step_forward import StepForward, decode_call, step_caches
-from stmoe.runtime.step_layer import begin_step, end_step, serve_calls
-from stmoe.runtime.step_rows import StepRows
+from stmoe.runtime.step import Step, driven_by
 
-__all__ = ["Cancelled", "QueueFull", "Request", "StepBatcher", "replay_request"]
+Calls = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # each member's experts call
 
 
 class StepBatcher:
     """Runs requests on an ``OffloadedModel`` in shared steps (see the module docstring).
 
     ``max_batch`` requests take part in steps at once; up to ``max_queue`` more wait
-    for a place, and beyond that ``submit`` raises ``QueueFull``. ``share_rows``: with
+    for a place, and beyond that ``submit`` raises ``QueueFull`` (counted at once, whether
+    or not the batcher's thread has moved queued requests into the batch yet). ``share_rows``: with
     quantized resident linears, compute a step's rows of each in one call (False: each
     request's alone, as in bf16). ``batched``: where ``step_forward`` holds, a decode step
     is one batched forward (False: each request's own forward, its linears gathered).
     ``cold=False`` keeps the cache's experts (a warm run)."""
 
-    def __init__(self, om: Any, max_batch: int = 4, max_queue: int = 16,
+    def __init__(self, om: OffloadedModel, max_batch: int = 4, max_queue: int = 16,
                  compute_threads: int | None = None, share_rows: bool = True,
                  cold: bool = True, batched: bool = True) -> None:
         if max_batch < 1 or max_queue < 0:
@@ -74,7 +73,7 @@ class StepBatcher:
         self.pool = ThreadPoolExecutor(threads, "stmoe-compute") if threads > 1 else None
         self.cv = threading.Condition()
         self.waiting: deque[Request] = deque()
-        self.members: dict[int, Request] = {}  # slot -> request taking part in steps
+        self.members: dict[int, Member] = {}  # slot -> request taking part in steps
         self.local = threading.local()
         self.rows = StepRows(self.model, self.cv, self.local, self.pool, threads)
         # rows together only where the kernels keep each row's bits (module docstring)
@@ -100,7 +99,7 @@ class StepBatcher:
         with self.cv:
             if self.closed:
                 raise OffloadError("the batcher is closed")
-            if len(self.members) >= self.max_batch and len(self.waiting) >= self.max_queue:
+            if len(self.members) + len(self.waiting) >= self.max_batch + self.max_queue:
                 raise QueueFull(f"{len(self.members)} requests running and {len(self.waiting)} "
                                 "queued, the most this server takes; retry later")
             self.waiting.append(request)
@@ -120,39 +119,43 @@ class StepBatcher:
         """Cancel every request, stop the batcher's thread, let the engine go."""
         with self.cv:
             self.closed = True
-            for r in list(self.waiting) + list(self.members.values()):
+            for r in list(self.waiting) + [m.request for m in self.members.values()]:
                 r.cancel()
             self.cv.notify_all()
         self.thread.join()
         if self.pool is not None:
             self.pool.shutdown()
 
-    # ---- the engine's side (``LayerServer.serve`` and the forward hooks call these) ----
-    def is_member(self) -> bool:
-        """A request's thread, or this batcher's in a batched forward (it keeps the books)."""
-        return getattr(self.local, "request", None) is not None or step_caches() is not None
-
-    def submit_layer(self, layer: int, hidden: torch.Tensor, index: torch.Tensor,
+    # ---- the driver of its members' forwards (``runtime.step.StepDriver``) -------------
+    def experts_call(self, layer: int, hidden: torch.Tensor, index: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
-        """A member's experts call: wait for the step's engine call, take its rows."""
-        if step_caches() is not None:  # the batcher's own batched forward: a row per request
-            live = self.local.step
-            calls = [(layer, hidden[b:b + 1], index[b:b + 1], weights[b:b + 1])
+        """A driven forward's experts call: in the batcher's batched forward, served at once
+        (a row per member); on a member's thread, posted and waited for (the step's layer)."""
+        if step_caches() is not None:  # the batcher's own batched forward: a row per member
+            live: list[Member] = self.local.step
+            calls = [(hidden[b:b + 1], index[b:b + 1], weights[b:b + 1])
                      for b in range(len(live))]
-            return serve_calls(self.engine, self.pool, layer, live, calls)[0]
-        r: Request = self.local.request
+            return self._serve_layer(layer, live, calls)[0]
+        m: Member = self.local.member
         with self.cv:
-            r.arrival, r.result = (layer, hidden, index, weights), None
+            m.arrival, m.result = (layer, hidden, index, weights), None
             self.cv.notify_all()
-            return r.await_result(self.cv, lambda: self.error)
+            return m.await_result(self.cv, lambda: self.error)
+
+    def _serve_layer(self, layer: int, live: list[Member],
+                     calls: Calls) -> tuple[torch.Tensor, list[slice]]:
+        """``live``'s calls at ``layer`` in ONE engine call, each member's usage charged."""
+        out, segments, tally = self.engine.serve_layer(layer, [m.part() for m in live], calls,
+                                                       self.pool)
+        charge(live, tally)
+        return out, segments
 
     # ---- the batcher's thread --------------------------------------------------------
     def _main(self) -> None:
         try:
-            with self.om._exclusive():
+            with self.om.exclusive():
                 self.engine.reset(future={} if self.engine.predictor.sees_future else None,
                                   cold=self.cold)
-                self.engine.state.gate = self
                 if self.batched:
                     self.step_forward.install(self._member_forward)
                 elif self.share_rows:
@@ -161,7 +164,6 @@ class StepBatcher:
                 try:
                     self._loop()
                 finally:
-                    self.engine.state.gate = None
                     self.rows.remove()
                     self.step_forward.remove()
         except BaseException as exc:
@@ -169,14 +171,13 @@ class StepBatcher:
             with self.cv:
                 self.error, self.closed = exc, True
                 while self.waiting:  # never started: they end here
-                    self._finish(self.waiting.popleft(), OffloadError(f"the batcher stopped: "
-                                                                      f"{exc}"))
-                for r in self.members.values():  # their threads raise at the gate
-                    r.cancel()
-                    r.in_step = False  # their next linears compute alone, then the gate raises
-                    if r.row_call is not None or r.forward_call is not None:  # or waiting here
-                        r.row_call, r.forward_call = None, None
-                        r.result = OffloadError(f"the batcher stopped: {exc}")
+                    finish(self.waiting.popleft(), OffloadError(f"the batcher stopped: {exc}"))
+                for m in self.members.values():  # their threads raise at their next call
+                    m.request.cancel()
+                    m.in_step = False  # their next linears compute alone, then the call raises
+                    if m.row_call is not None or m.forward_call is not None:  # or waiting here
+                        m.row_call, m.forward_call = None, None
+                        m.result = OffloadError(f"the batcher stopped: {exc}")
                 self.cv.notify_all()
 
     def _loop(self) -> None:
@@ -194,8 +195,7 @@ class StepBatcher:
                 self._run_step(step)
             except Exception as exc:  # the step's requests fail; the batcher goes on
                 with self.cv:
-                    waiting = [r for r in step if r.arrival is not None or r.row_call is not None
-                               or r.forward_call is not None]
+                    waiting = [m for m in step if m.waiting()]
                 self._fail(waiting, exc)
 
     def _admit(self) -> None:
@@ -203,140 +203,148 @@ class StepBatcher:
         while self.waiting and len(self.members) < self.max_batch and not self.closed:
             r = self.waiting.popleft()
             if r.cancelled.is_set():
-                self._finish(r, Cancelled("cancelled before it started"))
+                finish(r, Cancelled("cancelled before it started"))
                 continue
-            r.slot = min(set(range(self.max_batch)) - set(self.members))
-            self.members[r.slot] = r
-            r.thread = threading.Thread(target=self._member, args=(r,), daemon=True,
-                                        name=f"stmoe-request-{self.started}-slot{r.slot}")
+            m = Member(r, min(set(range(self.max_batch)) - set(self.members)))
+            self.members[m.slot] = m
+            r.thread_name = f"stmoe-request-{self.started}-slot{m.slot}"
+            m.thread = threading.Thread(target=self._member, args=(m,), daemon=True,
+                                        name=r.thread_name)
             self.started += 1
-            r.thread.start()
+            m.thread.start()
 
-    def _next_step(self) -> list[Request] | None:
+    def _next_step(self) -> list[Member] | None:
         """(cv held) The next step's members once every member waits at its first MoE
         layer or its batched decode call (or has finished): the oldest new prompt alone,
         else every decoding one."""
         members = self.members.values()
-        if not members or any(r.arrival is None and r.forward_call is None for r in members):
+        if not members or any(m.arrival is None and m.forward_call is None for m in members):
             return None
-        if any(r.arrival is not None and r.arrival[0] != 0 for r in members):
-            bad = next(r for r in members if r.arrival is not None and r.arrival[0] != 0)
+        bad = next((m for m in members if m.arrival is not None and m.arrival[0] != 0), None)
+        if bad is not None:
             bad.result = OffloadError("a request reached a step at a layer other than the first")
             self.cv.notify_all()
             return None
-        prompts = [r for r in self.members.values() if r.calls == 0]
+        prompts = [m for m in members if m.calls == 0]
         if prompts:
-            return [min(prompts, key=lambda r: r.submitted)]
-        return sorted(self.members.values(), key=lambda r: r.slot)
+            return [min(prompts, key=lambda m: m.request.submitted)]
+        return sorted(members, key=lambda m: m.slot)
 
-    def _member(self, r: Request) -> None:
+    def _member(self, m: Member) -> None:
         from transformers import StoppingCriteriaList
 
-        self.local.request = r
+        self.local.member, r = m, m.request
         try:
-            greedy_generate(self.model, r.ids, r.max_new_tokens, r.ignore_eos, streamer=Streamer(r),
-                            stopping_criteria=StoppingCriteriaList([Cancel(r)]))
+            with driven_by(self):
+                greedy_generate(self.model, r.ids, r.max_new_tokens, r.ignore_eos,
+                                streamer=Streamer(r),
+                                stopping_criteria=StoppingCriteriaList([Cancel(r)]))
             error = Cancelled("cancelled") if r.cancelled.is_set() else None
         except BaseException as exc:
             error = exc
         with self.cv:
-            del self.members[r.slot]
-            self._finish(r, error)
+            del self.members[m.slot]
+            finish(r, error)
             self.cv.notify_all()
-
-    def _finish(self, r: Request, error: BaseException | None) -> None:
-        r.error = error
-        r.done.set()
-        r.emit(None)
 
     def _member_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on a request's thread: its prompt its own, each decode call
         handed to the step's batched forward (``_run_forward``), its row's output back."""
-        r: Request | None = getattr(self.local, "request", None)
+        m: Member | None = getattr(self.local, "member", None)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if r is None or cache is None or cache.get_seq_length() == 0:  # not a decode call
+        if m is None or cache is None or cache.get_seq_length() == 0:  # not a decode call
             return self.step_forward.forward(*args, **kwargs)
         call = decode_call(args, kwargs)
         with self.cv:
-            r.forward_call, r.result = call, None
+            m.forward_call, m.result = call, None
             self.cv.notify_all()
-            return r.await_result(self.cv, lambda: self.error)
+            return m.await_result(self.cv, lambda: self.error)
 
-    def _run_forward(self, step: list[Request]) -> None:
+    def _run_forward(self, step: list[Member]) -> None:
         """(a decode step, batched) The step's one forward, on this thread."""
         self.local.step = step
         try:
-            outs: list[Any] = self.step_forward.run([r.forward_call for r in step])  # type: ignore[misc]
+            with driven_by(self):
+                outs: list[Any] = self.step_forward.run([m.forward_call for m in step])  # type: ignore[misc]
         except Exception as exc:  # every request of the step gets it (a BaseException
             outs = [exc] * len(step)  # stops the batcher: ``_main`` tells them)
         with self.cv:
-            for r, out in zip(step, outs, strict=True):
-                r.forward_call, r.result = None, out
+            for m, out in zip(step, outs, strict=True):
+                m.forward_call, m.result = None, out
             self.cv.notify_all()
         if isinstance(outs[0], BaseException):
             raise outs[0]
 
-    def _run_step(self, step: list[Request]) -> None:
-        """One forward call of each of ``step``'s requests, their MoE layers served together
-        (or, batched, one forward call of them all)."""
-        prompt = step[0].calls == 0
-        self.step_log.append((time.perf_counter(), prompt, len(step)))
-        begin_step(self.engine, step, prompt)
-        if not prompt and self.batched:
-            self._run_forward(step)
-        elif not self._run_own_forwards(step, prompt):
-            return  # a failed call: the step's requests have their error
-        end_step(self.engine, step, prompt)
+    def _run_step(self, members: list[Member]) -> None:
+        """One forward call of each of the step's members, their MoE layers served together
+        (or, batched, one forward call of them all): a step of the engine's step API."""
+        prompt = members[0].calls == 0
+        self.step_log.append((time.perf_counter(), prompt, len(members)))
+        length = int(members[0].request.ids.shape[1]) if prompt else 1
+        step = Step(tuple(m.part() for m in members), length, prefill=prompt)
+        self.engine.begin_step(step)
+        try:
+            if not prompt and self.batched:
+                self._run_forward(members)
+            elif not self._run_own_forwards(members, prompt):
+                return  # a failed call: the step's requests have their error
+            self.engine.end_step(step)
+        finally:
+            self.engine.leave_step()
+        for m in members:
+            m.calls += 1
+            m.request.usage.steps += 1
+            m.request.usage.batch_sum += 0 if prompt else len(members)
         self.steps += 1
 
-    def _run_own_forwards(self, step: list[Request], prompt: bool) -> bool:
-        """Each request's own forward, their MoE layers served together; False if failed."""
+    def _run_own_forwards(self, step: list[Member], prompt: bool) -> bool:
+        """Each member's own forward, their MoE layers served together; False if failed."""
         live = list(step)
         with self.cv:  # from here to its lm_head a request's quantized linears gather
-            for r in live:
-                r.in_step = self.share_rows and not prompt and len(step) > 1
+            for m in live:
+                m.in_step = self.share_rows and not prompt and len(step) > 1
         for layer in range(self.engine.num_layers):
-            live = self._serve_layer(layer, live)
+            live = self._layer_of_own_forwards(layer, live)
             if not live:
                 return False
         with self.cv:  # the linears after the last MoE layer, up to the lm_head
-            self._wait(live, lambda: all(not r.in_step or r.slot not in self.members
-                                         for r in live))
+            self._wait(live, lambda: all(not m.in_step or m.slot not in self.members
+                                         for m in live))
         return True
 
-    def _serve_layer(self, layer: int, live: list[Request]) -> list[Request]:
+    def _layer_of_own_forwards(self, layer: int, live: list[Member]) -> list[Member]:
         """Wait for the live members' calls at ``layer``, serve them in one engine call."""
         with self.cv:
-            self._wait(live, lambda: not any(r.arrival is None and r.slot in self.members
-                                             for r in live))
-            live = [r for r in live if r.arrival is not None]
-            wrong = [r for r in live if r.arrival[0] != layer]  # type: ignore[index]
-            for r in wrong:
-                r.arrival, r.result = None, OffloadError(
-                    f"a request reached MoE layer {r.arrival[0]} where the step is at {layer}")  # type: ignore[index]
-            live = [r for r in live if r not in wrong]
-            calls = [r.arrival for r in live]
+            self._wait(live, lambda: not any(m.arrival is None and m.slot in self.members
+                                             for m in live))
+            arrived = [(m, m.arrival) for m in live if m.arrival is not None]
+            for m, call in arrived:
+                if call[0] != layer:
+                    m.arrival, m.result = None, OffloadError(
+                        f"a request reached MoE layer {call[0]} where the step is at {layer}")
+            live = [m for m, call in arrived if call[0] == layer]
+            calls = [call[1:] for _, call in arrived if call[0] == layer]
             self.cv.notify_all()
         try:
-            out, segments = serve_calls(self.engine, self.pool, layer, live, calls)  # type: ignore[arg-type]
+            out, segments = self._serve_layer(layer, live, calls)
         except BaseException as exc:  # every request of the call gets it
             return self._fail(live, exc)
         with self.cv:
-            for r, s in zip(live, segments, strict=True):
-                r.arrival, r.result = None, out[s]
+            for m, s in zip(live, segments, strict=True):
+                m.arrival, m.result = None, out[s]
             self.cv.notify_all()
         return live
 
-    def _wait(self, live: list[Request], done: Any) -> None:
-        """(cv held) Until ``done()``, serving the step's gathered linears meanwhile."""
+    def _wait(self, live: list[Member], done: Callable[[], bool]) -> None:
+        """(cv held) Until ``done()``, computing the step's gathered linears meanwhile."""
         while not done():
-            if not self.rows.serve(live, self.members):
+            if not self.rows.compute(live, self.members):
                 self.cv.wait()
 
-    def _fail(self, live: list[Request], error: BaseException) -> list[Request]:
+    def _fail(self, live: list[Member], error: BaseException) -> list[Member]:
         """The step's calls at this layer all end with ``error``; the step ends."""
         with self.cv:
-            for r in live:
-                r.arrival, r.result, r.in_step, r.forward_call = None, error, False, None
+            for m in live:
+                m.arrival, m.result, m.in_step, m.forward_call = None, error, False, None
             self.cv.notify_all()
         return []
