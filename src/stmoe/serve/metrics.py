@@ -7,20 +7,19 @@ bytes read and wasted so far (prefetches still unused are counted when evicted).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stmoe.serve.service import Service
 
 
-def metrics_text(service: Any) -> str:
-    """The metrics page of ``service`` (a ``serve.service.Service``)."""
+def metrics_text(service: Service) -> str:
+    """The metrics page of ``service``."""
     c = service.counters
     with service.lock:
         requests = dict(c.requests)
         prompt, completion, decode_s = c.prompt_tokens, c.completion_tokens, c.decode_s
-    engine = service.om.engine
-    with engine.cv:
-        stats = engine.state.run.stats
-        decode = stats.phases["decode"].summary()
-        moved, wasted = stats.bytes_moved, stats.bytes_wasted
+    decode, moved, wasted = service.om.engine.counters()
     running, queued = service.batcher.queue_depth()
     sizes = service.batcher.decode_sizes()[-256:]
     lines: list[str] = []

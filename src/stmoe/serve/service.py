@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from stmoe.runtime.api import OffloadedModel
 from stmoe.runtime.batcher import Request, StepBatcher
 from stmoe.serve.protocol import ApiError, ChatRequest, CompletionRequest
 
@@ -37,7 +38,8 @@ class Counters:
 class Service:
     """One offloaded model served to many clients (``stmoe serve``)."""
 
-    def __init__(self, om: Any, name: str, max_batch: int = 4, max_queue: int = 16) -> None:
+    def __init__(self, om: OffloadedModel, name: str, max_batch: int = 4,
+                 max_queue: int = 16) -> None:
         self.om, self.name, self.tokenizer = om, name, om.tokenizer
         self.batcher = StepBatcher(om, max_batch=max_batch, max_queue=max_queue)
         self.positions = int(getattr(om.model.config, "max_position_embeddings", 0) or 0)

@@ -7,13 +7,17 @@ stop string is held back until it cannot.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stmoe.runtime.batcher import Request
+    from stmoe.serve.service import Service
 
 
 class TextStream:
     """The text of ``job``'s tokens so far; ``push`` returns what may be sent now."""
 
-    def __init__(self, service: Any, job: Any, stops: list[str]) -> None:
+    def __init__(self, service: Service, job: Request, stops: list[str]) -> None:
         self.service, self.job, self.stops = service, job, stops
         self.sent = ""
         self.text = ""
