@@ -1,18 +1,19 @@
 """Every reading of "prediction accuracy" (stmoe.analysis.accuracy): hand-computed small
 cases, the sequence-start rule of H, traces without rank order, agreement with the
-replay's recall, and the benchmark that reports them (benchmarks/paper_accuracy.py)."""
+replay's recall, and the report benchmarks/paper_accuracy.py prints
+(stmoe.analysis.accuracy_report)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
 import stmoe
-from conftest import REPO, SHARED_TRACES
+from conftest import SHARED_TRACES
 from stmoe.analysis import accuracy as acc
+from stmoe.analysis.accuracy_report import READINGS, accuracy_report, report_lines
 from stmoe.evaluate.metrics import scope_tokens
 from stmoe.evaluate.replay import evaluate
 from stmoe.predictors import ModelShape, PrefetchPlan, make, profile
@@ -144,25 +145,14 @@ def test_null_readings_of_a_random_set():
     assert null["top_k_overlap"] == pytest.approx(4 / 60)
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "paper_accuracy", REPO / "benchmarks" / "paper_accuracy.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_benchmark_help_and_a_synthetic_run(tmp_path, capsys):
-    bench = load_benchmark()
-    with pytest.raises(SystemExit) as done:
-        bench.main(["--help"])
-    assert done.value.code == 0 and "--json" in capsys.readouterr().out
-    out = tmp_path / "acc.json"
-    assert bench.main(["--traces", str(tmp_path / "absent"), "--synth-tokens", "400",
-                       "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
+def test_the_report_on_a_synthetic_trace(tmp_path):
+    """What benchmarks/paper_accuracy.py prints and writes, without the real traces."""
+    report = accuracy_report(tmp_path / "absent", synth_tokens=400)
+    printed = "\n".join(report_lines(report))
     assert "SYNTHETIC" in printed and "| recall |" in printed and "not found" in printed
-    data = json.loads(out.read_text())
+    data = json.loads(json.dumps(report.to_json()))
+    assert list(data) == ["date", "band", "notes", "held_out_mean", "rows"]
+    assert data["held_out_mean"] == {} and len(data["notes"]) == 2
     (row,) = data["rows"]
     assert row["kind"] == "SYNTHETIC" and row["synthetic"] is True
     assert set(row["scope"]) >= {"stmoe", "previous_token", "random_set", "in_band"}
@@ -171,15 +161,14 @@ def test_benchmark_help_and_a_synthetic_run(tmp_path, capsys):
 @pytest.mark.skipif(not (SHARED_TRACES / "qwen15" / "cooking_1.routes.json").exists(),
                     reason=f"the real Qwen1.5 prompts are not at {SHARED_TRACES / 'qwen15'} "
                     "(set STMOE_SHARED to the shared/ folder)")
-def test_benchmark_on_the_real_traces(tmp_path, capsys):
-    bench = load_benchmark()
-    out = tmp_path / "acc.json"
-    assert bench.main(["--traces", str(SHARED_TRACES), "--synth-tokens", "400",
-                       "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+def test_the_report_on_the_real_traces():
+    report = accuracy_report(SHARED_TRACES, synth_tokens=400)
+    rows = json.loads(json.dumps(report.to_json()))["rows"]
     kinds = [r["kind"] for r in rows]
     assert kinds.count("held-out") == 3 and kinds.count("IN-SAMPLE, overstates") == 3
     for r in rows:
         s = r["scope"]["stmoe"]
         assert 0 < s["recall"] <= s["hit_rate_with_previous"] <= 1
         assert s["top_k_overlap"] <= s["recall"]
+    assert set(report.held_out_mean) == set(READINGS)
+    assert "held-out Qwen1.5-MoE, mean of the prompts" in "\n".join(report_lines(report))

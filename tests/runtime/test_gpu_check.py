@@ -1,29 +1,24 @@
-"""The prepared GPU check (benchmarks/gpu_check.py) runs end to end on the CPU with
-``--dry-run`` and writes a valid JSON: every stage's plumbing, the todo stages named, the
-targets in the schema the issue fixes, and no target claimed (a dry run measures nothing);
-a stage that fails records its error and the next one runs."""
+"""The prepared GPU check (stmoe.runtime.gpu_check, which benchmarks/gpu_check.py runs) goes
+end to end on the CPU as a dry run and writes a valid JSON: every stage's plumbing, the todo
+stages named, the targets in the schema the issue fixes, and no target claimed (a dry run
+measures nothing); a stage that fails records its error and the next one runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from typing import Any
 
 import pytest
+
+from stmoe.runtime.gpu_check import STAGES, Check, run_stages, target_lines
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-STAGES = ("environment", "h2d", "kernels", "cuda_tests", "tier_gpu")
 TODO = ("decode_table", "accelerate_offload", "calibrate_simulator")
 
 
-def _check_schema(doc: dict) -> None:
+def _check_schema(doc: dict[str, Any]) -> None:
     assert doc["dry_run"] is True and doc["device"] == "cpu (dry run)"
     assert isinstance(doc["commit"], str) and doc["commit"]
     assert list(doc["stages"]) == [*STAGES, *TODO]
@@ -34,13 +29,12 @@ def _check_schema(doc: dict) -> None:
         assert t["met"] is None  # a dry run claims nothing
 
 
-def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path):
+def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys):
     out = tmp_path / "check.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "STMOE_COMMIT": "abc123"}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    returned = run_stages(out, dry_run=True, commit="abc123")
     doc = json.loads(out.read_text())
+    assert doc == json.loads(json.dumps(returned, default=str))  # what was written, returned
+    assert list(STAGES) == ["environment", "h2d", "kernels", "cuda_tests", "tier_gpu"]
     _check_schema(doc)
     assert doc["commit"] == "abc123"
     assert all(doc["stages"][name]["status"] == "ok" for name in STAGES), {
@@ -48,24 +42,32 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path):
     runs = doc["stages"]["tier_gpu"]["runs"]
     assert runs and all(r["identical"] is True for r in runs)
     assert doc["stages"]["kernels"]["results"]  # every format's row, on the CPU's kernels
-    assert "wrote" in run.stdout and "MET" not in run.stdout.replace("NOT MET", "")
+    assert doc["stages"]["cuda_tests"]["ran"] is False
+    printed = capsys.readouterr().out
+    assert all(f"] {name}: ok" in printed for name in STAGES)  # a line as each stage ends
+    lines = target_lines(doc)
+    assert len(lines) == len(doc["targets"]) and all(line.startswith("n/a") for line in lines)
+    assert not (tmp_path / "check.tmp").exists()  # written whole, then moved into place
 
 
-def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-
-    def broken(c):
+def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path):
+    def broken(c: Check) -> dict[str, Any]:
         raise RuntimeError("no copy engine")
 
-    monkeypatch.setattr(mod, "h2d", broken)
-    monkeypatch.setattr(mod, "tier_gpu", lambda c, tokens: {"runs": []})  # (its own test)
+    stages = {**STAGES, "h2d": broken, "tier_gpu": lambda c: {"runs": []}}  # (its own test)
     out = tmp_path / "check.json"
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run", "--out", str(out)])
-    mod.main()
+    run_stages(out, dry_run=True, commit="abc123", stages=stages)
     doc = json.loads(out.read_text())
     _check_schema(doc)
     h2d = doc["stages"]["h2d"]
     assert h2d["status"] == "error" and h2d["error"] == "RuntimeError: no copy engine"
+    assert "Traceback" in h2d["traceback"]
     assert doc["stages"]["kernels"]["status"] == "ok"  # the next stage ran
+    assert not any(t["name"].startswith("the pinned store's") for t in doc["targets"])
+
+
+def test_stages_past_the_budget_are_skipped(tmp_path):
+    stages = {"environment": lambda c: {"ran": True}, "h2d": lambda c: {"ran": True}}
+    doc = run_stages(tmp_path / "check.json", dry_run=True, budget_s=-1.0, stages=stages)
+    assert [doc["stages"][n]["status"] for n in stages] == ["skipped", "skipped"]
+    assert doc["commit"] == "unknown"

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from stmoe.sim.accelerator.region import (
     conditions,
     sweep_region,
 )
+from stmoe.sim.accelerator.region_report import sweep_paper_region, write_figures
 from stmoe.sim.accelerator.simulate import buffer_mm2, simulate
 from stmoe.sim.accelerator.systems import RunOptions, run_system
 from stmoe.sim.specs import SpecError, hardware_preset, model_preset
@@ -170,21 +169,25 @@ def test_the_sweep_marks_implausible_points_and_finds_the_closest():
     assert closest(rows, plausible_only=False)["met"] == max(r["met"] for r in rows)
 
 
-def test_the_region_benchmark_runs_quick(tmp_path):
+def test_the_region_sweep_runs_quick(tmp_path):
+    """What benchmarks/paper_region.py --quick prints, writes as JSON and draws
+    (stmoe.sim.accelerator.region_report)."""
     traces = ROOT.parent / "shared" / "traces"
     if not (traces / "qwen15").is_dir():
         pytest.skip(f"{traces}/qwen15 (the real traces) is absent on this machine")
-    out = tmp_path / "region.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paper_region.py"), "--quick",
-                          "--json", str(out), "--figure", str(tmp_path / "region.png")],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "closest plausible" in run.stdout
-    data = json.loads(out.read_text())
+    said: list[str] = []
+    doc = sweep_paper_region(traces, quick=True, say=said.append)
+    assert said[0].startswith("targets: Targets(")
+    assert sum("closest plausible" in line for line in said) == 4  # 2 traces x 2 rules
+    data = json.loads(json.dumps(doc))
+    assert set(data) == {"targets", "plausible", "results"}
     assert {r["buffer_for"] for r in data["results"]} == {"epu", "all"}
-    assert (tmp_path / "region.png").stat().st_size > 0
-    assert (tmp_path / "region_all.png").stat().st_size > 0
-    assert (tmp_path / "region_buffer.png").stat().st_size > 0
+    assert all(len(r["rows"]) == 8 for r in data["results"])  # the 2x2x2 grid
+    written = write_figures(doc["results"], tmp_path / "region.png", quick=True,
+                            say=said.append)
+    assert [p.name for p in written] == ["region.png", "region_all.png", "region_buffer.png"]
+    assert all(p.stat().st_size > 0 for p in written)
+    assert said[-1] == f"wrote {tmp_path / 'region_buffer.png'}"
 
 
 def _real(name):
