@@ -20,6 +20,10 @@ GROUP_SIZES = (32, 64, 128, 256)  # the ones torch's int4 CPU kernel takes
 # weights per int4 scale/zero pair when none is given: the first of these that divides every
 # expert matrix's input width (128: torchao's default; 32: llama.cpp's Q4_0 block)
 AUTO_GROUP_SIZES = (128, 64, 32)
+# rows per packed block of each CPU layout of torch's int4 packing, named as torch names the
+# CPU capability that writes it: an int4 store records which one packed it (int4_layout.py)
+INT4_LAYOUTS = {"avx512": 64, "avx2": 32, "default": 32}
+LAYOUT_KEY = "int4_layout"  # where a store's index records it (version 6, int4 only)
 
 
 @dataclass(frozen=True)
@@ -114,3 +118,21 @@ def format_from_json(value: Any, where: str) -> WeightFormat:
     if fmt.name == "int4" and fmt.group_size is None:
         raise OffloadError(f"{where}: weights: int4 without its group size")
     return fmt
+
+
+def stored_format(index: dict[str, Any]) -> tuple[WeightFormat, str | None]:
+    """A store index's format (``weights``, native before version 4) and, int4 only, the
+    CPU layout that packed it (``LAYOUT_KEY``, from version 6; None before: unrecorded).
+    An OffloadError reads ``FIELD: PROBLEM``."""
+    weights = NATIVE
+    if "weights" in index:
+        try:
+            weights = format_from_json(index["weights"], "top level")
+        except OffloadError as exc:
+            raise OffloadError(str(exc).removeprefix("top level: ")) from None
+    layout = index.get(LAYOUT_KEY)
+    if (LAYOUT_KEY in index) != (index["version"] >= 6 and weights.name == "int4") or \
+            (layout is not None and layout not in tuple(INT4_LAYOUTS)):
+        raise OffloadError(f"{LAYOUT_KEY}: {str(layout)[:20]!r}, expected one of "
+                           f"{', '.join(INT4_LAYOUTS)} in a version 6 int4 store, none in others")
+    return weights, layout

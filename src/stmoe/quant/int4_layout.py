@@ -10,8 +10,9 @@ plain build row ``2j`` with row ``2j + 1``, and every build packs a last, partia
 the plain way (aten/src/ATen/native/cpu/int4mm_kernel.cpp, ``weight_to_int4pack_kernel``;
 checked against torch itself in tests/quant/test_int4_layout.py, the other builds through
 ``ATEN_CPU_CAPABILITY``). So the bytes depend on the CPU that packed them, and a store
-packed on an AVX512 machine computes other weights on an AVX2 one (an int4 store's index
-does not record its layout yet). ``unpack_cpu_int4`` and ``pack_cpu_int4`` convert between
+packed on an AVX512 machine would compute other weights on an AVX2 one, so an int4 store's
+index records the layout that packed it and a store made elsewhere is repacked as it is read
+(``runtime.store.int4_store``). ``unpack_cpu_int4`` and ``pack_cpu_int4`` convert between
 any of these layouts and the values; ``cuda_nibbles`` pairs values as CUDA's
 ``_convert_weight_to_int4pack`` reads them (byte ``i`` of a row: value ``2i`` high, ``2i + 1``
 low: torch's own ``_group_quantize_tensor``).
@@ -22,9 +23,7 @@ from __future__ import annotations
 import torch
 
 from stmoe.errors import OffloadError
-
-# BLOCK_N (rows per packed block) of each CPU layout, named as torch names the capability
-LAYOUTS = {"avx512": 64, "avx2": 32, "default": 32}
+from stmoe.quant.formats import INT4_LAYOUTS as LAYOUTS  # BLOCK_N of each CPU layout
 
 
 def cpu_layout() -> str:

@@ -1,6 +1,7 @@
 """The expert store and the tiers it is read through.
 
     index.py         the index file: its fields, every entry checked, CRC-32C per block
+    int4_store.py    an int4 store's CPU layout: recorded at pack, repacked at read elsewhere
     check.py         whether a store belongs to a model (shapes, weights, source files)
     expert_store.py  ``ExpertStore``: one checked ``pread`` per expert
     packing.py       packing (atomic), and the store a model folder uses by default

@@ -20,6 +20,7 @@ from typing import Any
 from stmoe.hf.layout import expert_params
 from stmoe.hf.loading import checkpoint_files
 from stmoe.runtime.store.index import StoreError, StoreIndex, block_crc
+from stmoe.runtime.store.int4_store import Repack, int4_matrix
 from stmoe.util.fileio import check_input_file
 
 HASH_CHUNK = 1 << 24  # bytes read at a time when hashing a checkpoint file
@@ -66,16 +67,21 @@ def check_layout(store: Path, index: StoreIndex, model: Any, layout: Any = None,
     return per_layer
 
 
-def check_weights(store: Path, index: StoreIndex, per_layer: list[list[tuple[str, Any]]]) -> None:
-    """Every block's CRC-32C equals that of the model's own expert bytes (all in memory)."""
+def check_weights(store: Path, index: StoreIndex, per_layer: list[list[tuple[str, Any]]],
+                  repack: Repack | None = None) -> None:
+    """Every block's CRC-32C equals that of the model's own expert bytes (all in memory;
+    ``repack``: an int4 store packed on another kind of CPU, compared in its layout)."""
     import torch
 
     for layer, params in enumerate(per_layer):
         for expert in range(index.model["num_experts"]):
             crc = 0
-            for _, p in params:
-                t = p.detach()[expert].to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                crc = block_crc(t.numpy(), crc)
+            slots = index.blocks[(layer, expert)].tensors  # ``check_layout``: the params'
+            for (_, p), slot in zip(params, slots, strict=True):
+                t = p.detach()[expert].to("cpu").contiguous()
+                if repack is not None and int4_matrix(slot):
+                    t = repack.to_stored(t)
+                crc = block_crc(t.reshape(-1).view(torch.uint8).numpy(), crc)
             if crc != index.blocks[(layer, expert)].crc32c:
                 raise StoreError(f"{store}: layer {layer}, expert {expert} holds other weights "
                                  "than the model's; the store was packed from another model, "

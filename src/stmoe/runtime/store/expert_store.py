@@ -3,8 +3,9 @@
     STORE/index.json              format, version, the model's shape, where its weights
                                   came from (``source``), the data file's name, per block:
                                   layer, expert, offset, nbytes, crc32c and its tensors
-                                  (name, dtype, shape, offset inside the block); and a
-                                  SHA-256 of all that (``index``)
+                                  (name, dtype, shape, offset inside the block); int4: the
+                                  packing CPU's layout (``int4_store``); and a SHA-256 of
+                                  all that (``index``)
     STORE/experts-<sha256>.bin    the blocks, each starting at a multiple of ALIGN bytes
 
 Blocks are aligned so a reader can bypass the page cache (O_DIRECT needs aligned
@@ -46,6 +47,7 @@ from stmoe.runtime.store.index import (
     block_crc,
     read_index,
 )
+from stmoe.runtime.store.int4_store import reconcile
 from stmoe.util.fileio import check_input_file
 
 
@@ -76,6 +78,9 @@ class ExpertStore:
         self.model = self.index.model
         self.blocks = self.index.blocks
         self.weights = self.index.weights  # native, int8 or int4: how the experts are stored
+        # int4 packed on another kind of CPU: each block repacked into this CPU's layout as it
+        # lands (``int4_store``: ``check_block``, ``check_parts``); None: used as stored
+        self.repack = reconcile(self.path, self.index)
         if self.data_path is not None:
             size, want = self.data_path.stat().st_size, self.index.data_bytes
             if size != want:
@@ -125,7 +130,7 @@ class ExpertStore:
             self.checkpoint_files()  # refused now, not at the first miss
         per_layer = check_layout(self.path, self.index, model, layout, params)
         if materialised(per_layer):
-            check_weights(self.path, self.index, per_layer)
+            check_weights(self.path, self.index, per_layer, self.repack)
         elif self.source is None:
             raise StoreError(f"{self.path}: the model's experts are not in memory, so the "
                              "store cannot be matched to its weights; offload the model "
@@ -133,9 +138,13 @@ class ExpertStore:
         self._checked.add(model)
 
     def check_block(self, block: Block, data: memoryview) -> None:
-        """Raise a clear StoreError when a block's bytes came back short or corrupt."""
+        """Raise a clear StoreError when a block's bytes came back short or corrupt; then
+        (``repack``) put its int4 matrices in this CPU's layout, in ``data``: every read of
+        a block's bytes passes here or ``check_parts``, before anything computes with them."""
         self.check_size(block, len(data))
         self.check_crc(block, block_crc(data[: block.nbytes]))
+        if self.repack is not None:
+            self.repack.block(block, [data[: block.nbytes]])
 
     def check_size(self, block: Block, got: int) -> None:
         """Refuse a read of ``block`` that brought fewer than its bytes."""
@@ -144,11 +153,14 @@ class ExpertStore:
                              f"{block.expert} ({got} of {block.nbytes} bytes)")
 
     def check_parts(self, block: Block, parts: list[memoryview]) -> None:
-        """``check_block`` for a block read in pieces (straight into a cache slot's tensors)."""
+        """``check_block`` for a block read in pieces (straight into a cache slot's tensors),
+        its int4 matrices repacked there as ``check_block`` does."""
         crc = 0
         for part in parts:
             crc = block_crc(part, crc)
         self.check_crc(block, crc)
+        if self.repack is not None:
+            self.repack.block(block, parts)
 
     def check_crc(self, block: Block, crc: int) -> None:
         """Refuse a block whose bytes' CRC-32C is not its index entry's."""
@@ -174,7 +186,7 @@ class ExpertStore:
             for e in block.extents:
                 with open(files[e.file], "rb") as f:
                     pieces.append(os.pread(f.fileno(), e.nbytes, e.offset))
-            data = b"".join(pieces)
+            data: bytes | bytearray = b"".join(pieces)
         else:
             own = fd is None
             fd = os.open(self.data_path, os.O_RDONLY) if own else fd
@@ -183,6 +195,8 @@ class ExpertStore:
             finally:
                 if own:
                     os.close(fd)
+        if self.repack is not None:
+            data = bytearray(data)  # repacked in place by the check
         self.check_block(block, memoryview(data))
         out = {}
         for t in block.tensors:

@@ -27,20 +27,20 @@ from typing import Any, NamedTuple
 import crc32c
 
 from stmoe.errors import OffloadError, StoreError
-from stmoe.quant.formats import NATIVE, WeightFormat, format_from_json
+from stmoe.quant.formats import LAYOUT_KEY, NATIVE, WeightFormat, stored_format
 
 STORE_FORMAT = "stmoe-expert-store"
-STORE_VERSION = 5  # 2: the data file named by the index (atomic repacking), checksummed index;
+STORE_VERSION = 6  # 2: the data file named by the index (atomic repacking), checksummed index;
 # 3: blocks checksummed with CRC-32C (hardware: ~10x faster than zlib's CRC-32 on every read);
 # 4: the experts' weight format (``weights``: native, int8, int4 and its group size);
-# 5: an index may read its blocks in place from the checkpoint (``IN_PLACE``)
-READ_VERSIONS = (3, 4, 5)  # a version 3 store holds native weights and still loads
+# 5: an index may read its blocks in place from the checkpoint (``IN_PLACE``);
+# 6: an int4 store records the packing CPU's int4 layout (``LAYOUT_KEY``: ``int4_store``)
+READ_VERSIONS = (3, 4, 5, 6)  # a version 3 store holds native weights and still loads
 IN_PLACE = "checkpoint"  # ``data`` of an in-place index: the blocks are the checkpoint's bytes
 MAX_EXTENTS = 64  # per block (an expert's tensors, each at most one piece per shard)
 ALIGN = 4096  # bytes: the page / O_DIRECT alignment of every block
 DATA_NAME = re.compile(r"experts-[0-9a-f]{16}\.bin")  # a plain name in the store folder
 MAX_INDEX_BYTES = 1 << 28  # far above any real model's (DeepSeek-V3: ~15k blocks, a few MB)
-MAX_BLOCKS = 1 << 22
 MAX_TENSORS = 64  # per block
 MAX_DIMS = 8
 # bytes per element of every dtype a store may hold (torch's names)
@@ -101,6 +101,7 @@ class StoreIndex:
     data_bytes: int
     blocks: dict[tuple[int, int], Block]
     weights: WeightFormat = NATIVE  # how the blocks' expert matrices are stored
+    int4_layout: str | None = None  # int4: the packing CPU's layout (None: unrecorded, <= v5)
 
     @property
     def in_place(self) -> bool:
@@ -116,11 +117,13 @@ def checksum(index: dict[str, Any]) -> str:
 
 
 def index_text(model: dict[str, Any], source: dict[str, Any], data: str, data_bytes: int,
-               blocks: list[Block], weights: WeightFormat = NATIVE) -> str:
-    """The index.json of a store, checksum included (deterministic)."""
+               blocks: list[Block], weights: WeightFormat = NATIVE,
+               int4_layout: str | None = None) -> str:
+    """The index.json of a store, checksum included (deterministic; ``int4_layout``: int4's)."""
     index = {"format": STORE_FORMAT, "version": STORE_VERSION, "align": ALIGN, "data": data,
              "data_bytes": data_bytes, "model": model, "source": source,
-             "weights": weights.to_json(), "blocks": [_block_json(b) for b in blocks]}
+             "weights": weights.to_json(), "blocks": [_block_json(b) for b in blocks],
+             **({LAYOUT_KEY: int4_layout} if int4_layout is not None else {})}
     index["checksum"] = checksum(index)
     return json.dumps(index, indent=1, sort_keys=True) + "\n"
 
@@ -167,14 +170,12 @@ class _Checker:
 
     def index(self, index: dict[str, Any]) -> StoreIndex:
         keys = TOP_KEYS if index["version"] >= 4 else V3_KEYS
-        if set(index) != keys:
+        if set(index) - {LAYOUT_KEY} != keys:
             raise self.fail("top level", f"keys {sorted(index)}, expected {sorted(keys)}")
-        weights = NATIVE
-        if "weights" in index:
-            try:
-                weights = format_from_json(index["weights"], "top level")
-            except OffloadError as exc:
-                raise self.fail("weights", str(exc).removeprefix("top level: weights: ")) from None
+        try:  # the experts' format; int4 (version 6): the CPU layout that packed it
+            weights, layout = stored_format(index)
+        except OffloadError as exc:
+            raise self.fail(*str(exc).split(": ", 1)) from None
         if index["align"] != ALIGN:
             raise StoreError(f"{self.path}: blocks aligned to {str(index['align'])[:20]} bytes, "
                              f"this stmoe expects {ALIGN}; pack the model again")
@@ -212,7 +213,7 @@ class _Checker:
             self.extent_placement(blocks, data_bytes)
         else:
             self.placement(blocks, data_bytes)
-        return StoreIndex(model, source, data, data_bytes, blocks, weights)
+        return StoreIndex(model, source, data, data_bytes, blocks, weights, layout)
 
     def source(self, s: Any) -> dict[str, Any]:
         if s == {"kind": "module"}:

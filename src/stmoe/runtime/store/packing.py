@@ -36,6 +36,7 @@ from stmoe.runtime.store.index import (
     block_crc,
     index_text,
 )
+from stmoe.runtime.store.int4_store import packing_layout
 from stmoe.util.fileio import atomic_write_text, naming_failures, publish, temp_beside
 
 # progress(total_bytes, label) -> a context giving advance(nbytes), as progress.byte_progress
@@ -147,11 +148,12 @@ def pack_folder(model_dir: str | Path, out_dir: str | Path,
 def _write_store(out: Path, model: dict[str, Any], record: dict[str, Any], blocks: Iterable[Any],
                  advance: Callable[[int], None], weights: WeightFormat) -> Path:
     """The data file, then index.json naming it (the switch), then the replaced data file
-    removed: the one ending of both packers."""
+    removed: the one ending of both packers. An int4 index records this CPU's layout, which
+    its bytes are in (``int4_store``)."""
     out.mkdir(parents=True, exist_ok=True)
     with pack_lock(out):
         data, size, written = _write_data(blocks, out, advance)
-        text = index_text(model, record, data, size, written, weights)
+        text = index_text(model, record, data, size, written, weights, packing_layout(weights))
         atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
         remove_unnamed(out, data)
     return out

@@ -70,6 +70,9 @@ def _compare_packed(store: ExpertStore, model_dir: Path, record: dict[str, Any],
         if store.weights.quantized:  # the index's format, its group size resolved
             blocks = quantized_blocks(blocks, store.weights, experts.transposed)
         for layer, expert, tensors in blocks:
+            if store.repack is not None:  # int4 packed on another kind of CPU: in its layout
+                tensors = [(n, store.repack.to_stored(t) if n.endswith("_qweight") else t)
+                           for n, t in tensors]
             blob, slots = block_bytes(tensors)
             del tensors
             b = store.blocks[(layer, expert)]
