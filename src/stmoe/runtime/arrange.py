@@ -2,7 +2,7 @@
 
 A call of several tokens gives the resident model's bits only when its experts are
 numbered in the order of their ids (the implementation groups tokens by number;
-``serve``). The slots a cache gave them follow no order, and a prompt may need more
+``experts_path``). The slots a cache gave them follow no order, and a prompt may need more
 experts than the cache holds. Rather than a compact copy of every needed expert
 (a prompt's can be the size of the cache), ``plan_id_order`` assigns the needed
 experts, in id order, to the rows they already occupy, then to spare rows past
@@ -14,9 +14,13 @@ implementation cannot compute in place, ``gather`` makes the compact copy instea
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import torch
 
 from stmoe.runtime.cache import TEMP, LayerCache
+from stmoe.runtime.state import EngineState
 
 
 def plan_id_order(needed: list[int], slots: dict[int, int], extra: int,
@@ -54,3 +58,35 @@ def gather(cache: LayerCache, needed: list[int], slots: dict[int, int],
     return {p.name: torch.stack([cache.slabs[p.name][slots[e]] if e in slots
                                  else overflow[e][p.name] for e in needed])
             for p in cache.params}
+
+
+def read_extra(state: EngineState, cache: LayerCache, row: int, expert: int, buf: Any,
+               stream: Any) -> None:
+    """Read an expert the cache had no slot for into ``row`` (a slot ``place`` gave it,
+    LOADING by this thread, or a spare row); a failure is the caller's to clean up."""
+    block = state.store.blocks[(cache.layer, expert)]
+    start = time.perf_counter()
+    state.loader.fill(cache, row, block, buf, stream)
+    took = time.perf_counter() - start
+    with state.cv:
+        if row < cache.capacity:
+            cache.filled(row)
+        state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took, overflow=True)
+
+
+def load_transient(state: EngineState, cache: LayerCache, expert: int,
+                   buf: Any) -> dict[str, torch.Tensor]:
+    """An expert beyond the capacity where no spare row can take it (the copy's path):
+    read outside the cache, used once."""
+    block = state.store.blocks[(cache.layer, expert)]
+    start = time.perf_counter()
+    src = state.loader.fetch(block, buf)
+    out = {}
+    for p in cache.params:
+        t = torch.empty(p.shape, dtype=p.dtype, device=cache.device)
+        t.view(-1).view(torch.uint8).copy_(src[p.offset : p.offset + p.nbytes])
+        out[p.name] = t
+    took = time.perf_counter() - start
+    with state.cv:
+        state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took, overflow=True)
+    return out

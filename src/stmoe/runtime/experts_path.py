@@ -33,7 +33,7 @@ import torch
 
 from stmoe.admission import record_call
 from stmoe.errors import OffloadError
-from stmoe.runtime.arrange import gather, plan_id_order
+from stmoe.runtime.arrange import gather, load_transient, plan_id_order, read_extra
 from stmoe.runtime.cache import LOADING, READY, TEMP, LayerCache
 from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering
 from stmoe.runtime.planning import PrefetchPlanner
@@ -84,7 +84,13 @@ class ExpertsPath:
         # sorted distinct ids: plain Python beats torch.unique on a decode step's few ids
         needed = sorted(set(rows.ravel().tolist())) if rows.size <= 64 else np.unique(rows).tolist()
         cache = state.caches[layer]
-        predicted = self._begin(layer, cache, needed)  # the workers paused if this layer waits
+        # the common decode call (the whole cache in expert order, or one token on the slots
+        # in place) whose experts are all cached takes a short path: nothing to wait for
+        quick = cache.identity or (self.any_numbering[layer] and rows.shape[0] == 1)
+        predicted, held = self._begin(layer, cache, needed, quick)  # paused if it will wait
+        if held is not None:
+            return self._run_hits(layer, cache, needed, held, rows, predicted, hidden_states,
+                                  top_k_index, top_k_weights, segments, args, kwargs)
         try:
             self.planner.after_routing(layer, rows, hidden_states)
             params, n, index, in_place, spare, slots, stall = self._prepare(
@@ -101,20 +107,53 @@ class ExpertsPath:
                 cache.touch(s)
             if not in_place:  # the copy is made: the slots may change
                 self._unpinned(cache)
-        weights, base = self.gathered[layer].bind(params, n), self.base[layer]
         try:
-            if segments is None:
-                return base(weights, hidden_states, index, top_k_weights, *args, **kwargs), stall
-            parts, pool = segments
-            one = lambda s: base(weights, hidden_states[s], index[s], top_k_weights[s])  # noqa: E731
-            out = torch.cat(list(pool.map(one, parts)) if pool else [one(s) for s in parts])
-            return out, stall
+            return self._compute(layer, params, n, hidden_states, index, top_k_weights,
+                                 segments, args, kwargs), stall
         finally:
             if in_place:  # computed from the rows: they stay pinned until now
                 try:
                     cache.release_spare(spare)
                 finally:
                     self._unpin(cache)
+
+    def _run_hits(self, layer: int, cache: LayerCache, needed: list[int], held: list[int],
+                  rows: np.ndarray, predicted: frozenset[int], hidden_states: torch.Tensor,
+                  top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  segments: Segments | None, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> tuple[torch.Tensor, float]:
+        """``run`` where every needed expert was READY at ``_begin`` (``held``: their slots,
+        touched there) and the call computes on the slots in place: the same counters and
+        bits as the long path, with no wait (pinned, they cannot leave before the unpin)."""
+        state = self.state
+        try:
+            self.planner.after_routing(layer, rows, hidden_states)
+            state.run.stats.phases[state.run.phase].add(
+                layer, 0.0, len(needed), len(needed), 0, len(predicted),
+                len(predicted.intersection(needed)))
+            if cache.identity:  # every expert has its own slot: the slabs are the full tensors
+                params, n, index = cache.slabs, state.num_experts, top_k_index
+            else:  # one token: its experts' slots, in any numbering
+                params, n = cache.slabs, cache.capacity
+                index = torch.from_numpy(np.array(held)[np.searchsorted(needed, rows)]).to(
+                    top_k_index.device, top_k_index.dtype)
+            return self._compute(layer, params, n, hidden_states, index, top_k_weights,
+                                 segments, args, kwargs), 0.0
+        finally:
+            self._unpin(cache)
+
+    def _compute(self, layer: int, params: dict[str, torch.Tensor], n: int,
+                 hidden_states: torch.Tensor, index: torch.Tensor, top_k_weights: torch.Tensor,
+                 segments: Segments | None, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> torch.Tensor:
+        """The model's own experts implementation on ``params`` (``n`` experts), or each
+        segment's rows alone (on the pool's threads side by side)."""
+        weights, base = self.gathered[layer].bind(params, n), self.base[layer]
+        if segments is None:
+            return base(weights, hidden_states, index, top_k_weights, *args, **kwargs)
+        parts, pool = segments
+        one = lambda s: base(weights, hidden_states[s], index[s], top_k_weights[s])  # noqa: E731
+        return torch.cat(list(pool.map(one, parts)) if pool else [one(s) for s in parts])
 
     def _prepare(self, layer: int, cache: LayerCache, needed: list[int], rows: np.ndarray,
                  top_k_index: torch.Tensor, predicted: frozenset[int]) -> tuple[
@@ -149,7 +188,7 @@ class ExpertsPath:
         else:  # a copy of the needed experts, ids renumbered 0..U-1 in the same order
             in_place = False
             t0 = time.perf_counter()
-            overflow = {e: self._load_transient(cache, e) for e in extra}
+            overflow = {e: load_transient(state, cache, e, self._buf) for e in extra}
             stall += time.perf_counter() - t0
             params, n = gather(cache, needed, slots, overflow), len(needed)
             index = torch.from_numpy(np.searchsorted(needed, rows))
@@ -177,7 +216,7 @@ class ExpertsPath:
                 cache.place(target, slots)
             start = time.perf_counter()
             for e in extra:
-                self._read_extra(cache, target[e], e)
+                read_extra(state, cache, target[e], e, self._buf, self._stream)
         except BaseException:
             with state.cv:
                 for row in slots.values():  # the rows moved, placed or being read
@@ -189,22 +228,12 @@ class ExpertsPath:
             raise
         return target, time.perf_counter() - start
 
-    def _read_extra(self, cache: LayerCache, row: int, expert: int) -> None:
-        """Read an expert the cache had no slot for into ``row`` (a slot ``place`` gave it,
-        LOADING by this thread, or a spare row)."""
-        state = self.state
-        block = state.store.blocks[(cache.layer, expert)]
-        start = time.perf_counter()
-        state.loader.fill(cache, row, block, self._buf, self._stream)  # a failure: ``_arrange``
-        took = time.perf_counter() - start
-        with state.cv:
-            if row < cache.capacity:
-                cache.filled(row)
-            state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took, overflow=True)
-
-    def _begin(self, layer: int, cache: LayerCache, needed: list[int]) -> frozenset[int]:
+    def _begin(self, layer: int, cache: LayerCache, needed: list[int],
+               quick: bool) -> tuple[frozenset[int], list[int] | None]:
         """The compute thread reaches ``layer``: a worker's failure is raised, requests for
-        this layer turn stale, the needed experts are pinned; the prediction made for it."""
+        this layer turn stale, the needed experts are pinned; the prediction made for it,
+        and where ``quick`` and every needed expert is READY, their slots (touched: used
+        now), else None."""
         with self.state.cv:
             self.prefetcher.raise_error()
             run = self.state.run
@@ -216,14 +245,20 @@ class ExpertsPath:
             # the layer will wait (a miss, a load in flight): no new load may compete with
             # what it waits for, from now (before the planner queues the next layer's) until
             # its experts are ready
-            self.prefetcher.pause(any(e not in cache.where or cache.state[cache.where[e]] != READY
-                                      for e in needed))
+            where, states = cache.where, cache.state
+            held = [where.get(e) for e in needed]
+            ready = all(s is not None and states[s] == READY for s in held)
+            self.prefetcher.pause(not ready)
             if run.future is not None and not run.future:  # the oracle's recording pass
                 run.routing_log[(run.fwd, layer)] = tuple(needed)
             # admission judges prefetches: without a predictor that makes them, nothing
             if run.admission is not None and run.phase == "decode" and self.planner.predicts:
                 record_call(run, cache, layer, needed, time.perf_counter())
-        return predicted
+            if not (ready and quick):
+                return predicted, None
+            for s in held:
+                cache.touch(s)  # type: ignore[arg-type]
+        return predicted, held  # type: ignore[return-value]
 
     def _unpin(self, cache: LayerCache) -> None:
         """The layer no longer reads its slots: they may be evicted (no reuse: dropped)."""
@@ -249,10 +284,6 @@ class ExpertsPath:
         slots: Slots = {}
         extra: list[int] = []
         with self.state.cv:
-            where, state = cache.where, cache.state
-            held = [where.get(e) for e in needed]
-            if all(s is not None and state[s] == READY for s in held):  # every one a hit
-                return dict(zip(needed, held, strict=True)), extra, len(needed), 0  # type: ignore[arg-type]
             hits = sum(e in cache.where for e in needed)
             late = sum(e in cache.where and cache.state[cache.where[e]] == LOADING for e in needed)
             self._wait_or_load(cache, list(needed), slots, extra)
@@ -306,20 +337,3 @@ class ExpertsPath:
         state.cv.acquire()
         cache.filled(slot)
         state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took)
-
-    def _load_transient(self, cache: LayerCache, expert: int) -> dict[str, torch.Tensor]:
-        """An expert beyond the capacity where no spare row can take it (the copy's path):
-        read outside the cache, used once."""
-        state = self.state
-        block = state.store.blocks[(cache.layer, expert)]
-        start = time.perf_counter()
-        src = state.loader.fetch(block, self._buf)
-        out = {}
-        for p in cache.params:
-            t = torch.empty(p.shape, dtype=p.dtype, device=cache.device)
-            t.view(-1).view(torch.uint8).copy_(src[p.offset : p.offset + p.nbytes])
-            out[p.name] = t
-        took = time.perf_counter() - start
-        with state.cv:
-            state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took, overflow=True)
-        return out
