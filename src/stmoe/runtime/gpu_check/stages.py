@@ -181,10 +181,10 @@ def cuda_tests(c: Check) -> dict[str, Any]:
 
 
 def tier_gpu(c: Check) -> dict[str, Any]:
-    import stmoe
     from stmoe.evaluate.systems import OFFLOAD_SYSTEMS
     from stmoe.hf.loading import load_causal_lm
     from stmoe.models import SHIPPED_MODEL
+    from stmoe.runtime.api import offload
 
     tokens = c.tokens
     tok = __import__("transformers").AutoTokenizer.from_pretrained(SHIPPED_MODEL)
@@ -201,7 +201,7 @@ def tier_gpu(c: Check) -> dict[str, Any]:
     for system, capacity in configs:
         predictor, policy = OFFLOAD_SYSTEMS[system]
         try:
-            with stmoe.offload(SHIPPED_MODEL, tier=tier, capacity=capacity,
+            with offload(SHIPPED_MODEL, tier=tier, capacity=capacity,
                                predictor=predictor, policy=policy) as om:
                 r = om.generate(ids[0].tolist(), max_new_tokens=tokens)
             runs.append({"system": system, "capacity": capacity,
