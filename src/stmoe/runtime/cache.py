@@ -160,6 +160,12 @@ class LayerCache:
             return None
         return [self.rows[p.name][slot].view(-1).view(torch.uint8).numpy() for p in self.params]
 
+    def device_parts(self, slot: int) -> list[torch.Tensor]:
+        """Row ``slot``'s tensors as uint8, in block order: where a tier copies a block
+        asynchronously (``store.loader``: a device cache's slot, its ``SlotEvents``)."""
+        order = sorted(self.params, key=lambda p: p.offset)
+        return [self.rows[p.name][slot].view(-1).view(torch.uint8) for p in order]
+
     def copy_row(self, src: int, dst: int, temp: dict[str, torch.Tensor]) -> None:
         """Copy row ``src`` to row ``dst`` (either may be ``TEMP``: the one-expert ``temp``)."""
         for p in self.params:

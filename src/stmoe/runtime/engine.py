@@ -83,6 +83,7 @@ class OffloadEngine:
         for module, _ in layers:
             take_over(module, self, self.num_experts)
         self.state = EngineState(caches, store, Loader(tier, store), self.device)
+        self.state.use_tier_events()
         self.caches, self.cv, self.expert_bytes = caches, self.state.cv, self.state.expert_bytes
         self.prefetcher = Prefetcher(self.state, settings.workers)
         self.planner = PrefetchPlanner(self.state, predictor, self.prefetcher, lookahead,
@@ -192,6 +193,7 @@ class OffloadEngine:
     @tier.setter
     def tier(self, tier: Tier) -> None:
         self.state.loader.tier = tier
+        self.state.use_tier_events()
 
     @property
     def closed(self) -> bool:

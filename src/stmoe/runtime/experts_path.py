@@ -14,17 +14,16 @@ engine calls it for a solo forward's layer, and for a server step's, ``serve_lay
    order), always with the model's own experts implementation, so the
    arithmetic, and so every output bit, is what the resident model computes.
 
-Experts beyond the cache's capacity (a long prompt may route to more experts than
-fit) are read into spare rows past it, given back after the call (on the CPU;
-elsewhere into transient tensors, with the copy).
-
-The path is one caller's at a time (its read buffer, the pins, the run's position): the
-engine's step API claims the engine for the caller's thread first."""
+Experts beyond the capacity (a long prompt's) are read into spare rows past it, given back
+after the call (on the CPU; elsewhere into transient tensors, with the copy). Where the
+tier's copies run asynchronously (a device cache), every read of a slot waits for its copy
+and every rewrite for its readers (``slot_events``). One caller at a time: the engine's
+step API claims the engine for the caller's thread first."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -106,6 +105,7 @@ class ExpertsPath:
             for s in slots.values():
                 cache.touch(s)
             if not in_place:  # the copy is made: the slots may change
+                self._read(cache, slots.values())
                 self._unpinned(cache)
         try:
             return self._compute(layer, params, n, hidden_states, index, top_k_weights,
@@ -115,6 +115,7 @@ class ExpertsPath:
                 try:
                     cache.release_spare(spare)
                 finally:
+                    self._read(cache, slots.values())
                     self._unpin(cache)
 
     def _run_hits(self, layer: int, cache: LayerCache, needed: list[int], held: list[int],
@@ -137,8 +138,11 @@ class ExpertsPath:
                 params, n = cache.slabs, cache.capacity
                 index = torch.from_numpy(np.array(held)[np.searchsorted(needed, rows)]).to(
                     top_k_index.device, top_k_index.dtype)
-            return self._compute(layer, params, n, hidden_states, index, top_k_weights,
-                                 segments, args, kwargs), 0.0
+            self._reading(cache, held)
+            out = self._compute(layer, params, n, hidden_states, index, top_k_weights,
+                                segments, args, kwargs)
+            self._read(cache, held)
+            return out, 0.0
         finally:
             self._unpin(cache)
 
@@ -164,6 +168,7 @@ class ExpertsPath:
         state = self.state
         start = time.perf_counter()
         slots, extra, hits, late = self._ensure(cache, needed)
+        self._reading(cache, slots.values())  # what follows reads them (a gather, moves, compute)
         stall = time.perf_counter() - start
         in_place = cache.identity or self.any_numbering[layer]
         spare = 0  # spare rows past the capacity this call uses
@@ -260,6 +265,16 @@ class ExpertsPath:
                 cache.touch(s)  # type: ignore[arg-type]
         return predicted, held  # type: ignore[return-value]
 
+    def _reading(self, cache: LayerCache, slots: Iterable[int]) -> None:
+        """Kernels are about to read ``slots``: after their copies (``SlotEvents``, if any)."""
+        if (events := self.state.slot_events(cache)) is not None:
+            events.before_read(list(slots))
+
+    def _read(self, cache: LayerCache, slots: Iterable[int]) -> None:
+        """The call's readers of ``slots`` are launched (their ``free`` event, if any)."""
+        if (events := self.state.slot_events(cache)) is not None:
+            events.after_read(list(slots))
+
     def _unpin(self, cache: LayerCache) -> None:
         """The layer no longer reads its slots: they may be evicted (no reuse: dropped)."""
         with self.state.cv:
@@ -271,16 +286,12 @@ class ExpertsPath:
         if self.policy == "none":
             self.state.run.stats.bytes_wasted += cache.drop_ready() * self.state.expert_bytes
 
-    def _ensure(self, cache: LayerCache,
-                needed: list[int]) -> tuple[Slots, list[int], int, int]:
+    def _ensure(self, cache: LayerCache, needed: list[int]) -> tuple[Slots, list[int], int, int]:
         """Every needed expert READY in a slot, but those beyond the capacity (a long
-        prompt's: listed, not loaded); with the hits, and of them the late ones.
-
-        While the compute thread waits here (a miss, or a prefetch still in flight), the
-        workers start no new load (paused since ``_begin``, until the layer's experts are
-        ready): the disk or link serves what is needed now before what is needed a layer
-        later (they share its bandwidth, which does not grow with readers), and the next
-        layer's loads start as soon as this layer computes."""
+        prompt's: listed, not loaded); with the hits, and of them the late ones. Meanwhile
+        the workers start no new load (paused since ``_begin``): the disk or link serves
+        what is needed now first (readers share its bandwidth), the next layer's loads
+        start as soon as this layer computes."""
         slots: Slots = {}
         extra: list[int] = []
         with self.state.cv:
@@ -328,12 +339,12 @@ class ExpertsPath:
         state.cv.release()
         start = time.perf_counter()
         try:
-            state.loader.fill(cache, slot, block, self._buf, self._stream)
+            ready = state.fill(cache, slot, block, self._buf, self._stream)
         except BaseException:
             state.cv.acquire()
             cache.abandon(slot)
             raise
         took = time.perf_counter() - start
         state.cv.acquire()
-        cache.filled(slot)
+        state.filled(cache, slot, ready)
         state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took)

@@ -189,10 +189,10 @@ class Prefetcher:
         cache, slot, layer, expert, phase = job
         block = state.store.blocks[(layer, expert)]
         start = time.perf_counter()
-        state.loader.fill(cache, slot, block, buf, stream, lambda: self._between(layer))
+        ready = state.fill(cache, slot, block, buf, stream, lambda: self._between(layer))
         took = time.perf_counter() - start
         with state.cv:
-            cache.filled(slot)
+            state.filled(cache, slot, ready)
             state.run.stats.loaded(phase, "prefetch", block.nbytes, took)
             state.cv.notify_all()
 

@@ -29,11 +29,14 @@ from stmoe.admission import Admission
 from stmoe.errors import OffloadError
 from stmoe.runtime.cache import LayerCache
 from stmoe.runtime.forced_routing import RoutingSource
+from stmoe.runtime.slot_events import SlotEvents
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.step import Step
 from stmoe.runtime.store import ExpertStore
+from stmoe.runtime.store.device_ops import CopyEvent
+from stmoe.runtime.store.index import Block
 from stmoe.runtime.store.loader import Loader
-from stmoe.runtime.store.tiers import buffer_bytes
+from stmoe.runtime.store.tiers import Between, buffer_bytes
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,37 @@ class EngineState:
         # a trace's routing replacing the router's (``OffloadedModel.force_routing``): the
         # next solo steps' (``OffloadEngine.solo_step``)
         self.forced_routing: RoutingSource | None = None
+        # per layer, the slots' ready/free events where the tier's copies run asynchronously
+        # (a device cache: ``slot_events``); None where a fill has landed when it returns
+        self.events: list[SlotEvents] | None = None
+
+    def use_tier_events(self) -> None:
+        """The slot protocol for the loader's tier: events where its copies to the device
+        run asynchronously (``to_device``), none where a fill lands before it returns."""
+        ops = getattr(self.loader.tier, "ops", None) if getattr(self.loader.tier, "to_device",
+                                                                 False) else None
+        self.events = None if ops is None else [SlotEvents(c.capacity, ops) for c in self.caches]
+
+    def fill(self, cache: LayerCache, slot: int, block: Block, buf: object, stream: object,
+             between: Between = None) -> CopyEvent | None:
+        """(lock not held; ``slot`` LOADING by the calling thread) ``block``'s copy into
+        ``slot`` queued after the slot's last readers (its ``free`` event); its ``ready``
+        event (None: landed already). The one way a loader fills a cache slot."""
+        events = self.events[cache.layer] if self.events is not None else None
+        if events is None:  # the copy has landed when ``fill`` returns
+            return self.loader.fill(cache, slot, block, buf, stream, between)
+        events.before_write(slot, stream)
+        return self.loader.fill(cache, slot, block, buf, stream, between, wait=False)
+
+    def filled(self, cache: LayerCache, slot: int, ready: CopyEvent | None) -> None:
+        """(lock held) ``slot``'s copy is queued (or landed): READY for the compute, which
+        waits on ``ready`` first (``SlotEvents.before_read``)."""
+        cache.filled(slot)
+        if self.events is not None:
+            self.events[cache.layer].landing(slot, ready)
+
+    def slot_events(self, cache: LayerCache) -> SlotEvents | None:
+        return self.events[cache.layer] if self.events is not None else None
 
     # ---- who the engine serves (every method: lock held) -------------------------------
     def enter_run(self) -> None:

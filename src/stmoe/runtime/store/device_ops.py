@@ -52,6 +52,11 @@ class DeviceOps(Protocol):
         """An event after everything queued on ``stream`` so far."""
         ...
 
+    def wait(self, stream: object, event: CopyEvent) -> None:
+        """Work queued on ``stream`` from now on runs after ``event`` (None: the current
+        stream, where the compute runs)."""
+        ...
+
 
 class HostPinning(Protocol):
     """Page-locks host memory stmoe mapped itself (``register``), and gives it back."""
@@ -120,6 +125,10 @@ class CudaOps:
         event.record(stream)  # type: ignore[arg-type]  # (None: the current stream)
         return event
 
+    def wait(self, stream: object, event: CopyEvent) -> None:
+        s = stream if stream is not None else torch.cuda.current_stream()
+        s.wait_event(event)  # type: ignore[attr-defined]  # the device waits, not the host
+
 
 class _HostEvent:
     def __init__(self) -> None:
@@ -181,6 +190,14 @@ class HostThreadOps:
 
     def record(self, stream: object) -> CopyEvent:
         return self._submit(None, stream)
+
+    def wait(self, stream: object, event: CopyEvent) -> None:
+        """None, the compute's "stream", is the host here (the CPU computes as it is
+        called): the host waits. A copy stream waits in its queue, as a device would."""
+        if stream is None:
+            event.synchronize()
+        else:
+            self._submit(event.synchronize, stream)
 
     def close(self) -> None:
         """Let the queued copies finish, then stop the threads."""

@@ -1,0 +1,116 @@
+"""The slot protocol of a cache whose copies run asynchronously (runtime/slot_events.py), on
+the CPU with the copy engine's stand-in (store.device_ops.HostThreadOps: copies that land
+late, on another thread, reading their source only then): a slot is read only after its copy
+has landed (``ready``), and rewritten only after its readers (``free``). Issue 43, item 1."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from stmoe.hf.capture_generate import capture_generation  # noqa: E402
+from stmoe.predictors import profile, save_tables  # noqa: E402
+from stmoe.runtime.api import offload  # noqa: E402
+from stmoe.runtime.slot_events import SlotEvents  # noqa: E402
+from stmoe.runtime.store import pack  # noqa: E402
+from stmoe.runtime.store.device_ops import HostThreadOps, NoPinning  # noqa: E402
+from stmoe.runtime.store.pinned import PinnedHostTier  # noqa: E402
+from tiny_moe import tiny_model  # noqa: E402
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+NEW = 6
+
+
+class Gate:
+    """An event the test completes (a kernel still reading a slot)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.done.wait()
+
+
+def test_a_copy_into_a_slot_waits_for_its_readers():
+    ops = HostThreadOps()
+    events = SlotEvents(2, ops)
+    readers = Gate()
+    events.free[0] = readers  # slot 0's last reader is still running
+    stream = object()  # a loader's copy stream
+    events.before_write(0, stream)
+    dst, src = torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
+    copy = ops.copy_async(dst, src, stream)
+    time.sleep(0.1)  # the stand-in's copies take no time: only the wait can hold it
+    assert not copy.query() and int(dst.sum()) == 0
+    readers.done.set()
+    copy.synchronize()
+    assert int(dst.sum()) == 8
+    events.landing(0, copy)
+    assert events.ready[0] is copy and events.free[0] is None
+    ops.close()
+
+
+def test_reads_wait_for_the_copy_and_leave_a_free_event():
+    ops = HostThreadOps(delay=0.05)
+    events = SlotEvents(2, ops)
+    dst, src = torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
+    events.landing(1, ops.copy_async(dst, src, object()))
+    events.before_read([1])  # the compute (here the host) waits for the copy
+    assert int(dst.sum()) == 8 and events.ready[1] is None
+    events.after_read([1])
+    assert events.free[1] is not None
+    ops.close()
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    model, _ = tiny_model("qwen2_moe")
+    root = tmp_path_factory.mktemp("qwen")
+    store = pack(model, root / "store")
+    trace = capture_generation(model, [[20, 21, 22, 23], [30, 31]], max_new_tokens=8)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                              min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    return store, save_tables(profile(trace), root / "tables.npz"), want[0, len(PROMPT):]
+
+
+def _late_copies(store, tables, capacity, predictor, delay=0.004):
+    """Tokens of an offloaded generation whose every copy into a slot lands ``delay`` s late."""
+    fresh, _ = tiny_model("qwen2_moe")
+    with offload(fresh, store, capacity=capacity, predictor=predictor,
+                 tables=None if predictor == "ondemand" else tables, workers=2) as om:
+        ops = HostThreadOps(delay=delay)
+        om.engine.tier = PinnedHostTier(om.engine.store, NoPinning(), ops)
+        assert om.engine.state.events is not None  # the tier's copies are asynchronous
+        tokens = om.generate(PROMPT, max_new_tokens=NEW).tokens
+        copies = ops.copies
+        om.engine.check()
+        ops.close()
+    return tokens, copies
+
+
+@pytest.mark.parametrize(("capacity", "predictor"), [(2, "ondemand"), (4, "stmoe-plus"),
+                                                     (8, "stmoe")])
+def test_late_copies_give_the_resident_bits(qwen, capacity, predictor):
+    store, tables, want = qwen
+    got, copies = _late_copies(store, tables, capacity, predictor)
+    assert copies > 0
+    assert got == want.tolist()
+
+
+def test_without_the_ready_wait_the_late_copies_are_read_too_soon(qwen, monkeypatch):
+    """The protocol's wait is what the test above checks: removed, the compute reads slots
+    whose copies have not landed, and the tokens change."""
+    store, tables, want = qwen
+    monkeypatch.setattr(SlotEvents, "before_read", lambda self, slots: None)
+    got, _ = _late_copies(store, tables, 2, "ondemand", delay=0.02)
+    assert got != want.tolist()
