@@ -13,14 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stmoe.hf.capture_generate import capture_generation  # noqa: E402
-from stmoe.predictors import profile, save_tables  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.slot_events import SlotEvents  # noqa: E402
-from stmoe.runtime.store import pack  # noqa: E402
 from stmoe.runtime.store.device_ops import HostThreadOps, NoPinning  # noqa: E402
 from stmoe.runtime.store.pinned import PinnedHostTier  # noqa: E402
-from tiny_moe import tiny_model  # noqa: E402
+from tiny_moe import packed_with_tables, tiny_model  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 NEW = 6
@@ -72,15 +69,12 @@ def test_reads_wait_for_the_copy_and_leave_a_free_event():
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    model, _ = tiny_model("qwen2_moe")
-    root = tmp_path_factory.mktemp("qwen")
-    store = pack(model, root / "store")
-    trace = capture_generation(model, [[20, 21, 22, 23], [30, 31]], max_new_tokens=8)
+    model, store, tables = packed_with_tables("qwen2_moe", tmp_path_factory.mktemp("qwen"))
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
                               min_new_tokens=NEW, do_sample=False, pad_token_id=0)
-    return store, save_tables(profile(trace), root / "tables.npz"), want[0, len(PROMPT):]
+    return store, tables, want[0, len(PROMPT):]
 
 
 def _late_copies(store, tables, capacity, predictor, delay=0.004):

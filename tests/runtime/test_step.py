@@ -15,12 +15,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from stmoe.errors import OffloadError  # noqa: E402
-from stmoe.hf.capture_generate import capture_generation  # noqa: E402
-from stmoe.predictors import profile, save_tables  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.step import Part, Step, current_driver, driven_by  # noqa: E402
-from stmoe.runtime.store import pack  # noqa: E402
-from tiny_moe import tiny_model  # noqa: E402
+from tiny_moe import packed_with_tables, tiny_model  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -43,11 +40,8 @@ class LayerDriver:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    model, _ = tiny_model("qwen2_moe")
-    root = tmp_path_factory.mktemp("qwen")
-    store = pack(model, root / "store")
-    trace = capture_generation(model, [[20, 21, 22, 23], [30, 31]], max_new_tokens=8)
-    return model, store, save_tables(profile(trace), root / "tables.npz")
+    model, store, tables = packed_with_tables("qwen2_moe", tmp_path_factory.mktemp("qwen"))
+    return model, store, tables
 
 
 def _driven_logits(om, ids: torch.Tensor) -> tuple[torch.Tensor, LayerDriver]:
