@@ -21,6 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from test_quantized import _generate  # noqa: E402  (the same padded batch and outputs)
+
 from stmoe.errors import StmoeNote  # noqa: E402
 from stmoe.quant import parse_format  # noqa: E402
 from stmoe.quant.experts import quantize_model  # noqa: E402
@@ -34,7 +36,6 @@ from stmoe.runtime.store.verify import verify_store  # noqa: E402
 from tiny_moe import tiny_model  # noqa: E402
 
 INT4 = parse_format("int4", 32)
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 # the layout another kind of CPU packs: the plain build's differs from AVX2's and AVX512's
 OTHER = "default" if cpu_layout() != "default" else "avx2"
 
@@ -50,17 +51,6 @@ print(torch.backends.cpu.get_cpu_capability().lower())
 def _model() -> torch.nn.Module:
     """The tiny qwen3_moe with experts int4 in groups of 32 takes (as test_quantized's)."""
     return tiny_model("qwen3_moe", moe_intermediate_size=32)[0]
-
-
-def _generate(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    width = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
-                             do_sample=False, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True)
-    return out.sequences, list(out.logits)
 
 
 def _same(got, want) -> bool:
