@@ -153,6 +153,29 @@ CASES = {
         [],
         ["x.jsonl", "token 1 has no record for layer 1", "line 3", "all 2 layers for every token"],
     ),
+    # the meta line (stmoe export writes it) declares 3 layers: records of 2 are not a
+    # 2-layer trace (issue 45)
+    "jsonl meta declares a layer no record has": (
+        "x.jsonl",
+        edit_jsonl(lambda ls: [json.dumps({"meta": {"num_layers": 3, "num_experts": 4}}), *ls]),
+        [],
+        ["x.jsonl", "line 2", "the metadata on line 1 declares 3 MoE layers",
+         "no record of any token for layer 2", "each of the 3 layers it declares"],
+    ),
+    "jsonl meta declares other layer ids": (
+        "x.jsonl",
+        edit_jsonl(lambda ls: [json.dumps({"meta": {"num_layers": 2, "extra": {
+            "model_layer_ids": [0, 5]}}}), *[ls[i] for i in (0, 2, 4)]]),
+        [],
+        ["x.jsonl", "line 2", "declares 2 MoE layers", "no record of any token for layer 5"],
+    ),
+    "jsonl meta declares another K": (
+        "x.jsonl",
+        edit_jsonl(lambda ls: [json.dumps({"meta": {"top_k": 3}}), *ls]),
+        [],
+        ["x.jsonl", "line 2", "declares top_k 3, but the records hold 2 experts",
+         "3 experts in every record"],
+    ),
     "jsonl K differs": (
         "x.jsonl",
         edit_jsonl(set_record(2, experts=[0, 1, 2], weights=[0.4, 0.3, 0.3])),

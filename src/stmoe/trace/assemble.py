@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from stmoe.errors import TraceError
+from stmoe.trace.schema import meta_int
 
 
 def layer_numbering(layer_ids: Iterable[int]) -> tuple[dict[int, int], dict[str, Any]]:
@@ -22,6 +23,33 @@ def layer_numbering(layer_ids: Iterable[int]) -> tuple[dict[int, int], dict[str,
     mapping = {lid: i for i, lid in enumerate(ids)}
     extra = {} if ids == list(range(len(ids))) else {"model_layer_ids": ids}
     return mapping, extra
+
+
+def check_declared(header: Mapping[str, Any], layer_ids: Iterable[int], top_k: int,
+                   header_at: str, first_record: str) -> None:
+    """The MoE layers and top-k a file's metadata declares, against what its records hold:
+    records lacking a declared layer (or holding more layers) are refused, never read as
+    a shallower trace. ``header_at``, ``first_record``: their positions (``line 1``)."""
+    if "num_layers" in header:
+        declared, ids = meta_int(header, "num_layers"), sorted(set(layer_ids))
+        if len(ids) != declared:
+            named = header.get("extra", {}).get("model_layer_ids") if isinstance(
+                header.get("extra"), Mapping) else None
+            if not (isinstance(named, list) and len(named) == declared):
+                named = list(range(declared))
+            missing = [x for x in named if x not in ids]
+            what = (f"no record of any token for layer{'s' * (len(missing) > 1)} "
+                    f"{', '.join(map(str, missing))}" if missing and len(ids) < declared
+                    else f"records for {len(ids)} layers ({_short(ids)})")
+            raise TraceError(f"the metadata on {header_at} declares {declared} MoE layers, "
+                             f"but the file holds {what}", position=first_record,
+                             expected=f"a record of each of the {declared} layers it declares, "
+                             "for every token")
+    if "top_k" in header and meta_int(header, "top_k") != top_k:
+        raise TraceError(f"the metadata on {header_at} declares top_k "
+                         f"{meta_int(header, 'top_k')}, but the records hold {top_k} experts",
+                         position=first_record,
+                         expected=f"{meta_int(header, 'top_k')} experts in every record")
 
 
 def order_by_weight(experts: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:

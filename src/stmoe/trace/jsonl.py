@@ -3,7 +3,8 @@
     {"seq": 0, "token": 5, "layer": 3, "experts": [12, 7], "weights": [0.6, 0.4]}
 
 An optional first line ``{"meta": {"model": ..., "num_experts": ..., "synthetic": ...}}``
-carries the trace's metadata (``stmoe export`` writes it).
+carries the trace's metadata (``stmoe export`` writes it); the ``num_layers`` and
+``top_k`` it declares must be what the records hold.
 
 Optional per record: ``weights`` (all records or none), ``phase``
 (``"prefill"``/``"decode"``) or ``decode`` (bool), and ``domain`` (one per
@@ -23,6 +24,7 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.assemble import (
+    check_declared,
     check_keys,
     expert_ids,
     gate_weights,
@@ -56,6 +58,7 @@ class _Records:
         self.line: list[int] = []
         self.domain: dict[int, tuple[str, int]] = {}
         self.header: dict[str, Any] = {}
+        self.header_line = 0
 
 
 def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
@@ -66,6 +69,7 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
     for lineno, obj in _records(path):
         if "meta" in obj and "layer" not in obj:
             rec.header = _header(obj["meta"], lineno, first=not rec.line and not rec.header)
+            rec.header_line = lineno
             continue
         check_keys(obj, _FIELDS, f"line {lineno}")
         experts = expert_ids(obj.get("experts"), f"line {lineno}")
@@ -114,6 +118,8 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
                 )
     if not rec.line:
         raise TraceError("the file holds no records", expected="at least one routing record")
+    assert top_k is not None
+    check_declared(rec.header, rec.layer, top_k, f"line {rec.header_line}", f"line {rec.line[0]}")
     if num_experts is None and "num_experts" in rec.header:
         num_experts = meta_int(rec.header, "num_experts")
     return _assemble(rec, path, num_experts)
