@@ -15,12 +15,12 @@ torch = pytest.importorskip("torch")
 from stmoe.errors import OffloadError  # noqa: E402
 from stmoe.runtime.store import ExpertStore, StoreError, pack  # noqa: E402
 from stmoe.runtime.store.bounce import BouncePool  # noqa: E402
-from stmoe.runtime.store.device_ops import HostThreadOps, NoPinning  # noqa: E402
 from stmoe.runtime.store.in_place_index import make_in_place  # noqa: E402
 from stmoe.runtime.store.index import ALIGN, slot_bytes  # noqa: E402
 from stmoe.runtime.store.loader import Loader  # noqa: E402
 from stmoe.runtime.store.pinned import PinnedHostTier, host_bytes, shared_stores  # noqa: E402
 from stmoe.runtime.store.reading import open_disk_to_device  # noqa: E402
+from stmoe.runtime.store.stand_in import HostThreadOps, NoPinning  # noqa: E402
 from stmoe.runtime.store.tiers import aligned_buffer, buffer_bytes  # noqa: E402
 from tiny_moe import tiny_model  # noqa: E402
 

@@ -264,9 +264,9 @@ def test_what_cannot_read_in_place_is_refused_in_one_line(indexed, tmp_path):
     for tier in ("emulated", "gpu"):
         with pytest.raises(OffloadError, match="read from the disk tier"):
             open_tier(tier, store, "1GB" if tier == "emulated" else None, 0.0)
-    with pytest.raises(OffloadError, match="tier disk and format native only"):
+    with pytest.raises(OffloadError, match="tier disk or gpu-disk and format native only"):
         offload(folder, in_place=True, format="int4")
-    with pytest.raises(OffloadError, match="tier disk and format native only"):
+    with pytest.raises(OffloadError, match="tier disk or gpu-disk and format native only"):
         offload(folder, in_place=True, tier="emulated", bandwidth="1GB")
     with pytest.raises(OffloadError, match="offload the folder, not a loaded model"):
         offload(load_causal_lm(folder), in_place=True)

@@ -204,9 +204,7 @@ def test_quantized_resident_linears_are_bit_identical_offloaded(name, experts, r
         OffloadOptions(quantize_resident="native").check()
 
 
-def test_the_gpu_tier_takes_native_stores_only():
-    with pytest.raises(OffloadError, match="int4 experts are computed by torch's CPU kernels"):
-        OffloadOptions(tier="gpu", format="int4").check()
+def test_group_size_is_int4s_alone():
     with pytest.raises(OffloadError, match="group_size is for format int4 only"):
         OffloadOptions(group_size=64).check()
 

@@ -1,5 +1,5 @@
 """The slot protocol of a cache whose copies run asynchronously (runtime/slot_events.py), on
-the CPU with the copy engine's stand-in (store.device_ops.HostThreadOps: copies that land
+the CPU with the copy engine's stand-in (store.stand_in.HostThreadOps: copies that land
 late, on another thread, reading their source only then): a slot is read only after its copy
 has landed (``ready``), and rewritten only after its readers (``free``). Issue 43, item 1."""
 
@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.slot_events import SlotEvents  # noqa: E402
-from stmoe.runtime.store.device_ops import HostThreadOps, NoPinning  # noqa: E402
 from stmoe.runtime.store.pinned import PinnedHostTier  # noqa: E402
+from stmoe.runtime.store.stand_in import HostThreadOps, NoPinning  # noqa: E402
 from tiny_moe import packed_with_tables, tiny_model  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]

@@ -44,7 +44,8 @@ MemoryOpt = Annotated[
     typer.Option(
         help="A memory budget for the whole process, page cache included (e.g. 10GB): "
         "the expert cache is sized from it once the non-expert weights are loaded (the "
-        "split is printed). In place of --capacity."
+        "split is printed; on the gpu tiers the slots from the GPU's free memory, less the "
+        "resident weights and KV cache). In place of --capacity."
     ),
 ]
 
@@ -106,8 +107,9 @@ TierOpt = Annotated[
     str,
     typer.Option(
         help="disk (real reads, page cache bypassed), emulated (host memory "
-        "behind a link of --bandwidth and --latency; EMULATED), or gpu (pinned "
-        "host memory to a CUDA cache)."
+        "behind a link of --bandwidth and --latency; EMULATED), gpu (the store in pinned "
+        "host memory, the cache in the GPU's), or gpu-disk (disk reads through pinned "
+        "bounce buffers to the GPU's cache: a model bigger than host RAM; --in-place too)."
     ),
 ]
 
@@ -131,7 +133,7 @@ WorkersOpt = Annotated[
     int | None,
     typer.Option(
         help="Prefetch worker threads, 0 (no prefetching) to 64 (default: 2 for "
-        "disk, 1 for the single-link emulated and gpu tiers)."
+        "disk and gpu-disk, 1 for the single-link emulated and gpu tiers)."
     ),
 ]
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.quant.cuda_kernels import device_weight
 from stmoe.quant.formats import WeightFormat
 from stmoe.quant.kernels import check_quantizable, qlinear, quantize_matrix
 
@@ -52,6 +53,15 @@ class QuantizedLinear(torch.nn.Module):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    def to_device_layout(self) -> None:
+        """Where it computes fastest from (``cuda_kernels.device_weight``: on CUDA, int4 in
+        the CUDA kernel's layout, converted once here instead of at every call); the same
+        bits either way."""
+        weight = device_weight(self.qweight, self.qscale, self.fmt, self.qweight.device)
+        if weight is not self.qweight:
+            self.qweight = torch.nn.Parameter(weight, requires_grad=False)
+            self._columns.clear()
+
     def columns(self, flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Output features ``start:stop`` of ``flat`` [M, in] (bias not added): the same
         bits as those columns of the whole product (each column is its own dot products),
@@ -59,6 +69,9 @@ class QuantizedLinear(torch.nn.Module):
         slice's scales are kept (int4's are strided: a copy, ``in / group x (stop - start)
         x 2`` values)."""
         if (start, stop) not in self._columns:
+            if self.qweight.dim() != 2:
+                raise OffloadError("columns of a matrix in CUDA's int4 layout: split the "
+                                   "product on the CPU's")
             if self.fmt.name == "int4" and start % 64:
                 raise OffloadError(f"int4 columns start at a multiple of 64 (the kernel's "
                                    f"packing), not {start}")
@@ -70,6 +83,18 @@ class QuantizedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.fmt.label}"
+
+
+def device_linears(model: torch.nn.Module) -> int:
+    """Every ``QuantizedLinear`` of ``model`` (moved to its device) in the layout its
+    device computes fastest from; how many changed layout."""
+    changed = 0
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            before = m.qweight
+            m.to_device_layout()
+            changed += m.qweight is not before
+    return changed
 
 
 def is_gate(name: str) -> bool:

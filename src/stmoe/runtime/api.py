@@ -27,23 +27,17 @@ from stmoe.hf.loading import load_without_experts
 from stmoe.predictors.base import ModelShape
 from stmoe.quant.experts import plan_format, select
 from stmoe.quant.linears import quantize_linears
+from stmoe.runtime.accelerator import GPU_TIERS, accelerator
 from stmoe.runtime.engine import OffloadEngine
 from stmoe.runtime.forced_routing import RoutingPlan, RoutingSource
-from stmoe.runtime.hf_glue import IMPL_NAME, move_resident, register
-from stmoe.runtime.memory import plan_memory, process_bytes
-from stmoe.runtime.options import (
-    OffloadOptions,
-    resolve_capacity,
-    resolve_predictor,
-    top_k_of,
-    with_overrides,
-)
+from stmoe.runtime.hf_glue import IMPL_NAME, register
+from stmoe.runtime.options import OffloadOptions, resolve_predictor, top_k_of, with_overrides
+from stmoe.runtime.placement import place
 from stmoe.runtime.prompts import greedy_generate, prompt_ids
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.store import ExpertStore, default_store_dir, open_store, pack
 from stmoe.runtime.store.reading import open_tier
-from stmoe.runtime.store.tiers import buffer_bytes
 from stmoe.trace.ranks import unranked_error
 from stmoe.util.progress import announced_byte_progress
 
@@ -222,6 +216,8 @@ def offload(
     """
     options = with_overrides(options or OffloadOptions(), overrides)
     options.check()
+    if options.tier in GPU_TIERS:
+        accelerator(options.tier)  # no GPU: refused before anything loads
     register()
     if isinstance(model_or_dir, (str, Path)):
         model_dir = _checked_model_dir(model_or_dir)
@@ -273,26 +269,15 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
                        top_k_of(model.config))
     # first: its tables and compiled kernels (stmoe-plus: ~22 MiB) are in the process measured
     pred = resolve_predictor(options, shape, model_dir)
-    nbytes, memory, plan = expert_store.blocks[(0, 0)].nbytes, options.memory_bytes(), None
-    if memory is not None:  # the process as loaded, then the largest cache that fits
-        plan = plan_memory(memory, process_bytes(model), shape.num_layers, shape.num_experts,
-                           shape.top_k, nbytes, options.worker_count(),
-                           buffer_bytes(expert_store.blocks[(0, 0)]))
-    per_layer = plan.per_layer if plan else resolve_capacity(
-        options.capacity, shape.num_layers, shape.num_experts, shape.top_k, nbytes)
-    device = None
-    if options.tier == "gpu":
-        if not torch.cuda.is_available():
-            raise OffloadError("--tier gpu needs CUDA, and torch sees no GPU here; use --tier disk "
-                               "or --tier emulated")
-        device = torch.device("cuda")
-        move_resident(model, device)
-        # the move puts new Parameters in place: the routers the lookahead reads are found
-        # again on the device (the experts modules are the same objects)
-        layout = ModelLayout.of(model)
-    source = open_tier(options.tier, expert_store, options.bandwidth, options.latency)
-    settings = EngineSettings(per_layer, options.policy, options.worker_count(), device,
-                              options.max_loads, options.admission)
+    placed = place(model, expert_store, options, shape)  # the cache's size; the device
+    per_layer, plan = placed.per_layer, placed.plan
+    if placed.accel is not None:  # the move put new Parameters in place: the routers the
+        layout = ModelLayout.of(model)  # lookahead reads are found again on the device
+    acc = placed.accel
+    source = open_tier(options.tier, expert_store, options.bandwidth, options.latency,
+                       acc.ops if acc else None, acc.pinning if acc else None)
+    settings = EngineSettings(per_layer, options.policy, options.worker_count(),
+                              placed.device, options.max_loads, options.admission)
     try:
         engine = OffloadEngine(model, expert_store, source, pred, settings, layout)
     except BaseException:
@@ -309,10 +294,11 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
               "in_place": expert_store.in_place,
               "resident_weights": resident.name if resident else "native", "resident_kept": kept,
               "expert_bytes": engine.expert_bytes, "cache_bytes": engine.cache_bytes,
-              "memory_plan": asdict(plan) if plan else None}
+              "memory_plan": asdict(plan) if plan else None,
+              "device": acc.name if acc else None}
     if options.tier == "emulated":
         config.update(bandwidth=source.bandwidth, latency=source.latency)  # type: ignore[attr-defined]
-    if options.tier == "disk":
+    if options.tier in ("disk", "gpu-disk"):
         config.update(direct_io=source.direct)  # type: ignore[attr-defined]
     return OffloadedModel(model, engine, tokenizer, config, cleanup)
 

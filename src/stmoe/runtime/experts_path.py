@@ -63,7 +63,6 @@ class ExpertsPath:
         self.any_numbering = [any_expert_numbering(module) for module, _ in layers]
         self.capacity, self.policy = settings.capacity, settings.policy
         self._buf = aligned_buffer(state.max_block)  # the compute thread's read buffer
-        self._stream = torch.cuda.Stream() if state.device.type == "cuda" else None
 
     def run(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, *args: Any, segments: Segments | None = None,
@@ -221,7 +220,7 @@ class ExpertsPath:
                 cache.place(target, slots)
             start = time.perf_counter()
             for e in extra:
-                read_extra(state, cache, target[e], e, self._buf, self._stream)
+                read_extra(state, cache, target[e], e, self._buf, self.state.demand_stream)
         except BaseException:
             with state.cv:
                 for row in slots.values():  # the rows moved, placed or being read
@@ -339,7 +338,7 @@ class ExpertsPath:
         state.cv.release()
         start = time.perf_counter()
         try:
-            ready = state.fill(cache, slot, block, self._buf, self._stream)
+            ready = state.fill(cache, slot, block, self._buf, self.state.demand_stream)
         except BaseException:
             state.cv.acquire()
             cache.abandon(slot)

@@ -4,7 +4,7 @@ resident-memory sampling for the steadiness checks of long offloaded generations
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -103,11 +103,20 @@ class MemoryPlan:
     memory: int
     process: int
     reserve: int  # KV cache and activations, read buffers, a long prompt's spare rows
-    cache: int
+    cache: int  # on a gpu tier: what the tier holds in host memory (``host``)
     per_layer: int
+    # a gpu tier's: the GPU's plan (``DevicePlan`` as a dict: the expert slots are there)
+    # and what the host holds for the tier (the pinned store, or the bounce buffers)
+    device: dict[str, int] | None = None
+    host: str = ""
 
     def describe(self) -> str:
         gib = 1 / 2**30
+        if self.device is not None:
+            return (f"{self.memory * gib:.2f} GiB for the process: {self.process * gib:.2f} "
+                    f"GiB as loaded, {self.reserve * gib:.2f} GiB of read buffers, "
+                    f"{self.cache * gib:.2f} GiB {self.host}; "
+                    + DevicePlan(**self.device).describe())
         return (f"{self.memory * gib:.2f} GiB for the process: {self.process * gib:.2f} GiB as "
                 f"loaded (interpreter, torch, non-expert weights, predictor), "
                 f"{self.reserve * gib:.2f} GiB "
@@ -189,6 +198,38 @@ def plan_device_memory(free: int, resident: int, kv: int, num_layers: int, num_e
                            f"needs at least {need / 2**30:.2f} GiB")
     return DevicePlan(free, resident, kv, reserve + gather, num_layers * per_layer * expert_bytes,
                       per_layer)
+
+
+def plan_gpu_memory(memory: int, process: int, buffers: int, host: int, what: str,
+                    device: DevicePlan) -> MemoryPlan:
+    """``--memory`` on a gpu tier: the expert slots are the GPU's (``device``), and the host
+    must hold the process as loaded, the read buffers and what the tier keeps there
+    (``host`` bytes: the pinned store, or the bounce buffers, named by ``what``); too little
+    is one clear error naming what would do."""
+    need = process + buffers + host
+    if need > memory:
+        hint = ("; --tier gpu-disk keeps only a few bounce buffers in host memory"
+                if "store" in what else "")
+        raise OffloadError(f"--memory {memory / 2**30:.2f} GiB cannot hold this model's process "
+                           f"({process / 2**30:.2f} GiB as loaded) and {what} "
+                           f"({host / 2**30:.2f} GiB); give at least {need / 2**30:.2f} "
+                           f"GiB{hint}")
+    return MemoryPlan(memory, process, buffers, host, device.per_layer, asdict(device), what)
+
+
+# The context a GPU plan keeps the KV cache of: one sequence of this many tokens.
+KV_TOKENS = 4096
+
+
+def model_kv_bytes(config: Any, dtype_bytes: int, tokens: int = KV_TOKENS) -> int:
+    """``kv_cache_bytes`` of a transformers config (its text part): every decoder layer's
+    keys and values, ``tokens`` positions of one sequence."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(getattr(text, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return kv_cache_bytes(int(text.num_hidden_layers), kv_heads, head_dim, tokens,
+                          dtype_bytes=dtype_bytes)
 
 
 def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, batch: int = 1,

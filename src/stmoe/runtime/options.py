@@ -25,7 +25,7 @@ from stmoe.quant.formats import WeightFormat, parse_format
 from stmoe.util.config_names import TOP_K, config_int
 from stmoe.util.units import UnitError, capacity_per_layer, parse_bytes, parse_seconds
 
-TIERS = ("disk", "emulated", "gpu")  # the names stmoe.offload's ``tier`` takes
+TIERS = ("disk", "emulated", "gpu", "gpu-disk")  # the names stmoe.offload's ``tier`` takes
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,12 @@ class OffloadOptions:
     tables: profiled tables; None: those shipped beside a model folder.
     policy: eviction (``stmoe.cache_policy``): lru, lfu, or none (no reuse).
     tier: disk (reads bypassing the page cache), emulated (host memory behind a link
-        of ``bandwidth`` bytes/s and ``latency`` s, EMULATED) or gpu (pinned host
-        memory to a CUDA cache).
+        of ``bandwidth`` bytes/s and ``latency`` s, EMULATED), gpu (the store in pinned
+        host memory, the cache in the GPU's) or gpu-disk (the disk's reads through pinned
+        bounce buffers to the GPU's cache: a model bigger than host RAM).
     bandwidth, latency: the emulated link's (200MB, 50us); the emulated tier only.
-    workers: prefetch threads; None: 2 for the disk (a device serves reads in
-        parallel), 1 for the single-link tiers (a second thread only queues another
+    workers: prefetch threads; None: 2 for the disk and gpu-disk (a device serves reads
+        in parallel), 1 for the single-link tiers (a second thread only queues another
         transfer ahead of the next miss).
     max_loads: loads one prediction may start per layer; None: the capacity.
     lookahead: hybrid and gate-lookahead: early (the next layer's router on this
@@ -61,10 +62,13 @@ class OffloadOptions:
         experts, lm_head; ``quant.linears``: gates stay native); None: native.
     memory: a budget for the whole process, page cache included ('10GB'): the cache is
         sized from it once the model is loaded (``runtime.memory.plan_memory``) in place of
-        ``capacity`` (which must then stay at its default); None: ``capacity`` decides.
+        ``capacity`` (which must then stay at its default); on the gpu tiers the expert
+        slots are sized from the GPU's free memory (``plan_device_memory``) and the host's
+        share (the pinned store, or the bounce buffers) checked against it; None:
+        ``capacity`` decides.
     in_place: read a model folder's native experts where its safetensors hold them
         (``runtime.store.in_place``: a small index made once, no second copy on disk);
-        the disk tier and the native format only; False: a packed store.
+        the disk and gpu-disk tiers and the native format only; False: a packed store.
     """
 
     capacity: int | str = "50%"
@@ -120,26 +124,21 @@ class OffloadOptions:
         for name, value in (("workers", self.workers), ("max_loads", self.max_loads)):
             if value is not None and (isinstance(value, bool) or value < 0):
                 raise OffloadError(f"{name} must be >= 0, got {value!r}")
-        weights, resident = self.weight_format(), self.resident_format()
+        weights = self.weight_format()
+        self.resident_format()
         self.memory_bytes()
-        if weights is not None and weights.quantized and self.tier == "gpu":
-            raise OffloadError(f"{weights.name} experts are computed by torch's CPU kernels; "
-                               "the gpu tier takes native stores (format native)")
-        if self.in_place and (self.tier != "disk" or (weights is not None
-                                                      and weights.quantized)):
+        if self.in_place and (self.tier not in ("disk", "gpu-disk")
+                              or (weights is not None and weights.quantized)):
             raise OffloadError("in_place reads the checkpoint's own bytes from the disk: "
-                               "tier disk and format native only (a quantized or in-memory "
-                               "store is packed)")
-        if resident is not None and self.tier == "gpu":
-            raise OffloadError("quantized resident linears compute on the CPU; the gpu tier "
-                               "takes native ones")
+                               "tier disk or gpu-disk and format native only (a quantized or "
+                               "in-memory store is packed)")
 
     def worker_count(self) -> int:
         """Prefetch threads: a disk serves reads in parallel; on a single link a second
         thread only queues another transfer ahead of the next miss."""
         if self.workers is not None:
             return self.workers
-        return 2 if self.tier == "disk" else 1
+        return 2 if self.tier in ("disk", "gpu-disk") else 1
 
 
 # The emulated link's sane range: below 1 KB/s, or above a minute per transfer, one expert

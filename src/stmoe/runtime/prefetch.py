@@ -25,8 +25,6 @@ import heapq
 import threading
 import time
 
-import torch
-
 from stmoe.errors import OffloadError
 from stmoe.runtime.cache import LOADING, LayerCache
 from stmoe.runtime.state import EngineState
@@ -147,7 +145,7 @@ class Prefetcher:
 
     def _worker(self) -> None:
         buf = aligned_buffer(self.state.max_block)
-        stream = torch.cuda.Stream() if self.state.device.type == "cuda" else None
+        stream = self.state.copy_stream()
         while not self._closing:
             job = None
             try:

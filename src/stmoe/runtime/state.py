@@ -33,7 +33,7 @@ from stmoe.runtime.slot_events import SlotEvents
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.step import Step
 from stmoe.runtime.store import ExpertStore
-from stmoe.runtime.store.device_ops import CopyEvent
+from stmoe.runtime.store.device_ops import CopyEvent, DeviceOps
 from stmoe.runtime.store.index import Block
 from stmoe.runtime.store.loader import Loader
 from stmoe.runtime.store.tiers import Between, buffer_bytes
@@ -115,13 +115,28 @@ class EngineState:
         # per layer, the slots' ready/free events where the tier's copies run asynchronously
         # (a device cache: ``slot_events``); None where a fill has landed when it returns
         self.events: list[SlotEvents] | None = None
+        self.demand_stream: object = None  # the compute thread's copies (``use_tier_events``)
 
     def use_tier_events(self) -> None:
         """The slot protocol for the loader's tier: events where its copies to the device
-        run asynchronously (``to_device``), none where a fill lands before it returns."""
-        ops = getattr(self.loader.tier, "ops", None) if getattr(self.loader.tier, "to_device",
-                                                                 False) else None
+        run asynchronously (``to_device``), none where a fill lands before it returns; the
+        compute thread's own copy stream for its demands (served first where it can)."""
+        ops = self.device_ops()
         self.events = None if ops is None else [SlotEvents(c.capacity, ops) for c in self.caches]
+        self.demand_stream = self.copy_stream(priority=-1)
+
+    def device_ops(self) -> DeviceOps | None:
+        """The tier's device ops where its copies to the device are asynchronous."""
+        tier = self.loader.tier
+        return getattr(tier, "ops", None) if getattr(tier, "to_device", False) else None
+
+    def copy_stream(self, priority: int = 0) -> object:
+        """A loading thread's stream: one of the tier's device's own, a CUDA stream for a
+        CUDA cache, or None (copies on the CPU land as they are made)."""
+        ops = self.device_ops()
+        if ops is not None:
+            return ops.new_stream(priority)
+        return torch.cuda.Stream(priority=priority) if self.device.type == "cuda" else None
 
     def fill(self, cache: LayerCache, slot: int, block: Block, buf: object, stream: object,
              between: Between = None) -> CopyEvent | None:

@@ -66,7 +66,8 @@ def environment(c: Check) -> dict[str, Any]:
 
 def h2d(c: Check) -> dict[str, Any]:
     torch = c.torch
-    from stmoe.runtime.store.device_ops import CudaHostPinning, NoPinning
+    from stmoe.runtime.store.device_ops import CudaHostPinning
+    from stmoe.runtime.store.stand_in import NoPinning
 
     sizes = [64 * KIB, 1 * MIB] if c.dry else [64 * KIB << (2 * i) for i in range(8)]  # to 1 GiB
     pinning = CudaHostPinning() if c.cuda else NoPinning()

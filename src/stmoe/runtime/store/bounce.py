@@ -35,13 +35,20 @@ from stmoe.runtime.store.device_ops import (
     copy_parts,
     unmap,
 )
+from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.in_place import InPlaceTier
 from stmoe.runtime.store.index import Block
-from stmoe.runtime.store.tiers import Between, DiskTier, buffer_bytes
+from stmoe.runtime.store.tiers import CHUNK_BYTES, Between, DiskTier, buffer_bytes
 
 # Buffers in the pool: a reader per prefetch worker plus the compute thread's, each with
 # its block's copy in flight while the next read starts.
 DEFAULT_BUFFERS = 4
+
+
+def bounce_bytes(store: ExpertStore) -> int:
+    """One bounce buffer's size for ``store``: its largest block's read buffer, in pages."""
+    size = max((buffer_bytes(b) for b in store.blocks.values()), default=4096)
+    return -(-size // 4096) * 4096
 
 
 class Bounce:
@@ -123,8 +130,7 @@ class DiskToDeviceTier:
         self.chunk_bytes = reader.chunk_bytes
         pinning = pinning or CudaHostPinning()
         self.ops = ops or CudaOps()
-        size = max((buffer_bytes(b) for b in self.store.blocks.values()), default=4096)
-        self.pool = BouncePool(buffers, -(-size // 4096) * 4096, pinning)
+        self.pool = BouncePool(buffers, bounce_bytes(self.store), pinning)
 
     def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
         return self.reader.fetch(block, buf, between)
@@ -152,7 +158,8 @@ class DiskToDeviceTier:
             src = self.reader.fetch(block, bounce.map, between)
             self.store.check_size(block, src.numel())
             queued = True  # from here a copy out of the buffer may be in flight
-            event = copy_parts(self.ops, dsts, src, stream) if dsts is not None else None
+            event = (copy_parts(self.ops, dsts, src, stream, between, CHUNK_BYTES)
+                     if dsts is not None else None)
             yield src, event
         finally:
             pending = None

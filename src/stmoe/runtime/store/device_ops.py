@@ -5,9 +5,9 @@ Why an interface: the protocol around those three (a bounce buffer is not writte
 before the copy out of it has completed; a slot is not read before the copy into it has)
 is where the races are, and it must be tested where CI runs, with no GPU. So the tiers are
 written against ``DeviceOps`` and ``HostPinning``; ``CudaOps`` and ``CudaHostPinning`` are
-the real ones, ``HostThreadOps`` and ``NoPinning`` the CPU's stand-ins: its copies run on
-a host thread, late (``delay``), reading their source when they run, as a copy engine does,
-so a buffer overwritten too early shows up as wrong bytes at the destination.
+the real ones; ``store.stand_in`` has the CPU's (``HostThreadOps``: copies that run on a
+host thread, late, reading their source when they run, as a copy engine does, so a buffer
+overwritten too early shows up as wrong bytes at the destination; ``NoPinning``).
 
 Host memory is page-locked with ``cudaHostRegister`` on memory stmoe maps itself, not with
 ``torch.empty(..., pin_memory=True)``: torch's caching host allocator rounds every pinned
@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import queue
-import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -42,7 +39,16 @@ class CopyEvent(Protocol):
 
 
 class DeviceOps(Protocol):
-    """Asynchronous copies on a stream (None: the device's current one)."""
+    """Asynchronous copies on a stream (None: the device's current one, where the compute
+    runs), the events after them, and streams of their own for the loaders."""
+
+    def new_stream(self, priority: int = 0) -> object:
+        """A copy stream (``priority`` -1: served first where the device can, a demand's)."""
+        ...
+
+    def elapsed(self, start: CopyEvent, end: CopyEvent) -> float:
+        """Seconds from ``start`` to ``end`` (both recorded here, both completed)."""
+        ...
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: object) -> CopyEvent:
         """Queue ``dst.copy_(src)`` on ``stream``; the event completes after it."""
@@ -92,27 +98,18 @@ class CudaHostPinning:
         self._rt.cudaHostUnregister(ptr)  # type: ignore[attr-defined]
 
 
-class NoPinning:
-    """The CPU's stand-in: the memory stays ordinary (what CPU tests exercise: the fill, the
-    checks, the sharing); ``registered`` counts what is held, for the tests."""
-
-    kind = "none"
-
-    def __init__(self) -> None:
-        self.registered: dict[int, int] = {}
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        self.registered[ptr] = nbytes
-
-    def unregister(self, ptr: int) -> None:
-        del self.registered[ptr]
-
-
 class CudaOps:
-    """The real copies: ``copy_(non_blocking=True)`` on the stream, an event recorded after."""
+    """The real copies: ``copy_(non_blocking=True)`` on the stream, an event recorded after
+    (timing enabled: the run's copy timeline reads them, ``runtime.device_timing``)."""
 
     def __init__(self) -> None:
         _cudart()
+
+    def new_stream(self, priority: int = 0) -> object:
+        return torch.cuda.Stream(priority=priority)
+
+    def elapsed(self, start: CopyEvent, end: CopyEvent) -> float:
+        return float(start.elapsed_time(end)) / 1e3  # type: ignore[attr-defined]
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: object) -> CopyEvent:
         s = stream if stream is not None else torch.cuda.current_stream()
@@ -121,7 +118,7 @@ class CudaOps:
         return self.record(s)
 
     def record(self, stream: object) -> CopyEvent:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(stream)  # type: ignore[arg-type]  # (None: the current stream)
         return event
 
@@ -130,115 +127,56 @@ class CudaOps:
         s.wait_event(event)  # type: ignore[attr-defined]  # the device waits, not the host
 
 
-class _HostEvent:
-    def __init__(self) -> None:
-        self._done = threading.Event()
+class CopySpan:
+    """The copies of one block: ``start`` (an event before them), ``end`` (after them: what
+    ``query`` and ``synchronize`` wait for) and their bytes, for the run's copy timeline
+    (``runtime.device_timing``)."""
+
+    def __init__(self, start: CopyEvent, end: CopyEvent, nbytes: int) -> None:
+        self.start, self.end, self.nbytes = start, end, nbytes
 
     def query(self) -> bool:
-        return self._done.is_set()
+        return self.end.query()
 
     def synchronize(self) -> None:
-        self._done.wait()
+        self.end.synchronize()
 
 
-class HostThreadOps:
-    """The CPU's stand-in for a copy engine: one thread runs each stream's copies in order,
-    each ``delay`` seconds after it is its turn, reading the source only then. ``copies``
-    counts the copies run."""
-
-    def __init__(self, delay: float = 0.0) -> None:
-        self.delay = delay
-        self.copies = 0
-        self._queues: dict[int, queue.SimpleQueue[Callable[[], None] | None]] = {}
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
-
-    def _queue(self, stream: object) -> queue.SimpleQueue[Callable[[], None] | None]:
-        with self._lock:
-            q = self._queues.get(id(stream))
-            if q is None:
-                q = self._queues[id(stream)] = queue.SimpleQueue()
-                t = threading.Thread(target=self._run, args=(q,), daemon=True,
-                                     name="stmoe-copy-standin")
-                t.start()
-                self._threads.append(t)
-            return q
-
-    def _run(self, q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
-        while (job := q.get()) is not None:
-            job()
-
-    def _submit(self, work: Callable[[], None] | None, stream: object) -> CopyEvent:
-        event = _HostEvent()
-
-        def job() -> None:
-            if work is not None:
-                if self.delay:
-                    time.sleep(self.delay)
-                work()
-            event._done.set()
-
-        self._queue(stream).put(job)
-        return event
-
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: object) -> CopyEvent:
-        def copy() -> None:
-            dst.copy_(src)
-            self.copies += 1
-
-        return self._submit(copy, stream)
-
-    def record(self, stream: object) -> CopyEvent:
-        return self._submit(None, stream)
-
-    def wait(self, stream: object, event: CopyEvent) -> None:
-        """None, the compute's "stream", is the host here (the CPU computes as it is
-        called): the host waits. A copy stream waits in its queue, as a device would."""
-        if stream is None:
-            event.synchronize()
-        else:
-            self._submit(event.synchronize, stream)
-
-    def close(self) -> None:
-        """Let the queued copies finish, then stop the threads."""
-        with self._lock:
-            queues, self._queues = list(self._queues.values()), {}
-        for q in queues:
-            q.put(None)
-        for t in self._threads:
-            t.join()
-        self._threads = []
+# A prefetch's copy (one given ``between``) goes in pieces of CHUNK bytes, at most
+# COPY_DEPTH of them queued on the device at once, ``between()`` called before each after
+# the first: while the compute thread stalls the worker queues nothing more, so a demand's
+# copy waits behind at most COPY_DEPTH pieces of each prefetch in flight, never a whole
+# expert queued ahead of it (what the CPU tiers' 4 MiB chunks do for reads). Two: one
+# piece runs while the next is queued, so the pieces' issue costs no bandwidth.
+COPY_DEPTH = 2
 
 
-class AllOf:
-    """One event for several (copies of one block, perhaps on one stream, perhaps not)."""
-
-    def __init__(self, events: list[CopyEvent]) -> None:
-        self.events = events
-
-    def query(self) -> bool:
-        return all(e.query() for e in self.events)
-
-    def synchronize(self) -> None:
-        for e in self.events:
-            e.synchronize()
-
-
-def copy_parts(ops: DeviceOps, dsts: list[torch.Tensor], src: torch.Tensor,
-               stream: object) -> CopyEvent:
+def copy_parts(ops: DeviceOps, dsts: list[torch.Tensor], src: torch.Tensor, stream: object,
+               between: Callable[[], None] | None = None, chunk: int = 0) -> CopySpan:
     """``src`` (a block's bytes, uint8) into ``dsts`` (uint8 tensors that lie end to end in
-    block order: a slot's parameters), each part one asynchronous copy; one event for all.
-    The sizes are checked before any copy is queued."""
+    block order: a slot's parameters), each part one asynchronous copy, or with ``between``
+    pieces of ``chunk`` bytes (see COPY_DEPTH); the span of them all. The sizes are checked
+    before any copy is queued."""
     total = sum(d.numel() for d in dsts)
     if total != src.numel() or not dsts:
         raise ValueError(f"a slot of {total} bytes for a block of {src.numel()}")
-    events: list[CopyEvent] = []
+    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
     pos = 0
     for d in dsts:
         n = d.numel()
-        events.append(ops.copy_async(d, src[pos : pos + n], stream))
+        step = chunk if between is not None and chunk > 0 else n
+        pieces += [(d[a : a + step], src[pos + a : pos + min(a + step, n)])
+                   for a in range(0, n, step)]
         pos += n
-    return events[0] if len(events) == 1 else AllOf(events)
+    start = ops.record(stream)
+    in_flight: list[CopyEvent] = []
+    for i, (d, s) in enumerate(pieces):
+        if between is not None and i:
+            if len(in_flight) >= COPY_DEPTH:
+                in_flight.pop(0).synchronize()  # this worker's thread waits, not the device
+            between()
+        in_flight.append(ops.copy_async(d, s, stream))
+    return CopySpan(start, ops.record(stream), total)
 
 
 def unmap(m: mmap.mmap) -> None:

@@ -180,9 +180,9 @@ class InPlaceTier:
 
 
 def refuse_tier(store: ExpertStore, tier: str) -> None:
-    """An in-place store is read from the disk only (the other tiers hold a data file in
-    memory)."""
-    if store.in_place and tier != "disk":
-        raise OffloadError(f"{store.path}: an in-place index is read from the disk tier; "
-                           f"--tier {tier} holds the experts in memory: pack a store "
-                           "(stmoe pack) for it")
+    """An in-place store is read from the disk only: the disk tier, or the disk -> GPU one
+    (the others hold a data file in memory)."""
+    if store.in_place and tier not in ("disk", "gpu-disk"):
+        raise OffloadError(f"{store.path}: an in-place index is read from the disk tier "
+                           f"(disk, or gpu-disk); --tier {tier} holds the experts in memory: "
+                           "pack a store (stmoe pack) for it")

@@ -36,7 +36,7 @@ from stmoe.runtime.store.device_ops import (
 )
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import ALIGN, Block, StoreError
-from stmoe.runtime.store.tiers import Between, DiskTier, padded
+from stmoe.runtime.store.tiers import CHUNK_BYTES, Between, DiskTier, padded
 
 Key = tuple[str, str, int, int, int, int, str]
 
@@ -155,8 +155,9 @@ class PinnedHostTier:
              between: Between = None) -> CopyEvent:
         """Queue the block's copy into ``dsts`` (a slot's parameters as uint8, block order)
         on ``stream``; the event completes when the slot holds it. Nothing to wait for
-        before: the pinned bytes never change."""
-        return copy_parts(self.ops, dsts, self.fetch(block), stream)
+        before: the pinned bytes never change. A prefetch's (``between``) goes in chunks
+        that a demand's copy overtakes (``device_ops.COPY_DEPTH``)."""
+        return copy_parts(self.ops, dsts, self.fetch(block), stream, between, CHUNK_BYTES)
 
     def read_into(self, block: Block, parts: list[Any], between: Between = None,
                   buf: Any = None) -> bool:

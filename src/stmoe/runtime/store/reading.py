@@ -12,17 +12,22 @@ from stmoe.runtime.store.tiers import DiskTier, EmulatedLinkTier, Tier
 
 
 def open_tier(name: str, store: ExpertStore, bandwidth: float | str | None,
-              latency: float | str) -> Tier:
-    """The tier ``name`` (one of TIERS) over ``store``; the emulated one needs a bandwidth.
-    An in-place store is read from the disk only (``in_place.InPlaceTier``)."""
+              latency: float | str, ops: DeviceOps | None = None,
+              pinning: HostPinning | None = None) -> Tier:
+    """The tier ``name`` (one of TIERS) over ``store``; the emulated one needs a bandwidth,
+    the GPU ones take the device's ``ops`` and ``pinning`` (CUDA's unless given:
+    ``runtime.accelerator``). An in-place store is read from the disk only: by the disk
+    tier, or the disk -> GPU one (``in_place.InPlaceTier``)."""
     bw, lat = check_link(name, bandwidth, latency)
+    refuse_tier(store, name)
+    if name == "gpu-disk":
+        return open_disk_to_device(store, ops, pinning)
     if store.in_place:
-        refuse_tier(store, name)
         return InPlaceTier(store)
     if name == "disk":
         return DiskTier(store)
     if name == "gpu":
-        return PinnedHostTier(store)
+        return PinnedHostTier(store, pinning, ops)
     assert bw is not None
     return EmulatedLinkTier(store, bw, lat)
 
@@ -30,9 +35,8 @@ def open_tier(name: str, store: ExpertStore, bandwidth: float | str | None,
 def open_disk_to_device(store: ExpertStore, ops: DeviceOps | None = None,
                         pinning: HostPinning | None = None,
                         buffers: int = DEFAULT_BUFFERS) -> DiskToDeviceTier:
-    """The disk tier feeding a device cache through pinned bounce buffers, for a packed
-    store or one read in place (not yet a name in TIERS: the engine's GPU path takes it
-    once its copies are asynchronous; docs/runtime.md, The GPU tiers)."""
+    """The disk tier feeding a device cache through pinned bounce buffers (``--tier
+    gpu-disk``), for a packed store or one read in place."""
     reader: DiskTier | InPlaceTier = InPlaceTier(store) if store.in_place else DiskTier(store)
     try:
         return DiskToDeviceTier(reader, ops, pinning, buffers)

@@ -1,0 +1,89 @@
+"""Where an offloaded model runs and how many experts its caches hold: ``capacity`` or
+``memory`` turned into experts per layer, and on a gpu tier the model moved to the device.
+
+Why one place: on the CPU tiers ``--memory`` sizes the cache from the process as loaded
+(``memory.plan_memory``); on the gpu tiers the slots are in the GPU's memory, so they are
+sized from its free memory less the resident weights and the KV cache
+(``memory.plan_device_memory``, before anything moves there), while the host must still
+hold what the tier keeps in it (the pinned store, or the bounce buffers). Either plan is
+printed the same way (``MemoryPlan.describe``: the ``memory`` line of ``stmoe generate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stmoe.predictors.base import ModelShape
+from stmoe.quant.linears import device_linears
+from stmoe.runtime.accelerator import GPU_TIERS, Accelerator, accelerator
+from stmoe.runtime.hf_glue import move_resident
+from stmoe.runtime.memory import (
+    MemoryPlan,
+    model_kv_bytes,
+    plan_device_memory,
+    plan_gpu_memory,
+    plan_memory,
+    process_bytes,
+)
+from stmoe.runtime.options import OffloadOptions, resolve_capacity
+from stmoe.runtime.store import ExpertStore
+from stmoe.runtime.store.bounce import DEFAULT_BUFFERS, bounce_bytes
+from stmoe.runtime.store.pinned import host_bytes
+from stmoe.runtime.store.tiers import buffer_bytes
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Experts per layer, the ``--memory`` plan that chose them (None: ``capacity`` did),
+    and a gpu tier's device (None: the CPU tiers, the caches beside the model)."""
+
+    per_layer: int
+    plan: MemoryPlan | None
+    accel: Accelerator | None
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.accel.device if self.accel is not None else None
+
+
+def place(model: torch.nn.Module, store: ExpertStore, options: OffloadOptions,
+          shape: ModelShape) -> Placement:
+    """The cache's size for ``model`` (its non-expert weights loaded, quantized, and its
+    predictor made: all measured) and, on a gpu tier, the model moved to the device."""
+    nbytes = store.blocks[(0, 0)].nbytes
+    memory = options.memory_bytes()
+    accel = accelerator(options.tier) if options.tier in GPU_TIERS else None
+    plan = None
+    if memory is not None:  # the process as loaded, then the largest cache that fits
+        process = process_bytes(model)
+        plan = (plan_memory(memory, process, shape.num_layers, shape.num_experts, shape.top_k,
+                            nbytes, options.worker_count(), buffer_bytes(store.blocks[(0, 0)]))
+                if accel is None else gpu_plan(model, store, options, shape, memory, process,
+                                               accel.free_bytes()))
+    per_layer = plan.per_layer if plan else resolve_capacity(
+        options.capacity, shape.num_layers, shape.num_experts, shape.top_k, nbytes)
+    if accel is not None:
+        move_resident(model, accel.device)
+        device_linears(model)  # quantized resident linears in the device's layout, once
+    return Placement(per_layer, plan, accel)
+
+
+def gpu_plan(model: torch.nn.Module, store: ExpertStore, options: OffloadOptions,
+             shape: ModelShape, memory: int, process: int, free: int) -> MemoryPlan:
+    """``--memory`` on a gpu tier: the slots from the GPU's ``free`` bytes (taken before the
+    model moves there) less the resident weights and a KV cache of ``memory.KV_TOKENS``
+    tokens; the host checked for the process, the read buffers and the tier's share."""
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(),
+                                                           *model.buffers()] if not t.is_meta)
+    dtype = getattr(model, "dtype", torch.float32)
+    kv = model_kv_bytes(model.config, dtype.itemsize)
+    device = plan_device_memory(free, resident, kv, shape.num_layers, shape.num_experts,
+                                shape.top_k, store.blocks[(0, 0)].nbytes)
+    reads = (options.worker_count() + 1) * buffer_bytes(store.blocks[(0, 0)])
+    if options.tier == "gpu":
+        host, what = host_bytes(store), "of the store pinned in host memory"
+    else:
+        host, what = DEFAULT_BUFFERS * bounce_bytes(store), "of pinned bounce buffers"
+    return plan_gpu_memory(memory, process, reads, host, what, device)

@@ -1,0 +1,137 @@
+"""The gpu tiers by name through ``offload`` (issue 43): ``gpu`` and ``gpu-disk`` on the CPU's
+stand-in for a GPU (runtime.accelerator.stand_in: every copy lands late on a thread of its
+own stream), bit-identical to the resident model, the in-place store on ``gpu-disk``, and
+``--memory``'s HBM plan from the device's free memory (the stand-in's, in place of
+``torch.cuda.mem_get_info``), printed as the CPU plan is."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from stmoe.errors import OffloadError  # noqa: E402
+from stmoe.runtime.accelerator import GPU_TIERS, stand_in  # noqa: E402
+from stmoe.runtime.api import offload  # noqa: E402
+from stmoe.runtime.memory import DEVICE_RESERVE, MemoryPlan  # noqa: E402
+from stmoe.runtime.options import TIERS, OffloadOptions  # noqa: E402
+from stmoe.runtime.prompts import greedy_generate  # noqa: E402
+from tiny_moe import packed_with_tables, tiny_model  # noqa: E402
+
+PROMPT = [5, 6, 7, 8, 9, 10]
+NEW = 5
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    model, store, tables = packed_with_tables("qwen2_moe", tmp_path_factory.mktemp("gpu"))
+    return store, _greedy(model), tables
+
+
+def _greedy(model) -> list[int]:
+    """The resident model's greedy tokens after PROMPT (what every offloaded run must give)."""
+    return greedy_generate(model, torch.tensor([PROMPT]), NEW, ignore_eos=True)[
+        0, len(PROMPT):].tolist()
+
+
+def test_the_gpu_tiers_are_names_offload_takes():
+    assert set(GPU_TIERS) <= set(TIERS)
+    assert OffloadOptions(tier="gpu-disk").worker_count() == 2  # a disk: reads in parallel
+    assert OffloadOptions(tier="gpu").worker_count() == 1
+    OffloadOptions(tier="gpu-disk", in_place=True).check()
+    OffloadOptions(tier="gpu", format="int4").check()  # quantized stores on the GPU too
+    with pytest.raises(OffloadError, match="tier disk or gpu-disk and format native only"):
+        OffloadOptions(tier="gpu", in_place=True).check()
+
+
+@pytest.mark.parametrize("tier", GPU_TIERS)
+@pytest.mark.parametrize(("capacity", "predictor"), [(2, "ondemand"), (4, "stmoe-plus")])
+def test_a_gpu_tier_on_the_stand_in_gives_the_resident_bits(qwen, tier, capacity, predictor):
+    store, want, tables = qwen
+    with stand_in(delay=0.002) as acc:
+        fresh, _ = tiny_model("qwen2_moe")
+        with offload(fresh, store, capacity=capacity, predictor=predictor, tier=tier,
+                     workers=2, tables=None if predictor == "ondemand" else tables) as om:
+            assert om.config["tier"] == tier and om.config["device"] == "cpu stand-in"
+            assert om.engine.state.events is not None  # the slot protocol is in force
+            assert om.engine.tier.ops is acc.ops
+            r = om.generate(PROMPT, max_new_tokens=NEW)
+            om.engine.check()
+    assert r.tokens == want and r.bytes_moved > 0
+    assert acc.ops.copies > 0  # every expert came through the stand-in's late copies
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+def test_without_a_gpu_the_gpu_disk_tier_is_refused_in_one_line(qwen):
+    store = qwen[0]
+    fresh, _ = tiny_model("qwen2_moe")
+    with pytest.raises(OffloadError, match=r"^--tier gpu-disk needs CUDA, and torch sees no GPU"):
+        offload(fresh, store, tier="gpu-disk", predictor="ondemand")
+
+
+def test_an_in_place_checkpoint_is_read_to_the_gpu_from_the_disk(tmp_path):
+    from checkpoint_folders import saved_folder
+    from stmoe.hf.loading import load_causal_lm
+
+    folder = saved_folder("mixtral", tmp_path / "model")
+    want = _greedy(load_causal_lm(folder))
+    with stand_in(delay=0.001), offload(folder, in_place=True, tier="gpu-disk", capacity=2,
+                                        predictor="ondemand") as om:
+        assert om.config["in_place"] is True and om.config["tier"] == "gpu-disk"
+        tokens = om.generate(PROMPT, max_new_tokens=NEW).tokens
+    assert tokens == want
+    with pytest.raises(OffloadError, match="tier disk or gpu-disk"):
+        offload(folder, in_place=True, tier="gpu")
+
+
+def _planned(store, tier: str, free: int, memory: str = "8GB") -> dict:
+    with stand_in(free_bytes=free):
+        fresh, _ = tiny_model("qwen2_moe")
+        with offload(fresh, store, memory=memory, predictor="ondemand", tier=tier) as om:
+            return om.config
+
+
+def test_memory_on_a_gpu_tier_sizes_the_slots_from_the_devices_free_memory(qwen):
+    store = qwen[0]
+    expert = store_expert_bytes(store)
+    layers, experts = 2, 8
+    config = _planned(store, "gpu-disk", DEVICE_RESERVE + 64 << 20)
+    plan = config["memory_plan"]
+    dev = plan["device"]
+    assert dev["free"] == DEVICE_RESERVE + 64 << 20  # the stand-in's free memory, as planned
+    assert dev["resident"] > 0 and dev["kv"] > 0
+    room = dev["free"] - dev["resident"] - dev["kv"] - DEVICE_RESERVE - experts * expert
+    assert dev["per_layer"] == min(experts, room // (layers * expert)) == config["capacity"]
+    # a GPU with room for exactly 3 experts a layer gets 3
+    free = dev["resident"] + dev["kv"] + DEVICE_RESERVE + experts * expert + 3 * layers * expert
+    assert _planned(store, "gpu-disk", free)["capacity"] == 3
+    text = MemoryPlan(**plan).describe()
+    assert "free on the GPU" in text and "pinned bounce buffers" in text
+    assert f"{dev['per_layer']} experts per layer" in text
+
+
+def test_too_little_gpu_or_host_memory_is_refused_naming_what_would_do(qwen):
+    store = qwen[0]
+    with pytest.raises(OffloadError, match=r"the GPU has 0\.50 GiB free, too little .* top-2"):
+        _planned(store, "gpu-disk", GIB // 2)
+    with pytest.raises(OffloadError, match=r"of the store pinned in host memory .*--tier "
+                                           r"gpu-disk keeps only a few bounce buffers"):
+        _planned(store, "gpu", 4 * GIB, memory="1MB")
+
+
+def test_generate_prints_the_gpu_plan_as_the_cpu_one(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
+    with stand_in(free_bytes=2 * GIB):
+        res = cli("generate", "--prompt", "def fib(n):", "--max-new-tokens", "2", "--tier",
+                  "gpu-disk", "--memory", "8GB", "--predictor", "ondemand")
+    assert res.exit_code == 0, res.output
+    text = res.output  # (the table wraps its lines)
+    assert "2.00 GiB free on" in text and "resident weights" in text and "slots" in text
+
+
+def store_expert_bytes(store) -> int:
+    from stmoe.runtime.store import ExpertStore
+
+    return ExpertStore(store).blocks[(0, 0)].nbytes
