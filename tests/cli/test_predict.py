@@ -201,3 +201,45 @@ def test_eval_table_has_no_column_that_repeats_recall(cli, tmp_path):
         "--top-k", "2", "--sequences", "2")
     header = next(line for line in cli("eval", trace).output.splitlines() if "recall" in line)
     assert "prefill recall" in header and "decode" not in header, header
+
+
+def test_eval_prints_the_equal_set_size_comparison_first(cli, tmp_path):
+    """Recall grows with set size: `stmoe eval` shows every predictor at ST-MoE's mean set
+    size first (issue 45), each figure the one its budget curve gives there."""
+    from stmoe import load_trace
+    from stmoe.evaluate.equal_size import recall_at_set_size
+    from stmoe.evaluate.replay import replay
+    from stmoe.predictors import load_tables
+    from stmoe.trace import split_auto
+
+    trace, tables, report = tmp_path / "s.npz", tmp_path / "t.npz", tmp_path / "e.json"
+    cli("synth", "-o", trace, "--tokens", "600", "--layers", "4", "--experts", "16",
+        "--top-k", "4", "--sequences", "2", "--seed", "3", "--spatial", "0.8")
+    cli("profile", trace, "--split", "0.5", "-o", tables)
+    result = cli("eval", trace, "--tables", tables, "--split", "0.5", "--json", report)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    equal = data["equal_set_size"]
+    size = data["predictors"]["stmoe"]["set_size"]
+    assert equal["reference"] == "stmoe" and equal["set_size"] == pytest.approx(size)
+    assert next(iter(equal["recall"])) == "stmoe" and "ondemand" not in equal["recall"]
+    assert equal["recall"]["stmoe"] == pytest.approx(data["predictors"]["stmoe"]["recall"])
+    # stmoe-plus names K = 4 by default, ST-MoE more: at ST-MoE's size stmoe-plus's recall
+    # is that of its sets cut from 4K to the size, not its default's
+    held_out = split_auto(load_trace(trace), 0.5)[1]
+    wide = replay(held_out, ["stmoe-plus"], load_tables(tables), options={"set_size": 16})
+    curve = wide.to_dict()["predictors"]["stmoe-plus"]["budget_curve"]
+    assert equal["recall"]["stmoe-plus"] == pytest.approx(recall_at_set_size(curve, size))
+    assert equal["own_set_size"]["stmoe-plus"] == pytest.approx(4.0) and size > 4.5
+    assert equal["recall"]["stmoe-plus"] > data["predictors"]["stmoe-plus"]["recall"]
+    # printed first, labelled, then the table at each predictor's own set size
+    text = " ".join(result.output.split())  # titles wrap at their table's width
+    first = text.index(f"At equal set size: {size:.2f} experts per prediction (stmoe's mean)")
+    assert first < text.index("each predictor at its own set size")
+    gain = 100 * (equal["recall"]["stmoe-plus"] - equal["recall"]["stmoe"])
+    assert f"{gain:+.1f}" in text[first:text.index("each predictor at its own set size")]
+    # the user's own sizes: no second comparison
+    again = cli("eval", trace, "--tables", tables, "--split", "0.5", "--set-size", "3",
+                "--json", report)
+    assert "At equal set size" not in again.output
+    assert "equal_set_size" not in json.loads(report.read_text())

@@ -18,6 +18,7 @@ import numpy as np
 from stmoe.analysis import plots
 from stmoe.analysis.evidence import analyze
 from stmoe.analysis.stats import ALPHA
+from stmoe.evaluate.equal_size import recall_at_set_size
 from stmoe.predictors.tables import cooccurrence
 from stmoe.trace.schema import RoutingTrace
 from stmoe.util.fileio import atomic_write_text
@@ -182,17 +183,6 @@ def html_text(text: object) -> str:
 
 
 _text = html_text
-
-
-def recall_at_set_size(curve: dict[str, list[float]], size: float) -> float | None:
-    """A predictor's recall at mean set size ``size``, read off its budget curve (linear
-    between budgets, from (0, 0)); None when its sets never get that large."""
-    xs, ys = np.asarray(curve["set_size"], float), np.asarray(curve["recall"], float)
-    if xs.size == 0 or size > xs.max() + 1e-9 or size < 0:
-        return None
-    sizes = np.unique(xs)  # the budgets' mean set sizes never shrink; a plateau: its best
-    best = np.array([ys[xs == x].max() for x in sizes])
-    return float(np.interp(size, np.r_[0.0, sizes], np.r_[0.0, best]))
 
 
 def _html(title: str, sections: list[Section]) -> str:

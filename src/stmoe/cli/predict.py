@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from stmoe.cache_policy import REPLAY, policy_code
 from stmoe.cli.common import (
@@ -21,7 +20,9 @@ from stmoe.cli.common import (
     print_json,
     write_json,
 )
+from stmoe.cli.eval_tables import print_results
 from stmoe.errors import StmoeError
+from stmoe.evaluate.equal_size import equal_set_size
 from stmoe.evaluate.replay import ReplayResult, cross_domain_matrix, replay
 from stmoe.predictors import (
     REGISTRY,
@@ -211,11 +212,14 @@ def eval_cmd(
 ) -> None:
     """Replay predictors over a trace and compare them side by side.
 
-    Reports recall (the paper's prediction accuracy), precision and mean prefetch
-    set size over decode tokens at layers 1..L-1 (docs/method.md), plus per layer, per
-    domain, decode vs prefill and a recall-versus-budget curve in the JSON; with
-    --capacity, a cache replay's hit rate, experts moved per token, wasted loads
-    and read amplification.
+    First, every predictor's recall at one set size, ST-MoE's own mean (recall grows
+    with the experts a prediction names, so only equal sizes compare; left out with
+    --set-size, --adaptive or --horizon). Then each predictor at its own set size:
+    recall (the paper's prediction accuracy), precision and mean prefetch set size
+    over decode tokens at layers 1..L-1 (docs/method.md), and with --capacity a
+    cache replay's hit rate, experts moved per token, wasted loads and read
+    amplification. The JSON adds per layer, per domain, decode vs prefill and
+    recall-versus-budget figures.
     """
     check_inputs("a trace file", trace_path)
     json_to_stdout(json_out)
@@ -260,45 +264,10 @@ def eval_cmd(
         result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace, **shared))
     data = result.to_dict()
     data["horizon"] = horizon
+    if not (set_size or adaptive or horizon > 1):  # else the user chose the sets' sizes
+        data["equal_set_size"] = equal_set_size(trace, data["predictors"], tables, options)
     if json_to_stdout(json_out):
         print_json(data)
         return
     print_results(data, trace)
     write_json(data, json_out)
-
-
-def _recall(group: dict[str, Any]) -> str:
-    return f"{group['recall']:.3f}" if group["steps"] else "-"
-
-
-def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
-    synthetic = " [SYNTHETIC]" if trace.meta.synthetic else ""
-    table = Table(title=f"{clean_label(trace.meta.model)}{synthetic}: {clean_label(data['scope'])}",
-                  title_justify="left")
-    # recall is over the scope's tokens (decode tokens where the trace has any: the title
-    # says which); prefill recall beside it (a decode column would repeat recall)
-    for col in ("predictor", "recall", "precision", "set size", "prefill recall"):
-        table.add_column(col, justify="left" if col == "predictor" else "right")
-    has_cache = any("cache" in e for e in data["predictors"].values())
-    if has_cache:
-        for col in ("hit rate", "moved/token", "wasted/token", "read amp"):
-            table.add_column(col, justify="right")
-    for name, e in data["predictors"].items():
-        row = [clean_label(name), f"{e['recall']:.3f}", f"{e['precision']:.3f}",
-               f"{e['set_size']:.2f}", _recall(e["prefill"])]
-        if has_cache:
-            c = e["cache"]
-            row += [f"{c['hit_rate']:.3f}", f"{c['moved_per_token']:.1f}",
-                    f"{c['wasted_per_token']:.1f}", f"{c['read_amplification']:.2f}"]
-        table.add_row(*row)
-    out.print(table)
-    matrix = data.get("cross_domain")
-    if matrix:
-        grid = Table(title=f"cross-domain recall ({clean_label(matrix['predictor'])}): rows "
-                     "profiled on, columns evaluated on", title_justify="left")
-        grid.add_column("")
-        for d in matrix["evaluated_on"]:
-            grid.add_column(clean_label(d), justify="right")
-        for d, row in zip(matrix["profiled_on"], matrix["recall"], strict=True):
-            grid.add_row(clean_label(d), *("-" if x is None else f"{x:.3f}" for x in row))
-        out.print(grid)
