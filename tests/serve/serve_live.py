@@ -17,6 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from stmoe.models import SHIPPED_MODEL
+from stmoe.runtime.batcher import Sampling, TokenLogprob
 
 NAME = "tiny-moe"
 PROMPTS = ["def fib(n):", "The capital of France is", "import numpy as np\n", "Once upon a"]
@@ -72,6 +73,26 @@ class Solo:
                                       do_sample=False, pad_token_id=min(self.eos))
         return tuple(out[0, len(ids):].tolist())
 
+    def sampled(self, ids: list[int], n: int, sampling: Sampling) -> tuple[list[int],
+                                                                        list[TokenLogprob]]:
+        """Its tokens (up to its end-of-sequence token) drawn alone with ``sampling``'s own
+        generator, and their log-probabilities where ``sampling`` asks for them."""
+        record: list[TokenLogprob] = []
+        x = torch.tensor([ids])
+        processor = sampling.processor(record)
+        with torch.no_grad():
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                      do_sample=False, pad_token_id=min(self.eos),
+                                      logits_processor=[processor] if processor else None)
+        tokens = out[0, len(ids):].tolist()
+        end = next((i for i, t in enumerate(tokens) if t in self.eos), None)
+        return (tokens if end is None else tokens[: end + 1]), record
+
+    def text(self, tokens: list[int]) -> str:
+        """The text the server makes of ``tokens``."""
+        return self.tok.decode([t for t in tokens if t not in self.eos],
+                               skip_special_tokens=True)
+
     def ids(self, prompt: str) -> list[int]:
         return list(self.tok(prompt).input_ids)
 
@@ -83,8 +104,7 @@ class Solo:
 
     def text_of(self, ids: list[int], n: int) -> str:
         """The text the server makes of them (the end-of-sequence token not shown)."""
-        return self.tok.decode([t for t in self.tokens(ids, n) if t not in self.eos],
-                               skip_special_tokens=True)
+        return self.text(self.tokens(ids, n))
 
     def __call__(self, prompt: str, n: int) -> str:
         return self.text_of(self.ids(prompt), n)

@@ -2,9 +2,10 @@
 /v1/completions and /v1/chat/completions, valid ones and ones a mutation broke (a field
 of the wrong type or value, a field dropped or unknown, a body that is not an object or
 not JSON). Each is checked against a small model of the API written here (``spec``):
-a body it refuses must get a 4xx OpenAI error object, one it accepts must get 200 and
-the resident model's greedy output of the request it parses to (``max_tokens`` is
-always set: the default, up to the context, is tested in test_server.py). The server
+a body it refuses must get a 4xx OpenAI error object, one it accepts must get 200 and,
+at temperature 0, the resident model's greedy output of the request it parses to in
+each of its ``n`` choices (``max_tokens`` is always set: the default, up to the context,
+is tested in test_server.py; sampling in test_sampling.py). The server
 answers a known request correctly afterwards. Examples are derandomized: the same ones
 on every run."""
 
@@ -41,10 +42,10 @@ NEAR = {
     "prompt": [["1", 2], [True, False], [1, "a"], [[1]], [1.0], [-1], [VOCAB], [],
                ["a", "b"], "abc\ud800def", 5, {"a": 1}],
     "max_tokens": [True, False, 1.0, "2", [2], 0, -1, 10**6],
-    "n": [True, 1.0, "1", 2, None],
+    "n": [True, 1.0, "1", 2, None, 0, 6],
     "stop": [5, ["a", None], "", ["\ud800"], ["a"] * 5, True, [["a"]]],
     "stream": [1, 0, "true", None],
-    "temperature": ["0", True, False, 0.5, float("nan")],
+    "temperature": ["0", True, False, 0.5, float("nan"), None, 2.5, -1],
     "messages": ["hi", [], [5], [{"role": "user"}], [{"role": "user", "content": 5}],
                  [{"role": "user", "content": ["hi"]}], [{"role": True, "content": "x"}],
                  [{"role": "user", "content": "\ud800"}],
@@ -72,8 +73,8 @@ def bodies(draw: Any, chat: bool) -> Any:
         body["messages"] = draw(messages)
     else:
         body["prompt"] = draw(prompts)
-    for key, values in (("stop", stops), ("stream", st.booleans()), ("n", st.just(1)),
-                        ("temperature", st.sampled_from([0, 0.0]))):
+    body["temperature"] = draw(st.sampled_from([0, 0.0]))  # greedy: its output is known
+    for key, values in (("stop", stops), ("stream", st.booleans()), ("n", st.integers(1, 2))):
         if draw(st.booleans()):
             body[key] = draw(values)
     fields = ["model", "max_tokens", "stop", "stream", "n", "temperature",
@@ -107,14 +108,14 @@ def _text(v: Any) -> bool:
     return True
 
 
-def _zero(v: Any) -> bool:
-    return v is None or (type(v) in (int, float) and v == 0)
+def _number(v: Any) -> bool:
+    return type(v) in (int, float) and v == v  # not NaN
 
 
 def spec(body: Any, chat: bool, solo: Any, positions: int) -> tuple[list[int], int, list[str],
-                                                                     bool] | None:
-    """What this API makes of ``body``: (prompt ids, max_tokens, stops, stream), or None
-    where it must be refused."""
+                                                                     int, bool] | None:
+    """What this API makes of ``body``: (prompt ids, max_tokens, stops, n, greedy), or None
+    where it must be refused (n at most 5: the batch and queue of the server)."""
     if not isinstance(body, dict):
         return None
     allowed = {"model", "max_tokens", "stop", "stream", "n", "temperature",
@@ -126,14 +127,16 @@ def spec(body: Any, chat: bool, solo: Any, positions: int) -> tuple[list[int], i
     stops = [] if stops is None else stops
     if not (isinstance(stops, list) and len(stops) <= 4 and all(_text(s) and s for s in stops)):
         return None
-    if not (isinstance(body.get("stream", False), bool) and _is_int(body.get("n", 1))
-            and body.get("n", 1) == 1 and _zero(body.get("temperature"))):
+    n, temperature = body.get("n"), body.get("temperature")
+    n = 1 if n is None else n
+    if not (isinstance(body.get("stream", False), bool) and _is_int(n) and 1 <= n <= 5
+            and (temperature is None or (_number(temperature) and 0 <= temperature <= 2))):
         return None
     ids = _chat_ids(body, solo) if chat else _prompt_ids(body, solo)
-    n = body.get("max_tokens")
-    if ids is None or not ids or not _is_int(n) or not 1 <= n <= positions - len(ids):
+    most = body.get("max_tokens")
+    if ids is None or not ids or not _is_int(most) or not 1 <= most <= positions - len(ids):
         return None
-    return ids, n, stops, body.get("stream", False)
+    return ids, most, stops, n, temperature == 0
 
 
 def _prompt_ids(body: dict, solo: Any) -> list[int] | None:
@@ -171,21 +174,22 @@ def _expected(solo: Any, ids: list[int], n: int, stops: list[str]) -> str:
     return full[: min(found)] if found else full
 
 
-def _answer_text(code: int, raw: bytes, chat: bool) -> str:
-    """The completion's text from a JSON answer or a stream of server-sent events."""
+def _answer_texts(raw: bytes, chat: bool) -> dict[int, str]:
+    """Each choice's text from a JSON answer or a stream of server-sent events."""
     if not raw.startswith(b"data:"):
         answer = json.loads(raw)
-        choice = answer["choices"][0]
-        return choice["message"]["content"] if chat else choice["text"]
-    out = []
+        return {c["index"]: c["message"]["content"] if chat else c["text"]
+                for c in answer["choices"]}
+    out: dict[int, str] = {}
     for line in raw.decode().splitlines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         event = json.loads(line[6:])
         assert "error" not in event, event
-        for choice in event["choices"]:
-            out.append((choice["delta"].get("content") or "") if chat else choice["text"])
-    return "".join(out)
+        for c in event["choices"]:
+            piece = (c["delta"].get("content") or "") if chat else c["text"]
+            out[c["index"]] = out.get(c["index"], "") + piece
+    return out
 
 
 def _check(url: str, solo: Any, positions: int, body: Any, chat: bool) -> None:
@@ -201,8 +205,11 @@ def _check(url: str, solo: Any, positions: int, body: Any, chat: bool) -> None:
         assert error["param"] is None or isinstance(error["param"], str), error
         return
     assert code == 200, (body, raw)
-    ids, n, stops, _ = want
-    assert _answer_text(code, raw, chat) == _expected(solo, ids, n, stops), body
+    ids, most, stops, n, greedy = want
+    texts = _answer_texts(raw, chat)
+    assert sorted(texts) == list(range(n)), (body, texts)
+    if greedy:  # else sampled: test_sampling.py checks what a seed gives
+        assert set(texts.values()) == {_expected(solo, ids, most, stops)}, body
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -215,6 +222,6 @@ def test_every_generated_body_gets_an_error_object_or_its_solo_output(server, so
         _check(url, solo, service.positions, body, chat)
 
     fuzz()
-    known = {"model": NAME, "prompt": "def fib(n):", "max_tokens": 6}
+    known = {"model": NAME, "prompt": "def fib(n):", "max_tokens": 6, "temperature": 0}
     code, raw = post(url + "/v1/completions", json.dumps(known).encode(), raw=True)
-    assert code == 200 and _answer_text(code, raw, False) == solo("def fib(n):", 6)
+    assert code == 200 and _answer_texts(raw, False) == {0: solo("def fib(n):", 6)}

@@ -49,7 +49,7 @@ def _ask_together(c, batcher, lengths: list[int]) -> dict[int, str]:
     got: dict[int, str] = {}
 
     def ask(i: int) -> None:
-        got[i] = c.completions.create(model=NAME, prompt=PROMPTS[i],
+        got[i] = c.completions.create(model=NAME, prompt=PROMPTS[i], temperature=0,
                                       max_tokens=lengths[i]).choices[0].text
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(lengths))]
@@ -64,18 +64,18 @@ def _ask_together(c, batcher, lengths: list[int]) -> dict[int, str]:
 def test_completion_and_chat_equal_the_solo_run(server, solo):
     url, _ = server
     c = _client(url)
-    r = c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12)
+    r = c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0)
     assert r.choices[0].text == solo(PROMPTS[0], 12)
     assert r.choices[0].finish_reason in ("length", "stop")
     assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 0
     extra = r.usage.model_extra["stmoe"]
     assert 0 <= extra["hit_rate"] <= 1 and extra["bytes_read"] >= 0
     assert extra["weights"].startswith("native") and extra["resident_weights"] == "native"
-    chat = c.chat.completions.create(model=NAME, max_tokens=8,
+    chat = c.chat.completions.create(model=NAME, max_tokens=8, temperature=0,
                                      messages=[{"role": "user", "content": "hello"}])
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == solo("user: hello\nassistant:", 8)
-    parts = c.chat.completions.create(model=NAME, max_tokens=8, messages=[
+    parts = c.chat.completions.create(model=NAME, max_tokens=8, temperature=0, messages=[
         {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text",
                                                                        "text": "lo"}]}])
     assert parts.choices[0].message.content == chat.choices[0].message.content
@@ -86,12 +86,12 @@ def test_completion_and_chat_equal_the_solo_run(server, solo):
 def test_streaming_gives_the_same_text_and_the_usage(server, solo):
     url, _ = server
     c = _client(url)
-    chunks = list(c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=10,
+    chunks = list(c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=10, temperature=0,
                                        stream=True, stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == solo(PROMPTS[1], 10)
     assert chunks[-1].usage.completion_tokens == 10
-    chat = list(c.chat.completions.create(model=NAME, max_tokens=6, stream=True,
+    chat = list(c.chat.completions.create(model=NAME, max_tokens=6, stream=True, temperature=0,
                                           messages=[{"role": "user", "content": "hi"}]))
     content = "".join(ch.choices[0].delta.content or "" for ch in chat)
     assert content == solo("user: hi\nassistant:", 6)
@@ -103,7 +103,8 @@ def test_a_stop_string_ends_the_completion_there(server, solo):
     full = solo(PROMPTS[2], 16)
     stop = full.strip()[:3]
     assert stop and stop in full
-    r = _client(url).completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, stop=stop)
+    r = _client(url).completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, stop=stop,
+                                        temperature=0)
     assert r.choices[0].text == full[: full.find(stop)]
     assert r.choices[0].finish_reason == "stop"
 
@@ -157,7 +158,8 @@ def test_a_client_that_disconnects_is_cancelled_and_counted_so(server, solo, str
                                                               "ok": before["ok"]}
     metrics = _get(url + "/metrics")
     assert f'stmoe_requests_total{{outcome="cancelled"}} {before["cancelled"] + 1}' in metrics
-    r = _client(url).completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=5)
+    r = _client(url).completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=5,
+                                        temperature=0)
     assert r.choices[0].text == solo(PROMPTS[3], 5)  # and the server goes on
 
 
@@ -180,7 +182,8 @@ def test_max_tokens_absent_or_null_is_one_default_up_to_the_context(server, solo
         want = {"text": solo.text_of(ids, left), "tokens": len(solo.tokens(ids, left))}
         for extra in ({}, {"max_tokens": None}):
             code, answer = _post(url + "/v1/completions",
-                                 json.dumps({"model": NAME, "prompt": ids, **extra}))
+                                 json.dumps({"model": NAME, "prompt": ids, "temperature": 0,
+                                             **extra}))
             assert code == 200, answer
             got = {"text": answer["choices"][0]["text"],
                    "tokens": answer["usage"]["completion_tokens"]}
@@ -189,7 +192,8 @@ def test_max_tokens_absent_or_null_is_one_default_up_to_the_context(server, solo
     left = service.positions - len(ids)
     for extra in ({}, {"max_tokens": None}, {"max_completion_tokens": None}):
         code, answer = _post(url + "/v1/chat/completions", json.dumps(
-            {"model": NAME, "messages": [{"role": "user", "content": content}], **extra}))
+            {"model": NAME, "messages": [{"role": "user", "content": content}],
+             "temperature": 0, **extra}))
         assert code == 200, answer
         assert answer["choices"][0]["message"]["content"] == solo.text_of(ids, left), extra
         assert answer["usage"]["prompt_tokens"] == len(ids)
@@ -202,7 +206,8 @@ BAD = [
     (b"\xff\xfe", 400, None, "not valid JSON"),
     (json.dumps({"model": NAME, "prompt": "x", "colour": 1}), 400, "colour", "unknown field"),
     (json.dumps({"prompt": "x"}), 400, "model", "missing"),
-    (json.dumps({"model": NAME, "prompt": "x", "n": 2}), 400, "n", "n must be 1"),
+    (json.dumps({"model": NAME, "prompt": "x", "n": 6}), 400, "n", "--max-batch + --max-queue"),
+    (json.dumps({"model": NAME, "prompt": "x", "n": 0}), 400, "n", "greater than or equal to 1"),
     (json.dumps({"model": NAME, "prompt": "x", "max_tokens": 10**9}), 400, "max_tokens",
      "positions"),
     (json.dumps({"model": NAME, "prompt": "x", "max_tokens": 0}), 400, "max_tokens",
@@ -211,8 +216,8 @@ BAD = [
     (json.dumps({"model": NAME, "prompt": [5, 10**6]}), 400, "prompt", "vocabulary"),
     (json.dumps({"model": NAME, "prompt": []}), 400, "prompt", "empty"),
     (json.dumps({"model": NAME, "prompt": ["a", "b"]}), 400, "prompt", "one prompt"),
-    (json.dumps({"model": NAME, "prompt": "x", "temperature": 0.8}), 400, "temperature",
-     "greedily"),
+    (json.dumps({"model": NAME, "prompt": "x", "temperature": 2.5}), 400, "temperature",
+     "less than or equal to 2"),
     (json.dumps({"model": "gpt-4", "prompt": "x"}), 404, "model", "not served"),
     (json.dumps({"model": NAME, "prompt": "x", "max_tokens": "many"}), 400, "max_tokens", ""),
     # strictly typed: never reinterpreted (issue 44)

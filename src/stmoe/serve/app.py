@@ -16,22 +16,16 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from stmoe.errors import OffloadError
-from stmoe.runtime.batcher import QueueFull
-from stmoe.runtime.batcher import Request as Job
 from stmoe.serve.metrics import metrics_text
 from stmoe.serve.protocol import (
     ApiError,
@@ -39,8 +33,8 @@ from stmoe.serve.protocol import (
     CompletionRequest,
     validation_message,
 )
+from stmoe.serve.responses import Reply
 from stmoe.serve.service import Service
-from stmoe.serve.text import TextStream
 
 MAX_BODY = 4 * 2**20
 BODY_TIMEOUT = 30.0  # seconds for a request's body to arrive whole
@@ -93,15 +87,13 @@ def create_app(service: Service, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     async def completions(http: Request) -> Any:
         req = _parse(CompletionRequest, await _body(http, body_timeout))
         _check_model(service, req.model)
-        job = service.request(service.completion_ids(req), req.limit())
-        return await _respond(service, http, job, req, chat=False)
+        return await _reply(service, http, req, service.completion_ids(req))
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request) -> Any:
         req = _parse(ChatRequest, await _body(http, body_timeout))
         _check_model(service, req.model)
-        job = service.request(service.chat_ids(req), req.limit())
-        return await _respond(service, http, job, req, chat=True)
+        return await _reply(service, http, req, service.chat_ids(req))
 
     return app
 
@@ -168,119 +160,9 @@ def _check_model(service: Service, name: str) -> None:
                        code="model_not_found")
 
 
-async def _respond(service: Service, http: Request, job: Job, req: Any, chat: bool) -> Any:
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[int | None] = asyncio.Queue()
-    job.listener = lambda t: loop.call_soon_threadsafe(events.put_nowait, t)
-    try:
-        service.submit(job)
-    except QueueFull as exc:
-        service.record("rejected")
-        raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full") from None
-    except OffloadError as exc:
-        service.record("rejected")
-        raise ApiError(503, str(exc), kind="server_error") from None
-    meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-            "created": int(time.time()), "model": service.name}
-    text = TextStream(service, job, req.stops())
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(service, job, events, text, meta, chat, include_usage),
-                                 media_type="text/event-stream")
-    try:
-        while True:
-            if await _next(events, http, job) is None:
-                break
-            text.push()
-    except BaseException:
-        job.cancel()
-        service.record("cancelled")
-        raise
-    text.flush()  # the last piece, its stop strings applied
-    if job.error is not None and job.cancelled.is_set() and not text.stopped:
-        service.record("cancelled")  # its client went away (or the server is closing)
-        raise ApiError(503, "the request was cancelled before it finished", kind="server_error")
-    _raise_failed(service, job, text.stopped)
-    service.record("ok", job)
-    reason = service.finish_reason(job, text.stopped)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text.final()}
-    else:
-        choice["text"] = text.final()
-    return {**meta, "object": "chat.completion" if chat else "text_completion",
-            "choices": [choice], "usage": _usage(job, service)}
-
-
-async def _next(events: asyncio.Queue[int | None], http: Request, job: Job) -> int | None:
-    """The next token (None: the end), cancelling the job if the client went away."""
-    while True:
-        try:
-            return await asyncio.wait_for(events.get(), timeout=0.25)
-        except TimeoutError:
-            if await http.is_disconnected():
-                job.cancel()
-
-
-async def _sse(service: Service, job: Job, events: asyncio.Queue[int | None], text: TextStream,
-               meta: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(delta: str | None, reason: str | None, first: bool = False) -> str:
-        if chat:
-            d: dict[str, Any] = {"role": "assistant"} if first else {}
-            if delta:
-                d["content"] = delta
-            choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
-        return "data: " + json.dumps({**meta, "object": kind, "choices": [choice]}) + "\n\n"
-
-    try:
-        if chat:
-            yield chunk(None, None, first=True)
-        while await events.get() is not None:
-            delta = text.push()
-            if delta:
-                yield chunk(delta, None)
-        if job.error is not None and not text.stopped:
-            message = _failure(service, job)
-            yield "data: " + json.dumps(ApiError(500, message, kind="server_error").body()) + \
-                "\n\n"
-            return
-        rest = text.flush()
-        service.record("ok", job)
-        yield chunk(rest, service.finish_reason(job, text.stopped))
-        if include_usage:
-            yield "data: " + json.dumps({**meta, "object": kind, "choices": [],
-                                         "usage": _usage(job, service)}) + "\n\n"
-        yield "data: [DONE]\n\n"
-    finally:  # the client went away (or the stream ended): the job leaves the batch
-        if not job.done.is_set():
-            job.cancel()
-            service.record("cancelled")
-
-
-def _raise_failed(service: Service, job: Job, stopped: bool) -> None:
-    """A failed job as a 500 (one cancelled by its stop string is done, not failed)."""
-    if job.error is None or stopped:
-        return
-    raise ApiError(500, _failure(service, job), kind="server_error")
-
-
-def _failure(service: Service, job: Job) -> str:
-    service.record("error")
-    return f"the request failed: {job.error}"
-
-
-def _usage(job: Job, service: Service) -> dict[str, Any]:
-    """The OpenAI usage, with stmoe's extension: what the request met, and the weights'
-    formats it ran in (a quantized one is lossy: named in every response)."""
-    prompt, completion = int(job.ids.shape[1]), len(job.output)
-    decode = job.decode_s()
-    extra = job.usage.to_dict()
-    extra["weights"] = service.om.config["weights_label"]
-    extra["resident_weights"] = service.om.config["resident_weights"]
-    extra["decode_tokens_per_s"] = (completion - 1) / decode if decode > 0 else 0.0
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion, "stmoe": extra}
+async def _reply(service: Service, http: Request, req: CompletionRequest | ChatRequest,
+                 ids: list[int]) -> Any:
+    """``req``'s choices run (one batcher request each) and answered, whole or streamed."""
+    jobs = service.requests(ids, req.limit(), req.sampling(req.logprob_count()),
+                            req.choices())
+    return await Reply(service, http, jobs, req).respond()

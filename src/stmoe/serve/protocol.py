@@ -3,21 +3,28 @@
 Every field is typed strictly: a wrong type is refused naming the field, never
 reinterpreted (``"prompt": ["1", 2]`` is not the token ids [1, 2], ``true`` is not 1).
 Every string must be valid Unicode (a lone surrogate cannot be tokenized). Unknown
-fields are refused (a typo must not pass as a default). Decoding is greedy:
-``temperature`` 0 (or absent) and ``top_p`` 1 only, ``n`` 1 only; sampling would
-make the output depend on more than the prompt, and the server's promise is that a
-request's tokens are the resident model's greedy tokens, whatever else runs.
+fields are refused (a typo must not pass as a default); OpenAI's standard fields that
+this server cannot honour are taken at their default and refused by name at any other
+value (``fields.only``). Sampling follows OpenAI's defaults (``temperature`` 1, ``top_p``
+1) and vLLM's ``top_k``; each request draws from its own generator (``Sampling``), so a
+request with a ``seed`` gets its solo output whatever else runs; ``temperature`` 0 is
+greedy.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator
+
+from stmoe.runtime.batcher import Sampling
+from stmoe.serve.fields import Content, Prompt, Stops, Text, only
 
 STRICT = ConfigDict(extra="forbid", strict=True)
-MAX_STOPS = 4
-
+MAX_LOGPROBS = 20  # top log-probabilities per token, at most (OpenAI's chat limit)
+SEEDS = (-(2**63), 2**64 - 1)  # a seed's range: int64 or uint64 (torch takes it modulo 2^64)
+NO_TOOLS = "this server does not call tools: its output is not parsed for tool calls"
+TEXT_ONLY = "this server's models read and write text only"
 
 class ApiError(Exception):
     """An OpenAI-style error: HTTP ``status``, a message, the offending ``param``;
@@ -43,171 +50,75 @@ def _encodable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def unicode_text(v: str) -> str:
-    """``v`` unchanged, or refused if it holds a lone surrogate (not encodable as UTF-8:
-    JSON's ``"\\ud800"`` decodes to one, which no tokenizer takes)."""
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"invalid Unicode at character {exc.start} (a lone surrogate "
-                         f"{v[exc.start]!a})") from None
-    return v
-
-
-def _strict_str(v: object, what: str) -> str:
-    if not isinstance(v, str):
-        raise ValueError(f"{what} must be a string, got {_kind(v)}")
-    return unicode_text(v)
-
-
-def _kind(v: object) -> str:
-    """The JSON type of ``v``, as a message names it."""
-    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string",
-             list: "an array", dict: "an object", type(None): "null"}
-    return names.get(type(v), type(v).__name__)
-
-
-def _prompt(v: object) -> str | list[int]:
-    """Text, a list of token ids, or a list of one text: nothing coerced."""
-    if isinstance(v, str):
-        return unicode_text(v)
-    if not isinstance(v, list):
-        raise ValueError(f"expected a string or a list of token ids, got {_kind(v)}")
-    if not v:
-        raise ValueError("the prompt is empty")
-    if all(type(t) is int for t in v):
-        return list(v)
-    if all(isinstance(t, str) for t in v):
-        if len(v) != 1:
-            raise ValueError("one prompt per request (a list of several prompts is n > 1)")
-        return _strict_str(v[0], "the prompt")
-    kinds = sorted({_kind(t) for t in v})
-    raise ValueError("a list prompt is token ids (integers) or one string; this one holds "
-                     + " and ".join(kinds))
-
-
-def _stops(v: object) -> list[str] | None:
-    """None, a string or a list of at most MAX_STOPS non-empty strings, as a list."""
-    if v is None:
-        return None
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list):
-        raise ValueError(f"expected a string or a list of strings, got {_kind(v)}")
-    out = [_strict_str(s, "each stop") for s in stops]
-    if len(out) > MAX_STOPS or any(not s for s in out):
-        raise ValueError(f"stop takes at most {MAX_STOPS} non-empty strings")
-    return out
-
-
-def _content(v: object) -> str:
-    """A message's content: a string, or text parts (joined): this server reads text."""
-    if isinstance(v, str):
-        return unicode_text(v)
-    if not isinstance(v, list):
-        raise ValueError(f"expected a string or a list of text parts, got {_kind(v)}")
-    texts = []
-    for part in v:
-        if not (isinstance(part, dict) and set(part) == {"type", "text"}
-                and part["type"] == "text"):
-            raise ValueError('each content part must be {"type": "text", "text": ...} '
-                             "(this server's models read text)")
-        texts.append(_strict_str(part["text"], "a part's text"))
-    return "".join(texts)
-
-
-Text = Annotated[str, AfterValidator(unicode_text)]
-Prompt = Annotated[str | list[int], BeforeValidator(_prompt)]
-Stops = Annotated[list[str] | None, BeforeValidator(_stops)]
-Content = Annotated[str, BeforeValidator(_content)]
-
-
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+    include_obfuscation: bool = True  # accepted either way: no obfuscation field is sent
 
 
 class _Common(BaseModel):
     """Fields both endpoints take. ``max_tokens`` absent or null: the service's one
-    default (as far as the model's positions go)."""
+    default (as far as the model's positions go). ``seed`` (any int64 or uint64) seeds the
+    request's generator; choice i of ``n`` uses ``seed + i``."""
 
     model_config = STRICT
     model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int | None = Field(None, ge=1)  # null: 1
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's: -1, 0 or absent keep every token
+    seed: int | None = Field(None, ge=SEEDS[0], le=SEEDS[1])
     stop: Stops = None
-    seed: int | None = None  # accepted: greedy decoding draws nothing
-    user: Text | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     max_tokens: int | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("n must be 1: this server returns one greedy completion per request")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy(cls, v: float | None) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError("temperature must be 0 (or left out): this server decodes greedily, "
-                             "so a request's output is the resident model's, whatever else runs")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _no_nucleus(cls, v: float | None) -> float | None:
-        if v not in (None, 1, 1.0):
-            raise ValueError("top_p must be 1 (or left out): this server decodes greedily")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError("penalties must be 0 (or left out): this server decodes greedily")
-        return v
+    user: Text | None = None
+    presence_penalty: Annotated[float | None, only(0, why="this server applies no penalties")
+                                ] = None
+    frequency_penalty: Annotated[float | None, only(0, why="this server applies no penalties")
+                                 ] = None
+    logit_bias: Annotated[dict[str, JsonValue] | None,
+                          only({}, why="this server does not bias logits")] = None
 
     def stops(self) -> list[str]:
         return list(self.stop or [])
+
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def sampling(self, logprobs: int | None) -> Sampling:
+        """The request's decoding, OpenAI's defaults filled in; ``logprobs``: how many top
+        log-probabilities each token reports (None: none)."""
+        return Sampling(temperature=1.0 if self.temperature is None else self.temperature,
+                        top_p=1.0 if self.top_p is None else self.top_p,
+                        top_k=max(self.top_k or 0, 0), seed=self.seed, logprobs=logprobs)
 
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``: a prompt (text, or token ids)."""
 
     prompt: Prompt
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: Text | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Annotated[bool | None, only(False, why="the prompt is not returned with its "
+                                      "log-probabilities")] = None
+    suffix: Annotated[Text | None, only("", why="this server does not insert text")] = None
+    best_of: int | None = None
 
-    @field_validator("echo")
+    @field_validator("best_of")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
+    def _every_choice(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if v is not None and v != n:
+            raise ValueError(f"{v} is not supported: every choice is returned, none picked "
+                             f"(send best_of equal to n, {n}, or leave it out)")
         return v
 
     def limit(self) -> int | None:
         return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """Top log-probabilities per token (None: no log-probabilities)."""
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -215,6 +126,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
     content: Content
     name: Text | None = None
+    refusal: Annotated[Text | None, only(why="a refusal is not read back")] = None
+    tool_calls: Annotated[list[JsonValue] | None, only([], why=NO_TOOLS)] = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -223,14 +136,54 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     """``POST /v1/chat/completions``: messages, rendered by the tokenizer's chat template
-    (or, without one, as ``role: content`` lines ending with ``assistant:``)."""
+    (or, without one, as ``role: content`` lines ending with ``assistant:``). OpenAI's
+    other fields are taken at their defaults (module docstring)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[JsonValue] | None, only([], why=NO_TOOLS)] = None
+    tool_choice: Annotated[JsonValue, only("none", "auto", why=NO_TOOLS)] = None
+    functions: Annotated[list[JsonValue] | None, only([], why=NO_TOOLS)] = None
+    function_call: Annotated[JsonValue, only("none", "auto", why=NO_TOOLS)] = None
+    parallel_tool_calls: bool | None = None  # no tool is called, one at a time or not
+    response_format: Annotated[dict[str, JsonValue] | None, only(
+        {"type": "text"}, why="this server does not constrain its output to a format")] = None
+    store: Annotated[bool | None, only(False, why="this server keeps no completions")] = None
+    metadata: dict[str, Text] | None = None  # tags; nothing is stored
+    service_tier: Annotated[Text | None, only("auto", "default", why="this server has one "
+                                              "tier")] = None
+    modalities: Annotated[list[Text] | None, only(["text"], why=TEXT_ONLY)] = None
+    audio: Annotated[JsonValue, only(why=TEXT_ONLY)] = None
+    prediction: Annotated[JsonValue, only(why="predicted outputs are not supported")] = None
+    reasoning_effort: Annotated[Text | None, only(why="this server's models have no reasoning "
+                                                  "setting")] = None
+    verbosity: Annotated[Text | None, only("medium", why="this server's models have no "
+                                           "verbosity setting")] = None
+    web_search_options: Annotated[JsonValue, only(why="this server does not search the web")
+                                  ] = None
+    moderation: Annotated[JsonValue, only(why="this server moderates nothing")] = None
+    prompt_cache_key: Text | None = None  # hints for a prompt cache: this server keeps none
+    prompt_cache_retention: Text | None = None
+    prompt_cache_options: dict[str, JsonValue] | None = None
+    safety_identifier: Text | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true (top_logprobs are the top log-probabilities "
+                             "of each token logprobs returns)")
+        return v
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """Top log-probabilities per token (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from stmoe.runtime.api import OffloadedModel
-from stmoe.runtime.batcher import Request, StepBatcher
+from stmoe.runtime.batcher import Request, Sampling, StepBatcher, choice_seed
+from stmoe.serve.logprobs import TokenPieces
 from stmoe.serve.protocol import ApiError, ChatRequest, CompletionRequest
 
 # max_tokens absent or null, on both endpoints: up to the model's positions (as vLLM's
@@ -46,6 +47,7 @@ class Service:
         self.eos = _eos_ids(om.model)
         self.counters = Counters()
         self.lock = threading.Lock()
+        self._pieces: TokenPieces | None = None
 
     def close(self) -> None:
         self.batcher.close()
@@ -70,8 +72,22 @@ class Service:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self._encode(text)
 
+    def requests(self, ids: list[int], max_tokens: int | None, sampling: Sampling,
+                 n: int = 1) -> list[Request]:
+        """``n`` batcher requests for ``ids``, one per choice, checked (``request``); choice
+        i sampled with seed ``seed + i`` (``choice_seed``), so it is the solo run of that
+        seed."""
+        if n > self.batcher.capacity:
+            raise ApiError(400, f"n is {n}; this server runs and queues at most "
+                           f"{self.batcher.capacity} requests at once (--max-batch + "
+                           "--max-queue), one per choice", "n")
+        first = self.request(ids, max_tokens)
+        return [Request(first.ids, first.max_new_tokens,
+                        sampling=replace(sampling, seed=choice_seed(sampling.seed, i)))
+                for i in range(n)]
+
     def request(self, ids: list[int], max_tokens: int | None) -> Request:
-        """A batcher request for ``ids``, checked against the model's positions;
+        """A greedy batcher request for ``ids``, checked against the model's positions;
         ``max_tokens`` None: the default, whatever else was sent (``default_tokens``)."""
         if not ids:
             raise ApiError(400, "the prompt has no tokens", "prompt")
@@ -95,8 +111,9 @@ class Service:
         leaves, or MAX_TOKENS_DEFAULT where the model states none."""
         return self.positions - prompt if self.positions else MAX_TOKENS_DEFAULT
 
-    def submit(self, request: Request) -> Request:
-        return self.batcher.submit(request)
+    def submit(self, requests: list[Request]) -> None:
+        """Queue a request's choices, all or none (``QueueFull``)."""
+        self.batcher.submit_all(requests)
 
     # ---- text ----------------------------------------------------------------------
     def text(self, tokens: list[int]) -> str:
@@ -104,16 +121,23 @@ class Service:
         return self._tok().decode([t for t in tokens if t not in self.eos],
                                   skip_special_tokens=True)
 
+    def pieces(self) -> TokenPieces:
+        """The tokenizer's tokens as bytes and text (log-probabilities name each token)."""
+        if self._pieces is None:
+            self._pieces = TokenPieces(self._tok())
+        return self._pieces
+
     def finish_reason(self, request: Request, stopped: bool) -> str:
         if stopped or (request.output and request.output[-1] in self.eos):
             return "stop"
         return "length"
 
-    def record(self, outcome: str, request: Request | None = None) -> None:
+    def record(self, outcome: str, *requests: Request) -> None:
+        """One HTTP request's ``outcome``, and the tokens of its choices' ``requests``."""
         with self.lock:
             c = self.counters
             c.requests[outcome] = c.requests.get(outcome, 0) + 1
-            if request is not None:
+            for request in requests:
                 c.prompt_tokens += int(request.ids.shape[1])
                 c.completion_tokens += len(request.output)
                 c.decode_s += request.decode_s()

@@ -15,32 +15,38 @@ if TYPE_CHECKING:
 
 
 class TextStream:
-    """The text of ``job``'s tokens so far; ``push`` returns what may be sent now."""
+    """The text of ``job``'s tokens so far; ``push`` returns what may be sent now.
+    ``used``: how many of the tokens that text was decoded from (frozen at a stop string:
+    the tokens after it are not the completion's)."""
 
     def __init__(self, service: Service, job: Request, stops: list[str]) -> None:
         self.service, self.job, self.stops = service, job, stops
         self.sent = ""
         self.text = ""
         self.stopped = False
+        self.used = 0
 
     def push(self) -> str:
         """After a new token: the text that can be sent (maybe empty)."""
         if self.stopped:
             return ""
-        full = self.service.text(self.job.output)
+        tokens = list(self.job.output)
+        full = self.service.text(tokens)
         if full.endswith("\ufffd"):  # a character still incomplete
             return ""
-        return self._advance(full, last=False)
+        return self._advance(full, len(tokens), last=False)
 
     def flush(self) -> str:
         """At the end: everything not sent yet, its stop strings applied as ``push``'s (the
         last token's text may have been held back as an incomplete character)."""
         if self.stopped:
             return self._send(self.text)
-        return self._advance(self.service.text(self.job.output), last=True)
+        tokens = list(self.job.output)
+        return self._advance(self.service.text(tokens), len(tokens), last=True)
 
-    def _advance(self, full: str, last: bool) -> str:
-        """``full`` cut at its first stop string; what may be sent of it now."""
+    def _advance(self, full: str, used: int, last: bool) -> str:
+        """``full`` (of ``used`` tokens) cut at its first stop string; what may be sent now."""
+        self.used = used
         found = [at for at in (full.find(stop) for stop in self.stops) if at >= 0]
         if found:
             full, self.stopped = full[: min(found)], True

@@ -1,19 +1,18 @@
 """Step batching: several requests decode together, each exactly as it would alone.
 
-Each request runs transformers' own greedy ``generate`` on a thread of its own (its own
-KV cache), driven by the batcher (``runtime.step.driven_by``). The batcher's thread (the
-engine's owner) runs *steps* through the engine's step API (``begin_step``,
-``serve_layer``, ``end_step``); at each MoE layer ONE engine call serves the step's
-requests: the union of their experts loaded once, the next layer's prefetch the union of
-their predictions (``predictors.union``, each request its own predictor slot), each
-request's rows computed on their own, side by side on the compute threads. What else a
-step shares depends on the weights. bf16: each request runs its own forward, its experts
-calls waiting for the step's layer; a batched bf16 matmul is not bit-identical to one
-row's on the CPU (docs/serve.md), so the step shares the I/O. int8/int4 resident
-linears, whose kernels are row for row the same at any row count: a decode step is ONE
-batched forward on the batcher's thread (``step_forward``; the requests' decode calls
-wait for it), or where that cannot hold, each request's own forward with its linears
-gathered (``step_rows``).
+Each request runs transformers' own ``generate`` on a thread of its own (its own KV cache;
+greedy, or sampled with its own generator: ``sampling``), driven by the batcher
+(``runtime.step.driven_by``). The batcher's thread (the engine's owner) runs *steps*
+through the step API (``begin_step``, ``serve_layer``, ``end_step``); at each MoE layer
+ONE engine call serves the step's requests: the union of their experts loaded once, the
+next layer's prefetch the union of their predictions (``predictors.union``, each request
+its own predictor slot), each request's rows computed on their own, side by side on the
+compute threads. What else a step shares depends on the weights. bf16: each request runs
+its own forward, its experts calls waiting for the step's layer; a batched bf16 matmul is
+not bit-identical to one row's on the CPU (docs/serve.md), so the step shares the I/O.
+int8/int4 resident linears, whose kernels are row for row the same at any row count: a
+decode step is ONE batched forward on the batcher's thread (``step_forward``), or where
+that cannot hold, each request's own forward with its linears gathered (``step_rows``).
 
 A request joins and leaves between steps. A prompt (prefill) is a step alone, so the
 planner sees a prompt or a decode step of one token per request, as in a solo run.
@@ -33,7 +32,7 @@ import torch
 
 from stmoe.errors import OffloadError
 from stmoe.runtime.api import OffloadedModel
-from stmoe.runtime.batcher.member import Cancel, Member, Streamer, charge, finish
+from stmoe.runtime.batcher.member import Member, charge, finish, generate_extra
 from stmoe.runtime.batcher.requests import Cancelled, QueueFull, Request
 from stmoe.runtime.batcher.step_forward import StepForward, decode_call, step_caches
 from stmoe.runtime.batcher.step_rows import StepRows
@@ -67,6 +66,7 @@ class StepBatcher:
                                "serve with --lookahead early")
         self.om, self.engine, self.model = om, engine, om.model
         self.max_batch, self.max_queue, self.cold = max_batch, max_queue, cold
+        self.capacity = max_batch + max_queue  # requests running and waiting, at most
         # the step's requests' expert rows computed side by side (each alone: its own bits);
         # default: one thread per core, 1: one after the other
         threads = compute_threads or min(max_batch, os.cpu_count() or 1)
@@ -80,8 +80,7 @@ class StepBatcher:
         self.share_rows = share_rows and self.rows.active
         self.step_forward = StepForward(self.model, self.pool, threads)
         self.batched = batched and self.share_rows and self.step_forward.why_not is None
-        self.closed = False
-        self.steps = 0
+        self.closed, self.steps = False, 0
         self.started = 0  # requests started (names their threads)
         # the recent steps' (start time, prompt or not, members): a step lasts until the next
         self.step_log: deque[tuple[float, bool, int]] = deque(maxlen=4096)
@@ -96,15 +95,19 @@ class StepBatcher:
     # ---- clients ---------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
         """Queue ``request`` (it starts at the next step with a free place)."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[Request]:
+        """Queue ``requests`` together, all or none (a request's ``n`` choices)."""
         with self.cv:
             if self.closed:
                 raise OffloadError("the batcher is closed")
-            if len(self.members) + len(self.waiting) >= self.max_batch + self.max_queue:
+            if len(self.members) + len(self.waiting) + len(requests) > self.capacity:
                 raise QueueFull(f"{len(self.members)} requests running and {len(self.waiting)} "
                                 "queued, the most this server takes; retry later")
-            self.waiting.append(request)
+            self.waiting.extend(requests)
             self.cv.notify_all()
-        return request
+        return requests
 
     def decode_sizes(self) -> list[int]:
         """The recent decode steps' member counts (from ``step_log``)."""
@@ -231,14 +234,11 @@ class StepBatcher:
         return sorted(members, key=lambda m: m.slot)
 
     def _member(self, m: Member) -> None:
-        from transformers import StoppingCriteriaList
-
         self.local.member, r = m, m.request
         try:
-            with driven_by(self):
+            with driven_by(self):  # greedy, or sampled by the request's own ``Sampler``
                 greedy_generate(self.model, r.ids, r.max_new_tokens, r.ignore_eos,
-                                streamer=Streamer(r),
-                                stopping_criteria=StoppingCriteriaList([Cancel(r)]))
+                                **generate_extra(r))
             error = Cancelled("cancelled") if r.cancelled.is_set() else None
         except BaseException as exc:
             error = exc

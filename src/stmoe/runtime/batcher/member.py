@@ -73,6 +73,19 @@ def charge(live: list[Member], tally: LayerTally) -> None:
         usage.bytes_read += tally.bytes_read / len(live)
 
 
+def generate_extra(request: Request) -> dict[str, Any]:
+    """transformers' ``generate`` arguments that tie it to ``request``: its streamer, its
+    cancellation, and where it samples or records log-probabilities, its ``Sampler``."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    extra: dict[str, Any] = {"streamer": Streamer(request),
+                             "stopping_criteria": StoppingCriteriaList([Cancel(request)])}
+    sampler = request.sampling.processor(request.logprobs)
+    if sampler is not None:
+        extra["logits_processor"] = LogitsProcessorList([sampler])
+    return extra
+
+
 def finish(request: Request, error: BaseException | None) -> None:
     """The request's end (``error`` None: done), told to its client."""
     request.error = error

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.runtime.batcher.sampling import Sampling, TokenLogprob
 from stmoe.runtime.forced_routing import RoutingPlan, RoutingSource
 
 
@@ -32,9 +33,20 @@ class Usage:
     bytes_read: float = 0.0  # bytes moved during its steps, split evenly among their members
     steps: int = 0
     batch_sum: int = 0  # the members of its decode steps, summed (mean batch = / steps)
+    requests: int = 1  # the requests it covers (``joint``), each one's first step its prompt
+
+    @staticmethod
+    def joint(usages: list[Usage]) -> Usage:
+        """Several requests' usage as one (a request's ``n`` choices): experts, hits,
+        bytes and steps summed; the stall the most any of them met (they share most steps:
+        a sum would count a step's stall once per choice)."""
+        return Usage(sum(u.needed for u in usages), sum(u.hits for u in usages),
+                     max(u.stall_s for u in usages), sum(u.bytes_read for u in usages),
+                     sum(u.steps for u in usages), sum(u.batch_sum for u in usages),
+                     sum(u.requests for u in usages))
 
     def to_dict(self) -> dict[str, Any]:
-        decode_steps = self.steps - 1  # its first step is its prompt, alone
+        decode_steps = self.steps - self.requests  # a request's first step: its prompt, alone
         return {"hit_rate": self.hits / self.needed if self.needed else 0.0,
                 "stall_s": self.stall_s, "bytes_read": int(self.bytes_read),
                 "mean_batch": self.batch_sum / decode_steps if decode_steps > 0 else 1.0}
@@ -48,6 +60,8 @@ class Request:
     max_new_tokens: int
     ignore_eos: bool = False
     routing: RoutingSource | None = None  # a recorded routing in place of the router's
+    sampling: Sampling = field(default_factory=Sampling)  # greedy unless told otherwise
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, where asked for
     tokens: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
