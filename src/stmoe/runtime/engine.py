@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -41,10 +41,10 @@ from stmoe.errors import OffloadError
 from stmoe.hf.layout import ModelLayout
 from stmoe.predictors.base import Predictor
 from stmoe.runtime.cache import READY, LayerCache, param_specs
-from stmoe.runtime.experts_path import ExpertsPath
+from stmoe.runtime.experts_path import ExpertsPath, Layers
 from stmoe.runtime.forced_routing import RoutingSource
 from stmoe.runtime.hf_glue import ForwardHooks, base_forward, resident_device, take_over
-from stmoe.runtime.planning import PrefetchPlanner, gate_lookahead
+from stmoe.runtime.planning import GateLookahead, PrefetchPlanner, gate_lookahead
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.state import EngineSettings, EngineState, Future, RunState
 from stmoe.runtime.stats import RuntimeStats
@@ -55,44 +55,60 @@ from stmoe.runtime.store.tiers import Tier
 from stmoe.util.units import capacity_per_layer
 
 
+class Removable(Protocol):
+    """What the engine undoes at ``close`` (the forward hooks it installed)."""
+
+    def remove(self) -> None: ...
+
+
 class OffloadEngine:
     """Serves one model's experts from ``store`` through ``tier`` into bounded caches."""
 
     def __init__(self, model: torch.nn.Module, store: ExpertStore, tier: Tier,
                  predictor: Predictor, settings: EngineSettings,
                  layout: ModelLayout | None = None) -> None:
-        _check_settings(settings)
         self.layout = layout = layout or ModelLayout.of(model)
         store.check_model(model, layout)
-        modules = layout.modules
+        # each layer's experts module and its own implementation (refuses an offloaded model)
+        layers = [(module, base_forward(module)) for _, module in layout.modules]
+        lookahead = gate_lookahead(layout, predictor)
+        device = settings.device or resident_device(model)
+        self._wire(model, layers, store, tier, predictor, settings, device, lookahead,
+                   layout.routers if predictor.prefetches else None)
+        for module, _ in layers:
+            take_over(module, self, self.num_experts)
+        self.hooks: Removable = ForwardHooks(model, self, self.planner)
+
+    def _wire(self, model: torch.nn.Module, layers: Layers, store: ExpertStore, tier: Tier,
+              predictor: Predictor, settings: EngineSettings, device: torch.device,
+              lookahead: GateLookahead | None,
+              prompt_routers: list[torch.Tensor] | None) -> None:
+        """The engine's parts for ``layers`` (each MoE layer's experts module and the
+        implementation its calls compute with), whoever runs the model: transformers
+        (``__init__``), or another runtime that calls ``ExpertsPath.run`` from its own
+        MoE layers (the vLLM plugin) and sets ``hooks`` itself."""
+        _check_settings(settings)
         self.model, self.store, self.predictor = model, store, predictor
         self.settings, self.policy = settings, settings.policy
-        self.num_layers = len(modules)
+        self.num_layers = len(layers)
         self.num_experts = int(store.model["num_experts"])
         self.capacity = capacity_per_layer(settings.capacity, self.num_experts,
                                            predictor.shape.top_k, forms=("count",),
                                            error=OffloadError)
-        lookahead = gate_lookahead(layout, predictor)
         self.max_loads = _checked_max_loads(settings)
-        self.device = settings.device or resident_device(model)
-        # each layer's experts module and its own implementation (refuses an offloaded model)
-        layers = [(module, base_forward(module)) for _, module in modules]
+        self.device = device
         caches = [LayerCache(layer, self.capacity, param_specs(store.blocks[(layer, 0)]),
                              self.num_experts, self.policy, self.device)
                   for layer in range(self.num_layers)]
-        for module, _ in layers:
-            take_over(module, self, self.num_experts)
         self.state = EngineState(caches, store, Loader(tier, store), self.device)
         self.state.use_tier_events()
         self.caches, self.cv, self.expert_bytes = caches, self.state.cv, self.state.expert_bytes
         self.prefetcher = Prefetcher(self.state, settings.workers)
         self.planner = PrefetchPlanner(self.state, predictor, self.prefetcher, lookahead,
-                                       self.max_loads, self.capacity,
-                                       layout.routers if predictor.prefetches else None)
+                                       self.max_loads, self.capacity, prompt_routers)
         self.path = ExpertsPath(self.state, layers, settings, self.prefetcher, self.planner)
         self.reset(future=None)
         self.prefetcher.start()
-        self.hooks = ForwardHooks(model, self, self.planner)
 
     # ---- runs ----------------------------------------------------------------
     def reset(self, future: Future | None = None, cold: bool = True) -> None:

@@ -65,7 +65,9 @@ def base_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
 # numbers. A call of several tokens groups them by number, so there only a numbering in
 # the experts' id order gives the same bits (``serve``: else a copy). The eager loop
 # accumulates in expert-id order, so it is not one of them.
-_ORDER_FREE = ("grouped_mm", "batched_mm", "stmoe_quantized")  # the last: quant.experts
+# (the last two: quant.experts, and vLLM's CPU grouped-GEMM kernel as the vLLM plugin
+# calls it, whose tokens are independent too: ``vllm_plugin.layers``)
+_ORDER_FREE = ("grouped_mm", "batched_mm", "stmoe_quantized", "vllm_cpu_fused_moe")
 
 
 def any_expert_numbering(module: torch.nn.Module) -> bool:

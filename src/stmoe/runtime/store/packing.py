@@ -145,6 +145,16 @@ def pack_folder(model_dir: str | Path, out_dir: str | Path,
         experts.release(force=True)
 
 
+def write_store(out_dir: str | Path, model: dict[str, Any], record: dict[str, Any],
+                blocks: Iterable[tuple[int, int, list[tuple[str, Any]]]],
+                weights: WeightFormat = NATIVE) -> Path:
+    """A store of ``blocks`` ((layer, expert, [(name, tensor)]) in order) already in their
+    final layout, for ``model`` (what its index must agree with) packed from ``record``
+    (the checkpoint's files): how a runtime that lays experts out its own way (the vLLM
+    plugin: its kernel's layout) writes its store, with the packers' atomic ending."""
+    return _write_store(Path(out_dir), model, record, blocks, lambda n: None, weights)
+
+
 def _write_store(out: Path, model: dict[str, Any], record: dict[str, Any], blocks: Iterable[Any],
                  advance: Callable[[int], None], weights: WeightFormat) -> Path:
     """The data file, then index.json naming it (the switch), then the replaced data file
