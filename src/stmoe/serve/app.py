@@ -5,9 +5,9 @@ bad one gets the OpenAI error object with its status (400, 404, 408, 413, 429, 5
 the server goes on serving. The body is read within its limits, not checked after:
 a ``Content-Length`` over ``MAX_BODY`` is refused before a byte of it is read, a
 chunked body is cut off at the limit, and one that does not arrive within
-``body_timeout`` seconds is answered 408. A streaming client that goes away has its
-request cancelled (it leaves the batch at the next step); so does one whose
-non-streaming request is still running when it disconnects (counted ``cancelled``).
+``body_timeout`` seconds is answered 408. A checked request becomes one batcher request
+per choice, and ``responses.Reply`` answers it (a client that goes away has its choices
+cancelled: they leave the batch at the next step).
 """
 
 from __future__ import annotations

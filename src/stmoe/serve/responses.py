@@ -162,6 +162,8 @@ class Reply:
     def _chunk(self, c: Choice, delta: str | None, reason: str | None,
                first: bool = False) -> str:
         logprobs = None if first else self._logprobs(c)
+        if logprobs is not None and not (logprobs.get("content") or logprobs.get("tokens")):
+            logprobs = None  # a chunk without tokens of its own (the last one, say)
         if self.chat:
             d: dict[str, Any] = {"role": "assistant"} if first else {}
             if delta:
