@@ -2,7 +2,8 @@
 a seed decides every draw, the draws follow the distribution temperature, top-k and top-p
 make (checked against an independent numpy reference), the log-probabilities are the
 model's; and through the step batcher, a seeded request's tokens are its solo run's
-whatever the cache's capacity and predictor, alone or beside others."""
+whatever the cache's capacity and predictor, alone or beside others, in bf16 and in one
+batched int4 forward."""
 
 from __future__ import annotations
 
@@ -119,3 +120,41 @@ def test_seeded_requests_in_the_batcher_draw_their_solo_tokens(capacity, predict
             batcher.close()
     assert got == want
     assert max(batcher.decode_sizes()) == 2  # they shared steps
+
+
+def test_seeded_requests_in_one_batched_int4_forward_draw_their_solo_tokens(tmp_path,
+                                                                            monkeypatch):
+    """int4 with its resident linears quantized: a decode step is one batched forward, whose
+    rows are still each request's solo logits; so are its seeded draws (on the resident
+    int4 model, alone)."""
+    from serve_live import PROMPTS, Solo
+    from transformers import AutoModelForCausalLM
+
+    from stmoe.models import SHIPPED_MODEL
+    from stmoe.quant import parse_format
+    from stmoe.quant.experts import quantize_model
+    from stmoe.quant.linears import quantize_linears
+    from stmoe.runtime.api import offload
+
+    resident = quantize_model(AutoModelForCausalLM.from_pretrained(SHIPPED_MODEL).eval(),
+                              parse_format("int4"))
+    quantize_linears(resident, parse_format("int4"))
+    alone = Solo(resident)
+    prompts = [alone.ids(p) for p in PROMPTS[:3]]
+    samplings = [Sampling(1.0, seed=21, logprobs=1), Sampling(0.8, 0.95, 30, seed=22),
+                 Sampling(1.1, seed=23)]
+    want = [alone.sampled(p, 8, s) for p, s in zip(prompts, samplings, strict=True)]
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path))  # its int4 store packed there
+    with offload(SHIPPED_MODEL, capacity="50%", predictor="stmoe-plus", format="int4",
+                 quantize_resident="int4") as om:
+        batcher = StepBatcher(om, max_batch=3)
+        try:
+            assert batcher.batched
+            reqs = [Request(torch.tensor([p]), 8, sampling=s)
+                    for p, s in zip(prompts, samplings, strict=True)]
+            batcher.submit_all(reqs)
+            got = [(r.wait(300), r.logprobs) for r in reqs]
+        finally:
+            batcher.close()
+    assert got == want
+    assert batcher.step_forward.steps > 0 and max(batcher.decode_sizes()) >= 2
