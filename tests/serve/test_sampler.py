@@ -98,6 +98,19 @@ def test_log_probabilities_are_the_models_own():
     assert math.isclose(sum(math.exp(v) for v in logp.tolist()), 1.0, rel_tol=1e-6)
 
 
+def _drawn(batcher: StepBatcher, prompts: list[list[int]], samplings: list[Sampling],
+           n: int) -> list[tuple[list[int], list]]:
+    """Each request's tokens and log-probabilities, all submitted at once (the batcher then
+    closed)."""
+    try:
+        reqs = [Request(torch.tensor([p]), n, sampling=s)
+                for p, s in zip(prompts, samplings, strict=True)]
+        batcher.submit_all(reqs)
+        return [(r.wait(300), r.logprobs) for r in reqs]
+    finally:
+        batcher.close()
+
+
 @pytest.mark.parametrize(("capacity", "predictor"), [("25%", "ondemand"), ("50%", "stmoe-plus")])
 def test_seeded_requests_in_the_batcher_draw_their_solo_tokens(capacity, predictor, solo):
     """Prefetching changes no output: at either capacity and predictor, two seeded requests
@@ -111,14 +124,7 @@ def test_seeded_requests_in_the_batcher_draw_their_solo_tokens(capacity, predict
     want = [solo.sampled(p, 10, s) for p, s in zip(prompts, samplings, strict=True)]
     with offload(SHIPPED_MODEL, capacity=capacity, predictor=predictor) as om:
         batcher = StepBatcher(om, max_batch=2)
-        try:
-            reqs = [Request(torch.tensor([p]), 10, sampling=s)
-                    for p, s in zip(prompts, samplings, strict=True)]
-            batcher.submit_all(reqs)
-            got = [(r.wait(300), r.logprobs) for r in reqs]
-        finally:
-            batcher.close()
-    assert got == want
+        assert _drawn(batcher, prompts, samplings, 10) == want
     assert max(batcher.decode_sizes()) == 2  # they shared steps
 
 
@@ -148,13 +154,6 @@ def test_seeded_requests_in_one_batched_int4_forward_draw_their_solo_tokens(tmp_
     with offload(SHIPPED_MODEL, capacity="50%", predictor="stmoe-plus", format="int4",
                  quantize_resident="int4") as om:
         batcher = StepBatcher(om, max_batch=3)
-        try:
-            assert batcher.batched
-            reqs = [Request(torch.tensor([p]), 8, sampling=s)
-                    for p, s in zip(prompts, samplings, strict=True)]
-            batcher.submit_all(reqs)
-            got = [(r.wait(300), r.logprobs) for r in reqs]
-        finally:
-            batcher.close()
-    assert got == want
+        assert batcher.batched
+        assert _drawn(batcher, prompts, samplings, 8) == want
     assert batcher.step_forward.steps > 0 and max(batcher.decode_sizes()) >= 2
