@@ -8,7 +8,14 @@ import re
 import pytest
 
 from stmoe.analysis.report import recall_at_set_size
-from stmoe.demo.text import VERSUS, ablation_reasons, headline, markdown_html, shipped_line
+from stmoe.demo.text import (
+    VERDICT,
+    ablation_reasons,
+    details,
+    headline,
+    markdown_html,
+    shipped_line,
+)
 from stmoe.evaluate.compare import against
 from stmoe.models import SHIPPED_MODEL
 
@@ -37,13 +44,25 @@ def test_quick_demo_writes_the_report(quick_demo):
     assert result.exit_code == 0, result.output
     assert "report:" in result.output and "index.html" in result.output
     page = (folder / "index.html").read_text()
-    for fragment in ("Headline.", "Recall at equal set size", "Cross-domain", "Simulator",
-                     "expected to be poor", "<pre>"):
-        assert fragment in page
-    for term in DEFINED:
-        assert f"<dt>{term}</dt>" in page.replace("&#x27;", "'"), term
     evaluation = json.loads((folder / "eval.json").read_text())
     assert set(evaluation["per_domain"]) == {"code", "prose", "math"}
+    for fragment in ("Headline.", "At equal set size: compare predictors here",
+                     "Each predictor at its own set size", "the budget curve", "Cross-domain",
+                     "Simulator", "expected to be poor", "<pre>"):
+        assert fragment in page
+    # the equal-set-size table comes first, at each domain's ST-MoE set size
+    assert page.index("At equal set size") < page.index("Each predictor at its own set size")
+    for d, r in evaluation["per_domain"].items():
+        equal = r["equal_set_size"]
+        assert equal["set_size"] == pytest.approx(r["predictors"]["stmoe"]["set_size"])
+        assert f"{d} {equal['set_size']:.2f}" in page
+        if equal["recall"]["stmoe-plus"] is not None:
+            assert f"{equal['recall']['stmoe-plus']:.3f}" in page
+    text = " ".join(result.output.split())
+    assert text.index("at equal set size: ST-MoE's own mean") < text.index(
+        "at each predictor's own set size")
+    for term in DEFINED:
+        assert f"<dt>{term}</dt>" in page.replace("&#x27;", "'"), term
     for name in ("analysis/report.html", "simulator/normalized_time.png", "decode_speed.png",
                  "model-card.html", "model-card.md"):
         assert (folder / name).is_file(), name
@@ -67,22 +86,27 @@ def test_quick_demo_measures_rounds_and_checks_the_tokens(quick_demo):
             assert row["decode_tokens_per_s_range"] == [min(runs), max(runs)]
             assert row["decode_tokens_per_s"] == pytest.approx(sum(runs) / 2)  # median of 2
     page = (folder / "index.html").read_text()
-    # the headline names each headline system's median, as offload.json has it
-    sentence = re.search(r"<p class='headline' id='headline'>(.*?)</p>", page).group(1)
-    for name in ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle"):
+    # the headline: one sentence with ST-MoE's, stmoe-plus's and lru-only's medians, as
+    # offload.json has them; the other systems in the paragraph after the figure
+    sentence = re.search(r"<p class='headline' id='headline'><b>Headline.</b> (.*?)</p>",
+                         page).group(1).replace("&#x27;", "'")
+    assert sentence.count(". ") == 0 and sentence.endswith(".")
+    for name in ("lru-only", "stmoe", "stmoe-plus"):
         assert f"{off['systems'][name]['decode_tokens_per_s']:.1f}" in sentence, name
+    assert details(off).replace("'", "&#x27;") in page
+    for name in ("on-demand", "oracle", "stmoe-plus-all"):
+        assert f"{name} {off['systems'][name]['decode_tokens_per_s']:.1f}" in details(off)
     # printed unwrapped: the headline on one line, the generated text exactly as generated
     lines = result.output.splitlines()
-    assert any(x.startswith("With 50% of each layer") and "at real expert sizes (6.0 MiB "
-               "experts" in x and "every expert cached). Against the LRU cache alone: stmoe "
-               in x and x.endswith(".") for x in lines), result.output
+    assert headline(off) in lines and details(off) in lines, result.output
     assert any(x.startswith("At the shipped model's own sizes (216 KiB experts")
                for x in lines), result.output
-    # two rounds: each verdict by the rule (compare.against), never an unearned "faster"
-    for name in ("stmoe", "stmoe-plus", "stmoe-plus-all"):
+    # two rounds: each verdict by the rule (compare.against) in plain words, never an
+    # unearned "faster"
+    for name in ("stmoe", "stmoe-plus"):
         mine = off["systems"][name]["decode_tokens_per_s_runs"]
         base = off["systems"]["lru-only"]["decode_tokens_per_s_runs"]
-        assert VERSUS[against(mine, base)] in sentence.replace("&#x27;", "'"), name
+        assert f"({VERDICT[against(mine, base)]})" in sentence, name
     assert shipped["prompt"] + shipped["text"] in result.output
 
 
@@ -120,21 +144,23 @@ def _offload(rounds: int, same: bool = True) -> dict:
                         for n, v in speeds.items()}}
 
 
-def test_headline_sentence_says_the_medians_the_range_and_the_check():
+def test_headline_is_one_sentence_with_plain_verdicts():
     text = headline(_offload(5))
-    assert "ST-MoE prefetching decodes at 45.2 tokens/s (range 44.2-47.2)" in text
-    assert "4.0 for on-demand" in text and "30.0 for an LRU cache alone" in text
-    assert "stmoe-plus at 41.0" in text and "oracle (perfect prediction) at 60.0" in text
-    assert "medians of 5 interleaved rounds" in text
-    assert "identical to the same routing with every expert cached" in text
-    assert "at real expert sizes (6.0 MiB experts, RANDOM weights replaying" in text
-    assert "on-demand loading waits" not in text  # the fixture has no stall share
-    assert "Against the LRU cache alone: stmoe 1.51x, faster (the ranges apart)" in text
-    assert "stmoe-plus 1.37x, faster" in text
-    single = headline(_offload(1, same=False))
-    assert "a single run each" in single and "(range" not in single
-    assert "NOT every run's tokens matched" in single
-    assert "stmoe 1.51x, one run each, no range" in single
+    assert text == ("At real expert sizes (6.0 MiB experts, RANDOM weights, 50% of each "
+                    "layer's cached, an EMULATED 1GB/s link), ST-MoE prefetching decodes at "
+                    "45.2 tokens/s (faster: ranges apart) and stmoe-plus at 41.0 (faster: "
+                    "ranges apart), against 30.0 for an LRU cache alone (medians of 5 rounds).")
+    more = details(_offload(5))
+    assert "on-demand 4.0 (range 3.0-6.0); lru-only 30.0 (range 29.0-32.0)" in more
+    assert "oracle 60.0 (range 59.0-62.0)" in more
+    assert "Against the LRU cache alone: stmoe 1.51x (faster: ranges apart)" in more
+    assert "stmoe-plus 1.37x (faster: ranges apart)" in more
+    assert "identical to the same routing with every expert cached" in more
+    assert "on-demand loading waits" not in more  # the fixture has no stall share
+    single = _offload(1, same=False)
+    assert "(one run each: --rounds N gives medians and ranges)" in headline(single)
+    assert "(one run: no verdict)" in headline(single) and "(range" not in details(single)
+    assert "NOT every run's tokens matched" in details(single)
 
 
 def test_the_headline_claims_a_win_over_lru_only_only_outside_the_noise():
@@ -145,10 +171,12 @@ def test_the_headline_claims_a_win_over_lru_only_only_outside_the_noise():
         off["systems"][name].update(decode_tokens_per_s=speeds[1],
                                     decode_tokens_per_s_runs=speeds)
     text = headline(off)
-    assert "stmoe 1.02x, as fast or faster (the ranges overlap: not a clear win)" in text
-    assert "stmoe-plus 0.93x, SLOWER (the ranges apart)" in text
+    assert "decodes at 30.5 tokens/s (no clear difference: ranges overlap)" in text
+    assert "stmoe-plus at 28.0 (slower: ranges apart)" in text
+    assert "stmoe 1.02x (no clear difference: ranges overlap)" in details(off)
     off["systems"]["stmoe-plus"]["decode_tokens_per_s_runs"] = [28.0, 29.5]
-    assert "stmoe-plus 0.93x, as fast within noise" in headline(off)
+    assert "stmoe-plus at 28.0 (no clear difference: ranges overlap)" in headline(off)
+    assert "faster" not in headline(off)
 
 
 def _step(time: float, compute: float, loaded: int, wasted: int) -> dict:
@@ -261,19 +289,20 @@ def test_an_interrupted_demo_says_so_and_keeps_the_previous_report(cli, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]  # no half-written folder
 
 
-def test_the_headline_names_the_sizes_the_wait_and_the_admission_off_run():
+def test_the_details_name_the_sizes_the_wait_and_the_admission_off_run():
     off = _offload(3)
-    off["systems"]["on-demand"]["stall_share"] = 0.8
+    off["systems"]["on-demand"].update(stall_share=0.8, stall_share_range=[0.63, 0.82])
     off["systems"]["stmoe-plus-all"] = dict(off["systems"]["stmoe-plus"],
                                             decode_tokens_per_s=50.0,
                                             decode_tokens_per_s_runs=[49.0, 50.0, 51.0])
-    text = headline(off)
-    assert "on-demand loading waits for weights 80% of its decode)" in text
-    assert "stmoe-plus at 41.0 (50.0 with every predicted load, admission off)" in text
-    assert text.endswith("stmoe-plus-all 1.67x, faster (the ranges apart).")
+    text = details(off)
+    assert ("on-demand loading waits for weights 80% of its decode, 63%-82% over the "
+            "rounds)") in text
+    assert "stmoe-plus-all 1.67x (faster: ranges apart)" in text
+    assert "waits" not in headline(off)  # the headline is the speeds and the verdicts
     shipped = {k: v for k, v in off.items() if k != "routing"} | {"expert_mib": 0.2109375}
-    assert "on the shipped" not in headline(shipped)
-    assert "at the shipped model's own sizes (216 KiB experts; on-demand" in headline(shipped)
+    assert "At the shipped model's own sizes (216 KiB experts, 50% of each" in headline(shipped)
+    assert "at the shipped model's own sizes (216 KiB experts; on-demand" in details(shipped)
     assert shipped_line(shipped).startswith("At the shipped model's own sizes (216 KiB")
 
 

@@ -64,5 +64,5 @@ def test_report_opens_in_headless_chromium(quick_demo):
     broken = [src for src, width in images.items() if width <= 0]
     assert not broken, f"images that did not load: {broken}"
     off = json.loads((folder / "offload.json").read_text())
-    assert seen["headline"].startswith("Headline. With 50% of each layer's experts cached")
+    assert seen["headline"].startswith("Headline. At real expert sizes (6.0 MiB experts, RANDOM ")
     assert f"{off['systems']['stmoe']['decode_tokens_per_s']:.1f} tokens/s" in seen["headline"]

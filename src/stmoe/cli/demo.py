@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -43,7 +43,7 @@ def demo_cmd(
     """
     try:
         from stmoe.demo import run_demo
-        from stmoe.demo.text import headline, shipped_line
+        from stmoe.demo.text import details, headline, shipped_line
     except ImportError as exc:
         raise StmoeError(f"the demo needs torch and transformers ({exc}); install them with "
                          "pip install -e '.[hf]'") from None
@@ -65,10 +65,11 @@ def demo_cmd(
     off = summary["offload"]
     # the headline and the generated text unwrapped: rich would cut them at the terminal's
     # width and break copied text (soft_wrap), and the model's text is not markup
-    out.print(plain_label(headline(off)), markup=False, soft_wrap=True)
-    out.print(plain_label(shipped_line(summary["offload_shipped"])), markup=False, soft_wrap=True)
-    table = Table(title="Prediction recall per domain (held-out half), with the mean set size",
-                  title_justify="left")
+    for line in (headline(off), details(off), shipped_line(summary["offload_shipped"])):
+        out.print(plain_label(line), markup=False, soft_wrap=True)
+    out.print(_equal_table(summary))
+    table = Table(title="Recall per domain at each predictor's own set size (not comparable "
+                  "between set sizes)", title_justify="left")
     table.add_column("predictor")
     domains = list(summary["recall"])
     for d in domains:
@@ -96,3 +97,21 @@ def demo_cmd(
         f"report: {clean_label(output_dir / 'index.html')}  ({time.perf_counter() - start:.0f} s)",
         soft_wrap=True,
     )
+
+
+def _equal_table(summary: dict[str, Any]) -> Table:
+    """The predictors at equal set size per domain (``demo.prediction.equal_rows``, the
+    report's first prediction table)."""
+    from stmoe.demo.prediction import equal_rows
+
+    domains, rows = equal_rows(summary)
+    sizes = ", ".join(f"{d} {summary['equal_set_size'][d]['set_size']:.2f}" for d in domains)
+    table = Table(title="Prediction recall per domain (held-out half) at equal set size: "
+                  f"ST-MoE's own mean ({sizes} experts)", title_justify="left")
+    table.add_column("predictor")
+    for d in domains:
+        table.add_column(clean_label(d), justify="right")
+    table.add_column("vs stmoe (points)", justify="right")
+    for name, vals, gain in rows:
+        table.add_row(clean_label(name), *vals, gain)
+    return table

@@ -57,6 +57,8 @@ def measure_rounds(runs: dict[str, Callable[[], Any]], rounds: int,
         row: dict[str, Any] = {k: statistics.median(getattr(x, k) for x in rs) for k in _MEASURED}
         speeds = [x.decode_tokens_per_s for x in rs]
         row["decode_tokens_per_s_range"] = [min(speeds), max(speeds)]
+        stalls = [x.stall_share for x in rs]
+        row["stall_share_range"] = [min(stalls), max(stalls)]
         row["decode_tokens_per_s_runs"] = speeds
         row["identical_to_reference"] = all(x.tokens == reference for x in rs)
         systems[name] = row

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from stmoe.analysis.plots import save_figure
+from stmoe.demo.text import verdict
 
 # one colour per compared system, so the figure needs no legend (its x labels name them)
 SYSTEM_COLORS = {
@@ -21,6 +22,14 @@ SYSTEM_COLORS = {
     "hybrid": "#9467bd",
     "oracle": "#2ca02c",
 }
+
+
+def tick(offload: dict[str, Any], name: str) -> str:
+    """A bar's label: the system, and under a prefetching one its verdict against the LRU
+    cache alone in plain words (``demo.text.verdict``, without its reason)."""
+    if name in ("on-demand", "lru-only", "oracle") or "lru-only" not in offload["systems"]:
+        return name
+    return f"{name}\n{verdict(offload, name).split(':')[0]}"
 
 
 def decode_speed(offload: dict[str, Any], systems: list[str], path: Path) -> Path:
@@ -37,7 +46,7 @@ def decode_speed(offload: dict[str, Any], systems: list[str], path: Path) -> Pat
     for i, (m, h) in enumerate(zip(med, hi, strict=True)):
         ax.text(i, m + h + 0.02 * top, f"{m:.1f}", ha="center", va="bottom", fontsize=10)
     ax.set_ylim(0, 1.15 * top)
-    ax.set_xticks(list(pos), systems)
+    ax.set_xticks(list(pos), [tick(offload, n) for n in systems])
     ax.set_ylabel("decode tokens/s (higher is faster)")
     same = "yes" if offload["identical_tokens"] else "NO"
     ax.set_title(

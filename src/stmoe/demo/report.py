@@ -11,15 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from stmoe.analysis.report import html_text as _e
-from stmoe.analysis.report import recall_at_set_size
+from stmoe.demo.prediction import prediction_section
 from stmoe.demo.text import (
     MODEL_CARD_HTML,
     ablation_reasons,
     copy_model_card,
     defs,
+    details,
     headline,
     shipped_line,
     table,
@@ -66,10 +65,13 @@ def write_index(out: Path, summary: dict[str, Any], per_domain: dict[str, Any],
         f"<p class='headline' id='headline'><b>Headline.</b> {_e(headline(off))}</p>",
         "<figure><img src='decode_speed.png' alt='Decode speed per system'><figcaption>Decode "
         "tokens/s of the offloaded model per system (bars: median; whiskers: slowest and "
-        "fastest round).</figcaption></figure>",
+        "fastest round; under each prefetching system, its verdict against the LRU cache "
+        "alone: 'faster' or 'slower' only when the rounds' ranges are apart).</figcaption>"
+        "</figure>",
+        f"<p>{_e(details(off))}</p>",
         _links(card),
         _offload(summary),
-        _prediction(summary, per_domain, analysis),
+        prediction_section(summary, per_domain, analysis),
         _correlation(analysis),
         _simulator(sim),
         _generated(summary, samples, card),
@@ -159,98 +161,6 @@ def _offload_table(off: dict[str, Any]) -> str:
                "same tokens"], rows, left=(1,)),
         f"<p>{same}</p>",
     ])
-
-
-def _prediction(summary: dict[str, Any], per_domain: dict[str, Any],
-                analysis: dict[str, Any]) -> str:
-    from stmoe.predictors import REGISTRY
-
-    k, domains = summary["top_k"], list(per_domain)
-    names = list(per_domain[domains[0]]["predictors"])
-
-    def mean(name: str, get: Any) -> float:
-        return float(np.mean([get(per_domain[d]["predictors"][name]) for d in domains]))
-
-    def about(name: str) -> str:
-        doc = (getattr(REGISTRY.get(name), "__doc__", None) or "").strip()
-        return doc.splitlines()[0].replace("``", "") if doc else ""
-
-    rows = [[n, about(n), *(f"{per_domain[d]['predictors'][n]['recall']:.3f}" for d in domains),
-             f"{mean(n, lambda e: e['set_size']):.2f}", f"{mean(n, lambda e: e['precision']):.3f}",
-             f"{mean(n, lambda e: e['cache']['hit_rate']):.3f}"] for n in names]
-    scope = per_domain[domains[0]].get("scope", "decode tokens")
-    parts = [
-        "<h2>2. Prediction quality (replay of the recorded routing)</h2>",
-        f"<p>Routing recorded from the shipped model on {summary['tokens']} tokens "
-        f"({summary['decode_tokens']} generated) of {len(domains)} domains. Each domain's tables "
-        "are profiled on the first half of its prompts; every predictor is replayed on the "
-        f"other half ({_e(scope)}).</p>",
-        table(["predictor", "what it predicts", *(f"recall: {d}" for d in domains),
-               "set size", "precision", "hit rate (2K cache)"], rows, left=(1,)),
-        defs([
-            ("K", f"experts the router picks per token and layer (top-K; here K = {k} of "
-             f"{summary['num_experts']})."),
-            ("recall", "share of the experts the router chose that the prediction named."),
-            ("set size", "experts one prediction names per layer (mean); a larger set buys "
-             "recall with link traffic, so recall alone flatters big sets."),
-            ("precision", "share of the named experts the router chose (mean over domains)."),
-            ("hit rate (2K cache)", f"share of the needed experts found in a per-layer LRU "
-             f"cache of 2K = {2 * k} experts fed by the predictor's prefetches (mean over "
-             "domains)."),
-        ]),
-    ]
-    parts += _equal_size(analysis, k)
-    matrix = summary["cross_domain"]
-    cross = [[a, *("-" if x is None else f"{x:.3f}" for x in row)]
-             for a, row in zip(matrix["profiled_on"], matrix["recall"], strict=True)]
-    parts += [
-        "<h3>Cross-domain recall of ST-MoE</h3><p>Tables profiled on one domain (rows), "
-        "replayed on another (columns).</p>",
-        table(["profiled on / evaluated on", *matrix["evaluated_on"]], cross),
-    ]
-    return "".join(parts)
-
-
-def _equal_size(analysis: dict[str, Any], k: int) -> list[str]:
-    p = analysis.get("predictability")
-    if not p:
-        return []
-    own = p["set_size"].get("stmoe")
-    sizes = [("K", float(k)), *([("ST-MoE's own", own)] if own else []), ("2K", 2.0 * k)]
-    rows = []
-    for n, curve in p["curves"].items():
-        if max(curve["set_size"], default=0) <= 0:
-            continue  # predicts nothing
-        vals = [recall_at_set_size(curve, s) for _, s in sizes]
-        rows.append([n, *("-" if v is None else f"{v:.3f}" for v in vals)])
-    text = ""
-    if own and "stmoe-plus" in p["curves"]:
-        a = recall_at_set_size(p["curves"]["stmoe-plus"], own)
-        b = recall_at_set_size(p["curves"]["stmoe"], own)
-        if a is not None and b is not None:
-            text = (
-                f" At ST-MoE's own mean set size ({own:.2f} experts), stmoe-plus recalls "
-                f"{a:.3f} against ST-MoE's {b:.3f}"
-            )
-            if a > b and p["set_size"].get("stmoe-plus", own) < own:
-                text += (
-                    f": at equal set size it predicts better; at its default set size "
-                    f"({p['set_size']['stmoe-plus']:.2f}, fewer experts than ST-MoE's) "
-                    "its recall can look lower"
-                )
-            text += "."
-    return [
-        "<h3>Recall at equal set size (the budget curve)</h3>",
-        "<p>Every prediction cut to its B highest-scored experts, B = 1..4K; recall is read at "
-        "the same mean set size for every predictor ('-': its sets never get that large). "
-        f"Tables profiled on the first half of the whole trace, replayed on the second "
-        f"({p['evaluated_tokens']} tokens), so the figures differ a little from the "
-        f"per-domain table.{_e(text)}</p>",
-        table(["predictor", *(f"recall at set size {lab} ({s:.2f})" for lab, s in sizes)], rows),
-        "<figure><img src='analysis/predictability.png' alt='Recall versus set size'>"
-        "<figcaption>Recall against mean set size, one colour and marker per predictor."
-        "</figcaption></figure>",
-    ]
 
 
 def _correlation(analysis: dict[str, Any]) -> str:

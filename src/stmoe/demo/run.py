@@ -64,6 +64,7 @@ def run_demo(
     ``quick``); speeds are their medians, with the range."""
     from stmoe.analysis.report import write_report
     from stmoe.demo.report import write_index
+    from stmoe.evaluate.equal_size import equal_set_size
     from stmoe.evaluate.replay import cross_domain_matrix, replay
     from stmoe.hf.capture_generate import capture_text
     from stmoe.hf.loading import load_model
@@ -97,6 +98,8 @@ def run_demo(
         result = replay(rest, names_for(rest), tables, capacity=2 * trace.top_k,
                         options={"seed": 0})
         per_domain[d] = result.to_dict()
+        per_domain[d]["equal_set_size"] = equal_set_size(rest, per_domain[d]["predictors"],
+                                                         tables, {"seed": 0})
     matrix = cross_domain_matrix(trace, "stmoe")
     _write_json(out / "eval.json", {"per_domain": per_domain, "cross_domain": matrix})
 
@@ -147,6 +150,7 @@ def _summary(trace: RoutingTrace, per_domain: dict, matrix: dict, analysis: dict
         "num_layers": trace.num_layers,
         "recall": by_domain("recall"),
         "set_size": by_domain("set_size"),
+        "equal_set_size": {d: r["equal_set_size"] for d, r in per_domain.items()},
         "pairs_significant": analysis["spatial"]["pairs_significant"],
         "pairs_total": analysis["spatial"]["pairs_total"],
         "overlap_ratio": analysis["temporal"]["overlap_ratio"],

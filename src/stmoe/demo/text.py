@@ -18,37 +18,57 @@ MODEL_CARD_HTML = "model-card.html"
 
 
 def headline(off: dict[str, Any]) -> str:
-    """The report's first sentence: decode speed of the headline systems, with the range,
-    the sizes they ran at, and each predictor against the LRU cache by the rounds' rule."""
+    """The report's one sentence: ST-MoE's and stmoe-plus's decode speed against an LRU
+    cache alone at real expert sizes, each with its verdict in plain words (``verdict``)."""
+    s = off["systems"]
+    plus = (f" and stmoe-plus at {s['stmoe-plus']['decode_tokens_per_s']:.1f} "
+            f"({verdict(off, 'stmoe-plus')})" if "stmoe-plus" in s else "")
+    rounds = (f"medians of {off['rounds']} rounds" if off["rounds"] > 1 else
+              "one run each: --rounds N gives medians and ranges")
+    return (f"At {setting(off)}, ST-MoE prefetching decodes at "
+            f"{s['stmoe']['decode_tokens_per_s']:.1f} tokens/s ({verdict(off, 'stmoe')})"
+            f"{plus}, against {s['lru-only']['decode_tokens_per_s']:.1f} for an LRU cache "
+            f"alone ({rounds}).")
+
+
+def setting(off: dict[str, Any]) -> str:
+    """Where a section ran, in a few words: its experts, cache and link."""
+    what = (f"real expert sizes ({off['expert_mib']:.1f} MiB experts, RANDOM weights"
+            if "routing" in off else
+            f"the shipped model's own sizes ({off['expert_mib'] * 1024:.0f} KiB experts")
+    return f"{what}, {off['capacity']} of each layer's cached, an EMULATED {off['link']}/s link)"
+
+
+def details(off: dict[str, Any]) -> str:
+    """What the headline leaves out, from the same runs: the other systems with their
+    ranges, how much on-demand loading waits, the ratios and the tokens' check."""
     s = off["systems"]
 
-    def speed(name: str, unit: str = "") -> str:
+    def speed(name: str) -> str:
         r = s[name]
         lo, hi = r["decode_tokens_per_s_range"]
-        spread = f" (range {lo:.1f}-{hi:.1f})" if unit and off["rounds"] > 1 else ""
-        return f"{r['decode_tokens_per_s']:.1f}{unit}{spread}"
+        spread = f" (range {lo:.1f}-{hi:.1f})" if off["rounds"] > 1 else ""
+        return f"{name} {r['decode_tokens_per_s']:.1f}{spread}"
 
-    how = (f"medians of {off['rounds']} interleaved rounds" if off["rounds"] > 1 else
-           "a single run each (no range; --rounds N gives medians)")
+    shown = [n for n in ("on-demand", "lru-only", "stmoe", "stmoe-plus", "stmoe-plus-all",
+                         "oracle") if n in s]
     same = (f"every run's tokens identical to {off['reference']}" if off["identical_tokens"]
             else f"NOT every run's tokens matched {off['reference']}")
-    every = (f" ({speed('stmoe-plus-all')} with every predicted load, admission off)"
-             if "stmoe-plus-all" in s else "")
-    compared = [n for n in ("stmoe", "stmoe-plus", "stmoe-plus-all") if n in s]
-    return (f"With {off['capacity']} of each layer's experts cached and the rest fetched over an "
-            f"EMULATED {off['link']}/s link, at {sizes(off)}, ST-MoE prefetching decodes at "
-            f"{speed('stmoe', ' tokens/s')}, against {speed('on-demand')} for on-demand "
-            f"loading and {speed('lru-only')} for an LRU cache alone, with stmoe-plus at "
-            f"{speed('stmoe-plus')}{every} and the oracle (perfect prediction) at "
-            f"{speed('oracle')} ({how}; {same}). Against the LRU cache alone: "
-            f"{'; '.join(versus(off, n) for n in compared)}.")
+    prefetching = [n for n in shown if n not in ("on-demand", "lru-only", "oracle")]
+    return (f"Decode tokens/s at {sizes(off)}: {'; '.join(speed(n) for n in shown)}. Against "
+            f"the LRU cache alone: {'; '.join(versus(off, n) for n in prefetching)}; {same}.")
 
 
 def sizes(off: dict[str, Any]) -> str:
     """Where a section ran: its expert size, its weights and routing, and how much of the
-    on-demand decode waited for weights (what prefetching can win back)."""
-    waited = off["systems"].get("on-demand", {}).get("stall_share")
-    wait = f"; on-demand loading waits for weights {waited:.0%} of its decode" if waited else ""
+    on-demand decode waited for weights (what prefetching can win back), with its range."""
+    od = off["systems"].get("on-demand", {})
+    waited, spread = od.get("stall_share"), od.get("stall_share_range")
+    wait = ""
+    if waited:
+        span = (f", {spread[0]:.0%}-{spread[1]:.0%} over the rounds"
+                if spread and off["rounds"] > 1 else "")
+        wait = f"; on-demand loading waits for weights {waited:.0%} of its decode{span}"
     if "routing" in off:
         return (f"real expert sizes ({off['expert_mib']:.1f} MiB experts, RANDOM weights "
                 f"replaying the shipped model's routing{wait})")
@@ -64,23 +84,28 @@ def shipped_line(off: dict[str, Any]) -> str:
             f"{versus(off, 'stmoe-plus')}.")
 
 
-VERSUS = {  # compare.against's verdicts, as the headline says them
-    "faster": "faster (the ranges apart)",
-    "as fast": "as fast or faster (the ranges overlap: not a clear win)",
-    "within noise": "as fast within noise (a lower median, the ranges overlap)",
-    "slower": "SLOWER (the ranges apart)",
-    "single run": "one run each, no range to tell noise from a difference",
+VERDICT = {  # compare.against's verdicts, in plain words
+    "faster": "faster: ranges apart",
+    "as fast": "no clear difference: ranges overlap",
+    "within noise": "no clear difference: ranges overlap",
+    "slower": "slower: ranges apart",
+    "single run": "one run: no verdict",
 }
 
 
-def versus(off: dict[str, Any], name: str) -> str:
-    """``name`` against lru-only by the benchmarks' rule (``evaluate.compare.against``):
-    its ratio of medians and what the rounds' ranges allow the headline to claim."""
+def verdict(off: dict[str, Any], name: str) -> str:
+    """``name`` against lru-only by the benchmarks' rule (``evaluate.compare.against``), in
+    plain words: "faster" or "slower" only when the rounds' ranges are apart."""
     s = off["systems"]
+    return VERDICT[against(s[name]["decode_tokens_per_s_runs"],
+                           s["lru-only"]["decode_tokens_per_s_runs"])]
 
-    how = against(s[name]["decode_tokens_per_s_runs"], s["lru-only"]["decode_tokens_per_s_runs"])
+
+def versus(off: dict[str, Any], name: str) -> str:
+    """``name`` against lru-only: its ratio of medians and the verdict (``verdict``)."""
+    s = off["systems"]
     ratio = s[name]["decode_tokens_per_s"] / s["lru-only"]["decode_tokens_per_s"]
-    return f"{name} {ratio:.2f}x, {VERSUS[how]}"
+    return f"{name} {ratio:.2f}x ({verdict(off, name)})"
 
 
 def _ms(seconds: float) -> str:
