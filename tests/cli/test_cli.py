@@ -54,6 +54,30 @@ def test_help_texts_keep_their_square_brackets(cli, command):
             assert " ".join(bracket.split()) in shown, (command, p.name, bracket)
 
 
+@pytest.mark.parametrize(("command", "most"), [("generate", 95), ("serve", 90)])
+def test_long_helps_group_every_option_under_a_heading(cli, command, most):
+    """generate's --help was 129 lines in one list, serve's 108 (issue 45): the options are
+    grouped by what they set, every one still listed once, each panel's options together."""
+    import typer.main
+
+    from stmoe.cli import app
+    from stmoe.cli.help_panels import CACHE, TIER, WEIGHTS
+
+    text = cli(command, "--help").output
+    assert len(text.splitlines()) <= most, text
+    params = typer.main.get_command(app).commands[command].params
+    headings = [line[:-1] for line in text.splitlines() if line and not line[0].isspace()
+                and line.endswith(":") and not line.startswith("Usage")]
+    assert {CACHE, TIER, WEIGHTS} <= set(headings) and headings[-1] == "Other options"
+    for p in params:
+        panel = getattr(p, "rich_help_panel", None)
+        assert panel in headings, (p.name, panel)  # every option has a heading
+        section = text.split(f"\n{panel}:\n")[1].split("\n\n")[0]
+        assert p.opts[0] + " " in section + " ", (p.name, panel)
+        listed = re.findall(rf"^  {re.escape(p.opts[0])}[ /]", text, re.M)
+        assert len(listed) == 1, p.name
+
+
 def test_top_level_help_lists_commands(cli):
     result = cli("--help")
     assert result.exit_code == 0

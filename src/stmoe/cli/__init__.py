@@ -30,6 +30,7 @@ from stmoe.cli import (
     train_tiny,
 )
 from stmoe.cli.common import friendly, out
+from stmoe.cli.help_panels import PanelCommand
 
 app = typer.Typer(
     help="ST-MoE expert prefetching for Mixture-of-Experts inference: routing traces, "
@@ -71,8 +72,8 @@ app.command("analyze")(friendly(analyze.analyze_cmd))
 app.command("demo")(friendly(demo.demo_cmd))
 app.command("make-model")(friendly(make_model.make_model_cmd))
 app.command("pack")(friendly(pack.pack_cmd))
-app.command("generate")(friendly(generate.generate_cmd))
-app.command("serve")(friendly(serve.serve_cmd))
+app.command("generate", cls=PanelCommand)(friendly(generate.generate_cmd))
+app.command("serve", cls=PanelCommand)(friendly(serve.serve_cmd))
 app.command("calibrate")(friendly(calibrate.calibrate_cmd))
 app.command("train-tiny")(friendly(train_tiny.train_tiny_cmd))
 

@@ -22,6 +22,7 @@ from stmoe.cli.common import (
     write_json,
 )
 from stmoe.cli.generate_report import rows, summary
+from stmoe.cli.help_panels import MODEL, OUTPUT
 from stmoe.cli.offload_options import (
     AdmissionOpt,
     BandwidthOpt,
@@ -45,6 +46,7 @@ from stmoe.cli.offload_options import (
     checked_model,
     offload_for,
 )
+from stmoe.cli.warm_up import warm_up
 from stmoe.errors import StmoeError, StmoeNote, TraceError
 from stmoe.runtime.options import OffloadOptions
 
@@ -56,37 +58,29 @@ _DEFAULT = OffloadOptions()  # the one place the offload defaults are written
 
 def generate_cmd(
     prompt: Annotated[
-        str | None, typer.Option(help="The prompt text (required unless --routing is given).")
+        str | None, typer.Option(help="The prompt (or --routing).", rich_help_panel=MODEL)
     ] = None,
     model: ModelOpt = None,
     store: StoreOpt = None,
     max_new_tokens: Annotated[
         int | None,
-        typer.Option(
-            help="Tokens to generate (>= 1). Default: 32, or with --routing the "
-            "sequence's decode tokens + 1."
-        ),
+        typer.Option(help="Tokens to generate (>= 1). Default: 32; with --routing the "
+                     "sequence's decode tokens + 1.", rich_help_panel=MODEL),
     ] = None,
     routing: Annotated[
         Path | None,
-        path_option(
-            help="A routing trace (any format `stmoe import` reads) whose expert choices "
-            "replace the model's router at every token and MoE layer: the prompt is the "
-            "sequence's prefill, then its decode tokens in order (the model's first L "
-            "layers). Measures real routing at this model's sizes, e.g. on a `stmoe "
-            "make-model` checkpoint; the text is meaningless and not shown."
-        ),
+        path_option(help="Replay a trace's routing (any `stmoe import` format) in place of "
+                    "the router, e.g. on a `stmoe make-model` checkpoint (the text is then "
+                    "meaningless: not shown).", rich_help_panel=MODEL),
     ] = None,
     sequence: Annotated[
-        int, typer.Option(help="Which sequence of the --routing trace to replay (0 = first).")
+        int, typer.Option(help="Which sequence of --routing (0 = first).",
+                          rich_help_panel=MODEL)
     ] = 0,
     layers: Annotated[
         str | None,
-        typer.Option(
-            help="With --routing: the trace's MoE layers the model replays, N (the first N) "
-            "or A:B (layers A to B-1, a cut from the middle of the model); as many as the "
-            "model has. Default: the trace's first L, the model's."
-        ),
+        typer.Option(help="The trace's layers replayed: N (the first N) or A:B, as many as "
+                     "the model has. Default: its first.", rich_help_panel=MODEL),
     ] = None,
     capacity: CapacityOpt = None,
     memory: MemoryOpt = None,
@@ -101,33 +95,27 @@ def generate_cmd(
     latency: LatencyOpt = f"{_DEFAULT.latency:g}",
     workers: WorkersOpt = _DEFAULT.workers,
     threads: ThreadsOpt = None,
-    repeat: Annotated[
-        int,
-        typer.Option(
-            help="Runs (1 to 1000), each from an empty cache; the figures are the median and "
-            "[min, max] over them (one run's speed swings widely on a shared machine)."
-        ),
-    ] = 1,
     weights: FormatOpt = _DEFAULT.format,
     group_size: GroupSizeOpt = _DEFAULT.group_size,
     in_place: InPlaceOpt = _DEFAULT.in_place,
     quantize_resident: QuantizeResidentOpt = _DEFAULT.quantize_resident,
+    repeat: Annotated[
+        int,
+        typer.Option(help="Runs (1 to 1000), each from an empty cache: median [min, max].",
+                     rich_help_panel=OUTPUT),
+    ] = 1,
     json_out: Annotated[
         Path | None,
-        path_option(
-            "--json",
-            help="Write the measurements (and tokens) as JSON ('-': print them on stdout "
-            "instead of the text and tables).",
-        ),
+        path_option("--json", help="Write the measurements and tokens as JSON ('-': on "
+                    "stdout, instead of the text and tables).", rich_help_panel=OUTPUT),
     ] = None,
 ) -> None:
     """Generate greedily with the model's routed experts offloaded, and measure it.
 
-    Experts live in an expert store; a bounded per-layer cache holds some in
-    memory and the predictor loads the next layer's experts while the current
-    layer computes. Output tokens are bit-identical to the resident model's.
-    Prints the text, then decode tokens/s, time to first token, hit rate,
-    prefetch recall and precision, bytes moved and wasted, and stall share.
+    A per-layer cache holds some experts; the predictor loads the next layer's while
+    a layer computes. Tokens are bit-identical to the resident model's. Prints the
+    text, then speed, time to first token, hit rate, recall, bytes and stall share
+    (the predictor's kernels compiled before the timed run).
     """
     _check_generate_options(max_new_tokens, max_loads, workers, threads)
     check_range("--repeat", repeat, 1, 1000)
@@ -149,6 +137,7 @@ def generate_cmd(
                      max_loads=max_loads, lookahead=lookahead, admission=admission,
                      format=weights, group_size=group_size, in_place=in_place,
                      quantize_resident=quantize_resident) as om:
+        compiled = warm_up(om)  # outside the timer: numba's first calls compile or load
         if routing is not None:
             run = _replay(om, routing, sequence, max_new_tokens, layers)
         else:
@@ -160,6 +149,7 @@ def generate_cmd(
             raise StmoeError(f"run {i} generated other tokens than run 1; the offloaded "
                              "output must not change between runs")
     data = summary(runs)
+    data["warm_up_s"] = compiled
     if to_stdout:
         print_json(data)
         return
@@ -174,6 +164,9 @@ def generate_cmd(
               "--repeat N reports their median and [min, max]" if repeat == 1 else
               f"median [min, max] of {repeat} runs, each from an empty cache; the same "
               "tokens in every run", markup=False)
+    out.print(f"before timing: the predictor's and the cache's kernels compiled or loaded "
+              f"({compiled:.1f} s; compiled once per install, then loaded from numba's cache)",
+              markup=False)
     write_json(data, json_out)
 
 

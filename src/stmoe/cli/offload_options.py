@@ -9,158 +9,127 @@ from typing import Annotated, Any
 import typer
 
 from stmoe.cli.common import path_option
-from stmoe.cli.pack import FORMAT_HELP, GROUP_HELP, IN_PLACE_HELP
+from stmoe.cli.help_panels import CACHE, MODEL, TIER, WEIGHTS
+from stmoe.cli.pack import GROUP_HELP
 from stmoe.runtime.options import OffloadOptions
 
 _DEFAULT = OffloadOptions()  # the one place the offload defaults are written
 
 ModelOpt = Annotated[
     Path | None,
-    path_option(
-        help="Local transformers MoE checkpoint folder. Default: stmoe's shipped model."
-    ),
+    path_option(help="Local transformers MoE checkpoint folder. Default: stmoe's shipped "
+                "model.", rich_help_panel=MODEL),
 ]
 
 StoreOpt = Annotated[
     Path | None,
-    path_option(
-        help="Expert store from `stmoe pack`. Default: packed on first use into "
-        "~/.cache/stmoe/stores (STMOE_CACHE overrides)."
-    ),
+    path_option(help="Expert store (`stmoe pack`). Default: a copy of the model's experts "
+                "packed on first use into ~/.cache/stmoe/stores (STMOE_CACHE overrides).",
+                rich_help_panel=MODEL),
 ]
 
 CapacityOpt = Annotated[
     str | None,
-    typer.Option(
-        help="Cache size: experts per layer (8, at most the model's N), a share of "
-        "the experts (50%, at most 100%), or a total size in bytes for the whole model "
-        "(64MB; a larger budget than all experts caches them all). At least the router's "
-        f"top-k. Default: {_DEFAULT.capacity} (or what --memory leaves)."
-    ),
+    typer.Option(help="Experts cached per layer (8), a share (50%) or bytes for the whole "
+                 f"model (64MB); >= top-k. Default: {_DEFAULT.capacity}.", rich_help_panel=CACHE),
 ]
 
 MemoryOpt = Annotated[
     str | None,
-    typer.Option(
-        help="A memory budget for the whole process, page cache included (e.g. 10GB): "
-        "the expert cache is sized from it once the non-expert weights are loaded (the "
-        "split is printed; on the gpu tiers the slots from the GPU's free memory, less the "
-        "resident weights and KV cache). In place of --capacity."
-    ),
+    typer.Option(help="Instead of --capacity: a budget for the whole process, page cache "
+                 "included (10GB); the cache gets what the other weights leave (printed; gpu "
+                 "tiers: of the GPU's free memory).", rich_help_panel=CACHE),
 ]
 
 PredictorOpt = Annotated[
     str,
-    typer.Option(
-        help="Prefetch predictor: stmoe, stmoe-plus, hybrid (tables + gate "
-        "lookahead), gate-lookahead, ondemand (no prefetch), random, oracle (a first "
-        "pass learns the routing), or any other `stmoe eval` predictor."
-    ),
+    typer.Option(help="stmoe, stmoe-plus, hybrid (+ gate lookahead), gate-lookahead, ondemand "
+                 "(no prefetch), random, oracle, or any `stmoe eval` predictor.",
+                 rich_help_panel=CACHE),
 ]
 
 TablesOpt = Annotated[
     Path | None,
-    path_option(
-        help="Profiled tables (`stmoe profile`) for table predictors. Default: "
-        "those shipped with the default model."
-    ),
+    path_option(help="Tables from `stmoe profile`. Default: the shipped model's.",
+                rich_help_panel=CACHE),
 ]
 
 PolicyOpt = Annotated[
     str,
-    typer.Option(
-        help="Eviction: lru (never evicting an expert predicted for the coming layer; "
-        "'predicted' is its former name), lfu, or none (no reuse: plain on-demand "
-        "offloading). See stmoe.cache_policy."
-    ),
+    typer.Option(help="Eviction: lru (keeping what is predicted next; alias: predicted), lfu "
+                 "or none (no reuse).", rich_help_panel=CACHE),
 ]
 
 MaxLoadsOpt = Annotated[
     int | None,
-    typer.Option(
-        help="Loads one prediction may start per layer (its most confident "
-        "experts not yet cached; >= 0). Default: the capacity."
-    ),
+    typer.Option(help="Loads one prediction may start per layer (>= 0). Default: the "
+                 "capacity.", rich_help_panel=CACHE),
 ]
 
 LookaheadOpt = Annotated[
     str,
-    typer.Option(
-        help="Gate lookahead of hybrid and gate-lookahead: late (the next layer's "
-        "router on its own input, predicted as that layer starts: closer to the "
-        "router, less time to load), early (on this layer's MoE input, predicted as "
-        "this layer routes), or auto (late where the model's norms are recognised)."
-    ),
+    typer.Option(help="hybrid's and gate-lookahead's: late (the next layer's router on its "
+                 "input), early (on this layer's MoE input) or auto (late where known).",
+                 rich_help_panel=CACHE),
 ]
 
 AdmissionOpt = Annotated[
     bool,
-    typer.Option(
-        help="Decide per layer, from what the run measures (the predictor's precision "
-        "by rank, the tier's read time and busy share, the layer's time), whether a "
-        "prefetch is worth its bytes; a layer whose prefetch loses falls back to the "
-        "plain cache and probes again later. --no-admission: every predicted load."
-    ),
+    typer.Option(help="Per layer, prefetch only while the run measures that it pays; "
+                 "--no-admission: every predicted load.", rich_help_panel=CACHE),
 ]
 
 TierOpt = Annotated[
     str,
-    typer.Option(
-        help="disk (real reads, page cache bypassed), emulated (host memory "
-        "behind a link of --bandwidth and --latency; EMULATED), gpu (the store in pinned "
-        "host memory, the cache in the GPU's), or gpu-disk (disk reads through pinned "
-        "bounce buffers to the GPU's cache: a model bigger than host RAM; --in-place too)."
-    ),
+    typer.Option(help="disk (page cache bypassed), emulated (host memory behind --bandwidth "
+                 "and --latency; EMULATED), gpu (pinned host store, GPU cache) or gpu-disk "
+                 "(disk to the GPU's cache through pinned buffers: a model bigger than host "
+                 "RAM; --in-place too).", rich_help_panel=TIER),
 ]
 
 BandwidthOpt = Annotated[
     str | None,
-    typer.Option(
-        help="Emulated link bandwidth in bytes/s, e.g. 200MB (at least 1KB; --tier "
-        "emulated only)."
-    ),
+    typer.Option(help="Emulated link's bytes/s, e.g. 200MB (>= 1KB).", rich_help_panel=TIER),
 ]
 
 LatencyOpt = Annotated[
     str,
-    typer.Option(
-        help="Emulated link latency per transfer, e.g. 50us or 2ms (0 to 60 s; --tier "
-        "emulated only)."
-    ),
+    typer.Option(help="Emulated link's latency per transfer, e.g. 50us (0 to 60 s).",
+                 rich_help_panel=TIER),
 ]
 
 WorkersOpt = Annotated[
     int | None,
-    typer.Option(
-        help="Prefetch worker threads, 0 (no prefetching) to 64 (default: 2 for "
-        "disk and gpu-disk, 1 for the single-link emulated and gpu tiers)."
-    ),
+    typer.Option(help="Prefetch threads, 0 to 64. Default: 2 (disk, gpu-disk), 1 (emulated, "
+                 "gpu).", rich_help_panel=TIER),
 ]
 
 ThreadsOpt = Annotated[
     int | None,
-    typer.Option(
-        help="torch compute threads, 1 to 1024 (default: torch's, one per core; on 2 cores "
-        "2 threads decoded 1.2-1.4x faster than 1 while prefetching: "
-        "benchmarks/bench_threads.py)."
-    ),
+    typer.Option(help="torch threads, 1 to 1024. Default: one per core "
+                 "(benchmarks/bench_threads.py).",
+                 rich_help_panel=TIER),
 ]
 
 FormatOpt = Annotated[
     str | None,
-    typer.Option("--format", help=FORMAT_HELP + " Default: the --store's own, else native "
-                 "(a store in the format is packed on first use)."),
+    typer.Option("--format", help="Expert weights: native (lossless), int8 or int4 (lossy: "
+                 "docs/benchmarks.md). Default: the --store's, else native.",
+                 rich_help_panel=WEIGHTS),
 ]
 
-GroupSizeOpt = Annotated[int | None, typer.Option(help=GROUP_HELP)]
+GroupSizeOpt = Annotated[int | None, typer.Option(help=GROUP_HELP, rich_help_panel=WEIGHTS)]
 
-InPlaceOpt = Annotated[bool, typer.Option("--in-place", help=IN_PLACE_HELP)]
+InPlaceOpt = Annotated[
+    bool,
+    typer.Option("--in-place", help="No copy: read the native experts from the checkpoint's "
+                 "safetensors (an index made once). Disk tiers.", rich_help_panel=WEIGHTS),
+]
 
 QuantizeResidentOpt = Annotated[
     str | None,
-    typer.Option(help="Quantize the resident linears too (attention, shared experts, "
-                 "lm_head), int8 or int4 (lossy; routers and gates stay native). Default: "
-                 "native."),
+    typer.Option(help="int8 or int4 for attention, shared experts and lm_head too (lossy). "
+                 "Default: native.", rich_help_panel=WEIGHTS),
 ]
 
 

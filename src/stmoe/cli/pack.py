@@ -22,13 +22,15 @@ VERIFY_HELP = ("Write nothing: prove OUTPUT is what packing MODEL_DIR gives (eve
                "file hashed again, every block re-derived and compared with the store's entry "
                "and bytes; for an in-place index, its extents and every block's checksum). "
                "The cost of one pack's read; for a store from someone else.")
-GROUP_HELP = ("int4's group size: 32, 64, 128 or 256 weights per scale and zero (default: the "
-              "largest of 128, 64, 32 that divides every expert matrix's input width).")
+GROUP_HELP = ("int4's weights per scale and zero: 32, 64, 128 or 256. Default: the largest of "
+              "128, 64, 32 dividing every expert matrix's input width.")
 
 
 def pack_cmd(
-    model_dir: Annotated[Path, path_argument(metavar="MODEL_DIR", help="Local checkpoint folder.")],
     output: Annotated[Path, path_option("--output", "-o", help="Store folder to write.")],
+    model_dir: Annotated[Path | None, path_argument(
+        metavar="MODEL_DIR", help="Local checkpoint folder. Default: stmoe's shipped model.",
+        show_default=False)] = None,
     weights: Annotated[str, typer.Option("--format", help=FORMAT_HELP)] = "native",
     group_size: Annotated[int | None, typer.Option(help=GROUP_HELP)] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help=IN_PLACE_HELP + " Writes "
@@ -46,8 +48,11 @@ def pack_cmd(
     written: an existing OUTPUT is proven to be MODEL_DIR's (docs/runtime.md says
     what an index edited by hand can and cannot do without it).
     """
+    from stmoe.models import SHIPPED_MODEL
     from stmoe.quant import parse_format
     from stmoe.runtime.store import ExpertStore, StoreError, pack_folder
+
+    model_dir = Path(SHIPPED_MODEL) if model_dir is None else model_dir
 
     if verify:
         from stmoe.runtime.store.verify import verify_store

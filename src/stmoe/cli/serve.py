@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from stmoe.cli.common import check_range, out
+from stmoe.cli.help_panels import SERVER
 from stmoe.cli.offload_options import (
     _DEFAULT,
     AdmissionOpt,
@@ -29,6 +30,7 @@ from stmoe.cli.offload_options import (
     checked_model,
     offload_for,
 )
+from stmoe.cli.warm_up import warm_up
 from stmoe.errors import StmoeError
 
 if TYPE_CHECKING:
@@ -38,20 +40,19 @@ if TYPE_CHECKING:
 def serve_cmd(
     model: ModelOpt = None,
     store: StoreOpt = None,
-    host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine "
-                                      "only; 0.0.0.0: every interface, unauthenticated).")]
-    = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port, 1 to 65535.")] = 8000,
-    max_batch: Annotated[int, typer.Option(help="Requests decoding together in each step, "
-                                           "1 to 64 (more wait in the queue). With "
-                                           "--quantize-resident int8|int4 a decode step is "
-                                           "one batched forward (the kernels keep each row's "
-                                           "bits; attention and routers row by row); in bf16 "
-                                           "each request's rows alone.")] = 4,
+    host: Annotated[str, typer.Option(help="Address to listen on: 127.0.0.1 (this machine) "
+                                      "or 0.0.0.0 (every interface, unauthenticated).",
+                                      rich_help_panel=SERVER)] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port, 1 to 65535.",
+                                      rich_help_panel=SERVER)] = 8000,
+    max_batch: Annotated[int, typer.Option(help="Requests decoding together in each step, 1 "
+                                           "to 64 (with --quantize-resident int8|int4 one "
+                                           "batched forward; docs/serve.md).",
+                                           rich_help_panel=SERVER)] = 4,
     max_queue: Annotated[int, typer.Option(help="Requests waiting for a place, 0 to 10000; "
-                                           "beyond it a request gets 429.")] = 16,
-    name: Annotated[str | None, typer.Option(help="The model's name in the API (the "
-                                             "`model` field). Default: the folder's name.")]
+                                           "beyond it 429.", rich_help_panel=SERVER)] = 16,
+    name: Annotated[str | None, typer.Option(help="The model's name in the API. Default: the "
+                                             "folder's name.", rich_help_panel=SERVER)]
     = None,
     capacity: CapacityOpt = None,
     memory: MemoryOpt = None,
@@ -69,7 +70,8 @@ def serve_cmd(
     in_place: InPlaceOpt = _DEFAULT.in_place,
     quantize_resident: QuantizeResidentOpt = _DEFAULT.quantize_resident,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level: warning, info "
-                                           "(one line per request) or debug.")] = "info",
+                                           "(one line per request) or debug.",
+                                           rich_help_panel=SERVER)] = "info",
 ) -> None:
     """Serve the model over HTTP with the OpenAI API, its experts offloaded.
 
@@ -101,6 +103,7 @@ def serve_cmd(
                      in_place=in_place,
                      quantize_resident=quantize_resident,
                      lookahead=_lookahead(predictor)) as om:
+        warm_up(om)  # the first request does not wait for numba's kernels
         service = Service(om, name or model.name, max_batch=max_batch, max_queue=max_queue)
         c = om.config
         out.print(f"serving {service.name} on http://{host}:{port}/v1 ({c['weights_label']} "
