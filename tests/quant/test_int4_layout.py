@@ -14,13 +14,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from stmoe.errors import OffloadError  # noqa: E402
 from stmoe.quant import parse_format  # noqa: E402
-from stmoe.quant.cuda_kernels import dequantized_linear, inner_k_tiles  # noqa: E402
+from stmoe.quant.cuda_kernels import (  # noqa: E402
+    cuda_int4_shape,
+    dequantized_linear,
+    inner_k_tiles,
+)
 from stmoe.quant.int4_layout import (  # noqa: E402
     LAYOUTS,
     cpu_layout,
     cuda_nibbles,
     dequantize_int4,
+    from_cuda_nibbles,
     pack_cpu_int4,
     unpack_cpu_int4,
 )
@@ -115,3 +121,23 @@ def test_quantize_then_unpack_gives_what_the_cpu_kernel_computes(group):
 def test_cuda_tiling_of_each_width():
     assert [inner_k_tiles(k) for k in (32, 64, 96, 128, 256, 2048, 48)] == [2, 4, 2, 8, 8, 8,
                                                                           None]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_stored_bytes_to_cudas_nibbles_and_back_are_exactly_the_stored_bytes(layout, shape):
+    """The conversion a gpu cache makes at load (stored CPU layout -> values -> the nibble
+    pairs CUDA's converter takes) loses nothing: undone, it gives back every stored byte."""
+    stored = pack_cpu_int4(_values(*shape, seed=3), layout)
+    nibbles = cuda_nibbles(unpack_cpu_int4(stored, layout))
+    assert nibbles.shape == stored.shape and nibbles.dtype == torch.uint8
+    assert torch.equal(pack_cpu_int4(from_cuda_nibbles(nibbles), layout), stored)
+
+
+def test_cudas_int4_layout_holds_the_stored_bytes():
+    for n, k in [(16, 32), (64, 128), (512, 2048), (2048, 512)]:
+        shape = cuda_int4_shape(n, k)
+        assert 4 * torch.Size(shape).numel() == n * k // 2  # int32, as many bytes
+        assert shape[0] == n // 8 and shape[2] == 32
+    with pytest.raises(OffloadError, match="multiple of 32"):
+        cuda_int4_shape(16, 48)

@@ -59,12 +59,14 @@ def test_the_budget_measures_the_process_with_its_predictor_made(tmp_path, monke
     """The predictor (its tables, stmoe-plus's compiled kernels: tens of MiB) is made
     before the process is measured, so the cache's share of the budget leaves room for it."""
     import stmoe.runtime.api as api
+    import stmoe.runtime.placement as placement
 
     order = []
-    real_resolve, real_measure = api.resolve_predictor, api.process_bytes
+    real_resolve, real_measure = api.resolve_predictor, placement.process_bytes
     monkeypatch.setattr(api, "resolve_predictor",
                         lambda *a: order.append("predictor") or real_resolve(*a))
-    monkeypatch.setattr(api, "process_bytes", lambda m: order.append("measured") or real_measure(m))
+    monkeypatch.setattr(placement, "process_bytes",
+                        lambda m: order.append("measured") or real_measure(m))
     store = pack(tiny_model("qwen3_moe")[0], tmp_path / "store")
     with offload(tiny_model("qwen3_moe")[0], store, memory="64GB", predictor="ondemand"):
         assert order == ["predictor", "measured"]

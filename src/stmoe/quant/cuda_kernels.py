@@ -47,6 +47,16 @@ def int4_kernel_takes(k: int, dtype: torch.dtype) -> bool:
             and has_cuda_kernel("_weight_int4pack_mm"))
 
 
+def cuda_int4_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """The shape (int32) of an ``[n, k]`` int4 matrix in CUDA's kernel layout: the stored
+    ``[n, k / 2]`` bytes' count, arranged as ``_convert_weight_to_int4pack`` makes them."""
+    tiles = inner_k_tiles(k)
+    if tiles is None or n % 8:
+        raise OffloadError(f"an int4 matrix {n} x {k}: CUDA's int4 layout needs the rows a "
+                           "multiple of 8 and the width a multiple of 32")
+    return (n // 8, k // (16 * tiles), 32, tiles // 2)
+
+
 def to_cuda_int4(qweight: torch.Tensor, layout: str | None = None,
                  device: torch.device | str = "cuda") -> torch.Tensor:
     """A stored int4 matrix (``[n, k / 2]`` uint8 in the CPU ``layout``: this process's by

@@ -88,6 +88,13 @@ def cuda_nibbles(values: torch.Tensor) -> torch.Tensor:
     return ((q[:, 0::2] << 4) | q[:, 1::2]).contiguous()
 
 
+def from_cuda_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """``cuda_nibbles``' inverse: the values (uint8, 0..15, ``[n, k]``) of ``[n, k / 2]``
+    nibble pairs as CUDA's converter takes them."""
+    hi, lo = nibbles >> 4, nibbles & 15
+    return torch.stack([hi, lo], dim=-1).reshape(nibbles.shape[0], -1).contiguous()
+
+
 def dequantize_int4(values: torch.Tensor, qscale: torch.Tensor, group: int) -> torch.Tensor:
     """The matrix (float32, ``[n, k]``) of int4 ``values`` with scales and zeros ``qscale``
     (``[k / group, n, 2]``): ``(q - 8) x scale + zero``, the kernels' convention."""

@@ -85,7 +85,8 @@ def load_transient(state: EngineState, cache: LayerCache, expert: int,
     for p in cache.params:
         t = torch.empty(p.shape, dtype=p.dtype, device=cache.device)
         t.view(-1).view(torch.uint8).copy_(src[p.offset : p.offset + p.nbytes])
-        out[p.name] = t
+        lay = cache.layouts.get(p.name)  # as the slots hold it (gathered beside them)
+        out[p.name] = lay.convert(t) if lay is not None else t
     took = time.perf_counter() - start
     with state.cv:
         state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took, overflow=True)

@@ -31,47 +31,26 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from stmoe import cache_policy as cp
 from stmoe.errors import OffloadError
-from stmoe.runtime.store import Block
+from stmoe.runtime.slot_layout import (
+    ParamSpec,
+    SlotLayout,
+    device_layouts,
+    param_specs,
+    torch_dtype,
+)
+
+__all__ = ["FREE", "LOADING", "POLICIES", "READY", "TEMP", "LayerCache", "ParamSpec",
+           "param_specs", "populate_pages", "torch_dtype"]
 
 FREE, LOADING, READY = 0, 1, 2
 TEMP = -1  # ``copy_row``'s one-expert buffer (breaks a cycle of moves)
 POLICIES = cp.names_for(cp.RUNTIME)  # the policy names the runtime accepts
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One per-expert parameter: where its bytes sit inside a store block."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"unknown tensor dtype {name!r} in the store")
-    return dtype
-
-
-def param_specs(block: Block) -> list[ParamSpec]:
-    specs = []
-    for t in block.tensors:
-        dtype = torch_dtype(t.dtype)
-        count = 1
-        for d in t.shape:
-            count *= d
-        specs.append(ParamSpec(t.name, dtype, t.shape, t.offset, count * dtype.itemsize))
-    return specs
 
 
 _NO_FUTURE = np.zeros(0, dtype=np.int64)  # the runtime cannot see next uses (no belady)
@@ -96,8 +75,12 @@ class LayerCache:
     """``capacity`` slots for one layer's experts; see the module docstring."""
 
     def __init__(self, layer: int, capacity: int, params: list[ParamSpec], num_experts: int,
-                 policy: str, device: torch.device) -> None:
+                 policy: str, device: torch.device,
+                 layouts: dict[str, SlotLayout] | None = None) -> None:
         self.layer = layer
+        # parameters a slot holds in another layout than the store's (int4 on CUDA: the
+        # kernel's), converted after each copy lands (``convert``); default: the device's
+        self.layouts = device_layouts(params, device) if layouts is None else layouts
         self.capacity = capacity
         self.params = params
         self.policy = policy
@@ -116,7 +99,7 @@ class LayerCache:
         # a slot can be read into straight from the store when its tensors sit end to end
         # in the block, in this order (one read, no copy: ``slot_parts``)
         ends = [p.offset + p.nbytes for p in params]
-        self.in_block_order = device.type == "cpu" and all(
+        self.in_block_order = device.type == "cpu" and not self.layouts and all(
             p.offset == (ends[i - 1] if i else 0) for i, p in enumerate(params))
         self.where: dict[int, int] = {}  # expert -> slot
         self.holder = [-1] * capacity
@@ -138,8 +121,10 @@ class LayerCache:
     def _slab(self, p: ParamSpec, device: torch.device) -> torch.Tensor:
         """``reserved`` rows of parameter ``p``; on the CPU in page-aligned private memory,
         so that O_DIRECT can read into a row (rows of page-multiple size stay aligned)."""
+        lay = self.layouts.get(p.name)
+        shape, dtype = (lay.shape, lay.dtype) if lay else (p.shape, p.dtype)
         if device.type != "cpu":
-            return torch.empty((self.capacity, *p.shape), dtype=p.dtype, device=device)
+            return torch.empty((self.capacity, *shape), dtype=dtype, device=device)
         try:
             memory = mmap.mmap(-1, max(1, self.reserved * p.nbytes),
                                flags=mmap.MAP_PRIVATE | _MAP_NORESERVE)
@@ -150,7 +135,7 @@ class LayerCache:
         populate_pages(memory, self.capacity * p.nbytes)
         rows = len(memory) // max(1, p.nbytes)
         flat = torch.frombuffer(memory, dtype=torch.uint8, count=rows * p.nbytes)
-        return flat.view(p.dtype).view(rows, *p.shape)
+        return flat.view(dtype).view(rows, *shape)
 
     def slot_parts(self, slot: int) -> list[np.ndarray] | None:
         """Row ``slot``'s memory (a slot, or a spare row past the capacity) as one uint8
@@ -165,6 +150,16 @@ class LayerCache:
         asynchronously (``store.loader``: a device cache's slot, its ``SlotEvents``)."""
         order = sorted(self.params, key=lambda p: p.offset)
         return [self.rows[p.name][slot].view(-1).view(torch.uint8) for p in order]
+
+    def convert(self, slot: int) -> None:
+        """Row ``slot``'s parameters that the slot holds in another layout, converted in
+        place from the store's bytes just copied there (queued after the copy, on its
+        stream: the caller's)."""
+        for p in self.params:
+            if (lay := self.layouts.get(p.name)) is not None:
+                row = self.rows[p.name][slot]
+                row.copy_(lay.convert(row.view(-1).view(torch.uint8).view(p.dtype)
+                                      .view(p.shape)).view(row.shape))
 
     def copy_row(self, src: int, dst: int, temp: dict[str, torch.Tensor]) -> None:
         """Copy row ``src`` to row ``dst`` (either may be ``TEMP``: the one-expert ``temp``)."""
@@ -257,6 +252,7 @@ class LayerCache:
             for p in self.params:
                 dst = self.rows[p.name][slot].view(-1).view(torch.uint8)
                 dst.copy_(src[p.offset : p.offset + p.nbytes], non_blocking=non_blocking)
+            self.convert(slot)
         if stream is not None:
             stream.synchronize()  # type: ignore[attr-defined]
 

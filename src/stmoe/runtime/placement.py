@@ -18,7 +18,6 @@ import torch
 from stmoe.predictors.base import ModelShape
 from stmoe.quant.linears import device_linears
 from stmoe.runtime.accelerator import GPU_TIERS, Accelerator, accelerator
-from stmoe.runtime.hf_glue import move_resident
 from stmoe.runtime.memory import (
     MemoryPlan,
     model_kv_bytes,
@@ -87,3 +86,18 @@ def gpu_plan(model: torch.nn.Module, store: ExpertStore, options: OffloadOptions
     else:
         host, what = DEFAULT_BUFFERS * bounce_bytes(store), "of pinned bounce buffers"
     return plan_gpu_memory(memory, process, reads, host, what, device)
+
+
+def move_resident(model: torch.nn.Module, device: torch.device) -> None:
+    """Every non-meta parameter and buffer of ``model`` onto ``device`` (the experts stay in
+    the store), each parameter keeping its ``requires_grad``: on the CPU a model whose
+    weights do not require grad computes a prompt's logits with other last bits (seen on
+    the tiny Qwen3-MoE), and the reference is the model as it was loaded."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and not p.is_meta:
+                module._parameters[name] = torch.nn.Parameter(p.data.to(device),
+                                                              requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and not b.is_meta:
+                module._buffers[name] = b.to(device)

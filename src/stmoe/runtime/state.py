@@ -33,7 +33,7 @@ from stmoe.runtime.slot_events import SlotEvents
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.step import Step
 from stmoe.runtime.store import ExpertStore
-from stmoe.runtime.store.device_ops import CopyEvent, DeviceOps
+from stmoe.runtime.store.device_ops import CopyEvent, CopySpan, DeviceOps
 from stmoe.runtime.store.index import Block
 from stmoe.runtime.store.loader import Loader
 from stmoe.runtime.store.tiers import Between, buffer_bytes
@@ -147,7 +147,14 @@ class EngineState:
         if events is None:  # the copy has landed when ``fill`` returns
             return self.loader.fill(cache, slot, block, buf, stream, between)
         events.before_write(slot, stream)
-        return self.loader.fill(cache, slot, block, buf, stream, between, wait=False)
+        ready = self.loader.fill(cache, slot, block, buf, stream, between, wait=False)
+        ops = self.device_ops()
+        if cache.layouts and ready is not None and ops is not None:  # the slot's own layout,
+            ops.launch(stream, lambda: cache.convert(slot))  # made on its stream
+            end = ops.record(stream)
+            ready = CopySpan(ready.start, end, ready.nbytes) if isinstance(ready, CopySpan) \
+                else end
+        return ready
 
     def filled(self, cache: LayerCache, slot: int, ready: CopyEvent | None) -> None:
         """(lock held) ``slot``'s copy is queued (or landed): READY for the compute, which

@@ -50,6 +50,10 @@ class DeviceOps(Protocol):
         """Seconds from ``start`` to ``end`` (both recorded here, both completed)."""
         ...
 
+    def launch(self, stream: object, work: Callable[[], None]) -> None:
+        """Queue ``work``'s device work on ``stream`` (after what is queued there)."""
+        ...
+
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: object) -> CopyEvent:
         """Queue ``dst.copy_(src)`` on ``stream``; the event completes after it."""
         ...
@@ -110,6 +114,10 @@ class CudaOps:
 
     def elapsed(self, start: CopyEvent, end: CopyEvent) -> float:
         return float(start.elapsed_time(end)) / 1e3  # type: ignore[attr-defined]
+
+    def launch(self, stream: object, work: Callable[[], None]) -> None:
+        with torch.cuda.stream(stream):  # type: ignore[arg-type]
+            work()
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: object) -> CopyEvent:
         s = stream if stream is not None else torch.cuda.current_stream()

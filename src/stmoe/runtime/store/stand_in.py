@@ -132,6 +132,14 @@ class HostThreadOps:
     def record(self, stream: object) -> CopyEvent:
         return self._submit(None, stream)
 
+    def launch(self, stream: object, work: Callable[[], None]) -> None:
+        """The work runs on the stream's thread, after what is queued there (None: the
+        compute's, the host: now)."""
+        if stream is None:
+            work()
+        else:
+            self._submit(work, stream)
+
     def wait(self, stream: object, event: CopyEvent) -> None:
         """None, the compute's "stream", is the host here (the CPU computes as it is
         called): the host waits. A copy stream waits in its queue, as a device would."""
