@@ -33,14 +33,15 @@ import torch
 from stmoe.admission import record_call
 from stmoe.errors import OffloadError
 from stmoe.runtime.arrange import gather, load_transient, plan_id_order, read_extra
-from stmoe.runtime.cache import LOADING, READY, TEMP, LayerCache
+from stmoe.runtime.cache import READY, TEMP, LayerCache
+from stmoe.runtime.demand import DemandLoads, Slots
+from stmoe.runtime.device_path import DeviceSide, IdsToHost, SlotTable
 from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering
 from stmoe.runtime.planning import PrefetchPlanner
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.state import EngineSettings, EngineState
 from stmoe.runtime.store.tiers import aligned_buffer
 
-Slots = dict[int, int]  # expert -> cache slot
 Overflow = dict[int, dict[str, torch.Tensor]]  # expert -> its tensors, outside the cache
 # each MoE layer's experts module and the experts implementation it had before offloading
 Layers = list[tuple[torch.nn.Module, Callable[..., torch.Tensor]]]
@@ -63,6 +64,9 @@ class ExpertsPath:
         self.any_numbering = [any_expert_numbering(module) for module, _ in layers]
         self.capacity, self.policy = settings.capacity, settings.policy
         self._buf = aligned_buffer(state.max_block)  # the compute thread's read buffer
+        self.demand = DemandLoads(state, prefetcher, self._buf)
+        self._ensure = self.demand.ensure  # (the stall: the name tests call)
+        self._device: DeviceSide | None = None  # a device cache's helpers (``_on_device``)
 
     def run(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, *args: Any, segments: Segments | None = None,
@@ -75,7 +79,9 @@ class ExpertsPath:
         if state.closed:
             raise OffloadError("this offloaded model was closed; offload it again to run it")
         ids = top_k_index.detach()
-        rows = (ids if ids.device.type == "cpu" else ids.to("cpu")).numpy()
+        dev = self._on_device()  # a device cache: the ids up once, pinned, non-blocking
+        rows = dev.ids.rows(ids) if dev else (ids if ids.device.type == "cpu" else
+                                              ids.to("cpu")).numpy()
         if rows.shape[-1] > self.capacity:
             raise OffloadError(f"the router picks {rows.shape[-1]} experts per token but the "
                                f"cache holds {self.capacity} per layer")
@@ -90,7 +96,8 @@ class ExpertsPath:
             return self._run_hits(layer, cache, needed, held, rows, predicted, hidden_states,
                                   top_k_index, top_k_weights, segments, args, kwargs)
         try:
-            self.planner.after_routing(layer, rows, hidden_states)
+            if dev is None:  # (on a device: after the layer's kernels are launched)
+                self.planner.after_routing(layer, rows, hidden_states)
             params, n, index, in_place, spare, slots, stall = self._prepare(
                 layer, cache, needed, rows, top_k_index, predicted)
         except BaseException:
@@ -107,8 +114,11 @@ class ExpertsPath:
                 self._read(cache, slots.values())
                 self._unpinned(cache)
         try:
-            return self._compute(layer, params, n, hidden_states, index, top_k_weights,
-                                 segments, args, kwargs), stall
+            out = self._compute(layer, params, n, hidden_states, index, top_k_weights,
+                                segments, args, kwargs)
+            if dev is not None:  # the predictor's host time overlaps the device's compute
+                self.planner.after_routing(layer, rows, hidden_states)
+            return out, stall
         finally:
             if in_place:  # computed from the rows: they stay pinned until now
                 try:
@@ -127,7 +137,8 @@ class ExpertsPath:
         bits as the long path, with no wait (pinned, they cannot leave before the unpin)."""
         state = self.state
         try:
-            self.planner.after_routing(layer, rows, hidden_states)
+            if self._device is None:  # (on a device: after the layer's kernels are launched)
+                self.planner.after_routing(layer, rows, hidden_states)
             state.run.stats.phases[state.run.phase].add(
                 layer, 0.0, len(needed), len(needed), 0, len(predicted),
                 len(predicted.intersection(needed)))
@@ -135,15 +146,38 @@ class ExpertsPath:
                 params, n, index = cache.slabs, state.num_experts, top_k_index
             else:  # one token: its experts' slots, in any numbering
                 params, n = cache.slabs, cache.capacity
-                index = torch.from_numpy(np.array(held)[np.searchsorted(needed, rows)]).to(
-                    top_k_index.device, top_k_index.dtype)
+                index = self._renumber(layer, dict(zip(needed, held, strict=True)), needed,
+                                       rows, top_k_index)
             self._reading(cache, held)
             out = self._compute(layer, params, n, hidden_states, index, top_k_weights,
                                 segments, args, kwargs)
             self._read(cache, held)
+            if self._device is not None:  # the predictor's host time overlaps the compute
+                self.planner.after_routing(layer, rows, hidden_states)
             return out, 0.0
         finally:
             self._unpin(cache)
+
+    def _on_device(self) -> DeviceSide | None:
+        """Where the tier copies to a device: the ids' way to the host and each layer's
+        expert -> slot table (made for the tier's device ops, again if the tier changes)."""
+        ops = self.state.device_ops()
+        if ops is None:
+            self._device = None
+        elif self._device is None or self._device.ids.ops is not ops:
+            state = self.state
+            self._device = DeviceSide(IdsToHost(ops), [
+                SlotTable(state.num_experts, state.device) for _ in state.caches])
+        return self._device
+
+    def _renumber(self, layer: int, row_of: Slots, needed: list[int], rows: np.ndarray,
+                  top_k_index: torch.Tensor) -> torch.Tensor:
+        """The router's ids as the rows ``row_of`` gives their experts: through the layer's
+        table on a device, else from the host's ``rows`` (``needed``: their sorted ids)."""
+        if self._device is not None:
+            return self._device.tables[layer].renumber(row_of, top_k_index)
+        return torch.from_numpy(np.array([row_of[e] for e in needed])[
+            np.searchsorted(needed, rows)])
 
     def _compute(self, layer: int, params: dict[str, torch.Tensor], n: int,
                  hidden_states: torch.Tensor, index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -175,8 +209,7 @@ class ExpertsPath:
             params, n, index = cache.slabs, state.num_experts, top_k_index
         elif in_place and rows.shape[0] == 1 and not extra:  # one token: any numbering
             params, n = cache.slabs, cache.capacity
-            slot_of = np.array([slots[e] for e in needed])
-            index = torch.from_numpy(slot_of[np.searchsorted(needed, rows)])
+            index = self._renumber(layer, slots, needed, rows, top_k_index)
         elif in_place and cache.reserved >= cache.capacity + len(extra):
             # several tokens: the slots renumbered only in the experts' id order gives the
             # resident model's bits (the implementation groups tokens by number; tested),
@@ -187,8 +220,7 @@ class ExpertsPath:
             n = cache.capacity + spare
             params = {name: rows_[:n] for name, rows_ in cache.rows.items()}
             slots = {e: r for e, r in row_of.items() if r < cache.capacity}
-            index = torch.from_numpy(np.array([row_of[e] for e in needed])[
-                np.searchsorted(needed, rows)])
+            index = self._renumber(layer, row_of, needed, rows, top_k_index)
         else:  # a copy of the needed experts, ids renumbered 0..U-1 in the same order
             in_place = False
             t0 = time.perf_counter()
@@ -284,66 +316,3 @@ class ExpertsPath:
         cache.pinned = frozenset()
         if self.policy == "none":
             self.state.run.stats.bytes_wasted += cache.drop_ready() * self.state.expert_bytes
-
-    def _ensure(self, cache: LayerCache, needed: list[int]) -> tuple[Slots, list[int], int, int]:
-        """Every needed expert READY in a slot, but those beyond the capacity (a long
-        prompt's: listed, not loaded); with the hits, and of them the late ones. Meanwhile
-        the workers start no new load (paused since ``_begin``): the disk or link serves
-        what is needed now first (readers share its bandwidth), the next layer's loads
-        start as soon as this layer computes."""
-        slots: Slots = {}
-        extra: list[int] = []
-        with self.state.cv:
-            hits = sum(e in cache.where for e in needed)
-            late = sum(e in cache.where and cache.state[cache.where[e]] == LOADING for e in needed)
-            self._wait_or_load(cache, list(needed), slots, extra)
-        return slots, extra, hits, late
-
-    def _wait_or_load(self, cache: LayerCache, todo: list[int], slots: Slots,
-                      extra: list[int]) -> None:
-        """(lock held) ``_ensure``'s loop: take READY slots, load misses, wait for loads."""
-        state = self.state
-        while todo:
-            self.prefetcher.raise_error()
-            progressed = False
-            for e in list(todo):
-                s = cache.where.get(e)
-                if s is not None:
-                    if cache.state[s] == READY:
-                        slots[e] = s
-                        todo.remove(e)
-                        progressed = True
-                    continue
-                slot, wasted = cache.claim(e, prefetch=False)
-                if slot is None:
-                    if any(st == LOADING and cache.holder[i] not in cache.pinned
-                           for i, st in enumerate(cache.state)):
-                        continue  # a worker is filling a slot we could take next
-                    extra.append(e)  # beyond the capacity: read by the compute step
-                else:
-                    state.run.stats.bytes_wasted += wasted * state.expert_bytes
-                    if wasted and state.run.admission is not None:
-                        state.run.admission.wasted_read(cache.layer)
-                    self._load_into(cache, slot, e)
-                    slots[e] = slot
-                todo.remove(e)
-                progressed = True
-            if todo and not progressed:  # bounded: failures raised, dead loads freed
-                self.prefetcher.wait_for_loads(cache)
-
-    def _load_into(self, cache: LayerCache, slot: int, expert: int) -> None:
-        """Load a miss on the compute thread (lock held on entry and exit, not during I/O)."""
-        state = self.state
-        block = state.store.blocks[(cache.layer, expert)]
-        state.cv.release()
-        start = time.perf_counter()
-        try:
-            ready = state.fill(cache, slot, block, self._buf, self.state.demand_stream)
-        except BaseException:
-            state.cv.acquire()
-            cache.abandon(slot)
-            raise
-        took = time.perf_counter() - start
-        state.cv.acquire()
-        state.filled(cache, slot, ready)
-        state.run.stats.loaded(state.run.phase, "demand", block.nbytes, took)

@@ -38,7 +38,7 @@ from stmoe.runtime.store.device_ops import (
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.in_place import InPlaceTier
 from stmoe.runtime.store.index import Block
-from stmoe.runtime.store.tiers import CHUNK_BYTES, Between, DiskTier, buffer_bytes
+from stmoe.runtime.store.tiers import Between, DiskTier, buffer_bytes
 
 # Buffers in the pool: a reader per prefetch worker plus the compute thread's, each with
 # its block's copy in flight while the next read starts.
@@ -158,7 +158,7 @@ class DiskToDeviceTier:
             src = self.reader.fetch(block, bounce.map, between)
             self.store.check_size(block, src.numel())
             queued = True  # from here a copy out of the buffer may be in flight
-            event = (copy_parts(self.ops, dsts, src, stream, between, CHUNK_BYTES)
+            event = (copy_parts(self.ops, dsts, src, stream, between, self.chunk_bytes)
                      if dsts is not None else None)
             yield src, event
         finally:

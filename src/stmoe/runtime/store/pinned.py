@@ -140,6 +140,7 @@ class PinnedHostTier:
                                                               CudaHostPinning())
         self.host = self.pinned.host
         self._ops = ops
+        self.chunk_bytes = CHUNK_BYTES  # a prefetch's copy pieces (``copy_parts``)
 
     @property
     def ops(self) -> DeviceOps:
@@ -157,7 +158,8 @@ class PinnedHostTier:
         on ``stream``; the event completes when the slot holds it. Nothing to wait for
         before: the pinned bytes never change. A prefetch's (``between``) goes in chunks
         that a demand's copy overtakes (``device_ops.COPY_DEPTH``)."""
-        return copy_parts(self.ops, dsts, self.fetch(block), stream, between, CHUNK_BYTES)
+        return copy_parts(self.ops, dsts, self.fetch(block), stream, between,
+                          self.chunk_bytes)
 
     def read_into(self, block: Block, parts: list[Any], between: Between = None,
                   buf: Any = None) -> bool:
