@@ -147,3 +147,25 @@ def test_a_demands_copy_overtakes_a_prefetchs_queued_copies(tmp_path):
     finally:
         tier.close()
         ops.close()
+
+
+def test_a_gpu_tiers_copies_and_waits_are_timed_by_the_device(qwen):
+    """On-demand on a link of 1 MB/s (the stand-in's copies take their bytes' time): the
+    run's copy bandwidth, from the device's events, is the link's, and the compute stream's
+    waits for the copies are counted as the device's stall."""
+    store, _, want = qwen
+    ops = HostThreadOps(bytes_per_s=1e6)
+    with stand_in(ops=ops), offload(tiny_model("qwen2_moe")[0], store, capacity=2,
+                                    predictor="ondemand", policy="none", tier="gpu") as om:
+        r = om.generate(PROMPT, max_new_tokens=NEW)
+    assert r.tokens == want
+    for phase in ("prefill", "decode"):
+        dev = r.stats["phases"][phase]["device"]
+        assert dev["copies"] > 0 and dev["copy_bytes"] > 0
+        # the link's 1 MB/s (a thread's hand-off per copy is the rest)
+        assert 0.6 * 1e-3 <= dev["copy_GBps"] <= 1.05 * 1e-3, dev
+        # every byte the compute thread loaded came through a timed copy
+        assert 0.5 * dev["copy_busy_s"] <= dev["device_stall_s"], dev
+    decode = r.stats["phases"]["decode"]
+    assert decode["device"]["copies"] == decode["demand_reads"]
+    assert decode["device"]["device_stall_s"] < r.decode_s

@@ -190,7 +190,9 @@ class OffloadedModel:
         else:
             self.engine.reset(future=None, cold=cold)
         result = fn()
-        return result, self.engine.finish()
+        stats = self.engine.finish()
+        self.engine.state.device_times(stats)  # a gpu tier's copies and waits, device-timed
+        return result, stats
 
     def _run(self, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         return greedy_generate(self.model, ids, max_new_tokens, ignore_eos=True)

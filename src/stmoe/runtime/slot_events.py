@@ -19,6 +19,7 @@ complete before ``fill`` returns (the CPU tiers) has no ``SlotEvents``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from stmoe.runtime.store.device_ops import CopyEvent
@@ -40,8 +41,10 @@ class StreamOps(Protocol):
 class SlotEvents:
     """One layer cache's ``ready`` and ``free`` events, slot by slot."""
 
-    def __init__(self, capacity: int, ops: StreamOps) -> None:
+    def __init__(self, capacity: int, ops: StreamOps,
+                 waited: Callable[[CopyEvent, CopyEvent], None] | None = None) -> None:
         self.ops = ops
+        self.waited = waited  # told the events around each wait for copies (their timing)
         self.ready: list[CopyEvent | None] = [None] * capacity
         self.free: list[CopyEvent | None] = [None] * capacity
 
@@ -60,11 +63,17 @@ class SlotEvents:
     def before_read(self, slots: list[int]) -> None:
         """(the compute thread) Kernels about to read ``slots``: the compute stream waits
         for their copies; a slot waited for once stays ordered on that stream."""
-        for s in slots:
+        pending = [s for s in slots if self.ready[s] is not None]
+        if not pending:
+            return
+        before = self.ops.record(None) if self.waited is not None else None
+        for s in pending:
             ready = self.ready[s]
-            if ready is not None:
-                self.ops.wait(None, ready)
-                self.ready[s] = None
+            assert ready is not None
+            self.ops.wait(None, ready)
+            self.ready[s] = None
+        if before is not None and self.waited is not None:
+            self.waited(before, self.ops.record(None))
 
     def after_read(self, slots: list[int]) -> None:
         """(the compute thread, before it unpins ``slots``) Their readers are launched:

@@ -28,6 +28,7 @@ import torch
 from stmoe.admission import Admission
 from stmoe.errors import OffloadError
 from stmoe.runtime.cache import LayerCache
+from stmoe.runtime.device_timing import DeviceTimeline
 from stmoe.runtime.forced_routing import RoutingSource
 from stmoe.runtime.slot_events import SlotEvents
 from stmoe.runtime.stats import RuntimeStats
@@ -77,6 +78,8 @@ class RunState:
     # step batches requests that keep their slots while others join and leave
     slots: list[int] | None = None
     step: Step | None = None  # the step in progress (``OffloadEngine.begin_step``)
+    # a device cache's copies and waits, timed by the device (``device_timing``)
+    timeline: DeviceTimeline | None = None
 
     def __post_init__(self) -> None:
         self.pending = [None] * self.num_layers
@@ -104,8 +107,8 @@ class EngineState:
         self.expert_bytes = store.blocks[(0, 0)].nbytes
         self.max_block = max(buffer_bytes(b) for b in store.blocks.values())  # read buffers
         self.closed = False
-        self.run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), None,
-                            self.num_layers)
+        self._run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), None,
+                             self.num_layers)
         self.owner: threading.Thread | None = None  # the thread the engine serves now
         self.owner_run = False  # its claim is a measured run (else forward calls)
         self.depth = 0  # forward calls in progress under a forward claim
@@ -117,12 +120,37 @@ class EngineState:
         self.events: list[SlotEvents] | None = None
         self.demand_stream: object = None  # the compute thread's copies (``use_tier_events``)
 
+    @property
+    def run(self) -> RunState:
+        """The current run (replaced whole by ``OffloadEngine.reset``)."""
+        return self._run
+
+    @run.setter
+    def run(self, run: RunState) -> None:
+        """A new run: on a device cache its timeline starts now, the device between runs."""
+        ops = self.device_ops()
+        run.timeline = DeviceTimeline(ops) if ops is not None else None
+        self._run = run
+
+    def device_times(self, stats: RuntimeStats) -> None:
+        """(the run is over: ``finish`` done) The device's times of the run's copies and
+        waits into ``stats``' phases (nothing without a device cache)."""
+        if self._run.timeline is not None:
+            for phase, figures in self._run.timeline.resolve().items():
+                stats.phases[phase].device = figures
+
+    def _waited(self, before: CopyEvent, after: CopyEvent) -> None:
+        """The compute stream waited for copies from ``before`` to ``after``."""
+        if self._run.timeline is not None:
+            self._run.timeline.wait(self._run.phase, before, after)
+
     def use_tier_events(self) -> None:
         """The slot protocol for the loader's tier: events where its copies to the device
         run asynchronously (``to_device``), none where a fill lands before it returns; the
         compute thread's own copy stream for its demands (served first where it can)."""
         ops = self.device_ops()
-        self.events = None if ops is None else [SlotEvents(c.capacity, ops) for c in self.caches]
+        self.events = None if ops is None else [SlotEvents(c.capacity, ops, self._waited)
+                                                for c in self.caches]
         self.demand_stream = self.copy_stream(priority=-1)
 
     def device_ops(self) -> DeviceOps | None:
@@ -154,6 +182,8 @@ class EngineState:
             end = ops.record(stream)
             ready = CopySpan(ready.start, end, ready.nbytes) if isinstance(ready, CopySpan) \
                 else end
+        if isinstance(ready, CopySpan) and self._run.timeline is not None:
+            self._run.timeline.copy(self._run.phase, ready)
         return ready
 
     def filled(self, cache: LayerCache, slot: int, ready: CopyEvent | None) -> None:

@@ -47,6 +47,10 @@ class PhaseCounters:
         self._stall = [0.0] * self.num_layers
         # reads finished in this phase: {"demand" | "prefetch": [count, seconds]}
         self.reads = {"demand": [0, 0.0], "prefetch": [0, 0.0]}
+        # a device cache's: its copies and the compute stream's waits, as the device timed
+        # them (``device_timing``: copies, copy_bytes, copy_busy_s, copy_GBps,
+        # device_stall_s); None elsewhere
+        self.device: dict[str, float] | None = None
         self.sync()
 
     def add_read(self, kind: str, seconds: float) -> None:
@@ -80,6 +84,8 @@ class PhaseCounters:
                    layer_calls=int(self.calls.sum()))
         for kind, (count, seconds) in self.reads.items():
             out[f"{kind}_reads"], out[f"{kind}_read_s"] = count, seconds
+        if self.device is not None:
+            out["device"] = dict(self.device)
         if per_layer:
             out["per_layer"] = [
                 {"layer": layer, **_ratios(self.needed[layer], self.hits[layer],
