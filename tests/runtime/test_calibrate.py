@@ -80,10 +80,35 @@ def test_the_preset_loads_says_how_each_number_was_found_and_simulates(tiny, cli
     assert data["capacity"] == 8 and "IN-SAMPLE" in data["tables"]
 
 
+@pytest.mark.parametrize("tier", ["gpu", "gpu-disk"])
+def test_a_gpu_tier_is_measured_into_device_slots(tiny, cli, tier):
+    """On the CPU's stand-in for a GPU whose copies take their bytes' time at 200 MB/s:
+    the tier's speed is the copies' (reads land in device slots, until their copy's event),
+    no page faults (HBM has none), and the preset loads for the simulator."""
+    from stmoe.runtime.accelerator import stand_in
+    from stmoe.runtime.store.stand_in import HostThreadOps
+
+    root, model_dir = tiny
+    out = root / f"{tier}.toml"
+    with stand_in(ops=HostThreadOps(bytes_per_s=200e6)):
+        res = cli("calibrate", "--model", model_dir, "--store", root / "store", "-o", out,
+                  "--tier", tier, *FAST)
+    assert res.exit_code == 0, res.output
+    spec = hardware_preset(str(out))
+    assert spec.host is not None and spec.host.tier == tier
+    assert spec.host.first_touch_s == 0.0
+    # the copies' 200 MB/s, less the stand-in's hand-offs (and the disk's read, gpu-disk)
+    assert 20e6 <= spec.link_bytes_per_s <= 210e6, spec.link_bytes_per_s
+    assert spec.link_latency_s > 0 and spec.host.layer_s > 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--tier", "gpu"), "calibrate measures --tier disk or emulated"),
+        (("--tier", "nvme"), "calibrate measures --tier disk, emulated, gpu, gpu-disk"),
+        pytest.param(("--tier", "gpu"), "--tier gpu needs CUDA",
+                     marks=pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                                              reason="CUDA is present")),
         (("--tier", "emulated"), "needs a bandwidth"),
         (("--bandwidth", "1GB"), "--bandwidth applies to --tier emulated only"),
         (("--seconds", "0"), "--seconds 0.0: expected a number strictly between 0 and 600"),

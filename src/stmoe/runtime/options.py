@@ -183,7 +183,7 @@ def _parsed(option: str, value: float | str, parse: Callable[[str], float]) -> f
 MAX_SECONDS = 600.0  # a read measurement longer than 10 minutes is a typo
 TOKENS = (1, 1000)  # decode tokens of the compute measurement
 
-CALIBRATED_TIERS = ("disk", "emulated")
+CALIBRATED_TIERS = ("disk", "emulated", "gpu", "gpu-disk")
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,8 @@ class CalibrateOptions:
 def check_options(o: CalibrateOptions) -> None:
     """Refuse what cannot be measured, in one line, before anything loads."""
     if o.tier not in CALIBRATED_TIERS:
-        raise OffloadError(f"calibrate measures --tier disk or emulated, not {o.tier!r}")
+        raise OffloadError(f"calibrate measures --tier {', '.join(CALIBRATED_TIERS)}, not "
+                           f"{o.tier!r}")
     if not (o.seconds > 0 and o.seconds <= MAX_SECONDS):
         raise OffloadError(f"--seconds {o.seconds}: expected more than 0 and at most "
                            f"{MAX_SECONDS:g}")

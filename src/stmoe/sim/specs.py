@@ -91,7 +91,9 @@ class HostSpec:
     chunk_bytes: int = 4 << 20
 
 
-HOST_TIERS = ("disk", "emulated")
+# the runtime's tiers a calibrated preset may describe (gpu: the pinned store's copies to
+# the GPU; gpu-disk: the disk's reads through bounce buffers to it)
+HOST_TIERS = ("disk", "emulated", "gpu", "gpu-disk")
 BUFFER_FOR = ("all", "epu")  # HardwareSpec.buffer_for
 
 

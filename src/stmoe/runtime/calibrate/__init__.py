@@ -49,8 +49,10 @@ from typing import Any
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.runtime.accelerator import GPU_TIERS, accelerator
 from stmoe.runtime.cache import param_specs
 from stmoe.runtime.calibrate.compute import measure_compute, measure_runtime_reads, routed_plan
+from stmoe.runtime.calibrate.device_reads import measure_device_latency, measure_device_reads
 from stmoe.runtime.calibrate.reads import (
     PageFaults,
     Reads,
@@ -64,7 +66,7 @@ from stmoe.runtime.calibrate.reads import (
 from stmoe.runtime.options import CALIBRATED_TIERS, CalibrateOptions, check_options
 from stmoe.runtime.store import open_store
 from stmoe.runtime.store.reading import open_tier
-from stmoe.runtime.store.tiers import CHUNK_BYTES, DiskTier
+from stmoe.runtime.store.tiers import CHUNK_BYTES
 
 __all__ = ["CALIBRATED_TIERS", "CalibrateOptions", "PageFaults", "Reads", "calibrate",
            "check_options", "faulted_buffer", "machine", "measure_compute", "measure_latency",
@@ -89,19 +91,29 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
     expert_bytes = opened.blocks[(0, 0)].nbytes
     capacity = resolve_capacity(o.capacity, n_layers, n_experts, top_k, expert_bytes)
     workers = OffloadOptions(tier=o.tier, workers=o.workers).worker_count()
-    tier = open_tier(o.tier, opened, o.bandwidth, o.latency)
+    acc = accelerator(o.tier) if o.tier in GPU_TIERS else None
+    tier = open_tier(o.tier, opened, o.bandwidth, o.latency, acc.ops if acc else None,
+                     acc.pinning if acc else None)
     try:
-        latency = measure_latency(opened, tier, min(1.0, o.seconds / 4), o.seed)
-        faults = measure_page_faults(opened, tier, 8, o.seed)
         order = routed_blocks(opened, o.routing, capacity) if o.routing is not None else None
         if order is not None and len(order) < 8:
             raise OffloadError(f"--routing {o.routing}: its decode tokens miss only {len(order)} "
                                f"experts at a cache of {capacity} per layer, too few reads to "
                                "time the tier (a longer trace, or a smaller --capacity)")
-        one = measure_reads(opened, tier, 1, o.seconds, o.seed, order)
-        many = measure_reads(opened, tier, workers + 1, o.seconds, o.seed + 2,
-                             order[len(order) // 2 :] if order else None)
-        direct = isinstance(tier, DiskTier) and tier.direct
+        half = order[len(order) // 2 :] if order else None
+        if acc is None:
+            latency = measure_latency(opened, tier, min(1.0, o.seconds / 4), o.seed)
+            faults = measure_page_faults(opened, tier, 8, o.seed)
+            one = measure_reads(opened, tier, 1, o.seconds, o.seed, order)
+            many = measure_reads(opened, tier, workers + 1, o.seconds, o.seed + 2, half)
+        else:  # device slots: the copy is the transfer, and HBM has no page faults
+            latency = measure_device_latency(opened, tier, acc.device, min(1.0, o.seconds / 4),
+                                             o.seed)
+            faults = PageFaults(0.0, 0.0, 0)
+            one = measure_device_reads(opened, tier, acc.device, 1, o.seconds, o.seed, order)
+            many = measure_device_reads(opened, tier, acc.device, workers + 1, o.seconds,
+                                        o.seed + 2, half)
+        direct = bool(getattr(tier, "direct", False))
     finally:
         tier.close()
     compute = measure_compute(model_dir, opened.path, o, top_k)

@@ -4,6 +4,7 @@ both measured by running ``stmoe.offload`` itself."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,13 @@ def measure_compute(model_dir: Path, store_path: Path | None, o: CalibrateOption
         expert_s: list[float] = []
         layer_s: list[float] = []
         path = om.engine.path
-        path.base = [_timed(f, expert_s) for f in path.base]
+        now = _clock(om.engine.device)
+        path.base = [_timed(f, expert_s, now) for f in path.base]
         hooks = []
         for name, _ in om.engine.layout.modules:
             layer = om.model.get_submodule(_decoder_layer(name))
-            hooks.append(layer.register_forward_pre_hook(lambda *a: layer_s.append(-_now())))
-            hooks.append(layer.register_forward_hook(lambda *a: layer_s.append(_now())))
+            hooks.append(layer.register_forward_pre_hook(lambda *a: layer_s.append(-now())))
+            hooks.append(layer.register_forward_hook(lambda *a: layer_s.append(now())))
         try:
             result = om.force_routing(plan, max_new_tokens=steps, cold=o.routing is None)
         finally:
@@ -106,17 +108,26 @@ def routed_plan(routing: Path, om: OffloadedModel, n_layers: int, top_k: int) ->
     return plan_routing(load_trace(routing), 0, n_layers, n, top_k, om.model.config.vocab_size)
 
 
-def _now() -> float:
-    return time.perf_counter()
+def _clock(device: torch.device) -> Callable[[], float]:
+    """The time now, on a CUDA device once its queued work is done (the kernels' time, not
+    their launch's: the compute run has nothing else in flight)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
 
 
-def _timed(fn: Any, into: list[float]) -> Any:
+def _timed(fn: Any, into: list[float], now: Callable[[], float]) -> Any:
     def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = now()
         try:
             return fn(*args, **kwargs)
         finally:
-            into.append(time.perf_counter() - start)
+            into.append(now() - start)
 
     return timed
 

@@ -9,9 +9,10 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -21,6 +22,8 @@ from stmoe.runtime.store import ALIGN, Block, ExpertStore
 from stmoe.runtime.store.in_place import InPlaceTier
 from stmoe.runtime.store.loader import Loader
 from stmoe.runtime.store.tiers import DiskTier, Tier, buffer_bytes
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -67,15 +70,34 @@ def measure_reads(store: ExpertStore, tier: Tier, threads: int, seconds: float,
     (at least one block each), as the runtime fills a cache slot: ``order``'s blocks in
     turn, else distinct random ones. The memory is faulted in first, as the runtime's
     slots are: the times are the tier's, not page faults'."""
-    blocks = list(order) if order else list(store.blocks.values())
-    if not order:
-        random.Random(seed).shuffle(blocks)  # a small store's blocks come round again
+    blocks = read_order(store, order, seed)
     size = max(buffer_bytes(b) for b in blocks)
+    return timed_reads(blocks, threads, seconds,
+                       lambda: (faulted_buffer(size), faulted_buffer(size)),
+                       lambda held, block: _fill(tier, store, block,
+                                                 _slot_parts(block, held[0]), held[1]))
+
+
+def read_order(store: ExpertStore, order: list[Block] | None, seed: int) -> list[Block]:
+    """The blocks a measurement reads in turn: ``order``'s, else the store's shuffled (a
+    small store's come round again)."""
+    if order:
+        return list(order)
+    blocks = list(store.blocks.values())
+    random.Random(seed).shuffle(blocks)
+    return blocks
+
+
+def timed_reads(blocks: list[Block], threads: int, seconds: float, setup: Callable[[], T],
+                read: Callable[[T, Block], None]) -> Reads:
+    """``threads`` threads, each with what ``setup`` gives it, calling ``read`` on the next
+    of ``blocks`` (round and round) for about ``seconds``, at least once each; each call
+    timed."""
     lock, times, moved, taken = threading.Lock(), [], [0], [0]
     deadline = time.perf_counter() + seconds
 
     def reader() -> None:
-        slot, buf = faulted_buffer(size), faulted_buffer(size)
+        held = setup()
         first = True
         while first or time.perf_counter() < deadline:
             first = False
@@ -83,7 +105,7 @@ def measure_reads(store: ExpertStore, tier: Tier, threads: int, seconds: float,
                 block = blocks[taken[0] % len(blocks)]
                 taken[0] += 1
             start = time.perf_counter()
-            _fill(tier, store, block, _slot_parts(block, slot), buf)
+            read(held, block)
             with lock:
                 times.append(time.perf_counter() - start)
                 moved[0] += block.nbytes

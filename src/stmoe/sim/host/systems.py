@@ -62,7 +62,8 @@ def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
                      # paid by a read into a spare row only (slots are faulted in already)
                      first_touch_s=host.first_touch_s,
                      parallel=parallel, workers=host.workers,
-                     fifo=host.tier == "emulated", chunks=chunks,
+                     # one serial link: the emulated one, or a GPU's one copy engine
+                     fifo=host.tier in ("emulated", "gpu"), chunks=chunks,
                      # every piece pays the latency (a preadv, a link transfer, of its own)
                      chunk_s=hw.link_latency_s
                      + model.expert_bytes / chunks / hw.link_bytes_per_s)
