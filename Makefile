@@ -1,6 +1,6 @@
 # Two commands from a bare machine (Python 3.11+ and make):
 #   make demo   creates .venv on first use, installs stmoe with what the demo needs,
-#               runs `stmoe demo` on the shipped model and prints where the report is
+#               runs `stmoe demo` on the shipped model, which ends with where the report is
 #   make test   the same environment plus the test tools, then lint and the test suite
 # VENV=path chooses another environment folder; PYTHON=python3.12 another interpreter.
 
@@ -23,9 +23,9 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[hf,dev]'
 	touch $@ $(VENV)/.installed-demo
 
+# its last line says where the report is (stmoe-demo/index.html, or in ARGS="-o DIR")
 demo: $(VENV)/.installed-demo
 	$(BIN)/stmoe demo $(ARGS)
-	@echo "The report: $(CURDIR)/stmoe-demo/index.html"
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .

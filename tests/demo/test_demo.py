@@ -42,7 +42,7 @@ def test_shipped_model_loads_with_plain_transformers():
 def test_quick_demo_writes_the_report(quick_demo):
     result, folder = quick_demo
     assert result.exit_code == 0, result.output
-    assert "report:" in result.output and "index.html" in result.output
+    assert f"report: {folder.resolve() / 'index.html'}  (" in result.output  # where -o said
     page = (folder / "index.html").read_text()
     evaluation = json.loads((folder / "eval.json").read_text())
     assert set(evaluation["per_domain"]) == {"code", "prose", "math"}
@@ -316,10 +316,24 @@ def test_the_real_size_model_is_refused_in_one_line_when_the_disk_cannot_hold_it
     monkeypatch.setenv("STMOE_CACHE", str(tmp_path))
     monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 0, 2**20))
     said = []
-    with pytest.raises(StmoeError, match=r"the demo's real-size model needs about 0\.5 GiB "
+    with pytest.raises(StmoeError, match=r"the demo's real-size model needs about 0\.4 GiB "
                        r"and .* has 0\.0 GiB free; free some space or set STMOE_CACHE"):
         real_model(2, said.append)
     assert said == [] and not (tmp_path / "demo").exists()
+
+
+def test_the_real_size_model_takes_the_disk_it_announces(quick_demo):
+    """What the demo says it writes into STMOE_CACHE/demo (and the README, for 8 layers)."""
+    import os
+    from pathlib import Path
+
+    from stmoe.demo.offload import disk_needed
+
+    root = Path(os.environ["STMOE_CACHE"]) / "demo"
+    written = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    assert written == pytest.approx(disk_needed(2), rel=0.02)  # the quick demo's 2 layers
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert f"written once, {disk_needed(8) / 2**30:.1f} GiB in `~/.cache/stmoe/demo`" in readme
 
 
 def test_the_demo_help_the_readme_and_its_own_estimate_agree(cli, quick_demo):
@@ -334,3 +348,13 @@ def test_the_demo_help_the_readme_and_its_own_estimate_agree(cli, quick_demo):
         help_text) and ESTIMATE.startswith("about 3.5 minutes on 2 cores, 40 s more")
     readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
     assert "3.3 minutes the second" in readme and "`--quick`: under one" in readme
+
+
+def test_the_chart_labels_each_prefetching_bar_with_its_verdict():
+    from stmoe.demo.plots import tick
+
+    off = _offload(3)
+    off["systems"]["stmoe"]["decode_tokens_per_s_runs"] = [29.5, 30.5, 32.0]  # overlaps lru
+    assert tick(off, "stmoe") == "stmoe\nno clear\ndifference"
+    assert tick(off, "stmoe-plus") == "stmoe-plus\nfaster"  # 40-43 against 29-32
+    assert tick(off, "lru-only") == "lru-only" and tick(off, "oracle") == "oracle"

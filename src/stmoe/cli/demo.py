@@ -37,7 +37,7 @@ def demo_cmd(
     generates with the experts offloaded (on-demand, LRU, ST-MoE, stmoe-plus, hybrid
     and oracle prefetch on an emulated link, in interleaved rounds, each run checked
     against the resident model), then replays the captured routing through a model
-    with real-size experts (6 MiB, RANDOM weights; made once, 1.9 GiB in
+    with real-size experts (6 MiB, RANDOM weights; made once, 1.7 GiB in
     ~/.cache/stmoe/demo or STMOE_CACHE) for the headline, and writes DIR/index.html.
     About 3.5 minutes on 2 cores, 40 s more the first time (--quick: under one).
     """
@@ -94,7 +94,8 @@ def demo_cmd(
     out.print(plain_label(shipped["prompt"] + shipped["text"], multiline=True), markup=False,
               soft_wrap=True)
     out.print(
-        f"report: {clean_label(output_dir / 'index.html')}  ({time.perf_counter() - start:.0f} s)",
+        f"report: {clean_label(output_dir.resolve() / 'index.html')}  "
+        f"({time.perf_counter() - start:.0f} s)",
         soft_wrap=True,
     )
 

@@ -148,6 +148,15 @@ def real_size_section(trace: Any, *, sequence: int, layers: int, new_tokens: int
             "systems": systems}
 
 
+def disk_needed(layers: int) -> int:
+    """Bytes the real-size model of ``layers`` layers takes: its checkpoint, then its
+    packed store (the experts only)."""
+    from stmoe.hf.checkpoints import plan_checkpoint
+
+    plan = plan_checkpoint(REAL_LIKE, layers)
+    return plan.nbytes + layers * plan.spec.num_experts * plan.spec.expert_bytes
+
+
 def real_model(layers: int, stage: Callable[[str], None]) -> tuple[Path, Path, int]:
     """The real-size checkpoint, its store and its expert's bytes, made on first use in
     ``STMOE_CACHE``/demo (said so, with the disk it takes; refused in one line when the
@@ -159,7 +168,7 @@ def real_model(layers: int, stage: Callable[[str], None]) -> tuple[Path, Path, i
     model_dir = root / f"{REAL_LIKE}-L{layers}"
     plan = plan_checkpoint(REAL_LIKE, layers)
     if not (model_dir / "config.json").is_file():
-        need = 2 * plan.nbytes  # the checkpoint, then its packed store
+        need = disk_needed(layers)
         where = next(p for p in [root, *root.parents] if p.exists())
         free = shutil.disk_usage(where).free
         if free < need:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ def tick(offload: dict[str, Any], name: str) -> str:
     cache alone in plain words (``demo.text.verdict``, without its reason)."""
     if name in ("on-demand", "lru-only", "oracle") or "lru-only" not in offload["systems"]:
         return name
-    return f"{name}\n{verdict(offload, name).split(':')[0]}"
+    return f"{name}\n" + "\n".join(textwrap.wrap(verdict(offload, name).split(":")[0], 12))
 
 
 def decode_speed(offload: dict[str, Any], systems: list[str], path: Path) -> Path:
@@ -38,7 +39,7 @@ def decode_speed(offload: dict[str, Any], systems: list[str], path: Path) -> Pat
     med = [r["decode_tokens_per_s"] for r in rows]
     lo = [m - r["decode_tokens_per_s_range"][0] for m, r in zip(med, rows, strict=True)]
     hi = [r["decode_tokens_per_s_range"][1] - m for m, r in zip(med, rows, strict=True)]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(8.5, 4.6))
     pos = range(len(systems))
     ax.bar(pos, med, color=[SYSTEM_COLORS.get(n, "#17becf") for n in systems],
            yerr=[lo, hi], capsize=6, ecolor="black")
@@ -53,8 +54,10 @@ def decode_speed(offload: dict[str, Any], systems: list[str], path: Path) -> Pat
         f"Decode speed, experts offloaded ({offload['expert_mib']:.1f} MiB experts): "
         f"{offload['capacity']} of each layer's cached, EMULATED {offload['link']}/s link\n"
         f"median of {offload['rounds']} interleaved rounds "
-        f"(whiskers: slowest and fastest round); same tokens as the reference: {same}",
-        fontsize=10,
+        f"(whiskers: slowest and fastest round); same tokens as the reference: {same}\n"
+        "under each prefetching system: its verdict against lru-only (faster or slower only "
+        "when the ranges are apart)",
+        fontsize=9.5,
     )
     ax.grid(axis="y", alpha=0.3)
     return save_figure(fig, path)
