@@ -1,33 +1,41 @@
 #!/usr/bin/env python3
 """The prepared GPU check of issue 43: one command on an offline GPU machine, one JSON.
 
-    benchmarks/gpu_check.sh [--out docs/results/gpu_check.json] [--commit SHA]
+    benchmarks/gpu_check.py --prepare       # here, where ../shared/traces is: the routing
+    benchmarks/gpu_check.sh [--out docs/results/gpu_check.json] [--commit SHA]   # the GPU
     PYTHONPATH=src python3 benchmarks/gpu_check.py [...]    # the same, crc32c already there
     PYTHONPATH=src python3 benchmarks/gpu_check.py --dry-run  # the plumbing, on the CPU
 
 Each stage runs inside its own try/except (a failing stage records its error and the next
-one runs) and the JSON is rewritten after each, so a run cut short still leaves what it
-measured. Stages:
+one runs) and the JSON is rewritten after each (the decode table's after each of its runs),
+so a run cut short still leaves what it measured. Stages:
 
 1. ``environment``: torch, CUDA, the device, its free memory, the CPU's int4 layout;
 2. ``h2d``: host-to-device bandwidth from pinned, registered (``cudaHostRegister``: how
    the pinned store is locked) and pageable memory, 64 KiB to 1 GiB, timed with CUDA
    events; the cost of one expert-sized copy (Qwen3.6-35B-A3B's 6 MiB bf16 expert) and of
    its top-8 back to back, and the host's cost of issuing one;
-3. ``kernels``: torch's CUDA int8/int4 weight-only kernels on the stored layouts (the
-   repack of ``stmoe.quant.cuda_kernels``) against the dequantized matrix, and their speed
-   beside bf16 ``linear`` and dequantize-then-matmul, at that expert's shapes;
-4. ``cuda_tests``: the ``cuda``-marked tests (the kernels, the GPU tiers);
-5. ``tier_gpu``: today's ``--tier gpu`` as it is: greedy tokens against the GPU-resident
-   shipped model, and both speeds.
+3. ``kernels``: torch's CUDA int8/int4 weight-only kernels on the stored layouts against the
+   dequantized matrix, and their speed beside bf16 ``linear`` and dequantize-then-matmul;
+4. ``decode_table``: a Qwen3.6-35B-A3B-shaped checkpoint made there (``stmoe make-model``,
+   RANDOM weights, 4 MoE layers: 6 GiB of experts) replaying recorded routing held out from
+   the predictors' tables: the GPU-resident model, then on-demand, lru-only, stmoe,
+   stmoe-plus and the oracle at 25% and 50% of the experts in HBM, from pinned memory
+   (``--tier gpu``) and from disk (``--tier gpu-disk``): decode tokens/s, hit rate, PCIe
+   bytes, stall share (host and device), achieved copy bandwidth, tokens identical;
+5. ``accelerate_offload``: accelerate's ``device_map`` with half the layers' experts in host
+   memory (the same HBM budget as 50%), the same routing forced;
+6. ``calibrate_simulator``: ``stmoe calibrate --tier gpu`` on that checkpoint, and the
+   simulator's prediction of each system at 50% beside the measured one;
+7. ``cuda_tests``: the ``cuda``-marked tests (the kernels, the GPU tiers, int8/int4);
+8. ``tier_gpu``: the shipped model on ``--tier gpu`` against the GPU-resident one.
 
-Stages recorded as ``todo``, with no figure, need the engine's asynchronous GPU path
-(issue 43, item 1): the decode table (GPU-resident, on-demand, lru-only, stmoe,
-stmoe-plus, oracle at 25% and 50% of the experts in HBM, from pinned memory and from disk),
-accelerate's offload, and ``stmoe calibrate`` with the simulator beside the measured runs.
+The recorded routing is the shared sample (../shared/traces, which the project cannot ship):
+``--prepare`` copies its first 8 layers to out/gpu_check/routing.npz (ignored by git), to be
+carried to the GPU machine with the crc32c wheel (gpu_check.sh's header).
 
-``--dry-run`` runs every stage's plumbing on the CPU with tiny sizes (perf_counter for
-CUDA events, ordinary memory for pinned): its figures are not measurements of anything.
+``--dry-run`` runs every stage's plumbing on the CPU with tiny sizes and synthetic routing,
+the gpu tiers on the CPU's stand-in for a GPU: its figures are not measurements of anything.
 
 The stages, the JSON and the targets are ``stmoe.runtime.gpu_check``'s (``run_stages``,
 tested there with a dry run); this is its CLI.
@@ -40,9 +48,11 @@ import os
 import tempfile
 from pathlib import Path
 
-from stmoe.runtime.gpu_check import git_head, run_stages, target_lines
+from stmoe.runtime.gpu_check import git_head, prepare_routing, run_stages, target_lines
+from stmoe.runtime.gpu_check.setup import CARRIED
 
 REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "traces"
 
 
 def main() -> None:
@@ -52,18 +62,28 @@ def main() -> None:
                          "out/gpu_check.dry-run.json)")
     ap.add_argument("--dry-run", "--device-cpu", dest="dry", action="store_true",
                     help="every stage's plumbing on the CPU, tiny sizes: no measurement")
+    ap.add_argument("--prepare", action="store_true",
+                    help=f"write {CARRIED} from {SHARED} (to carry to the GPU machine)")
     ap.add_argument("--commit", default=os.environ.get("STMOE_COMMIT"),
                     help="the commit checked (default: $STMOE_COMMIT, else git's HEAD)")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens per generation")
+    ap.add_argument("--tokens", type=int, default=None, help="new tokens per generation")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the decode table's MoE layers (default 4; 8 at most)")
+    ap.add_argument("--routing", type=Path, default=None,
+                    help=f"a trace to replay (default {CARRIED}, else the shared sample)")
     ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="stages still to start after this many seconds are skipped")
+                    help="stages (and decode-table runs) still to start after this many "
+                         "seconds are skipped")
     a = ap.parse_args()
+    if a.prepare:
+        print(f"wrote {prepare_routing(SHARED, REPO / CARRIED)}")
+        return
     out = a.out or REPO / ("out/gpu_check.dry-run.json" if a.dry else
                            "docs/results/gpu_check.json")
     commit = a.commit or git_head(REPO)
     os.environ.setdefault("STMOE_CACHE", tempfile.mkdtemp(prefix="stmoe-gpu-check-"))
     doc = run_stages(out, dry_run=a.dry, commit=commit, repo=REPO, tokens=a.tokens,
-                     budget_s=a.budget_s)
+                     budget_s=a.budget_s, layers=a.layers, routing=a.routing)
     for line in target_lines(doc):
         print(line)
     print(f"wrote {out}")

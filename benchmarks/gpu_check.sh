@@ -5,8 +5,10 @@
 #
 #   STMOE_COMMIT=<sha> benchmarks/gpu_check.sh --out "$OUT/gpu_check.json"
 #
-# The wheel is not committed (.gitignore: /.whl/); fetch it where pip reaches PyPI, for the
-# GPU machine's python (3.12, x86-64), and carry .whl with the call:
+# It carries two ignored paths: .whl (the crc32c wheel) and out/gpu_check (the recorded
+# routing the decode table replays: `benchmarks/gpu_check.py --prepare` writes it here, from
+# ../shared/traces, which the GPU machine has not). The wheel is not committed (.gitignore:
+# /.whl/); fetch it where pip reaches PyPI, for the GPU machine's python (3.12, x86-64):
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

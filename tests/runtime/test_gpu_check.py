@@ -1,11 +1,15 @@
 """The prepared GPU check (stmoe.runtime.gpu_check, which benchmarks/gpu_check.py runs) goes
-end to end on the CPU as a dry run and writes a valid JSON: every stage's plumbing, the todo
-stages named, the targets in the schema the issue fixes, and no target claimed (a dry run
-measures nothing); a stage that fails records its error and the next one runs."""
+end to end on the CPU as a dry run (the gpu tiers on the CPU's stand-in for a GPU, a tiny
+checkpoint, synthetic routing) and writes a valid JSON: every stage's plumbing, the decode
+table's every system, capacity and tier with the resident model's tokens, the targets in the
+schema the issue fixes, and no target claimed (a dry run measures nothing); a stage that
+fails records its error and the next one runs. The real run's routing: the carried file,
+split as the benchmark splits the shared sample."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,14 +19,14 @@ from stmoe.runtime.gpu_check import STAGES, Check, run_stages, target_lines
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-TODO = ("decode_table", "accelerate_offload", "calibrate_simulator")
+ORDER = ["environment", "h2d", "kernels", "decode_table", "accelerate_offload",
+         "calibrate_simulator", "cuda_tests", "tier_gpu"]
 
 
 def _check_schema(doc: dict[str, Any]) -> None:
     assert doc["dry_run"] is True and doc["device"] == "cpu (dry run)"
     assert isinstance(doc["commit"], str) and doc["commit"]
-    assert list(doc["stages"]) == [*STAGES, *TODO]
-    assert all(doc["stages"][name]["status"] == "todo" for name in TODO)
+    assert list(doc["stages"]) == list(STAGES)
     assert doc["targets"], "no targets"
     for t in doc["targets"]:
         assert {"name", "met", "value", "goal"} <= set(t)
@@ -34,17 +38,34 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys):
     returned = run_stages(out, dry_run=True, commit="abc123")
     doc = json.loads(out.read_text())
     assert doc == json.loads(json.dumps(returned, default=str))  # what was written, returned
-    assert list(STAGES) == ["environment", "h2d", "kernels", "cuda_tests", "tier_gpu"]
+    assert list(STAGES) == ORDER
     _check_schema(doc)
     assert doc["commit"] == "abc123"
     assert all(doc["stages"][name]["status"] == "ok" for name in STAGES), {
         n: doc["stages"][n].get("error") for n in STAGES}
-    runs = doc["stages"]["tier_gpu"]["runs"]
-    assert runs and all(r["identical"] is True for r in runs)
-    assert doc["stages"]["kernels"]["results"]  # every format's row, on the CPU's kernels
+    table = doc["stages"]["decode_table"]
+    runs = table["runs"]
+    assert {(r["tier"], r["capacity"], r["system"]) for r in runs} == {
+        (t, c, s) for t in ("gpu", "gpu-disk") for c in ("25%", "50%")
+        for s in ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle")}
+    assert all(r["identical"] is True for r in runs), [r for r in runs if not r["identical"]]
+    assert table["resident"]["repeats_its_tokens"] and "HELD-OUT" in table["routing"]
+    for r in runs:  # the device's figures of every run (the stand-in's here)
+        assert r["decode_tok_s"] > 0 and r["pcie_bytes_decode"] >= 0 and r["copy_GBps"] >= 0
+    assert doc["stages"]["accelerate_offload"]["identical_prefix"] is True
+    sim = doc["stages"]["calibrate_simulator"]["systems"]
+    assert [r["system"] for r in sim] == ["on-demand", "lru-only", "stmoe", "stmoe-plus",
+                                          "oracle"]
+    assert all(r["simulated_tok_s"] > 0 and r["measured_tok_s"] for r in sim)
+    assert doc["stages"]["tier_gpu"]["runs"][0]["identical"] is True
     assert doc["stages"]["cuda_tests"]["ran"] is False
     printed = capsys.readouterr().out
     assert all(f"] {name}: ok" in printed for name in STAGES)  # a line as each stage ends
+    names = [t["name"] for t in doc["targets"]]
+    assert any("stmoe-plus vs accelerate" in n for n in names)
+    assert any("simulator calibrated on the GPU" in n for n in names)
+    dry = {t["name"]: t.get("dry_run_met") for t in doc["targets"]}
+    assert dry[next(n for n in names if n.startswith("bit-identical"))] is None  # no cuda tests
     lines = target_lines(doc)
     assert len(lines) == len(doc["targets"]) and all(line.startswith("n/a") for line in lines)
     assert not (tmp_path / "check.tmp").exists()  # written whole, then moved into place
@@ -54,11 +75,11 @@ def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path):
     def broken(c: Check) -> dict[str, Any]:
         raise RuntimeError("no copy engine")
 
-    stages = {**STAGES, "h2d": broken, "tier_gpu": lambda c: {"runs": []}}  # (its own test)
+    stages = {"environment": STAGES["environment"], "h2d": broken,
+              "kernels": STAGES["kernels"]}
     out = tmp_path / "check.json"
     run_stages(out, dry_run=True, commit="abc123", stages=stages)
     doc = json.loads(out.read_text())
-    _check_schema(doc)
     h2d = doc["stages"]["h2d"]
     assert h2d["status"] == "error" and h2d["error"] == "RuntimeError: no copy engine"
     assert "Traceback" in h2d["traceback"]
@@ -71,3 +92,43 @@ def test_stages_past_the_budget_are_skipped(tmp_path):
     doc = run_stages(tmp_path / "check.json", dry_run=True, budget_s=-1.0, stages=stages)
     assert [doc["stages"][n]["status"] for n in stages] == ["skipped", "skipped"]
     assert doc["commit"] == "unknown"
+
+
+def test_the_real_runs_routing_is_the_carried_file_held_out_by_tokens(tmp_path):
+    """A trace of the shared sample's shape (Qwen3.6-35B-A3B: 256 experts, top-8; a 36-token
+    prompt and 128 decode tokens) where the check looks for the carried file: its first
+    layers split at token 100, the tail a prompt of 8 and 64 decode tokens, a plan for the
+    real checkpoint's shape. Missing, the stage says how to bring it."""
+    from stmoe.errors import StmoeError
+    from stmoe.runtime.forced_routing import plan_routing
+    from stmoe.runtime.gpu_check.setup import CARRIED, LIKE, held_out
+    from stmoe.sim.specs import model_preset
+    from stmoe.trace import save_trace, synthesize
+
+    spec = model_preset(LIKE)
+    trace = synthesize(tokens=164, layers=8, experts=spec.num_experts, top_k=spec.top_k,
+                       sequences=1, prefill_fraction=36 / 164, seed=1)
+    c = Check(tmp_path / "c.json", False, "x", 60.0, tokens=64, repo=tmp_path)
+    with pytest.raises(StmoeError, match=r"gpu_check\.py --prepare"):
+        held_out(c, 4)
+    (tmp_path / CARRIED).parent.mkdir(parents=True)
+    save_trace(trace, tmp_path / CARRIED)
+    head, tail, label = held_out(c, 4)
+    assert head.num_tokens == 100 and head.num_layers == 4
+    assert tail.num_tokens == 8 + 64 and int(tail.is_decode.sum()) == 64
+    assert "HELD-OUT" in label and "routing.npz" in label
+    plan = plan_routing(tail, 0, 4, spec.num_experts, spec.top_k, 4096)
+    assert plan.prefill == 8 and plan.new_tokens == 65
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[3] / "shared" / "traces").is_dir(),
+                    reason="needs ../shared/traces (not in CI)")
+def test_prepare_carries_the_shared_samples_first_layers(tmp_path):
+    from stmoe.runtime.gpu_check import prepare_routing
+    from stmoe.trace import load_trace
+
+    shared = Path(__file__).resolve().parents[3] / "shared" / "traces"
+    out = prepare_routing(shared, tmp_path / "routing.npz")
+    trace = load_trace(out)
+    assert trace.num_layers == 8 and trace.num_experts == 256 and trace.top_k == 8
+    assert trace.num_tokens == 164

@@ -1,39 +1,53 @@
 """The prepared GPU check of issue 43 (``benchmarks/gpu_check.py`` is its CLI; docs/runtime.md):
-every stage in turn, each failing alone, one JSON rewritten after each; the todo stages
-named with what they need; the targets, none claimed by a dry run.
+every stage in turn, each failing alone, one JSON rewritten after each; the targets, none
+claimed by a dry run.
+
+    setup.py      the decode table's checkpoint, store, held-out routing and tables
+    decode.py     the decode table: the GPU-resident model and every system, tier, capacity
+    baselines.py  accelerate's offload at the same HBM budget; calibrate and the simulator
+    stages.py     every stage, in order (STAGES)
+    record.py     the run's JSON and clock (``Check``)
+    targets.py    the targets as {name, met, value, goal}
 
 Why in the package: the check runs once on a borrowed GPU machine, so its plumbing is
-tested here on the CPU (``dry_run=True``: tiny sizes, ordinary memory, no figure means
-anything) by calling ``run_stages``, never by running the benchmark.
+tested here on the CPU (``dry_run=True``: tiny sizes, the CPU's stand-in for a GPU, no
+figure means anything) by calling ``run_stages``, never by running the benchmark.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stmoe.runtime.gpu_check.record import TODO, Check, git_head, target_lines, targets
+from stmoe.runtime.gpu_check.record import Check, git_head
+from stmoe.runtime.gpu_check.setup import prepare_routing
 from stmoe.runtime.gpu_check.stages import STAGES, Stage
+from stmoe.runtime.gpu_check.targets import target_lines, targets
 
-__all__ = ["STAGES", "TODO", "Check", "Stage", "git_head", "run_stages", "target_lines"]
+__all__ = ["STAGES", "Check", "Stage", "git_head", "prepare_routing", "run_stages",
+           "target_lines"]
 
 
 def run_stages(out: Path, *, dry_run: bool = False, commit: str = "unknown",
                repo: Path | None = None, tokens: int | None = None, budget_s: float = 420.0,
-               stages: Mapping[str, Stage] | None = None) -> dict[str, Any]:
-    """Runs ``stages`` (default ``STAGES``) in order, records the todo stages and the
-    targets, and returns the document written to ``out``. ``repo``: the checkout whose
-    cuda-marked tests a real run runs; ``tokens``: per generation (4 dry, else 64); stages
-    still to start after ``budget_s`` are skipped."""
+               stages: Mapping[str, Stage] | None = None, layers: int | None = None,
+               routing: Path | None = None) -> dict[str, Any]:
+    """Runs ``stages`` (default ``STAGES``) in order, then the targets, and returns the
+    document written to ``out``. ``repo``: the checkout (its cuda-marked tests; its carried
+    routing, ``setup.CARRIED``); ``tokens``: new tokens per generation (4 dry, else 64);
+    ``layers``: the decode table's MoE layers (2 dry, else 4); ``routing``: a trace file in
+    place of the carried one; stages still to start after ``budget_s`` are skipped."""
     c = Check(out, dry_run, commit, budget_s, tokens=tokens or (4 if dry_run else 64),
-              repo=repo)
+              repo=repo, layers=layers, routing=routing)
     if not c.cuda and not dry_run:
         c.doc["note"] = "torch sees no GPU: only --dry-run makes sense here"
-    for name, fn in (STAGES if stages is None else stages).items():
-        c.stage(name, lambda fn=fn: fn(c))
-    for name, why in TODO.items():
-        c.doc["stages"][name] = {"status": "todo", "needs": why}
+    try:
+        for name, fn in (STAGES if stages is None else stages).items():
+            c.stage(name, lambda fn=fn: fn(c))
+    finally:
+        shutil.rmtree(c.work, ignore_errors=True)  # the checkpoint and store made there
     targets(c)
     c.write()
     return c.doc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -24,11 +25,16 @@ class Check:
     """The run: its JSON (``doc``), written after every stage, and the clock."""
 
     def __init__(self, out: Path, dry: bool, commit: str, budget_s: float, *,
-                 tokens: int = 4, repo: Path | None = None) -> None:
+                 tokens: int = 4, repo: Path | None = None, layers: int | None = None,
+                 routing: Path | None = None) -> None:
         import torch
 
         self.torch: ModuleType = torch
         self.out, self.dry, self.tokens, self.repo = out, dry, tokens, repo
+        self.layers, self.routing = layers, routing  # the decode table's (``setup``)
+        # where the stages make their files (the checkpoint, its store: removed at the end)
+        self.work = Path(tempfile.mkdtemp(prefix="stmoe-gpu-check-"))
+        self.shared: dict[str, Any] = {}  # what one stage makes for the next
         self.cuda = torch.cuda.is_available() and not dry
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.t0, self.budget_s = time.perf_counter(), budget_s
@@ -39,7 +45,7 @@ class Check:
 
     def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
         started = time.perf_counter()
-        if started - self.t0 > self.budget_s:
+        if self.out_of_time():
             rec: dict[str, Any] = {"status": "skipped", "why": "over the time budget"}
         else:
             try:
@@ -51,6 +57,10 @@ class Check:
         self.doc["stages"][name] = rec
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {name}: {rec['status']}", flush=True)
         self.write()
+
+    def out_of_time(self) -> bool:
+        """Whether the run is past its budget (a stage's own runs stop starting)."""
+        return time.perf_counter() - self.t0 > self.budget_s
 
     def target(self, name: str, met: bool | None, value: object, goal: str,
                note: str = "") -> None:
@@ -91,69 +101,6 @@ class Check:
                     fn()
                 samples.append((time.perf_counter() - t) / reps)
         return statistics.median(samples)
-
-
-TODO = {
-    "decode_table": "decode tok/s, hit rate, PCIe bytes, stall share and achieved copy "
-                    "bandwidth for the GPU-resident model, on-demand, lru-only, stmoe, "
-                    "stmoe-plus and the oracle at 25% and 50% of the experts in HBM, from "
-                    "pinned memory and from disk, on a Qwen3.6-35B-A3B-shaped checkpoint "
-                    "(stmoe make-model, random weights, 4-8 layers) replaying held-out "
-                    "routing: needs the engine's asynchronous GPU path (issue 43 item 1) "
-                    "and the disk -> GPU tier as a --tier",
-    "accelerate_offload": "accelerate's offload (device_map with the experts on the CPU at "
-                          "the same HBM budget): needs the decode table's checkpoint and "
-                          "budget",
-    "calibrate_simulator": "stmoe calibrate on the GPU and the simulator's prediction beside "
-                           "the measured figures: needs the decode table",
-}
-PENDING_TARGETS = [
-    ("bit-identical to the GPU-resident model in the same format, every family, every "
-     "predictor, bf16 and int4", "all identical"),
-    ("50% in HBM from pinned: stmoe-plus vs lru-only decode", ">= 1.0x"),
-    ("50% in HBM from pinned: share of the lru-only -> oracle gap stmoe-plus closes",
-     ">= 50% on held-out routing"),
-    ("stmoe-plus vs accelerate's offload decode", ">= 5x"),
-    ("on-demand's achieved copy bandwidth vs the measured pinned peak", ">= 70%"),
-    ("stmoe-plus vs the GPU-resident model's decode", ">= 0.6x"),
-    ("the simulator calibrated on the GPU vs every measured system", "within 20%"),
-]
-
-
-def targets(c: Check) -> None:
-    """Every target, read off the stages' records (a stage that did not run: no figure)."""
-    st = c.doc["stages"]
-    h = st.get("h2d", {})
-    if h.get("status") == "ok":
-        big = [r for r in h["sizes"] if r["bytes"] >= 64 * MIB] or h["sizes"][-1:]
-        ratio = min(r["registered_GBps"] / r["pinned_GBps"] for r in big)
-        c.target("the pinned store's registered mapping copies as fast as torch's pinned "
-                 "memory (>= 64 MiB)", ratio >= 0.9, round(ratio, 3), ">= 0.9x")
-    k = st.get("kernels", {})
-    for fmt in ("int8", "int4"):
-        errs = [v["rel_err"] for key, v in k.get("results", {}).items() if f"_{fmt}" in key]
-        c.target(f"CUDA {fmt} weight-only kernel on the stored layout computes the "
-                 "dequantized matrix (max error / max value)",
-                 (max(errs) <= 0.02) if errs else None, max(errs) if errs else None, "<= 0.02")
-    t = st.get("cuda_tests", {})
-    c.target("the cuda-marked tests pass", (t.get("returncode") == 0) if t.get("ran") else None,
-             t.get("summary"), "all pass")
-    g = st.get("tier_gpu", {})
-    runs = g.get("runs", [])
-    same = [r["identical"] for r in runs]
-    c.target("today's --tier gpu: greedy tokens identical to the GPU-resident shipped model",
-             all(x is True for x in same) if same else None,
-             f"{sum(x is True for x in same)} of {len(same)} runs" if same else None,
-             "all identical")
-    for name, goal in PENDING_TARGETS:
-        c.target(name, None, None, goal, "not measured: a todo stage (engine's GPU path)")
-
-
-def target_lines(doc: dict[str, Any]) -> list[str]:
-    """One line per target: MET, NOT MET or n/a (a dry run's, or a figure not measured)."""
-    marks = {True: "MET", False: "NOT MET", None: "n/a"}
-    return [f"{marks[t['met']]:8} {t['name']}: {t['value']} (goal {t['goal']})"
-            for t in doc["targets"]]
 
 
 def git_head(repo: Path) -> str:

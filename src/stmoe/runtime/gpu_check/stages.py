@@ -1,6 +1,7 @@
 """The GPU check's measuring stages, each ``Check -> its record``: the environment, host
-to device copies, torch's CUDA int8/int4 kernels on the stored layouts, the cuda-marked
-tests, today's ``--tier gpu`` against the GPU-resident shipped model.
+to device copies, torch's CUDA int8/int4 kernels on the stored layouts, the decode table
+(``decode``), accelerate's offload and calibrate with the simulator (``baselines``), the
+cuda-marked tests, ``--tier gpu`` against the GPU-resident shipped model.
 
 Why each takes only the ``Check``: a dry run (``c.dry``) runs the same code on the CPU
 with tiny sizes, so the plumbing is tested where no GPU is; ``run_stages`` takes any
@@ -19,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from stmoe.runtime.gpu_check.baselines import accelerate_offload, calibrate_simulator
+from stmoe.runtime.gpu_check.decode import decode_table, device_context
 from stmoe.runtime.gpu_check.record import KIB, MIB, Check
 
 if TYPE_CHECKING:
@@ -167,7 +170,8 @@ def _kernel_row(c: Check, x: torch.Tensor, wd: torch.Tensor, qw: torch.Tensor,
 
 def cuda_tests(c: Check) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-           "tests/quant/test_cuda_kernels.py", "tests/runtime/test_gpu_tiers.py"]
+           "tests/quant/test_cuda_kernels.py", "tests/runtime/test_gpu_tiers.py",
+           "tests/runtime/test_gpu_quantized.py"]
     if c.dry:
         return {"command": cmd, "ran": False, "why": "dry run: CI runs these, and they skip"}
     if c.repo is None:
@@ -192,7 +196,7 @@ def tier_gpu(c: Check) -> dict[str, Any]:
     ids = tok("def fib(n):", return_tensors="pt").input_ids.to(c.device)
     want, rate, dtype = _resident(c, load_causal_lm(SHIPPED_MODEL).to(c.device), ids, tokens)
     rec: dict[str, Any] = {"tokens": tokens, "dtype": dtype, "resident_decode_tok_s": rate}
-    tier = "gpu" if c.cuda else "disk"
+    tier = "gpu"
     configs: list[tuple[str, int | str]] = [
         ("on-demand", 4), ("lru-only", "50%"), ("stmoe", "50%"), ("stmoe-plus", "50%"),
         ("oracle", "50%"), ("stmoe-plus", "100%")]
@@ -202,8 +206,8 @@ def tier_gpu(c: Check) -> dict[str, Any]:
     for system, capacity in configs:
         predictor, policy = OFFLOAD_SYSTEMS[system]
         try:
-            with offload(SHIPPED_MODEL, tier=tier, capacity=capacity,
-                               predictor=predictor, policy=policy) as om:
+            with device_context(c), offload(SHIPPED_MODEL, tier=tier, capacity=capacity,
+                                            predictor=predictor, policy=policy) as om:
                 r = om.generate(ids[0].tolist(), max_new_tokens=tokens)
             runs.append({"system": system, "capacity": capacity,
                          "identical": r.tokens == want,
@@ -239,5 +243,9 @@ def _resident(c: Check, model: torch.nn.Module, ids: torch.Tensor,
     return want, rate, str(next(model.parameters()).dtype)
 
 
+# the most telling first (a run cut short by its budget keeps them)
 STAGES: dict[str, Stage] = {"environment": environment, "h2d": h2d, "kernels": kernels,
+                            "decode_table": decode_table,
+                            "accelerate_offload": accelerate_offload,
+                            "calibrate_simulator": calibrate_simulator,
                             "cuda_tests": cuda_tests, "tier_gpu": tier_gpu}

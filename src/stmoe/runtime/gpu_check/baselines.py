@@ -1,0 +1,124 @@
+"""The GPU check's comparisons beside the decode table: accelerate's offload at the same HBM
+budget (what a transformers user would pick), and ``stmoe calibrate`` on the GPU with the
+simulator's prediction of every measured system.
+
+Why these two: the first is the speed a user gets without stmoe on the same GPU budget;
+the second says whether the simulator, calibrated on this machine, predicts the runtime
+it models (issue 43's target: within 20% of every measured system).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any
+
+from stmoe.runtime.gpu_check.decode import SYSTEMS, decode_speed, device_context
+from stmoe.runtime.gpu_check.setup import setup
+
+if TYPE_CHECKING:
+    import torch
+
+    from stmoe.runtime.gpu_check.record import Check
+
+SHARE = 0.5  # the HBM budget both comparisons take: half the experts
+
+
+def accelerate_offload(c: Check) -> dict[str, Any]:
+    """accelerate's ``device_map``: everything on the GPU but the experts of the last MoE
+    layers, which stay in host memory and are copied in at every forward call (accelerate's
+    CPU offload), as many layers' as keeps the experts in HBM to SHARE of them."""
+    torch = c.torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from stmoe.hf.layout import experts_modules
+    from stmoe.runtime.forced_routing import ForcedRouting
+
+    s = setup(c)
+    config = AutoConfig.from_pretrained(s.model_dir, local_files_only=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = [name for name, _ in experts_modules(skeleton)]
+    on_device = math.floor(SHARE * len(names))
+    main: int | str = 0 if c.cuda else "cpu"
+    device_map = split_map(skeleton, set(names[on_device:]), main)
+    model = AutoModelForCausalLM.from_pretrained(s.model_dir, device_map=device_map).eval()
+    try:
+        forced = ForcedRouting(model, s.plan)
+        steps = min(s.steps, 16 if not c.dry else s.steps)  # each token copies GBs: fewer
+        decode_speed(c, model, dataclasses.replace(s, steps=2), forced.reset)  # (warm-up)
+        tokens, rate = decode_speed(c, model, dataclasses.replace(s, steps=steps),
+                                    forced.reset)
+    finally:
+        del model
+        if c.cuda:
+            torch.cuda.empty_cache()
+    want = c.shared.get("want")
+    return {"device_map": {k: str(v) for k, v in device_map.items()},
+            "experts_layers_in_hbm": on_device, "of_layers": len(names),
+            "decode_tok_s": round(rate, 3), "tokens": steps,
+            "identical_prefix": want is not None and tokens == want[:steps]}
+
+
+def split_map(model: torch.nn.Module, offloaded: set[str],
+              main: int | str) -> dict[str, int | str]:
+    """A complete ``device_map``: the modules named in ``offloaded`` on "cpu", everything
+    else on ``main``, each module whole unless an offloaded one lies inside it."""
+    out: dict[str, int | str] = {}
+
+    def assign(module: torch.nn.Module, name: str) -> None:
+        if name in offloaded:
+            out[name] = "cpu"
+        elif not any(o.startswith(f"{name}.") or not name for o in offloaded):
+            out[name] = main
+        else:
+            for leaf, _ in [*module.named_parameters(recurse=False),
+                            *module.named_buffers(recurse=False)]:
+                out[f"{name}.{leaf}" if name else leaf] = main
+            for child, sub in module.named_children():
+                assign(sub, f"{name}.{child}" if name else child)
+
+    assign(model, "")
+    return out
+
+
+def calibrate_simulator(c: Check) -> dict[str, Any]:
+    """``stmoe calibrate`` of the gpu tier on the decode table's checkpoint (the replayed
+    routing's misses timed), then the host pipeline's simulation of each system at SHARE of
+    the experts in HBM, beside the measured runs."""
+    from stmoe.predictors import load_tables
+    from stmoe.runtime.calibrate import calibrate
+    from stmoe.runtime.options import CalibrateOptions
+    from stmoe.sim.host.calibrated import hardware_toml
+    from stmoe.sim.host.systems import HostOptions, simulate_runtime
+    from stmoe.sim.specs import hardware_preset, model_preset
+    from stmoe.trace import load_trace
+
+    s = setup(c)
+    capacity = f"{SHARE:.0%}"
+    options = CalibrateOptions(tier="gpu", capacity=capacity, routing=s.routing,
+                               seconds=0.3 if c.dry else 2.0, tokens=2 if c.dry else 8)
+    with device_context(c):
+        figures = calibrate(s.model_dir, s.store, options)
+    preset = c.work / "calibrated-gpu.toml"
+    preset.write_text(hardware_toml(figures))
+    model = dataclasses.replace(model_preset(s.like), layers=s.layers)
+    sim = simulate_runtime(load_trace(s.routing), model, hardware_preset(str(preset)),
+                           list(SYSTEMS),
+                           HostOptions(capacity=round(SHARE * model.num_experts),
+                                       decode_tokens=s.steps - 1,
+                                       tables=load_tables(s.tables)))
+    measured = {r["system"]: r for r in c.doc["stages"].get("decode_table", {}).get("runs", [])
+                if r.get("tier") == "gpu" and r.get("capacity") == capacity
+                and "decode_tok_s" in r}
+    rows = []
+    for system in SYSTEMS:
+        simulated = float(sim["systems"][system]["decode_tokens_per_s"])
+        got = measured.get(system, {}).get("decode_tok_s")
+        rows.append({"system": system, "simulated_tok_s": round(simulated, 3),
+                     "measured_tok_s": got,
+                     "measured_over_simulated": round(got / simulated, 3)
+                     if got and simulated > 0 else None})
+    keep = ("bytes_per_s", "parallel_bytes_per_s", "latency_s", "token_s", "layers_s",
+            "experts_s", "workers")
+    return {"preset": {k: figures[k] for k in keep}, "capacity": capacity, "systems": rows}

@@ -1,0 +1,133 @@
+"""What the GPU check's decode table runs on: a real-shape checkpoint made there (RANDOM
+weights), its store, recorded routing held out from the predictors' tables, and the plan
+that forces it on every MoE layer.
+
+Why each: a real shape (Qwen3.6-35B-A3B's 6 MiB experts, 256 a layer, top-8) moves real
+bytes over the link; random weights need no download (the machine is offline); the router of
+a random model routes unrealistically, so recorded routing replaces it
+(``runtime.forced_routing``); and tables profiled on the very tokens replayed overstate
+every predictor, so the trace is split by tokens as bench_offload_real.py splits it (its
+first ``SPLIT_AT`` tokens profiled, the rest replayed after the ``SPLIT_PROMPT`` tokens
+before them as the prompt). The trace is the shared sample
+(../shared/traces, which the project cannot ship): ``prepare_routing`` copies its first
+layers to ``out/gpu_check/routing.npz`` (ignored by git), which is carried to the GPU
+machine. A dry run synthesizes routing of the tiny preset's shape instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stmoe.errors import StmoeError
+
+if TYPE_CHECKING:
+    from stmoe.runtime.forced_routing import RoutingPlan
+    from stmoe.runtime.gpu_check.record import Check
+    from stmoe.trace.schema import RoutingTrace
+
+LIKE, DRY_LIKE = "qwen3.6-35b-a3b", "stmoe-tiny"  # the checkpoint's shape (a sim preset)
+LAYERS, DRY_LAYERS = 4, 2  # MoE layers made (4: 6 GiB of experts, written in ~1 minute)
+SAMPLE = "qwen3.6-35b-a3b_chat-1prompt.npz"  # in ../shared/traces
+CARRIED = Path("out") / "gpu_check" / "routing.npz"  # under the checkout: what is carried
+SPLIT_AT, SPLIT_PROMPT = 100, 8  # bench_offload_real.py's held-out split of the sample
+DRY_SPLIT_AT, DRY_SPLIT_PROMPT = 20, 4
+KEPT_LAYERS = 8  # the sample's first layers carried (the check makes up to 8)
+
+
+@dataclass
+class Setup:
+    """The decode table's checkpoint, store, tables and forced routing."""
+
+    like: str
+    layers: int
+    model_dir: Path
+    store: Path
+    tables: Path
+    routing: Path  # the replayed sequence (a trace file: calibrate takes it)
+    plan: RoutingPlan
+    source: str  # where the routing came from, said beside every figure
+    steps: int  # new tokens per replay
+
+
+def prepare_routing(shared: Path, out: Path) -> Path:
+    """The shared sample's first KEPT_LAYERS layers as ``out`` (a native trace file), for a
+    GPU machine that has no ../shared; a clear error where the sample is missing."""
+    from stmoe.trace import load_trace, save_trace
+    from stmoe.trace.select import select_layers
+
+    sample = shared / SAMPLE
+    if not sample.is_file():
+        raise StmoeError(f"{sample}: no such trace; --prepare needs ../shared/traces")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_trace(select_layers(load_trace(sample), str(KEPT_LAYERS)), out)
+    return out
+
+
+def setup(c: Check) -> Setup:
+    """Made once per run (the stages after the decode table reuse it): the checkpoint and
+    store under ``c.work``, the routing split, the tables profiled on its head."""
+    if "setup" not in c.shared:
+        c.shared["setup"] = _make(c)
+    made: Setup = c.shared["setup"]
+    return made
+
+
+def _make(c: Check) -> Setup:
+    from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
+    from stmoe.predictors import profile, save_tables
+    from stmoe.runtime.forced_routing import plan_routing
+    from stmoe.runtime.store import pack_folder
+    from stmoe.sim.specs import model_preset
+    from stmoe.trace import save_trace
+
+    like = DRY_LIKE if c.dry else LIKE
+    layers = c.layers or (DRY_LAYERS if c.dry else LAYERS)
+    head, tail, label = held_out(c, layers)
+    model_dir = make_checkpoint(plan_checkpoint(like, layers, "float32" if c.dry else
+                                                "bfloat16"), c.work / "model")
+    store = pack_folder(model_dir, c.work / "store")
+    tables = save_tables(profile(head), c.work / "tables.npz")
+    routing = c.work / "replayed.npz"
+    save_trace(tail, routing)
+    spec = model_preset(like)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir, local_files_only=True).vocab_size
+    plan = plan_routing(tail, 0, layers, spec.num_experts, spec.top_k, vocab, routing)
+    return Setup(like, layers, model_dir, store, tables, routing, plan, label,
+                 min(c.tokens, plan.new_tokens))
+
+
+def held_out(c: Check, layers: int) -> tuple[RoutingTrace, RoutingTrace, str]:
+    """The routing's first ``layers`` layers split by tokens: (profiled, replayed, where it
+    came from and how it was split)."""
+    from stmoe.trace.select import held_out_tail, select_layers
+
+    trace, source = _trace(c, layers)
+    at, prompt = (DRY_SPLIT_AT, DRY_SPLIT_PROMPT) if c.dry else (SPLIT_AT, SPLIT_PROMPT)
+    head, tail = held_out_tail(select_layers(trace, str(layers)), at, prompt)
+    decode = tail.num_tokens - prompt
+    return head, tail, (f"{source}; HELD-OUT tables (profiled on tokens 0..{at - 1}, the "
+                        f"{decode} decode tokens from {at} on replayed)")
+
+
+def _trace(c: Check, layers: int) -> tuple[RoutingTrace, str]:
+    """The recorded routing (the carried file, else the shared sample), or in a dry run a
+    synthetic trace of the tiny preset's shape; with where it came from."""
+    from stmoe.sim.specs import model_preset
+    from stmoe.trace import load_trace, synthesize
+
+    if c.dry:
+        spec = model_preset(DRY_LIKE)
+        tokens = DRY_SPLIT_AT + c.tokens + 1
+        trace = synthesize(tokens=tokens, layers=layers, experts=spec.num_experts,
+                           top_k=spec.top_k, sequences=1, prefill_fraction=0.1, seed=3)
+        return trace, "SYNTHETIC routing (dry run)"
+    for path in (c.routing, c.repo / CARRIED if c.repo else None,
+                 c.repo.parent / "shared" / "traces" / SAMPLE if c.repo else None):
+        if path is not None and path.is_file():
+            return load_trace(path), f"routing recorded from Qwen3.6-35B-A3B ({path.name})"
+    raise StmoeError("no recorded routing: run `benchmarks/gpu_check.py --prepare` where "
+                     "../shared/traces is, and carry out/gpu_check to the GPU machine")
