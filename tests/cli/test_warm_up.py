@@ -16,7 +16,7 @@ import numpy as np
 from stmoe.models import SHIPPED_MODEL, SHIPPED_TABLES
 from stmoe.predictors import load_tables, make
 from stmoe.predictors.plus import steps
-from stmoe.cli.warm_up import warm_predictor
+from stmoe.runtime.warm_up import warm_predictor
 
 tables = load_tables(SHIPPED_MODEL / SHIPPED_TABLES)
 p = make("stmoe-plus", tables.shape, tables)
@@ -55,9 +55,9 @@ def test_every_predictor_warms_up_and_keeps_its_state():
     through the warm-up, its own slots and learned tables untouched."""
     import numpy as np
 
-    from stmoe.cli.warm_up import warm_predictor
     from stmoe.models import SHIPPED_MODEL, SHIPPED_TABLES
     from stmoe.predictors import PredictorError, load_tables, make, names
+    from stmoe.runtime.warm_up import warm_predictor
 
     tables = load_tables(SHIPPED_MODEL / SHIPPED_TABLES)
     warmed = []

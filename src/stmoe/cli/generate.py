@@ -46,9 +46,9 @@ from stmoe.cli.offload_options import (
     checked_model,
     offload_for,
 )
-from stmoe.cli.warm_up import warm_up
 from stmoe.errors import StmoeError, StmoeNote, TraceError
 from stmoe.runtime.options import OffloadOptions
+from stmoe.runtime.warm_up import warm_up
 
 if TYPE_CHECKING:
     from stmoe.runtime.api import OffloadedModel

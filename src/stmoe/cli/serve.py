@@ -30,8 +30,8 @@ from stmoe.cli.offload_options import (
     checked_model,
     offload_for,
 )
-from stmoe.cli.warm_up import warm_up
 from stmoe.errors import StmoeError
+from stmoe.runtime.warm_up import warm_up
 
 if TYPE_CHECKING:
     from stmoe.runtime.batcher import StepBatcher

@@ -82,11 +82,13 @@ class OffloadEngine:
     def _wire(self, model: torch.nn.Module, layers: Layers, store: ExpertStore, tier: Tier,
               predictor: Predictor, settings: EngineSettings, device: torch.device,
               lookahead: GateLookahead | None,
-              prompt_routers: list[torch.Tensor] | None) -> None:
+              prompt_routers: list[torch.Tensor] | None,
+              planner: type[PrefetchPlanner] = PrefetchPlanner) -> None:
         """The engine's parts for ``layers`` (each MoE layer's experts module and the
         implementation its calls compute with), whoever runs the model: transformers
         (``__init__``), or another runtime that calls ``ExpertsPath.run`` from its own
-        MoE layers (the vLLM plugin) and sets ``hooks`` itself."""
+        MoE layers (the vLLM plugin) and sets ``hooks`` itself; ``planner``: a
+        ``PrefetchPlanner`` that knows that runtime's batches (the plugin's)."""
         _check_settings(settings)
         self.model, self.store, self.predictor = model, store, predictor
         self.settings, self.policy = settings, settings.policy
@@ -104,8 +106,8 @@ class OffloadEngine:
         self.state.use_tier_events()
         self.caches, self.cv, self.expert_bytes = caches, self.state.cv, self.state.expert_bytes
         self.prefetcher = Prefetcher(self.state, settings.workers)
-        self.planner = PrefetchPlanner(self.state, predictor, self.prefetcher, lookahead,
-                                       self.max_loads, self.capacity, prompt_routers)
+        self.planner = planner(self.state, predictor, self.prefetcher, lookahead,
+                               self.max_loads, self.capacity, prompt_routers)
         self.path = ExpertsPath(self.state, layers, settings, self.prefetcher, self.planner)
         self.reset(future=None)
         self.prefetcher.start()

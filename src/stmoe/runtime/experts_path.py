@@ -36,7 +36,7 @@ from stmoe.runtime.arrange import gather, load_transient, plan_id_order, read_ex
 from stmoe.runtime.cache import READY, TEMP, LayerCache
 from stmoe.runtime.demand import DemandLoads, Slots
 from stmoe.runtime.device_path import DeviceSide, IdsToHost, SlotTable
-from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering
+from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering, rows_independent
 from stmoe.runtime.planning import PrefetchPlanner
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.state import EngineSettings, EngineState
@@ -62,6 +62,8 @@ class ExpertsPath:
         # token's top-k outputs summed in routing order): they compute on the cache's
         # slots in place, where the others get a compact copy (``gather``)
         self.any_numbering = [any_expert_numbering(module) for module, _ in layers]
+        # of those, the ones that compute each token alone: any call on the slots in place
+        self.any_rows = [rows_independent(module) for module, _ in layers]
         self.capacity, self.policy = settings.capacity, settings.policy
         self._buf = aligned_buffer(state.max_block)  # the compute thread's read buffer
         self.demand = DemandLoads(state, prefetcher, self._buf)
@@ -90,7 +92,8 @@ class ExpertsPath:
         cache = state.caches[layer]
         # the common decode call (the whole cache in expert order, or one token on the slots
         # in place) whose experts are all cached takes a short path: nothing to wait for
-        quick = cache.identity or (self.any_numbering[layer] and rows.shape[0] == 1)
+        quick = cache.identity or (self.any_numbering[layer] and (rows.shape[0] == 1
+                                                                 or self.any_rows[layer]))
         predicted, held = self._begin(layer, cache, needed, quick)  # paused if it will wait
         if held is not None:
             return self._run_hits(layer, cache, needed, held, rows, predicted, hidden_states,
@@ -144,10 +147,12 @@ class ExpertsPath:
                 len(predicted.intersection(needed)))
             if cache.identity:  # every expert has its own slot: the slabs are the full tensors
                 params, n, index = cache.slabs, state.num_experts, top_k_index
-            else:  # one token: its experts' slots, in any numbering
+            else:  # one token (or tokens computed alone): its experts' slots, any numbering
                 params, n = cache.slabs, cache.capacity
                 index = self._renumber(layer, dict(zip(needed, held, strict=True)), needed,
                                        rows, top_k_index)
+                if index.dtype != top_k_index.dtype:  # (the host's numbering: int64)
+                    index = index.to(top_k_index.device, top_k_index.dtype)
             self._reading(cache, held)
             out = self._compute(layer, params, n, hidden_states, index, top_k_weights,
                                 segments, args, kwargs)
@@ -207,7 +212,8 @@ class ExpertsPath:
         spare = 0  # spare rows past the capacity this call uses
         if cache.identity:  # every expert has its own slot: the slabs are the full tensors
             params, n, index = cache.slabs, state.num_experts, top_k_index
-        elif in_place and rows.shape[0] == 1 and not extra:  # one token: any numbering
+        elif in_place and (rows.shape[0] == 1 or self.any_rows[layer]) and not extra:
+            # one token (or tokens computed alone): the slots in any numbering
             params, n = cache.slabs, cache.capacity
             index = self._renumber(layer, slots, needed, rows, top_k_index)
         elif in_place and cache.reserved >= cache.capacity + len(extra):

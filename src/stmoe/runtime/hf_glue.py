@@ -68,6 +68,10 @@ def base_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
 # (the last two: quant.experts, and vLLM's CPU grouped-GEMM kernel as the vLLM plugin
 # calls it, whose tokens are independent too: ``vllm_plugin.layers``)
 _ORDER_FREE = ("grouped_mm", "batched_mm", "stmoe_quantized", "vllm_cpu_fused_moe")
+# of those, the ones whose every token is computed alone whatever the call's other tokens
+# and their numbering (vLLM's CPU kernel, tested bit for bit in tests/vllm_plugin): a call
+# of several tokens computes on the slots in place too
+_ROWS_FREE = ("vllm_cpu_fused_moe",)
 
 
 def any_expert_numbering(module: torch.nn.Module) -> bool:
@@ -75,6 +79,12 @@ def any_expert_numbering(module: torch.nn.Module) -> bool:
     under any numbering of its experts (so the engine may compute on cache slots in
     place; several tokens only with slots in id order)."""
     return getattr(module.config, "_experts_implementation", None) in _ORDER_FREE
+
+
+def rows_independent(module: torch.nn.Module) -> bool:
+    """Whether the module's implementation gives each token the same bits under any
+    numbering of its experts whatever the call's other tokens (slots in place for any call)."""
+    return getattr(module.config, "_experts_implementation", None) in _ROWS_FREE
 
 
 class ExpertsEngine(Protocol):

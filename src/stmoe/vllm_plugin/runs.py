@@ -1,0 +1,93 @@
+"""Runs of ``vllm.LLM`` with the plugin off and on, one process, one JSON: what the plugin's
+tests and ``benchmarks/bench_vllm.py`` compare.
+
+    python -m stmoe.vllm_plugin.runs SPEC.json OUT.json
+
+Why one process for many runs: vLLM starts its engine core and worker by spawn, and each
+reads ``STMOE_VLLM`` as it starts; so each run sets it (or removes it: plain vLLM), makes
+an ``LLM``, generates, and shuts the engine down, and the next run starts afresh. The spec:
+
+    {"model": DIR, "dtype": "float32", "max_model_len": 512, "prompts": [...],
+     "runs": [{"name": "plain", "stmoe": null, "max_tokens": 16,
+               "batches": [[0, 1, 2, 3]], "rounds": 1, "routed": false}, ...]}
+
+Each batch is one ``generate`` call of those prompts (its requests run concurrently, by
+vLLM's continuous batching), greedy with ``ignore_eos``. Per run: each batch's tokens, each
+round's seconds (after one warm-up batch), and with ``routed`` vLLM's own routed experts.
+``tables_swap: [SRC, DST]`` replaces DST (the run's tables) with SRC before round 2.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENV = "STMOE_VLLM"
+
+
+def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """One run of ``spec``: an LLM with ``entry``'s plugin setting, its batches timed."""
+    from vllm import LLM, SamplingParams
+
+    if entry.get("stmoe"):
+        os.environ[ENV] = entry["stmoe"]
+    else:
+        os.environ.pop(ENV, None)
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
+              max_model_len=spec.get("max_model_len", 512), seed=0,
+              gpu_memory_utilization=0.1,
+              enable_return_routed_experts=bool(entry.get("routed")))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=entry["max_tokens"], ignore_eos=True)
+        prompts = spec["prompts"]
+        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2),
+                     use_tqdm=False)  # warm-up: the first call's one-time costs
+        rounds: list[float] = []
+        tokens: list[list[list[int]]] = []
+        routed: list[list[list]] = []
+        for r in range(entry.get("rounds", 1)):
+            if r == 1 and entry.get("tables_swap"):  # new tables while serving
+                src, dst = (Path(p) for p in entry["tables_swap"])
+                tmp = dst.with_suffix(".swap.npz")
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, dst)  # whole, with a new mtime: what the plugin watches
+            started = time.perf_counter()
+            outs = [llm.generate([prompts[i] for i in batch], params, use_tqdm=False)
+                    for batch in entry["batches"]]
+            rounds.append(time.perf_counter() - started)
+            tokens = [[list(o.outputs[0].token_ids) for o in batch] for batch in outs]
+            if entry.get("routed"):
+                routed = [[o.outputs[0].routed_experts.tolist() for o in batch]
+                          for batch in outs]
+        # one more request: vLLM tells the worker of the finished ones at its next step
+        llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1),
+                     use_tqdm=False)
+        new = sum(len(t) for batch in tokens for t in batch)
+        return {"name": entry["name"], "stmoe": entry.get("stmoe"), "tokens": tokens,
+                "rounds_s": rounds, "new_tokens": new, "routed": routed or None}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        sys.exit("usage: python -m stmoe.vllm_plugin.runs SPEC.json OUT.json")
+    spec = json.loads(Path(argv[0]).read_text())
+    out = Path(argv[1])
+    results: list[dict[str, Any]] = []
+    for entry in spec["runs"]:
+        results.append(run(spec, entry))
+        out.write_text(json.dumps({"runs": results}))  # after each run: a crash keeps them
+        print(f"stmoe runs: {entry['name']} done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,109 @@
+"""vLLM's flat batches as the engine's steps (stmoe.vllm_plugin.batches), the predictor
+slots of running requests, the tables watch, and the layers the plugin refuses. Needs no
+vLLM."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stmoe.vllm_plugin.batches import SCRATCH, Requests, spans_of, step_of
+from stmoe.vllm_plugin.config import PluginConfigError
+from stmoe.vllm_plugin.layers import check_layer
+from stmoe.vllm_plugin.steps import TablesWatch
+
+
+def test_slots_are_small_numbers_given_back_when_a_request_finishes():
+    r = Requests()
+    assert [r.slot(x) for x in ("a", "b", "a", "c")] == [0, 1, 0, 2]
+    assert r.finish("b") == 1 and r.finish("b") is None and r.finish("never") is None
+    assert r.slot("d") == 1  # b's slot, reused
+
+
+def test_a_call_of_decode_tokens_only_is_a_decode_step_one_row_per_request():
+    r = Requests()
+    spans = spans_of(r, ["x", "y", "z"], [1, 1, 1], [7, 3, 12], [5, 3, 9])
+    assert [(s.start, s.end, s.slot) for s in spans] == [(0, 1, 0), (1, 2, 1), (2, 3, 2)]
+    step = step_of(spans, 3, call=4)
+    assert not step.prefill and step.length == 1 and step.slots == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("counts", "computed", "tokens"), [
+    ([5, 1], [0, 9], 6),  # a prompt beside a decode token: mixed
+    ([1], [0], 1),  # a one-token prompt: its sequence starts here
+    ([1, 1], [4, 4], 3),  # more rows than the requests' tokens (padding): not theirs
+])
+def test_any_other_call_is_a_prompt_step_of_one_row_on_the_scratch_slot(counts, computed,
+                                                                         tokens):
+    spans = spans_of(Requests(), [f"r{i}" for i in range(len(counts))], counts, computed,
+                     [5] * len(counts))
+    step = step_of(spans, tokens, call=0)
+    assert step.prefill and step.length == tokens and step.slots == [SCRATCH]
+
+
+def test_a_dummy_run_has_no_spans_and_is_a_prompt_step():
+    step = step_of((), 16, call=0)
+    assert step.prefill and step.rows == 1 and step.length == 16
+
+
+def test_the_tables_watch_reloads_on_change_and_keeps_the_old_on_a_bad_file(tmp_path):
+    path = tmp_path / "tables.npz"
+    path.write_bytes(b"v1")
+    built = []
+
+    def build():
+        if path.read_bytes() == b"broken":
+            raise ValueError("not a tables file")
+        built.append(path.read_bytes())
+        return f"predictor {len(built)}"
+
+    watch = TablesWatch(path, build)
+    assert watch.changed() is None  # unchanged since it started
+    path.write_bytes(b"v2")
+    os.utime(path, ns=(1, 10**18))
+    assert watch.changed() == "predictor 1" and watch.reloads == 1
+    assert watch.changed() is None
+    path.write_bytes(b"broken")
+    os.utime(path, ns=(1, 2 * 10**18))
+    assert watch.changed() is None and watch.reloads == 1  # logged, the old kept
+    assert TablesWatch(None, build).changed() is None  # no tables: nothing to watch
+
+
+def _layer(**kw):
+    method = type("UnquantizedFusedMoEMethod", (), {})()
+    fused = type("CPUUnquantizedExperts", (), {"_use_zentorch": False})()
+    method.moe_kernel = SimpleNamespace(fused_experts=fused)
+    method.is_monolithic = False
+    base = dict(quant_method=method, expert_map=None, global_num_experts=4,
+                local_num_experts=4, w13_weight=torch.zeros(4, 6, 3),
+                w2_weight=torch.zeros(4, 3, 3))
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_a_layer_the_kernel_serves_bit_for_bit_passes():
+    check_layer("model.layers.0.mlp.experts", _layer())
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (dict(quant_method=type("Fp8MoEMethod", (), {})()), "quantized by vLLM (Fp8MoEMethod)"),
+    (dict(expert_map=torch.arange(4)), "expert parallelism"),
+    (dict(local_num_experts=2), "split across ranks"),
+    (dict(w13_bias=torch.zeros(4, 6)), "biases"),
+    (dict(w2_weight=torch.zeros(3, 3, 3)), "w2_weight is not one row per expert"),
+])
+def test_a_layer_it_cannot_serve_is_refused_in_one_line(change, says):
+    with pytest.raises(PluginConfigError) as e:
+        check_layer("model.layers.3.mlp.experts", _layer(**change))
+    assert str(e.value).startswith("stmoe: cannot offload MoE layer model.layers.3.mlp.experts")
+    assert says in str(e.value)
+
+
+def test_another_kernel_is_refused():
+    layer = _layer()
+    layer.quant_method.moe_kernel.fused_experts = type("TritonExperts", (), {})()
+    with pytest.raises(PluginConfigError, match="its kernel is TritonExperts"):
+        check_layer("m", layer)

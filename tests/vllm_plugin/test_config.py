@@ -1,0 +1,66 @@
+"""STMOE_VLLM's grammar (stmoe.vllm_plugin.config): stmoe.offload's options and the
+plugin's own keys, each checked where it is read, a bad one refused in one line naming it.
+Needs no vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stmoe.vllm_plugin import ENV_VAR, register
+from stmoe.vllm_plugin.config import KEYS, PluginConfigError, parse
+
+
+def test_every_default_where_it_is_only_switched_on():
+    for text in ("1", "on", "", " , "):
+        c = parse(text)
+        assert c.options.capacity == "50%" and c.options.predictor == "stmoe"
+        assert c.options.tier == "disk" and c.store is None and c.capture is None
+
+
+def test_keys_become_offload_options_and_the_plugins_own():
+    c = parse("capacity=4, predictor=stmoe-plus,tables=~/t.npz,policy=lfu,workers=0,"
+              "max_loads=2,admission=off,store=/s,capture=caps,lookahead=early")
+    o = c.options
+    assert (o.capacity, o.predictor, o.policy, o.workers, o.max_loads, o.admission) == (
+        "4", "stmoe-plus", "lfu", 0, 2, False)
+    assert o.tables == Path("~/t.npz").expanduser() and c.store == Path("/s")
+    assert c.capture == Path("caps") and o.lookahead == "early"
+    e = parse("tier=emulated,bandwidth=1GB,latency=50us").options
+    assert (e.tier, e.bandwidth, e.latency) == ("emulated", "1GB", "50us")
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("capacity", "item 1 ('capacity'): expected key=value"),
+    ("capacity=4,speed=9", "item 2: unknown key 'speed'"),
+    ("capacity=4,capacity=8", "'capacity' is given twice"),
+    ("workers=two", "workers='two': expected a count >= 0"),
+    ("max_loads=-1", "max_loads='-1': expected a count >= 0"),
+    ("admission=maybe", "admission='maybe': expected on or off"),
+    ("tier=gpu", "tier='gpu': inside vLLM's CPU build the tiers are disk, emulated"),
+    ("lookahead=late", "only 'early'"),
+    ("policy=fifo", "STMOE_VLLM: "),
+    ("tier=disk,bandwidth=1GB", "STMOE_VLLM: "),
+])
+def test_a_bad_item_is_refused_by_name(text, says):
+    with pytest.raises(PluginConfigError) as e:
+        parse(text)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_refusal_lists_the_keys():
+    with pytest.raises(PluginConfigError, match=", ".join(KEYS)):
+        parse("nope=1")
+
+
+def test_register_does_nothing_unless_asked(monkeypatch):
+    """vLLM calls register in every process: without STMOE_VLLM it imports nothing."""
+    import sys
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    before = set(sys.modules)
+    register()
+    assert not {m for m in set(sys.modules) - before if m.startswith(("vllm", "stmoe.vllm"))}
+    monkeypatch.setenv(ENV_VAR, "  ")
+    register()
