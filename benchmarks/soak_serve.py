@@ -118,11 +118,13 @@ def main() -> None:
                 try:
                     if k % 3 == 0:
                         text = "".join(ch.choices[0].text for ch in api.completions.create(
-                            model="tiny-moe", prompt=PROMPTS[i], max_tokens=n, stream=True)
+                            model="tiny-moe", prompt=PROMPTS[i], max_tokens=n, stream=True,
+                            temperature=0)
                             if ch.choices)
                     else:
                         text = api.completions.create(model="tiny-moe", prompt=PROMPTS[i],
-                                                      max_tokens=n).choices[0].text
+                                                      max_tokens=n,
+                                                      temperature=0).choices[0].text
                     key = "ok" if text == want[(i, n)] else "mismatch"
                 except Exception as exc:
                     key = "error"

@@ -5,9 +5,10 @@ only into its git-ignored scratch folder), nothing was written into ``STMOE_CACH
 second copy of a model's experts), and the scratch folder holds what the README says.
 
 Excepted, by the marker that ends the line: ``# needs your own model`` (a checkpoint of
-the reader's, never run here) and ``# needs the shared traces`` (the recorded sample beside
-the clone: run where it is, skipped otherwise, as every test of it). The setup blocks of
-"Quick start" and "Installing" (make demo, make test, pip install, stmoe demo, pytest) are
+the reader's, never run here), ``# needs the shared traces`` (the recorded sample beside
+the clone: run where it is, skipped otherwise, as every test of it) and the section
+"Inside vLLM" (run in vLLM's environment: tests/vllm_plugin/test_docs.py). The setup
+blocks of "Quick start" and "Installing" (make demo, make test, pip install, stmoe demo, pytest) are
 what CI runs (.ci/run calls make test): here they are checked to be exactly those, and the
 make targets with ``make -n``. One substitution keeps the tour fast: make-model writes
 Qwen3.6-35B-A3B's routing dimensions with narrow layers (``--like`` a spec .toml, as the
@@ -44,6 +45,7 @@ from stmoe.models import SHIPPED_MODEL
 README = REPO / "README.md"
 OWN_MODEL = "# needs your own model"
 SHARED = "# needs the shared traces"
+VLLM_SECTION = "Inside vLLM"  # run in vLLM's environment: tests/vllm_plugin/test_docs.py
 SCRATCH = "tour"  # the tour's scratch folder, git-ignored
 SETUP = {
     "Quick start: two commands": ["make demo", "make test"],
@@ -169,6 +171,8 @@ def _tour(scripts: Path, cli: Cli, has_shared: bool, skipped: list[str],
           background: list[subprocess.Popen], port: int) -> None:
     """Every block of the README, in order (Python blocks from files in ``scripts``)."""
     for i, (section, lang, code) in enumerate(blocks(README.read_text())):
+        if section == VLLM_SECTION:
+            continue
         if section in SETUP:
             bare = [re.sub(r"\s+#.*$", "", line) for line in commands(code)]
             assert lang == "sh" and bare == SETUP[section], (section, code)

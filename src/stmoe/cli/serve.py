@@ -49,8 +49,9 @@ def serve_cmd(
                                            "to 64 (with --quantize-resident int8|int4 one "
                                            "batched forward; docs/serve.md).",
                                            rich_help_panel=SERVER)] = 4,
-    max_queue: Annotated[int, typer.Option(help="Requests waiting for a place, 0 to 10000; "
-                                           "beyond it 429.", rich_help_panel=SERVER)] = 16,
+    max_queue: Annotated[int, typer.Option(help="Requests waiting for a place, 0 to 10000 "
+                                           "(a request of n choices counts n); beyond "
+                                           "it 429.", rich_help_panel=SERVER)] = 16,
     name: Annotated[str | None, typer.Option(help="The model's name in the API. Default: the "
                                              "folder's name.", rich_help_panel=SERVER)]
     = None,
