@@ -55,6 +55,28 @@ def test_a_copy_into_a_slot_waits_for_its_readers():
     ops.close()
 
 
+def test_a_copy_into_a_slot_waits_for_the_copy_still_landing_there():
+    """A prefetch evicted before it was read: its copy (another loader's stream) may not
+    have landed. The new copy waits for it, so the two land in the order they were queued
+    and the slot holds the new expert (without the wait: the old one, late)."""
+    ops = HostThreadOps()
+    events = SlotEvents(2, ops)
+    dst = torch.zeros(8, dtype=torch.uint8)
+    first_lands = Gate()
+    ops.wait("prefetch stream", first_lands)  # the old copy is held back on its stream
+    old = ops.copy_async(dst, torch.full((8,), 7, dtype=torch.uint8), "prefetch stream")
+    events.landing(0, old)
+    events.before_write(0, "demand stream")
+    new = ops.copy_async(dst, torch.ones(8, dtype=torch.uint8), "demand stream")
+    time.sleep(0.1)
+    assert not new.query()  # the new copy waits for the one in flight
+    first_lands.done.set()
+    new.synchronize()
+    old.synchronize()
+    assert dst.tolist() == [1] * 8
+    ops.close()
+
+
 def test_reads_wait_for_the_copy_and_leave_a_free_event():
     ops = HostThreadOps(delay=0.05)
     events = SlotEvents(2, ops)

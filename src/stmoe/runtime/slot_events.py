@@ -10,7 +10,9 @@ host wait for either would stall the accelerator. So each slot carries two event
 - ``free``: recorded on the compute stream once the slot's last reader is launched
   (``after_read``, before the layer unpins the slot, so it is set by the time the slot can
   be evicted); a loader's stream waits on it before it overwrites the slot
-  (``before_write``): a write-after-read race cannot happen, whatever the host does.
+  (``before_write``): a write-after-read race cannot happen, whatever the host does. It
+  waits on the slot's ``ready`` too where no reader consumed it (a prefetch evicted before
+  its use): two loaders' copies into one slot land in the order they were queued.
 
 The events of a slot are written under the engine's lock by the thread that holds the
 slot (its loader, or the compute thread while the slot is pinned). A cache whose copies
@@ -50,10 +52,15 @@ class SlotEvents:
 
     def before_write(self, slot: int, stream: object) -> None:
         """A loader about to copy into ``slot`` on ``stream``: after the slot's last
-        readers (the copy stream waits, the host does not)."""
-        free = self.free[slot]
+        readers, and after the copy into it still in flight, if any (an expert prefetched
+        on another stream and evicted before it was read: without the wait, that copy
+        could land after this one, and the slot would hold the wrong expert). The copy
+        stream waits, the host does not."""
+        free, landing = self.free[slot], self.ready[slot]
         if free is not None:
             self.ops.wait(stream, free)
+        if landing is not None:
+            self.ops.wait(stream, landing)
 
     def landing(self, slot: int, event: CopyEvent | None) -> None:
         """(lock held) The copy into ``slot`` is queued; ``event`` completes when it lands."""
