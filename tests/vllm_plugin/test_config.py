@@ -26,7 +26,8 @@ def test_keys_become_offload_options_and_the_plugins_own():
     assert (o.capacity, o.predictor, o.policy, o.workers, o.max_loads, o.admission) == (
         "4", "stmoe-plus", "lfu", 0, 2, False)
     assert o.tables == Path("~/t.npz").expanduser() and c.store == Path("/s")
-    assert c.capture == Path("caps") and o.lookahead == "early"
+    assert c.capture == Path("caps") and o.lookahead == "early" and c.experts == "loaded"
+    assert parse("experts=stream").experts == "stream"
     e = parse("tier=emulated,bandwidth=1GB,latency=50us").options
     assert (e.tier, e.bandwidth, e.latency) == ("emulated", "1GB", "50us")
 
@@ -40,6 +41,7 @@ def test_keys_become_offload_options_and_the_plugins_own():
     ("admission=maybe", "admission='maybe': expected on or off"),
     ("tier=gpu", "tier='gpu': inside vLLM's CPU build the tiers are disk, emulated"),
     ("lookahead=late", "only 'early'"),
+    ("experts=disk", "experts='disk': expected loaded"),
     ("policy=fifo", "STMOE_VLLM: "),
     ("tier=disk,bandwidth=1GB", "STMOE_VLLM: "),
 ])

@@ -38,7 +38,8 @@ NEW = 12
 PLUGIN = [("top-k, stmoe-plus", "capacity=4,predictor=stmoe-plus"),
           ("50%, stmoe", "capacity=50%,predictor=stmoe"),
           ("6, lru-only, no workers", "capacity=6,predictor=ondemand,workers=0"),
-          ("100%, lru-only", "capacity=100%,predictor=ondemand")]
+          ("100%, lru-only", "capacity=100%,predictor=ondemand"),
+          ("top-k, stmoe-plus, streamed", "capacity=4,predictor=stmoe-plus,experts=stream")]
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -64,6 +65,8 @@ def driven(tmp_path_factory):
              "routed": True}]
     for i, (name, text) in enumerate(PLUGIN):
         extra = f",capture={tmp / 'capture'}" if i == 0 else ""
+        if "experts=stream" in text:  # its own store, packed from the checkpoint
+            extra = f",store={tmp / 'streamed-store'}"
         runs.append({"name": name, "stmoe": text + extra, "max_tokens": NEW,
                      "batches": BATCHES})
     runs.append({"name": "reload", "stmoe": f"capacity=50%,predictor=stmoe-plus,tables="
@@ -84,6 +87,17 @@ def test_greedy_tokens_equal_plain_vllm_at_every_capacity_and_concurrency(driven
     lines = [x for x in log.splitlines() if "stmoe: offloading 8 MoE layers" in x]
     assert len(lines) == len(PLUGIN) + 1, lines
     assert any("4 of 16 experts cached per layer" in x for x in lines)
+
+
+def test_the_streamed_store_holds_the_loaded_stores_very_bytes(driven):
+    """experts=stream: vLLM never loaded the experts; the store packed from the checkpoint
+    one expert at a time through vLLM's own processing equals the one packed from the
+    weights vLLM loaded and processed, byte for byte."""
+    tmp, _, log = driven
+    (loaded,) = (tmp / "cache" / "vllm").glob("tiny-moe-*/experts-*.bin")
+    (streamed,) = (tmp / "streamed-store").glob("experts-*.bin")
+    assert loaded.read_bytes() == streamed.read_bytes()
+    assert "experts stream; store" in log
 
 
 def test_each_requests_routing_is_captured_as_vllm_returns_it(driven):

@@ -11,7 +11,10 @@ naming the key and what it takes.
 The keys are ``stmoe.offload``'s options (``runtime.options.OffloadOptions``: capacity,
 predictor, tables, policy, tier, bandwidth, latency, workers, max_loads, admission,
 lookahead; their defaults too) and the plugin's own: ``store`` (the kernel-layout store's
-folder) and ``capture`` (a folder for each finished request's routing).
+folder), ``capture`` (a folder for each finished request's routing) and ``experts``
+(``loaded``: vLLM loads them and the store is packed from memory; ``stream``: vLLM never
+loads them, the store is packed from the checkpoint one expert at a time, for a model
+bigger than the memory vLLM is given).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class PluginConfigError(StmoeError):
 _INTS = ("workers", "max_loads")
 _OPTIONS = ("capacity", "predictor", "tables", "policy", "tier", "bandwidth", "latency",
             *_INTS, "admission", "lookahead")
-_OWN = ("store", "capture")
+_OWN = ("store", "capture", "experts")
 KEYS = (*_OPTIONS, *_OWN)
 # the tiers inside vLLM's CPU build: its experts' store on disk (reads bypass the page
 # cache), or host memory behind an EMULATED link
@@ -47,6 +50,7 @@ class PluginConfig:
     options: OffloadOptions = field(default_factory=OffloadOptions)
     store: Path | None = None
     capture: Path | None = None
+    experts: str = "loaded"  # or "stream" (``vllm_plugin.streamed``)
     text: str = ""  # the raw value, for the log line
 
 
@@ -73,11 +77,16 @@ def parse(text: str) -> PluginConfig:
     options = dataclasses.replace(OffloadOptions(), **values)  # type: ignore[arg-type]
     _check(options)
     return PluginConfig(options, own.get("store"), own.get("capture"),  # type: ignore[arg-type]
-                        text)
+                        own.get("experts", "loaded"), text)  # type: ignore[arg-type]
 
 
 def _value(key: str, value: str) -> object:
-    if key in ("tables", *_OWN):
+    if key == "experts":
+        if value not in ("loaded", "stream"):
+            raise PluginConfigError(f"STMOE_VLLM experts={value!r}: expected loaded (vLLM "
+                                    "loads them) or stream (never loaded: read from the store)")
+        return value
+    if key in ("tables", "store", "capture"):
         return Path(value).expanduser()
     if key in _INTS:
         try:

@@ -27,9 +27,10 @@ from stmoe.runtime.warm_up import warm_kernels
 from stmoe.vllm_plugin.capture import Capture
 from stmoe.vllm_plugin.config import PluginConfig, PluginConfigError, parse
 from stmoe.vllm_plugin.engine import VllmEngine
-from stmoe.vllm_plugin.kernel_store import default_dir, open_or_pack
+from stmoe.vllm_plugin.kernel_store import default_dir, model_record, open_or_pack
 from stmoe.vllm_plugin.layers import find_layers
 from stmoe.vllm_plugin.steps import Steps, TablesWatch
+from stmoe.vllm_plugin.streamed import install_skip, open_or_pack_streamed
 
 log = logging.getLogger("vllm.stmoe")
 SUPPORTED = (0, 30)  # the vLLM (major, minor) the plugin is tested with, bit for bit
@@ -55,6 +56,8 @@ def install(text: str) -> None:
 
     if getattr(CPUModelRunner, "_stmoe_config", None) is not None:
         return
+    if config.experts == "stream":
+        install_skip()
     load, shutdown = CPUModelRunner.load_model, CPUWorker.shutdown
 
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -84,8 +87,12 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     layers = find_layers(model)
     hf_config = runner.model_config.hf_config
     store_dir = config.store or default_dir(model_dir, layers)
-    store, packed = open_or_pack(store_dir, layers, str(hf_config.model_type),
-                                 file_records(model_dir))
+    model_type = str(hf_config.model_type)
+    if config.experts == "stream":
+        store, packed = open_or_pack_streamed(store_dir, layers,
+                                              model_record(layers, model_type), model_dir)
+    else:
+        store, packed = open_or_pack(store_dir, layers, model_type, file_records(model_dir))
     num_experts = int(store.model["num_experts"])
     shape = ModelShape(len(layers), num_experts, top_k_of(hf_config))
     predictor = resolve_predictor(options, shape, model_dir)
@@ -108,10 +115,11 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     steps.install(model)
     atexit.register(steps.flush)
     log.info("stmoe: offloading %d MoE layers of %s: %d of %d experts cached per layer "
-             "(%s), predictor %s, policy %s, tier %s, %d workers; store %s (%s, %.1f MiB of "
+             "(%s), predictor %s, policy %s, tier %s, %d workers; experts %s; store %s (%s, "
+             "%.1f MiB of "
              "experts); capture %s; kernels warmed in %.1f s; ready in %.1f s", len(layers),
              model_dir.name, capacity, num_experts, options.capacity, predictor.name,
-             settings.policy, options.tier, settings.workers, store.path,
+             settings.policy, options.tier, settings.workers, config.experts, store.path,
              "packed now" if packed else "checked",
              sum(b.nbytes for b in store.blocks.values()) / 2**20,
              config.capture or "off", warm_s, time.perf_counter() - started)

@@ -49,7 +49,7 @@ def find_layers(model: torch.nn.Module) -> list[MoeLayer]:
     for i, (name, module) in enumerate(found):
         check_layer(name, module)
         layers.append(MoeLayer(name, module, _router(model, name, module), i))
-    shapes = {tuple(getattr(m.module, w).shape[1:]) for m in layers for w in WEIGHTS}
+    shapes = {(w, tuple(getattr(m.module, w).shape[1:])) for m in layers for w in WEIGHTS}
     if len(shapes) != len(WEIGHTS):
         raise PluginConfigError("stmoe: the MoE layers' experts differ in shape; the plugin "
                                 "serves models whose MoE layers are alike")
@@ -78,10 +78,11 @@ def check_layer(name: str, module: torch.nn.Module) -> None:
                                                        "_use_zentorch", False):
             why = (f"its kernel is {fused}; the plugin is checked bit for bit with vLLM's "
                    "portable CPU kernel (CPUUnquantizedExperts) only")
-    if why is None:
+    rows = 1 if getattr(module, "_stmoe_streamed", False) else module.global_num_experts
+    if why is None:  # (streamed: one stand-in expert, the store holds them all)
         for w in WEIGHTS:
             t = getattr(module, w, None)
-            if t is None or t.dim() != 3 or t.shape[0] != module.global_num_experts:
+            if t is None or t.dim() != 3 or t.shape[0] != rows:
                 why = f"{w} is not one row per expert"
                 break
     if why is not None:
