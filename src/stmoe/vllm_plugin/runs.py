@@ -14,7 +14,8 @@ an ``LLM``, generates, and shuts the engine down, and the next run starts afresh
 Each batch is one ``generate`` call of those prompts (its requests run concurrently, by
 vLLM's continuous batching), greedy with ``ignore_eos``. Per run: each batch's tokens, each
 round's seconds (after one warm-up batch), and with ``routed`` vLLM's own routed experts.
-``tables_swap: [SRC, DST]`` replaces DST (the run's tables) with SRC before round 2.
+``tables_swap: [SRC, DST]`` replaces DST (the run's tables) with SRC before round 2; an
+entry's ``dtype`` overrides the spec's.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
         os.environ[ENV] = entry["stmoe"]
     else:
         os.environ.pop(ENV, None)
-    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
+    dtype = entry.get("dtype", spec.get("dtype", "float32"))
+    llm = LLM(model=spec["model"], dtype=dtype, enforce_eager=True,
               max_model_len=spec.get("max_model_len", 512), seed=0,
               gpu_memory_utilization=0.1,
               enable_return_routed_experts=bool(entry.get("routed")))

@@ -71,6 +71,7 @@ class Steps:
         self.requests = Requests()
         self.scheduled: Any = None  # the scheduler's output of the call in progress
         self.calls = 0
+        self._said = False  # the summary logged (``flush``)
         self._open: list[tuple[Step, tuple[Span, ...], torch.Tensor | None] | None] = []
 
     def install(self, model: torch.nn.Module) -> None:
@@ -101,10 +102,21 @@ class Steps:
             self.capture.finish(request)
 
     def flush(self) -> None:
-        """The worker stops: every request still held is written."""
+        """The worker stops: every request still held is written, and what the engine did
+        said in vLLM's log (decode steps: hit rate, stall, prefetch precision; bytes read)."""
         if self.capture is not None:
             for request in list(self.capture.rows):
                 self.capture.finish(request)
+        if self.calls and not self._said:
+            self._said = True  # (the worker's shutdown, then the process's exit)
+            d, moved, wasted = self.engine.counters()
+            log.info("stmoe: %d forward calls; decode: hit rate %.3f over %d expert uses, "
+                     "stall %.2f s, %s demand reads, %s prefetch reads, prefetch precision "
+                     "%s; %.1f MiB read (%.1f MiB prefetched and never used)", self.calls,
+                     d.get("hit_rate", 0.0), d.get("needed", 0), d.get("stall_s", 0.0),
+                     d.get("demand_reads", 0), d.get("prefetch_reads", 0),
+                     f"{d.get('prefetch_precision', 0.0):.3f}", moved / 2**20,
+                     wasted / 2**20)
 
     # ---- the model's forward -------------------------------------------------------
     def _spans(self, tokens: int) -> tuple[Span, ...]:
