@@ -106,7 +106,7 @@ def test_the_streamed_store_holds_the_loaded_stores_very_bytes(driven):
     one expert at a time through vLLM's own processing equals the one packed from the
     weights vLLM loaded and processed, byte for byte."""
     tmp, _, log = driven
-    (loaded,) = (tmp / "cache" / "vllm").glob("tiny-moe-*/experts-*.bin")
+    (loaded,) = (tmp / "cache" / "vllm").glob("tiny-moe-*-float32-*/experts-*.bin")
     (streamed,) = (tmp / "streamed-store").glob("experts-*.bin")
     assert loaded.read_bytes() == streamed.read_bytes()
     assert "experts stream; store" in log

@@ -12,7 +12,7 @@ those slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,10 +22,11 @@ from stmoe.runtime.step import Part, Step
 SCRATCH = -1  # the predictor slot of a call whose rows are no request's (vLLM's dummy runs)
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """One request's tokens in a forward call: rows ``start:end`` of the flat batch, at
-    positions ``computed`` on in its sequence; ``prompt``: its prompt's length."""
+    positions ``computed`` on in its sequence; ``prompt``: its prompt's length. (A named
+    tuple: made for every request at every step, a frozen dataclass's construction was
+    1% of a decode step's time.)"""
 
     request: str
     slot: int
