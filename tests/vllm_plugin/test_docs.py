@@ -1,16 +1,21 @@
 """The README's section "Inside vLLM" and docs/vllm.md run as written, in vLLM's
 environment: their install lines are exactly what this environment was made with (make
 test-vllm), every other shell line runs (the servers in the background, stopped at the
-end) in a scratch folder beside ``src``, and the Python block prints generated text."""
+end) in a scratch folder beside ``src``, and the Python block prints generated text. The
+README's server (the plugin at 4 of 16 experts) answers greedy requests with plain vLLM's
+tokens."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,7 +43,8 @@ def _commands(code: str) -> list[str]:
             if line.strip() and not line.strip().startswith("#")]
 
 
-def _run_shell(blocks: list[tuple[str, str]], cwd: Path) -> list[str]:
+def _run_shell(blocks: list[tuple[str, str]], cwd: Path,
+               while_up: Callable[[], object] | None = None) -> list[str]:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     background, outputs = [], []
     try:
@@ -58,6 +64,8 @@ def _run_shell(blocks: list[tuple[str, str]], cwd: Path) -> list[str]:
                                    text=True, timeout=600)
                 assert p.returncode == 0, (line, p.stdout[-2000:], p.stderr[-2000:])
                 outputs.append(p.stdout)
+        if while_up is not None:  # (the servers still up)
+            outputs.append(json.dumps(while_up()))
     finally:
         for proc in background:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -83,9 +91,32 @@ def test_the_install_lines_are_what_make_test_vllm_runs():
         assert _commands(blocks[0][1])[:2] == INSTALL
 
 
-def test_the_readme_section_runs(scratch):
-    outputs = _run_shell(_blocks(REPO / "README.md", "Inside vLLM"), scratch)
-    assert '"text"' in outputs[-1] and '"completion_tokens":16' in outputs[-1].replace(" ", "")
+def _server_ids(port: int, prompt: str, n: int) -> list[int]:
+    """The OpenAI server's greedy completion of ``prompt`` as token ids."""
+    body = json.dumps({"model": "src/stmoe/models/tiny-moe", "prompt": prompt, "max_tokens": n,
+                       "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body.encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        tokens = json.loads(r.read())["choices"][0]["logprobs"]["tokens"]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_the_readme_section_runs_and_its_server_answers_as_plain_vllm(scratch, tmp_path):
+    prompts = ["def fib(n):", "The history of Rome"]
+    outputs = _run_shell(_blocks(REPO / "README.md", "Inside vLLM"), scratch,
+                         lambda: [_server_ids(8001, p, 16) for p in prompts])
+    assert '"text"' in outputs[-2] and '"completion_tokens":16' in outputs[-2].replace(" ", "")
+    served = json.loads(outputs[-1])
+    spec = {"model": str(REPO / "src/stmoe/models/tiny-moe"), "prompts": prompts,
+            "runs": [{"name": "plain", "stmoe": None, "max_tokens": 16, "batches": [[0, 1]]}]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    p = subprocess.run([sys.executable, "-m", "stmoe.vllm_plugin.runs", str(tmp_path / "spec.json"),
+                        str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    plain = json.loads((tmp_path / "out.json").read_text())["runs"][0]["tokens"][0]
+    assert served == plain  # the plugin's server (4 of 16 experts) = plain vLLM, greedy
 
 
 def test_docs_vllm_runs(scratch):
