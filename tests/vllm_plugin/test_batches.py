@@ -102,6 +102,16 @@ def test_a_layer_it_cannot_serve_is_refused_in_one_line(change, says):
     assert says in str(e.value)
 
 
+def test_an_isa_variant_of_the_kernel_only_where_allowed():
+    portable = type("CPUUnquantizedExperts", (), {"_use_zentorch": False})
+    amx = type("X86CPUUnquantizedExperts", (portable,), {})
+    layer = _layer()
+    layer.quant_method.moe_kernel.fused_experts = amx()
+    with pytest.raises(PluginConfigError, match=r"X86CPUUnquantizedExperts .*kernel=variants"):
+        check_layer("m", layer)
+    check_layer("m", layer, variants=True)
+
+
 def test_another_kernel_is_refused():
     layer = _layer()
     layer.quant_method.moe_kernel.fused_experts = type("TritonExperts", (), {})()

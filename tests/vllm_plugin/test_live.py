@@ -69,7 +69,8 @@ def driven(tmp_path_factory):
             extra = f",store={tmp / 'streamed-store'}"
         runs.append({"name": name, "stmoe": text + extra, "max_tokens": NEW,
                      "batches": BATCHES})
-    for name, text in (("plain bf16", None), ("top-k bf16", "capacity=4,predictor=stmoe-plus")):
+    for name, text in (("plain bf16", None),
+                       ("top-k bf16", "capacity=4,predictor=stmoe-plus,kernel=variants")):
         runs.append({"name": name, "stmoe": text, "max_tokens": NEW, "batches": BATCHES,
                      "dtype": "bfloat16"})
     runs.append({"name": "reload", "stmoe": f"capacity=50%,predictor=stmoe-plus,tables="
@@ -93,8 +94,9 @@ def test_greedy_tokens_equal_plain_vllm_at_every_capacity_and_concurrency(driven
 
 
 def test_in_bfloat16_too(driven):
-    """bfloat16 takes another of vLLM's CPU kernels (AMX where the CPU has it): the same
-    tokens as plain vLLM in bfloat16, at top-k, every concurrency."""
+    """bfloat16 takes another of vLLM's CPU kernels (AMX where the CPU has it), allowed with
+    kernel=variants: on the shipped model the same tokens as plain vLLM in bfloat16, at
+    top-k, every concurrency (not at every shape: docs/vllm.md)."""
     _, runs, _ = driven
     plain = runs["plain bf16"]["tokens"]
     assert all(len(t) == NEW for b in plain for t in b)

@@ -14,7 +14,9 @@ lookahead; their defaults too) and the plugin's own: ``store`` (the kernel-layou
 folder), ``capture`` (a folder for each finished request's routing) and ``experts``
 (``loaded``: vLLM loads them and the store is packed from memory; ``stream``: vLLM never
 loads them, the store is packed from the checkpoint one expert at a time, for a model
-bigger than the memory vLLM is given).
+bigger than the memory vLLM is given) and ``kernel`` (``portable``: vLLM's portable CPU
+kernel only, checked bit for bit; ``variants``: its ISA kernels too, such as the AMX one
+bfloat16 takes, not bit for bit at every batch).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class PluginConfigError(StmoeError):
 _INTS = ("workers", "max_loads")
 _OPTIONS = ("capacity", "predictor", "tables", "policy", "tier", "bandwidth", "latency",
             *_INTS, "admission", "lookahead")
-_OWN = ("store", "capture", "experts")
+_OWN = ("store", "capture", "experts", "kernel")
 KEYS = (*_OPTIONS, *_OWN)
 # the tiers inside vLLM's CPU build: its experts' store on disk (reads bypass the page
 # cache), or host memory behind an EMULATED link
@@ -51,6 +53,7 @@ class PluginConfig:
     store: Path | None = None
     capture: Path | None = None
     experts: str = "loaded"  # or "stream" (``vllm_plugin.streamed``)
+    kernel: str = "portable"  # or "variants": vLLM's ISA kernels too (not bit for bit)
     text: str = ""  # the raw value, for the log line
 
 
@@ -77,7 +80,8 @@ def parse(text: str) -> PluginConfig:
     options = dataclasses.replace(OffloadOptions(), **values)  # type: ignore[arg-type]
     _check(options)
     return PluginConfig(options, own.get("store"), own.get("capture"),  # type: ignore[arg-type]
-                        own.get("experts", "loaded"), text)  # type: ignore[arg-type]
+                        own.get("experts", "loaded"),  # type: ignore[arg-type]
+                        own.get("kernel", "portable"), text)  # type: ignore[arg-type]
 
 
 def _value(key: str, value: str) -> object:
@@ -85,6 +89,11 @@ def _value(key: str, value: str) -> object:
         if value not in ("loaded", "stream"):
             raise PluginConfigError(f"STMOE_VLLM experts={value!r}: expected loaded (vLLM "
                                     "loads them) or stream (never loaded: read from the store)")
+        return value
+    if key == "kernel":
+        if value not in ("portable", "variants"):
+            raise PluginConfigError(f"STMOE_VLLM kernel={value!r}: expected portable (checked "
+                                    "bit for bit) or variants (vLLM's ISA kernels too)")
         return value
     if key in ("tables", "store", "capture"):
         return Path(value).expanduser()

@@ -85,7 +85,7 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     if not (model_dir / "config.json").is_file():
         raise PluginConfigError(f"stmoe: {model_dir} is not a local model folder; the plugin "
                                 "packs its store from a local checkpoint (download it first)")
-    layers = find_layers(model)
+    layers = find_layers(model, variants=config.kernel == "variants")
     hf_config = runner.model_config.hf_config
     store_dir = config.store or default_dir(model_dir, layers)
     model_type = str(hf_config.model_type)

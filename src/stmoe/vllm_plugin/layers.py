@@ -40,7 +40,7 @@ def routed_experts_class() -> type:
     return RoutedExperts
 
 
-def find_layers(model: torch.nn.Module) -> list[MoeLayer]:
+def find_layers(model: torch.nn.Module, variants: bool = False) -> list[MoeLayer]:
     """The model's routed-experts layers in order, each checked (``check_layer``)."""
     cls = routed_experts_class()
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, cls)]
@@ -49,7 +49,7 @@ def find_layers(model: torch.nn.Module) -> list[MoeLayer]:
                                 "(RoutedExperts) to offload")
     layers = []
     for i, (name, module) in enumerate(found):
-        check_layer(name, module)
+        check_layer(name, module, variants)
         layers.append(MoeLayer(name, module, _router(model, name, module), i))
     shapes = {(w, tuple(getattr(m.module, w).shape[1:])) for m in layers for w in WEIGHTS}
     if len(shapes) != len(WEIGHTS):
@@ -58,7 +58,7 @@ def find_layers(model: torch.nn.Module) -> list[MoeLayer]:
     return layers
 
 
-def check_layer(name: str, module: torch.nn.Module) -> None:
+def check_layer(name: str, module: torch.nn.Module, variants: bool = False) -> None:
     """Refuse a layer whose kernel the plugin cannot feed slots losslessly."""
     method = module.quant_method
     why = None
@@ -79,9 +79,14 @@ def check_layer(name: str, module: torch.nn.Module) -> None:
         family = {c.__name__ for c in kernel.__mro__}
         if "CPUUnquantizedExperts" not in family or getattr(
                 method.moe_kernel.fused_experts, "_use_zentorch", False):
-            why = (f"its kernel is {kernel.__name__}; the plugin is checked bit for bit with "
-                   "vLLM's CPU grouped-GEMM kernels only (CPUUnquantizedExperts and its ISA "
-                   "variants: float32 on the portable one, bfloat16 on AMX)")
+            why = (f"its kernel is {kernel.__name__}; the plugin serves vLLM's CPU "
+                   "grouped-GEMM kernels only (CPUUnquantizedExperts and its ISA variants)")
+        elif kernel.__name__ != "CPUUnquantizedExperts" and not variants:
+            why = (f"its kernel is {kernel.__name__} (vLLM picks it for "
+                   f"{str(module.w13_weight.dtype).removeprefix('torch.')} here), which is not "
+                   "checked bit for bit: at a real shape and 8 requests its tokens differed "
+                   "from plain vLLM's, and plain vLLM's from run to run; use float32 (the "
+                   "portable kernel), or allow it with kernel=variants (docs/vllm.md)")
     rows = 1 if getattr(module, "_stmoe_streamed", False) else module.global_num_experts
     if why is None:  # (streamed: one stand-in expert, the store holds them all)
         for w in WEIGHTS:

@@ -44,7 +44,8 @@ def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=spec["model"], dtype=dtype, enforce_eager=True,
               max_model_len=spec.get("max_model_len", 512), seed=0,
               gpu_memory_utilization=0.1,
-              enable_return_routed_experts=bool(entry.get("routed")))
+              enable_return_routed_experts=bool(entry.get("routed")),
+              enable_prefix_caching=bool(spec.get("prefix_caching", True)))
     try:
         params = SamplingParams(temperature=0, max_tokens=entry["max_tokens"], ignore_eos=True)
         prompts = spec["prompts"]
