@@ -72,7 +72,9 @@ def load() -> str:
 
 def start_llms(model: str, dtype: str, systems: dict[str, str | None],
                extra: str) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+
+    from stmoe.vllm_plugin.runs import make_llm
 
     llms = {}
     for name, text in systems.items():
@@ -82,8 +84,7 @@ def start_llms(model: str, dtype: str, systems: dict[str, str | None],
             os.environ.pop("STMOE_VLLM", None)
         # prefix caching off: every round computes its prompts again (else the later rounds'
         # prefill reuses the first's cache and computes, and is timed, differently)
-        llms[name] = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=512,
-                         seed=0, gpu_memory_utilization=0.1, enable_prefix_caching=False)
+        llms[name] = make_llm(model, dtype, prefix_caching=False)
         llms[name].generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=4),
                             use_tqdm=False)  # warm-up
     os.environ.pop("STMOE_VLLM", None)

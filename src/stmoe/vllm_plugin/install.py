@@ -22,7 +22,6 @@ from stmoe.predictors.base import ModelShape
 from stmoe.runtime.memory import rss_bytes
 from stmoe.runtime.options import resolve_capacity, resolve_predictor, top_k_of
 from stmoe.runtime.state import EngineSettings
-from stmoe.runtime.store.check import file_records
 from stmoe.runtime.store.reading import open_tier
 from stmoe.runtime.warm_up import warm_kernels
 from stmoe.vllm_plugin.capture import Capture
@@ -93,7 +92,7 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
         store, packed = open_or_pack_streamed(store_dir, layers,
                                               model_record(layers, model_type), model_dir)
     else:
-        store, packed = open_or_pack(store_dir, layers, model_type, file_records(model_dir))
+        store, packed = open_or_pack(store_dir, layers, model_type, model_dir)
     num_experts = int(store.model["num_experts"])
     shape = ModelShape(len(layers), num_experts, top_k_of(hf_config))
     predictor = resolve_predictor(options, shape, model_dir)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from stmoe.runtime.store.check import file_records
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import StoreError, block_crc
 from stmoe.runtime.store.packing import write_store
@@ -62,19 +63,25 @@ def _blocks(layers: list[MoeLayer]) -> Iterator[tuple[int, int, list[tuple[str, 
             yield layer.index, e, [(w, t[e]) for w, t in zip(WEIGHTS, tensors, strict=True)]
 
 
-def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str,
-                 source: dict[str, object]) -> tuple[ExpertStore, bool]:
-    """The store at ``path``, packed there first when it has none; (store, packed now).
-    An existing store must be this model's, in this layout, and hold the very bytes vLLM
-    loaded (each block's CRC-32C against the weights in memory), else a clear error."""
-    want = model_record(layers, model_type)
-    packed = not (path / "index.json").exists()
-    if packed:
-        write_store(path, want, source, _blocks(layers))
+def open_checked(path: Path, want: dict[str, object]) -> ExpertStore:
+    """The store at ``path``, refused unless it is this vLLM model's, in this layout."""
     store = ExpertStore(path)
     if store.model != want:
         raise StoreError(f"{path}: a store for {store.model}, but this vLLM model is {want}; "
                          "give another store= (or remove this one to pack it again)")
+    return store
+
+
+def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str,
+                 model_dir: Path) -> tuple[ExpertStore, bool]:
+    """The store at ``path``, packed there first from the weights vLLM loaded when it has
+    none; (store, packed now). An existing store must be this model's, in this layout, and
+    hold the very bytes vLLM loaded (each block's CRC-32C against the weights in memory)."""
+    want = model_record(layers, model_type)
+    if not (path / "index.json").exists():  # the checkpoint's records only when packing
+        write_store(path, want, file_records(model_dir), _blocks(layers))
+        return open_checked(path, want), True
+    store = open_checked(path, want)
     for layer, expert, tensors in _blocks(layers):
         block = store.blocks[(layer, expert)]
         crc = 0
@@ -84,4 +91,4 @@ def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str,
             raise StoreError(f"{path}: layer {layer} expert {expert}'s block is not the weights "
                              "vLLM loaded (CRC-32C differs); the checkpoint changed since the "
                              "store was packed: remove the store to pack it again")
-    return store, packed
+    return store, False

@@ -32,20 +32,29 @@ from typing import Any
 ENV = "STMOE_VLLM"
 
 
+def make_llm(model: str, dtype: str, *, max_model_len: int = 512, prefix_caching: bool = True,
+             routed: bool = False) -> Any:
+    """A ``vllm.LLM`` as the plugin's tests and benchmark run it (CPU, eager, seed 0); it
+    reads STMOE_VLLM as its engine starts."""
+    from vllm import LLM
+
+    return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+               seed=0, gpu_memory_utilization=0.1, enable_prefix_caching=prefix_caching,
+               enable_return_routed_experts=routed)
+
+
 def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
     """One run of ``spec``: an LLM with ``entry``'s plugin setting, its batches timed."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     if entry.get("stmoe"):
         os.environ[ENV] = entry["stmoe"]
     else:
         os.environ.pop(ENV, None)
-    dtype = entry.get("dtype", spec.get("dtype", "float32"))
-    llm = LLM(model=spec["model"], dtype=dtype, enforce_eager=True,
-              max_model_len=spec.get("max_model_len", 512), seed=0,
-              gpu_memory_utilization=0.1,
-              enable_return_routed_experts=bool(entry.get("routed")),
-              enable_prefix_caching=bool(spec.get("prefix_caching", True)))
+    llm = make_llm(spec["model"], entry.get("dtype", spec.get("dtype", "float32")),
+                   max_model_len=spec.get("max_model_len", 512),
+                   prefix_caching=bool(spec.get("prefix_caching", True)),
+                   routed=bool(entry.get("routed")))
     try:
         params = SamplingParams(temperature=0, max_tokens=entry["max_tokens"], ignore_eos=True)
         prompts = spec["prompts"]

@@ -22,10 +22,10 @@ import torch
 
 from stmoe.runtime.store.check import check_source, file_records
 from stmoe.runtime.store.expert_store import ExpertStore
-from stmoe.runtime.store.index import StoreError
 from stmoe.runtime.store.pack_stream import CheckpointExperts
 from stmoe.runtime.store.packing import write_store
 from stmoe.vllm_plugin.config import PluginConfigError
+from stmoe.vllm_plugin.kernel_store import open_checked
 from stmoe.vllm_plugin.layers import WEIGHTS, MoeLayer
 
 EXPERTS_KEY = ".experts."  # a routed expert's tensor in the checkpoint (not shared_expert)
@@ -121,9 +121,6 @@ def open_or_pack_streamed(path: Path, layers: list[MoeLayer], model_record: dict
         record = file_records(model_dir)
         write_store(path, model_record, record, streamed_blocks(model_dir, layers, dtype,
                                                                 record))
-    store = ExpertStore(path)
-    if store.model != model_record:
-        raise StoreError(f"{path}: a store for {store.model}, but this vLLM model is "
-                         f"{model_record}; give another store= (or remove this one)")
+    store = open_checked(path, model_record)
     check_source(store.path, store.index, model_dir)
     return store, packed
