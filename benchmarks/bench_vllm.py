@@ -20,6 +20,8 @@ Targets (MET / NOT MET): identical tokens everywhere; the plugin at 100% >= 0.9x
 vLLM (median of the per-round ratios, at every concurrency); at 50%, stmoe-plus >=
 lru-only at every concurrency; the plugin at 50% (stmoe-plus) faster than ``stmoe serve``
 at 4 requests. The load (``uptime``) is printed at the start and the end.
+``--systems`` may also name ``plugin 50% stmoe-plus in place`` (the experts read in place
+from the checkpoint, no store): its speed against the packed store's is printed, no target.
 
 ``--bigger-than-memory DIR --memory 6GB``: instead, the bigger-than-memory runs (issue 46
 item 4) on a real-shape checkpoint (``stmoe make-model``, RANDOM weights, vLLM's own router):
@@ -27,6 +29,13 @@ plain vLLM without a bound (the reference tokens), plain vLLM in a memory cgroup
 ``--memory`` (page cache included; does it fail, or finish, and how fast), and the plugin
 with ``experts=stream`` (vLLM never loads the experts) at ``--capacity`` in the same bound,
 its tokens compared with the reference; each run's cgroup peak.
+
+``--quality DIR``: instead, what int8 experts cost in quality (``stmoe quantize --model`` into
+DIR, compressed-tensors W8A8: LOSSY): greedy tokens of plain vLLM on the float checkpoint in
+float32 (the reference) and in bfloat16 (what bfloat16 alone changes), plain vLLM on DIR,
+and the plugin on DIR at ``--capacity`` with stmoe-plus (bit for bit plain vLLM on DIR:
+MET / NOT MET); per run, the sequences equal to the reference and the mean number of
+tokens before the first that differs.
 
 The default checkpoint is stmoe's shipped model (27 MiB of experts, 216 KiB each): what
 the plugin costs per layer call shows; how much prefetch hides depends on expert size.
@@ -62,6 +71,13 @@ def systems_for(share: str) -> dict[str, str | None]:
             f"plugin {share} lru-only": f"capacity={share},predictor=ondemand",
             f"plugin {share} stmoe": f"capacity={share},predictor=stmoe",
             f"plugin {share} stmoe-plus": f"capacity={share},predictor=stmoe-plus"}
+
+
+def optional_systems(share: str, work: Path) -> dict[str, str]:
+    """Systems run only when ``--systems`` names them: the experts read in place from the
+    checkpoint (no store; each converted to the kernel's layout as it lands)."""
+    return {f"plugin {share} stmoe-plus in place": f"capacity={share},predictor=stmoe-plus,"
+                                                  f"experts=in-place,store={work / 'index'}"}
 
 
 
@@ -243,6 +259,47 @@ def bigger_than_memory(a: argparse.Namespace) -> None:
                                      indent=1, default=str))
 
 
+def quality(a: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-q-"))
+    os.environ.setdefault("STMOE_CACHE", str(work / "cache"))
+    print(f"load at start: {load()}", flush=True)
+    batch = [list(range(len(PROMPTS)))]
+    runs = [{"name": "float32", "stmoe": None, "dtype": "float32"},
+            {"name": "bfloat16", "stmoe": None, "dtype": "bfloat16"},
+            {"name": "int8 W8A8", "stmoe": None, "model": a.quality},
+            {"name": f"int8 W8A8, plugin {a.capacity} stmoe-plus", "model": a.quality,
+             "stmoe": f"capacity={a.capacity},predictor=stmoe-plus"}]
+    for r in runs:
+        r.update(max_tokens=a.new, batches=batch)
+    spec = {"model": a.model, "dtype": "bfloat16", "prompts": PROMPTS, "runs": runs,
+            "prefix_caching": False}
+    (work / "spec.json").write_text(json.dumps(spec))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "stmoe.vllm_plugin.runs",
+                               str(work / "spec.json"), str(work / "out.json")],
+                              capture_output=True, text=True, timeout=3600)
+        if proc.returncode:
+            raise SystemExit((proc.stdout + proc.stderr)[-3000:])
+        got = {r["name"]: r["tokens"][0] for r in json.loads((work / "out.json").read_text())
+               ["runs"]}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ref = got["float32"]
+    print(f"{len(PROMPTS)} prompts at once, {a.new} greedy tokens each; reference: plain vLLM, "
+          f"float32, {a.model}")
+    for name, seqs in got.items():
+        prefix = [next((i for i, (x, y) in enumerate(zip(s, t, strict=True)) if x != y), len(s))
+                  for s, t in zip(seqs, ref, strict=True)]
+        print(f"  {name:34} equal sequences {sum(p == a.new for p in prefix)}/{len(seqs)}, "
+              f"mean tokens before the first difference {statistics.mean(prefix):.1f}")
+    same = got[runs[3]["name"]] == got["int8 W8A8"]
+    print(f"{'MET' if same else 'NOT MET':13} the plugin on the int8 checkpoint gives plain "
+          "vLLM's tokens on it, bit for bit")
+    print(f"load at end: {load()}")
+    if a.json:
+        a.json.write_text(json.dumps({"tokens": got}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(REPO / "src" / "stmoe" / "models" / "tiny-moe"))
@@ -262,7 +319,13 @@ def main() -> None:
                     help="the bigger-than-memory runs on this checkpoint instead")
     ap.add_argument("--memory", default="6GB", help="their memory bound")
     ap.add_argument("--capacity", default="25%", help="the plugin's, in those runs")
+    ap.add_argument("--quality", default=None, metavar="DIR",
+                    help="instead, int8's quality: DIR is `stmoe quantize --model`'s output")
     a = ap.parse_args()
+    if a.quality:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        quality(a)
+        return
     if a.bigger_than_memory:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         bigger_than_memory(a)
@@ -272,9 +335,10 @@ def main() -> None:
     os.environ.setdefault("STMOE_CACHE", str(work / "cache"))
     start_load = load()
     print(f"load at start: {start_load}", flush=True)
-    every = systems_for(a.share)
+    default = systems_for(a.share)
+    every = {**default, **optional_systems(a.share, work)}
     serve_name = f"stmoe serve {a.share} stmoe-plus"
-    chosen = a.systems.split(",") if a.systems else list(every)
+    chosen = a.systems.split(",") if a.systems else list(default)
     if "plain vLLM" not in chosen or any(s not in every for s in chosen):
         raise SystemExit(f"--systems: plain vLLM and any of {', '.join(every)}")
     llms = start_llms(a.model, a.dtype, {k: every[k] for k in chosen}, a.extra)
@@ -348,6 +412,12 @@ def main() -> None:
         judged(f"{a.share}: stmoe-plus >= lru-only at {c}", plus, lru, c, 1.0)
     judged(f"plugin {a.share} stmoe-plus faster than stmoe serve at 4", plus, serve_name, 4,
            1.0 + 1e-9)
+    in_place = f"{plus} in place"
+    for c in CONCURRENCY:  # no target: what reading in place (and converting) costs
+        if (in_place, c) in rates and (plus, c) in rates:
+            rs = ratio(rates, in_place, plus, c)
+            print(f"{'(no target)':13} in place / packed store, stmoe-plus at {c}: "
+                  f"{statistics.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})")
     print(f"\nload at end: {end_load}")
     if a.json:
         a.json.write_text(json.dumps({

@@ -12,7 +12,7 @@ import torch
 
 from stmoe.vllm_plugin.batches import SCRATCH, Requests, spans_of, step_of
 from stmoe.vllm_plugin.config import PluginConfigError
-from stmoe.vllm_plugin.layers import check_layer
+from stmoe.vllm_plugin.layers import MoeLayer, check_layer
 from stmoe.vllm_plugin.steps import TablesWatch
 
 
@@ -88,8 +88,35 @@ def test_a_layer_the_kernel_serves_bit_for_bit_passes():
     check_layer("model.layers.0.mlp.experts", _layer())
 
 
+def _int8_layer(held_scale: torch.Tensor | None = None):
+    """A layer of vLLM's CPU int8 kernel: its scales are the ones its quant_config holds
+    (what the kernel reads), unless ``held_scale`` says otherwise."""
+    method = type("CompressedTensorsW8A8Int8MoEMethod", (), {})()
+    w13_scale, w2_scale = torch.ones(4, 6, 1), torch.ones(4, 3, 1)
+    config = SimpleNamespace(_w1=SimpleNamespace(scale=w13_scale if held_scale is None
+                                                 else held_scale),
+                             _w2=SimpleNamespace(scale=w2_scale))
+    fused = type("CPUExpertsInt8", (), {"quant_config": config})()
+    method.moe_kernel = SimpleNamespace(fused_experts=fused)
+    method.is_monolithic = False
+    return _layer(quant_method=method, w13_weight=torch.zeros(4, 6, 4, dtype=torch.int8),
+                  w2_weight=torch.zeros(4, 3, 4, dtype=torch.int8), w13_weight_scale=w13_scale,
+                  w2_weight_scale=w2_scale)
+
+
+def test_vllms_int8_kernel_is_served_with_its_scales_beside_the_weights():
+    layer = _int8_layer()
+    check_layer("model.layers.0.mlp.experts", layer)
+    m = MoeLayer("model.layers.0.mlp.experts", layer, None, 0)
+    assert m.params == ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
+    assert m.scales[0] == ("w13_weight_scale", "_w1", "scale")
+    with pytest.raises(PluginConfigError, match=r"quant_config\._w1\.scale is not the "
+                       "layer's w13_weight_scale"):
+        check_layer("model.layers.0.mlp.experts", _int8_layer(torch.ones(4, 6, 1)))
+
+
 @pytest.mark.parametrize(("change", "says"), [
-    (dict(quant_method=type("Fp8MoEMethod", (), {})()), "quantized by vLLM (Fp8MoEMethod)"),
+    (dict(quant_method=type("Fp8MoEMethod", (), {})()), "quantized by vLLM (Fp8MoEMethod, "),
     (dict(expert_map=torch.arange(4)), "expert parallelism"),
     (dict(local_num_experts=2), "split across ranks"),
     (dict(w13_bias=torch.zeros(4, 6)), "biases"),

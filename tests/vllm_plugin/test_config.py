@@ -28,6 +28,7 @@ def test_keys_become_offload_options_and_the_plugins_own():
     assert o.tables == Path("~/t.npz").expanduser() and c.store == Path("/s")
     assert c.capture == Path("caps") and o.lookahead == "early" and c.experts == "loaded"
     assert parse("experts=stream").experts == "stream"
+    assert parse("experts=in-place").experts == "in-place"
     assert c.kernel == "portable" and parse("kernel=variants").kernel == "variants"
     e = parse("tier=emulated,bandwidth=1GB,latency=50us").options
     assert (e.tier, e.bandwidth, e.latency) == ("emulated", "1GB", "50us")
@@ -43,6 +44,8 @@ def test_keys_become_offload_options_and_the_plugins_own():
     ("tier=gpu", "tier='gpu': inside vLLM's CPU build the tiers are disk, emulated"),
     ("lookahead=late", "only 'early'"),
     ("experts=disk", "experts='disk': expected loaded"),
+    ("experts=in-place,tier=emulated,bandwidth=1GB", "experts=in-place reads the checkpoint "
+     "from the disk tier; tier=emulated"),
     ("kernel=amx", "kernel='amx': expected portable"),
     ("policy=fifo", "STMOE_VLLM: "),
     ("tier=disk,bandwidth=1GB", "STMOE_VLLM: "),

@@ -12,12 +12,9 @@ process for all of them (each run starts its own engine, reading STMOE_VLLM as i
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,11 +24,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test` runs
 
 from stmoe import load_trace
 from stmoe.models import SHIPPED_MODEL, SHIPPED_TABLES
+from vllm_runs import BATCHES, PROMPTS, drive, run_env, start
 
-PROMPTS = ["def fib(n):", "The history of Rome", "Let x be a real number such that",
-           "import numpy as np\n", "Once upon a time", "SELECT name FROM", "The derivative of",
-           "class Stack:"]
-BATCHES = [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3], [4, 5, 6, 7], [0], [5]]
 CONCURRENT = [8, 4, 4, 1, 1]  # requests in flight in each batch
 NEW = 12
 # the plugin's runs: (name, STMOE_VLLM without the folders)
@@ -39,22 +33,8 @@ PLUGIN = [("top-k, stmoe-plus", "capacity=4,predictor=stmoe-plus"),
           ("50%, stmoe", "capacity=50%,predictor=stmoe"),
           ("6, lru-only, no workers", "capacity=6,predictor=ondemand,workers=0"),
           ("100%, lru-only", "capacity=100%,predictor=ondemand"),
-          ("top-k, stmoe-plus, streamed", "capacity=4,predictor=stmoe-plus,experts=stream")]
-
-
-def _env(tmp: Path) -> dict[str, str]:
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "STMOE_CACHE": str(tmp / "cache")}
-
-
-def _drive(tmp: Path, runs: list[dict]) -> tuple[list[dict], str]:
-    spec = {"model": str(SHIPPED_MODEL), "prompts": PROMPTS, "runs": runs}
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    p = subprocess.run([sys.executable, "-m", "stmoe.vllm_plugin.runs", str(tmp / "spec.json"),
-                        str(tmp / "out.json")], capture_output=True, text=True, env=_env(tmp),
-                       timeout=900)
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, log[-4000:]
-    return json.loads((tmp / "out.json").read_text())["runs"], log
+          ("top-k, stmoe-plus, streamed", "capacity=4,predictor=stmoe-plus,experts=stream"),
+          ("6, stmoe, in place", "capacity=6,predictor=stmoe,experts=in-place")]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +47,8 @@ def driven(tmp_path_factory):
         extra = f",capture={tmp / 'capture'}" if i == 0 else ""
         if "experts=stream" in text:  # its own store, packed from the checkpoint
             extra = f",store={tmp / 'streamed-store'}"
+        if "experts=in-place" in text:  # no store: an index of the checkpoint's bytes
+            extra = f",store={tmp / 'in-place-index'}"
         runs.append({"name": name, "stmoe": text + extra, "max_tokens": NEW,
                      "batches": BATCHES})
     for name, text in (("plain bf16", None),
@@ -76,7 +58,7 @@ def driven(tmp_path_factory):
     runs.append({"name": "reload", "stmoe": f"capacity=50%,predictor=stmoe-plus,tables="
                  f"{tmp / 'tables.npz'}", "max_tokens": 4, "batches": [[0, 1]], "rounds": 2,
                  "tables_swap": [str(SHIPPED_MODEL / SHIPPED_TABLES), str(tmp / "tables.npz")]})
-    results, log = _drive(tmp, runs)
+    results, log = drive(tmp, SHIPPED_MODEL, runs)
     return tmp, {r["name"]: r for r in results}, log
 
 
@@ -111,7 +93,32 @@ def test_the_streamed_store_holds_the_loaded_stores_very_bytes(driven):
     (loaded,) = (tmp / "cache" / "vllm").glob("tiny-moe-*-float32-*/experts-*.bin")
     (streamed,) = (tmp / "streamed-store").glob("experts-*.bin")
     assert loaded.read_bytes() == streamed.read_bytes()
-    assert "experts stream; store" in log
+    assert "experts float32, stream; store" in log
+
+
+def test_in_place_no_store_is_written_the_checkpoint_is_read_where_it_lies(driven):
+    """experts=in-place: vLLM never loaded the experts and no store was written (an index of
+    where each expert lies in the checkpoint's safetensors, no data file); each expert was
+    converted to the kernel's layout as it landed, and the tokens are plain vLLM's
+    (``test_greedy_tokens_equal_plain_vllm_at_every_capacity_and_concurrency``)."""
+    tmp, _, log = driven
+    index = tmp / "in-place-index"
+    assert (index / "index.json").is_file() and not list(index.glob("experts-*.bin"))
+    assert '"data": "checkpoint"' in (index / "index.json").read_text()
+    assert "experts float32, in-place; store" in log and "(indexed now," in log
+
+
+def test_in_place_refuses_a_dtype_vllm_casts_to_in_one_line(tmp_path):
+    """The shipped checkpoint is float32: vLLM in bfloat16 would cast each expert, which
+    in-place reads cannot do as they land."""
+    p = start(tmp_path, {"model": str(SHIPPED_MODEL), "prompts": PROMPTS[:1],
+                         "dtype": "bfloat16",
+                         "runs": [{"name": "bf16", "stmoe": "capacity=4,experts=in-place,"
+                                   f"kernel=variants,store={tmp_path / 'index'}",
+                                   "max_tokens": 2, "batches": [[0]]}]})
+    assert p.returncode != 0
+    assert ("stmoe: the checkpoint's experts are float32 and vLLM runs bfloat16: "
+            "experts=in-place reads them as they are") in p.stdout + p.stderr
 
 
 def test_each_requests_routing_is_captured_as_vllm_returns_it(driven):
@@ -141,7 +148,7 @@ def test_the_captured_folder_profiles_into_tables(driven):
     traces = sorted(str(f) for f in (tmp / "capture").glob("*.npz"))
     p = subprocess.run([sys.executable, "-m", "stmoe", "profile", *traces, "-o",
                         str(tmp / "profiled.npz")], capture_output=True, text=True,
-                       env=_env(tmp))
+                       env=run_env(tmp))
     assert p.returncode == 0, p.stderr[-2000:]
     tables = load_tables(tmp / "profiled.npz")
     assert (tables.shape.num_layers, tables.shape.num_experts) == (8, 16)
@@ -157,13 +164,9 @@ def test_tables_reload_while_serving_when_their_file_changes(driven):
 
 
 def test_a_bad_setting_stops_vllm_with_one_line_naming_it(tmp_path):
-    spec = {"model": str(SHIPPED_MODEL), "prompts": PROMPTS[:1],
-            "runs": [{"name": "bad", "stmoe": "capacity=4,speed=fast", "max_tokens": 2,
-                      "batches": [[0]]}]}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    p = subprocess.run([sys.executable, "-m", "stmoe.vllm_plugin.runs",
-                        str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
-                       capture_output=True, text=True, env=_env(tmp_path), timeout=600)
+    p = start(tmp_path, {"model": str(SHIPPED_MODEL), "prompts": PROMPTS[:1],
+                         "runs": [{"name": "bad", "stmoe": "capacity=4,speed=fast",
+                                   "max_tokens": 2, "batches": [[0]]}]})
     assert p.returncode != 0
     assert "STMOE_VLLM item 2: unknown key 'speed'; the keys are capacity" in p.stderr
 

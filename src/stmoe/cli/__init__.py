@@ -24,6 +24,7 @@ from stmoe.cli import (
     make_model,
     pack,
     predict,
+    quantize,
     serve,
     simulate,
     trace,
@@ -72,6 +73,7 @@ app.command("analyze")(friendly(analyze.analyze_cmd))
 app.command("demo")(friendly(demo.demo_cmd))
 app.command("make-model")(friendly(make_model.make_model_cmd))
 app.command("pack")(friendly(pack.pack_cmd))
+app.command("quantize")(friendly(quantize.quantize_cmd))
 app.command("generate", cls=PanelCommand)(friendly(generate.generate_cmd))
 app.command("serve", cls=PanelCommand)(friendly(serve.serve_cmd))
 app.command("calibrate")(friendly(calibrate.calibrate_cmd))

@@ -46,6 +46,7 @@ from stmoe.runtime.forced_routing import RoutingSource
 from stmoe.runtime.hf_glue import ForwardHooks, base_forward, resident_device, take_over
 from stmoe.runtime.planning import GateLookahead, PrefetchPlanner, gate_lookahead
 from stmoe.runtime.prefetch import Prefetcher
+from stmoe.runtime.slot_layout import SlotLayout
 from stmoe.runtime.state import EngineSettings, EngineState, Future, RunState
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.step import LayerTally, Part, Step, current_driver, foresee
@@ -83,12 +84,15 @@ class OffloadEngine:
               predictor: Predictor, settings: EngineSettings, device: torch.device,
               lookahead: GateLookahead | None,
               prompt_routers: list[torch.Tensor] | None,
-              planner: type[PrefetchPlanner] = PrefetchPlanner) -> None:
+              planner: type[PrefetchPlanner] = PrefetchPlanner,
+              layouts: dict[str, SlotLayout] | None = None) -> None:
         """The engine's parts for ``layers`` (each MoE layer's experts module and the
         implementation its calls compute with), whoever runs the model: transformers
         (``__init__``), or another runtime that calls ``ExpertsPath.run`` from its own
         MoE layers (the vLLM plugin) and sets ``hooks`` itself; ``planner``: a
-        ``PrefetchPlanner`` that knows that runtime's batches (the plugin's)."""
+        ``PrefetchPlanner`` that knows that runtime's batches (the plugin's); ``layouts``:
+        parameters the slots hold in that runtime's kernel layout, converted as each
+        expert lands (the plugin's in-place reads; default: the device's)."""
         _check_settings(settings)
         self.model, self.store, self.predictor = model, store, predictor
         self.settings, self.policy = settings, settings.policy
@@ -100,7 +104,7 @@ class OffloadEngine:
         self.max_loads = _checked_max_loads(settings)
         self.device = device
         caches = [LayerCache(layer, self.capacity, param_specs(store.blocks[(layer, 0)]),
-                             self.num_experts, self.policy, self.device)
+                             self.num_experts, self.policy, self.device, layouts)
                   for layer in range(self.num_layers)]
         self.state = EngineState(caches, store, Loader(tier, store), self.device)
         self.state.use_tier_events()

@@ -14,9 +14,10 @@ lookahead; their defaults too) and the plugin's own: ``store`` (the kernel-layou
 folder), ``capture`` (a folder for each finished request's routing) and ``experts``
 (``loaded``: vLLM loads them and the store is packed from memory; ``stream``: vLLM never
 loads them, the store is packed from the checkpoint one expert at a time, for a model
-bigger than the memory vLLM is given) and ``kernel`` (``portable``: vLLM's portable CPU
-kernel only, checked bit for bit; ``variants``: its ISA kernels too, such as the AMX one
-bfloat16 takes, not bit for bit at every batch).
+bigger than the memory vLLM is given; ``in-place``: never loaded either, and no store
+written: read where the checkpoint's safetensors hold them) and ``kernel``
+(``portable``: vLLM's portable CPU kernel only, checked bit for bit; ``variants``: its ISA
+kernels too, such as the AMX one bfloat16 takes, not bit for bit at every batch).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ KEYS = (*_OPTIONS, *_OWN)
 # the tiers inside vLLM's CPU build: its experts' store on disk (reads bypass the page
 # cache), or host memory behind an EMULATED link
 TIERS = ("disk", "emulated")
+# where the experts come from: vLLM's loaded weights (a store packed from them), the
+# checkpoint streamed into a store, or the checkpoint read in place (no store)
+EXPERTS = ("loaded", "stream", "in-place")
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class PluginConfig:
     options: OffloadOptions = field(default_factory=OffloadOptions)
     store: Path | None = None
     capture: Path | None = None
-    experts: str = "loaded"  # or "stream" (``vllm_plugin.streamed``)
+    experts: str = "loaded"  # or "stream" (``streamed``), "in-place" (``in_place``)
     kernel: str = "portable"  # or "variants": vLLM's ISA kernels too (not bit for bit)
     text: str = ""  # the raw value, for the log line
 
@@ -79,6 +83,9 @@ def parse(text: str) -> PluginConfig:
     own = {k: values.pop(k) for k in _OWN if k in values}
     options = dataclasses.replace(OffloadOptions(), **values)  # type: ignore[arg-type]
     _check(options)
+    if own.get("experts") == "in-place" and options.tier != "disk":
+        raise PluginConfigError(f"STMOE_VLLM experts=in-place reads the checkpoint from the "
+                                f"disk tier; tier={options.tier} holds a store in memory")
     return PluginConfig(options, own.get("store"), own.get("capture"),  # type: ignore[arg-type]
                         own.get("experts", "loaded"),  # type: ignore[arg-type]
                         own.get("kernel", "portable"), text)  # type: ignore[arg-type]
@@ -86,9 +93,10 @@ def parse(text: str) -> PluginConfig:
 
 def _value(key: str, value: str) -> object:
     if key == "experts":
-        if value not in ("loaded", "stream"):
+        if value not in EXPERTS:
             raise PluginConfigError(f"STMOE_VLLM experts={value!r}: expected loaded (vLLM "
-                                    "loads them) or stream (never loaded: read from the store)")
+                                    "loads them), stream (never loaded: read from the store) "
+                                    "or in-place (never loaded: read from the checkpoint)")
         return value
     if key == "kernel":
         if value not in ("portable", "variants"):

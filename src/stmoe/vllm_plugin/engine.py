@@ -20,11 +20,12 @@ from stmoe.errors import OffloadError
 from stmoe.predictors.base import Predictor, PredictorError
 from stmoe.runtime.engine import OffloadEngine
 from stmoe.runtime.planning import GateLookahead
+from stmoe.runtime.slot_layout import SlotLayout
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.store import ExpertStore
 from stmoe.runtime.store.tiers import Tier
 from stmoe.vllm_plugin.batches import BatchPlanner
-from stmoe.vllm_plugin.layers import WEIGHTS, MoeLayer
+from stmoe.vllm_plugin.layers import MoeLayer
 
 # the implementation name the experts path knows vLLM's CPU kernel by (runtime.hf_glue:
 # each token's result the same bits under any numbering, whatever the call's other tokens)
@@ -33,10 +34,13 @@ IMPL = "vllm_cpu_fused_moe"
 
 class KernelExperts:
     """One vLLM routed-experts layer as the experts path sees a module: its implementation
-    named in ``config``, everything else read from the layer (its activation, its kernel)."""
+    named in ``config``, its per-expert scales (a quantized kernel's: ``MoeLayer.scales``),
+    the names its (w13, w2) slots go by (the store's: ``gate_up_proj``, ``down_proj`` read
+    in place), everything else read from the layer (its activation, its kernel)."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
-        self.__dict__.update(layer=layer, config=SimpleNamespace(_experts_implementation=IMPL))
+    def __init__(self, layer: MoeLayer, names: tuple[str, str]) -> None:
+        self.__dict__.update(layer=layer.module, stmoe_scales=layer.scales, stmoe_names=names,
+                             config=SimpleNamespace(_experts_implementation=IMPL))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["layer"], name)
@@ -47,9 +51,14 @@ def kernel_forward(experts: Any, hidden_states: torch.Tensor, top_k_index: torch
                    shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
     """vLLM's own MoE kernel on the weights the path bound (the cache's slots, or the
     whole tensors), ids numbered in them: what ``UnquantizedFusedMoEMethod`` calls, with
-    the slots in place of the layer's tensors."""
-    return experts.quant_method.moe_kernel.apply(
-        hidden_states=hidden_states, w1=experts.w13_weight, w2=experts.w2_weight,
+    the slots in place of the layer's tensors. A quantized kernel reads its scales from its
+    quant_config, not its arguments: they are pointed at the bound ones (the weights' rows)."""
+    kernel = experts.quant_method.moe_kernel
+    for param, desc, field in experts.stmoe_scales:
+        setattr(getattr(kernel.fused_experts.quant_config, desc), field, getattr(experts, param))
+    return kernel.apply(
+        hidden_states=hidden_states, w1=getattr(experts, experts.stmoe_names[0]),
+        w2=getattr(experts, experts.stmoe_names[1]),
         topk_weights=top_k_weights, topk_ids=top_k_index, activation=experts.activation,
         apply_router_weight_on_input=experts.apply_router_weight_on_input,
         global_num_experts=experts.num_experts, expert_map=None,
@@ -67,19 +76,21 @@ class VllmEngine(OffloadEngine):
     """The engine for a vLLM model's MoE layers (``layers``), on the CPU."""
 
     def __init__(self, model: torch.nn.Module, layers: list[MoeLayer], store: ExpertStore,
-                 tier: Tier, predictor: Predictor, settings: EngineSettings) -> None:
+                 tier: Tier, predictor: Predictor, settings: EngineSettings,
+                 layouts: dict[str, SlotLayout] | None = None,
+                 names: tuple[str, str] = ("w13_weight", "w2_weight")) -> None:
         routers = [m.router for m in layers]
         found = None if any(r is None for r in routers) else routers
         lookahead = _lookahead(predictor, found)  # type: ignore[arg-type]
-        adapters = [KernelExperts(m.module) for m in layers]
+        adapters = [KernelExperts(m, names) for m in layers]
         self._wire(model, [(a, kernel_forward) for a in adapters], store, tier, predictor,
                    settings, torch.device("cpu"), lookahead,
                    found if predictor.prefetches else None,  # type: ignore[arg-type]
-                   planner=BatchPlanner)
+                   planner=BatchPlanner, layouts=layouts)
         self.hooks = _NoHooks()
         self.layers = layers
         for m in layers:
-            release(m.module)
+            release(m)
 
     @property
     def batches(self) -> BatchPlanner:
@@ -113,10 +124,14 @@ def _lookahead(predictor: Predictor, routers: list[torch.Tensor] | None) -> Gate
     return GateLookahead(routers, None)
 
 
-def release(module: torch.nn.Module) -> None:
-    """The layer's expert weights released to storage-free meta tensors: the cache's slots
-    and the store hold them from now on."""
-    for name in WEIGHTS:
+def release(layer: MoeLayer) -> None:
+    """The layer's expert weights (and scales) released to storage-free meta tensors: the
+    cache's slots and the store hold them from now on (the kernel's quant_config too)."""
+    module = layer.module
+    for name in layer.params:
         p = getattr(module, name)
         module._parameters[name] = torch.nn.Parameter(
             torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+    config = module.quant_method.moe_kernel.fused_experts.quant_config
+    for param, desc, field in layer.scales:
+        setattr(getattr(config, desc), field, getattr(module, param))

@@ -27,6 +27,7 @@ from stmoe.runtime.warm_up import warm_kernels
 from stmoe.vllm_plugin.capture import Capture
 from stmoe.vllm_plugin.config import PluginConfig, PluginConfigError, parse
 from stmoe.vllm_plugin.engine import VllmEngine
+from stmoe.vllm_plugin.in_place import open_or_index, slot_layouts
 from stmoe.vllm_plugin.kernel_store import default_dir, model_record, open_or_pack
 from stmoe.vllm_plugin.layers import find_layers
 from stmoe.vllm_plugin.steps import Steps, TablesWatch
@@ -56,7 +57,7 @@ def install(text: str) -> None:
 
     if getattr(CPUModelRunner, "_stmoe_config", None) is not None:
         return
-    if config.experts == "stream":
+    if config.experts != "loaded":  # stream, in-place: vLLM never loads the experts
         install_skip()
     load, shutdown = CPUModelRunner.load_model, CPUWorker.shutdown
 
@@ -88,7 +89,17 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     hf_config = runner.model_config.hf_config
     store_dir = config.store or default_dir(model_dir, layers)
     model_type = str(hf_config.model_type)
-    if config.experts == "stream":
+    quantized = layers[0].quantized
+    weights = (quantized.name if quantized is not None
+               else str(layers[0].module.w13_weight.dtype).removeprefix("torch."))
+    if config.experts != "loaded" and layers[0].scales:
+        raise PluginConfigError(f"stmoe: experts={config.experts} reads unquantized checkpoints "
+                                f"only; {model_dir.name}'s experts are {weights}: use "
+                                "experts=loaded")
+    if config.experts == "in-place":
+        store, packed = open_or_index(config.store or Path(f"{store_dir}-in-place"), layers,
+                                      model_dir)
+    elif config.experts == "stream":
         store, packed = open_or_pack_streamed(store_dir, layers,
                                               model_record(layers, model_type), model_dir)
     else:
@@ -102,7 +113,9 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     settings = EngineSettings(capacity, options.policy, options.worker_count(),
                               torch.device("cpu"), options.max_loads, options.admission)
     try:
-        engine = VllmEngine(model, layers, store, tier, predictor, settings)
+        layouts, names = (slot_layouts(layers, store, tier) if store.in_place
+                          else (None, ("w13_weight", "w2_weight")))
+        engine = VllmEngine(model, layers, store, tier, predictor, settings, layouts, names)
     except BaseException:
         tier.close()
         raise
@@ -115,13 +128,14 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     steps.install(model)
     atexit.register(steps.flush)
     log.info("stmoe: offloading %d MoE layers of %s: %d of %d experts cached per layer "
-             "(%s), predictor %s, policy %s, tier %s, %d workers; experts %s; store %s (%s, "
+             "(%s), predictor %s, policy %s, tier %s, %d workers; experts %s, %s; store %s (%s, "
              "%.1f MiB of "
              "experts); capture %s; kernels warmed in %.1f s; ready in %.1f s; worker RSS %.2f GiB "
              "as vLLM had loaded the model, %.2f GiB now", len(layers),
              model_dir.name, capacity, num_experts, options.capacity, predictor.name,
-             settings.policy, options.tier, settings.workers, config.experts, store.path,
-             "packed now" if packed else "checked",
+             settings.policy, options.tier, settings.workers, weights, config.experts, store.path,
+             ("indexed now" if packed else "in place, checked") if store.in_place
+             else "packed now" if packed else "checked",
              sum(b.nbytes for b in store.blocks.values()) / 2**20,
              config.capture or "off", warm_s, time.perf_counter() - started, loaded_rss / 2**30,
              rss_bytes() / 2**30)

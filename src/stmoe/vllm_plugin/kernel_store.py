@@ -25,14 +25,14 @@ from stmoe.runtime.store.check import file_records
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import StoreError, block_crc
 from stmoe.runtime.store.packing import write_store
-from stmoe.vllm_plugin.layers import WEIGHTS, MoeLayer
+from stmoe.vllm_plugin.layers import MoeLayer
 
 
 def kernel_tag(layers: list[MoeLayer]) -> str:
     """The layout the store's bytes are in: vLLM's kernel, its ISA and the dtype."""
     fused = layers[0].module.quant_method.moe_kernel.fused_experts
     dtype = str(layers[0].module.w13_weight.dtype).removeprefix("torch.")
-    return f"vllm-cpu-{getattr(fused, 'isa', 'unknown')}-{dtype}"
+    return f"vllm-cpu-{getattr(fused, 'isa', None) or type(fused).__name__}-{dtype}"
 
 
 def model_record(layers: list[MoeLayer], model_type: str) -> dict[str, object]:
@@ -58,9 +58,9 @@ def default_dir(model_dir: Path, layers: list[MoeLayer]) -> Path:
 
 def _blocks(layers: list[MoeLayer]) -> Iterator[tuple[int, int, list[tuple[str, torch.Tensor]]]]:
     for layer in layers:
-        tensors = [getattr(layer.module, w).data for w in WEIGHTS]
+        tensors = [getattr(layer.module, w).data for w in layer.params]
         for e in range(tensors[0].shape[0]):
-            yield layer.index, e, [(w, t[e]) for w, t in zip(WEIGHTS, tensors, strict=True)]
+            yield layer.index, e, [(w, t[e]) for w, t in zip(layer.params, tensors, strict=True)]
 
 
 def open_checked(path: Path, want: dict[str, object]) -> ExpertStore:

@@ -9,6 +9,13 @@ and summed in routing order; tested bit for bit in tests/vllm_plugin, float32 an
 bfloat16), and where one expert's weights are one row of each weight tensor (unquantized
 weights; no expert parallelism, no biases). Anything else is refused in one line naming
 the layer and why.
+
+Quantized experts: a checkpoint quantized for vLLM's CPU int8 kernel (``CPUExpertsInt8``,
+compressed-tensors W8A8: int8 weights with one scale per output row, activations quantized
+per token as the kernel runs; ``stmoe quantize`` writes one) is served the same way, each
+expert's scales moving with its weights (``QUANTIZED``): its tokens are plain vLLM's on the
+same quantized checkpoint, bit for bit (tested). The quantization is the checkpoint's,
+chosen by whoever made it, and named in the plugin's log line.
 """
 
 from __future__ import annotations
@@ -24,6 +31,27 @@ WEIGHTS = ("w13_weight", "w2_weight")
 
 
 @dataclass(frozen=True)
+class QuantizedKernel:
+    """One of vLLM's quantized CPU MoE kernels the plugin serves: the methods that build it,
+    the per-expert scales moved with the weights, after them in a block,
+    each with the kernel's quant_config field that holds it (``_w1.scale``: the kernel reads
+    it there, not from its arguments), and what the log calls the format."""
+
+    methods: tuple[str, ...]
+    scales: tuple[tuple[str, str, str], ...]
+    name: str
+
+
+QUANTIZED = {
+    "CPUExpertsInt8": QuantizedKernel(
+        ("CompressedTensorsW8A8Int8MoEMethod",),
+        (("w13_weight_scale", "_w1", "scale"), ("w2_weight_scale", "_w2", "scale")),
+        "int8 W8A8 (the checkpoint's: int8 weights, one scale per row; activations "
+        "quantized per token by vLLM's kernel)"),
+}
+
+
+@dataclass(frozen=True)
 class MoeLayer:
     """One routed-experts layer of a vLLM model: its module, its router's weight (the
     gate beside it, for the gate lookahead; None where not found) and its place."""
@@ -32,6 +60,27 @@ class MoeLayer:
     module: torch.nn.Module  # vLLM's RoutedExperts
     router: torch.Tensor | None
     index: int  # its number among the model's MoE layers
+
+    @property
+    def quantized(self) -> QuantizedKernel | None:
+        """Its quantized kernel, or None (unquantized weights)."""
+        return QUANTIZED.get(kernel_name(self.module))
+
+    @property
+    def scales(self) -> tuple[tuple[str, str, str], ...]:
+        """Its per-expert scales (a quantized kernel's): (parameter, quant_config desc,
+        field); none for an unquantized layer."""
+        return self.quantized.scales if self.quantized is not None else ()
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Its per-expert tensors, in the order a store block holds them."""
+        return (*WEIGHTS, *(p for p, _, _ in self.scales))
+
+
+def kernel_name(module: torch.nn.Module) -> str:
+    """The class name of the layer's vLLM MoE kernel (its fused experts)."""
+    return type(module.quant_method.moe_kernel.fused_experts).__name__
 
 
 def routed_experts_class() -> type:
@@ -51,8 +100,8 @@ def find_layers(model: torch.nn.Module, variants: bool = False) -> list[MoeLayer
     for i, (name, module) in enumerate(found):
         check_layer(name, module, variants)
         layers.append(MoeLayer(name, module, _router(model, name, module), i))
-    shapes = {(w, tuple(getattr(m.module, w).shape[1:])) for m in layers for w in WEIGHTS}
-    if len(shapes) != len(WEIGHTS):
+    shapes = {(w, tuple(getattr(m.module, w).shape[1:])) for m in layers for w in m.params}
+    if len(shapes) != len(layers[0].params):
         raise PluginConfigError("stmoe: the MoE layers' experts differ in shape; the plugin "
                                 "serves models whose MoE layers are alike")
     return layers
@@ -61,9 +110,14 @@ def find_layers(model: torch.nn.Module, variants: bool = False) -> list[MoeLayer
 def check_layer(name: str, module: torch.nn.Module, variants: bool = False) -> None:
     """Refuse a layer whose kernel the plugin cannot feed slots losslessly."""
     method = module.quant_method
+    kernel = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    quantized = QUANTIZED.get(type(kernel).__name__)
     why = None
-    if type(method).__name__ != "UnquantizedFusedMoEMethod":
-        why = f"its weights are quantized by vLLM ({type(method).__name__})"
+    if type(method).__name__ != "UnquantizedFusedMoEMethod" and (
+            quantized is None or type(method).__name__ not in quantized.methods):
+        why = (f"its weights are quantized by vLLM ({type(method).__name__}, kernel "
+               f"{type(kernel).__name__}); the plugin serves unquantized experts and vLLM's "
+               "CPU int8 kernel (CPUExpertsInt8: a compressed-tensors W8A8 checkpoint)")
     elif getattr(method, "is_monolithic", False):
         why = "its kernel routes inside itself (monolithic), so no ids can be renumbered"
     elif getattr(module, "expert_map", None) is not None:
@@ -74,6 +128,8 @@ def check_layer(name: str, module: torch.nn.Module, variants: bool = False) -> N
         why = "its experts have biases"
     elif getattr(method, "moe_kernel", None) is None:
         why = "vLLM built no MoE kernel for it"
+    elif quantized is not None:
+        why = _check_scales(module, quantized.scales)
     else:
         kernel = type(method.moe_kernel.fused_experts)
         family = {c.__name__ for c in kernel.__mro__}
@@ -89,13 +145,25 @@ def check_layer(name: str, module: torch.nn.Module, variants: bool = False) -> N
                    "portable kernel), or allow it with kernel=variants (docs/vllm.md)")
     rows = 1 if getattr(module, "_stmoe_streamed", False) else module.global_num_experts
     if why is None:  # (streamed: one stand-in expert, the store holds them all)
-        for w in WEIGHTS:
+        scales = quantized.scales if quantized is not None else ()
+        for w in (*WEIGHTS, *(p for p, _, _ in scales)):
             t = getattr(module, w, None)
             if t is None or t.dim() != 3 or t.shape[0] != rows:
                 why = f"{w} is not one row per expert"
                 break
     if why is not None:
         raise PluginConfigError(f"stmoe: cannot offload MoE layer {name}: {why}")
+
+
+def _check_scales(module: torch.nn.Module, scales: tuple[tuple[str, str, str], ...]) -> str | None:
+    """Why the quantized kernel's scales cannot move with the experts (None: they can): each
+    must be the very tensor its quant_config field holds, which the kernel reads."""
+    config = module.quant_method.moe_kernel.fused_experts.quant_config
+    for param, desc, field in scales:
+        held = getattr(getattr(config, desc, None), field, None)
+        if held is None or held is not getattr(module, param, None):
+            return f"its kernel's quant_config.{desc}.{field} is not the layer's {param}"
+    return None
 
 
 def _router(model: torch.nn.Module, name: str, module: torch.nn.Module) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ Each batch is one ``generate`` call of those prompts (its requests run concurren
 vLLM's continuous batching), greedy with ``ignore_eos``. Per run: each batch's tokens, each
 round's seconds (after one warm-up batch), and with ``routed`` vLLM's own routed experts.
 ``tables_swap: [SRC, DST]`` replaces DST (the run's tables) with SRC before round 2; an
-entry's ``dtype`` overrides the spec's.
+entry's ``dtype`` and ``model`` override the spec's.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
         os.environ[ENV] = entry["stmoe"]
     else:
         os.environ.pop(ENV, None)
-    llm = make_llm(spec["model"], entry.get("dtype", spec.get("dtype", "float32")),
+    llm = make_llm(entry.get("model", spec["model"]),
+                   entry.get("dtype", spec.get("dtype", "float32")),
                    max_model_len=spec.get("max_model_len", 512),
                    prefix_caching=bool(spec.get("prefix_caching", True)),
                    routed=bool(entry.get("routed")))
