@@ -1,5 +1,5 @@
 """``stmoe quantize``: a checkpoint's routed experts in stmoe's int8, written in the
-compressed-tensors W8A8 format vLLM loads (tests/vllm_plugin/test_quantized.py serves it in
+compressed-tensors W8A8 format vLLM loads (tests/vllm_plugin/test_int8_experts.py serves it in
 vLLM). Each expert matrix's bytes are what ``quantize_matrix`` gives, every other tensor is
 the source's bytes, fused experts are split per expert, and bad input is refused by name."""
 
