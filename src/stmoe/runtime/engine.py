@@ -85,14 +85,16 @@ class OffloadEngine:
               lookahead: GateLookahead | None,
               prompt_routers: list[torch.Tensor] | None,
               planner: type[PrefetchPlanner] = PrefetchPlanner,
-              layouts: dict[str, SlotLayout] | None = None) -> None:
+              layouts: dict[str, SlotLayout] | None = None,
+              worker_cpus: set[int] | None = None) -> None:
         """The engine's parts for ``layers`` (each MoE layer's experts module and the
         implementation its calls compute with), whoever runs the model: transformers
         (``__init__``), or another runtime that calls ``ExpertsPath.run`` from its own
         MoE layers (the vLLM plugin) and sets ``hooks`` itself; ``planner``: a
         ``PrefetchPlanner`` that knows that runtime's batches (the plugin's); ``layouts``:
         parameters the slots hold in that runtime's kernel layout, converted as each
-        expert lands (the plugin's in-place reads; default: the device's)."""
+        expert lands (the plugin's in-place reads; default: the device's); ``worker_cpus``:
+        where the prefetch workers run (default: where the calling thread may)."""
         _check_settings(settings)
         self.model, self.store, self.predictor = model, store, predictor
         self.settings, self.policy = settings, settings.policy
@@ -109,7 +111,7 @@ class OffloadEngine:
         self.state = EngineState(caches, store, Loader(tier, store), self.device)
         self.state.use_tier_events()
         self.caches, self.cv, self.expert_bytes = caches, self.state.cv, self.state.expert_bytes
-        self.prefetcher = Prefetcher(self.state, settings.workers)
+        self.prefetcher = Prefetcher(self.state, settings.workers, worker_cpus)
         self.planner = planner(self.state, predictor, self.prefetcher, lookahead,
                                self.max_loads, self.capacity, prompt_routers)
         self.path = ExpertsPath(self.state, layers, settings, self.prefetcher, self.planner)

@@ -22,6 +22,7 @@ those experts itself) and refuses a load stuck longer than ``stall_limit_s``
 from __future__ import annotations
 
 import heapq
+import os
 import threading
 import time
 
@@ -43,8 +44,11 @@ Job = tuple[LayerCache, int, int, int, str]
 class Prefetcher:
     """``workers`` threads loading queued (call, layer, expert) requests into the caches."""
 
-    def __init__(self, state: EngineState, workers: int) -> None:
+    def __init__(self, state: EngineState, workers: int, cpus: set[int] | None = None) -> None:
         self.state = state
+        # the CPUs the workers run on (None: those of the thread that starts them); a runtime
+        # that pins its compute thread to some cores gives the others (the vLLM plugin)
+        self.cpus = cpus
         self.queue: list[tuple[int, int, int, int]] = []  # heap of (call, layer, rank, expert)
         self.error: BaseException | None = None  # a worker's failure, for the compute thread
         self.work = threading.Condition(state.lock)  # the workers wait here for requests
@@ -144,6 +148,8 @@ class Prefetcher:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def _worker(self) -> None:
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # this thread only
         buf = aligned_buffer(self.state.max_block)
         stream = self.state.copy_stream()
         while not self._closing:

@@ -11,6 +11,7 @@ there.
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -86,7 +87,7 @@ class VllmEngine(OffloadEngine):
         self._wire(model, [(a, kernel_forward) for a in adapters], store, tier, predictor,
                    settings, torch.device("cpu"), lookahead,
                    found if predictor.prefetches else None,  # type: ignore[arg-type]
-                   planner=BatchPlanner, layouts=layouts)
+                   planner=BatchPlanner, layouts=layouts, worker_cpus=worker_cpus())
         self.hooks = _NoHooks()
         self.layers = layers
         for m in layers:
@@ -106,6 +107,19 @@ class VllmEngine(OffloadEngine):
         if predictor.prefetches != self.predictor.prefetches:
             raise OffloadError("a reloaded predictor must prefetch as the one it replaces")
         self.predictor = self.planner.predictor = predictor
+
+
+def worker_cpus() -> set[int] | None:
+    """Where the prefetch workers run: the CPUs other than the ones vLLM binds its worker's
+    compute to. vLLM's CPU worker pins itself (its OpenMP threads, and the thread that loads
+    the model: the one starting the workers) to its cores and leaves the others to its
+    engine (``VLLM_CPU_OMP_THREADS_BIND``; here core 0, and core 1 reserved); threads
+    inherit that pinning, so without this the workers' reads and checks would take turns
+    with vLLM's compute on its core. None where vLLM leaves no other CPU."""
+    compute = os.sched_getaffinity(0)
+    every = set(range(os.cpu_count() or 1))
+    others = every - compute
+    return others or None
 
 
 def _lookahead(predictor: Predictor, routers: list[torch.Tensor] | None) -> GateLookahead | None:

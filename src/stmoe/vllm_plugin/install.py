@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -128,12 +129,15 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     steps.install(model)
     atexit.register(steps.flush)
     log.info("stmoe: offloading %d MoE layers of %s: %d of %d experts cached per layer "
-             "(%s), predictor %s, policy %s, tier %s, %d workers; experts %s, %s; store %s (%s, "
+             "(%s), predictor %s, policy %s, tier %s, %d workers (CPUs %s); experts %s, %s; "
+             "store %s (%s, "
              "%.1f MiB of "
              "experts); capture %s; kernels warmed in %.1f s; ready in %.1f s; worker RSS %.2f GiB "
              "as vLLM had loaded the model, %.2f GiB now", len(layers),
              model_dir.name, capacity, num_experts, options.capacity, predictor.name,
-             settings.policy, options.tier, settings.workers, weights, config.experts, store.path,
+             settings.policy, options.tier, settings.workers,
+             ",".join(map(str, sorted(engine.prefetcher.cpus or os.sched_getaffinity(0)))),
+             weights, config.experts, store.path,
              ("indexed now" if packed else "in place, checked") if store.in_place
              else "packed now" if packed else "checked",
              sum(b.nbytes for b in store.blocks.values()) / 2**20,
