@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from stmoe.errors import StmoeError
-from stmoe.quant.formats import parse_format
-from stmoe.quant.kernels import quantize_matrix
+from stmoe.quant.formats import WeightFormat, parse_format
+from stmoe.quant.kernels import dequantize, quantize_matrix
 
 # a per-expert matrix (the hub's layout), and a fused one (transformers 5's)
 PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<m>[a-z0-9_]+)\.weight$")
@@ -95,7 +95,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path,
     stats = _Stats()
     try:
         with atomic_folder(out) as tmp:
-            weight_map = _write_shards(files, tmp, fmt_name, names, stats)
+            weight_map = _write_shards(files, tmp, fmt, names, stats)
             _write_meta(src, tmp, config, weight_map, len(files))
     except SafetensorError as exc:
         raise StmoeError(f"{out}: could not be written ({exc}); nothing was left there") from None
@@ -114,9 +114,10 @@ class _Stats:
     def __init__(self) -> None:
         self.matrices, self.before, self.after, self.error = 0, 0, 0, 0.0
 
-    def add(self, w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def add(self, w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+            fmt: WeightFormat) -> None:
         wf = w.float()
-        err = torch.linalg.vector_norm(wf - q.float() * scale.float()[:, None])
+        err = torch.linalg.vector_norm(wf - dequantize(q, scale, fmt))
         self.error += float(err / torch.linalg.vector_norm(wf).clamp(min=1e-30))
         self.matrices += 1
         self.before += w.numel() * w.element_size()
@@ -160,14 +161,13 @@ def _expert_matrices(name: str, t: torch.Tensor,
     return None
 
 
-def _write_shards(files: list[Path], out: Path, fmt_name: str, names: tuple[str, str, str],
-                  stats: _Stats) -> dict[str, str]:
+def _write_shards(files: list[Path], out: Path, fmt: WeightFormat,
+                  names: tuple[str, str, str], stats: _Stats) -> dict[str, str]:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from stmoe.util.progress import progress
 
-    fmt = parse_format(fmt_name)
     weight_map: dict[str, str] = {}
     for i, f in enumerate(progress(files, len(files), "quantizing experts")):
         fname = (f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" if len(files) > 1
@@ -182,7 +182,7 @@ def _write_shards(files: list[Path], out: Path, fmt_name: str, names: tuple[str,
                     continue
                 for key, w in matrices:
                     q = quantize_matrix(w, fmt, key)
-                    stats.add(w, q.qweight, q.qscale)
+                    stats.add(w, q.qweight, q.qscale, fmt)
                     tensors[key] = q.qweight
                     tensors[key.removesuffix("weight") + "weight_scale"] = \
                         q.qscale.reshape(-1, 1).contiguous()

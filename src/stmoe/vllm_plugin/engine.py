@@ -26,7 +26,7 @@ from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.store import ExpertStore
 from stmoe.runtime.store.tiers import Tier
 from stmoe.vllm_plugin.batches import BatchPlanner
-from stmoe.vllm_plugin.layers import MoeLayer
+from stmoe.vllm_plugin.layers import WEIGHTS, MoeLayer
 
 # the implementation name the experts path knows vLLM's CPU kernel by (runtime.hf_glue:
 # each token's result the same bits under any numbering, whatever the call's other tokens)
@@ -79,7 +79,7 @@ class VllmEngine(OffloadEngine):
     def __init__(self, model: torch.nn.Module, layers: list[MoeLayer], store: ExpertStore,
                  tier: Tier, predictor: Predictor, settings: EngineSettings,
                  layouts: dict[str, SlotLayout] | None = None,
-                 names: tuple[str, str] = ("w13_weight", "w2_weight")) -> None:
+                 names: tuple[str, str] = WEIGHTS) -> None:
         routers = [m.router for m in layers]
         found = None if any(r is None for r in routers) else routers
         lookahead = _lookahead(predictor, found)  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ from stmoe.vllm_plugin.config import PluginConfig, PluginConfigError, parse
 from stmoe.vllm_plugin.engine import VllmEngine
 from stmoe.vllm_plugin.in_place import open_or_index, slot_layouts
 from stmoe.vllm_plugin.kernel_store import default_dir, model_record, open_or_pack
-from stmoe.vllm_plugin.layers import find_layers
+from stmoe.vllm_plugin.layers import WEIGHTS, find_layers
 from stmoe.vllm_plugin.steps import Steps, TablesWatch
 from stmoe.vllm_plugin.streamed import install_skip, open_or_pack_streamed
 
@@ -115,7 +115,7 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
                               torch.device("cpu"), options.max_loads, options.admission)
     try:
         layouts, names = (slot_layouts(layers, store, tier) if store.in_place
-                          else (None, ("w13_weight", "w2_weight")))
+                          else (None, WEIGHTS))
         engine = VllmEngine(model, layers, store, tier, predictor, settings, layouts, names)
     except BaseException:
         tier.close()
