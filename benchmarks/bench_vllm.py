@@ -23,6 +23,13 @@ at 4 requests. The load (``uptime``) is printed at the start and the end.
 ``--systems`` may also name ``plugin 50% stmoe-plus in place`` (the experts read in place
 from the checkpoint, no store): its speed against the packed store's is printed, no target.
 
+``--routing PROMPT`` (with a real-shape checkpoint): the plugin systems replay REAL
+Qwen1.5-MoE routing (``../shared/traces/qwen15``, prompt PROMPT, the model's first L layers)
+in place of the random-weight router's (``routing=``, measurement only), stmoe's tables
+profiled on the other two prompts (HELD-OUT). The tokens are meaningless; every plugin
+system's must equal the first's (the same routing, a lossless cache). ``stmoe serve`` is
+left out and plain vLLM is optional (its tokens are not compared).
+
 ``--bigger-than-memory DIR --memory 6GB``: instead, the bigger-than-memory runs (issue 46
 item 4) on a real-shape checkpoint (``stmoe make-model``, RANDOM weights, vLLM's own router):
 plain vLLM without a bound (the reference tokens), plain vLLM in a memory cgroup of
@@ -30,12 +37,15 @@ plain vLLM without a bound (the reference tokens), plain vLLM in a memory cgroup
 with ``experts=stream`` (vLLM never loads the experts) at ``--capacity`` in the same bound,
 its tokens compared with the reference; each run's cgroup peak.
 
-``--quality DIR``: instead, what int8 experts cost in quality (``stmoe quantize --model`` into
-DIR, compressed-tensors W8A8: LOSSY): greedy tokens of plain vLLM on the float checkpoint in
-float32 (the reference) and in bfloat16 (what bfloat16 alone changes), plain vLLM on DIR,
-and the plugin on DIR at ``--capacity`` with stmoe-plus (bit for bit plain vLLM on DIR:
-MET / NOT MET); per run, the sequences equal to the reference and the mean number of
-tokens before the first that differs.
+``--quality DIR``: instead, what quantized experts cost in quality (all LOSSY): greedy
+tokens of plain vLLM on the float checkpoint in float32 (the reference) and in bfloat16
+(what bfloat16 alone changes); vLLM's int8 (``stmoe quantize --model`` into DIR,
+compressed-tensors W8A8): plain vLLM on DIR, and the plugin on DIR at ``--capacity`` with
+stmoe-plus (bit for bit plain vLLM on DIR: MET / NOT MET); stmoe's own int8 and int4
+(``format=``, weight-only, the float checkpoint in float32): the plugin with every expert
+cached and at ``--capacity`` with stmoe-plus (bit for bit each other: MET / NOT MET). Per
+run, the sequences equal to the reference and the mean number of tokens before the first
+that differs.
 
 The default checkpoint is stmoe's shipped model (27 MiB of experts, 216 KiB each): what
 the plugin costs per layer call shows; how much prefetch hides depends on expert size.
@@ -80,6 +90,24 @@ def optional_systems(share: str, work: Path) -> dict[str, str]:
                                                   f"experts=in-place,store={work / 'index'}"}
 
 
+
+
+def forced_routing(replayed: str, model: str, work: Path) -> str:
+    """The STMOE_VLLM keys replaying REAL Qwen1.5-MoE routing (``routing=``): prompt
+    ``replayed``'s first L layers for a model of L MoE layers, and tables profiled on the
+    other two prompts' (HELD-OUT: never the routing replayed)."""
+    import bench_heldout as heldout
+
+    from stmoe.predictors import profile, save_tables
+    from stmoe.trace import concat, load_trace, save_trace
+    from stmoe.trace.select import select_layers
+
+    layers = str(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
+    cut = {p: select_layers(load_trace(heldout.imported(p)), layers) for p in heldout.PROMPTS}
+    routing = save_trace(cut[replayed], work / "replayed.npz")
+    tables = save_tables(profile(concat([t for p, t in cut.items() if p != replayed])),
+                         work / "tables.npz")
+    return f",routing={routing},tables={tables}"
 
 
 def load() -> str:
@@ -269,6 +297,13 @@ def quality(a: argparse.Namespace) -> None:
             {"name": "int8 W8A8", "stmoe": None, "model": a.quality},
             {"name": f"int8 W8A8, plugin {a.capacity} stmoe-plus", "model": a.quality,
              "stmoe": f"capacity={a.capacity},predictor=stmoe-plus"}]
+    own = [(f"stmoe {fmt}, plugin 100%", f"stmoe {fmt}, plugin {a.capacity} stmoe-plus")
+           for fmt in ("int8", "int4")]
+    for fmt, (whole, part) in zip(("int8", "int4"), own, strict=True):
+        runs += [{"name": whole, "dtype": "float32",
+                  "stmoe": f"format={fmt},capacity=100%,predictor=ondemand"},
+                 {"name": part, "dtype": "float32",
+                  "stmoe": f"format={fmt},capacity={a.capacity},predictor=stmoe-plus"}]
     for r in runs:
         r.update(max_tokens=a.new, batches=batch)
     spec = {"model": a.model, "dtype": "bfloat16", "prompts": PROMPTS, "runs": runs,
@@ -295,6 +330,10 @@ def quality(a: argparse.Namespace) -> None:
     same = got[runs[3]["name"]] == got["int8 W8A8"]
     print(f"{'MET' if same else 'NOT MET':13} the plugin on the int8 checkpoint gives plain "
           "vLLM's tokens on it, bit for bit")
+    for whole, part in own:
+        same = got[part] == got[whole]
+        print(f"{'MET' if same else 'NOT MET':13} {part} gives the tokens of every expert "
+              "cached, bit for bit")
     print(f"load at end: {load()}")
     if a.json:
         a.json.write_text(json.dumps({"tokens": got}, indent=1))
@@ -319,8 +358,12 @@ def main() -> None:
                     help="the bigger-than-memory runs on this checkpoint instead")
     ap.add_argument("--memory", default="6GB", help="their memory bound")
     ap.add_argument("--capacity", default="25%", help="the plugin's, in those runs")
+    ap.add_argument("--routing", default=None, choices=("history_1", "cooking_1", "ml_moe_1"),
+                    help="replay this ../shared/traces/qwen15 prompt's REAL routing in place "
+                         "of the router's (routing=), tables profiled on the other two")
     ap.add_argument("--quality", default=None, metavar="DIR",
-                    help="instead, int8's quality: DIR is `stmoe quantize --model`'s output")
+                    help="instead, the quantized experts' quality (vLLM's int8 W8A8 and stmoe's "
+                         "int8 and int4): DIR is `stmoe quantize --model`'s output")
     a = ap.parse_args()
     if a.quality:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -339,8 +382,14 @@ def main() -> None:
     every = {**default, **optional_systems(a.share, work)}
     serve_name = f"stmoe serve {a.share} stmoe-plus"
     chosen = a.systems.split(",") if a.systems else list(default)
-    if "plain vLLM" not in chosen or any(s not in every for s in chosen):
+    if ("plain vLLM" not in chosen and not a.routing) or any(s not in every for s in chosen):
         raise SystemExit(f"--systems: plain vLLM and any of {', '.join(every)}")
+    # the tokens every plugin run must give: plain vLLM's, or with the routing forced (the
+    # tokens meaningless, the same routing and kernel) the first plugin system's
+    ref_name = "plain vLLM" if not a.routing else next(n for n in chosen if n != "plain vLLM")
+    if a.routing:
+        a.extra += forced_routing(a.routing, a.model, work)
+        a.serve = False  # stmoe serve replays no routing: left out
     llms = start_llms(a.model, a.dtype, {k: every[k] for k in chosen}, a.extra)
     serve, port = start_serve(a.model, work, a.share) if a.serve else (None, 0)
     rates: dict[tuple[str, int], list[float]] = {}
@@ -351,15 +400,15 @@ def main() -> None:
             serve_cell(port, 2, 4)  # warm-up
         for r in range(a.rounds):
             for c in CONCURRENCY:
-                plain_tokens = None
+                ref_tokens = None
                 for name, llm in llms.items():
                     rate, tokens = vllm_cell(llm, c, a.new)
                     rates.setdefault((name, c), []).append(rate)
-                    if name == "plain vLLM":
-                        plain_tokens = tokens
+                    if name == ref_name:
+                        ref_tokens = tokens
                         plain_runs.setdefault(c, []).append(tokens)
-                    else:
-                        same[(name, c)] = same.get((name, c), True) and tokens == plain_tokens
+                    elif name != "plain vLLM":  # (routing forced: plain vLLM's not compared)
+                        same[(name, c)] = same.get((name, c), True) and tokens == ref_tokens
                 if c == 4 and serve is not None:
                     rates.setdefault((serve_name, c), []).append(serve_cell(port, c, a.new))
             print(f"round {r + 1} of {a.rounds} done", flush=True)
@@ -374,6 +423,10 @@ def main() -> None:
     print(f"\n{a.model}: total decode tok/s, median (range) over {a.rounds} rounds, "
           f"{a.new} new tokens per request"
           + (f"; every plugin with {a.extra!r}" if a.extra else ""))
+    if a.routing:
+        print(f"ROUTING FORCED: REAL Qwen1.5-MoE routing of {a.routing!r} replayed in place of "
+              "the router's, tables profiled on the other two prompts (HELD-OUT); the tokens "
+              "are meaningless, the plugin systems' must agree")
     print(f"{'system':28}" + "".join(f"{f'{c} concurrent':>24}" for c in CONCURRENCY))
     for name in [*llms, serve_name]:
         cells = [summary(rates[(name, c)]) if (name, c) in rates else "-" for c in CONCURRENCY]
@@ -390,10 +443,10 @@ def main() -> None:
     # bfloat16 at a real shape, 8 requests: measured), its run is no reference to judge by
     steady = {c: all(t == runs[0] for t in runs) for c, runs in plain_runs.items()}
     judged_cells = {k: v for k, v in same.items() if steady[k[1]]}
-    target("identical tokens to plain vLLM, every plugin run where plain vLLM repeats itself",
+    target(f"identical tokens to {ref_name}, every plugin run where {ref_name} repeats itself",
            all(judged_cells.values()) if judged_cells else None,
            f"{sum(judged_cells.values())} of {len(judged_cells)} (system, concurrency) cells"
-           + "".join(f"; plain vLLM gave other tokens from round to round at {c}: "
+           + "".join(f"; {ref_name} gave other tokens from round to round at {c}: "
                      f"{sum(x for k, x in same.items() if k[1] == c)} of "
                      f"{sum(1 for k in same if k[1] == c)} plugin cells equal it anyway"
                      for c, ok in steady.items() if not ok))

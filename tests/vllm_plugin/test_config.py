@@ -32,6 +32,15 @@ def test_keys_become_offload_options_and_the_plugins_own():
     assert c.kernel == "portable" and parse("kernel=variants").kernel == "variants"
     e = parse("tier=emulated,bandwidth=1GB,latency=50us").options
     assert (e.tier, e.bandwidth, e.latency) == ("emulated", "1GB", "50us")
+    assert c.weights is None and parse("format=native").weights is None
+
+
+def test_a_format_is_stmoes_own_store_and_vllm_never_loads_the_experts():
+    for text in ("format=int4", "format=int4,experts=stream", "format=int8"):
+        c = parse(text)
+        assert c.experts == "stream" and c.weights is not None and c.weights.quantized
+    c = parse("format=int4,group_size=64")
+    assert c.weights is not None and (c.weights.name, c.weights.group_size) == ("int4", 64)
 
 
 @pytest.mark.parametrize(("text", "says"), [
@@ -47,6 +56,13 @@ def test_keys_become_offload_options_and_the_plugins_own():
     ("experts=in-place,tier=emulated,bandwidth=1GB", "experts=in-place reads the checkpoint "
      "from the disk tier; tier=emulated"),
     ("kernel=amx", "kernel='amx': expected portable"),
+    ("format=int4,experts=in-place", "format=int4 packs stmoe's own int4 store from the "
+     "checkpoint's files, so vLLM never loads the experts: experts=in-place cannot go"),
+    ("format=int8,experts=loaded", "experts=loaded cannot go with it"),
+    ("format=int3", "weight format 'int3' is not one of native, int8, int4"),
+    ("format=int4,group_size=48", "int4 group size 48: expected one of 32, 64, 128, 256"),
+    ("format=int8,group_size=32", "a group size is for int4 only"),
+    ("group_size=x", "group_size='x': expected a count >= 0"),
     ("policy=fifo", "STMOE_VLLM: "),
     ("tier=disk,bandwidth=1GB", "STMOE_VLLM: "),
 ])

@@ -65,13 +65,16 @@ def base_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
 # numbers. A call of several tokens groups them by number, so there only a numbering in
 # the experts' id order gives the same bits (``serve``: else a copy). The eager loop
 # accumulates in expert-id order, so it is not one of them.
-# (the last two: quant.experts, and vLLM's CPU grouped-GEMM kernel as the vLLM plugin
-# calls it, whose tokens are independent too: ``vllm_plugin.layers``)
-_ORDER_FREE = ("grouped_mm", "batched_mm", "stmoe_quantized", "vllm_cpu_fused_moe")
+# (the last three: quant.experts; vLLM's CPU grouped-GEMM kernel as the vLLM plugin calls
+# it, whose tokens are independent too: ``vllm_plugin.layers``; quant.experts' forward as
+# the plugin calls it: ``vllm_plugin.own_format``)
+_ORDER_FREE = ("grouped_mm", "batched_mm", "stmoe_quantized", "vllm_cpu_fused_moe",
+               "vllm_stmoe_quantized")
 # of those, the ones whose every token is computed alone whatever the call's other tokens
-# and their numbering (vLLM's CPU kernel, tested bit for bit in tests/vllm_plugin): a call
-# of several tokens computes on the slots in place too
-_ROWS_FREE = ("vllm_cpu_fused_moe",)
+# and their numbering (vLLM's CPU kernel, and torch's weight-only kernels in the plugin's
+# quantized forward: tested bit for bit in tests/vllm_plugin): a call of several tokens
+# computes on the slots in place too
+_ROWS_FREE = ("vllm_cpu_fused_moe", "vllm_stmoe_quantized")
 
 
 def any_expert_numbering(module: torch.nn.Module) -> bool:

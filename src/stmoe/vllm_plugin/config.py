@@ -10,14 +10,24 @@ naming the key and what it takes.
 
 The keys are ``stmoe.offload``'s options (``runtime.options.OffloadOptions``: capacity,
 predictor, tables, policy, tier, bandwidth, latency, workers, max_loads, admission,
-lookahead; their defaults too) and the plugin's own: ``store`` (the kernel-layout store's
-folder), ``capture`` (a folder for each finished request's routing) and ``experts``
-(``loaded``: vLLM loads them and the store is packed from memory; ``stream``: vLLM never
-loads them, the store is packed from the checkpoint one expert at a time, for a model
-bigger than the memory vLLM is given; ``in-place``: never loaded either, and no store
-written: read where the checkpoint's safetensors hold them) and ``kernel``
+lookahead, format, group_size; their defaults too) and the plugin's own: ``store`` (the
+kernel-layout store's folder), ``capture`` (a folder for each finished request's routing)
+and ``experts`` (``loaded``: vLLM loads them and the store is packed from memory;
+``stream``: vLLM never loads them, the store is packed from the checkpoint one expert at a
+time, for a model bigger than the memory vLLM is given; ``in-place``: never loaded either,
+and no store written: read where the checkpoint's safetensors hold them) and ``kernel``
 (``portable``: vLLM's portable CPU kernel only, checked bit for bit; ``variants``: its ISA
 kernels too, such as the AMX one bfloat16 takes, not bit for bit at every batch).
+
+``format=int4`` (or ``int8``) serves an unquantized checkpoint's experts in stmoe's own
+weight-only format, computed by stmoe's kernels (``vllm_plugin.own_format``): the store is
+stmoe's own, packed from the checkpoint's files as ``stmoe pack --format`` packs it, so vLLM
+never loads the experts (``experts`` is ``stream`` then; ``loaded`` and ``in-place`` are
+refused).
+
+``routing=TRACE`` is for measurement only: a recorded trace's routing replaces the router's
+(``vllm_plugin.forced``), so that a random-weight checkpoint of a real shape moves experts
+as a trained model would; the tokens are meaningless.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stmoe.errors import StmoeError
+from stmoe.quant.formats import WeightFormat
 from stmoe.runtime.options import OffloadOptions
 
 
@@ -35,10 +46,10 @@ class PluginConfigError(StmoeError):
 
 
 # what the plugin takes of OffloadOptions, and how each value is read
-_INTS = ("workers", "max_loads")
+_INTS = ("workers", "max_loads", "group_size")
 _OPTIONS = ("capacity", "predictor", "tables", "policy", "tier", "bandwidth", "latency",
-            *_INTS, "admission", "lookahead")
-_OWN = ("store", "capture", "experts", "kernel")
+            *_INTS, "admission", "lookahead", "format")
+_OWN = ("store", "capture", "experts", "kernel", "routing")
 KEYS = (*_OPTIONS, *_OWN)
 # the tiers inside vLLM's CPU build: its experts' store on disk (reads bypass the page
 # cache), or host memory behind an EMULATED link
@@ -59,6 +70,14 @@ class PluginConfig:
     experts: str = "loaded"  # or "stream" (``streamed``), "in-place" (``in_place``)
     kernel: str = "portable"  # or "variants": vLLM's ISA kernels too (not bit for bit)
     text: str = ""  # the raw value, for the log line
+    routing: Path | None = None  # a trace replayed in place of the router's (``forced``)
+
+    @property
+    def weights(self) -> WeightFormat | None:
+        """stmoe's own format for the experts (``format=int4``/``int8``: stmoe's store and
+        kernels), or None: the checkpoint's weights, computed by vLLM's kernel."""
+        fmt = self.options.weight_format()
+        return fmt if fmt is not None and fmt.quantized else None
 
 
 def parse(text: str) -> PluginConfig:
@@ -86,9 +105,23 @@ def parse(text: str) -> PluginConfig:
     if own.get("experts") == "in-place" and options.tier != "disk":
         raise PluginConfigError(f"STMOE_VLLM experts=in-place reads the checkpoint from the "
                                 f"disk tier; tier={options.tier} holds a store in memory")
+    weights = options.weight_format()
+    experts = own.get("experts", "loaded")
+    if weights is not None and weights.quantized:
+        if "experts" in own and experts != "stream":
+            raise PluginConfigError(f"STMOE_VLLM format={options.format} packs stmoe's own "
+                                    f"{weights.name} store from the checkpoint's files, so vLLM "
+                                    f"never loads the experts: experts={experts} cannot go with "
+                                    "it (leave experts out, or give experts=stream)")
+        experts = "stream"
+    if "routing" in own and "capture" in own:
+        raise PluginConfigError("STMOE_VLLM routing= replays a trace in place of the router's, "
+                                "so capture= would record that trace, not the model's routing: "
+                                "give one of them")
     return PluginConfig(options, own.get("store"), own.get("capture"),  # type: ignore[arg-type]
-                        own.get("experts", "loaded"),  # type: ignore[arg-type]
-                        own.get("kernel", "portable"), text)  # type: ignore[arg-type]
+                        experts,  # type: ignore[arg-type]
+                        own.get("kernel", "portable"), text,  # type: ignore[arg-type]
+                        own.get("routing"))  # type: ignore[arg-type]
 
 
 def _value(key: str, value: str) -> object:
@@ -103,7 +136,7 @@ def _value(key: str, value: str) -> object:
             raise PluginConfigError(f"STMOE_VLLM kernel={value!r}: expected portable (checked "
                                     "bit for bit) or variants (vLLM's ISA kernels too)")
         return value
-    if key in ("tables", "store", "capture"):
+    if key in ("tables", "store", "capture", "routing"):
         return Path(value).expanduser()
     if key in _INTS:
         try:

@@ -12,6 +12,7 @@ there.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 
 from stmoe.errors import OffloadError
 from stmoe.predictors.base import Predictor, PredictorError
+from stmoe.quant.formats import WeightFormat
 from stmoe.runtime.engine import OffloadEngine
 from stmoe.runtime.planning import GateLookahead
 from stmoe.runtime.slot_layout import SlotLayout
@@ -27,6 +29,7 @@ from stmoe.runtime.store import ExpertStore
 from stmoe.runtime.store.tiers import Tier
 from stmoe.vllm_plugin.batches import BatchPlanner
 from stmoe.vllm_plugin.layers import WEIGHTS, MoeLayer
+from stmoe.vllm_plugin.own_format import OwnExperts, own_forward
 
 # the implementation name the experts path knows vLLM's CPU kernel by (runtime.hf_glue:
 # each token's result the same bits under any numbering, whatever the call's other tokens)
@@ -74,17 +77,20 @@ class _NoHooks:
 
 
 class VllmEngine(OffloadEngine):
-    """The engine for a vLLM model's MoE layers (``layers``), on the CPU."""
+    """The engine for a vLLM model's MoE layers (``layers``), on the CPU: computed by vLLM's
+    kernel, or by stmoe's in ``weights`` (``own_format``: stmoe's int4 or int8 store)."""
 
     def __init__(self, model: torch.nn.Module, layers: list[MoeLayer], store: ExpertStore,
                  tier: Tier, predictor: Predictor, settings: EngineSettings,
                  layouts: dict[str, SlotLayout] | None = None,
-                 names: tuple[str, str] = WEIGHTS) -> None:
+                 names: tuple[str, str] = WEIGHTS, weights: WeightFormat | None = None) -> None:
         routers = [m.router for m in layers]
         found = None if any(r is None for r in routers) else routers
         lookahead = _lookahead(predictor, found)  # type: ignore[arg-type]
-        adapters = [KernelExperts(m, names) for m in layers]
-        self._wire(model, [(a, kernel_forward) for a in adapters], store, tier, predictor,
+        calls: list[tuple[Any, Callable[..., torch.Tensor]]] = (
+            [(OwnExperts(m, weights), own_forward) for m in layers] if weights is not None
+            else [(KernelExperts(m, names), kernel_forward) for m in layers])
+        self._wire(model, calls, store, tier, predictor,  # type: ignore[arg-type]
                    settings, torch.device("cpu"), lookahead,
                    found if predictor.prefetches else None,  # type: ignore[arg-type]
                    planner=BatchPlanner, layouts=layouts, worker_cpus=worker_cpus())

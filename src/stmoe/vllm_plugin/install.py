@@ -28,9 +28,11 @@ from stmoe.runtime.warm_up import warm_kernels
 from stmoe.vllm_plugin.capture import Capture
 from stmoe.vllm_plugin.config import PluginConfig, PluginConfigError, parse
 from stmoe.vllm_plugin.engine import VllmEngine
+from stmoe.vllm_plugin.forced import ForcedRouting
 from stmoe.vllm_plugin.in_place import open_or_index, slot_layouts
 from stmoe.vllm_plugin.kernel_store import default_dir, model_record, open_or_pack
 from stmoe.vllm_plugin.layers import WEIGHTS, find_layers
+from stmoe.vllm_plugin.own_format import check_own, open_own_store
 from stmoe.vllm_plugin.steps import Steps, TablesWatch
 from stmoe.vllm_plugin.streamed import install_skip, open_or_pack_streamed
 
@@ -86,7 +88,8 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     if not (model_dir / "config.json").is_file():
         raise PluginConfigError(f"stmoe: {model_dir} is not a local model folder; the plugin "
                                 "packs its store from a local checkpoint (download it first)")
-    layers = find_layers(model, variants=config.kernel == "variants")
+    own = config.weights  # stmoe's own format and kernels, or None: vLLM's
+    layers = find_layers(model, variants=config.kernel == "variants", own=own is not None)
     hf_config = runner.model_config.hf_config
     store_dir = config.store or default_dir(model_dir, layers)
     model_type = str(hf_config.model_type)
@@ -97,7 +100,13 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
         raise PluginConfigError(f"stmoe: experts={config.experts} reads unquantized checkpoints "
                                 f"only; {model_dir.name}'s experts are {weights}: use "
                                 "experts=loaded")
-    if config.experts == "in-place":
+    if own is not None:
+        for layer in layers:
+            check_own(layer, own)
+        store, packed = open_own_store(config.store, layers, model_dir, own)
+        own = store.weights  # int4's group size as packed
+        weights = f"{own.label}, stmoe's store and kernels"
+    elif config.experts == "in-place":
         store, packed = open_or_index(config.store or Path(f"{store_dir}-in-place"), layers,
                                       model_dir)
     elif config.experts == "stream":
@@ -108,6 +117,13 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     num_experts = int(store.model["num_experts"])
     shape = ModelShape(len(layers), num_experts, top_k_of(hf_config))
     predictor = resolve_predictor(options, shape, model_dir)
+    forced = None
+    if config.routing is not None:
+        if predictor.uses_lookahead:
+            raise PluginConfigError(f"stmoe: predictor {predictor.name!r} reads the model's own "
+                                    "routers, which routing= overrides; replay with a predictor "
+                                    "that learns from the routing (stmoe, stmoe-plus, ...)")
+        forced = ForcedRouting(config.routing, len(layers), num_experts, shape.top_k)
     capacity = resolve_capacity(options.capacity, len(layers), num_experts, shape.top_k,
                                 store.blocks[(0, 0)].nbytes)
     tier = open_tier(options.tier, store, options.bandwidth, options.latency)
@@ -116,7 +132,8 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     try:
         layouts, names = (slot_layouts(layers, store, tier) if store.in_place
                           else (None, WEIGHTS))
-        engine = VllmEngine(model, layers, store, tier, predictor, settings, layouts, names)
+        engine = VllmEngine(model, layers, store, tier, predictor, settings, layouts, names,
+                            own)
     except BaseException:
         tier.close()
         raise
@@ -125,15 +142,15 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
                if config.capture is not None else None)
     watch = TablesWatch(Path(options.tables) if options.tables is not None else None,
                         lambda: resolve_predictor(options, shape, model_dir))
-    steps = Steps(runner, engine, capture, watch)
+    steps = Steps(runner, engine, capture, watch, forced)
     steps.install(model)
     atexit.register(steps.flush)
     log.info("stmoe: offloading %d MoE layers of %s: %d of %d experts cached per layer "
              "(%s), predictor %s, policy %s, tier %s, %d workers (CPUs %s); experts %s, %s; "
              "store %s (%s, "
              "%.1f MiB of "
-             "experts); capture %s; kernels warmed in %.1f s; ready in %.1f s; worker RSS %.2f GiB "
-             "as vLLM had loaded the model, %.2f GiB now", len(layers),
+             "experts); capture %s; routing %s; kernels warmed in %.1f s; ready in %.1f s; "
+             "worker RSS %.2f GiB as vLLM had loaded the model, %.2f GiB now", len(layers),
              model_dir.name, capacity, num_experts, options.capacity, predictor.name,
              settings.policy, options.tier, settings.workers,
              ",".join(map(str, sorted(engine.prefetcher.cpus or os.sched_getaffinity(0)))),
@@ -141,6 +158,9 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
              ("indexed now" if packed else "in place, checked") if store.in_place
              else "packed now" if packed else "checked",
              sum(b.nbytes for b in store.blocks.values()) / 2**20,
-             config.capture or "off", warm_s, time.perf_counter() - started, loaded_rss / 2**30,
+             config.capture or "off",
+             "vLLM's router" if forced is None else (
+                 f"FORCED from {forced.label}: the tokens are meaningless (measurement only)"),
+             warm_s, time.perf_counter() - started, loaded_rss / 2**30,
              rss_bytes() / 2**30)
     return steps

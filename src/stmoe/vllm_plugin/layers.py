@@ -89,8 +89,10 @@ def routed_experts_class() -> type:
     return RoutedExperts
 
 
-def find_layers(model: torch.nn.Module, variants: bool = False) -> list[MoeLayer]:
-    """The model's routed-experts layers in order, each checked (``check_layer``)."""
+def find_layers(model: torch.nn.Module, variants: bool = False,
+                own: bool = False) -> list[MoeLayer]:
+    """The model's routed-experts layers in order, each checked (``check_layer``; ``own``:
+    computed by stmoe's kernels, not vLLM's)."""
     cls = routed_experts_class()
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, cls)]
     if not found:
@@ -98,7 +100,7 @@ def find_layers(model: torch.nn.Module, variants: bool = False) -> list[MoeLayer
                                 "(RoutedExperts) to offload")
     layers = []
     for i, (name, module) in enumerate(found):
-        check_layer(name, module, variants)
+        check_layer(name, module, variants, own)
         layers.append(MoeLayer(name, module, _router(model, name, module), i))
     shapes = {(w, tuple(getattr(m.module, w).shape[1:])) for m in layers for w in m.params}
     if len(shapes) != len(layers[0].params):
@@ -107,8 +109,11 @@ def find_layers(model: torch.nn.Module, variants: bool = False) -> list[MoeLayer
     return layers
 
 
-def check_layer(name: str, module: torch.nn.Module, variants: bool = False) -> None:
-    """Refuse a layer whose kernel the plugin cannot feed slots losslessly."""
+def check_layer(name: str, module: torch.nn.Module, variants: bool = False,
+                own: bool = False) -> None:
+    """Refuse a layer whose kernel the plugin cannot feed slots losslessly (``own``: its
+    experts computed by stmoe's kernels, so vLLM's kernel is not checked; an unquantized
+    checkpoint still, as ``own_format.check_own`` checks the rest)."""
     method = module.quant_method
     kernel = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
     quantized = QUANTIZED.get(type(kernel).__name__)
@@ -128,6 +133,11 @@ def check_layer(name: str, module: torch.nn.Module, variants: bool = False) -> N
         why = "its experts have biases"
     elif getattr(method, "moe_kernel", None) is None:
         why = "vLLM built no MoE kernel for it"
+    elif own and quantized is not None:
+        why = ("the checkpoint's experts are quantized already; format= quantizes an "
+               "unquantized checkpoint's")
+    elif own:
+        pass
     elif quantized is not None:
         why = _check_scales(module, quantized.scales)
     else:

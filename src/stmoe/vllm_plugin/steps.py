@@ -25,6 +25,7 @@ from stmoe.runtime.step import Step
 from stmoe.vllm_plugin.batches import Requests, Span, spans_of, step_of
 from stmoe.vllm_plugin.capture import Capture
 from stmoe.vllm_plugin.engine import VllmEngine
+from stmoe.vllm_plugin.forced import ForcedRouting
 
 log = logging.getLogger("vllm.stmoe")  # under vLLM's logger: its handler and format
 
@@ -66,8 +67,9 @@ class Steps:
     """The plugin at run time for one vLLM model runner."""
 
     def __init__(self, runner: Any, engine: VllmEngine, capture: Capture | None,
-                 tables: TablesWatch) -> None:
+                 tables: TablesWatch, forced: ForcedRouting | None = None) -> None:
         self.runner, self.engine, self.capture, self.tables = runner, engine, capture, tables
+        self.forced = forced  # a trace's routing in place of the router's (measurement only)
         self.requests = Requests()
         self.scheduled: Any = None  # the scheduler's output of the call in progress
         self.calls = 0
@@ -100,6 +102,8 @@ class Steps:
             self.engine.predictor.reset(slot)
         if self.capture is not None:
             self.capture.finish(request)
+        if self.forced is not None:
+            self.forced.finish(request)
 
     def flush(self) -> None:
         """The worker stops: every request still held is written, and what the engine did
@@ -141,6 +145,10 @@ class Steps:
         if (predictor := self.tables.changed()) is not None:
             self.engine.use_predictor(predictor)
         spans = self._spans(tokens)
+        if self.forced is not None:
+            batch = self.runner.input_batch
+            self.forced.begin_call(spans, lambda i: batch.token_ids_cpu[
+                i, :int(batch.num_prompt_tokens[i])])
         step = step_of(spans, tokens, self.calls)
         self.calls += 1
         self.engine.batches.spans = spans if step.prefill else ()
@@ -161,11 +169,13 @@ class Steps:
             self.engine.leave_step()
 
     def _layer_call(self, layer: int) -> Callable[..., torch.Tensor]:
-        path, capture = self.engine.path, self.capture
+        path, capture, forced = self.engine.path, self.capture, self.forced
 
         def forward_modular(x: torch.Tensor, topk_weights: torch.Tensor,
                             topk_ids: torch.Tensor, shared_experts: Any = None,
                             shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
+            if forced is not None:
+                topk_ids, topk_weights = forced.force(layer, topk_ids, topk_weights)
             if capture is not None:
                 capture.layer(layer, topk_ids, topk_weights)
             return path.run(layer, x, topk_ids, topk_weights, shared_experts=shared_experts,
