@@ -84,8 +84,9 @@ class ForcedRouting:
 
     def force(self, layer: int, ids: torch.Tensor,
               weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s ids and weights with the requests' rows replaced by the trace's."""
-        if self._rows is None or ids.shape[0] < self._n:
+        """Layer ``layer``'s ids and weights with the requests' rows replaced by the trace's
+        (the spans never hold more rows than the call: ``Steps._spans``)."""
+        if self._rows is None:
             return ids, weights
         ids, weights = ids.clone(), weights.clone()
         ids[:self._n] = self.experts[self._rows, layer].to(ids.dtype)

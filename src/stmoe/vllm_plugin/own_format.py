@@ -79,7 +79,7 @@ def check_own(layer: MoeLayer, weights: WeightFormat) -> None:
     kernel = module.quant_method.moe_kernel
     finalize = getattr(getattr(kernel, "impl", None), "prepare_finalize", None)
     why = None
-    if str(activation).upper() != "SILU":
+    if activation.upper() != "SILU":
         why = f"its activation is {activation}; stmoe's kernels compute SiLU-gated experts"
     elif module.apply_router_weight_on_input:
         why = "it applies the router's weights to the input"
