@@ -3,7 +3,8 @@
 #               runs `stmoe demo` on the shipped model, which ends with where the report is
 #   make test   the same environment plus the test tools, then lint and the test suite
 #               (and the vLLM plugin's tests in a second environment, $(VENV)-vllm, with
-#               vLLM's CPU build: docs/vllm.md)
+#               vLLM's CPU build: docs/vllm.md; and the tests of stmoe's transformers glue
+#               against the GPU machines' transformers: test-gpu-versions)
 # VENV=path chooses another environment folder; PYTHON=python3.12 another interpreter.
 
 PYTHON ?= python3
@@ -13,7 +14,7 @@ BIN := $(VENV)/bin
 VLLM_VENV := $(VENV)-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 
-.PHONY: demo test test-vllm clean-venv
+.PHONY: demo test test-vllm test-gpu-versions clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,11 +45,37 @@ $(VLLM_VENV)/.installed-vllm: pyproject.toml
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-gpu-versions
 	$(MAKE) test-vllm
 
 # the vLLM plugin's tests inside the real vLLM (the main run skips them: no vLLM there)
 test-vllm: $(VLLM_VENV)/.installed-vllm
 	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm_plugin
 
+# The GPU machines the prepared check runs on (benchmarks/gpu_check.py, docs/runtime.md) hold
+# older releases than .venv's (read there: transformers 5.17, huggingface_hub 1.33,
+# accelerate 1.15), and nothing can be installed there but carried wheels. Code that works
+# only with the newest transformers fails there, or gives wrong tokens with no error (5.17
+# passes the KV cache by another name), and a GPU session is too short to find out. So the
+# tests of everything that touches transformers' modules run again with those three
+# releases laid over .venv's (PYTHONPATH; torch stays .venv's).
+GPU_VERSIONS := transformers==5.17.0 huggingface-hub==1.33.0 accelerate==1.15.0
+GPU_SITE := $(VENV)-gpu-versions
+GPU_TESTS := tests/hf tests/serve/test_step_forward.py tests/serve/test_step_rows.py \
+	tests/runtime/test_transformers_versions.py tests/runtime/test_quantized.py tests/runtime/test_gpu_tiers.py \
+	tests/runtime/test_gpu_quantized.py tests/runtime/test_gpu_check.py
+
+$(GPU_SITE)/.installed: Makefile | $(BIN)/python
+	rm -rf $(GPU_SITE)
+	$(BIN)/python -m pip install --quiet --no-deps --no-compile --target $(GPU_SITE) \
+		$(GPU_VERSIONS)
+	touch $@
+
+test-gpu-versions: $(VENV)/.installed-test $(GPU_SITE)/.installed
+	PYTHONPATH=$(abspath $(GPU_SITE)) $(BIN)/python -c 'import transformers as t; \
+		assert t.__version__ == "5.17.0", t.__file__'
+	PYTHONPATH=$(abspath $(GPU_SITE)) $(BIN)/python -m pytest -q -p no:cacheprovider \
+		$(GPU_TESTS)
+
 clean-venv:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(GPU_SITE)

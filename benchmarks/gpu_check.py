@@ -5,6 +5,7 @@
     benchmarks/gpu_check.sh [--out docs/results/gpu_check.json] [--commit SHA]   # the GPU
     PYTHONPATH=src python3 benchmarks/gpu_check.py [...]    # the same, crc32c already there
     PYTHONPATH=src python3 benchmarks/gpu_check.py --dry-run  # the plumbing, on the CPU
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --rehearse # the same at the real shape
 
 Each stage runs inside its own try/except (a failing stage records its error and the next
 one runs) and the JSON is rewritten after each (the decode table's after each of its runs),
@@ -36,6 +37,9 @@ carried to the GPU machine with the crc32c wheel (gpu_check.sh's header).
 
 ``--dry-run`` runs every stage's plumbing on the CPU with tiny sizes and synthetic routing,
 the gpu tiers on the CPU's stand-in for a GPU: its figures are not measurements of anything.
+``--rehearse`` is a dry run of what the GPU run makes and reads: the real-shape checkpoint
+(bfloat16, one MoE layer unless ``--layers``: 1.5 GiB of experts in a temporary folder,
+removed at the end) and the recorded routing (``--prepare`` first), on the CPU (minutes).
 
 The stages, the JSON and the targets are ``stmoe.runtime.gpu_check``'s (``run_stages``,
 tested there with a dry run); this is its CLI.
@@ -62,6 +66,9 @@ def main() -> None:
                          "out/gpu_check.dry-run.json)")
     ap.add_argument("--dry-run", "--device-cpu", dest="dry", action="store_true",
                     help="every stage's plumbing on the CPU, tiny sizes: no measurement")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="a dry run at the real shape: the GPU run's checkpoint (1 MoE layer "
+                         "unless --layers) and recorded routing, on the CPU; no measurement")
     ap.add_argument("--prepare", action="store_true",
                     help=f"write {CARRIED} from {SHARED} (to carry to the GPU machine)")
     ap.add_argument("--commit", default=os.environ.get("STMOE_COMMIT"),
@@ -75,15 +82,18 @@ def main() -> None:
                     help="stages (and decode-table runs) still to start after this many "
                          "seconds are skipped")
     a = ap.parse_args()
+    a.dry = a.dry or a.rehearse
     if a.prepare:
         print(f"wrote {prepare_routing(SHARED, REPO / CARRIED)}")
         return
-    out = a.out or REPO / ("out/gpu_check.dry-run.json" if a.dry else
+    out = a.out or REPO / ("out/gpu_check.rehearsal.json" if a.rehearse else
+                           "out/gpu_check.dry-run.json" if a.dry else
                            "docs/results/gpu_check.json")
     commit = a.commit or git_head(REPO)
     os.environ.setdefault("STMOE_CACHE", tempfile.mkdtemp(prefix="stmoe-gpu-check-"))
     doc = run_stages(out, dry_run=a.dry, commit=commit, repo=REPO, tokens=a.tokens,
-                     budget_s=a.budget_s, layers=a.layers, routing=a.routing)
+                     budget_s=a.budget_s, layers=a.layers, routing=a.routing,
+                     real_shape=a.rehearse)
     for line in target_lines(doc):
         print(line)
     print(f"wrote {out}")

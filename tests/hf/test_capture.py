@@ -29,6 +29,8 @@ def test_prefill_equals_the_top_k_of_the_router_logits_transformers_returns(fami
     ids = torch.tensor([PROMPTS[2], PROMPTS[2][::-1]])
     with torch.no_grad(), RoutingRecorder(model) as rec:
         out = model(input_ids=ids, output_router_logits=True)
+    if getattr(out, "router_logits", None) is None:  # 5.17's DeepSeek and GraniteMoe: none
+        pytest.skip(f"this transformers' {name} returns no router_logits to compare with")
     trace = rec.trace()
     assert trace.experts.shape == (14, moe_layers, 2)
     assert len(out.router_logits) == moe_layers  # dense layers (DeepSeek, mlp_only) not counted
@@ -85,7 +87,8 @@ def test_recorder_inside_a_users_own_generation_loop():
         out = model(input_ids=ids, use_cache=True)
         for _ in range(3):
             nxt = out.logits[:, -1:].argmax(-1)
-            out = model(input_ids=nxt, cache=out.cache, use_cache=True)
+            key = "cache" if hasattr(out, "cache") else "past_key_values"  # 5.17: the latter
+            out = model(input_ids=nxt, use_cache=True, **{key: getattr(out, key)})
     trace = rec.trace()
     assert trace.num_tokens == 5 + 3 and int(trace.is_decode.sum()) == 3
     assert trace.num_sequences == 1 and trace.num_layers == moe_layers

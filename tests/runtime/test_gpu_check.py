@@ -132,3 +132,26 @@ def test_prepare_carries_the_shared_samples_first_layers(tmp_path):
     trace = load_trace(out)
     assert trace.num_layers == 8 and trace.num_experts == 256 and trace.top_k == 8
     assert trace.num_tokens == 164
+
+
+def test_a_rehearsal_is_a_dry_run_of_the_real_shape_and_routing(tmp_path):
+    """``--rehearse``: a dry run (the CPU, nothing claimed) whose decode table is the GPU
+    run's: the real checkpoint's preset and the recorded routing split at token 100, one
+    layer by default; a plain dry run stays tiny with synthetic routing."""
+    from stmoe.runtime.gpu_check.setup import LIKE, REHEARSAL_LAYERS, held_out
+    from stmoe.sim.specs import model_preset
+    from stmoe.trace import save_trace, synthesize
+
+    spec = model_preset(LIKE)
+    path = tmp_path / "recorded.npz"
+    save_trace(synthesize(tokens=164, layers=2, experts=spec.num_experts, top_k=spec.top_k,
+                          sequences=1, prefill_fraction=36 / 164, seed=2), path)
+    c = Check(tmp_path / "c.json", True, "x", 60.0, routing=path, real_shape=True)
+    assert not c.tiny and c.doc["dry_run"] is True and c.doc["rehearsal"] is True
+    assert c.doc["device"] == "cpu (dry run)"
+    head, _, label = held_out(c, REHEARSAL_LAYERS)
+    assert head.num_tokens == 100 and head.num_experts == 256 and head.num_layers == 1
+    assert "recorded.npz" in label and "SYNTHETIC" not in label
+    dry = Check(tmp_path / "d.json", True, "x", 60.0, routing=path)
+    assert dry.tiny and "rehearsal" not in dry.doc
+    assert "SYNTHETIC" in held_out(dry, 2)[2]

@@ -60,13 +60,15 @@ def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     """The routed-experts modules of ``model`` in layer order (one per MoE layer).
 
     A module counts when its class was decorated by transformers'
-    ``use_experts_implementation`` (it carries ``_is_expert_parallel``) and its
-    forward takes the routing (hidden states, top-k indices, top-k weights); an
-    enclosing block decorated too (GraniteMoe's) is skipped for its experts.
+    ``use_experts_implementation`` (its ``__init__`` sets ``is_concatenated`` and
+    ``has_gate``, in every transformers 5 release we run: 5.17, the GPU machines', added
+    ``_is_expert_parallel`` only later) and its forward takes the routing (hidden states,
+    top-k indices, top-k weights); an enclosing block decorated too (GraniteMoe's) is
+    skipped for its experts.
     """
     found = []
     for name, module in model.named_modules():
-        if not hasattr(module, "_is_expert_parallel"):
+        if not (hasattr(module, "is_concatenated") and hasattr(module, "has_gate")):
             continue
         forward = inspect.unwrap(type(module).forward)
         params = [p for p in inspect.signature(forward).parameters if p != "self"]

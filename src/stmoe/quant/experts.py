@@ -162,7 +162,7 @@ def quantized_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_inde
     grouped = torch.cat(outs) if len(outs) > 1 else outs[0]
     out = torch.empty_like(grouped)
     out[order] = grouped
-    if self.has_post_expert_norm:
+    if getattr(self, "has_post_expert_norm", False):  # (transformers 5.17 has no such flag)
         out = self.post_expert_norm(out)
     weighted = out * top_k_weights.reshape(-1, 1)  # promoted as batched_mm's is
     return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)

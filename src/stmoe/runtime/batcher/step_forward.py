@@ -32,6 +32,7 @@ logits bit for bit against its solo run on the resident model in the same format
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -115,9 +116,24 @@ def _row(value: Any, b: int, n: int) -> Any:
     return value
 
 
+def cache_keyword(forward: Callable[..., Any]) -> str:
+    """The name an attention forward takes its KV cache by: ``cache`` in newer transformers
+    5 releases, ``past_key_values`` before (5.17, the GPU machines'). Why it is asked:
+    either forward swallows the other name in ``**kwargs`` and attends without the cache,
+    a wrong result with no error."""
+    params = inspect.signature(forward).parameters
+    for key in ("cache", "past_key_values"):
+        if key in params:
+            return key
+    raise OffloadError(f"an attention forward {getattr(forward, '__qualname__', forward)} "
+                       "takes no KV cache by a name stmoe knows (cache, past_key_values)")
+
+
 def _attention_row_by_row(forward: Callable[..., Any]) -> Callable[..., Any]:
     """An attention module for each row alone on its own cache in a batched forward (its
     solo call: the row's position embeddings, no mask), else as is."""
+    key = cache_keyword(forward)
+
     def call(*args: Any, **kwargs: Any) -> Any:
         caches = step_caches()
         if caches is None:
@@ -127,7 +143,7 @@ def _attention_row_by_row(forward: Callable[..., Any]) -> Callable[..., Any]:
         outs = []
         for b, cache in enumerate(caches):
             kw = {k: _row(v, b, n) for k, v in kwargs.items()}
-            kw.update(cache=cache, attention_mask=None)
+            kw.update({key: cache, "attention_mask": None})
             outs.append(forward(hidden[b:b + 1], *rest, **kw))
         return _cat(outs)
 

@@ -33,14 +33,16 @@ __all__ = ["STAGES", "Check", "Stage", "git_head", "prepare_routing", "run_stage
 def run_stages(out: Path, *, dry_run: bool = False, commit: str = "unknown",
                repo: Path | None = None, tokens: int | None = None, budget_s: float = 420.0,
                stages: Mapping[str, Stage] | None = None, layers: int | None = None,
-               routing: Path | None = None) -> dict[str, Any]:
+               routing: Path | None = None, real_shape: bool = False) -> dict[str, Any]:
     """Runs ``stages`` (default ``STAGES``) in order, then the targets, and returns the
     document written to ``out``. ``repo``: the checkout (its cuda-marked tests; its carried
     routing, ``setup.CARRIED``); ``tokens``: new tokens per generation (4 dry, else 64);
     ``layers``: the decode table's MoE layers (2 dry, else 4); ``routing``: a trace file in
-    place of the carried one; stages still to start after ``budget_s`` are skipped."""
+    place of the carried one; stages still to start after ``budget_s`` are skipped;
+    ``real_shape`` with ``dry_run``: the rehearsal (the real checkpoint's shape, one layer,
+    and the recorded routing, on the CPU: what the GPU run will make and read, minus CUDA)."""
     c = Check(out, dry_run, commit, budget_s, tokens=tokens or (4 if dry_run else 64),
-              repo=repo, layers=layers, routing=routing)
+              repo=repo, layers=layers, routing=routing, real_shape=real_shape)
     if not c.cuda and not dry_run:
         c.doc["note"] = "torch sees no GPU: only --dry-run makes sense here"
     try:

@@ -26,11 +26,14 @@ class Check:
 
     def __init__(self, out: Path, dry: bool, commit: str, budget_s: float, *,
                  tokens: int = 4, repo: Path | None = None, layers: int | None = None,
-                 routing: Path | None = None) -> None:
+                 routing: Path | None = None, real_shape: bool = False) -> None:
         import torch
 
         self.torch: ModuleType = torch
         self.out, self.dry, self.tokens, self.repo = out, dry, tokens, repo
+        # the decode table's checkpoint: tiny with synthetic routing (a dry run), or the real
+        # shape with the recorded routing (the GPU run, and a dry run that rehearses it)
+        self.tiny = dry and not real_shape
         self.layers, self.routing = layers, routing  # the decode table's (``setup``)
         # where the stages make their files (the checkpoint, its store: removed at the end)
         self.work = Path(tempfile.mkdtemp(prefix="stmoe-gpu-check-"))
@@ -40,7 +43,8 @@ class Check:
         self.t0, self.budget_s = time.perf_counter(), budget_s
         self.doc: dict[str, Any] = {
             "device": torch.cuda.get_device_name() if self.cuda else "cpu (dry run)",
-            "commit": commit, "dry_run": dry,
+            "commit": commit, "dry_run": dry, **({"rehearsal": True} if dry and real_shape
+                                                  else {}),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "stages": {}, "targets": []}
 
     def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:

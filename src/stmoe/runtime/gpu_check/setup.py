@@ -11,7 +11,9 @@ first ``SPLIT_AT`` tokens profiled, the rest replayed after the ``SPLIT_PROMPT``
 before them as the prompt). The trace is the shared sample
 (../shared/traces, which the project cannot ship): ``prepare_routing`` copies its first
 layers to ``out/gpu_check/routing.npz`` (ignored by git), which is carried to the GPU
-machine. A dry run synthesizes routing of the tiny preset's shape instead.
+machine. A dry run synthesizes routing of the tiny preset's shape instead; a rehearsal (a
+dry run at the real shape, ``--rehearse``) makes the real checkpoint, one layer by default,
+and replays the recorded routing, on the CPU.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 LIKE, DRY_LIKE = "qwen3.6-35b-a3b", "stmoe-tiny"  # the checkpoint's shape (a sim preset)
 LAYERS, DRY_LAYERS = 4, 2  # MoE layers made (4: 6 GiB of experts, written in ~1 minute)
+REHEARSAL_LAYERS = 1  # a rehearsal's, on the CPU (1.5 GiB of experts)
 SAMPLE = "qwen3.6-35b-a3b_chat-1prompt.npz"  # in ../shared/traces
 CARRIED = Path("out") / "gpu_check" / "routing.npz"  # under the checkout: what is carried
 SPLIT_AT, SPLIT_PROMPT = 100, 8  # bench_offload_real.py's held-out split of the sample
@@ -82,10 +85,10 @@ def _make(c: Check) -> Setup:
     from stmoe.sim.specs import model_preset
     from stmoe.trace import save_trace
 
-    like = DRY_LIKE if c.dry else LIKE
-    layers = c.layers or (DRY_LAYERS if c.dry else LAYERS)
+    like = DRY_LIKE if c.tiny else LIKE
+    layers = c.layers or (DRY_LAYERS if c.tiny else REHEARSAL_LAYERS if c.dry else LAYERS)
     head, tail, label = held_out(c, layers)
-    model_dir = make_checkpoint(plan_checkpoint(like, layers, "float32" if c.dry else
+    model_dir = make_checkpoint(plan_checkpoint(like, layers, "float32" if c.tiny else
                                                 "bfloat16"), c.work / "model")
     store = pack_folder(model_dir, c.work / "store")
     tables = save_tables(profile(head), c.work / "tables.npz")
@@ -106,7 +109,7 @@ def held_out(c: Check, layers: int) -> tuple[RoutingTrace, RoutingTrace, str]:
     from stmoe.trace.select import held_out_tail, select_layers
 
     trace, source = _trace(c, layers)
-    at, prompt = (DRY_SPLIT_AT, DRY_SPLIT_PROMPT) if c.dry else (SPLIT_AT, SPLIT_PROMPT)
+    at, prompt = (DRY_SPLIT_AT, DRY_SPLIT_PROMPT) if c.tiny else (SPLIT_AT, SPLIT_PROMPT)
     head, tail = held_out_tail(select_layers(trace, str(layers)), at, prompt)
     decode = tail.num_tokens - prompt
     return head, tail, (f"{source}; HELD-OUT tables (profiled on tokens 0..{at - 1}, the "
@@ -119,7 +122,7 @@ def _trace(c: Check, layers: int) -> tuple[RoutingTrace, str]:
     from stmoe.sim.specs import model_preset
     from stmoe.trace import load_trace, synthesize
 
-    if c.dry:
+    if c.tiny:
         spec = model_preset(DRY_LIKE)
         tokens = DRY_SPLIT_AT + c.tokens + 1
         trace = synthesize(tokens=tokens, layers=layers, experts=spec.num_experts,

@@ -121,14 +121,14 @@ def kernels(c: Check) -> dict[str, Any]:
     from stmoe.quant.kernels import dequantize, quantize_matrix
 
     hidden, width, _ = expert_shape()
-    shapes = {"gate_up": (2 * width, hidden), "down": (hidden, width)} if not c.dry else {
+    shapes = {"gate_up": (2 * width, hidden), "down": (hidden, width)} if not c.tiny else {
         "tiny": (64, 128)}
     gen = torch.Generator().manual_seed(0)
     out: dict[str, Any] = {}
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
         wd = w.to(c.device)
-        for fmt in (parse_format("int8"), parse_format("int4", 128 if not c.dry else 32)):
+        for fmt in (parse_format("int8"), parse_format("int4", 128 if not c.tiny else 32)):
             m = quantize_matrix(w, fmt)  # on the CPU, as a store is packed
             ref = dequantize(*m, fmt)
             qw, qs = m.qweight.to(c.device), m.qscale.to(c.device)

@@ -145,15 +145,11 @@ class CheckpointExperts:
     def _map(self, rules: tuple[list[Any], list[Any]] | None) -> None:
         """Find each parameter's checkpoint tensors by transformers' own renaming rules."""
         renamings, converters = rules if rules is not None else ([], [])
-        try:
-            from transformers.core_model_loading import apply_renamings
-        except ImportError:  # another transformers: its loading rules are not known here
-            raise StreamUnsupported("this transformers has no core_model_loading rules to "
-                                    "map checkpoint names") from None
-
         for f in self.files:
             for key in self._open(f).keys():  # noqa: SIM118 (safe_open is not a dict)
-                renamed = apply_renamings(key, renamings) if renamings else key
+                renamed = key
+                for r in renamings:  # every renaming in turn (transformers' own order; 5.17,
+                    renamed, _ = r.rename_source_key(renamed)  # the GPU's, names no helper)
                 name, pattern, converter = renamed, None, None
                 for c in converters:  # at most one converter applies (transformers' rule)
                     name, pattern = c.rename_source_key(renamed)
