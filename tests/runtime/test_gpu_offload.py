@@ -63,6 +63,62 @@ def test_a_gpu_tier_on_the_stand_in_gives_the_resident_bits(qwen, tier, capacity
     assert acc.ops.copies > 0  # every expert came through the stand-in's late copies
 
 
+def test_gpu_disk_with_more_workers_than_the_default_bounce_buffers_does_not_hang(qwen):
+    """A prefetch worker keeps its bounce buffer while it pauses for the compute thread's
+    stall: with as many workers as buffers, the compute thread's demand read could wait for
+    a buffer none of them gives back (found reading the code; at this model's sizes the
+    old pool of 4 did not hang in 5 runs of 5 tokens). The pool has a buffer more than the
+    workers, and 6 workers run to the resident model's tokens."""
+    import threading
+
+    from stmoe.runtime.store.bounce import DEFAULT_BUFFERS, bounce_buffers
+
+    assert bounce_buffers(2) == DEFAULT_BUFFERS and bounce_buffers(6) == 7
+    store, want, tables = qwen
+    got: list[list[int]] = []
+
+    def run() -> None:
+        with stand_in(delay=0.003):
+            fresh, _ = tiny_model("qwen2_moe")
+            with offload(fresh, store, capacity=2, predictor="stmoe-plus", tier="gpu-disk",
+                         workers=6, tables=tables) as om:
+                assert om.engine.tier.pool.buffers.__len__() == 7
+                got.append(om.generate(PROMPT, max_new_tokens=NEW).tokens)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "gpu-disk with 6 workers hung"
+    assert got == [want]
+
+
+def test_caches_on_cuda_behind_a_host_tier_are_refused_before_anything_is_made(qwen):
+    """A model already on the GPU offloaded with ``tier=disk`` would put its caches on the
+    GPU, filled by blocking host copies with no event between a slot's queued readers and
+    its next copy: refused in one line (no CUDA is touched: the check comes first)."""
+    from stmoe.hf.layout import ModelLayout
+    from stmoe.predictors.base import ModelShape
+    from stmoe.runtime.engine import OffloadEngine
+    from stmoe.runtime.options import resolve_predictor
+    from stmoe.runtime.state import EngineSettings
+    from stmoe.runtime.store import ExpertStore
+    from stmoe.runtime.store.tiers import DiskTier
+
+    store = ExpertStore(qwen[0])
+    fresh, _ = tiny_model("qwen2_moe")
+    layout = ModelLayout.of(fresh)
+    shape = ModelShape(layout.num_layers, int(store.model["num_experts"]), 2)
+    pred = resolve_predictor(OffloadOptions(predictor="ondemand"), shape, None)
+    tier = DiskTier(store)
+    settings = EngineSettings(2, "lru", 0, torch.device("cuda"), None, False)
+    try:
+        with pytest.raises(OffloadError, match=r"^the model is on cuda, and tier 'disk'") as e:
+            OffloadEngine(fresh, store, tier, pred, settings, layout)
+        assert "\n" not in str(e.value) and "--tier gpu or gpu-disk" in str(e.value)
+    finally:
+        tier.close()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
 def test_without_a_gpu_the_gpu_disk_tier_is_refused_in_one_line(qwen):
     store = qwen[0]

@@ -35,6 +35,9 @@ class Gate:
     def synchronize(self) -> None:
         self.done.wait()
 
+    def wait(self, stream: object = None) -> None:
+        self.done.wait()
+
 
 def test_a_copy_into_a_slot_waits_for_its_readers():
     ops = HostThreadOps()
@@ -130,3 +133,45 @@ def test_without_the_ready_wait_the_late_copies_are_read_too_soon(qwen, monkeypa
     monkeypatch.setattr(SlotEvents, "before_read", lambda self, slots: None)
     got, _ = _late_copies(store, tables, 2, "ondemand", delay=0.02)
     assert got != want.tolist()
+
+
+def test_a_copy_span_is_waited_on_the_way_torch_waits_on_an_event():
+    """On the gpu tiers a slot's ready event is a CopySpan (``copy_parts``), and CUDA's
+    ``Stream.wait_event(e)`` is ``e.wait(stream)``: a span must answer it with its last
+    event's wait on that stream. (Missing, every gpu-tier run failed at its first read on
+    a real GPU, while the stand-in, which called ``synchronize``, went on.)"""
+    from stmoe.runtime.store.device_ops import CopySpan
+
+    class Recorded:
+        def __init__(self) -> None:
+            self.waited: list[object] = []
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None: ...
+
+        def wait(self, stream: object = None) -> None:
+            self.waited.append(stream)
+
+    start, end = Recorded(), Recorded()
+    span = CopySpan(start, end, 64)
+    stream = object()
+    torch.cuda.Stream.wait_event(stream, span)  # torch's own code, which needs no GPU
+    assert end.waited == [stream] and start.waited == []
+
+
+def test_the_stand_in_waits_through_the_events_own_wait_and_fails_in_the_caller():
+    ops = HostThreadOps()
+
+    class NoWait:
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None: ...
+
+    with pytest.raises(AttributeError, match="wait"):
+        ops.wait(object(), NoWait())  # type: ignore[arg-type]
+    with pytest.raises(AttributeError, match="wait"):
+        ops.wait(None, NoWait())  # type: ignore[arg-type]
+    ops.close()

@@ -277,7 +277,8 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
         layout = ModelLayout.of(model)  # lookahead reads are found again on the device
     acc = placed.accel
     source = open_tier(options.tier, expert_store, options.bandwidth, options.latency,
-                       acc.ops if acc else None, acc.pinning if acc else None)
+                       acc.ops if acc else None, acc.pinning if acc else None,
+                       options.worker_count())
     settings = EngineSettings(per_layer, options.policy, options.worker_count(),
                               placed.device, options.max_loads, options.admission)
     try:

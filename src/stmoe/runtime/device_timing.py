@@ -45,6 +45,7 @@ class DeviceTimeline:
         with self._lock:
             copies = {p: list(v) for p, v in self._copies.items()}
             waits = {p: list(v) for p, v in self._waits.items()}
+        self.ref.synchronize()  # CUDA times only between completed events
         at = self._at
         out = {}
         for phase in PHASES:

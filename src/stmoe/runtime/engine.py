@@ -96,6 +96,12 @@ class OffloadEngine:
         expert lands (the plugin's in-place reads; default: the device's); ``worker_cpus``:
         where the prefetch workers run (default: where the calling thread may)."""
         _check_settings(settings)
+        if device.type == "cuda" and not getattr(tier, "to_device", False):
+            # slots on the GPU filled by a host tier's blocking copies, with no event a
+            # later copy waits on before overwriting a slot its queued kernels still read
+            raise OffloadError(f"the model is on {device}, and tier {getattr(tier, 'name', '')!r} "
+                               "fills its caches from the host with no slot protocol: use "
+                               "--tier gpu or gpu-disk (or the model on the CPU)")
         self.model, self.store, self.predictor = model, store, predictor
         self.settings, self.policy = settings, settings.policy
         self.num_layers = len(layers)

@@ -28,7 +28,7 @@ from stmoe.runtime.memory import (
 )
 from stmoe.runtime.options import OffloadOptions, resolve_capacity
 from stmoe.runtime.store import ExpertStore
-from stmoe.runtime.store.bounce import DEFAULT_BUFFERS, bounce_bytes
+from stmoe.runtime.store.bounce import bounce_buffers, bounce_bytes
 from stmoe.runtime.store.pinned import host_bytes
 from stmoe.runtime.store.tiers import buffer_bytes
 
@@ -84,7 +84,8 @@ def gpu_plan(model: torch.nn.Module, store: ExpertStore, options: OffloadOptions
     if options.tier == "gpu":
         host, what = host_bytes(store), "of the store pinned in host memory"
     else:
-        host, what = DEFAULT_BUFFERS * bounce_bytes(store), "of pinned bounce buffers"
+        host = bounce_buffers(options.worker_count()) * bounce_bytes(store)
+        what = "of pinned bounce buffers"
     return plan_gpu_memory(memory, process, reads, host, what, device)
 
 

@@ -93,7 +93,7 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
     workers = OffloadOptions(tier=o.tier, workers=o.workers).worker_count()
     acc = accelerator(o.tier) if o.tier in GPU_TIERS else None
     tier = open_tier(o.tier, opened, o.bandwidth, o.latency, acc.ops if acc else None,
-                     acc.pinning if acc else None)
+                     acc.pinning if acc else None, workers)
     try:
         order = routed_blocks(opened, o.routing, capacity) if o.routing is not None else None
         if order is not None and len(order) < 8:

@@ -45,6 +45,14 @@ from stmoe.runtime.store.tiers import Between, DiskTier, buffer_bytes
 DEFAULT_BUFFERS = 4
 
 
+def bounce_buffers(workers: int) -> int:
+    """The pool's buffers for ``workers`` prefetch threads: at least one more than them. A
+    worker keeps its buffer while it pauses for the compute thread's stall
+    (``between``), so with as many workers as buffers the compute thread's demand read
+    would wait for a buffer that no paused worker gives back: a deadlock."""
+    return max(DEFAULT_BUFFERS, workers + 1)
+
+
 def bounce_bytes(store: ExpertStore) -> int:
     """One bounce buffer's size for ``store``: its largest block's read buffer, in pages."""
     size = max((buffer_bytes(b) for b in store.blocks.values()), default=4096)

@@ -31,11 +31,15 @@ NO_CUDA = ("needs CUDA, and torch sees no GPU here; use --tier disk or --tier em
 
 
 class CopyEvent(Protocol):
-    """A point in a stream's work: ``query`` (done yet?), ``synchronize`` (wait for it)."""
+    """A point in a stream's work: ``query`` (done yet?), ``synchronize`` (the host waits
+    for it), ``wait`` (``stream``'s later work waits for it: what torch's
+    ``Stream.wait_event(e)`` calls, ``e.wait(stream)``; None: the current stream)."""
 
     def query(self) -> bool: ...
 
     def synchronize(self) -> None: ...
+
+    def wait(self, stream: object = None) -> None: ...
 
 
 class DeviceOps(Protocol):
@@ -65,6 +69,11 @@ class DeviceOps(Protocol):
     def wait(self, stream: object, event: CopyEvent) -> None:
         """Work queued on ``stream`` from now on runs after ``event`` (None: the current
         stream, where the compute runs)."""
+        ...
+
+    def drain(self) -> None:
+        """The host waits for every copy queued so far, on every stream (before host memory
+        a copy may still read is unlocked and unmapped)."""
         ...
 
 
@@ -134,6 +143,9 @@ class CudaOps:
         s = stream if stream is not None else torch.cuda.current_stream()
         s.wait_event(event)  # type: ignore[attr-defined]  # the device waits, not the host
 
+    def drain(self) -> None:
+        torch.cuda.synchronize()
+
 
 class CopySpan:
     """The copies of one block: ``start`` (an event before them), ``end`` (after them: what
@@ -148,6 +160,11 @@ class CopySpan:
 
     def synchronize(self) -> None:
         self.end.synchronize()
+
+    def wait(self, stream: object = None) -> None:
+        """``stream`` waits for the copies (torch's ``Stream.wait_event`` calls this: a span
+        is a slot's ready event on the gpu tiers)."""
+        self.end.wait(stream)
 
 
 # A prefetch's copy (one given ``between``) goes in pieces of CHUNK bytes, at most

@@ -167,7 +167,11 @@ class PinnedHostTier:
         return False
 
     def close(self) -> None:
+        """After every copy queued out of the pinned store (a prefetch's may still be in
+        flight when a run ends on an error), the store given back."""
         if self.pinned is not None:
+            if self._ops is not None:
+                self._ops.drain()
             self.host = torch.empty(0, dtype=torch.uint8)
             self.pinned.release()
             self.pinned = None

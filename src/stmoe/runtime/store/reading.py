@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stmoe.runtime.options import check_link
-from stmoe.runtime.store.bounce import DEFAULT_BUFFERS, DiskToDeviceTier
+from stmoe.runtime.store.bounce import DEFAULT_BUFFERS, DiskToDeviceTier, bounce_buffers
 from stmoe.runtime.store.device_ops import DeviceOps, HostPinning
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.in_place import InPlaceTier, refuse_tier
@@ -13,15 +13,16 @@ from stmoe.runtime.store.tiers import DiskTier, EmulatedLinkTier, Tier
 
 def open_tier(name: str, store: ExpertStore, bandwidth: float | str | None,
               latency: float | str, ops: DeviceOps | None = None,
-              pinning: HostPinning | None = None) -> Tier:
+              pinning: HostPinning | None = None, workers: int = 2) -> Tier:
     """The tier ``name`` (one of TIERS) over ``store``; the emulated one needs a bandwidth,
     the GPU ones take the device's ``ops`` and ``pinning`` (CUDA's unless given:
-    ``runtime.accelerator``). An in-place store is read from the disk only: by the disk
-    tier, or the disk -> GPU one (``in_place.InPlaceTier``)."""
+    ``runtime.accelerator``); ``workers``, the prefetch threads, sizes the disk -> GPU
+    tier's bounce pool. An in-place store is read from the disk only: by the disk tier, or
+    the disk -> GPU one (``in_place.InPlaceTier``)."""
     bw, lat = check_link(name, bandwidth, latency)
     refuse_tier(store, name)
     if name == "gpu-disk":
-        return open_disk_to_device(store, ops, pinning)
+        return open_disk_to_device(store, ops, pinning, bounce_buffers(workers))
     if store.in_place:
         return InPlaceTier(store)
     if name == "disk":

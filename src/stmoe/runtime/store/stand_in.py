@@ -50,6 +50,13 @@ class _HostEvent:
     def synchronize(self) -> None:
         self._done.wait()
 
+    def wait(self, stream: object = None) -> None:
+        """Called by ``HostThreadOps.wait`` only with None (the host, where the stand-in's
+        compute runs, or a copy thread already at its turn in its queue): the caller waits."""
+        if stream is not None:
+            raise ValueError("a stand-in event is waited on through HostThreadOps.wait")
+        self._done.wait()
+
     def _complete(self) -> None:
         self.at = time.perf_counter()
         self._done.set()
@@ -142,11 +149,26 @@ class HostThreadOps:
 
     def wait(self, stream: object, event: CopyEvent) -> None:
         """None, the compute's "stream", is the host here (the CPU computes as it is
-        called): the host waits. A copy stream waits in its queue, as a device would."""
+        called): the host waits. A copy stream waits in its queue, as a device would. Either
+        way through ``event.wait``, the method torch's ``Stream.wait_event`` calls, so an
+        event that lacks it fails here as it would on CUDA."""
+        waits = event.wait  # looked up now: one that lacks it fails in the caller, as on CUDA
         if stream is None:
-            event.synchronize()
+            waits(None)
         else:
-            self._submit(event.synchronize, stream)
+            self._submit(lambda: waits(None), stream)
+
+    def drain(self) -> None:
+        """Wait for every job queued so far, on every stream's thread."""
+        with self._lock:
+            queues = list(self._queues.values())
+        events = []
+        for q in queues:
+            event = _HostEvent()
+            q.put(event._complete)
+            events.append(event)
+        for event in events:
+            event.synchronize()
 
     def close(self) -> None:
         """Let the queued copies finish, then stop the threads."""
