@@ -191,3 +191,21 @@ def store_expert_bytes(store) -> int:
     from stmoe.runtime.store import ExpertStore
 
     return ExpertStore(store).blocks[(0, 0)].nbytes
+
+
+def test_moving_the_resident_weights_leaves_the_experts_and_keeps_ties():
+    """A model loaded whole and offloaded to a GPU: its experts are not copied to the
+    device (they stay on the host until the engine releases them; a model bigger than the
+    GPU would not fit otherwise), and a weight two modules share stays one tensor. Moved
+    to ``meta`` here, which any device stands for: what moved is what is on meta."""
+    from stmoe.hf.layout import experts_modules
+    from stmoe.runtime.placement import move_resident
+
+    model, _ = tiny_model("qwen2_moe")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as many checkpoints are
+    move_resident(model, torch.device("meta"))
+    experts = [p for _, m in experts_modules(model) for p in m.parameters()]
+    assert experts and not any(p.is_meta for p in experts)
+    others = {id(p) for p in experts}
+    assert all(p.is_meta for p in model.parameters() if id(p) not in others)
+    assert model.lm_head.weight is model.model.embed_tokens.weight

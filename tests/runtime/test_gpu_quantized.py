@@ -96,6 +96,27 @@ def test_a_slots_layout_is_made_on_its_stream_after_the_late_copy(tmp_path):
         ops.close()
 
 
+def test_a_row_moved_through_the_spare_buffer_keeps_its_slot_layout():
+    """Putting a call's experts in id order may move a row through a one-row buffer (a
+    cycle of moves): the buffer is a row as the slots hold it (CUDA's int4 layout: another
+    shape and dtype than the store's), so the row comes back whole. A buffer in the
+    store's shape failed on the copy (found reading the code; the stand-in has no layout)."""
+    from stmoe.runtime.cache import TEMP, ParamSpec
+
+    spec = ParamSpec("w_qweight", torch.uint8, (8, 16), 0, 128)
+    layouts = {"w_qweight": SlotLayout((4, 2, 4), torch.int32, lambda t: t)}
+    cache = LayerCache(0, 2, [spec], 8, "lru", torch.device("cpu"), layouts)
+    rows = cache.rows["w_qweight"]
+    assert rows.shape[1:] == (4, 2, 4) and rows.dtype == torch.int32
+    rows[0] = torch.arange(32, dtype=torch.int32).view(4, 2, 4)
+    rows[1] = -rows[0]
+    temp = cache.row_buffer()
+    want0, want1 = rows[0].clone(), rows[1].clone()
+    for src, dst in ((0, TEMP), (1, 0), (TEMP, 1)):  # swap rows 0 and 1
+        cache.copy_row(src, dst, temp)
+    assert torch.equal(rows[0], want1) and torch.equal(rows[1], want0)
+
+
 def test_cuda_holds_int4_matrices_in_its_kernels_layout(tmp_path, monkeypatch):
     store = ExpertStore(pack(quantizable("olmoe"), tmp_path / "s4", weights=FORMATS["int4"]))
     specs = param_specs(store.blocks[(0, 0)])

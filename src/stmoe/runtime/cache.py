@@ -161,6 +161,11 @@ class LayerCache:
                 row.copy_(lay.convert(row.view(-1).view(torch.uint8).view(p.dtype)
                                       .view(p.shape)).view(row.shape))
 
+    def row_buffer(self) -> dict[str, torch.Tensor]:
+        """One row of each parameter as the slots hold it (``copy_row``'s ``TEMP``): in the
+        slot's layout where it has one (int4 on CUDA), not the store's."""
+        return {name: torch.empty_like(rows[0]) for name, rows in self.rows.items()}
+
     def copy_row(self, src: int, dst: int, temp: dict[str, torch.Tensor]) -> None:
         """Copy row ``src`` to row ``dst`` (either may be ``TEMP``: the one-expert ``temp``)."""
         for p in self.params:

@@ -47,7 +47,7 @@ from stmoe.runtime.hf_glue import ForwardHooks, base_forward, resident_device, t
 from stmoe.runtime.planning import GateLookahead, PrefetchPlanner, gate_lookahead
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.slot_layout import SlotLayout
-from stmoe.runtime.state import EngineSettings, EngineState, Future, RunState
+from stmoe.runtime.state import EngineSettings, EngineState, Future, RunState, check_cache_device
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.step import LayerTally, Part, Step, current_driver, foresee
 from stmoe.runtime.store import ExpertStore
@@ -89,19 +89,13 @@ class OffloadEngine:
               worker_cpus: set[int] | None = None) -> None:
         """The engine's parts for ``layers`` (each MoE layer's experts module and the
         implementation its calls compute with), whoever runs the model: transformers
-        (``__init__``), or another runtime that calls ``ExpertsPath.run`` from its own
-        MoE layers (the vLLM plugin) and sets ``hooks`` itself; ``planner``: a
-        ``PrefetchPlanner`` that knows that runtime's batches (the plugin's); ``layouts``:
-        parameters the slots hold in that runtime's kernel layout, converted as each
-        expert lands (the plugin's in-place reads; default: the device's); ``worker_cpus``:
-        where the prefetch workers run (default: where the calling thread may)."""
+        (``__init__``), or a runtime that calls ``ExpertsPath.run`` from its own MoE layers
+        (the vLLM plugin) and sets ``hooks``; ``planner``: a ``PrefetchPlanner`` that knows
+        its batches; ``layouts``: parameters the slots hold in its kernel layout, converted
+        as each expert lands (default: the device's); ``worker_cpus``: where the prefetch
+        workers run (default: where the calling thread may)."""
         _check_settings(settings)
-        if device.type == "cuda" and not getattr(tier, "to_device", False):
-            # slots on the GPU filled by a host tier's blocking copies, with no event a
-            # later copy waits on before overwriting a slot its queued kernels still read
-            raise OffloadError(f"the model is on {device}, and tier {getattr(tier, 'name', '')!r} "
-                               "fills its caches from the host with no slot protocol: use "
-                               "--tier gpu or gpu-disk (or the model on the CPU)")
+        check_cache_device(device, tier)
         self.model, self.store, self.predictor = model, store, predictor
         self.settings, self.policy = settings, settings.policy
         self.num_layers = len(layers)
@@ -216,8 +210,7 @@ class OffloadEngine:
 
     @property
     def tier(self) -> Tier:
-        """The tier the loader reads through (swapping it swaps the loader's: tests inject
-        failing tiers so)."""
+        """The tier the loader reads through (tests swap in failing tiers)."""
         return self.state.loader.tier
 
     @tier.setter

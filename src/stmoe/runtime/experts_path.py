@@ -250,8 +250,7 @@ class ExpertsPath:
         state = self.state
         target, moves = plan_id_order(needed, slots, len(extra), cache.capacity)
         try:
-            temp = ({p.name: torch.empty(p.shape, dtype=p.dtype, device=cache.device)
-                     for p in cache.params} if any(TEMP in m for m in moves) else {})
+            temp = cache.row_buffer() if any(TEMP in m for m in moves) else {}
             for src, dst in moves:
                 cache.copy_row(src, dst, temp)
             with state.cv:

@@ -104,6 +104,9 @@ class RoutingSource:
 
     def __init__(self, plan: RoutingPlan) -> None:
         self.plan = plan
+        # the whole plan on each (device, dtypes) it is asked for, copied once: a copy per
+        # call and layer from pageable memory would make a GPU's host wait at every layer
+        self._on: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def positions(self, fwd: int, rows: int) -> slice:
         """The trace tokens forward call ``fwd`` computes (``rows`` of them)."""
@@ -123,10 +126,14 @@ class RoutingSource:
                 top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The trace's (ids, weights) for this call and layer, in the router's dtypes."""
         span = self.positions(fwd, int(top_k_index.shape[0]))
-        ids = torch.from_numpy(self.plan.experts[span, layer])
-        weights = torch.from_numpy(self.plan.weights[span, layer])
-        return (ids.to(top_k_index.device, top_k_index.dtype),
-                weights.to(top_k_weights.device, top_k_weights.dtype))
+        key = (top_k_index.device, top_k_index.dtype, top_k_weights.device, top_k_weights.dtype)
+        if key not in self._on:
+            self._on[key] = (
+                torch.from_numpy(self.plan.experts).to(top_k_index.device, top_k_index.dtype),
+                torch.from_numpy(self.plan.weights).to(top_k_weights.device,
+                                                       top_k_weights.dtype))
+        ids, weights = self._on[key]  # copies: a caller may change its routing in place
+        return ids[span, layer].clone(), weights[span, layer].clone()
 
 
 class ForcedRouting:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stmoe.hf.layout import experts_modules
 from stmoe.predictors.base import ModelShape
 from stmoe.quant.linears import device_linears
 from stmoe.runtime.accelerator import GPU_TIERS, Accelerator, accelerator
@@ -74,8 +75,9 @@ def gpu_plan(model: torch.nn.Module, store: ExpertStore, options: OffloadOptions
     """``--memory`` on a gpu tier: the slots from the GPU's ``free`` bytes (taken before the
     model moves there) less the resident weights and a KV cache of ``memory.KV_TOKENS``
     tokens; the host checked for the process, the read buffers and the tier's share."""
-    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(),
-                                                           *model.buffers()] if not t.is_meta)
+    experts = per_expert_params(model)  # not moved
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+                   if not t.is_meta and id(t) not in experts)
     dtype = getattr(model, "dtype", torch.float32)
     kv = model_kv_bytes(model.config, dtype.itemsize)
     device = plan_device_memory(free, resident, kv, shape.num_layers, shape.num_experts,
@@ -90,15 +92,31 @@ def gpu_plan(model: torch.nn.Module, store: ExpertStore, options: OffloadOptions
 
 
 def move_resident(model: torch.nn.Module, device: torch.device) -> None:
-    """Every non-meta parameter and buffer of ``model`` onto ``device`` (the experts stay in
-    the store), each parameter keeping its ``requires_grad``: on the CPU a model whose
-    weights do not require grad computes a prompt's logits with other last bits (seen on
-    the tiny Qwen3-MoE), and the reference is the model as it was loaded."""
+    """Every non-meta parameter and buffer of ``model`` onto ``device``, except the routed
+    experts' (they stay in the store: a model loaded whole keeps them on the host until
+    the engine releases them, never a copy in HBM), each parameter keeping its
+    ``requires_grad`` (on the CPU a model whose weights do not require grad computes a
+    prompt's logits with other last bits, seen on the tiny Qwen3-MoE; the reference is the
+    model as it was loaded) and tied weights staying one tensor (embeddings, lm_head)."""
+    experts = per_expert_params(model)
+    moved: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
-            if p is not None and not p.is_meta:
-                module._parameters[name] = torch.nn.Parameter(p.data.to(device),
-                                                              requires_grad=p.requires_grad)
+            if p is not None and not p.is_meta and id(p) not in experts:
+                if id(p) not in moved:
+                    moved[id(p)] = torch.nn.Parameter(p.data.to(device),
+                                                      requires_grad=p.requires_grad)
+                module._parameters[name] = moved[id(p)]
         for name, b in module._buffers.items():
             if b is not None and not b.is_meta:
                 module._buffers[name] = b.to(device)
+
+
+def per_expert_params(model: torch.nn.Module) -> set[int]:
+    """The ids of the routed experts' per-expert parameters (``[num_experts, ...]``: what
+    the store holds); an experts module's other parameters are resident."""
+    out = set()
+    for _, m in experts_modules(model):
+        n = int(getattr(m, "num_experts", 0))
+        out |= {id(p) for p in m.parameters() if p.dim() and p.shape[0] == n}
+    return out

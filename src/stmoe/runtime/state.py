@@ -246,3 +246,12 @@ def busy_error(owner: threading.Thread, run: bool) -> OffloadError:
                         "one offloaded model serves one call at a time: use "
                         "OffloadedModel.generate or measure, which wait for each other, or give "
                         "each thread its own offloaded model")
+
+def check_cache_device(device: torch.device, tier: object) -> None:
+    """Caches on a GPU only behind a tier that copies to it asynchronously, under the slot
+    protocol (``to_device``): a host tier's blocking copies into GPU slots have no event
+    a later copy waits on before overwriting a slot its queued kernels still read."""
+    if device.type == "cuda" and not getattr(tier, "to_device", False):
+        raise OffloadError(f"the model is on {device}, and tier {getattr(tier, 'name', '')!r} "
+                           "fills its caches from the host with no slot protocol: use --tier "
+                           "gpu or gpu-disk (or the model on the CPU)")
