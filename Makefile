@@ -59,11 +59,13 @@ test-vllm: $(VLLM_VENV)/.installed-vllm
 # passes the KV cache by another name), and a GPU session is too short to find out. So the
 # tests of everything that touches transformers' modules run again with those three
 # releases laid over .venv's (PYTHONPATH; torch stays .venv's).
-GPU_VERSIONS := transformers==5.17.0 huggingface-hub==1.33.0 accelerate==1.15.0
+GPU_TRANSFORMERS := 5.17.0
+GPU_VERSIONS := transformers==$(GPU_TRANSFORMERS) huggingface-hub==1.33.0 accelerate==1.15.0
 GPU_SITE := $(VENV)-gpu-versions
 GPU_TESTS := tests/hf tests/serve/test_step_forward.py tests/serve/test_step_rows.py \
-	tests/runtime/test_transformers_versions.py tests/runtime/test_quantized.py tests/runtime/test_gpu_tiers.py \
-	tests/runtime/test_gpu_quantized.py tests/runtime/test_gpu_check.py
+	tests/runtime/test_transformers_versions.py tests/runtime/test_quantized.py \
+	tests/runtime/test_gpu_tiers.py tests/runtime/test_gpu_quantized.py \
+	tests/runtime/test_gpu_check.py
 
 $(GPU_SITE)/.installed: Makefile | $(BIN)/python
 	rm -rf $(GPU_SITE)
@@ -73,7 +75,7 @@ $(GPU_SITE)/.installed: Makefile | $(BIN)/python
 
 test-gpu-versions: $(VENV)/.installed-test $(GPU_SITE)/.installed
 	PYTHONPATH=$(abspath $(GPU_SITE)) $(BIN)/python -c 'import transformers as t; \
-		assert t.__version__ == "5.17.0", t.__file__'
+		assert t.__version__ == "$(GPU_TRANSFORMERS)", t.__file__'
 	PYTHONPATH=$(abspath $(GPU_SITE)) $(BIN)/python -m pytest -q -p no:cacheprovider \
 		$(GPU_TESTS)
 

@@ -80,4 +80,3 @@ def stand_in(delay: float = 0.0, free_bytes: int = 64 << 30,
         with _LOCK:
             _STAND_IN.remove(acc)
         ops.close()
-

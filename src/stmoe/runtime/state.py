@@ -247,6 +247,7 @@ def busy_error(owner: threading.Thread, run: bool) -> OffloadError:
                         "OffloadedModel.generate or measure, which wait for each other, or give "
                         "each thread its own offloaded model")
 
+
 def check_cache_device(device: torch.device, tier: object) -> None:
     """Caches on a GPU only behind a tier that copies to it asynchronously, under the slot
     protocol (``to_device``): a host tier's blocking copies into GPU slots have no event
