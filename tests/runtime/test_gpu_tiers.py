@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from stmoe.errors import OffloadError  # noqa: E402
-from stmoe.runtime.store import ExpertStore, StoreError, pack  # noqa: E402
+from stmoe.runtime.store import ExpertStore, StoreError, device_ops, pack  # noqa: E402
 from stmoe.runtime.store.bounce import BouncePool  # noqa: E402
 from stmoe.runtime.store.in_place_index import make_in_place  # noqa: E402
 from stmoe.runtime.store.index import ALIGN, slot_bytes  # noqa: E402
@@ -286,6 +286,43 @@ def test_unaligned_slots_are_refused_before_any_copy(store):
         ops.close()
 
 
+class _Runtime:
+    """torch's cudart binding as a GPU with no lockable memory answers it."""
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        return 2  # cudaErrorMemoryAllocation
+
+    def cudaHostUnregister(self, ptr):
+        return 1
+
+
+def test_a_failed_page_lock_is_reported_and_the_runtimes_last_error_cleared(monkeypatch):
+    # the binding leaves the error set, and torch's next kernel launch would raise it
+    cleared = []
+
+    class Lib:
+        def cudaGetLastError(self):
+            cleared.append(True)
+
+    monkeypatch.setattr(device_ops, "loaded_library", lambda stem: Lib())
+    pinning = object.__new__(device_ops.CudaHostPinning)
+    pinning._rt = _Runtime()
+    with pytest.raises(OffloadError, match=r"^page-locking 2\.00 GiB .* \(cudaError 2\); a "
+                       "smaller store, or --tier disk$"):
+        pinning.register(4096, 2 << 30)
+    assert cleared == [True]
+    pinning.unregister(4096)
+    assert cleared == [True, True]
+
+
+def test_the_runtime_library_is_found_among_the_process_mappings(tmp_path):
+    libc = device_ops.loaded_library("libc.so")  # mapped in every CPython on Linux
+    assert libc is not None and libc.getpid() > 0
+    assert device_ops.loaded_library("libstmoe-nothing.so") is None
+    assert device_ops.loaded_library("libc.so", maps=tmp_path / "missing") is None
+    device_ops.clear_last_error()  # no CUDA runtime mapped here (CI): nothing to do
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; CI has none")
 
 
@@ -334,3 +371,19 @@ def test_on_cuda_the_disk_to_device_tier_lands_every_block(store, threads):
             assert _bytes([p.cpu() for p in slots[b]]) == _want(store, b)
     finally:
         tier.close()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_a_failed_page_lock_leaves_no_error_for_the_next_kernel():
+    import mmap
+
+    m = mmap.mmap(-1, 1 << 16)
+    host = torch.frombuffer(m, dtype=torch.uint8)
+    try:
+        with pytest.raises(OffloadError, match="page-locking"):  # past the mapping's end
+            device_ops.CudaHostPinning().register(host.data_ptr(), 1 << 40)
+        assert torch.ones(4, device="cuda").sum().item() == 4.0  # launches, checked
+    finally:
+        del host
+        device_ops.unmap(m)

@@ -58,10 +58,14 @@ def environment(c: Check) -> dict[str, Any]:
         except ImportError:
             rec[mod] = None
     if c.cuda:
+        from stmoe.runtime.store.device_ops import loaded_library
+
         free, total = torch.cuda.mem_get_info()
         major, minor = torch.cuda.get_device_capability()
+        lib = loaded_library("libcudart.so")  # where a failed page-lock's error is cleared
         rec.update(device_name=torch.cuda.get_device_name(), capability=f"{major}.{minor}",
-                   free_bytes=free, total_bytes=total)
+                   free_bytes=free, total_bytes=total,
+                   cudart_library=getattr(lib, "_name", None))
     with open("/proc/meminfo") as f:
         rec["host_mem_total_kib"] = int(f.readline().split()[1])
     return rec

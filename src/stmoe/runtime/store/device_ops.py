@@ -19,8 +19,10 @@ them back (torch's own checkpoint stager pins this way: ``torch.cuda._pin_memory
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -104,11 +106,39 @@ class CudaHostPinning:
     def register(self, ptr: int, nbytes: int) -> None:
         err = int(self._rt.cudaHostRegister(ptr, nbytes, 1))  # type: ignore[attr-defined]
         if err:
+            clear_last_error()
             raise OffloadError(f"page-locking {nbytes / 2**30:.2f} GiB of host memory for the "
                                f"GPU failed (cudaError {err}); a smaller store, or --tier disk")
 
     def unregister(self, ptr: int) -> None:
-        self._rt.cudaHostUnregister(ptr)  # type: ignore[attr-defined]
+        if int(self._rt.cudaHostUnregister(ptr)):  # type: ignore[attr-defined]
+            clear_last_error()  # (the pages stay locked until the process ends: no harm)
+
+
+def loaded_library(stem: str, maps: Path = Path("/proc/self/maps")) -> ctypes.CDLL | None:
+    """The shared library ``stem`` (``libcudart.so``) this process has mapped, opened again
+    (the same copy, its state included), or None where none is mapped or ``maps`` is
+    unreadable."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and f"/{stem}" in fields[5]:
+            return ctypes.CDLL(fields[5].strip())
+    return None
+
+
+def clear_last_error() -> None:
+    """Reset the CUDA runtime's last error in this thread. Why: torch's binding returns a
+    failed ``cudaHostRegister``'s error and leaves it set, and torch checks every kernel
+    launch with ``cudaGetLastError``, so the next launch would raise it as its own (every
+    later run in the process failing) after stmoe had reported it and carried on. Nothing
+    to do where the runtime is linked into torch statically (not mapped)."""
+    lib = loaded_library("libcudart.so")
+    if lib is not None:
+        lib.cudaGetLastError()
 
 
 class CudaOps:
