@@ -48,9 +48,11 @@ test: $(VENV)/.installed-test
 	$(MAKE) test-gpu-versions
 	$(MAKE) test-vllm
 
-# the vLLM plugin's tests inside the real vLLM (the main run skips them: no vLLM there)
+# the vLLM plugin's tests inside the real vLLM (the main run skips them: no vLLM there), two
+# files at a time (tests/vllm_plugin/conftest.py says why and how)
 test-vllm: $(VLLM_VENV)/.installed-vllm
-	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm_plugin
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
+		--no-loadscope-reorder tests/vllm_plugin
 
 # The GPU machines the prepared check runs on (benchmarks/gpu_check.py, docs/runtime.md) hold
 # older releases than .venv's (read there: transformers 5.17, huggingface_hub 1.33,
