@@ -49,7 +49,7 @@ test: $(VENV)/.installed-test
 	$(MAKE) test-vllm
 
 # the vLLM plugin's tests inside the real vLLM (the main run skips them: no vLLM there), two
-# files at a time (tests/vllm_plugin/conftest.py says why and how)
+# files at a time (tests/conftest.py says why and how)
 test-vllm: $(VLLM_VENV)/.installed-vllm
 	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
 		--no-loadscope-reorder tests/vllm_plugin
