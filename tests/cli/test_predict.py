@@ -12,6 +12,18 @@ ALL = list(CONTRACT_PREDICTORS)
 
 
 @needs_shared
+def test_a_long_output_path_keeps_the_wrote_line_whole(cli, tmp_path):
+    # off a terminal the line was wrapped at 160 columns: under pytest-xdist's longer
+    # temporary folders "profiled on 82 tokens" broke across two lines
+    tables = tmp_path / ("d" * 200) / "tables.npz"
+    tables.parent.mkdir()
+    result = cli("profile", REAL_ROUTES, "--split", "0.5", "-o", tables)
+    assert result.exit_code == 0, result.output
+    assert result.output == f"wrote {tables}: CCT for L=40 layers, N=256 experts, top-8, " \
+        "row width 8, profiled on 82 tokens\n"
+
+
+@needs_shared
 def test_profile_first_half_eval_rest_on_the_real_sample(cli, tmp_path):
     tables, report = tmp_path / "tables.npz", tmp_path / "eval.json"
     result = cli("profile", REAL_ROUTES, "--split", "0.5", "-o", tables)

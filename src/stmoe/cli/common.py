@@ -23,9 +23,11 @@ from stmoe.util.fileio import atomic_write_text, check_input_file, check_output_
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Off a terminal rich would wrap at 80 columns; results tables read better wider. No emoji
-# codes: a label such as "a:smile:b" is printed as written.
-out = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 160)
+# Off a terminal rich would wrap at 80 columns; results tables read better wider, and a line
+# of text is not wrapped at all (soft wrap): a script reading "wrote PATH: ..." gets one line
+# however long the path. No emoji codes: a label such as "a:smile:b" is printed as written.
+_TTY = sys.stdout.isatty()
+out = Console(highlight=False, emoji=False, width=None if _TTY else 160, soft_wrap=not _TTY)
 err = Console(stderr=True, highlight=False, emoji=False)
 
 # What a label read from a file or the command line must not send to the terminal: C0 and
