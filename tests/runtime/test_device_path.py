@@ -99,6 +99,33 @@ def test_on_a_device_the_predictor_runs_after_the_layers_compute_is_launched(qwe
         assert pairs and all(p == first for p in pairs), (tier, pairs[:4])
 
 
+def _taught_lookahead(store, tables, tier: str) -> tuple[list, list[bool], list[int]]:
+    """hybrid at the early point: the lookahead rows its predictor was taught, in order;
+    whether each ``_lookahead`` call was handed its ids already on the host; the tokens."""
+    taught, handed = [], []
+    with stand_in(delay=0.002), offload(tiny_model("qwen2_moe")[0], store, capacity=4,
+                                        predictor="hybrid", tables=tables, tier=tier,
+                                        lookahead="early") as om:
+        pred, planner = om.engine.predictor, om.engine.planner
+        learn, look = pred.lookahead, planner._lookahead
+        pred.lookahead = lambda layer, ids, slot: taught.append(
+            (layer, list(ids))) or learn(layer, ids, slot)
+        planner._lookahead = lambda *a, early=None: handed.append(
+            early is not None) or look(*a, early=early)
+        return taught, handed, om.generate(PROMPT, max_new_tokens=NEW).tokens
+
+
+def test_on_a_device_the_early_lookahead_goes_up_with_the_routers_ids(qwen):
+    # off a device the lookahead's ids come to the host by themselves (.to("cpu")); on one
+    # that would wait for the layer's experts' kernels, so they ride the ids' one copy up
+    store, tables, want = qwen
+    host_taught, host_handed, host_tokens = _taught_lookahead(store, tables, "disk")
+    taught, handed, tokens = _taught_lookahead(store, tables, "gpu")
+    assert host_tokens == tokens == want
+    assert taught == host_taught and len(taught) > 0  # the same rows, in the same order
+    assert not any(host_handed) and handed and all(handed)  # on the device: brought up
+
+
 def _demand_wait(tier: PinnedHostTier, block, other, chunked: bool, per_block: float) -> float:
     """Seconds the compute thread's copy of ``other`` takes once it stalls a quarter through
     a worker's copy of ``block`` (in pieces that hold back while it stalls, or whole)."""

@@ -31,18 +31,30 @@ class IdsToHost:
 
     def __init__(self, ops: DeviceOps) -> None:
         self.ops = ops
-        self._buf = torch.empty(0, dtype=torch.int64)
-        self.transfers = 0  # copies made (one per layer call: tests count them)
+        self._bufs = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
+        self.transfers = 0  # host waits (one per layer call: tests count them)
 
     def rows(self, ids: torch.Tensor) -> np.ndarray:
         """``ids`` ([tokens, K], on the device) as a host array of the caller's own."""
-        n = ids.numel()
-        if self._buf.numel() < n or self._buf.dtype != ids.dtype:
-            self._buf = torch.empty(max(n, 64), dtype=ids.dtype, pin_memory=ids.is_cuda)
-        dst = self._buf[:n].view(ids.shape)
-        self.ops.copy_async(dst, ids, None).synchronize()  # the compute stream's copy only
+        return self.rows_and(ids, None)[0]
+
+    def rows_and(self, ids: torch.Tensor,
+                 also: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """``rows(ids)`` and ``also`` (more ids on the device: the next layer's early gate
+        lookahead) brought up by the same wait."""
+        tensors = [ids] if also is None else [ids, also]
+        dsts, event = [], None
+        for i, t in enumerate(tensors):
+            n = t.numel()
+            if self._bufs[i].numel() < n or self._bufs[i].dtype != t.dtype:
+                self._bufs[i] = torch.empty(max(n, 64), dtype=t.dtype, pin_memory=t.is_cuda)
+            dsts.append(self._bufs[i][:n].view(t.shape))
+            event = self.ops.copy_async(dsts[-1], t, None)  # queued on the compute stream
+        assert event is not None
+        event.synchronize()  # the compute stream's copies only, the last after the first
         self.transfers += 1
-        return dst.numpy().copy()  # the buffer is the next call's
+        out = [d.numpy().copy() for d in dsts]  # the buffers are the next call's
+        return out[0], (out[1] if also is not None else None)
 
 
 class SlotTable:

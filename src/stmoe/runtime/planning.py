@@ -106,8 +106,21 @@ class PrefetchPlanner:
             self._plan(run.fwd, layer)
 
     # ---- each MoE layer (experts_path.ExpertsPath) ----------------------------------
-    def after_routing(self, layer: int, rows: np.ndarray, hidden: torch.Tensor) -> None:
-        """Learn what the router chose and queue the prefetch ``horizon`` layers ahead."""
+    def early_lookahead(self, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The early gate lookahead ``after_routing(layer, ...)`` will take, computed where
+        ``hidden`` is ([rows, K'] ids, not yet on the host), or None where it takes none.
+        Why: on a device, its ids go up with the router's in the layer call's one copy to
+        the host, queued before the experts' kernels, where ``.to("cpu")`` after them would
+        make the host wait for the whole layer (``experts_path``)."""
+        if not (self.predicts and self.late is None and self.routers is not None
+                and self.state.run.future is None and layer + 1 < self.state.num_layers):
+            return None
+        return self._lookahead_ids(layer + 1, hidden)
+
+    def after_routing(self, layer: int, rows: np.ndarray, hidden: torch.Tensor,
+                      early: np.ndarray | None = None) -> None:
+        """Learn what the router chose and queue the prefetch ``horizon`` layers ahead
+        (``early``: ``early_lookahead``'s ids on the host, where the caller brought them)."""
         if not self.predicts:
             return
         run = self.state.run
@@ -117,7 +130,7 @@ class PrefetchPlanner:
             if self._streams_prompt():
                 if not last:
                     if self.late is None and self.routers is not None:
-                        self._lookahead(layer + 1, hidden)  # the predictor still sees it
+                        self._lookahead(layer + 1, hidden, early=early)  # it still learns
                     self._stream_prompt(layer + 1, hidden)
                 return
             targets = [] if last else self._targets(layer)
@@ -131,7 +144,7 @@ class PrefetchPlanner:
             targets = [(f, t) for f, t in targets if f != run.fwd]
         elif (self.routers is not None and run.future is None
               and layer + 1 < self.state.num_layers):
-            self._lookahead(layer + 1, hidden)
+            self._lookahead(layer + 1, hidden, early=early)
         for fwd, target in targets:
             self._plan(fwd, target)
 
@@ -176,19 +189,26 @@ class PrefetchPlanner:
             out += [(fwd + 1, t) for t in range(min(h, n))]
         return out
 
-    def _lookahead(self, layer: int, hidden: torch.Tensor,
-                   norm: torch.nn.Module | None = None) -> None:
-        """Gate lookahead: layer ``layer``'s router on ``hidden`` (the previous layer's
-        MoE input; with the late lookahead, layer ``layer``'s input through ``norm``)."""
+    def _lookahead_ids(self, layer: int, hidden: torch.Tensor,
+                       norm: torch.nn.Module | None = None) -> torch.Tensor:
+        """Layer ``layer``'s router on ``hidden`` (the previous layer's MoE input; with the
+        late lookahead, layer ``layer``'s input through ``norm``), each row's last token:
+        its top 2K ids, where ``hidden`` is."""
         assert self.routers is not None
-        run = self.state.run
-        batch, length = run.batch
+        batch, length = self.state.run.batch
         last_rows = hidden.reshape(batch, length, -1)[:, -1]
         if norm is not None:
             last_rows = late_hidden(norm, last_rows)
         router = self.routers[layer]
-        width = min(2 * self.top_k, router.shape[0])
-        ids = lookahead_ids(last_rows, router, width).to("cpu").numpy()
+        return lookahead_ids(last_rows, router, min(2 * self.top_k, router.shape[0]))
+
+    def _lookahead(self, layer: int, hidden: torch.Tensor,
+                   norm: torch.nn.Module | None = None, early: np.ndarray | None = None) -> None:
+        """Gate lookahead: ``_lookahead_ids`` taught to the predictor (``early``: those ids,
+        already on the host)."""
+        run = self.state.run
+        ids = early if early is not None else self._lookahead_ids(
+            layer, hidden, norm).to("cpu").numpy()
         for row, slot in enumerate(run.slot_ids()):
             self.predictor.lookahead(layer, ids[row], slot)
 
