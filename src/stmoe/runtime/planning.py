@@ -112,10 +112,7 @@ class PrefetchPlanner:
         Why: on a device, its ids go up with the router's in the layer call's one copy to
         the host, queued before the experts' kernels, where ``.to("cpu")`` after them would
         make the host wait for the whole layer (``experts_path``)."""
-        if not (self.predicts and self.late is None and self.routers is not None
-                and self.state.run.future is None and layer + 1 < self.state.num_layers):
-            return None
-        return self._lookahead_ids(layer + 1, hidden)
+        return self._lookahead_ids(layer + 1, hidden) if self._takes_early(layer) else None
 
     def after_routing(self, layer: int, rows: np.ndarray, hidden: torch.Tensor,
                       early: np.ndarray | None = None) -> None:
@@ -128,9 +125,9 @@ class PrefetchPlanner:
         if run.phase == "prefill" and run.future is None:
             run.prefill_routing.append(rows.astype(np.int16))
             if self._streams_prompt():
+                if self._takes_early(layer):
+                    self._lookahead(layer + 1, hidden, early=early)  # it still learns
                 if not last:
-                    if self.late is None and self.routers is not None:
-                        self._lookahead(layer + 1, hidden, early=early)  # it still learns
                     self._stream_prompt(layer + 1, hidden)
                 return
             targets = [] if last else self._targets(layer)
@@ -142,13 +139,18 @@ class PrefetchPlanner:
             targets = self._targets(layer)
         if self.late is not None:  # the next layer is predicted as it starts (layer_started)
             targets = [(f, t) for f, t in targets if f != run.fwd]
-        elif (self.routers is not None and run.future is None
-              and layer + 1 < self.state.num_layers):
+        elif self._takes_early(layer):
             self._lookahead(layer + 1, hidden, early=early)
         for fwd, target in targets:
             self._plan(fwd, target)
 
     # ---- helpers -----------------------------------------------------------------------
+    def _takes_early(self, layer: int) -> bool:
+        """Whether ``after_routing(layer, ...)`` teaches the early gate lookahead of layer
+        ``layer + 1`` (the one condition ``early_lookahead`` and it share)."""
+        return (self.predicts and self.late is None and self.routers is not None
+                and self.state.run.future is None and layer + 1 < self.state.num_layers)
+
     def _streams_prompt(self) -> bool:
         return (self.prompt_routers is not None and self.state.run.phase == "prefill"
                 and self.state.run.future is None)

@@ -112,7 +112,7 @@ class CudaHostPinning:
 
     def unregister(self, ptr: int) -> None:
         if int(self._rt.cudaHostUnregister(ptr)):  # type: ignore[attr-defined]
-            clear_last_error()  # (the pages stay locked until the process ends: no harm)
+            clear_last_error()  # as register's: the next kernel launch must not see it
 
 
 def loaded_library(stem: str, maps: Path = Path("/proc/self/maps")) -> ctypes.CDLL | None:
