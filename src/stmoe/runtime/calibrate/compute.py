@@ -79,7 +79,13 @@ def measure_runtime_reads(model_dir: Path, store_path: Path, o: CalibrateOptions
     decode misses (timed by the runtime, nothing else reading) give the mean time of one
     read. Calibrate's own back-to-back loop can read at another speed than the runtime's
     reads meet in the same minutes (it did on the development VM: docs/journal/), so the
-    preset's single-reader speed is taken from here where a trace is given."""
+    preset's single-reader speed is taken from here where a trace is given.
+
+    On a gpu tier the runtime's host clock sees a read's host part only (the disk's read
+    into a bounce buffer, ``gpu-disk``; nothing, ``gpu``: the pinned store), not its copy,
+    which lands later and is timed by the device's events (``runtime.device_timing``). A
+    read is done when its copy has landed, and one read's host part overlaps the copy of
+    the read before it, so the slower of the two means is the read's."""
     from stmoe.runtime.api import offload
 
     assert o.routing is not None
@@ -95,8 +101,11 @@ def measure_runtime_reads(model_dir: Path, store_path: Path, o: CalibrateOptions
         raise OffloadError(f"--routing {o.routing}: its decode tokens miss only {reads} experts "
                            f"at a cache of {capacity} per layer, too few reads to time the tier "
                            "(a longer trace, or a smaller --capacity)")
-    return {"reads": reads, "mean_s": decode["demand_read_s"] / reads,
-            "tokens": result.decode_tokens}
+    host_s = decode["demand_read_s"] / reads
+    device = decode.get("device") or {}
+    copy_s = (device["copy_busy_s"] / device["copies"]) if device.get("copies") else 0.0
+    return {"reads": reads, "mean_s": max(host_s, copy_s), "host_mean_s": host_s,
+            "copy_mean_s": copy_s, "tokens": result.decode_tokens}
 
 
 def routed_plan(routing: Path, om: OffloadedModel, n_layers: int, top_k: int) -> RoutingPlan:

@@ -87,7 +87,10 @@ def _single_reader(f: dict[str, Any]) -> str:
     runtime = f.get("runtime_reads")
     if not runtime:
         return f"measured: {loop}"
+    copy = runtime.get("copy_mean_s") or 0.0
+    how = (f": the slower of the host's part, {runtime['host_mean_s'] * 1e3:.3f} ms, and the "
+           f"copy, {copy * 1e3:.3f} ms, timed by the device's events" if copy else "")
     return (f"measured: the runtime's own reads of its decode misses, an LRU-only replay of "
             f"the trace ({runtime['reads']} reads over {runtime['tokens']} tokens, mean "
-            f"{runtime['mean_s'] * 1e3:.2f} ms, less the latency); calibrate's loop of {loop} "
-            f"gave {f['loop_bytes_per_s'] / 1e9:.2f} GB/s")
+            f"{runtime['mean_s'] * 1e3:.2f} ms{how}, less the latency); calibrate's loop of "
+            f"{loop} gave {f['loop_bytes_per_s'] / 1e9:.2f} GB/s")
