@@ -126,29 +126,31 @@ def test_on_a_device_the_early_lookahead_goes_up_with_the_routers_ids(qwen):
     assert not any(host_handed) and handed and all(handed)  # on the device: brought up
 
 
-def _demand_wait(tier: PinnedHostTier, block, other, chunked: bool, per_block: float) -> float:
-    """Seconds the compute thread's copy of ``other`` takes once it stalls a quarter through
-    a worker's copy of ``block`` (in pieces that hold back while it stalls, or whole)."""
-    ops = tier.ops
+def _demand_wait(tier: PinnedHostTier, work, other, per_block: float) -> float:
+    """Seconds the compute thread's copy of ``other`` takes once it stalls a quarter of a
+    block's time into ``work(between)`` on a worker thread (a prefetch's copies, given the
+    ``between`` that holds back while the compute thread stalls)."""
     stalled, resumed = threading.Event(), threading.Event()
 
     def between() -> None:
         if stalled.is_set():
-            resumed.wait(5.0)
+            resumed.wait(10.0)
 
-    slot = [torch.empty(slot_bytes(t), dtype=torch.uint8) for t in block.tensors]
-    worker = threading.Thread(target=lambda: tier.load(
-        block, slot, ops.new_stream(), between if chunked else None).synchronize())
+    worker = threading.Thread(target=lambda: work(between))
     worker.start()
     time.sleep(per_block / 4)  # a quarter through the worker's copy
     stalled.set()  # the compute thread stalls on a miss and copies it
     start = time.perf_counter()
     demand = [torch.empty(slot_bytes(t), dtype=torch.uint8) for t in other.tensors]
-    tier.load(other, demand, ops.new_stream(-1)).synchronize()
+    tier.load(other, demand, tier.ops.new_stream(-1)).synchronize()
     waited = time.perf_counter() - start
     resumed.set()
-    worker.join(5.0)
+    worker.join(10.0)
     return waited
+
+
+def _slot(block) -> list:
+    return [torch.empty(slot_bytes(t), dtype=torch.uint8) for t in block.tensors]
 
 
 def test_a_demands_copy_overtakes_a_prefetchs_queued_copies(tmp_path):
@@ -166,11 +168,48 @@ def test_a_demands_copy_overtakes_a_prefetchs_queued_copies(tmp_path):
     tier.chunk_bytes = block.nbytes // 8
     piece_s = per_block / 8
     try:
-        waits = {chunked: _demand_wait(tier, block, other, chunked, per_block)
-                 for chunked in (True, False)}
+        waits = {chunked: _demand_wait(tier, lambda between, chunked=chunked: tier.load(
+            block, _slot(block), ops.new_stream(), between if chunked else None
+        ).synchronize(), other, per_block) for chunked in (True, False)}
         own = per_block * other.nbytes / block.nbytes
         assert waits[True] <= own + COPY_DEPTH * piece_s + 0.1, waits
         assert waits[False] >= own + 0.6 * per_block, waits
+    finally:
+        tier.close()
+        ops.close()
+
+
+def test_a_workers_copies_in_flight_are_bounded_across_its_experts(tmp_path):
+    """A worker prefetching several experts of two pieces each (a fused gate-up and a down
+    matrix, under the 4 MiB piece: Qwen3.6's 6 MiB experts are 4 + 2 MiB) used to queue
+    every one of them on the copy stream at once: it never had COPY_DEPTH pieces of one
+    expert to wait for. A demand's copy then waited behind all of them on one engine. The
+    thread's CopyWindow holds a worker to COPY_DEPTH pieces across its experts, and the
+    worker chooses its next expert only when there is room (as ``Prefetcher`` does)."""
+    from stmoe.runtime.store.device_ops import thread_window
+
+    model, _ = tiny_model("mixtral", intermediate_size=2048)  # 3 MiB experts (float32)
+    store = ExpertStore(pack(model, tmp_path / "store"))
+    blocks = [store.blocks[(0, e)] for e in range(6)]
+    other = store.blocks[(1, 0)]
+    per_block = 0.2  # seconds a block takes on the engine
+    ops = HostThreadOps(bytes_per_s=blocks[0].nbytes / per_block, one_engine=True)
+    tier = PinnedHostTier(store, NoPinning(), ops)
+    assert all(len(b.tensors) == 2 and max(slot_bytes(t) for t in b.tensors) <= tier.chunk_bytes
+               for b in blocks)
+
+    def worker(between) -> None:
+        stream, window = ops.new_stream(), thread_window()
+        for block in blocks:
+            window.make_room()
+            tier.load(block, _slot(block), stream, between)
+        window.make_room()
+
+    try:
+        waited = _demand_wait(tier, worker, other, per_block)
+        largest = max(slot_bytes(x) for x in blocks[0].tensors) / blocks[0].nbytes
+        # its own copy, and at most COPY_DEPTH of the worker's pieces ahead of it
+        assert waited <= per_block + COPY_DEPTH * largest * per_block + 0.1, waited
     finally:
         tier.close()
         ops.close()

@@ -30,6 +30,7 @@ from stmoe.errors import OffloadError
 from stmoe.runtime.cache import LOADING, LayerCache
 from stmoe.runtime.state import EngineState
 from stmoe.runtime.store import StoreError
+from stmoe.runtime.store.device_ops import thread_window
 from stmoe.runtime.store.tiers import aligned_buffer
 
 WAIT_S = 0.5  # the longest a waiter sleeps before checking for failures and dead loaders
@@ -152,9 +153,11 @@ class Prefetcher:
             os.sched_setaffinity(0, self.cpus)  # this thread only
         buf = aligned_buffer(self.state.max_block)
         stream = self.state.copy_stream()
+        window = thread_window()  # this worker's copies in flight on the device (a gpu tier)
         while not self._closing:
             job = None
             try:
+                window.make_room()  # the next request is chosen when the link can take it
                 with self.state.cv:
                     job = self._next_job()
                 if job is not None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import threading
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -198,20 +200,54 @@ class CopySpan:
 
 
 # A prefetch's copy (one given ``between``) goes in pieces of CHUNK bytes, at most
-# COPY_DEPTH of them queued on the device at once, ``between()`` called before each after
-# the first: while the compute thread stalls the worker queues nothing more, so a demand's
-# copy waits behind at most COPY_DEPTH pieces of each prefetch in flight, never a whole
-# expert queued ahead of it (what the CPU tiers' 4 MiB chunks do for reads). Two: one
-# piece runs while the next is queued, so the pieces' issue costs no bandwidth.
+# COPY_DEPTH of a worker's pieces queued on the device at once, across its loads (the
+# thread's ``CopyWindow``), ``between()`` called before each piece after a load's first:
+# while the compute thread stalls the worker queues nothing more, so a demand's copy waits
+# behind at most COPY_DEPTH pieces of each worker, never whole experts queued ahead of it
+# (what the CPU tiers' 4 MiB chunks do for reads), and the prefetch queue stays on the host,
+# where a demand goes first and a stale request is dropped. Two: one piece runs while the
+# next is queued, so the pieces' issue costs no bandwidth.
 COPY_DEPTH = 2
+
+
+class CopyWindow:
+    """One loading thread's copy pieces queued on the device and not yet seen complete,
+    across its loads: without it a worker whose experts are one or two pieces each would
+    never wait, and would queue every predicted expert on the copy stream at once."""
+
+    def __init__(self, depth: int = COPY_DEPTH) -> None:
+        self.depth = depth
+        self.events: deque[CopyEvent] = deque()
+
+    def make_room(self) -> None:
+        """Wait (this thread alone, never the device) until fewer than ``depth`` pieces
+        are in flight."""
+        while self.events and self.events[0].query():
+            self.events.popleft()
+        while len(self.events) >= self.depth:
+            self.events.popleft().synchronize()
+
+    def add(self, event: CopyEvent) -> None:
+        self.events.append(event)
+
+
+_THREAD = threading.local()
+
+
+def thread_window() -> CopyWindow:
+    """The calling thread's ``CopyWindow`` (a prefetch worker's, for its own stream)."""
+    window: CopyWindow | None = getattr(_THREAD, "window", None)
+    if window is None:
+        window = _THREAD.window = CopyWindow()
+    return window
 
 
 def copy_parts(ops: DeviceOps, dsts: list[torch.Tensor], src: torch.Tensor, stream: object,
                between: Callable[[], None] | None = None, chunk: int = 0) -> CopySpan:
     """``src`` (a block's bytes, uint8) into ``dsts`` (uint8 tensors that lie end to end in
     block order: a slot's parameters), each part one asynchronous copy, or with ``between``
-    pieces of ``chunk`` bytes (see COPY_DEPTH); the span of them all. The sizes are checked
-    before any copy is queued."""
+    pieces of ``chunk`` bytes in the thread's ``CopyWindow`` (see COPY_DEPTH); the span of
+    them all. The sizes are checked before any copy is queued."""
     total = sum(d.numel() for d in dsts)
     if total != src.numel() or not dsts:
         raise ValueError(f"a slot of {total} bytes for a block of {src.numel()}")
@@ -223,14 +259,16 @@ def copy_parts(ops: DeviceOps, dsts: list[torch.Tensor], src: torch.Tensor, stre
         pieces += [(d[a : a + step], src[pos + a : pos + min(a + step, n)])
                    for a in range(0, n, step)]
         pos += n
+    window = thread_window() if between is not None else None
     start = ops.record(stream)
-    in_flight: list[CopyEvent] = []
     for i, (d, s) in enumerate(pieces):
-        if between is not None and i:
-            if len(in_flight) >= COPY_DEPTH:
-                in_flight.pop(0).synchronize()  # this worker's thread waits, not the device
+        if window is None:
+            ops.copy_async(d, s, stream)
+            continue
+        window.make_room()
+        if i:
             between()
-        in_flight.append(ops.copy_async(d, s, stream))
+        window.add(ops.copy_async(d, s, stream))
     return CopySpan(start, ops.record(stream), total)
 
 
