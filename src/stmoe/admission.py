@@ -9,7 +9,14 @@ cache would have hit. So, per MoE layer, as the run goes (docs/runtime.md, Admis
   (an exponential average over the layer's calls: was the rank-r expert routed?). A rank
   is admitted while its precision is at least the break-even ``w / (1 + w)``, where ``w``
   is what a wasted read costs in saved reads: the tier's measured busy share (an idle
-  tier's wasted read delays nothing; a saturated tier's delays a needed one);
+  tier's wasted read delays nothing; a saturated tier's delays a needed one). On a GPU's
+  copy engine fed from pinned memory (``link_of("gpu")``) a wasted copy costs no saved
+  read: the engine is idle while the compute runs, and a demand's copy goes ahead of a
+  worker's next piece; what a wasted prefetch does cost, the cached expert it evicted, is
+  scored below. (The host's clock cannot see the engine's busy share anyway: it sees a
+  copy queued, not run. On the simulator's host pipeline, at GPU-like costs, Qwen1.5's
+  routing with tables profiled on its other prompts, this rule was ahead of the busy share
+  in 17 of 18 cases: docs/journal/2026-12-06-gpu-forecast.md.)
 * **bandwidth**: no more loads than the tier can deliver before they are needed, the
   horizon's measured layer time over the measured read time of one expert, where reads
   share a device (the disk: one read in flight slows the others). On a serial link (the
@@ -58,14 +65,23 @@ class _Layer:
     off_calls: int = 0  # calls with prefetch off (reported)
 
 
+def link_of(tier: str) -> tuple[bool, bool]:
+    """(serial, free_waste) of the tier named ``tier``, for the runtime and the simulator
+    alike: the emulated link and a GPU's copies from pinned memory (one copy stream, a
+    demand ahead of the queued prefetches) are serial; only the GPU's wastes nothing."""
+    return tier in ("emulated", "gpu"), tier == "gpu"
+
+
 class Admission:
     """Per-layer admission of a predictor's ranked prefetch sets."""
 
     def __init__(self, num_layers: int, capacity: int, horizon: int,
-                 config: AdmissionConfig | None = None, *, serial: bool = False) -> None:
+                 config: AdmissionConfig | None = None, *, serial: bool = False,
+                 free_waste: bool = False) -> None:
         self.config = config or AdmissionConfig()
         self.capacity, self.horizon = capacity, horizon
         self.serial = serial  # the tier reads one block at a time (see the module doc)
+        self.free_waste = free_waste  # a wasted read costs no saved read (a GPU's copies)
         self.layers = [_Layer([self.config.prior] * capacity) for _ in range(num_layers)]
         self.read_s: float | None = None  # one expert's read, measured
         self.layer_s: float | None = None  # one layer call's wall time, measured
@@ -95,8 +111,9 @@ class Admission:
         return self.layers[layer].on
 
     def waste_cost(self) -> float:
-        """Saved reads a wasted read costs: the tier's busy share (0 idle .. 1 saturated)."""
-        return min(1.0, max(0.0, self.busy or 0.0))
+        """Saved reads a wasted read costs: the tier's busy share (0 idle .. 1 saturated);
+        none where ``free_waste``."""
+        return 0.0 if self.free_waste else min(1.0, max(0.0, self.busy or 0.0))
 
     def budget(self) -> int:
         """Loads the tier can deliver within the horizon's layers (every load, unmeasured;
@@ -189,6 +206,8 @@ class Admission:
             "read_s": self.read_s,
             "layer_s": self.layer_s,
             "tier_busy": self.busy,
+            "serial": self.serial,
+            "free_waste": self.free_waste,
         }
 
 

@@ -93,11 +93,36 @@ def test_wasted_reads_cost_their_share_of_the_tier():
     for busy, stays_on in ((0.0, True), (1.0, False)):
         adm = Admission(num_layers=1, capacity=4, horizon=1, config=CFG)
         adm.busy = busy
-        for fwd in range(4):
-            adm.admit(fwd, 0, [0])
-            adm.wasted_read(0)
-            adm.wasted_read(0)
-            adm.layer_called(fwd, 0, {0}, prefetch_hits=1, misses=set())
+        _hit_and_two_wasted(adm)
+        assert adm.layers[0].on is stays_on
+
+
+def _hit_and_two_wasted(adm: Admission) -> None:
+    """A window of calls, each with one prefetch hit and two wasted reads."""
+    for fwd in range(4):
+        adm.admit(fwd, 0, [0])
+        adm.wasted_read(0)
+        adm.wasted_read(0)
+        adm.layer_called(fwd, 0, {0}, prefetch_hits=1, misses=set())
+
+
+def test_a_gpus_copies_cost_no_saved_read():
+    """On the gpu tier (copies from pinned memory on a device's engine, a demand's ahead of
+    the queued ones) a wasted read costs nothing in saved reads, whatever the busy share:
+    a low-precision rank is admitted and wasted reads do not turn the layer off. The rule is
+    one function for the runtime and the simulator."""
+    from stmoe.admission import link_of
+
+    assert link_of("gpu") == (True, True) and link_of("emulated") == (True, False)
+    assert link_of("disk") == link_of("gpu-disk") == (False, False)
+    for free, admitted, stays_on in ((True, [0, 1, 2], True), (False, [], False)):
+        adm = Admission(num_layers=1, capacity=4, horizon=1, config=CFG, serial=True,
+                        free_waste=free)
+        adm.busy = 1.0
+        adm.layers[0].precision = [0.1] * 4
+        assert adm.admit(0, 0, [0, 1, 2]) == admitted
+        assert adm.waste_cost() == (0.0 if free else 1.0)
+        _hit_and_two_wasted(adm)
         assert adm.layers[0].on is stays_on
 
 
@@ -130,8 +155,14 @@ class _Scripted:
         return Scripted()
 
 
-def test_the_runtime_turns_an_adversarial_prefetch_off_and_back_on(tmp_path):
+@pytest.mark.parametrize("tier", ["emulated", "gpu"])
+def test_the_runtime_turns_an_adversarial_prefetch_off_and_back_on(tmp_path, tier):
+    """On the gpu tier (the CPU's stand-in) too, where wasted copies cost nothing: the
+    experts the wrong prefetches evicted, then missed, turn the layers off."""
+    from contextlib import nullcontext
+
     from stmoe.predictors.base import ModelShape
+    from stmoe.runtime.accelerator import stand_in
     from stmoe.runtime.api import offload
     from stmoe.runtime.forced_routing import ForcedRouting, RoutingPlan
     from stmoe.runtime.store import pack
@@ -149,11 +180,13 @@ def test_the_runtime_turns_an_adversarial_prefetch_off_and_back_on(tmp_path):
     forced.remove()
     fresh, _ = tiny_model("mixtral")
     predictor = _Scripted(ModelShape(layers, 8, 2), wrong=12)
-    with offload(fresh, store, capacity=3, predictor=predictor, tier="emulated",
-                 bandwidth="1GB", workers=1) as om:
+    link = {"bandwidth": "1GB"} if tier == "emulated" else {}
+    with (stand_in() if tier == "gpu" else nullcontext()), offload(
+            fresh, store, capacity=3, predictor=predictor, tier=tier, workers=1, **link) as om:
         result = om.force_routing(plan)
     assert result.tokens == want  # lossless, whatever admission decided
     adm = result.stats["admission"]
+    assert adm["serial"] is True and adm["free_waste"] is (tier == "gpu")
     assert adm["turned_off"] >= layers - 1  # every predicted layer lost its first window
     assert adm["probes"] >= layers - 1 and sum(adm["off_calls"]) > 0
     assert adm["layers_off"] == []  # the prediction turned right: prefetch back on

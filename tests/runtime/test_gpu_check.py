@@ -155,3 +155,35 @@ def test_a_rehearsal_is_a_dry_run_of_the_real_shape_and_routing(tmp_path):
     dry = Check(tmp_path / "d.json", True, "x", 60.0, routing=path)
     assert dry.tiny and "rehearsal" not in dry.doc
     assert "SYNTHETIC" in held_out(dry, 2)[2]
+
+
+def test_the_forecast_reads_the_checks_targets_off_the_simulator(tmp_path):
+    """benchmarks/gpu_forecast.py's logic: at every ASSUMED point each system gets a rate, the
+    GPU-resident model (no copy at all) is the bound no system passes, the presets are
+    marked ASSUMED and simulate the gpu tier (a serial link where a wasted copy costs no
+    saved read: the runtime's own rule), and the targets are the issue's three."""
+    import dataclasses
+
+    from stmoe.predictors import profile
+    from stmoe.runtime.gpu_check.forecast import SYSTEMS, assumed_grid, forecast, verdicts
+    from stmoe.sim.host.systems import host_costs
+    from stmoe.sim.specs import model_preset
+    from stmoe.trace import synthesize
+    from stmoe.trace.select import held_out_tail
+
+    model = dataclasses.replace(model_preset("stmoe-tiny"), layers=2)
+    trace = synthesize(tokens=60, layers=2, experts=model.num_experts, top_k=model.top_k,
+                       sequences=1, prefill_fraction=0.1, seed=4)
+    head, tail = held_out_tail(trace, 30, 4)
+    points = list(assumed_grid(model, 0.5, tmp_path))
+    assert len(points) == 6 and all("ASSUMED" in label for label, _ in points)
+    for label, hw in points:
+        assert "ASSUMED" in (tmp_path / f"{hw.name}.toml").read_text()
+        costs = host_costs(model, hw)
+        assert costs.fifo and costs.free_waste
+        r = forecast(hw, model, tail, profile(head), 0.5)
+        assert set(r) == {*SYSTEMS, "resident"} and min(r.values()) > 0, label
+        assert max(r[s] for s in SYSTEMS) <= r["resident"] * 1.001, (label, r)
+        assert r["on-demand"] < r["lru-only"] <= r["oracle"], (label, r)
+        assert [name for name, _, _ in verdicts(r)] == [
+            "stmoe-plus / lru-only", "lru-only -> oracle gap closed", "stmoe-plus / resident"]

@@ -215,6 +215,17 @@ def host_trace(tokens=40):
     return trace_for(MODEL, tokens=tokens, sequences=1, seed=3)
 
 
+def test_the_host_pipeline_takes_the_runtimes_link_rule_per_tier(tmp_path):
+    """Serial link and free waste from ``stmoe.admission.link_of``, as the runtime's engine
+    takes them: a simulated gpu tier admits as the runtime's does."""
+    from stmoe.sim.host.systems import host_costs
+
+    for tier, serial, free in (("gpu", True, True), ("emulated", True, False),
+                               ("disk", False, False), ("gpu-disk", False, False)):
+        costs = host_costs(MODEL, host_spec(tmp_path, tier=tier))
+        assert (costs.fifo, costs.free_waste) == (serial, free), tier
+
+
 def test_on_demand_on_the_host_is_compute_plus_every_read_in_turn(tmp_path):
     from stmoe.sim.host.systems import HostOptions, simulate_runtime
 

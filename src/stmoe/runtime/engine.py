@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from stmoe.admission import Admission
+from stmoe.admission import Admission, link_of
 from stmoe.cache_policy import RUNTIME, policy_code
 from stmoe.errors import OffloadError
 from stmoe.hf.layout import ModelLayout
@@ -136,9 +136,10 @@ class OffloadEngine:
             self.state.run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), future,
                                       self.num_layers)
             if self.settings.admission:  # measured afresh in every run
+                serial, free_waste = link_of(self.tier.name)
                 self.state.run.admission = Admission(self.num_layers, self.capacity,
-                                                     self.predictor.horizon,
-                                                     serial=self.tier.emulated)
+                                                     self.predictor.horizon, serial=serial,
+                                                     free_waste=free_waste)
             self.prefetcher.discard_error()
 
     @property

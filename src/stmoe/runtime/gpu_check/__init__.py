@@ -8,6 +8,8 @@ claimed by a dry run.
     stages.py     every stage, in order (STAGES)
     record.py     the run's JSON and clock (``Check``)
     targets.py    the targets as {name, met, value, goal}
+    forecast.py   the decode table's targets forecast by the simulator (no GPU; ASSUMED
+                  costs or a calibrated preset): benchmarks/gpu_forecast.py
 
 Why in the package: the check runs once on a borrowed GPU machine, so its plumbing is
 tested here on the CPU (``dry_run=True``: tiny sizes, the CPU's stand-in for a GPU, no

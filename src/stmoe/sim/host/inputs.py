@@ -23,6 +23,7 @@ class HostCosts:
     fifo: bool  # one serial link (emulated) rather than a shared device (disk)
     chunks: int = 1  # pieces of a worker's read (the compute thread's reads are whole)
     chunk_s: float = 0.0  # one piece alone (0: read_s / chunks)
+    free_waste: bool = False  # a wasted read costs admission no saved read (a GPU's copies)
 
 
 @dataclass(frozen=True)

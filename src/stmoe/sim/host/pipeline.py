@@ -78,7 +78,8 @@ class _Sim:
         self.size = np.zeros(n_layers, dtype=np.int64)
         self.clock = np.zeros(n_layers, dtype=np.int64)
         self.tier = Tier(costs)
-        self.adm = (Admission(n_layers, run.capacity, run.horizon, serial=costs.fifo)
+        self.adm = (Admission(n_layers, run.capacity, run.horizon, serial=costs.fifo,
+                              free_waste=costs.free_waste)
                     if run.admission and not run.oracle else None)
         self.decode_read_s = 0.0  # decode reads' seconds and count (what admission is told)
         self.decode_reads = 0

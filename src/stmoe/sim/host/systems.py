@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from stmoe.admission import link_of
 from stmoe.evaluate.systems import OFFLOAD_SYSTEMS, compared_predictor
 from stmoe.predictors import REGISTRY, ModelShape, ProfiledTables, make
 from stmoe.sim.host.pipeline import HostCosts, HostRun, simulate_host
@@ -55,6 +56,7 @@ def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
             else flows[hw.dataflow])
     rate = hw.pe_macs_per_cycle * hw.clock_hz * flow.utilisation(1)
     read_s = hw.link_latency_s + model.expert_bytes / hw.link_bytes_per_s
+    serial, free_waste = link_of(host.tier)  # the runtime's own rule (stmoe.admission)
     parallel = read_s / (model.expert_bytes / host.read_parallel_bytes_per_s)
     chunks = max(1, math.ceil(model.expert_bytes / host.chunk_bytes))
     return HostCosts(layer_s=host.layer_s, token_s=host.token_s,
@@ -63,7 +65,7 @@ def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
                      first_touch_s=host.first_touch_s,
                      parallel=parallel, workers=host.workers,
                      # one serial link: the emulated one, or a GPU's one copy engine
-                     fifo=host.tier in ("emulated", "gpu"), chunks=chunks,
+                     fifo=serial, free_waste=free_waste, chunks=chunks,
                      # every piece pays the latency (a preadv, a link transfer, of its own)
                      chunk_s=hw.link_latency_s
                      + model.expert_bytes / chunks / hw.link_bytes_per_s)

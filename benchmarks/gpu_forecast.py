@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""A FORECAST of the GPU check's decode table from the simulator's host pipeline: no GPU,
+nothing measured (``stmoe.runtime.gpu_check.forecast``; docs/simulator.md).
+
+    PYTHONPATH=src python3 benchmarks/gpu_forecast.py                  # ASSUMED GPU costs
+    PYTHONPATH=src python3 benchmarks/gpu_forecast.py --hardware calibrated-gpu.toml
+
+The routing, its held-out split (tables profiled on tokens 0..99, the rest replayed), the
+model's shape and the systems are the check's; the costs a grid of ASSUMED ones (public
+link figures, a GUESSED compute time per layer) or a ``stmoe calibrate --tier gpu`` preset.
+Per point: each system's decode tokens/s and the issue's decode targets as a forecast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from stmoe.predictors import profile
+from stmoe.runtime.gpu_check.forecast import SHARES, assumed_grid, forecast, verdicts
+from stmoe.runtime.gpu_check.setup import CARRIED, LAYERS, LIKE, SAMPLE, SPLIT_AT, SPLIT_PROMPT
+from stmoe.sim.specs import hardware_preset, model_preset
+from stmoe.trace import load_trace
+from stmoe.trace.select import held_out_tail, select_layers
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hardware", type=Path, default=None,
+                    help="a `stmoe calibrate --tier gpu` preset (default: the ASSUMED grid)")
+    ap.add_argument("--routing", type=Path, default=None,
+                    help=f"the recorded routing (default {CARRIED}, else ../shared/traces)")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="MoE layers (the check's: 4)")
+    a = ap.parse_args()
+    path = a.routing or next((p for p in (REPO / CARRIED, REPO.parent / "shared" / "traces"
+                                           / SAMPLE) if p.is_file()), None)
+    if path is None:
+        ap.error("no recorded routing: run benchmarks/gpu_check.py --prepare, or --routing")
+    head, tail = held_out_tail(select_layers(load_trace(path), str(a.layers)), SPLIT_AT,
+                               SPLIT_PROMPT)
+    tables = profile(head)
+    model = dataclasses.replace(model_preset(LIKE), layers=a.layers)
+    print(f"FORECAST, not a measurement: {path.name}, {a.layers} MoE layers of {LIKE}, "
+          f"HELD-OUT tables (profiled on tokens 0..{SPLIT_AT - 1}, "
+          f"{tail.num_tokens - SPLIT_PROMPT} decode tokens replayed)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for share in SHARES:
+            points = ([(str(a.hardware), hardware_preset(str(a.hardware)))] if a.hardware
+                      else assumed_grid(model, share, Path(tmp)))
+            for label, hw in points:
+                r = forecast(hw, model, tail, tables, share)
+                rates = " ".join(f"{k} {v:.1f}" for k, v in r.items())
+                marks = "; ".join(f"{n} {v:.2f} ({'MET' if v >= g else 'NOT MET'})"
+                                  for n, v, g in verdicts(r))
+                print(f"{share:.0%} in HBM, {label}: {rates} tok/s | {marks}")
+
+
+if __name__ == "__main__":
+    main()
