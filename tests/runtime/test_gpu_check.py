@@ -57,6 +57,13 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys):
     assert [r["system"] for r in sim] == ["on-demand", "lru-only", "stmoe", "stmoe-plus",
                                           "oracle"]
     assert all(r["simulated_tok_s"] > 0 and r["measured_tok_s"] for r in sim)
+    # the calibrated preset comes back beside the JSON (gpu_forecast.py --hardware reads it)
+    preset = tmp_path / doc["stages"]["calibrate_simulator"]["preset_file"]
+    assert preset.name == "check.calibrated-gpu.toml"
+    from stmoe.sim.specs import hardware_preset
+
+    host = hardware_preset(str(preset)).host
+    assert host is not None and host.tier == "gpu"
     assert doc["stages"]["tier_gpu"]["runs"][0]["identical"] is True
     assert doc["stages"]["cuda_tests"]["ran"] is False
     printed = capsys.readouterr().out

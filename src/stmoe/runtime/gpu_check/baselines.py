@@ -100,7 +100,9 @@ def calibrate_simulator(c: Check) -> dict[str, Any]:
                                seconds=0.3 if c.dry else 2.0, tokens=2 if c.dry else 8)
     with device_context(c):
         figures = calibrate(s.model_dir, s.store, options)
-    preset = c.work / "calibrated-gpu.toml"
+    # beside the JSON, so it comes back with it: benchmarks/gpu_forecast.py --hardware
+    preset = c.out.with_name(f"{c.out.stem}.calibrated-gpu.toml")
+    preset.parent.mkdir(parents=True, exist_ok=True)
     preset.write_text(hardware_toml(figures))
     model = dataclasses.replace(model_preset(s.like), layers=s.layers)
     sim = simulate_runtime(load_trace(s.routing), model, hardware_preset(str(preset)),
@@ -121,4 +123,5 @@ def calibrate_simulator(c: Check) -> dict[str, Any]:
                      if got and simulated > 0 else None})
     keep = ("bytes_per_s", "parallel_bytes_per_s", "latency_s", "token_s", "layers_s",
             "experts_s", "workers")
-    return {"preset": {k: figures[k] for k in keep}, "capacity": capacity, "systems": rows}
+    return {"preset": {k: figures[k] for k in keep}, "preset_file": preset.name,
+            "capacity": capacity, "systems": rows}

@@ -8,7 +8,7 @@ routing it replays, whatever the GPU's speed. The routing's held-out split, the 
 shape and the systems are the check's own (``setup``); the costs are either a grid of
 ASSUMED ones (public link figures: 25 GB/s pinned over PCIe Gen4 x16, 50 over Gen5, 7 us a
 copy; a GUESSED compute time per MoE layer, x0.5 to x3) or a preset ``stmoe calibrate
---tier gpu`` wrote (the check writes one: calibrated-gpu.toml).
+--tier gpu`` wrote (the check writes one beside its JSON: gpu_check.calibrated-gpu.toml).
 """
 
 from __future__ import annotations
