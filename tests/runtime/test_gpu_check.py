@@ -94,6 +94,31 @@ def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path):
     assert not any(t["name"].startswith("the pinned store's") for t in doc["targets"])
 
 
+def test_the_targets_are_written_after_every_stage(tmp_path):
+    """A run the machine kills mid-stage (its time limit) still leaves the targets of the
+    stages that finished: they are read after each stage, not once at the end."""
+    out = tmp_path / "check.json"
+    seen: list[list[str]] = []
+
+    def look(c: Check) -> dict[str, Any]:  # what a kill here would leave on disk
+        seen.append([t["name"] for t in json.loads(out.read_text())["targets"]])
+        return {}
+
+    run_stages(out, dry_run=True, stages={"environment": STAGES["environment"],
+                                          "h2d": STAGES["h2d"], "probe": look})
+    assert any(name.startswith("the pinned store's registered mapping") for name in seen[0])
+    assert len(seen[0]) == len(json.loads(out.read_text())["targets"])  # read once, not twice
+
+
+def test_unfinished_cuda_tests_are_not_judged():
+    from stmoe.runtime.gpu_check.targets import _passed
+
+    assert _passed({"ran": True, "returncode": 0}) is True
+    assert _passed({"ran": True, "returncode": 1}) is False
+    assert _passed({"ran": True, "returncode": None}) is None  # stopped at the budget
+    assert _passed({"ran": False}) is None
+
+
 def test_stages_past_the_budget_are_skipped(tmp_path):
     stages = {"environment": lambda c: {"ran": True}, "h2d": lambda c: {"ran": True}}
     doc = run_stages(tmp_path / "check.json", dry_run=True, budget_s=-1.0, stages=stages)

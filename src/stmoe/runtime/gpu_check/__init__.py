@@ -50,8 +50,11 @@ def run_stages(out: Path, *, dry_run: bool = False, commit: str = "unknown",
     try:
         for name, fn in (STAGES if stages is None else stages).items():
             c.stage(name, lambda fn=fn: fn(c))
+            # after every stage, not once at the end: a run killed by the machine's time
+            # limit still leaves the targets its finished stages can be read against
+            c.doc["targets"] = []
+            targets(c)
+            c.write()
     finally:
         shutil.rmtree(c.work, ignore_errors=True)  # the checkpoint and store made there
-    targets(c)
-    c.write()
     return c.doc

@@ -62,9 +62,13 @@ class Check:
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {name}: {rec['status']}", flush=True)
         self.write()
 
+    def elapsed(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.t0
+
     def out_of_time(self) -> bool:
         """Whether the run is past its budget (a stage's own runs stop starting)."""
-        return time.perf_counter() - self.t0 > self.budget_s
+        return self.elapsed() > self.budget_s
 
     def target(self, name: str, met: bool | None, value: object, goal: str,
                note: str = "") -> None:

@@ -182,7 +182,17 @@ def cuda_tests(c: Check) -> dict[str, Any]:
         raise RuntimeError("no checkout to run the cuda-marked tests in (run_stages' repo)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(c.repo / "src"), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(cmd, cwd=c.repo, env=env, capture_output=True, text=True, timeout=300)
+    # at most a minute past the run's budget: the machine's own limit kills the whole command
+    timeout = min(300.0, max(60.0, c.budget_s + 60.0 - c.elapsed()))
+    try:
+        run = subprocess.run(cmd, cwd=c.repo, env=env, capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or b""
+        tail = (out.decode(errors="replace") if isinstance(out, bytes) else out)[-4000:]
+        return {"command": cmd, "ran": True, "returncode": None,
+                "summary": f"stopped after {timeout:.0f} s (the run's time budget)",
+                "output_tail": tail}
     tail = (run.stdout + run.stderr)[-4000:]
     summary = next((line for line in reversed(tail.splitlines()) if " in " in line), "")
     return {"command": cmd, "ran": True, "returncode": run.returncode, "summary": summary,

@@ -57,7 +57,7 @@ def _identity(c: Check, st: dict[str, Any]) -> None:
     runs = [r for r in st.get("decode_table", {}).get("runs", []) if "skipped" not in r]
     same = [r.get("identical") is True for r in runs]
     tests = st.get("cuda_tests", {})
-    passed = (tests.get("returncode") == 0) if tests.get("ran") else None
+    passed = _passed(tests)
     met = None if not runs or passed is None else all(same) and passed
     c.target("bit-identical to the GPU-resident model in the same format, every family, "
              "every predictor, bf16 and int4", met,
@@ -79,14 +79,19 @@ def _environment_targets(c: Check, st: dict[str, Any]) -> None:
                  "dequantized matrix (max error / max value)",
                  (max(errs) <= 0.02) if errs else None, max(errs) if errs else None, "<= 0.02")
     t = st.get("cuda_tests", {})
-    c.target("the cuda-marked tests pass", (t.get("returncode") == 0) if t.get("ran") else None,
-             t.get("summary"), "all pass")
+    c.target("the cuda-marked tests pass", _passed(t), t.get("summary"), "all pass")
     runs = st.get("tier_gpu", {}).get("runs", [])
     same = [r["identical"] for r in runs]
     c.target("--tier gpu: greedy tokens identical to the GPU-resident shipped model",
              all(x is True for x in same) if same else None,
              f"{sum(x is True for x in same)} of {len(same)} runs" if same else None,
              "all identical")
+
+
+def _passed(tests: dict[str, Any]) -> bool | None:
+    """The cuda-marked tests' verdict: None where they did not run or did not finish."""
+    code = tests.get("returncode") if tests.get("ran") else None
+    return None if code is None else code == 0
 
 
 def target_lines(doc: dict[str, Any]) -> list[str]:
