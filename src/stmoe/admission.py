@@ -93,6 +93,12 @@ class Admission:
         # (clock, read seconds so far, reads so far) at the last decode layer call
         self.last_call: tuple[float, float, int] | None = None
 
+    @classmethod
+    def for_tier(cls, num_layers: int, capacity: int, horizon: int, tier: str) -> Admission:
+        """Admission for the tier named ``tier`` (its link: ``link_of``)."""
+        serial, free_waste = link_of(tier)
+        return cls(num_layers, capacity, horizon, serial=serial, free_waste=free_waste)
+
     # ---- what the planner asks -------------------------------------------------------
     def admit(self, fwd: int, layer: int, ranked: list[int]) -> list[int]:
         """The prefix of ``ranked`` worth loading for (call ``fwd``, ``layer``)."""

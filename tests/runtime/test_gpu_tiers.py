@@ -253,6 +253,37 @@ def test_the_loader_fills_a_device_slot_and_returns_its_event(store, kind, parts
         ops.close()
 
 
+def test_cuda_streams_belong_to_the_callers_device_not_each_threads(monkeypatch):
+    """A loading thread starts on device 0 whatever device the caller set, so a stream
+    made there for a cache on cuda:1 would be device 0's: the copy would run on cuda:1's
+    current stream, outside the slot's ready event. Streams name their device."""
+    from stmoe.runtime.store import device_ops
+
+    made: list[dict] = []
+    monkeypatch.setattr(device_ops, "_cudart", lambda: None)
+    monkeypatch.setattr(device_ops.torch.cuda, "Stream", lambda **kw: made.append(kw))
+    ops = device_ops.CudaOps(torch.device("cuda", 1))
+    worker = threading.Thread(target=lambda: ops.new_stream(-1))  # a loading thread's
+    worker.start()
+    worker.join()
+    ops.new_stream()
+    assert sorted(made, key=lambda kw: kw["priority"]) == [
+        {"device": torch.device("cuda", 1), "priority": -1},
+        {"device": torch.device("cuda", 1), "priority": 0}]
+
+
+def test_free_device_memory_counts_what_torchs_allocator_holds_unused(monkeypatch):
+    """The driver counts blocks torch's caching allocator keeps (a closed offload's slots,
+    a reference model's weights) as taken; the plan may use them."""
+    from stmoe.runtime import memory
+
+    monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory.torch.cuda, "mem_get_info", lambda device=None: (10, 100))
+    monkeypatch.setattr(memory.torch.cuda, "memory_reserved", lambda device=None: 7)
+    monkeypatch.setattr(memory.torch.cuda, "memory_allocated", lambda device=None: 3)
+    assert memory.device_free_bytes() == 10 + 4
+
+
 def test_the_gpu_plan_splits_free_memory_and_refuses_too_little():
     from stmoe.runtime.memory import DEVICE_RESERVE, kv_cache_bytes, plan_device_memory
 

@@ -554,6 +554,38 @@ def test_misuse_is_a_clear_error(tmp_path):
         offload(tiny_model("mixtral")[0], store, capacity=2, predictor="ondemand", workers=-1)
 
 
+@pytest.mark.parametrize("tier", ["disk", "gpu"])
+def test_a_closed_model_gives_its_memory_back_without_the_cycle_collector(tmp_path, tier):
+    """The experts modules held the engine and the engine the model: a cycle only Python's
+    collector frees, so a process offloading one model after another (the GPU check's
+    twenty runs) held every run's slots, in HBM on a gpu tier. Now ``close`` gives the
+    slots back and the model and engine go with their last reference."""
+    import gc
+    import weakref
+    from contextlib import nullcontext
+
+    from stmoe.runtime.accelerator import stand_in
+
+    store = pack(tiny_model("mixtral")[0], tmp_path / "store")
+    gc.collect()
+    gc.disable()
+    try:
+        with stand_in() if tier == "gpu" else nullcontext():
+            om = offload(tiny_model("mixtral")[0], store, capacity=2, predictor="ondemand",
+                         tier=tier)
+            om.generate([5, 6, 7], max_new_tokens=2)
+            engine, model = weakref.ref(om.engine), weakref.ref(om.model)
+            caches = om.engine.caches
+            om.close()
+            assert all(c.rows == {} and c.slabs == {} for c in caches)
+            with pytest.raises(OffloadError, match="closed"):
+                om.model(torch.tensor([[5, 6]]))
+            del om
+            assert engine() is None and model() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("point", ["late", "early"])
 def test_the_runtime_computes_the_same_gate_lookahead_as_capture(tmp_path, point):
     from stmoe.predictors import make

@@ -175,3 +175,56 @@ def test_the_stand_in_waits_through_the_events_own_wait_and_fails_in_the_caller(
     with pytest.raises(AttributeError, match="wait"):
         ops.wait(None, NoWait())  # type: ignore[arg-type]
     ops.close()
+
+
+def _gpu_engine(tmp_path, ops):
+    """An offloaded tiny model on the gpu tier's stand-in (``ops``), nothing loaded yet."""
+    from stmoe.runtime.accelerator import stand_in
+    from stmoe.runtime.store import pack
+
+    store = pack(tiny_model("qwen2_moe")[0], tmp_path / "store")
+    return stand_in(ops=ops), lambda: offload(tiny_model("qwen2_moe")[0], store, capacity=2,
+                                              predictor="ondemand", tier="gpu")
+
+
+def test_a_load_that_fails_after_queuing_its_copies_leaves_them_to_the_next_write(tmp_path):
+    """A fill that raises after its copies were queued (an error in a conversion, say):
+    the slot goes back to FREE, and the next loader of it must wait for those copies, or
+    they could land after its own. The failure's event is the slot's until then."""
+    ops = HostThreadOps(delay=0.3)
+    device, offloaded = _gpu_engine(tmp_path, ops)
+    with device, offloaded() as om:
+        state = om.engine.state
+        queued = state.loader.fill
+
+        def fails_after_queuing(*args, **kwargs):
+            queued(*args, **kwargs)  # its copies land 0.3 s from now
+            raise OSError("a conversion failed")
+
+        state.loader.fill = fails_after_queuing
+        cache = state.caches[0]
+        with pytest.raises(OSError, match="conversion"):
+            state.fill(cache, 0, state.store.blocks[(0, 0)], None, ops.new_stream())
+        pending = state.events[0].ready[0]
+        assert pending is not None and not pending.query()  # the next write waits on it
+        pending.synchronize()
+
+
+def test_a_slots_conversion_is_not_timed_as_its_copy(tmp_path, monkeypatch):
+    """Where a slot holds its kernel's layout (int4 on CUDA), the conversion runs on the
+    copy's stream before the slot's ready event; the run's copy timeline takes the copy
+    alone, or the achieved bandwidth would count conversion kernels as transfer time."""
+    ops = HostThreadOps()
+    device, offloaded = _gpu_engine(tmp_path, ops)
+    with device, offloaded() as om:
+        state = om.engine.state
+        cache = state.caches[0]
+        monkeypatch.setattr(cache, "layouts", {"stand-in": None})
+        monkeypatch.setattr(cache, "convert", lambda slot: time.sleep(0.3))
+        spans = []
+        monkeypatch.setattr(state.run.timeline, "copy", lambda phase, span: spans.append(span))
+        ready = state.fill(cache, 0, state.store.blocks[(0, 0)], None, ops.new_stream())
+        ready.synchronize()
+        (span,) = spans
+        assert ops.elapsed(span.start, span.end) < 0.15  # the copy's
+        assert ops.elapsed(ready.start, ready.end) >= 0.3  # the ready event's: with it

@@ -59,8 +59,9 @@ def accelerator(tier: str) -> Accelerator:
             return _STAND_IN[-1]
     if not torch.cuda.is_available():
         raise OffloadError(f"--tier {tier} {NO_CUDA}")
-    return Accelerator(torch.device("cuda"), CudaOps(), CudaHostPinning(), device_free_bytes,
-                       "cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the caller's, by index
+    return Accelerator(device, CudaOps(device), CudaHostPinning(),
+                       lambda: device_free_bytes(device.index), "cuda")
 
 
 @contextmanager

@@ -161,6 +161,10 @@ class LayerCache:
                 row.copy_(lay.convert(row.view(-1).view(torch.uint8).view(p.dtype)
                                       .view(p.shape)).view(row.shape))
 
+    def release(self) -> None:
+        """(lock held; the engine closed) Drop the slots' memory."""
+        self.rows, self.slabs = {}, {}
+
     def row_buffer(self) -> dict[str, torch.Tensor]:
         """One row of each parameter as the slots hold it (``copy_row``'s ``TEMP``): in the
         slot's layout where it has one (int4 on CUDA), not the store's."""

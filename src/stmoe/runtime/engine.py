@@ -35,15 +35,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from stmoe.admission import Admission, link_of
+from stmoe.admission import Admission
 from stmoe.cache_policy import RUNTIME, policy_code
 from stmoe.errors import OffloadError
 from stmoe.hf.layout import ModelLayout
 from stmoe.predictors.base import Predictor
-from stmoe.runtime.cache import READY, LayerCache, param_specs
+from stmoe.runtime.cache import LayerCache, param_specs
 from stmoe.runtime.experts_path import ExpertsPath, Layers
 from stmoe.runtime.forced_routing import RoutingSource
-from stmoe.runtime.hf_glue import ForwardHooks, base_forward, resident_device, take_over
+from stmoe.runtime.hf_glue import ForwardHooks, base_forward, release, resident_device, take_over
 from stmoe.runtime.planning import GateLookahead, PrefetchPlanner, gate_lookahead
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.slot_layout import SlotLayout
@@ -128,18 +128,12 @@ class OffloadEngine:
             # land in (or be counted by) the new run
             self.prefetcher.drain()
             if cold:
-                for cache in self.caches:
-                    for s in range(cache.capacity):
-                        if cache.state[s] == READY:
-                            cache.abandon(s)
-                    cache.uses[:] = 0  # lfu's counts are the run's: none carried into it
+                self.state.forget_cached()
             self.state.run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), future,
                                       self.num_layers)
             if self.settings.admission:  # measured afresh in every run
-                serial, free_waste = link_of(self.tier.name)
-                self.state.run.admission = Admission(self.num_layers, self.capacity,
-                                                     self.predictor.horizon, serial=serial,
-                                                     free_waste=free_waste)
+                self.state.run.admission = Admission.for_tier(
+                    self.num_layers, self.capacity, self.predictor.horizon, self.tier.name)
             self.prefetcher.discard_error()
 
     @property
@@ -202,12 +196,16 @@ class OffloadEngine:
             return stats
 
     def close(self) -> None:
-        """Stop the workers and the tier; the model cannot run its experts afterwards."""
+        """Stop the workers and the tier; the model cannot run its experts afterwards. The
+        caches' memory (HBM on a gpu tier) goes now, not at Python's next cycle collection."""
         with self.cv:
             self.state.closed = True
         self.prefetcher.close()
         self.hooks.remove()
         self.tier.close()
+        for _, module in self.layout.modules:
+            release(module, self)
+        self.state.release()
 
     @property
     def tier(self) -> Tier:

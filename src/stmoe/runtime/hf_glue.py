@@ -98,6 +98,24 @@ class ExpertsEngine(Protocol):
                         *args: Any, **kwargs: Any) -> torch.Tensor: ...
 
 
+class _Closed:
+    """What an experts module points to once its engine is closed: a clear error for a call,
+    and no reference back to the engine (whose caches would otherwise live on, on the GPU
+    too, until Python's cycle collector ran: module -> engine -> model -> module)."""
+
+    def experts_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise OffloadError("this offloaded model was closed; offload it again to run it")
+
+
+CLOSED = _Closed()
+
+
+def release(module: torch.nn.Module, engine: object) -> None:
+    """``module``, taken over by ``engine`` (now closed), no longer refers to it."""
+    if getattr(module, "_stmoe_engine", None) is engine:
+        module._stmoe_engine = CLOSED  # type: ignore[assignment]
+
+
 def take_over(module: torch.nn.Module, engine: ExpertsEngine, num_experts: int) -> None:
     """Release the module's per-expert parameters (storage-free meta tensors from now on)
     and send its experts calls to ``engine.experts_forward``."""
@@ -186,6 +204,10 @@ class ForwardHooks:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles = []
+        # the engine holds these hooks: without this the pair (and the engine's model) would
+        # live on until Python's cycle collector ran
+        del self.engine, self.planner
 
     def _open(self) -> list[Step | None]:
         stack = getattr(self._steps, "stack", None)

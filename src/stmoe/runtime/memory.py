@@ -240,7 +240,10 @@ def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, batch
 
 
 def device_free_bytes(device: int | None = None) -> int:
-    """Free memory on a CUDA device now (``torch.cuda.mem_get_info``)."""
+    """Memory a CUDA device can give this process now: the driver's free memory
+    (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds unused, which
+    the driver counts as taken (an earlier model's, or a closed offload's, freed blocks)."""
     if not torch.cuda.is_available():
         raise OffloadError("planning GPU memory needs CUDA, and torch sees no GPU here")
-    return int(torch.cuda.mem_get_info(device)[0])
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(torch.cuda.mem_get_info(device)[0]) + max(0, int(cached))

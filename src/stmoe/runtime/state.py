@@ -27,7 +27,7 @@ import torch
 
 from stmoe.admission import Admission
 from stmoe.errors import OffloadError
-from stmoe.runtime.cache import LayerCache
+from stmoe.runtime.cache import READY, LayerCache
 from stmoe.runtime.device_timing import DeviceTimeline
 from stmoe.runtime.forced_routing import RoutingSource
 from stmoe.runtime.slot_events import SlotEvents
@@ -164,7 +164,8 @@ class EngineState:
         ops = self.device_ops()
         if ops is not None:
             return ops.new_stream(priority)
-        return torch.cuda.Stream(priority=priority) if self.device.type == "cuda" else None
+        return (torch.cuda.Stream(device=self.device, priority=priority)
+                if self.device.type == "cuda" else None)
 
     def fill(self, cache: LayerCache, slot: int, block: Block, buf: object, stream: object,
              between: Between = None) -> CopyEvent | None:
@@ -175,15 +176,22 @@ class EngineState:
         if events is None:  # the copy has landed when ``fill`` returns
             return self.loader.fill(cache, slot, block, buf, stream, between)
         events.before_write(slot, stream)
-        ready = self.loader.fill(cache, slot, block, buf, stream, between, wait=False)
         ops = self.device_ops()
-        if cache.layouts and ready is not None and ops is not None:  # the slot's own layout,
-            ops.launch(stream, lambda: cache.convert(slot))  # made on its stream
-            end = ops.record(stream)
-            ready = CopySpan(ready.start, end, ready.nbytes) if isinstance(ready, CopySpan) \
-                else end
-        if isinstance(ready, CopySpan) and self._run.timeline is not None:
-            self._run.timeline.copy(self._run.phase, ready)
+        try:
+            copied = ready = self.loader.fill(cache, slot, block, buf, stream, between,
+                                              wait=False)
+            if cache.layouts and ready is not None and ops is not None:  # the slot's own
+                ops.launch(stream, lambda: cache.convert(slot))  # layout, on its stream
+                end = ops.record(stream)
+                ready = CopySpan(ready.start, end, ready.nbytes) \
+                    if isinstance(ready, CopySpan) else end
+        except BaseException:  # copies queued before the failure land before the slot's
+            if ops is not None:  # next write (its loader waits on this, then)
+                with self.cv:
+                    events.landing(slot, ops.record(stream))
+            raise
+        if isinstance(copied, CopySpan) and self._run.timeline is not None:
+            self._run.timeline.copy(self._run.phase, copied)  # the copy, not a conversion
         return ready
 
     def filled(self, cache: LayerCache, slot: int, ready: CopyEvent | None) -> None:
@@ -192,6 +200,21 @@ class EngineState:
         cache.filled(slot)
         if self.events is not None:
             self.events[cache.layer].landing(slot, ready)
+
+    def forget_cached(self) -> None:
+        """(lock held) A cold run: no expert stays cached, no use counted (lfu's counts are
+        the run's: none carried into it)."""
+        for cache in self.caches:
+            for s in range(cache.capacity):
+                if cache.state[s] == READY:
+                    cache.abandon(s)
+            cache.uses[:] = 0
+
+    def release(self) -> None:
+        """(the engine closed) The caches' memory given back."""
+        with self.cv:
+            for cache in self.caches:
+                cache.release()
 
     def slot_events(self, cache: LayerCache) -> SlotEvents | None:
         return self.events[cache.layer] if self.events is not None else None

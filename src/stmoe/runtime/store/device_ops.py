@@ -51,7 +51,8 @@ class DeviceOps(Protocol):
     runs), the events after them, and streams of their own for the loaders."""
 
     def new_stream(self, priority: int = 0) -> object:
-        """A copy stream (``priority`` -1: served first where the device can, a demand's)."""
+        """A copy stream (``priority`` -1: a demand's; CUDA's priorities order kernels, not
+        copies, so what keeps a demand's copy ahead is the workers' ``CopyWindow``)."""
         ...
 
     def elapsed(self, start: CopyEvent, end: CopyEvent) -> float:
@@ -147,11 +148,15 @@ class CudaOps:
     """The real copies: ``copy_(non_blocking=True)`` on the stream, an event recorded after
     (timing enabled: the run's copy timeline reads them, ``runtime.device_timing``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         _cudart()
+        # the device its streams belong to: the calling thread's now, not each loading
+        # thread's (a new thread's current device is 0, whatever the caller set)
+        self.device = device if device is not None else torch.device(
+            "cuda", torch.cuda.current_device())
 
     def new_stream(self, priority: int = 0) -> object:
-        return torch.cuda.Stream(priority=priority)
+        return torch.cuda.Stream(device=self.device, priority=priority)
 
     def elapsed(self, start: CopyEvent, end: CopyEvent) -> float:
         return float(start.elapsed_time(end)) / 1e3  # type: ignore[attr-defined]
