@@ -203,7 +203,7 @@ class OffloadEngine:
         self.prefetcher.close()
         self.hooks.remove()
         self.tier.close()
-        for _, module in self.layout.modules:
+        for module in self.path.modules:  # (whoever runs the model: _wire's layers)
             release(module, self)
         self.state.release()
 
