@@ -99,30 +99,56 @@ def test_on_a_device_the_predictor_runs_after_the_layers_compute_is_launched(qwe
         assert pairs and all(p == first for p in pairs), (tier, pairs[:4])
 
 
-def _taught_lookahead(store, tables, tier: str) -> tuple[list, list[bool], list[int]]:
-    """hybrid at the early point: the lookahead rows its predictor was taught, in order;
-    whether each ``_lookahead`` call was handed its ids already on the host; the tokens."""
-    taught, handed = [], []
-    with stand_in(delay=0.002), offload(tiny_model("qwen2_moe")[0], store, capacity=4,
-                                        predictor="hybrid", tables=tables, tier=tier,
-                                        lookahead="early") as om:
-        pred, planner = om.engine.predictor, om.engine.planner
-        learn, look = pred.lookahead, planner._lookahead
-        pred.lookahead = lambda layer, ids, slot: taught.append(
-            (layer, list(ids))) or learn(layer, ids, slot)
-        planner._lookahead = lambda *a, early=None: handed.append(
-            early is not None) or look(*a, early=early)
-        return taught, handed, om.generate(PROMPT, max_new_tokens=NEW).tokens
+def _early_lookahead(om, used: list, handed: list) -> None:
+    """hybrid at the early point: the lookahead rows its predictor is taught (``used``), and
+    whether each ``_lookahead`` call is handed its ids already on the host."""
+    pred, planner = om.engine.predictor, om.engine.planner
+    learn, look = pred.lookahead, planner._lookahead
+    pred.lookahead = lambda layer, ids, slot: used.append(
+        (layer, list(ids))) or learn(layer, ids, slot)
+    planner._lookahead = lambda *a, early=None: handed.append(
+        early is not None) or look(*a, early=early)
 
 
-def test_on_a_device_the_early_lookahead_goes_up_with_the_routers_ids(qwen):
-    # off a device the lookahead's ids come to the host by themselves (.to("cpu")); on one
-    # that would wait for the layer's experts' kernels, so they ride the ids' one copy up
+def _prompt_stream(om, used: list, handed: list) -> None:
+    """stmoe streaming a prompt: the loads each streamed layer queues (``used``), and
+    whether each ``_stream_prompt`` call is handed its counts already on the host."""
+    planner = om.engine.planner
+    assert planner.prompt_routers is not None  # it streams prompts
+    stream, prefetch = planner._stream_prompt, planner._prefetch
+    planner._stream_prompt = lambda layer, hidden, counts=None: handed.append(
+        counts is not None) or stream(layer, hidden, counts)
+
+    def queued(fwd, layer, experts, admit=True) -> None:
+        if not admit:  # a streamed prompt's loads (they skip admission)
+            used.append((layer, list(experts)))
+        prefetch(fwd, layer, experts, admit)
+
+    planner._prefetch = queued
+
+
+@pytest.mark.parametrize("predictor, options, watch", [
+    ("hybrid", {"lookahead": "early"}, _early_lookahead), ("stmoe", {}, _prompt_stream)])
+def test_on_a_device_the_next_layers_host_work_goes_up_with_the_routers_ids(
+        qwen, predictor, options, watch):
+    """What the host needs of the next layer beside the router's ids (the early gate
+    lookahead's ids; a prompt's counts for its next layer's loads): off a device it comes
+    to the host by itself (.to("cpu")); on one that would wait for the layer's experts'
+    kernels, so it is computed before them and rides the ids' one copy up. The same rows
+    taught, or loads queued, in the same order, and the resident model's tokens."""
     store, tables, want = qwen
-    host_taught, host_handed, host_tokens = _taught_lookahead(store, tables, "disk")
-    taught, handed, tokens = _taught_lookahead(store, tables, "gpu")
+    seen = {}
+    for tier in ("disk", "gpu"):
+        used: list = []
+        handed: list[bool] = []
+        with stand_in(delay=0.002), offload(tiny_model("qwen2_moe")[0], store, capacity=4,
+                                            predictor=predictor, tables=tables, tier=tier,
+                                            **options) as om:
+            watch(om, used, handed)
+            seen[tier] = used, handed, om.generate(PROMPT, max_new_tokens=NEW).tokens
+    (host_used, host_handed, host_tokens), (used, handed, tokens) = seen["disk"], seen["gpu"]
     assert host_tokens == tokens == want
-    assert taught == host_taught and len(taught) > 0  # the same rows, in the same order
+    assert used == host_used and len(used) > 0
     assert not any(host_handed) and handed and all(handed)  # on the device: brought up
 
 

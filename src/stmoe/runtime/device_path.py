@@ -36,25 +36,33 @@ class IdsToHost:
 
     def rows(self, ids: torch.Tensor) -> np.ndarray:
         """``ids`` ([tokens, K], on the device) as a host array of the caller's own."""
-        return self.rows_and(ids, None)[0]
+        return self.rows_and(ids)[0]
 
     def rows_and(self, ids: torch.Tensor,
-                 also: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """``rows(ids)`` and ``also`` (more ids on the device: the next layer's early gate
-        lookahead) brought up by the same wait."""
-        tensors = [ids] if also is None else [ids, also]
-        dsts, event = [], None
+                 *also: torch.Tensor | None) -> tuple[np.ndarray | None, ...]:
+        """``rows(ids)`` and each of ``also`` (more on the device: the next layer's early
+        gate lookahead, a prompt's counts for the next layer; None: none) brought up by the
+        same wait, in order."""
+        tensors = [ids, *also]
+        while len(self._bufs) < len(tensors):
+            self._bufs.append(torch.empty(0, dtype=torch.int64))
+        dsts: list[torch.Tensor | None] = []
+        event = None
         for i, t in enumerate(tensors):
+            if t is None:
+                dsts.append(None)
+                continue
             n = t.numel()
             if self._bufs[i].numel() < n or self._bufs[i].dtype != t.dtype:
                 self._bufs[i] = torch.empty(max(n, 64), dtype=t.dtype, pin_memory=t.is_cuda)
-            dsts.append(self._bufs[i][:n].view(t.shape))
-            event = self.ops.copy_async(dsts[-1], t, None)  # queued on the compute stream
+            dst = self._bufs[i][:n].view(t.shape)
+            dsts.append(dst)
+            event = self.ops.copy_async(dst, t, None)  # queued on the compute stream
         assert event is not None
-        event.synchronize()  # the compute stream's copies only, the last after the first
+        event.synchronize()  # the compute stream's copies only, the last after the others
         self.transfers += 1
-        out = [d.numpy().copy() for d in dsts]  # the buffers are the next call's
-        return out[0], (out[1] if also is not None else None)
+        # the buffers are the next call's: each its own copy
+        return tuple(d.numpy().copy() if d is not None else None for d in dsts)
 
 
 class SlotTable:

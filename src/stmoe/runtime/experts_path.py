@@ -83,9 +83,11 @@ class ExpertsPath:
         ids = top_k_index.detach()
         dev = self._on_device()  # a device cache: the ids up once, pinned, non-blocking,
         early = None  # with the next layer's early gate lookahead where there is one
+        counts = None  # or a prompt's counts for the next layer's loads: the same copy
         if dev:
-            rows, early = dev.ids.rows_and(ids, self.planner.early_lookahead(layer,
-                                                                             hidden_states))
+            rows, early, counts = dev.ids.rows_and(
+                ids, self.planner.early_lookahead(layer, hidden_states),
+                self.planner.prompt_counts(layer, hidden_states))
         else:
             rows = (ids if ids.device.type == "cpu" else ids.to("cpu")).numpy()
         if rows.shape[-1] > self.capacity:
@@ -101,7 +103,8 @@ class ExpertsPath:
         predicted, held = self._begin(layer, cache, needed, quick)  # paused if it will wait
         if held is not None:
             return self._run_hits(layer, cache, needed, held, rows, predicted, hidden_states,
-                                  top_k_index, top_k_weights, segments, args, kwargs, early)
+                                  top_k_index, top_k_weights, segments, args, kwargs,
+                                  (early, counts))
         try:
             if dev is None:  # (on a device: after the layer's kernels are launched)
                 self.planner.after_routing(layer, rows, hidden_states)
@@ -124,7 +127,7 @@ class ExpertsPath:
             out = self._compute(layer, params, n, hidden_states, index, top_k_weights,
                                 segments, args, kwargs)
             if dev is not None:  # the predictor's host time overlaps the device's compute
-                self.planner.after_routing(layer, rows, hidden_states, early)
+                self.planner.after_routing(layer, rows, hidden_states, early, counts)
             return out, stall
         finally:
             if in_place:  # computed from the rows: they stay pinned until now
@@ -138,7 +141,8 @@ class ExpertsPath:
                   rows: np.ndarray, predicted: frozenset[int], hidden_states: torch.Tensor,
                   top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   segments: Segments | None, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  early: np.ndarray | None) -> tuple[torch.Tensor, float]:
+                  brought: tuple[np.ndarray | None, np.ndarray | None]
+                  ) -> tuple[torch.Tensor, float]:
         """``run`` where every needed expert was READY at ``_begin`` (``held``: their slots,
         touched there) and the call computes on the slots in place: the same counters and
         bits as the long path, with no wait (pinned, they cannot leave before the unpin)."""
@@ -162,7 +166,7 @@ class ExpertsPath:
                                 segments, args, kwargs)
             self._read(cache, held)
             if self._device is not None:  # the predictor's host time overlaps the compute
-                self.planner.after_routing(layer, rows, hidden_states, early)
+                self.planner.after_routing(layer, rows, hidden_states, *brought)
             return out, 0.0
         finally:
             self._unpin(cache)

@@ -114,10 +114,21 @@ class PrefetchPlanner:
         make the host wait for the whole layer (``experts_path``)."""
         return self._lookahead_ids(layer + 1, hidden) if self._takes_early(layer) else None
 
+    def prompt_counts(self, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The counts ``after_routing(layer, ...)`` will stream the prompt's next layer by,
+        computed where ``hidden`` is, or None where it streams none (``early_lookahead``'s
+        reason: on a device they go up with the router's ids, before the experts' kernels)."""
+        if not (self.predicts and self._streams_prompt()
+                and layer + 1 < self.state.num_layers):
+            return None
+        return self._prompt_counts(layer + 1, hidden)
+
     def after_routing(self, layer: int, rows: np.ndarray, hidden: torch.Tensor,
-                      early: np.ndarray | None = None) -> None:
+                      early: np.ndarray | None = None,
+                      counts: np.ndarray | None = None) -> None:
         """Learn what the router chose and queue the prefetch ``horizon`` layers ahead
-        (``early``: ``early_lookahead``'s ids on the host, where the caller brought them)."""
+        (``early``: ``early_lookahead``'s ids on the host, ``counts``: ``prompt_counts``',
+        where the caller brought them)."""
         if not self.predicts:
             return
         run = self.state.run
@@ -128,7 +139,7 @@ class PrefetchPlanner:
                 if self._takes_early(layer):
                     self._lookahead(layer + 1, hidden, early=early)  # it still learns
                 if not last:
-                    self._stream_prompt(layer + 1, hidden)
+                    self._stream_prompt(layer + 1, hidden, counts)
                 return
             targets = [] if last else self._targets(layer)
         else:
@@ -155,16 +166,23 @@ class PrefetchPlanner:
         return (self.prompt_routers is not None and self.state.run.phase == "prefill"
                 and self.state.run.future is None)
 
-    def _stream_prompt(self, layer: int, hidden: torch.Tensor) -> None:
-        """Queue ``layer``'s loads for the prompt: its router on ``hidden`` (the layer before's
-        MoE input, every token), the experts the most tokens pick first, up to capacity."""
+    def _prompt_counts(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """How many of the prompt's tokens pick each expert at ``layer``: its router on
+        ``hidden`` (the layer before's MoE input, every token), where ``hidden`` is."""
         assert self.prompt_routers is not None
         router = self.prompt_routers[layer]
         picks = lookahead_ids(hidden.reshape(-1, hidden.shape[-1]), router,
-                              min(self.top_k, router.shape[0])).reshape(-1).to("cpu")
-        counts = torch.bincount(picks, minlength=router.shape[0])
-        ranked = torch.argsort(counts, descending=True, stable=True)[: self.capacity]
-        experts = [int(e) for e in ranked.tolist() if counts[e] > 0]
+                              min(self.top_k, router.shape[0])).reshape(-1)
+        return torch.bincount(picks, minlength=router.shape[0])
+
+    def _stream_prompt(self, layer: int, hidden: torch.Tensor,
+                       counts: np.ndarray | None = None) -> None:
+        """Queue ``layer``'s loads for the prompt: the experts the most tokens pick first
+        (``_prompt_counts``, or ``counts``: those, already on the host), up to capacity."""
+        if counts is None:
+            counts = self._prompt_counts(layer, hidden).to("cpu").numpy()
+        ranked = np.argsort(-counts, kind="stable")[: self.capacity]  # ties: smaller id
+        experts = [int(e) for e in ranked if counts[e] > 0]
         # not through admission: its precisions are a decode step's, and a prompt's layer
         # needs most of these anyway
         self._prefetch(self.state.run.fwd, layer, experts, admit=False)
