@@ -48,6 +48,7 @@ tested there with a dry run); this is its CLI.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import shutil
 import tempfile
@@ -91,6 +92,9 @@ def main() -> None:
                            "out/gpu_check.dry-run.json" if a.dry else
                            "docs/results/gpu_check.json")
     commit = a.commit or git_head(REPO)
+    # a hang (a copy that never lands) leaves every thread's stack in the output before the
+    # machine's own limit kills the command
+    faulthandler.dump_traceback_later(a.budget_s + 90.0, exit=False)
     made = None  # the shipped model's store is packed under a cache of this run's own
     if "STMOE_CACHE" not in os.environ:
         made = os.environ["STMOE_CACHE"] = tempfile.mkdtemp(prefix="stmoe-gpu-check-cache-")

@@ -113,8 +113,9 @@ def test_the_targets_are_written_after_every_stage(tmp_path):
 def test_unfinished_cuda_tests_are_not_judged():
     from stmoe.runtime.gpu_check.targets import _passed
 
-    assert _passed({"ran": True, "returncode": 0}) is True
-    assert _passed({"ran": True, "returncode": 1}) is False
+    assert _passed({"ran": True, "returncode": 0, "summary": "12 passed in 30.1s"}) is True
+    assert _passed({"ran": True, "returncode": 0, "summary": "12 skipped in 2.0s"}) is None
+    assert _passed({"ran": True, "returncode": 1, "summary": "1 failed, 11 passed"}) is False
     assert _passed({"ran": True, "returncode": None}) is None  # stopped at the budget
     assert _passed({"ran": False}) is None
 
@@ -219,3 +220,36 @@ def test_the_forecast_reads_the_checks_targets_off_the_simulator(tmp_path):
         assert r["on-demand"] < r["lru-only"] <= r["oracle"], (label, r)
         assert [name for name, _, _ in verdicts(r)] == [
             "stmoe-plus / lru-only", "lru-only -> oracle gap closed", "stmoe-plus / resident"]
+
+
+def test_without_a_gpu_a_real_run_stops_after_the_environment_and_claims_nothing(tmp_path):
+    """Not a dry run, but torch sees no GPU (a driver too old for the CUDA build, say): the
+    environment stage records why, nothing else runs on the CPU's stand-in at full size,
+    and no target is met or not."""
+    seen = []
+    stages = {"environment": STAGES["environment"],
+              "h2d": lambda c: seen.append("h2d") or {}}
+    doc = run_stages(tmp_path / "check.json", dry_run=False, stages=stages)
+    assert list(doc["stages"]) == ["environment"] and seen == []
+    assert "only the environment stage ran" in doc["note"]
+    assert doc["targets"] and all(t["met"] is None for t in doc["targets"])
+
+
+def test_a_store_that_cannot_be_pinned_loses_the_gpu_runs_not_the_table(tmp_path, monkeypatch):
+    """The decode table pins the store once for its gpu runs; a refusal (a 6 GiB
+    cudaHostRegister, say) is recorded, each gpu run then fails alone, recorded, and the
+    gpu-disk runs, which pin nothing, still run."""
+    from stmoe.runtime.gpu_check.decode import decode_table
+    from stmoe.runtime.store.pinned import PinnedStore
+
+    def refused(*args, **kwargs):
+        raise OSError("cudaHostRegister: out of memory")
+
+    monkeypatch.setattr(PinnedStore, "acquire", refused)
+    doc = run_stages(tmp_path / "check.json", dry_run=True, stages={"decode_table": decode_table})
+    table = doc["stages"]["decode_table"]
+    assert table["status"] == "ok" and "out of memory" in table["pinned_store_error"]
+    gpu = [r for r in table["runs"] if r["tier"] == "gpu"]
+    disk = [r for r in table["runs"] if r["tier"] == "gpu-disk"]
+    assert gpu and all("out of memory" in r["error"] for r in gpu)
+    assert disk and all(r["identical"] is True and r["decode_tok_s"] > 0 for r in disk)

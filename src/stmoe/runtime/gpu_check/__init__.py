@@ -45,16 +45,16 @@ def run_stages(out: Path, *, dry_run: bool = False, commit: str = "unknown",
     and the recorded routing, on the CPU: what the GPU run will make and read, minus CUDA)."""
     c = Check(out, dry_run, commit, budget_s, tokens=tokens or (4 if dry_run else 64),
               repo=repo, layers=layers, routing=routing, real_shape=real_shape)
-    if not c.cuda and not dry_run:
-        c.doc["note"] = "torch sees no GPU: only --dry-run makes sense here"
+    c.read_targets = targets
+    chosen = dict(STAGES if stages is None else stages)
+    if not c.cuda and not dry_run:  # the environment says why; nothing else can be measured
+        c.doc["note"] = ("torch sees no GPU: only the environment stage ran (its record says "
+                         "why); only --dry-run makes sense without one")
+        chosen = {k: v for k, v in chosen.items() if k == "environment"}
     try:
-        for name, fn in (STAGES if stages is None else stages).items():
-            c.stage(name, lambda fn=fn: fn(c))
-            # after every stage, not once at the end: a run killed by the machine's time
-            # limit still leaves the targets its finished stages can be read against
-            c.doc["targets"] = []
-            targets(c)
-            c.write()
+        for name, fn in chosen.items():
+            c.stage(name, lambda fn=fn: fn(c))  # (its write reads the targets again)
     finally:
         shutil.rmtree(c.work, ignore_errors=True)  # the checkpoint and store made there
+    c.write()
     return c.doc
