@@ -253,3 +253,18 @@ def test_a_store_that_cannot_be_pinned_loses_the_gpu_runs_not_the_table(tmp_path
     disk = [r for r in table["runs"] if r["tier"] == "gpu-disk"]
     assert gpu and all("out of memory" in r["error"] for r in gpu)
     assert disk and all(r["identical"] is True and r["decode_tok_s"] > 0 for r in disk)
+
+
+def test_the_gpu_disk_runs_leave_time_to_the_stages_after_the_table(tmp_path, monkeypatch):
+    """On a slow disk the gpu-disk runs (last in the decode table) would take the time of
+    the stages after it (accelerate, calibrate, the cuda-marked tests): they stop starting
+    DISK_KEEPS_S before the budget's end; the gpu runs take the budget whole."""
+    from stmoe.runtime.gpu_check import decode
+
+    monkeypatch.setattr(decode, "DISK_KEEPS_S", 1e6)  # no time left for any gpu-disk run
+    doc = run_stages(tmp_path / "check.json", dry_run=True,
+                     stages={"decode_table": decode.decode_table})
+    runs = doc["stages"]["decode_table"]["runs"]
+    assert all("decode_tok_s" in r for r in runs if r["tier"] == "gpu")
+    disk = [r for r in runs if r["tier"] == "gpu-disk"]
+    assert disk and all("kept for the stages after" in r["skipped"] for r in disk)

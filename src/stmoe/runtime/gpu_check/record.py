@@ -68,9 +68,10 @@ class Check:
         """Seconds since the run started."""
         return time.perf_counter() - self.t0
 
-    def out_of_time(self) -> bool:
-        """Whether the run is past its budget (a stage's own runs stop starting)."""
-        return self.elapsed() > self.budget_s
+    def out_of_time(self, keep_s: float = 0.0) -> bool:
+        """Whether the run is past its budget (a stage's own runs stop starting), or within
+        ``keep_s`` of it (time kept for the stages after)."""
+        return self.elapsed() > self.budget_s - keep_s
 
     def target(self, name: str, met: bool | None, value: object, goal: str,
                note: str = "") -> None:
