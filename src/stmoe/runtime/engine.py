@@ -43,7 +43,7 @@ from stmoe.predictors.base import Predictor
 from stmoe.runtime.cache import LayerCache, param_specs
 from stmoe.runtime.experts_path import ExpertsPath, Layers
 from stmoe.runtime.forced_routing import RoutingSource
-from stmoe.runtime.hf_glue import ForwardHooks, base_forward, release, resident_device, take_over
+from stmoe.runtime.hf_glue import ForwardHooks, base_forward, detach, resident_device, take_over
 from stmoe.runtime.planning import GateLookahead, PrefetchPlanner, gate_lookahead
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.slot_layout import SlotLayout
@@ -204,7 +204,7 @@ class OffloadEngine:
         self.hooks.remove()
         self.tier.close()
         for module in self.path.modules:  # (whoever runs the model: _wire's layers)
-            release(module, self)
+            detach(module, self)
         self.state.release()
 
     @property

@@ -110,7 +110,7 @@ class _Closed:
 CLOSED = _Closed()
 
 
-def release(module: torch.nn.Module, engine: object) -> None:
+def detach(module: torch.nn.Module, engine: object) -> None:
     """``module``, taken over by ``engine`` (now closed), no longer refers to it."""
     if getattr(module, "_stmoe_engine", None) is engine:
         module._stmoe_engine = CLOSED  # type: ignore[assignment]

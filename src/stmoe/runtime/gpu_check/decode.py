@@ -51,11 +51,11 @@ def decode_table(c: Check) -> dict[str, Any]:
         for tier in TIERS:
             for capacity in CAPACITIES:
                 for system in SYSTEMS:
-                    if c.out_of_time(DISK_KEEPS_S if tier == "gpu-disk" else 0.0):
+                    keep = DISK_KEEPS_S if tier == "gpu-disk" else 0.0
+                    if c.out_of_time(keep):
+                        why = f" less the {keep:.0f} s kept for the stages after" if keep else ""
                         runs.append({"system": system, "capacity": capacity, "tier": tier,
-                                     "skipped": "over the time budget" + (
-                                         f" less the {DISK_KEEPS_S:.0f} s kept for the "
-                                         "stages after" if tier == "gpu-disk" else "")})
+                                     "skipped": f"over the time budget{why}"})
                         continue
                     try:
                         runs.append(offloaded_run(c, s, system, capacity, tier))
@@ -72,13 +72,12 @@ def offloaded_run(c: Check, s: Setup, system: str, capacity: str, tier: str) -> 
     from stmoe.evaluate.systems import OFFLOAD_SYSTEMS, compared_predictor
     from stmoe.predictors import REGISTRY, load_tables
     from stmoe.runtime.api import offload
+    from stmoe.runtime.warm_up import warm_up
 
     predictor, policy = OFFLOAD_SYSTEMS[system]
     pred = predictor if predictor == "ondemand" else compared_predictor(
         predictor, load_tables(s.tables))
     tables = s.tables if isinstance(pred, str) and REGISTRY[pred].needs_tables else None
-    from stmoe.runtime.warm_up import warm_up
-
     started = time.perf_counter()
     with offload(s.model_dir, s.store, capacity=capacity, predictor=pred, tables=tables,
                  policy=policy, tier=tier) as om:

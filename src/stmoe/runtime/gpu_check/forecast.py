@@ -19,13 +19,14 @@ from pathlib import Path
 
 from stmoe.evaluate.compare import closed
 from stmoe.predictors import ProfiledTables
+from stmoe.runtime.gpu_check.decode import CAPACITIES, SYSTEMS
 from stmoe.sim.host.calibrated import hardware_toml
 from stmoe.sim.host.systems import HostOptions, simulate_runtime
 from stmoe.sim.specs import HardwareSpec, ModelSpec, hardware_preset
 from stmoe.trace.schema import RoutingTrace
 
-SYSTEMS = ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle")
-SHARES = (0.25, 0.5)  # of the experts in HBM, as the check's decode table
+# of the experts in HBM: the decode table's capacities
+SHARES = tuple(float(share.rstrip("%")) / 100 for share in CAPACITIES)
 LINKS = (25e9, 50e9)  # pinned host-to-device, PCIe Gen4 x16 and Gen5 (public figures)
 COPY_S = 7e-6  # one cudaMemcpyAsync (public figure: 5-7 us)
 # GUESSED: one layer's experts call, the rest of a decoder layer, a token outside its

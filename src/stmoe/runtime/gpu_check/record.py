@@ -61,7 +61,7 @@ class Check:
                        "traceback": traceback.format_exc()[-3000:]}
         rec["seconds"] = round(time.perf_counter() - started, 2)
         self.doc["stages"][name] = rec
-        print(f"[{time.perf_counter() - self.t0:6.1f}s] {name}: {rec['status']}", flush=True)
+        print(f"[{self.elapsed():6.1f}s] {name}: {rec['status']}", flush=True)
         self.write()
 
     def elapsed(self) -> float:
@@ -91,7 +91,7 @@ class Check:
         if self.read_targets is not None:
             self.doc["targets"] = []
             self.read_targets(self)
-        self.doc["elapsed_s"] = round(time.perf_counter() - self.t0, 2)
+        self.doc["elapsed_s"] = round(self.elapsed(), 2)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.doc, indent=1, default=str) + "\n")
