@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import one_line_error
@@ -606,6 +606,9 @@ def test_export_then_import_gives_the_trace_back(tmp_path, tokens, layers, exper
 
     trace = synthesize(tokens=tokens, layers=layers, experts=experts, top_k=k,
                        sequences=min(sequences, tokens // 2), seed=seed)
+    # a trace whose every id is 0 (4 tokens, top-1, seed 89) is refused on import by design:
+    # vLLM's all-zeros signature (tests/trace/test_vllm_real.py checks that refusal)
+    assume(np.asarray(trace.experts).any())
     if ids:
         trace = dataclasses.replace(trace, token_ids=np.arange(tokens, dtype=np.int64) + 5)
     if dense:  # model layers 1, 3, 5, ...: dense layers between, restored as -1 and dropped
