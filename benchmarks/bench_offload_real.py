@@ -82,6 +82,7 @@ SYSTEMS = {  # name: (predictor, cache policy)
     "stmoe-plus": ("stmoe-plus", "lru"),
     "stmoe-plus-2k": ("stmoe-plus", "lru"),  # 2K experts per prediction: more recall, more loads
     "oracle": ("oracle", "lru"),
+    "stmoe-plus-score": ("stmoe-plus", "score"),  # victims: what stmoe-plus scores lowest
     # admission off (every predicted load made, the runtime before issue 27): the A/B
     "stmoe-all": ("stmoe", "lru"),
     "stmoe-plus-all": ("stmoe-plus", "lru"),

@@ -12,7 +12,7 @@ import stmoe
 from stmoe import cache_policy as cp
 from stmoe.evaluate.cache_replay import replay_cache
 from stmoe.predictors import ModelShape, make
-from stmoe.predictors.base import PrefetchPlan
+from stmoe.predictors.base import PredictorError, PrefetchPlan
 from stmoe.sim.accelerator.systems import RunOptions, run_system
 from stmoe.sim.specs import SpecError, hardware_preset, model_preset
 
@@ -44,14 +44,15 @@ def test_the_victim_is_an_unprotected_resident_and_ties_go_to_the_smaller_id(nam
     protected = np.array([0, 0, 1, 0, 0, 0])
     flat = np.zeros(n, dtype=np.int64)
     never = np.full(n, cp.NEVER, dtype=np.int64)
-    assert cp.choose_victim(resident, protected, flat, flat, never, code) == 1
+    assert cp.choose_victim(resident, protected, flat, flat, never, cp.NO_SCORES, code) == 1
     everyone = np.ones(n, dtype=np.int64)
-    assert cp.choose_victim(resident, everyone, flat, flat, never, code) == -1
+    assert cp.choose_victim(resident, everyone, flat, flat, never, cp.NO_SCORES, code) == -1
     rng = np.random.default_rng(0)
     for _ in range(50):
         res, prot = rng.random(n) < 0.7, rng.random(n) < 0.3
         last, uses, nxt = (rng.integers(0, 3, n) for _ in range(3))
-        v = cp.choose_victim(res, prot, last, uses, nxt, code)
+        score = rng.integers(0, 3, n).astype(np.float32)
+        v = cp.choose_victim(res, prot, last, uses, nxt, score, code)
         assert v == -1 if not (res & ~prot).any() else res[v] and not prot[v]
 
 
@@ -59,10 +60,23 @@ def test_scripted_victims_tell_the_policies_apart():
     # expert 0: oldest use; 1: fewest uses; 2: needed farthest ahead
     resident, protected = np.ones(3, dtype=bool), np.zeros(3, dtype=bool)
     last, uses, nxt = np.array([1, 3, 2]), np.array([5, 1, 2]), np.array([10, 20, 30])
-    victims = {p: cp.choose_victim(resident, protected, last, uses, nxt, cp.POLICIES.index(p))
-               for p in ("lru", "lfu", "belady")}
-    assert victims == {"lru": 0, "lfu": 1, "belady": 2}
+    score = np.array([0.5, 0.9, 0.2], dtype=np.float32)  # 2: scored lowest
+    victims = {p: cp.choose_victim(resident, protected, last, uses, nxt, score,
+                                   cp.POLICIES.index(p))
+               for p in ("lru", "lfu", "belady", "score")}
+    assert victims == {"lru": 0, "lfu": 1, "belady": 2, "score": 2}
     assert cp.admits(cp.LRU, 9, 1) and not cp.admits(cp.BELADY, 9, 1) and cp.admits(cp.BELADY, 1, 9)
+
+
+def test_score_evicts_the_lowest_score_ties_to_the_least_recent_and_is_lru_without_scores():
+    resident, protected = np.ones(4, dtype=bool), np.array([0, 0, 0, 1])
+    last, uses, nxt = np.array([3, 2, 1, 0]), np.zeros(4, np.int64), np.zeros(4, np.int64)
+    score = np.array([0.5, 0.1, 0.1, 0.0], dtype=np.float32)  # 3: lowest, but protected
+    assert cp.choose_victim(resident, protected, last, uses, nxt, score, cp.SCORE) == 2
+    assert cp.choose_victim(resident, protected, last, uses, nxt, cp.NO_SCORES, cp.SCORE) == 2
+    last = np.array([0, 2, 1, 3])  # no scores: the least recent, as LRU
+    assert cp.choose_victim(resident, protected, last, uses, nxt, cp.NO_SCORES, cp.SCORE) == 0
+    assert cp.choose_victim(resident, protected, last, uses, nxt, score, cp.SCORE) == 2
 
 
 def _one_layer_trace(rows: list[list[int]], n: int = 5):
@@ -105,11 +119,12 @@ def test_the_simulator_takes_the_same_names(tmp_path):
         run_system("previous-token", trace, model, hw, RunOptions(policy="belady"))
 
 
-def _drive_runtime_cache(trace, plan: PrefetchPlan, capacity: int, policy: str):
+def _drive_runtime_cache(trace, plan: PrefetchPlan, capacity: int, policy: str,
+                         scores: np.ndarray | None = None):
     """The engine's calls on one LayerCache per layer (no threads: in request order):
-    the prefetch set protected whole and claimed most confident first (residency
-    checked at the claim, as a worker does), then the demand pinned, missed experts
-    claimed, every used slot touched."""
+    the prediction's scores handed over (policy score) and its set protected whole and
+    claimed most confident first (residency checked at the claim, as a worker does),
+    then the demand pinned, missed experts claimed, every used slot touched."""
     torch = pytest.importorskip("torch", reason="the runtime's cache needs torch")
     from stmoe.runtime.cache import LayerCache, ParamSpec
 
@@ -120,6 +135,8 @@ def _drive_runtime_cache(trace, plan: PrefetchPlan, capacity: int, policy: str):
     for t in range(trace.num_tokens):
         for layer, cache in enumerate(caches):
             wanted = tuple(int(e) for e in plan.at(t, layer))[:capacity]
+            if scores is not None:  # as the planner's _prefetch, with the set
+                cache.scores = scores[t * trace.num_layers + layer]
             cache.protected = frozenset(wanted)  # the whole set, as the planner sets it
             for e in wanted:
                 if e in cache.where:
@@ -157,6 +174,23 @@ def test_the_runtime_cache_and_the_cache_replay_give_the_same_hits(policy, capac
     hits, moved, prefetched = _drive_runtime_cache(trace, plan, capacity, policy)
     assert (hits, moved, prefetched) == (stats.hits, stats.moved, stats.prefetched)
     assert stats.hits > 0 and stats.prefetched > 0
+
+
+@pytest.mark.parametrize("capacity", [3, 5])
+def test_score_eviction_gives_the_same_hits_in_the_runtime_cache_and_the_replay(capacity):
+    trace = stmoe.synthesize(tokens=300, sequences=3, layers=3, experts=10, top_k=2, seed=4)
+    tables = stmoe.predictors.profile(trace)
+    plan, scores = make("stmoe-plus", ModelShape.of(trace), tables).scored_plan(trace)
+    assert plan.equals(make("stmoe-plus", ModelShape.of(trace), tables).plan(trace))
+    stats = replay_cache(trace, plan, capacity, "score", scores=scores)
+    hits, moved, prefetched = _drive_runtime_cache(trace, plan, capacity, "score", scores)
+    assert (hits, moved, prefetched) == (stats.hits, stats.moved, stats.prefetched)
+    lru = replay_cache(trace, plan, capacity, "lru")
+    assert (stats.hits, stats.moved) != (lru.hits, lru.moved)  # the scores chose the victims
+    with pytest.raises(PredictorError, match="policy 'score' evicts by the predictor's scores"):
+        replay_cache(trace, plan, capacity, "score")
+    with pytest.raises(PredictorError, match="scores of shape"):
+        replay_cache(trace, plan, capacity, "score", scores=scores[1:])
 
 
 def test_the_runtime_refuses_belady_naming_where_it_applies():

@@ -21,6 +21,14 @@ ties go to the smaller expert id. The policies:
 * ``none``: no reuse; every expert is dropped once used (plain on-demand
   offloading, the baseline; victims, while a prefetch fills the cache, as LRU).
   Runtime and simulator only (the simulator: a cache of 0 experts).
+* ``score``: the expert the predictor scores lowest in its latest prediction for
+  that layer (the scores its prefetch set was ranked from), ties to the least
+  recent: an online stand-in for ``belady``, which keeps what the predictor expects
+  to be needed rather than what was needed last. It needs a predictor that scores
+  every expert (``Predictor.scores_experts``: stmoe-plus, hybrid, stmoe-mix); with
+  no scores yet (before the layer's first prediction) it is LRU. The cache replay,
+  the runtime and the simulator's runtime pipeline (which takes the runtime's
+  names); the paper's accelerator pipeline does not model it.
 
 ``predicted`` is the former name of the runtime's default and stays accepted
 everywhere as ``lru`` (``ALIASES``).
@@ -33,17 +41,20 @@ import numpy as np
 from stmoe.errors import StmoeError
 from stmoe.util.jit import njit
 
-POLICIES = ("lru", "lfu", "belady", "none")
+POLICIES = ("lru", "lfu", "belady", "none", "score")
 ALIASES = {"predicted": "lru"}
-LRU, LFU, BELADY, NONE = range(4)  # the codes ``choose_victim`` takes: POLICIES' indices
+LRU, LFU, BELADY, NONE, SCORE = range(5)  # the codes ``choose_victim`` takes: POLICIES' indices
 REPLAY, SIMULATOR, RUNTIME = "the cache replay", "the simulator", "the runtime"
 VALID_IN = {
     "lru": (REPLAY, SIMULATOR, RUNTIME),
     "lfu": (REPLAY, SIMULATOR, RUNTIME),
     "belady": (REPLAY,),  # needs the future
     "none": (SIMULATOR, RUNTIME),
+    "score": (REPLAY, RUNTIME),  # needs the predictor's scores
 }
 NEVER = np.iinfo(np.int64).max  # next use of an expert no later step needs
+# ``choose_victim``'s score where there is none (SCORE is then LRU)
+NO_SCORES = np.zeros(0, dtype=np.float32)
 
 
 class CachePolicyError(StmoeError, ValueError):
@@ -69,14 +80,18 @@ def policy_code(name: str, where: str, error: type[Exception] = CachePolicyError
 
 
 @njit(cache=True)
-def choose_victim(resident, protected, last_use, uses, next_use, policy):  # pragma: no cover
+def choose_victim(resident, protected, last_use, uses, next_use, score,
+                  policy):  # pragma: no cover
     """The expert to evict, or -1 when every resident one is protected.
 
     Per-expert arrays of one layer: ``resident`` (evictable when true), ``protected``
     (nonzero: may not be evicted), ``last_use`` (stamp of the last use or load),
-    ``uses`` (LFU), ``next_use`` (BELADY; ``NEVER`` when not needed again). Ties go
-    to the smaller expert id.
+    ``uses`` (LFU), ``next_use`` (BELADY; ``NEVER`` when not needed again), ``score``
+    (SCORE: the latest prediction's scores; an empty array when there is none yet,
+    and then SCORE is LRU). Ties go to the smaller expert id.
     """
+    if policy == SCORE and score.shape[0] != resident.shape[0]:
+        policy = LRU  # no prediction for this layer yet
     best = -1
     for e in range(resident.shape[0]):
         if not resident[e] or protected[e]:
@@ -88,6 +103,10 @@ def choose_victim(resident, protected, last_use, uses, next_use, policy):  # pra
                 best = e
         elif policy == BELADY:
             if next_use[e] > next_use[best]:
+                best = e
+        elif policy == SCORE:
+            if score[e] < score[best] or (score[e] == score[best]
+                                          and last_use[e] < last_use[best]):
                 best = e
         elif last_use[e] < last_use[best]:  # LRU (and NONE's rare victims)
             best = e

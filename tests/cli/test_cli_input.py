@@ -409,6 +409,22 @@ def test_an_unknown_policy_is_refused_even_without_a_capacity(cli, small):
     one_line_error(cli("eval", small, "--policy", "xyz"), "unknown cache policy 'xyz'")
 
 
+def test_eval_with_score_eviction_says_which_predictors_ran_lru(cli, small, tmp_path):
+    import json
+
+    from stmoe.predictors import profile, save_tables
+    from stmoe.trace import load_trace
+
+    tables = save_tables(profile(load_trace(small)), tmp_path / "t.npz")
+    res = cli("eval", small, "--tables", tables, "--capacity", "4", "--policy", "score",
+              "--predictor", "stmoe-plus", "--predictor", "stmoe", "--json", tmp_path / "r.json")
+    assert res.exit_code == 0, res.output
+    assert "note: --policy score: stmoe score no expert, so their caches ran lru" in res.output
+    caches = {n: p["cache"]["policy"]
+              for n, p in json.loads((tmp_path / "r.json").read_text())["predictors"].items()}
+    assert caches == {"stmoe-plus": "score", "stmoe": "lru"}
+
+
 def test_a_fit_of_another_version_is_said_not_silently_replaced(cli, small, tmp_path):
     from stmoe.predictors import profile, save_tables
     from stmoe.trace import load_trace

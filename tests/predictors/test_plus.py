@@ -78,6 +78,34 @@ def test_batch_prediction_spends_one_budget_on_what_most_slots_need():
     assert len(union) == 5 and len(set(union.tolist())) == 5
 
 
+@pytest.mark.parametrize("name", ["stmoe-plus", "hybrid"])
+def test_a_scored_plan_is_the_plan_with_the_scores_each_set_was_ranked_from(name):
+    prof, ev = stmoe.split(_trace(), 0.5)
+    tables = profile(prof)
+    plan, scores = make(name, ModelShape.of(ev), tables, set_size=4).scored_plan(ev)
+    assert plan.equals(make(name, ModelShape.of(ev), tables, set_size=4).plan(ev))
+    assert scores.shape == (ev.num_tokens * ev.num_layers, ev.num_experts)
+    for i in range(len(scores)):  # each set is the top of its scores
+        ids = plan.ids[plan.ptr[i] : plan.ptr[i + 1]]
+        assert len(ids) == 4 and scores[i][ids].min() >= np.delete(scores[i], ids).max()
+
+
+def test_a_batch_scored_prediction_is_predict_batch_with_the_union_weights():
+    prof, ev = stmoe.split(_trace(), 0.5)
+    tables = profile(prof)
+    a, b = (make("stmoe-plus", ModelShape.of(ev), tables) for _ in range(2))
+    for p in (a, b):
+        for slot in range(3):
+            p.update(0, ev.experts[slot * 10, 0], slot)
+    for slots, size in (([0, 1, 2], 5), ([1], 3), ([0, 2], 0)):
+        ids, weights = a.predict_batch_scored(1, slots, size)
+        assert np.array_equal(ids, b.predict_batch(1, slots, max_size=size))
+        assert weights.shape == (ev.num_experts,) and weights.dtype == np.float32
+        assert weights[ids].min() >= np.delete(weights, ids).max() or len(slots) == 1
+    with pytest.raises(PredictorError, match="'stmoe' does not score every expert"):
+        make("stmoe", ModelShape.of(ev), tables).predict_batch_scored(1, [0, 1])
+
+
 def test_online_learning_never_touches_the_callers_tables():
     trace = _trace()
     tables = profile(trace)

@@ -119,10 +119,10 @@ def _prompt_stream(om, used: list, handed: list) -> None:
     planner._stream_prompt = lambda layer, hidden, counts=None: handed.append(
         counts is not None) or stream(layer, hidden, counts)
 
-    def queued(fwd, layer, experts, admit=True) -> None:
+    def queued(fwd, layer, experts, admit=True, **kw) -> None:
         if not admit:  # a streamed prompt's loads (they skip admission)
             used.append((layer, list(experts)))
-        prefetch(fwd, layer, experts, admit)
+        prefetch(fwd, layer, experts, admit, **kw)
 
     planner._prefetch = queued
 

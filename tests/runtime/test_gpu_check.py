@@ -34,8 +34,16 @@ def _check_schema(doc: dict[str, Any]) -> None:
 
 
 def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys):
+    import torch
+
     out = tmp_path / "check.json"
-    returned = run_stages(out, dry_run=True, commit="abc123")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # calibrate sets one thread: the stages after get the check's
+    try:
+        returned = run_stages(out, dry_run=True, commit="abc123")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     doc = json.loads(out.read_text())
     assert doc == json.loads(json.dumps(returned, default=str))  # what was written, returned
     assert list(STAGES) == ORDER
@@ -47,7 +55,7 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys):
     runs = table["runs"]
     assert {(r["tier"], r["capacity"], r["system"]) for r in runs} == {
         (t, c, s) for t in ("gpu", "gpu-disk") for c in ("25%", "50%")
-        for s in ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle")}
+        for s in ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle", "stmoe-plus-score")}
     assert all(r["identical"] is True for r in runs), [r for r in runs if not r["identical"]]
     assert table["resident"]["repeats_its_tokens"] and "HELD-OUT" in table["routing"]
     for r in runs:  # the device's figures of every run (the stand-in's here)
@@ -55,7 +63,7 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys):
     assert doc["stages"]["accelerate_offload"]["identical_prefix"] is True
     sim = doc["stages"]["calibrate_simulator"]["systems"]
     assert [r["system"] for r in sim] == ["on-demand", "lru-only", "stmoe", "stmoe-plus",
-                                          "oracle"]
+                                          "oracle", "stmoe-plus-score"]
     assert all(r["simulated_tok_s"] > 0 and r["measured_tok_s"] for r in sim)
     # the calibrated preset comes back beside the JSON (gpu_forecast.py --hardware reads it)
     preset = tmp_path / doc["stages"]["calibrate_simulator"]["preset_file"]
@@ -70,6 +78,7 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys):
     assert all(f"] {name}: ok" in printed for name in STAGES)  # a line as each stage ends
     names = [t["name"] for t in doc["targets"]]
     assert any("stmoe-plus vs accelerate" in n for n in names)
+    assert any("gap stmoe-plus-score (score eviction" in n for n in names)
     assert any("simulator calibrated on the GPU" in n for n in names)
     dry = {t["name"]: t.get("dry_run_met") for t in doc["targets"]}
     assert dry[next(n for n in names if n.startswith("bit-identical"))] is None  # no cuda tests
@@ -219,7 +228,8 @@ def test_the_forecast_reads_the_checks_targets_off_the_simulator(tmp_path):
         assert max(r[s] for s in SYSTEMS) <= r["resident"] * 1.001, (label, r)
         assert r["on-demand"] < r["lru-only"] <= r["oracle"], (label, r)
         assert [name for name, _, _ in verdicts(r)] == [
-            "stmoe-plus / lru-only", "lru-only -> oracle gap closed", "stmoe-plus / resident"]
+            "stmoe-plus / lru-only", "lru-only -> oracle gap closed",
+            "the same by stmoe-plus-score", "stmoe-plus / resident"]
 
 
 def test_without_a_gpu_a_real_run_stops_after_the_environment_and_claims_nothing(tmp_path):

@@ -63,6 +63,19 @@ def test_a_gpu_tier_on_the_stand_in_gives_the_resident_bits(qwen, tier, capacity
     assert acc.ops.copies > 0  # every expert came through the stand-in's late copies
 
 
+@pytest.mark.parametrize("tier", GPU_TIERS)
+def test_score_eviction_on_the_stand_in_gives_the_resident_bits(qwen, tier):
+    store, want, tables = qwen
+    with stand_in(delay=0.002):
+        fresh, _ = tiny_model("qwen2_moe")
+        with offload(fresh, store, capacity=4, predictor="stmoe-plus", tables=tables,
+                     tier=tier, workers=2, policy="score") as om:
+            r = om.generate(PROMPT, max_new_tokens=NEW)
+            om.engine.check()
+            assert all(len(c.scores) > 0 for c in om.engine.caches)
+    assert r.tokens == want and r.bytes_moved > 0
+
+
 def test_gpu_disk_with_more_workers_than_the_default_bounce_buffers_does_not_hang(qwen):
     """A prefetch worker keeps its bounce buffer while it pauses for the compute thread's
     stall: with as many workers as buffers, the compute thread's demand read could wait for

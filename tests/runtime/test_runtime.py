@@ -204,6 +204,31 @@ def test_a_store_of_another_model_is_refused(tmp_path):
         offload(other, store, capacity=2, predictor="ondemand")
 
 
+def test_score_eviction_is_bit_identical_to_the_resident_model(family):
+    """Policy score (victims by stmoe-plus's scores) changes which experts stay cached,
+    never the output; the planner hands every layer's cache its prediction's scores."""
+    name, (ref_seq, ref_logits), _, store, tables, num_experts = family
+    for capacity in (2, 5):
+        model, _ = tiny_model(name)
+        with offload(model, store, capacity=capacity, predictor="stmoe-plus", tables=tables,
+                     policy="score", tier="disk", workers=2) as om:
+            (seq, logits), stats = om.measure(lambda om=om: _generate(om.model))
+            om.engine.check()
+            scored = [len(c.scores) == num_experts for c in om.engine.caches]
+            assert om.config["policy"] == "score"
+        where = f"{name}, capacity {capacity}"
+        assert torch.equal(seq, ref_seq), where
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True)), where
+        assert all(scored) and stats.bytes_moved > 0, where
+
+
+def test_score_eviction_needs_a_predictor_that_scores_every_expert(tmp_path):
+    model, _ = tiny_model("qwen3_moe")
+    store = pack(model, tmp_path / "store")
+    with pytest.raises(OffloadError, match="predictor 'ondemand' scores none; use stmoe-plus"):
+        offload(model, store, capacity=3, predictor="ondemand", policy="score")
+
+
 @pytest.mark.parametrize("policy", ["predicted", "lru", "lfu", "none"])
 def test_every_policy_is_lossless_and_stays_within_capacity(tmp_path, policy):
     model, _ = tiny_model("qwen3_moe")

@@ -292,7 +292,7 @@ def test_a_shared_device_splits_its_speed_and_a_link_serialises():
 
 
 def host_run(experts, sets, capacity=2, workers=2, expert_s=1.0, monkeypatch=None,
-             first_touch_s=0.0):
+             first_touch_s=0.0, policy="lru", scores=None):
     """A hand-built run on one shared disk (parallel 1: two reads at once take twice as
     long), one-second reads, no other cost; ``sets``: {(token, layer): predicted ids}.
     With ``monkeypatch``, also every read's (layer, expert, by a worker, start)."""
@@ -315,8 +315,23 @@ def host_run(experts, sets, capacity=2, workers=2, expert_s=1.0, monkeypatch=Non
     costs = host.HostCosts(layer_s=0.0, token_s=0.0, expert_s=expert_s, read_s=1.0,
                            first_touch_s=first_touch_s, parallel=1.0, workers=workers,
                            fifo=False)
-    run = host.HostRun(experts, 1, (ptr, ids), False, capacity, "lru")
+    run = host.HostRun(experts, 1, (ptr, ids), False, capacity, policy, scores=scores)
     return host.simulate_host(run, costs, 4), reads
+
+
+def test_score_eviction_in_the_host_pipeline_keeps_what_the_prediction_scores_high():
+    """Capacity 2, one layer, nothing prefetched. Token 2 misses expert 2 with 0 and 1
+    cached: LRU evicts 0 (the least recent), so token 3 misses it again. The prediction
+    for token 3 (made as token 2's layer starts, before its demand: with one layer the
+    next layer is the next token's) scores 0 highest, so score evicts 1 and token 3
+    hits. Without scores (none given) score is LRU."""
+    experts = [[0], [1], [2], [0]]
+    scores = np.zeros((4, 4), dtype=np.float32)
+    scores[3, 0] = 1.0
+    lru, _ = host_run(experts, {})
+    scored, _ = host_run(experts, {}, policy="score", scores=scores)
+    unscored, _ = host_run(experts, {}, policy="score")
+    assert (lru["hits"], scored["hits"], unscored["hits"]) == (0, 1, 0)
 
 
 @pytest.mark.parametrize("wait", ["miss", "late"])

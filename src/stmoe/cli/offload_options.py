@@ -56,8 +56,9 @@ TablesOpt = Annotated[
 
 PolicyOpt = Annotated[
     str,
-    typer.Option(help="Eviction: lru (keeping what is predicted next; alias: predicted), lfu "
-                 "or none (no reuse).", rich_help_panel=CACHE),
+    typer.Option(help="Eviction: lru (keeping what is predicted next; alias: predicted), lfu, "
+                 "none (no reuse) or score (the expert the predictor scores lowest: "
+                 "stmoe-plus, hybrid, stmoe-mix).", rich_help_panel=CACHE),
 ]
 
 MaxLoadsOpt = Annotated[

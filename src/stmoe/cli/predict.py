@@ -166,7 +166,9 @@ def eval_cmd(
         typer.Option(help="Also replay a cache of C experts per layer (1 to the trace's N)."),
     ] = None,
     policy: Annotated[
-        str, typer.Option(help="Cache eviction: lru, lfu or belady (stmoe.cache_policy).")
+        str, typer.Option(help="Cache eviction: lru, lfu, belady (the offline bound) or score "
+                          "(the predictor's lowest-scored expert; predictors that score no "
+                          "expert run lru) (stmoe.cache_policy).")
     ] = "lru",
     set_size: Annotated[
         int,
@@ -259,6 +261,11 @@ def eval_cmd(
                       f"{', '.join(n for n in chosen if n not in far)}")
         chosen, options["horizon"] = far, horizon
     result = replay(trace, chosen, tables, options=options, capacity=capacity, policy=policy)
+    lru_instead = [n for n, r in result.results.items() if r.cache and r.cache.policy != policy
+                   and policy == "score"]
+    if lru_instead:
+        err.print(f"note: --policy score: {', '.join(lru_instead)} score no expert, so their "
+                  "caches ran lru")
     if cross_domain:
         shared = {k: v for k, v in options.items() if k != "horizon"}
         result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace, **shared))

@@ -69,7 +69,7 @@ def shipped_section(model: Any, tokenizer: Any, model_dir: Path, out: Path, prom
                     new_tokens: int, rounds: int) -> dict[str, Any]:
     """The shipped model at 50% capacity over the emulated link, every run checked against
     the resident model's greedy tokens."""
-    from stmoe.evaluate.systems import OFFLOAD_SYSTEMS, compared_predictor
+    from stmoe.evaluate.systems import DEMO_SYSTEMS, OFFLOAD_SYSTEMS, compared_predictor
     from stmoe.models import SHIPPED_TABLES
     from stmoe.predictors import load_tables
     from stmoe.runtime.api import offload
@@ -84,7 +84,7 @@ def shipped_section(model: Any, tokenizer: Any, model_dir: Path, out: Path, prom
         models = {name: stack.enter_context(
             offload(model_dir, store, capacity=CAPACITY, policy=policy, tier="emulated",
                     predictor=compared_predictor(predictor, tables), bandwidth=SHIPPED_LINK))
-            for name, (predictor, policy) in OFFLOAD_SYSTEMS.items()}
+            for name, (predictor, policy) in OFFLOAD_SYSTEMS.items() if name in DEMO_SYSTEMS}
         systems = measure_rounds(
             {n: (lambda m=m: m.generate(prompt, max_new_tokens=new_tokens))
              for n, m in models.items()}, rounds, reference)

@@ -10,8 +10,9 @@ Each MoE layer has its own cache of ``capacity`` experts. At every (token, layer
    misses, loaded on demand, never evicting another expert of the same demand.
 
 Eviction picks a victim among the unprotected residents with a policy of
-``stmoe.cache_policy`` (``lru``, ``lfu`` or ``belady``; the names and their rules
-are documented there). Every (token, layer) is one use stamp: its prefetched and
+``stmoe.cache_policy`` (``lru``, ``lfu``, ``belady`` or ``score``, which takes the
+scores each set was ranked from, ``Predictor.scored_plan``; the names and their
+rules are documented there). Every (token, layer) is one use stamp: its prefetched and
 demanded experts share it, and ties go to the smaller expert id.
 
 A load is *useful* once the router demands it while resident, *wasted* if it is
@@ -88,9 +89,21 @@ def replay_cache(
     capacity: int,
     policy: str = "lru",
     count_mask: np.ndarray | None = None,
+    scores: np.ndarray | None = None,
 ) -> CacheStats:
-    """Run the per-layer caches over ``trace`` with ``plan``'s prefetches."""
+    """Run the per-layer caches over ``trace`` with ``plan``'s prefetches; ``scores``
+    ([T*L, N], ``Predictor.scored_plan``'s) rank the victims of policy ``score``."""
     code = cp.policy_code(policy, cp.REPLAY, PredictorError)
+    rows = trace.num_tokens * trace.num_layers
+    if code == cp.SCORE and scores is None:
+        raise PredictorError("cache policy 'score' evicts by the predictor's scores: replay "
+                             "with a scoring predictor's scored_plan (stmoe-plus, hybrid, "
+                             "stmoe-mix)")
+    if scores is not None and scores.shape != (rows, trace.num_experts):
+        raise PredictorError(f"scores of shape {scores.shape} for a trace of {rows} (token, "
+                             f"layer) rows and {trace.num_experts} experts")
+    if code != cp.SCORE or scores is None:
+        scores = np.zeros((rows, 0), dtype=np.float32)  # rows of none: victims as LRU
     if capacity < trace.top_k:
         raise PredictorError(
             f"cache capacity {capacity} is below top-k {trace.top_k}: one token's experts "
@@ -102,7 +115,7 @@ def replay_cache(
     counts = _replay(
         experts, (plan.ptr, plan.ids), (min(capacity, trace.num_experts), code),
         np.asarray(count_mask, dtype=np.bool_), _occurrences(experts, trace.num_experts),
-        trace.num_experts,
+        np.ascontiguousarray(scores, dtype=np.float32), trace.num_experts,
     )
     demanded, hits, moved, prefetched, useful, wasted = (int(x) for x in counts)
     return CacheStats(
@@ -134,11 +147,13 @@ def _drop(layer, v, res, unused, counted_load):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _replay(experts, plan, cache, count_mask, occurrences, n):  # pragma: no cover - compiled
+def _replay(experts, plan, cache, count_mask, occurrences, scores,
+            n):  # pragma: no cover - compiled
     """The counters of ``replay_cache``: (demanded, hits, moved, prefetched, useful, wasted).
 
     plan: the prefetch sets as CSR (ptr, ids); cache: (experts kept per layer,
-    ``cache_policy`` code); occurrences: ``_occurrences``'s CSR, for Belady."""
+    ``cache_policy`` code); occurrences: ``_occurrences``'s CSR, for Belady; scores:
+    [T*L, N or 0] each prediction's scores, for score eviction."""
     ptr, ids = plan
     capacity, policy = cache
     occ_ptr, occ = occurrences
@@ -165,6 +180,7 @@ def _replay(experts, plan, cache, count_mask, occurrences, n):  # pragma: no cov
                         cursor[c] += 1
                     nxt[e] = occ[cursor[c]] if cursor[c] < occ_ptr[c + 1] else cp.NEVER
             res = resident[layer]
+            sc = scores[t * n_layers + layer]  # the scores this (token, layer)'s set came from
             start = ptr[t * n_layers + layer]
             stop = min(ptr[t * n_layers + layer + 1], start + capacity)  # what a cache holds
             for i in range(start, stop):  # the whole set first: no insertion evicts a member
@@ -174,7 +190,7 @@ def _replay(experts, plan, cache, count_mask, occurrences, n):  # pragma: no cov
                 if res[p]:
                     continue
                 if size[layer] >= capacity:
-                    v = cp.choose_victim(res, protect, last[layer], freq[layer], nxt, policy)
+                    v = cp.choose_victim(res, protect, last[layer], freq[layer], nxt, sc, policy)
                     if v < 0:
                         break  # only this prefetch set is resident: drop the rest of it
                     if not cp.admits(policy, nxt[p], nxt[v]):
@@ -206,7 +222,8 @@ def _replay(experts, plan, cache, count_mask, occurrences, n):  # pragma: no cov
                         useful += 1
                 else:
                     if size[layer] >= capacity:  # a victim exists: capacity >= K > demanded
-                        v = cp.choose_victim(res, protect, last[layer], freq[layer], nxt, policy)
+                        v = cp.choose_victim(res, protect, last[layer], freq[layer], nxt, sc,
+                                             policy)
                         wasted += _drop(layer, v, res, unused, counted_load)
                         size[layer] -= 1
                     res[a] = True

@@ -133,9 +133,17 @@ def evaluate(
     capacity: int | None = None,
     policy: str = "lru",
 ) -> PredictorResult:
-    """Replay one predictor over ``trace`` (the predictor learns as it goes)."""
+    """Replay one predictor over ``trace`` (the predictor learns as it goes). With policy
+    ``score``, a predictor that scores no expert runs its cache as ``lru`` (its
+    ``cache.policy`` says so)."""
     trace = as_sets(trace)  # (itself where ranked; a predictor reading rank refuses in plan)
-    plan = predictor.plan(trace)
+    scored = capacity is not None and policy == "score"
+    scores = None
+    if scored and predictor.scores_experts:
+        plan, scores = predictor.scored_plan(trace)
+    else:
+        plan = predictor.plan(trace)
+        policy = "lru" if scored else policy
     budgets = default_budgets(trace) if budgets is None else np.asarray(budgets, dtype=np.int64)
     mask = scope_mask(trace)
     hits, sizes, actual, curve_hits, curve_sizes = plan_hits(
@@ -144,7 +152,7 @@ def evaluate(
     )
     cache = None
     if capacity is not None:
-        cache = replay_cache(trace, plan, capacity, policy, scope_tokens(trace))
+        cache = replay_cache(trace, plan, capacity, policy, scope_tokens(trace), scores)
     return PredictorResult(
         name=name or predictor.name, hits=hits, sizes=sizes, actual=actual, budgets=budgets,
         curve_hits=curve_hits, curve_sizes=curve_sizes, scope=mask, cache=cache,

@@ -22,7 +22,7 @@ set; subclasses may override it with a compiled path that gives identical sets.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -55,6 +55,7 @@ class PredictorError(StmoeError, ValueError):
 
 
 P = TypeVar("P", bound="type[Predictor]")
+SCORED_PLAN_BYTES = 4 * 2**30  # the most ``scored_plan`` keeps (every prediction's scores)
 # name -> predictor class; a new predictor is one module and one @register line.
 REGISTRY: dict[str, type[Predictor]] = {}
 
@@ -234,13 +235,71 @@ class Predictor:
         """[N] scores of every expert for ``layer`` (predictors that ``scores_experts``)."""
         raise NotImplementedError(f"{self.name} does not score every expert")
 
+    def predict_scored(self, layer: int, slot: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``predict``'s set and the [N] scores it was ranked from (float32): what score
+        eviction (``cache_policy``'s ``score``) keeps by. Predictors that ``scores_experts``."""
+        raise PredictorError(f"predictor {self.name!r} does not score every expert, so "
+                             "score eviction (cache policy 'score') cannot rank its cache; use "
+                             "stmoe-plus, hybrid or stmoe-mix, or another policy (lru)")
+
+    def predict_batch_scored(self, layer: int, slots: Sequence[int],
+                             max_size: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``predict_batch``'s set and the scores score eviction keeps by: one slot's own
+        (``predict_scored``), or a batch's summed normalised scores (the union's weights)."""
+        slots = list(slots)
+        if not self.scores_experts or len(slots) == 1:  # (the clear error where it does not)
+            ids, scores = self.predict_scored(layer, slots[0] if slots else 0)
+            return (ids[:max_size] if max_size > 0 else ids), scores
+        weight = np.zeros(self.shape.num_experts, dtype=np.float32)
+        size = max_size if max_size > 0 else min(
+            self.shape.num_experts, round(self.mean_set_size * len(slots)))
+        if size <= 0 or not slots:  # as predict_batch: nothing asked of the predictor
+            return np.zeros(0, dtype=np.int16), weight
+        per_slot = [self.scores(layer, slot) for slot in slots]
+        for s in per_slot:
+            weight += s / max(float(s.sum()), 1e-300)
+        return union_of_scores(per_slot, size), weight
+
     def plan(self, trace: RoutingTrace) -> PrefetchPlan:
         """Replay ``trace`` step by step through the protocol; every prefetch set."""
-        self.check_shape(ModelShape.of(trace))
-        self.check_rows(trace)
         n_layers = trace.num_layers
         ptr = np.zeros(trace.num_tokens * n_layers + 1, dtype=np.int64)
         chunks: list[np.ndarray] = []
+        for i in self._protocol(trace):
+            chosen = self.predict(i % n_layers)
+            chunks.append(chosen)
+            ptr[i + 1] = ptr[i] + len(chosen)
+        ids = np.concatenate(chunks).astype(np.int16) if chunks else np.zeros(0, np.int16)
+        return PrefetchPlan(ptr=ptr, ids=ids, num_layers=n_layers)
+
+    def scored_plan(self, trace: RoutingTrace) -> tuple[PrefetchPlan, np.ndarray]:
+        """``plan``'s sets (the same) and, per (token, layer), the scores each was ranked
+        from: [T*L, N] float32, score eviction's input in the cache replay."""
+        shape = ModelShape.of(trace)
+        need = trace.num_tokens * shape.num_layers * shape.num_experts * 4
+        if need > SCORED_PLAN_BYTES:
+            raise PredictorError(
+                f"score eviction's replay keeps every prediction's scores: {need / 2**30:.1f} "
+                f"GiB for {trace.num_tokens} tokens x {shape.num_layers} layers x "
+                f"{shape.num_experts} experts, over its {SCORED_PLAN_BYTES // 2**30} GiB; "
+                "replay fewer tokens or layers (stmoe trace select)")
+        scores = np.zeros((trace.num_tokens * shape.num_layers, shape.num_experts),
+                          dtype=np.float32)
+        ptr = np.zeros(len(scores) + 1, dtype=np.int64)
+        chunks: list[np.ndarray] = []
+        for i in self._protocol(trace):
+            chosen, scores[i] = self.predict_scored(i % shape.num_layers)
+            chunks.append(chosen)
+            ptr[i + 1] = ptr[i] + len(chosen)
+        ids = np.concatenate(chunks).astype(np.int16) if chunks else np.zeros(0, np.int16)
+        return PrefetchPlan(ptr=ptr, ids=ids, num_layers=shape.num_layers), scores
+
+    def _protocol(self, trace: RoutingTrace) -> Iterator[int]:
+        """The protocol over ``trace`` in slot 0: yields ``t * L + layer`` where the caller
+        predicts ``layer`` for token ``t`` (revealed and looked ahead first), then updates."""
+        self.check_shape(ModelShape.of(trace))
+        self.check_rows(trace)
+        n_layers = trace.num_layers
         new_seq = np.zeros(trace.num_tokens, dtype=bool)
         new_seq[trace.seq_starts] = True
         experts = np.asarray(trace.experts)
@@ -253,12 +312,8 @@ class Predictor:
                     self.reveal(layer, experts[t, layer])
                 if look is not None:
                     self.lookahead(layer, look[t, layer])
-                chosen = self.predict(layer)
-                chunks.append(chosen)
-                ptr[t * n_layers + layer + 1] = ptr[t * n_layers + layer] + len(chosen)
+                yield t * n_layers + layer
                 self.update(layer, experts[t, layer])
-        ids = np.concatenate(chunks).astype(np.int16) if chunks else np.zeros(0, np.int16)
-        return PrefetchPlan(ptr=ptr, ids=ids, num_layers=n_layers)
 
     # ---- helpers -------------------------------------------------------------
     def rank_order_reason(self) -> str:

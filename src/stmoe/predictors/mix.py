@@ -82,12 +82,15 @@ class MixPredictor(Predictor):
         return mixed
 
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
+        return self.predict_scored(layer, slot)[0]
+
+    def predict_scored(self, layer: int, slot: int = 0) -> tuple[np.ndarray, np.ndarray]:
         scores = self.scores(layer, slot)
         b = pk.set_size(scores, self.mean_set_size, False, self._ctl,
                         min(self.shape.num_experts, int(np.ceil(self.mean_set_size))),
                         layer)
         pk.top_by_score(scores, b, self._out)
-        return self._out[:b].astype(np.int16)
+        return self._out[:b].astype(np.int16), scores.astype(np.float32)
 
     def update(self, layer: int, experts: np.ndarray, slot: int = 0) -> None:
         experts = np.asarray(experts, dtype=np.int16)

@@ -113,6 +113,9 @@ class LayerCache:
         self.last_use = np.zeros(num_experts, dtype=np.int64)
         self.uses = np.zeros(num_experts, dtype=np.int64)
         self.clock = 0  # the current step (see the module docstring)
+        # policy score: the scores of the layer's latest prediction (the planner's; none yet:
+        # victims as LRU)
+        self.scores: np.ndarray = cp.NO_SCORES
         self._in_step = False  # a demand is pinned: its uses share one stamp
         # predicted for the coming layer: the whole prefetch set being inserted
         self.protected: frozenset[int] = frozenset()
@@ -250,7 +253,8 @@ class LayerCache:
         keep = np.zeros(len(self.uses), dtype=np.bool_)
         for e in self.pinned.union(self.protected):
             keep[e] = True
-        e = cp.choose_victim(evictable, keep, self.last_use, self.uses, _NO_FUTURE, self._code)
+        e = cp.choose_victim(evictable, keep, self.last_use, self.uses, _NO_FUTURE, self.scores,
+                             self._code)
         return self.where[e] if e >= 0 else None
 
     def write(self, slot: int, src: torch.Tensor, stream: object = None) -> None:

@@ -38,7 +38,8 @@ class OffloadOptions:
     predictor: a registered name (stmoe, stmoe-plus, hybrid, ondemand, ...) or a ready
         ``Predictor``.
     tables: profiled tables; None: those shipped beside a model folder.
-    policy: eviction (``stmoe.cache_policy``): lru, lfu, or none (no reuse).
+    policy: eviction (``stmoe.cache_policy``): lru, lfu, none (no reuse), or score (the
+        expert the predictor scores lowest; a predictor that scores every expert).
     tier: disk (reads bypassing the page cache), emulated (host memory behind a link
         of ``bandwidth`` bytes/s and ``latency`` s, EMULATED), gpu (the store in pinned
         host memory, the cache in the GPU's) or gpu-disk (the disk's reads through pinned
@@ -260,8 +261,13 @@ def resolve_predictor(options: OffloadOptions, shape: ModelShape,
         if lookahead != "auto":
             _check_lookahead_option(pred.name, pred.uses_lookahead, lookahead)
             pred.lookahead_pref = lookahead
-        return pred
-    return _predictor(options.predictor, shape, options.tables, model_dir, lookahead)
+    else:
+        pred = _predictor(options.predictor, shape, options.tables, model_dir, lookahead)
+    if options.policy == "score" and not pred.scores_experts:
+        raise OffloadError(f"cache policy 'score' evicts the expert the predictor scores "
+                           f"lowest, and predictor {pred.name!r} scores none; use stmoe-plus, "
+                           "hybrid or stmoe-mix, or policy lru")
+    return pred
 
 
 def _predictor(name: str, shape: ModelShape, tables: str | Path | None,

@@ -76,6 +76,8 @@ class PrefetchPlanner:
         self.late = lookahead.late if lookahead is not None else None  # the late point's
         self.max_loads = max_loads  # loads one prediction may start (its most confident first)
         self.capacity = capacity
+        # cache policy score: each prediction's scores go to the layer's cache (its victims)
+        self.scored = bool(state.caches) and state.caches[0].policy == "score"
         self.prompt_routers = prompt_routers  # each layer's router, for a prompt's loads
 
     # ---- the model's forward calls (hf_glue.ForwardHooks) ----------------------------
@@ -232,11 +234,17 @@ class PrefetchPlanner:
         for row, slot in enumerate(run.slot_ids()):
             self.predictor.lookahead(layer, ids[row], slot)
 
-    def _predicted(self, fwd: int, layer: int) -> list[int]:
+    def _predicted(self, fwd: int, layer: int) -> tuple[list[int], np.ndarray | None]:
+        """The prediction for (``fwd``, ``layer``), up to capacity, and with cache policy
+        score the scores it was ranked from."""
         run = self.state.run
         if run.future is not None:
-            return list(run.future.get((fwd, layer), ()))[: self.capacity]
-        ids = self.predictor.predict_batch(layer, run.slot_ids(), max_size=self.capacity)
+            return list(run.future.get((fwd, layer), ()))[: self.capacity], None
+        slots, scores = run.slot_ids(), None
+        if self.scored:
+            ids, scores = self.predictor.predict_batch_scored(layer, slots, self.capacity)
+        else:
+            ids = self.predictor.predict_batch(layer, slots, max_size=self.capacity)
         out = [int(e) for e in ids[: self.capacity]]
         n = self.state.num_experts
         if out and (min(out) < 0 or max(out) >= n):  # checked here, not as a worker's KeyError
@@ -244,7 +252,7 @@ class PrefetchPlanner:
             raise OffloadError(f"predictor {self.predictor.name!r} predicted expert {bad} for "
                                f"layer {layer}, outside this model's experts 0..{n - 1} (its "
                                "tables were profiled on another model?)")
-        return out
+        return out, scores
 
     def _plan(self, fwd: int, layer: int) -> None:
         """Predict (call ``fwd``, ``layer``) and queue its loads, unless admission has the
@@ -252,12 +260,17 @@ class PrefetchPlanner:
         thread is what prefetch would have to repay); it still learns every routing."""
         run = self.state.run
         off = run.admission is not None and run.future is None and not run.admission.wants(layer)
-        self._prefetch(fwd, layer, [] if off else self._predicted(fwd, layer))
+        experts, scores = ([], None) if off else self._predicted(fwd, layer)
+        self._prefetch(fwd, layer, experts, scores=scores)
 
-    def _prefetch(self, fwd: int, layer: int, experts: list[int], admit: bool = True) -> None:
+    def _prefetch(self, fwd: int, layer: int, experts: list[int], admit: bool = True,
+                  scores: np.ndarray | None = None) -> None:
         """Record the prediction for (``fwd``, ``layer``), keep its experts from eviction
-        and queue the loads of those not cached (``admit``: those admission admits)."""
+        and queue the loads of those not cached (``admit``: those admission admits);
+        ``scores`` (policy score) rank the layer's victims from now on."""
         with self.state.cv:
+            if scores is not None and len(scores) == self.state.num_experts:
+                self.state.caches[layer].scores = scores
             run = self.state.run
             if admit and run.admission is not None and run.future is None:  # the oracle: bound
                 experts = run.admission.admit(fwd, layer, experts)

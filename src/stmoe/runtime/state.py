@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from stmoe import cache_policy as cp
 from stmoe.admission import Admission
 from stmoe.errors import OffloadError
 from stmoe.runtime.cache import READY, LayerCache
@@ -203,12 +204,13 @@ class EngineState:
 
     def forget_cached(self) -> None:
         """(lock held) A cold run: no expert stays cached, no use counted (lfu's counts are
-        the run's: none carried into it)."""
+        the run's: none carried into it), no prediction's scores kept (score's)."""
         for cache in self.caches:
             for s in range(cache.capacity):
                 if cache.state[s] == READY:
                     cache.abandon(s)
             cache.uses[:] = 0
+            cache.scores = cp.NO_SCORES
 
     def release(self) -> None:
         """(the engine closed) The caches' memory given back."""

@@ -191,6 +191,10 @@ class PlusPredictor(Predictor):
                          layer, self._settings_arg, self.scale, self._buffers_arg)
         return self.buffers.top[:b].astype(np.int16)
 
+    def predict_scored(self, layer: int, slot: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.predict(layer, slot)
+        return ids, self.buffers.scores.astype(np.float32)  # what the set was ranked from
+
     def _cap(self) -> int:
         if not self.config.adaptive:
             return min(self.shape.num_experts, int(np.ceil(self.mean_set_size)))

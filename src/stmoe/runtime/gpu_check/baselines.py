@@ -98,8 +98,12 @@ def calibrate_simulator(c: Check) -> dict[str, Any]:
     capacity = f"{SHARE:.0%}"
     options = CalibrateOptions(tier="gpu", capacity=capacity, routing=s.routing,
                                seconds=0.3 if c.dry else 2.0, tokens=2 if c.dry else 8)
-    with device_context(c):
-        figures = calibrate(s.model_dir, s.store, options)
+    threads = c.torch.get_num_threads()
+    try:
+        with device_context(c):
+            figures = calibrate(s.model_dir, s.store, options)
+    finally:  # calibrate sets its own (one); the stages after run with the check's
+        c.torch.set_num_threads(threads)
     # beside the JSON, so it comes back with it: benchmarks/gpu_forecast.py --hardware
     preset = c.out.with_name(f"{c.out.stem}.calibrated-gpu.toml")
     preset.parent.mkdir(parents=True, exist_ok=True)

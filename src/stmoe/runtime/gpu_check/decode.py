@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
     from stmoe.runtime.gpu_check.record import Check
 
-SYSTEMS = ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle")
+# stmoe-plus-score (score eviction) last: short of time, the systems run first
+SYSTEMS = ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle", "stmoe-plus-score")
 CAPACITIES = ("25%", "50%")
 TIERS = ("gpu", "gpu-disk")
 # the budget's seconds the gpu-disk runs leave to the stages after the table (accelerate,

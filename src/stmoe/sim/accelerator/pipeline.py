@@ -51,6 +51,7 @@ N_PARAMS = 13
  C_WASTED, C_DEMANDED, C_HITS, C_PREDICTED_HITS) = range(13)
 N_COUNTERS = 13
 _NO_FUTURE = np.zeros(0, dtype=np.int64)  # next uses: belady is not simulated (cache_policy)
+_NO_SCORES = cp.NO_SCORES  # nor score eviction
 
 
 # What ``simulate_steps`` takes, in four groups (built once per run, so NamedTuples).
@@ -283,7 +284,7 @@ def _insert(layer, e, stamp, state, in_use):  # pragma: no cover - compiled
         return
     if n_res[layer] >= cap:
         victim = cp.choose_victim(resident[layer], in_use, last_use[layer], uses[layer],
-                                  _NO_FUTURE, policy)
+                                  _NO_FUTURE, _NO_SCORES, policy)
         if victim < 0:
             return
         resident[layer, victim] = False

@@ -35,6 +35,8 @@ class HostRun:
     plan: tuple[np.ndarray, np.ndarray] | None  # (ptr, ids) of every (token, layer)'s set
     oracle: bool  # the sets are the routed experts themselves (decode only)
     capacity: int  # experts cached per layer
-    policy: str  # lru, lfu or none
+    policy: str  # lru, lfu, none or score
     admission: bool = False  # the runtime's per-layer prefetch admission (stmoe.admission)
     horizon: int = 1  # layers ahead the predictor's sets are for (admission's budget)
+    # [T*L, N] the scores each set was ranked from (``Predictor.scored_plan``): policy score
+    scores: np.ndarray | None = None

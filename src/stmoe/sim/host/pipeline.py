@@ -41,7 +41,7 @@ models it. With ``admission`` the sets pass through the runtime's own
 predictor's set for the first decode token's layer 0 is queued (the oracle's
 sets start with decode). Cache victims come from ``stmoe.cache_policy`` with the
 runtime's stamps (one step per layer call; a prefetch is stamped with the step
-it is loaded for).
+it is loaded for) and, for ``score``, the scores of the layer's latest prediction.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ class _Sim:
         self.protected = np.zeros(shape, dtype=np.bool_)
         self.size = np.zeros(n_layers, dtype=np.int64)
         self.clock = np.zeros(n_layers, dtype=np.int64)
+        # per layer, the scores of its latest prediction (policy score; none yet: as LRU)
+        self.score = [cp.NO_SCORES] * n_layers
         self.tier = Tier(costs)
         self.adm = (Admission(n_layers, run.capacity, run.horizon, serial=costs.fifo,
                               free_waste=costs.free_waste)
@@ -147,7 +149,7 @@ class _Sim:
         if self.size[layer] >= self.run.capacity:
             keep = self.pinned[layer] | self.protected[layer]
             v = cp.choose_victim(st == READY, keep, self.last_use[layer], self.uses[layer],
-                                 _NO_FUTURE, self.code)
+                                 _NO_FUTURE, self.score[layer], self.code)
             if v < 0:
                 return False
             wasted = bool(self.prefetched[layer, v] and not self.used[layer, v])
@@ -272,6 +274,8 @@ class _Sim:
             return np.zeros(0, dtype=np.int64)
         ptr, ids = run.plan
         i = token * run.experts.shape[1] + layer
+        if run.scores is not None:  # the planner hands the cache what the set was ranked from
+            self.score[layer] = run.scores[i]
         return ids[ptr[i] : ptr[i + 1]][: run.capacity].astype(np.int64)
 
     def queue_set(self, fwd: int, layer: int, experts: np.ndarray) -> None:

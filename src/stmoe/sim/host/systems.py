@@ -120,15 +120,15 @@ def run_host_system(name: str, seq: RoutingTrace, prefill: int, model: ModelSpec
                     hw: HardwareSpec, o: HostOptions) -> dict[str, Any]:
     """One system's simulated decode of ``seq`` (from ``sequence_run``)."""
     predictor, policy = system_of(name)
-    plan, horizon = None, 1
+    plan, horizon, scores = None, 1, None
     if predictor not in ("ondemand", "oracle"):
         p = compared_predictor(predictor, o.tables)  # stmoe-plus and hybrid at 1.5K
         if isinstance(p, str):
             p = make(p, ModelShape.of(seq), o.tables)
-        made = p.plan(seq)
+        made, scores = p.scored_plan(seq) if policy == "score" else (p.plan(seq), None)
         plan, horizon = (made.ptr, made.ids), p.horizon
     run = HostRun(np.asarray(seq.experts, dtype=np.int64), prefill, plan,
-                  predictor == "oracle", o.capacity, policy, admitted(name, o), horizon)
+                  predictor == "oracle", o.capacity, policy, admitted(name, o), horizon, scores)
     c = simulate_host(run, host_costs(model, hw), model.num_experts)
     t, tokens = c["time"], c["tokens"]
     return {
