@@ -33,9 +33,15 @@ def _check_schema(doc: dict[str, Any]) -> None:
         assert t["met"] is None  # a dry run claims nothing
 
 
-def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys):
+def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys, monkeypatch):
     import torch
 
+    from stmoe.runtime.store.pinned import PinnedStore
+
+    pinned: list[str] = []  # each store pinned, as often as it was
+    pin = PinnedStore.__init__
+    monkeypatch.setattr(PinnedStore, "__init__", lambda self, store, *a: pinned.append(
+        str(store.path)) or pin(self, store, *a))
     out = tmp_path / "check.json"
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # calibrate sets one thread: the stages after get the check's
@@ -46,6 +52,8 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys):
         torch.set_num_threads(threads)
     doc = json.loads(out.read_text())
     assert doc == json.loads(json.dumps(returned, default=str))  # what was written, returned
+    # the decode table's store pinned once for its gpu runs and once for calibrate's three
+    assert max(pinned.count(p) for p in pinned) == 2, pinned
     assert list(STAGES) == ORDER
     _check_schema(doc)
     assert doc["commit"] == "abc123"
@@ -278,3 +286,15 @@ def test_the_gpu_disk_runs_leave_time_to_the_stages_after_the_table(tmp_path, mo
     assert all("decode_tok_s" in r for r in runs if r["tier"] == "gpu")
     disk = [r for r in runs if r["tier"] == "gpu-disk"]
     assert disk and all("kept for the stages after" in r["skipped"] for r in disk)
+
+
+def test_a_check_makes_its_work_folder_only_when_a_stage_asks_and_removes_it(tmp_path):
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("stmoe-gpu-check-*"))
+    c = Check(tmp_path / "c.json", True, "x", 60.0)
+    assert set(Path(tempfile.gettempdir()).glob("stmoe-gpu-check-*")) == before
+    work = c.work
+    assert work.is_dir() and c.work == work  # one folder, made once
+    c.remove_work()
+    assert not work.exists()

@@ -18,7 +18,6 @@ figure means anything) by calling ``run_stages``, never by running the benchmark
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,6 @@ def run_stages(out: Path, *, dry_run: bool = False, commit: str = "unknown",
         for name, fn in chosen.items():
             c.stage(name, lambda fn=fn: fn(c))  # (its write reads the targets again)
     finally:
-        shutil.rmtree(c.work, ignore_errors=True)  # the checkpoint and store made there
+        c.remove_work()  # the checkpoint and store made there
     c.write()
     return c.doc

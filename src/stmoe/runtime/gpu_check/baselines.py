@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
-from stmoe.runtime.gpu_check.decode import SYSTEMS, decode_speed, device_context
+from stmoe.runtime.gpu_check.decode import SYSTEMS, decode_speed, device_context, pinned_store
 from stmoe.runtime.gpu_check.setup import setup
 
 if TYPE_CHECKING:
@@ -99,8 +99,9 @@ def calibrate_simulator(c: Check) -> dict[str, Any]:
     options = CalibrateOptions(tier="gpu", capacity=capacity, routing=s.routing,
                                seconds=0.3 if c.dry else 2.0, tokens=2 if c.dry else 8)
     threads = c.torch.get_num_threads()
+    held: dict[str, Any] = {}
     try:
-        with device_context(c):
+        with device_context(c), pinned_store(s, held):  # pinned once for calibrate's runs
             figures = calibrate(s.model_dir, s.store, options)
     finally:  # calibrate sets its own (one); the stages after run with the check's
         c.torch.set_num_threads(threads)
@@ -127,5 +128,5 @@ def calibrate_simulator(c: Check) -> dict[str, Any]:
                      if got and simulated > 0 else None})
     keep = ("bytes_per_s", "parallel_bytes_per_s", "latency_s", "token_s", "layers_s",
             "experts_s", "workers")
-    return {"preset": {k: figures[k] for k in keep}, "preset_file": preset.name,
+    return {**held, "preset": {k: figures[k] for k in keep}, "preset_file": preset.name,
             "capacity": capacity, "systems": rows}

@@ -48,7 +48,7 @@ def decode_table(c: Check) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     rec["runs"] = runs
     c.doc["stages"]["decode_table"] = {"status": "running", **rec}  # written as runs end
-    with device_context(c), _pinned_store(c, s, rec):
+    with device_context(c), pinned_store(s, rec):
         for tier in TIERS:
             for capacity in CAPACITIES:
                 for system in SYSTEMS:
@@ -150,10 +150,11 @@ def decode_speed(c: Check, model: torch.nn.Module, s: Setup,
     return out[0, ids.shape[1]:].tolist(), rate
 
 
-def _pinned_store(c: Check, s: Setup, rec: dict[str, Any]) -> AbstractContextManager[Any]:
-    """The store pinned once for every ``--tier gpu`` run of the table (``offload`` calls
-    share a pinned store while one holds it: without this hold each would pin it again). A
-    refusal is recorded in ``rec`` and the table goes on: the gpu-disk runs pin nothing."""
+def pinned_store(s: Setup, rec: dict[str, Any]) -> AbstractContextManager[Any]:
+    """The store pinned once for every ``--tier gpu`` run of a stage (``offload`` calls
+    share a pinned store while one holds it: without this hold each would pin it again;
+    the decode table's runs, calibrate's three). A refusal is recorded in ``rec`` and the
+    stage goes on: each run then pins (or fails) on its own; the gpu-disk runs pin nothing."""
     from contextlib import contextmanager
 
     from stmoe.runtime.accelerator import accelerator

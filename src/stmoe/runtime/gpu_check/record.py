@@ -8,6 +8,7 @@ still leave what was measured, and a dry run on the CPU must never claim a targe
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -35,8 +36,7 @@ class Check:
         # shape with the recorded routing (the GPU run, and a dry run that rehearses it)
         self.tiny = dry and not real_shape
         self.layers, self.routing = layers, routing  # the decode table's (``setup``)
-        # where the stages make their files (the checkpoint, its store: removed at the end)
-        self.work = Path(tempfile.mkdtemp(prefix="stmoe-gpu-check-"))
+        self._work: Path | None = None  # ``work``, once a stage asks for it
         self.shared: dict[str, Any] = {}  # what one stage makes for the next
         # the targets read off ``doc`` at every write (``targets.targets``, set by run_stages)
         self.read_targets: Callable[[Check], None] | None = None
@@ -48,6 +48,20 @@ class Check:
             "commit": commit, "dry_run": dry, **({"rehearsal": True} if dry and real_shape
                                                   else {}),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "stages": {}, "targets": []}
+
+    @property
+    def work(self) -> Path:
+        """Where the stages make their files (the checkpoint, its store): made when first
+        asked for, so a check that makes none leaves no folder behind (``remove_work``)."""
+        if self._work is None:
+            self._work = Path(tempfile.mkdtemp(prefix="stmoe-gpu-check-"))
+        return self._work
+
+    def remove_work(self) -> None:
+        """The stages' files gone (at the end of the run)."""
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
 
     def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
         started = time.perf_counter()
