@@ -26,9 +26,13 @@ ties go to the smaller expert id. The policies:
   recent: an online stand-in for ``belady``, which keeps what the predictor expects
   to be needed rather than what was needed last. It needs a predictor that scores
   every expert (``Predictor.scores_experts``: stmoe-plus, hybrid, stmoe-mix); with
-  no scores yet (before the layer's first prediction) it is LRU. The cache replay,
-  the runtime and the simulator's runtime pipeline (which takes the runtime's
-  names); the paper's accelerator pipeline does not model it.
+  no scores (before the layer's first prediction, or while the runtime's admission
+  has its prediction off) it is LRU. The cache replay, the runtime and the
+  simulator's runtime pipeline (which takes the runtime's names); the paper's
+  accelerator pipeline does not model it. (A model with no more MoE layers than the
+  predictor's horizon, one layer say, is the exception to "the same scores in every
+  cache": the runtime's CPU tiers and the simulator predict the next token's layer
+  before this token's demand there, so its misses see the next prediction's scores.)
 
 ``predicted`` is the former name of the runtime's default and stays accepted
 everywhere as ``lru`` (``ALIASES``).

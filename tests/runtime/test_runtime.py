@@ -6,6 +6,7 @@ import json
 import threading
 import time
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -222,11 +223,57 @@ def test_score_eviction_is_bit_identical_to_the_resident_model(family):
         assert all(scored) and stats.bytes_moved > 0, where
 
 
+def test_each_caches_victims_go_by_its_layers_latest_prediction_or_lru_when_admission_skips(
+        tmp_path):
+    """The planner's plumbing: after a run, each layer's cache holds the scores of the last
+    prediction made for that layer; a prediction admission skips leaves none (LRU)."""
+    model, _ = tiny_model("qwen3_moe")
+    store = pack(model, tmp_path / "store")
+    trace = capture_generation(model, [[20, 21, 22, 23], [30, 31]], max_new_tokens=8)
+    tables = save_tables(profile(trace), tmp_path / "tables.npz")
+    model, _ = tiny_model("qwen3_moe")
+    with offload(model, store, capacity=3, predictor="stmoe-plus", tables=tables,
+                 policy="score", admission=False) as om:
+        planner, latest = om.engine.planner, {}
+        scored = planner.predictor.predict_batch_scored
+
+        def spy(layer, slots, max_size=0):
+            ids, scores = scored(layer, slots, max_size)
+            latest[layer] = scores
+            return ids, scores
+
+        planner.predictor.predict_batch_scored = spy
+        om.measure(lambda: _generate(om.model))
+        caches = om.engine.caches
+        assert latest and all(np.array_equal(caches[layer].scores, s) and len(s) == len(
+            caches[layer].uses) for layer, s in latest.items())
+
+        class Off:  # admission with layer 1's prediction off
+            def wants(self, layer):
+                return False
+
+            def admit(self, fwd, layer, experts):
+                return experts
+
+        om.engine.state.run.admission = Off()
+        planner._plan(om.engine.run.fwd + 1, 1)
+        assert len(caches[1].scores) == 0 and len(caches[0].scores) > 0
+
+
 def test_score_eviction_needs_a_predictor_that_scores_every_expert(tmp_path):
     model, _ = tiny_model("qwen3_moe")
     store = pack(model, tmp_path / "store")
     with pytest.raises(OffloadError, match="predictor 'ondemand' scores none; use stmoe-plus"):
         offload(model, store, capacity=3, predictor="ondemand", policy="score")
+    # an engine wired by hand is refused as it is made, not at its first decode step
+    from types import SimpleNamespace
+
+    from stmoe.predictors import ModelShape, make
+    from stmoe.runtime.planning import PrefetchPlanner
+
+    state = SimpleNamespace(caches=[SimpleNamespace(policy="score")])
+    with pytest.raises(OffloadError, match="'random' scores none"):
+        PrefetchPlanner(state, make("random", ModelShape(2, 4, 2)), None, None, 1, 3)
 
 
 @pytest.mark.parametrize("policy", ["predicted", "lru", "lfu", "none"])

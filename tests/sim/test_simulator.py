@@ -513,3 +513,21 @@ def test_the_sim_check_takes_the_tiers_speed_its_runs_met(tmp_path):
     merged = check.per_round(lambda p: fake(None, hardware=p), list(speeds), HEADLINE_SYSTEMS)
     assert merged["systems"]["oracle"]["decode_tokens_per_s"] == 2.0  # the median of 1, 4, 2
     assert "each of 3 rounds" in merged["hardware"]
+
+
+def test_the_host_pipeline_ranks_by_lru_while_admission_skips_a_layers_prediction():
+    """As the runtime's planner: a skipped prediction leaves the layer no scores."""
+    from stmoe.sim.host import pipeline as host
+
+    experts = np.zeros((3, 2, 1), dtype=np.int64)
+    plan = (np.zeros(7, dtype=np.int64), np.zeros(0, dtype=np.int64))  # 3 tokens x 2 layers
+    run = host.HostRun(experts, 1, plan, False, 2, "score", admission=True,
+                       scores=np.ones((6, 4), dtype=np.float32))
+    costs = host.HostCosts(layer_s=0.0, token_s=0.0, expert_s=1.0, read_s=1.0,
+                           first_touch_s=0.0, parallel=1.0, workers=1, fifo=False)
+    sim = host._Sim(run, costs, 4)
+    sim.plan_set(1, 1)  # a fresh admission asks for the prediction: its scores
+    assert len(sim.score[1]) == 4
+    sim.adm.wants = lambda layer: False
+    sim.plan_set(2, 1)
+    assert len(sim.score[1]) == 0

@@ -34,7 +34,9 @@ PLUGIN = [("top-k, stmoe-plus", "capacity=4,predictor=stmoe-plus"),
           ("6, lru-only, no workers", "capacity=6,predictor=ondemand,workers=0"),
           ("100%, lru-only", "capacity=100%,predictor=ondemand"),
           ("top-k, stmoe-plus, streamed", "capacity=4,predictor=stmoe-plus,experts=stream"),
-          ("6, stmoe, in place", "capacity=6,predictor=stmoe,experts=in-place")]
+          ("6, stmoe, in place", "capacity=6,predictor=stmoe,experts=in-place"),
+          # the batch's union scores each layer's victims (predict_batch_scored, several slots)
+          ("top-k, stmoe-plus, score eviction", "capacity=4,predictor=stmoe-plus,policy=score")]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,7 @@ def test_greedy_tokens_equal_plain_vllm_at_every_capacity_and_concurrency(driven
     lines = [x for x in log.splitlines() if "stmoe: offloading 8 MoE layers" in x]
     assert len(lines) == len(PLUGIN) + 2, lines  # (+ bfloat16's, + the reload run's)
     assert any("4 of 16 experts cached per layer" in x for x in lines)
+    assert any("predictor stmoe-plus, policy score" in x for x in lines)
 
 
 def test_in_bfloat16_too(driven):

@@ -94,21 +94,21 @@ def replay_cache(
     """Run the per-layer caches over ``trace`` with ``plan``'s prefetches; ``scores``
     ([T*L, N], ``Predictor.scored_plan``'s) rank the victims of policy ``score``."""
     code = cp.policy_code(policy, cp.REPLAY, PredictorError)
-    rows = trace.num_tokens * trace.num_layers
-    if code == cp.SCORE and scores is None:
-        raise PredictorError("cache policy 'score' evicts by the predictor's scores: replay "
-                             "with a scoring predictor's scored_plan (stmoe-plus, hybrid, "
-                             "stmoe-mix)")
-    if scores is not None and scores.shape != (rows, trace.num_experts):
-        raise PredictorError(f"scores of shape {scores.shape} for a trace of {rows} (token, "
-                             f"layer) rows and {trace.num_experts} experts")
-    if code != cp.SCORE or scores is None:
-        scores = np.zeros((rows, 0), dtype=np.float32)  # rows of none: victims as LRU
     if capacity < trace.top_k:
         raise PredictorError(
             f"cache capacity {capacity} is below top-k {trace.top_k}: one token's experts "
             "must fit; use --capacity >= top-k"
         )
+    rows = trace.num_tokens * trace.num_layers
+    if code != cp.SCORE:
+        scores = np.zeros((rows, 0), dtype=np.float32)  # rows of none: (score's) victims as LRU
+    elif scores is None:
+        raise PredictorError("cache policy 'score' evicts by the predictor's scores: replay "
+                             "with a scoring predictor's scored_plan (stmoe-plus, hybrid, "
+                             "stmoe-mix)")
+    elif scores.shape != (rows, trace.num_experts):
+        raise PredictorError(f"scores of shape {scores.shape} for a trace of {rows} (token, "
+                             f"layer) rows and {trace.num_experts} experts")
     if count_mask is None:
         count_mask = np.ones(trace.num_tokens, dtype=bool)
     experts = np.ascontiguousarray(trace.experts, dtype=np.int16)

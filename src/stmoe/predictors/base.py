@@ -236,8 +236,9 @@ class Predictor:
         raise NotImplementedError(f"{self.name} does not score every expert")
 
     def predict_scored(self, layer: int, slot: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """``predict``'s set and the [N] scores it was ranked from (float32): what score
-        eviction (``cache_policy``'s ``score``) keeps by. Predictors that ``scores_experts``."""
+        """``predict``'s set and the [N] scores it was ranked from, as float32 (so two
+        scores apart only in float64 tie, and go to the least recent): what score eviction
+        (``cache_policy``'s ``score``) keeps by. Predictors that ``scores_experts``."""
         raise PredictorError(f"predictor {self.name!r} does not score every expert, so "
                              "score eviction (cache policy 'score') cannot rank its cache; use "
                              "stmoe-plus, hybrid or stmoe-mix, or another policy (lru)")

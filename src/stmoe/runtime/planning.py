@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from stmoe import cache_policy as cp
 from stmoe.errors import OffloadError
 from stmoe.hf.layout import ModelLayout, late_hidden, lookahead_ids
 from stmoe.predictors.base import Predictor, PredictorError
@@ -78,6 +79,9 @@ class PrefetchPlanner:
         self.capacity = capacity
         # cache policy score: each prediction's scores go to the layer's cache (its victims)
         self.scored = bool(state.caches) and state.caches[0].policy == "score"
+        if self.scored and not predictor.scores_experts:  # (offload() says so first)
+            raise OffloadError(f"cache policy 'score' needs a predictor that scores every "
+                               f"expert; {predictor.name!r} scores none")
         self.prompt_routers = prompt_routers  # each layer's router, for a prompt's loads
 
     # ---- the model's forward calls (hf_glue.ForwardHooks) ----------------------------
@@ -252,6 +256,9 @@ class PrefetchPlanner:
             raise OffloadError(f"predictor {self.predictor.name!r} predicted expert {bad} for "
                                f"layer {layer}, outside this model's experts 0..{n - 1} (its "
                                "tables were profiled on another model?)")
+        if scores is not None and len(scores) != n:
+            raise OffloadError(f"predictor {self.predictor.name!r} scored {len(scores)} experts "
+                               f"for layer {layer}; this model has {n}")
         return out, scores
 
     def _plan(self, fwd: int, layer: int) -> None:
@@ -260,16 +267,18 @@ class PrefetchPlanner:
         thread is what prefetch would have to repay); it still learns every routing."""
         run = self.state.run
         off = run.admission is not None and run.future is None and not run.admission.wants(layer)
-        experts, scores = ([], None) if off else self._predicted(fwd, layer)
+        # off: no prediction, so policy score's victims go by LRU until the next one
+        experts, scores = ([], cp.NO_SCORES if self.scored else None) if off else \
+            self._predicted(fwd, layer)
         self._prefetch(fwd, layer, experts, scores=scores)
 
     def _prefetch(self, fwd: int, layer: int, experts: list[int], admit: bool = True,
                   scores: np.ndarray | None = None) -> None:
         """Record the prediction for (``fwd``, ``layer``), keep its experts from eviction
         and queue the loads of those not cached (``admit``: those admission admits);
-        ``scores`` (policy score) rank the layer's victims from now on."""
+        ``scores`` (policy score) rank the layer's victims from now on (none: as LRU)."""
         with self.state.cv:
-            if scores is not None and len(scores) == self.state.num_experts:
+            if scores is not None:
                 self.state.caches[layer].scores = scores
             run = self.state.run
             if admit and run.admission is not None and run.future is None:  # the oracle: bound

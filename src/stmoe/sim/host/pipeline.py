@@ -251,7 +251,11 @@ class _Sim:
         if self.adm is None:
             self.queue_set(fwd, layer, self.predicted(fwd, layer))
             return
-        ranked = [] if not self.adm.wants(layer) else self.predicted(fwd, layer).tolist()
+        if not self.adm.wants(layer):  # no prediction: score's victims as LRU until one
+            self.score[layer] = cp.NO_SCORES
+            ranked = []
+        else:
+            ranked = self.predicted(fwd, layer).tolist()
         self.queue_set(fwd, layer, np.asarray(self.adm.admit(fwd, layer, ranked), np.int64))
 
     def _record(self, fwd: int, layer: int, needed: np.ndarray) -> None:
