@@ -419,10 +419,13 @@ def test_eval_with_score_eviction_says_which_predictors_ran_lru(cli, small, tmp_
     res = cli("eval", small, "--tables", tables, "--capacity", "4", "--policy", "score",
               "--predictor", "stmoe-plus", "--predictor", "stmoe", "--json", tmp_path / "r.json")
     assert res.exit_code == 0, res.output
-    assert "note: --policy score: stmoe score no expert, so their caches ran lru" in res.output
+    assert "note: --policy score: stmoe scores no expert, so its cache ran lru" in res.output
     caches = {n: p["cache"]["policy"]
               for n, p in json.loads((tmp_path / "r.json").read_text())["predictors"].items()}
     assert caches == {"stmoe-plus": "score", "stmoe": "lru"}
+    res = cli("eval", small, "--tables", tables, "--capacity", "4", "--policy", "score",
+              "--predictor", "stmoe", "--predictor", "ondemand")
+    assert "stmoe, ondemand score no expert, so their caches ran lru" in res.output
 
 
 def test_a_fit_of_another_version_is_said_not_silently_replaced(cli, small, tmp_path):

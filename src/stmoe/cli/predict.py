@@ -264,8 +264,9 @@ def eval_cmd(
     lru_instead = [n for n, r in result.results.items() if r.cache and r.cache.policy != policy
                    and policy == "score"]
     if lru_instead:
-        err.print(f"note: --policy score: {', '.join(lru_instead)} score no expert, so their "
-                  "caches ran lru")
+        which = (f"{lru_instead[0]} scores no expert, so its cache" if len(lru_instead) == 1
+                 else f"{', '.join(lru_instead)} score no expert, so their caches")
+        err.print(f"note: --policy score: {which} ran lru")
     if cross_domain:
         shared = {k: v for k, v in options.items() if k != "horizon"}
         result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace, **shared))
