@@ -261,8 +261,8 @@ def eval_cmd(
                       f"{', '.join(n for n in chosen if n not in far)}")
         chosen, options["horizon"] = far, horizon
     result = replay(trace, chosen, tables, options=options, capacity=capacity, policy=policy)
-    lru_instead = [n for n, r in result.results.items() if r.cache and r.cache.policy != policy
-                   and policy == "score"]
+    lru_instead = [n for n, r in result.results.items()
+                   if policy == "score" and r.cache and r.cache.policy == "lru"]
     if lru_instead:
         which = (f"{lru_instead[0]} scores no expert, so its cache" if len(lru_instead) == 1
                  else f"{', '.join(lru_instead)} score no expert, so their caches")

@@ -22,7 +22,7 @@ set; subclasses may override it with a compiled path that gives identical sets.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -224,12 +224,17 @@ class Predictor:
         predictors, to their mean set size times the slots."""
         slots = list(slots)
         if self.scores_experts and len(slots) > 1:
-            size = max_size if max_size > 0 else min(
-                self.shape.num_experts, round(self.mean_set_size * len(slots)))
+            size = self._union_size(len(slots), max_size)
             if size <= 0:
                 return np.zeros(0, dtype=np.int16)
             return union_of_scores([self.scores(layer, slot) for slot in slots], size)
         return union_of_sets([self.predict(layer, slot) for slot in slots], max_size)
+
+    def _union_size(self, slots: int, max_size: int) -> int:
+        """A scoring predictor's batch set size: ``max_size``, else its mean set size times
+        the slots."""
+        return max_size if max_size > 0 else min(self.shape.num_experts,
+                                                 round(self.mean_set_size * slots))
 
     def scores(self, layer: int, slot: int = 0) -> np.ndarray:
         """[N] scores of every expert for ``layer`` (predictors that ``scores_experts``)."""
@@ -252,8 +257,7 @@ class Predictor:
             ids, scores = self.predict_scored(layer, slots[0] if slots else 0)
             return (ids[:max_size] if max_size > 0 else ids), scores
         weight = np.zeros(self.shape.num_experts, dtype=np.float32)
-        size = max_size if max_size > 0 else min(
-            self.shape.num_experts, round(self.mean_set_size * len(slots)))
+        size = self._union_size(len(slots), max_size)
         if size <= 0 or not slots:  # as predict_batch: nothing asked of the predictor
             return np.zeros(0, dtype=np.int16), weight
         per_slot = [self.scores(layer, slot) for slot in slots]
@@ -263,15 +267,7 @@ class Predictor:
 
     def plan(self, trace: RoutingTrace) -> PrefetchPlan:
         """Replay ``trace`` step by step through the protocol; every prefetch set."""
-        n_layers = trace.num_layers
-        ptr = np.zeros(trace.num_tokens * n_layers + 1, dtype=np.int64)
-        chunks: list[np.ndarray] = []
-        for i in self._protocol(trace):
-            chosen = self.predict(i % n_layers)
-            chunks.append(chosen)
-            ptr[i + 1] = ptr[i] + len(chosen)
-        ids = np.concatenate(chunks).astype(np.int16) if chunks else np.zeros(0, np.int16)
-        return PrefetchPlan(ptr=ptr, ids=ids, num_layers=n_layers)
+        return self._sets(trace, lambda i: self.predict(i % trace.num_layers))
 
     def scored_plan(self, trace: RoutingTrace) -> tuple[PrefetchPlan, np.ndarray]:
         """``plan``'s sets (the same) and, per (token, layer), the scores each was ranked
@@ -286,14 +282,24 @@ class Predictor:
                 "replay fewer tokens or layers (stmoe trace select)")
         scores = np.zeros((trace.num_tokens * shape.num_layers, shape.num_experts),
                           dtype=np.float32)
-        ptr = np.zeros(len(scores) + 1, dtype=np.int64)
+
+        def scored(i: int) -> np.ndarray:
+            ids, scores[i] = self.predict_scored(i % shape.num_layers)
+            return ids
+
+        return self._sets(trace, scored), scores
+
+    def _sets(self, trace: RoutingTrace, predict: Callable[[int], np.ndarray]) -> PrefetchPlan:
+        """Every (token, layer)'s set, ``predict(t * L + layer)``, through the protocol."""
+        n_layers = trace.num_layers
+        ptr = np.zeros(trace.num_tokens * n_layers + 1, dtype=np.int64)
         chunks: list[np.ndarray] = []
         for i in self._protocol(trace):
-            chosen, scores[i] = self.predict_scored(i % shape.num_layers)
+            chosen = predict(i)
             chunks.append(chosen)
             ptr[i + 1] = ptr[i] + len(chosen)
         ids = np.concatenate(chunks).astype(np.int16) if chunks else np.zeros(0, np.int16)
-        return PrefetchPlan(ptr=ptr, ids=ids, num_layers=shape.num_layers), scores
+        return PrefetchPlan(ptr=ptr, ids=ids, num_layers=n_layers)
 
     def _protocol(self, trace: RoutingTrace) -> Iterator[int]:
         """The protocol over ``trace`` in slot 0: yields ``t * L + layer`` where the caller

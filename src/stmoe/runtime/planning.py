@@ -267,9 +267,10 @@ class PrefetchPlanner:
         thread is what prefetch would have to repay); it still learns every routing."""
         run = self.state.run
         off = run.admission is not None and run.future is None and not run.admission.wants(layer)
-        # off: no prediction, so policy score's victims go by LRU until the next one
-        experts, scores = ([], cp.NO_SCORES if self.scored else None) if off else \
-            self._predicted(fwd, layer)
+        if off:  # no prediction, so policy score's victims go by LRU until the next one
+            experts, scores = [], (cp.NO_SCORES if self.scored else None)
+        else:
+            experts, scores = self._predicted(fwd, layer)
         self._prefetch(fwd, layer, experts, scores=scores)
 
     def _prefetch(self, fwd: int, layer: int, experts: list[int], admit: bool = True,

@@ -39,11 +39,10 @@ def warm_kernels(predictor: Predictor, capacity: int, n: int) -> float:
     start = time.perf_counter()
     warm_predictor(predictor, capacity)
     flags, counts = np.zeros(n, dtype=np.bool_), np.zeros(n, dtype=np.int64)
-    scores = np.zeros(n, dtype=np.float32)
-    for policy in ("lru", "lfu", "score"):  # the cache's victim choice (runtime.cache), as it
-        for score in (cp.NO_SCORES, scores):  # calls it (before a layer's first scores, after)
-            cp.choose_victim(flags, flags, counts, counts, np.zeros(0, dtype=np.int64), score,
-                             cp.policy_code(policy, cp.RUNTIME))
+    # the cache's victim choice (runtime.cache), with the argument types it passes: one
+    # compiled signature serves every policy, with or without a prediction's scores
+    cp.choose_victim(flags, flags, counts, counts, np.zeros(0, dtype=np.int64),
+                     np.zeros(n, dtype=np.float32), cp.policy_code("score", cp.RUNTIME))
     return time.perf_counter() - start
 
 
