@@ -68,7 +68,11 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys, mon
     assert table["resident"]["repeats_its_tokens"] and "HELD-OUT" in table["routing"]
     for r in runs:  # the device's figures of every run (the stand-in's here)
         assert r["decode_tok_s"] > 0 and r["pcie_bytes_decode"] >= 0 and r["copy_GBps"] >= 0
-    assert doc["stages"]["accelerate_offload"]["identical_prefix"] is True
+    acc = doc["stages"]["accelerate_offload"]
+    # accelerate's own hooks ran (the dry run's offload is "disk"; the GPU's, "cpu"): half
+    # the experts modules held on "meta" and loaded at each call, the tokens unchanged
+    assert acc["identical_prefix"] is True and acc["offloaded_to"] == "disk"
+    assert acc["experts_modules_offloaded"] == acc["of_layers"] - acc["experts_layers_in_hbm"] > 0
     sim = doc["stages"]["calibrate_simulator"]["systems"]
     assert [r["system"] for r in sim] == ["on-demand", "lru-only", "stmoe", "stmoe-plus",
                                           "oracle", "stmoe-plus-score"]

@@ -40,9 +40,15 @@ def accelerate_offload(c: Check) -> dict[str, Any]:
         skeleton = AutoModelForCausalLM.from_config(config)
     names = [name for name, _ in experts_modules(skeleton)]
     on_device = math.floor(SHARE * len(names))
-    main: int | str = 0 if c.cuda else "cpu"
-    device_map = split_map(skeleton, set(names[on_device:]), main)
-    model = AutoModelForCausalLM.from_pretrained(s.model_dir, device_map=device_map).eval()
+    # A dry run has no second device: its offloaded experts go to "disk", so that
+    # accelerate's hooks (weights on "meta", loaded at each call) run as on the GPU
+    main, offload = (0, "cpu") if c.cuda else ("cpu", "disk")
+    device_map = split_map(skeleton, set(names[on_device:]), main, offload)
+    model = AutoModelForCausalLM.from_pretrained(
+        s.model_dir, device_map=device_map, offload_folder=c.work / "accelerate-offload").eval()
+    # accelerate's offloaded modules hold their weights on "meta" between calls
+    held_off = sum(all(p.device.type == "meta" for p in m.parameters())
+                   for _, m in experts_modules(model))
     try:
         forced = ForcedRouting(model, s.plan)
         steps = min(s.steps, 16 if not c.dry else s.steps)  # each token copies GBs: fewer
@@ -56,19 +62,21 @@ def accelerate_offload(c: Check) -> dict[str, Any]:
     want = c.shared.get("want")
     return {"device_map": {k: str(v) for k, v in device_map.items()},
             "experts_layers_in_hbm": on_device, "of_layers": len(names),
+            "offloaded_to": offload, "experts_modules_offloaded": held_off,
             "decode_tok_s": round(rate, 3), "tokens": steps,
             "identical_prefix": want is not None and tokens == want[:steps]}
 
 
-def split_map(model: torch.nn.Module, offloaded: set[str],
-              main: int | str) -> dict[str, int | str]:
-    """A complete ``device_map``: the modules named in ``offloaded`` on "cpu", everything
-    else on ``main``, each module whole unless an offloaded one lies inside it."""
+def split_map(model: torch.nn.Module, offloaded: set[str], main: int | str,
+              offload: str = "cpu") -> dict[str, int | str]:
+    """A complete ``device_map``: the modules named in ``offloaded`` on ``offload`` ("cpu"
+    or "disk"), everything else on ``main``, each module whole unless an offloaded one lies
+    inside it."""
     out: dict[str, int | str] = {}
 
     def assign(module: torch.nn.Module, name: str) -> None:
         if name in offloaded:
-            out[name] = "cpu"
+            out[name] = offload
         elif not any(o.startswith(f"{name}.") or not name for o in offloaded):
             out[name] = main
         else:
