@@ -66,6 +66,7 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys, mon
         for s in ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle", "stmoe-plus-score")}
     assert all(r["identical"] is True for r in runs), [r for r in runs if not r["identical"]]
     assert table["resident"]["repeats_its_tokens"] and "HELD-OUT" in table["routing"]
+    assert table["pinned_store_locked"] == "registered in place"  # (host_lock's fallback not)
     for r in runs:  # the device's figures of every run (the stand-in's here)
         assert r["decode_tok_s"] > 0 and r["pcie_bytes_decode"] >= 0 and r["copy_GBps"] >= 0
     acc = doc["stages"]["accelerate_offload"]

@@ -66,12 +66,14 @@ def accelerator(tier: str) -> Accelerator:
 
 @contextmanager
 def stand_in(delay: float = 0.0, free_bytes: int = 64 << 30,
-             ops: HostThreadOps | None = None) -> Iterator[Accelerator]:
+             ops: HostThreadOps | None = None,
+             pinning: HostPinning | None = None) -> Iterator[Accelerator]:
     """The CPU standing in for the GPU (for tests and the GPU check's dry run): every copy
     lands ``delay`` seconds late on a copy thread of its own stream (``ops`` if given),
-    ``free_bytes`` of device memory free. The copy threads stop when the block ends."""
+    ``free_bytes`` of device memory free, host memory "locked" by ``pinning`` (default
+    ``NoPinning``). The copy threads stop when the block ends."""
     ops = ops or HostThreadOps(delay=delay)
-    acc = Accelerator(torch.device("cpu"), ops, NoPinning(), lambda: free_bytes,
+    acc = Accelerator(torch.device("cpu"), ops, pinning or NoPinning(), lambda: free_bytes,
                       "cpu stand-in")
     with _LOCK:
         _STAND_IN.append(acc)

@@ -49,7 +49,7 @@ def measure_device_latency(store: ExpertStore, tier: Any, device: torch.device,
         block = rng.choice(blocks)
         start = time.perf_counter()
         if reader is not None:
-            reader.read_page(block, tier.pool.buffers[0].map)
+            reader.read_page(block, tier.pool.buffers[0].buf)
             src = page
         else:
             src = tier.host[block.offset : block.offset + ALIGN]

@@ -169,6 +169,7 @@ def pinned_store(s: Setup, rec: dict[str, Any]) -> AbstractContextManager[Any]:
             rec["pinned_store_error"] = f"{type(exc).__name__}: {exc}"
             yield None
             return
+        rec["pinned_store_locked"] = pinned.how  # registered in place, or allocated locked
         try:
             yield pinned
         finally:

@@ -18,11 +18,10 @@ several readers, several blocks are in flight at once.
 
 from __future__ import annotations
 
-import mmap
 import threading
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 
@@ -33,12 +32,12 @@ from stmoe.runtime.store.device_ops import (
     DeviceOps,
     HostPinning,
     copy_parts,
-    unmap,
 )
 from stmoe.runtime.store.expert_store import ExpertStore
+from stmoe.runtime.store.host_lock import LockedHost
 from stmoe.runtime.store.in_place import InPlaceTier
 from stmoe.runtime.store.index import Block
-from stmoe.runtime.store.tiers import Between, DiskTier, buffer_bytes
+from stmoe.runtime.store.tiers import Between, DiskTier, ReadBuffer, buffer_bytes
 
 # Buffers in the pool: a reader per prefetch worker plus the compute thread's, each with
 # its block's copy in flight while the next read starts.
@@ -60,14 +59,19 @@ def bounce_bytes(store: ExpertStore) -> int:
 
 
 class Bounce:
-    """One page-locked buffer; ``pending``: the event of the last copy out of it."""
+    """One page-locked buffer (``buf``, what a reader fills; ``tensor``, the same bytes);
+    ``pending``: the event of the last copy out of it."""
 
     def __init__(self, nbytes: int, pinning: HostPinning) -> None:
-        self.map = mmap.mmap(-1, nbytes)
-        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.ptr = self.tensor.data_ptr()
-        pinning.register(self.ptr, nbytes)
+        self.locked = LockedHost(nbytes, pinning)
+        self.tensor, self.buf = self.locked.tensor, self.locked.view()
         self.pending: CopyEvent | None = None
+
+    def close(self) -> None:
+        with suppress(BufferError):  # a fetched block's view outlives it: unmapped later
+            self.buf.release()
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.locked.close()
 
 
 class BouncePool:
@@ -115,9 +119,7 @@ class BouncePool:
         """Wait for every copy out of the buffers, then unlock and unmap them."""
         for bounce in self.buffers:
             self._drain(bounce)
-            self.pinning.unregister(bounce.ptr)
-            bounce.tensor = torch.empty(0, dtype=torch.uint8)
-            unmap(bounce.map)
+            bounce.close()
         self.buffers = []
 
 
@@ -140,7 +142,7 @@ class DiskToDeviceTier:
         self.ops = ops or CudaOps()
         self.pool = BouncePool(buffers, bounce_bytes(self.store), pinning)
 
-    def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
+    def fetch(self, block: Block, buf: ReadBuffer, between: Between = None) -> torch.Tensor:
         return self.reader.fetch(block, buf, between)
 
     def load(self, block: Block, dsts: list[torch.Tensor], stream: object,
@@ -163,7 +165,7 @@ class DiskToDeviceTier:
         bounce = self.pool.acquire()
         queued = False
         try:
-            src = self.reader.fetch(block, bounce.map, between)
+            src = self.reader.fetch(block, bounce.buf, between)
             self.store.check_size(block, src.numel())
             queued = True  # from here a copy out of the buffer may be in flight
             event = (copy_parts(self.ops, dsts, src, stream, between, self.chunk_bytes)
@@ -177,7 +179,7 @@ class DiskToDeviceTier:
             finally:
                 self.pool.release(bounce, pending)
 
-    def read_page(self, block: Block, buf: mmap.mmap) -> None:
+    def read_page(self, block: Block, buf: ReadBuffer) -> None:
         self.reader.read_page(block, buf)
 
     def read_into(self, block: Block, parts: list[object], between: Between = None,

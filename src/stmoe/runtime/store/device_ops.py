@@ -91,6 +91,11 @@ class HostPinning(Protocol):
 
     def unregister(self, ptr: int) -> None: ...
 
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """Locked memory allocated by the driver (``host_lock``'s fallback where ``register``
+        is refused): uint8, at least ``nbytes``."""
+        ...
+
 
 def _cudart() -> object:
     if not torch.cuda.is_available():
@@ -110,12 +115,15 @@ class CudaHostPinning:
         err = int(self._rt.cudaHostRegister(ptr, nbytes, 1))  # type: ignore[attr-defined]
         if err:
             clear_last_error()
-            raise OffloadError(f"page-locking {nbytes / 2**30:.2f} GiB of host memory for the "
-                               f"GPU failed (cudaError {err}); a smaller store, or --tier disk")
+            raise OffloadError(f"page-locking {nbytes / 2**30:.2f} GiB of host memory in place "
+                               f"(cudaHostRegister) failed (cudaError {err})")
 
     def unregister(self, ptr: int) -> None:
         if int(self._rt.cudaHostUnregister(ptr)):  # type: ignore[attr-defined]
             clear_last_error()  # as register's: the next kernel launch must not see it
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def loaded_library(stem: str, maps: Path = Path("/proc/self/maps")) -> ctypes.CDLL | None:

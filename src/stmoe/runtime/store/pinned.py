@@ -18,7 +18,6 @@ how it is pinned; the last ``release`` unlocks and unmaps it.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from typing import Any
@@ -32,9 +31,9 @@ from stmoe.runtime.store.device_ops import (
     DeviceOps,
     HostPinning,
     copy_parts,
-    unmap,
 )
 from stmoe.runtime.store.expert_store import ExpertStore
+from stmoe.runtime.store.host_lock import LockedHost
 from stmoe.runtime.store.index import ALIGN, Block, StoreError
 from stmoe.runtime.store.tiers import CHUNK_BYTES, Between, DiskTier, padded
 
@@ -65,18 +64,18 @@ class PinnedStore:
     offsets). Made and shared through ``acquire``; ``release`` once per acquire."""
 
     def __init__(self, store: ExpertStore, pinning: HostPinning, key: Key) -> None:
-        self.key, self.pinning, self.users = key, pinning, 0
+        self.key, self.users = key, 0
         self.nbytes = host_bytes(store)
-        self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes)
+        # locked first (where registering is refused: allocated locked), then filled in place
+        self.locked: LockedHost | None = LockedHost(self.nbytes, pinning)
         try:
-            fill(store, self._map)
-            self.host = torch.frombuffer(self._map, dtype=torch.uint8)
-            self.ptr = self.host.data_ptr()
-            pinning.register(self.ptr, self.nbytes)
+            with self.locked.view() as view:
+                fill(store, view)
         except BaseException:
-            self.host = torch.empty(0, dtype=torch.uint8)
-            unmap(self._map)
+            self.locked.close()
             raise
+        self.host = self.locked.tensor
+        self.how = self.locked.how
 
     @classmethod
     def acquire(cls, store: ExpertStore, pinning: HostPinning) -> PinnedStore:
@@ -98,11 +97,10 @@ class PinnedStore:
             if self.users > 0:
                 return
             del _SHARED[self.key]
-        self.pinning.unregister(self.ptr)
         self.host = torch.empty(0, dtype=torch.uint8)
-        if self._map is not None:
-            unmap(self._map)
-            self._map = None
+        if self.locked is not None:
+            self.locked.close()
+            self.locked = None
 
 
 def shared_stores() -> int:
@@ -111,14 +109,13 @@ def shared_stores() -> int:
         return len(_SHARED)
 
 
-def fill(store: ExpertStore, dest: mmap.mmap) -> None:
-    """Every block of ``store`` read into ``dest`` at its offset, in file order, with the
+def fill(store: ExpertStore, view: memoryview) -> None:
+    """Every block of ``store`` read into ``view`` at its offset, in file order, with the
     disk tier's aligned reads, each checked (size, CRC-32C) as it lands."""
     reader = DiskTier(store)
     try:
-        with memoryview(dest) as view:
-            for block in sorted(store.blocks.values(), key=lambda b: b.offset):
-                reader.read_block(block, view[block.offset : block.offset + padded(block)])
+        for block in sorted(store.blocks.values(), key=lambda b: b.offset):
+            reader.read_block(block, view[block.offset : block.offset + padded(block)])
     finally:
         reader.close()
 

@@ -38,6 +38,9 @@ class NoPinning:
     def unregister(self, ptr: int) -> None:
         del self.registered[ptr]
 
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
 
 class _HostEvent:
     def __init__(self) -> None:

@@ -76,7 +76,7 @@ class Tier(Protocol):
     emulated: bool
     reads_in_place: bool
 
-    def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor: ...
+    def fetch(self, block: Block, buf: ReadBuffer, between: Between = None) -> torch.Tensor: ...
 
     def read_into(self, block: Block, parts: list[np.ndarray], between: Between = None,
                   buf: mmap.mmap | None = None) -> bool:
@@ -92,6 +92,8 @@ class Tier(Protocol):
 # reads cost a 17 MB expert's read 12-15% more, 4 MiB 5% (benchmarks/bench_chunked_reads.py).
 CHUNK_BYTES = 4 << 20
 Between = Callable[[], None] | None
+# a reader's page-aligned buffer: a mapping, or a view of locked memory (``host_lock``)
+ReadBuffer = mmap.mmap | memoryview
 
 
 def chunks(total: int, chunk: int) -> list[tuple[int, int]]:
@@ -127,11 +129,11 @@ class DiskTier:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def read_page(self, block: Block, buf: mmap.mmap) -> None:
+    def read_page(self, block: Block, buf: ReadBuffer) -> None:
         """One aligned page of ``block`` (calibrate's per-read cost)."""
         os.preadv(self.fd, [memoryview(buf)[:ALIGN]], block.offset)
 
-    def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
+    def fetch(self, block: Block, buf: ReadBuffer, between: Between = None) -> torch.Tensor:
         self.read_block(block, memoryview(buf), between)
         return torch.frombuffer(buf, dtype=torch.uint8, count=block.nbytes)
 
@@ -222,7 +224,7 @@ class EmulatedLinkTier:
     def transfer_time(self, nbytes: int) -> float:
         return self.latency + nbytes / self.bandwidth
 
-    def fetch(self, block: Block, buf: mmap.mmap, between: Between = None) -> torch.Tensor:
+    def fetch(self, block: Block, buf: ReadBuffer, between: Between = None) -> torch.Tensor:
         """After the block's transfer time on the shared link: one transfer, or with
         ``between`` one per chunk (the latency paid once, by the first), so another
         reader's transfer can go between two chunks."""
