@@ -296,3 +296,30 @@ def test_simulate_refuses_what_its_pipeline_would_ignore(tiny, tmp_path, cli, ar
     res = cli("simulate", tmp_path / "t.npz", "--model", "stmoe-tiny", "--layers", "2",
               "--hardware", hw, *args)
     assert res.exit_code == 1 and message in res.output, res.output
+
+
+def test_the_compute_totals_are_a_run_without_clocks_and_the_split_is_scaled_to_it(
+        tiny, monkeypatch):
+    """On a GPU each of the split's clocks synchronises the device, which a real run does not
+    (four device waits a layer): a clock that costs 2 ms here stands for that. The token's
+    time is a run with no clocks, and the layers' and experts' shares are scaled to it, so the
+    clocks' cost reaches no figure the simulator reads."""
+    import time
+
+    from stmoe.runtime.calibrate import compute
+    from stmoe.runtime.options import CalibrateOptions
+
+    root, model_dir = tiny
+
+    def slow_clock(device):
+        def now():
+            time.sleep(0.002)
+            return time.perf_counter()
+        return now
+
+    monkeypatch.setattr(compute, "_clock", slow_clock)
+    f = compute.measure_compute(model_dir, root / "store", CalibrateOptions(tokens=3), top_k=4)
+    layers = f["num_layers"]
+    # the clocked run paid at least 4 clocks a layer a token (two hooks, two around experts)
+    assert f["token_s_clocked"] - f["token_s"] >= 4 * layers * 0.002 * 0.9, f
+    assert 0 < f["experts_s"] < f["layers_s"] < f["token_s"], f

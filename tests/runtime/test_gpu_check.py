@@ -140,6 +140,46 @@ def test_unfinished_cuda_tests_are_not_judged():
     assert _passed({"ran": True, "returncode": 1, "summary": "1 failed, 11 passed"}) is False
     assert _passed({"ran": True, "returncode": None}) is None  # stopped at the budget
     assert _passed({"ran": False}) is None
+    # the GPU refused the tests' process (an exclusive compute mode): not the code's failure
+    assert _passed({"ran": True, "returncode": 1, "judged": False}) is None
+
+
+def test_a_gpu_that_refuses_the_tests_process_is_recorded_not_judged(tmp_path, monkeypatch):
+    import subprocess
+
+    from stmoe.runtime.gpu_check import stages
+    from stmoe.runtime.gpu_check.record import Check
+
+    def refused(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "E RuntimeError: CUDA error: CUDA-capable "
+                                           "device(s) is/are busy or unavailable\n"
+                                           "3 failed in 4.0s\n", "")
+
+    monkeypatch.setattr(stages.subprocess, "run", refused)
+    c = Check(tmp_path / "c.json", False, "abc", 420.0, repo=tmp_path)
+    rec = stages.cuda_tests(c)
+    assert rec["judged"] is False and "exclusive compute mode" in rec["why"]
+    monkeypatch.setattr(stages.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 1, "E AssertionError\n1 failed, 2 passed in 4.0s\n", ""))
+    assert "judged" not in stages.cuda_tests(c)  # a real failure stays one
+
+
+def test_nvidia_smi_says_the_link_and_the_compute_mode_or_why_not(monkeypatch):
+    import subprocess
+
+    from stmoe.runtime.gpu_check import stages
+
+    monkeypatch.setattr(stages.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, "Default, 580.159.04, 5, 16, 5, 1980 MHz\n", ""))
+    got = stages.nvidia_smi()
+    assert got["compute_mode"] == "Default" and got["pcie.link.gen.current"] == "5"
+    assert got["pcie.link.width.current"] == "16" and got["clocks.max.sm"] == "1980 MHz"
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError(2, "No such file or directory", "nvidia-smi")
+
+    monkeypatch.setattr(stages.subprocess, "run", missing)
+    assert stages.nvidia_smi()["error"].startswith("FileNotFoundError")
 
 
 def test_stages_past_the_budget_are_skipped(tmp_path):

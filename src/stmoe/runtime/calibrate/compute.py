@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
-from stmoe.runtime.api import OffloadedModel
+from stmoe.runtime.api import GenerationResult, OffloadedModel
 from stmoe.runtime.forced_routing import RoutingPlan
 from stmoe.runtime.options import CalibrateOptions
 
@@ -23,7 +23,14 @@ def measure_compute(model_dir: Path, store_path: Path | None, o: CalibrateOption
     (every expert a hit: the runtime's compute and per-layer work, no I/O). With
     ``o.routing``, the trace's own routing with every expert cached and warm (its
     experts change from token to token as the workload's do, which costs more than
-    fixed experts), else the same top-K experts at every token in a cache of K."""
+    fixed experts), else the same top-K experts at every token in a cache of K.
+
+    The total is a run's with no clocks in it; the split comes from a second run with a
+    clock at each decoder layer's start and end and around each experts call, scaled to
+    that total. Why: on a GPU each clock synchronises the device (its kernels' time, not
+    their launch's), and four device waits a layer stop the host queueing ahead as the
+    runtime does, so the clocked run is slower than the runtime's own (``token_s_clocked``
+    says by how much) and would make the simulator predict it slower too."""
     from stmoe.runtime.api import offload
     from stmoe.runtime.forced_routing import RoutingPlan
 
@@ -42,34 +49,46 @@ def measure_compute(model_dir: Path, store_path: Path | None, o: CalibrateOption
             experts = np.broadcast_to(np.arange(top_k), (steps + 1, n_layers, top_k)).copy()
             plan = RoutingPlan(experts, np.full(experts.shape, 1.0 / top_k, dtype=np.float32),
                               2, [1, 2])
+        plain = _hits(om.force_routing(plan, max_new_tokens=steps, cold=o.routing is None))
         expert_s: list[float] = []
         layer_s: list[float] = []
         path = om.engine.path
         now = _clock(om.engine.device)
-        path.base = [_timed(f, expert_s, now) for f in path.base]
+        base = path.base
+        path.base = [_timed(f, expert_s, now) for f in base]
         hooks = []
         for name, _ in om.engine.layout.modules:
             layer = om.model.get_submodule(_decoder_layer(name))
             hooks.append(layer.register_forward_pre_hook(lambda *a: layer_s.append(-now())))
             hooks.append(layer.register_forward_hook(lambda *a: layer_s.append(now())))
         try:
-            result = om.force_routing(plan, max_new_tokens=steps, cold=o.routing is None)
+            clocked = _hits(om.force_routing(plan, max_new_tokens=steps,
+                                             cold=o.routing is None))
         finally:
             for h in hooks:
                 h.remove()
-    tokens = result.decode_tokens
-    if tokens < 1 or result.hit_rate < 1.0:
-        raise OffloadError(f"calibrate's compute run decoded {tokens} tokens at hit rate "
-                           f"{result.hit_rate:.2f}; expected every expert a hit")
+            path.base = base
+    tokens = clocked.decode_tokens
     per_call = np.add(layer_s[0::2], layer_s[1::2])  # end - start of each decoder layer
     decode_layers = per_call[n_layers:]  # after the prompt's forward
+    token_s, clocked_s = plain.decode_s / plain.decode_tokens, clocked.decode_s / tokens
+    scale = token_s / clocked_s if clocked_s > 0 else 1.0  # the clocks' own cost taken out
     return {
-        "token_s": result.decode_s / tokens,
-        "layers_s": float(decode_layers.sum()) / tokens,
-        "experts_s": float(sum(expert_s[n_layers:])) / tokens,
+        "token_s": token_s,
+        "layers_s": scale * float(decode_layers.sum()) / tokens,
+        "experts_s": scale * float(sum(expert_s[n_layers:])) / tokens,
+        "token_s_clocked": clocked_s,
         "tokens": tokens,
         "num_layers": n_layers,
     }
+
+
+def _hits(result: GenerationResult) -> GenerationResult:
+    """``result``, checked: decode tokens, every expert a hit."""
+    if result.decode_tokens < 1 or result.hit_rate < 1.0:
+        raise OffloadError(f"calibrate's compute run decoded {result.decode_tokens} tokens at "
+                           f"hit rate {result.hit_rate:.2f}; expected every expert a hit")
+    return result
 
 
 def measure_runtime_reads(model_dir: Path, store_path: Path, o: CalibrateOptions,

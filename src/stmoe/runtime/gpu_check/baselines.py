@@ -135,6 +135,6 @@ def calibrate_simulator(c: Check) -> dict[str, Any]:
                      "measured_over_simulated": round(got / simulated, 3)
                      if got and simulated > 0 else None})
     keep = ("bytes_per_s", "parallel_bytes_per_s", "latency_s", "token_s", "layers_s",
-            "experts_s", "workers")
+            "experts_s", "token_s_clocked", "workers")
     return {**held, "preset": {k: figures[k] for k in keep}, "preset_file": preset.name,
             "capacity": capacity, "systems": rows}

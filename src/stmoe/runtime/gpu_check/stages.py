@@ -66,10 +66,27 @@ def environment(c: Check) -> dict[str, Any]:
         lib = loaded_library("libcudart.so")  # where a failed page-lock's error is cleared
         rec.update(device_name=torch.cuda.get_device_name(), capability=f"{major}.{minor}",
                    free_bytes=free, total_bytes=total,
-                   cudart_library=getattr(lib, "_name", None))
+                   cudart_library=getattr(lib, "_name", None), nvidia_smi=nvidia_smi())
     with open("/proc/meminfo") as f:
         rec["host_mem_total_kib"] = int(f.readline().split()[1])
     return rec
+
+
+SMI_FIELDS = ("compute_mode", "driver_version", "pcie.link.gen.current",
+              "pcie.link.width.current", "pcie.link.gen.max", "clocks.max.sm")
+
+
+def nvidia_smi() -> dict[str, str]:
+    """What the bandwidths and the cuda tests' stage are read against: the link the copies
+    took (PCIe generation and width), and the compute mode (an exclusive one keeps the
+    tests' second process off the GPU); an error's text where nvidia-smi cannot say."""
+    cmd = ["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    values = [v.strip() for v in out.stdout.splitlines()[0].split(",")]
+    return dict(zip(SMI_FIELDS, values, strict=False))
 
 
 def h2d(c: Check) -> dict[str, Any]:
@@ -208,8 +225,15 @@ def cuda_tests(c: Check) -> dict[str, Any]:
                 "output_tail": tail}
     tail = (run.stdout + run.stderr)[-4000:]
     summary = next((line for line in reversed(tail.splitlines()) if " in " in line), "")
-    return {"command": cmd, "ran": True, "returncode": run.returncode, "summary": summary,
-            "output_tail": tail}
+    rec = {"command": cmd, "ran": True, "returncode": run.returncode, "summary": summary,
+           "output_tail": tail}
+    if run.returncode and BUSY in run.stdout + run.stderr:  # not the code's failure: not judged
+        rec.update(judged=False, why="the GPU refused the tests' process (an exclusive "
+                   "compute mode: the check's own process holds it)")
+    return rec
+
+
+BUSY = "busy or unavailable"  # cudaErrorDevicesUnavailable's text
 
 
 def tier_gpu(c: Check) -> dict[str, Any]:

@@ -102,8 +102,9 @@ def _environment_targets(c: Check, st: dict[str, Any]) -> None:
 
 def _passed(tests: dict[str, Any]) -> bool | None:
     """The cuda-marked tests' verdict: None where they did not run or did not finish, or
-    where none of them passed (all skipped: nothing was tested)."""
-    code = tests.get("returncode") if tests.get("ran") else None
+    where none of them passed (all skipped: nothing was tested), or where the GPU refused
+    their process (``judged`` False)."""
+    code = tests.get("returncode") if tests.get("ran") and tests.get("judged", True) else None
     if code is None:
         return None
     return None if code == 0 and " passed" not in str(tests.get("summary")) else code == 0
