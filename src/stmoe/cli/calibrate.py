@@ -21,7 +21,9 @@ def calibrate_cmd(
     store: Annotated[
         Path | None, path_option("--store", help="Its expert store (default: as generate).")
     ] = None,
-    tier: Annotated[str, typer.Option(help="Tier to measure: disk or emulated.")] = _D.tier,
+    tier: Annotated[str, typer.Option(
+        help="Tier to measure: disk, emulated, gpu (the store in pinned host memory) or "
+             "gpu-disk (disk -> GPU).")] = _D.tier,
     bandwidth: Annotated[
         str | None, typer.Option(help="The emulated link's bandwidth (e.g. 1GB).")
     ] = _D.bandwidth,
