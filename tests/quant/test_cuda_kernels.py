@@ -70,3 +70,34 @@ def test_a_quantized_model_runs_on_the_gpu_and_repeats_its_bits(name):
     with torch.no_grad():
         a, b = model(ids).logits, model(ids).logits
     assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def _grouped(x, w, offs):
+    """The grouped GEMM transformers' ``grouped_mm`` experts call on CUDA."""
+    f = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return f(x, w, offs=offs)
+
+
+@_apply(cuda)
+@pytest.mark.parametrize("k, n", [(2048, 1024), (512, 2048)], ids=["gate_up", "down"])
+def test_grouped_mm_gives_each_row_the_same_bits_whatever_the_number_of_groups(k, n):
+    """An offloaded layer's call of several tokens (a prompt) passes its slots, or the
+    needed experts, where the resident model passes every expert: fewer groups for the same
+    rows. torch's sm90 grouped GEMM chooses its tile shape from the rows per group (128 or
+    fewer: one, more: another), so a long prompt can take the other kernel offloaded than
+    resident (here 160 rows per group over 64 groups, 40 over 256: Qwen3.6-35B-A3B's
+    matrices). Lossless needs the same bits from both."""
+    if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        pytest.skip("this torch has no grouped GEMM")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("torch's grouped GEMM kernel needs sm90 or later")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts, used, per = 256, 64, 160
+    w = (torch.randn(experts, n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    x = torch.randn(used * per, k, generator=gen, device="cuda").to(torch.bfloat16)
+    counts = torch.zeros(experts, dtype=torch.int32, device="cuda")
+    counts[:used] = per
+    every = _grouped(x, w.transpose(-2, -1), torch.cumsum(counts, 0, dtype=torch.int32))
+    fewer = _grouped(x, w[:used].transpose(-2, -1),
+                     torch.cumsum(counts[:used], 0, dtype=torch.int32))
+    assert torch.equal(every, fewer)
