@@ -6,6 +6,8 @@
     PYTHONPATH=src python3 benchmarks/gpu_check.py [...]    # the same, crc32c already there
     PYTHONPATH=src python3 benchmarks/gpu_check.py --dry-run  # the plumbing, on the CPU
     PYTHONPATH=src python3 benchmarks/gpu_check.py --rehearse # the same at the real shape
+    benchmarks/gpu_check.sh --rerun docs/results/gpu_check.json --out "$OUT/gpu_check.json"
+        # a later GPU session: only the stages that did not finish ok (or --stages a,b)
 
 Each stage runs inside its own try/except (a failing stage records its error and the next
 one runs) and the JSON is rewritten after each (the decode table's after each of its runs),
@@ -49,12 +51,21 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from stmoe.runtime.gpu_check import git_head, prepare_routing, run_stages, target_lines
+from stmoe.errors import StmoeError
+from stmoe.runtime.gpu_check import (
+    STAGES,
+    git_head,
+    prepare_routing,
+    rerun_plan,
+    run_stages,
+    target_lines,
+)
 from stmoe.runtime.gpu_check.setup import CARRIED
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,6 +91,12 @@ def main() -> None:
                     help="the decode table's MoE layers (default 4; 8 at most)")
     ap.add_argument("--routing", type=Path, default=None,
                     help=f"a trace to replay (default {CARRIED}, else the shared sample)")
+    ap.add_argument("--rerun", type=Path, default=None, metavar="JSON",
+                    help="a former run's JSON: run again only its stages that did not finish "
+                         "ok (or --stages), keep the rest (default --out: that JSON)")
+    ap.add_argument("--stages", default=None,
+                    help=f"with --rerun, the stages to run again, comma-separated "
+                         f"({', '.join(STAGES)}); those that read them run too")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="stages (and decode-table runs) still to start after this many "
                          "seconds are skipped")
@@ -88,9 +105,21 @@ def main() -> None:
     if a.prepare:
         print(f"wrote {prepare_routing(SHARED, REPO / CARRIED)}")
         return
-    out = a.out or REPO / ("out/gpu_check.rehearsal.json" if a.rehearse else
-                           "out/gpu_check.dry-run.json" if a.dry else
-                           "docs/results/gpu_check.json")
+    earlier, chosen = None, None
+    if a.stages and not a.rerun:
+        ap.error("--stages names the stages --rerun runs again")
+    if a.rerun:
+        try:
+            earlier = json.loads(a.rerun.read_text())
+            names = [n.strip() for n in a.stages.split(",") if n.strip()] if a.stages else None
+            chosen = {n: STAGES[n] for n in rerun_plan(earlier, names, list(STAGES))}
+        except (OSError, ValueError, StmoeError) as exc:
+            ap.error(f"--rerun {a.rerun}: {exc}")
+        print(f"running again: {', '.join(chosen)}; kept from {a.rerun}: "
+              f"{', '.join(n for n in earlier.get('stages', {}) if n not in chosen) or 'none'}")
+    out = a.out or a.rerun or REPO / ("out/gpu_check.rehearsal.json" if a.rehearse else
+                                      "out/gpu_check.dry-run.json" if a.dry else
+                                      "docs/results/gpu_check.json")
     commit = a.commit or git_head(REPO)
     # a hang (a copy that never lands) leaves every thread's stack in the output before the
     # machine's own limit kills the command
@@ -101,7 +130,9 @@ def main() -> None:
     try:
         doc = run_stages(out, dry_run=a.dry, commit=commit, repo=REPO, tokens=a.tokens,
                          budget_s=a.budget_s, layers=a.layers, routing=a.routing,
-                         real_shape=a.rehearse)
+                         real_shape=a.rehearse, stages=chosen, earlier=earlier)
+    except StmoeError as exc:  # before any stage ran: the earlier run's stages do not fit
+        ap.error(f"--rerun {a.rerun}: {exc}")
     finally:
         if made is not None:  # (each run had left one behind: 28 MB)
             shutil.rmtree(made, ignore_errors=True)

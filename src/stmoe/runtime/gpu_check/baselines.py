@@ -59,7 +59,9 @@ def accelerate_offload(c: Check) -> dict[str, Any]:
         del model
         if c.cuda:
             torch.cuda.empty_cache()
-    want = c.shared.get("want")
+    # the decode table's resident tokens (this run's, or a rerun's kept record of them)
+    want = c.shared.get("want") or c.doc["stages"].get("decode_table", {}).get(
+        "resident", {}).get("tokens")
     return {"device_map": {k: str(v) for k, v in device_map.items()},
             "experts_layers_in_hbm": on_device, "of_layers": len(names),
             "offloaded_to": offload, "experts_modules_offloaded": held_off,
