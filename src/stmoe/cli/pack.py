@@ -16,8 +16,8 @@ FORMAT_HELP = ("Experts' weight format: native (the checkpoint's dtype, bf16 for
                "in that format, not to the original; docs/benchmarks.md gives their quality.")
 IN_PLACE_HELP = ("Read the native experts where the checkpoint's safetensors hold them: no "
                  "store is written, only a small index (made once, every expert read once "
-                 "for its checksum). For a checkpoint too big to copy; the disk tier and "
-                 "--format native only.")
+                 "for its checksum). For a checkpoint too big to copy; the disk and gpu-disk "
+                 "tiers and --format native only.")
 VERIFY_HELP = ("Write nothing: prove OUTPUT is what packing MODEL_DIR gives (every checkpoint "
                "file hashed again, every block re-derived and compared with the store's entry "
                "and bytes; for an in-place index, its extents and every block's checksum). "

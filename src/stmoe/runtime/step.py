@@ -1,7 +1,7 @@
 """The engine's unit of work: a *step*, one forward call over one or more sequences.
 
-Why: transformers' forward hooks, the server's step batcher, and (next) a GPU stream or
-a vLLM MoE layer all drive the same engine. Each describes what it runs as a ``Step``
+Why: transformers' forward hooks, the server's step batcher and the vLLM plugin's hooks
+all drive the same engine. Each describes what it runs as a ``Step``
 and calls the engine's ``begin_step`` / ``serve_layer`` / ``end_step`` (``leave_step``
 whatever happened); the engine alone keeps the run's books from it. A solo forward is
 a step of one part (its whole batch, rows computed together); a server's step has one
