@@ -213,7 +213,8 @@ def offload(
     ``OffloadOptions`` (default: its defaults); ``overrides``: any of its fields by
     name, e.g. ``offload(d, capacity="25%", tier="emulated", bandwidth="1GB")`` (an
     unknown name is refused with the list). The fields: capacity, predictor, tables,
-    policy, tier, bandwidth, latency, workers, max_loads, lookahead, admission
+    policy, tier, bandwidth, latency, workers, max_loads, lookahead, admission, format,
+    group_size, quantize_resident, memory, in_place
     (``help(stmoe.runtime.options.OffloadOptions)`` says what each does).
     """
     options = with_overrides(options or OffloadOptions(), overrides)
