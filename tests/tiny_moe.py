@@ -70,14 +70,16 @@ def tiny_model(family: str, seed: int = 0, **changes: Any) -> tuple[torch.nn.Mod
     return model.eval(), moe_layers
 
 
-def packed_with_tables(family: str, root: Any) -> tuple[torch.nn.Module, Any, Any]:
-    """A tiny ``family`` model, its store packed under ``root`` and ST-MoE tables profiled on
-    its own routing (two short prompts): what a test of the runtime with prefetch needs."""
+def packed_with_tables(family: str, root: Any,
+                       **changes: Any) -> tuple[torch.nn.Module, Any, Any]:
+    """A tiny ``family`` model (``changes`` to its config), its store packed under ``root``
+    and ST-MoE tables profiled on its own routing (two short prompts): what a test of the
+    runtime with prefetch needs."""
     from stmoe.hf.capture_generate import capture_generation
     from stmoe.predictors import profile, save_tables
     from stmoe.runtime.store import pack
 
-    model, _ = tiny_model(family)
+    model, _ = tiny_model(family, **changes)
     store = pack(model, root / "store")
     trace = capture_generation(model, [[20, 21, 22, 23], [30, 31]], max_new_tokens=8)
     return model, store, save_tables(profile(trace), root / "tables.npz")
