@@ -161,6 +161,29 @@ def test_on_cuda_the_offloaded_model_is_the_gpu_resident_one_bit_for_bit(tier, f
         assert all(torch.equal(a, b) for a, b in zip(logits, ref[1], strict=True))
 
 
+@pytest.mark.cuda
+@cuda
+def test_on_cuda_quantized_resident_linears_are_the_gpu_resident_models(tmp_path):
+    """``--quantize-resident`` on the GPU: int4 experts offloaded and int8 resident linears
+    (attention, lm_head) computed with CUDA's kernels, against the same model resident on
+    the GPU in the same formats, bf16."""
+    from stmoe.quant import parse_format
+    from stmoe.quant.linears import quantize_linears
+
+    def bf16() -> torch.nn.Module:
+        return quantizable("olmoe").to(torch.bfloat16)
+
+    resident = quantize_model(bf16(), FORMATS["int4"])
+    quantize_linears(resident, parse_format("int8"))
+    ref = _generate_on(resident.cuda())
+    store = pack(bf16(), tmp_path / "store", weights=FORMATS["int4"])
+    with offload(bf16(), store, capacity=3, predictor="ondemand", tier="gpu",
+                 quantize_resident="int8") as om:
+        seq, logits = _generate_on(om.model)
+    assert torch.equal(seq, ref[0])
+    assert all(torch.equal(a, b) for a, b in zip(logits, ref[1], strict=True))
+
+
 def _generate_on(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
     seq, logits = _generate(_Cuda(model))
     return seq.cpu(), [x.cpu() for x in logits]
