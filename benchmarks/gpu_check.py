@@ -51,21 +51,14 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from stmoe.errors import StmoeError
-from stmoe.runtime.gpu_check import (
-    STAGES,
-    git_head,
-    prepare_routing,
-    rerun_plan,
-    run_stages,
-    target_lines,
-)
+from stmoe.runtime.gpu_check import STAGES, git_head, prepare_routing, run_stages, target_lines
+from stmoe.runtime.gpu_check.rerun import read_rerun
 from stmoe.runtime.gpu_check.setup import CARRIED
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,18 +98,14 @@ def main() -> None:
     if a.prepare:
         print(f"wrote {prepare_routing(SHARED, REPO / CARRIED)}")
         return
-    earlier, chosen = None, None
-    if a.stages and not a.rerun:
-        ap.error("--stages names the stages --rerun runs again")
-    if a.rerun:
-        try:
-            earlier = json.loads(a.rerun.read_text())
-            names = [n.strip() for n in a.stages.split(",") if n.strip()] if a.stages else None
-            chosen = {n: STAGES[n] for n in rerun_plan(earlier, names, list(STAGES))}
-        except (OSError, ValueError, StmoeError) as exc:
-            ap.error(f"--rerun {a.rerun}: {exc}")
+    try:
+        earlier, names = read_rerun(a.rerun, a.stages, list(STAGES))
+    except StmoeError as exc:
+        ap.error(str(exc))
+    chosen = {n: STAGES[n] for n in names} if names is not None else None
+    if earlier is not None and chosen is not None:
         print(f"running again: {', '.join(chosen)}; kept from {a.rerun}: "
-              f"{', '.join(n for n in earlier.get('stages', {}) if n not in chosen) or 'none'}")
+              f"{', '.join(n for n in earlier['stages'] if n not in chosen) or 'none'}")
     out = a.out or a.rerun or REPO / ("out/gpu_check.rehearsal.json" if a.rehearse else
                                       "out/gpu_check.dry-run.json" if a.dry else
                                       "docs/results/gpu_check.json")

@@ -5,9 +5,7 @@ say which run made them; a dry run's stages and a GPU's, or two devices', never 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
+import re
 from typing import Any
 
 import pytest
@@ -20,7 +18,6 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ORDER = list(STAGES)
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _earlier(**status: str) -> dict[str, Any]:
@@ -76,19 +73,24 @@ def test_a_rerun_runs_the_failed_stages_and_keeps_the_rest_marked(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc, default=str))
 
 
-def test_the_cli_refuses_a_bad_rerun_in_one_line(tmp_path):
-    bad = tmp_path / "bad.json"
+def test_a_bad_rerun_is_refused_in_one_line_naming_the_file(tmp_path):
+    from stmoe.runtime.gpu_check.rerun import read_rerun
+
+    assert read_rerun(None, None, ORDER) == (None, None)
+    bad, other = tmp_path / "bad.json", tmp_path / "other.json"
     bad.write_text("{not json")
+    other.write_text("[1, 2]")
     gpu = tmp_path / "gpu.json"
-    gpu.write_text(json.dumps(_earlier()))  # a GPU run's stages, rerun dry: refused
-    env = {"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"}
+    gpu.write_text(json.dumps(_earlier(h2d="error")))
     for args, message in (
-            (["--rerun", str(bad)], f"--rerun {bad}: Expecting property name"),
-            (["--rerun", str(tmp_path / "none.json")], "No such file"),
-            (["--stages", "h2d"], "--stages names the stages --rerun runs again"),
-            (["--rerun", str(gpu), "--out", str(tmp_path / "o.json")],
-             "stages do not mix; run the whole check instead")):
-        run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"),
-                              "--dry-run", *args], capture_output=True, text=True, env=env,
-                             timeout=120)
-        assert run.returncode == 2 and message in run.stderr, run.stderr
+            ((bad, None), f"--rerun {bad}: Expecting property name"),
+            ((tmp_path / "none.json", None), "No such file"),
+            ((other, None), "not a GPU check's JSON (no 'stages' object)"),
+            ((None, "h2d"), "--stages names the stages --rerun runs again"),
+            ((gpu, "h2d,nope"), "no stage 'nope'")):
+        with pytest.raises(StmoeError, match=re.escape(message)) as e:
+            read_rerun(*args, ORDER)
+        assert "\n" not in str(e.value)
+    earlier, names = read_rerun(gpu, None, ORDER)
+    assert earlier["commit"] == "aaa" and names == ["environment", "h2d"]
+    assert read_rerun(gpu, " kernels, ", ORDER)[1] == ["environment", "kernels"]

@@ -11,7 +11,9 @@ stale one.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from stmoe.errors import StmoeError
@@ -51,3 +53,21 @@ def keep_earlier(doc: dict[str, Any], earlier: dict[str, Any], rerun: set[str]) 
     doc["rerun_of"] = {**came, "kept": kept}
     for name in kept:
         doc["stages"][name] = {**earlier["stages"][name], "from_run": came}
+
+
+def read_rerun(path: Path | None, stages: str | None,
+               order: Sequence[str]) -> tuple[dict[str, Any] | None, list[str] | None]:
+    """``--rerun PATH [--stages a,b]`` read: (the former run's document, the stages to run
+    again), or (None, None) without ``path``; a clear error naming the file otherwise."""
+    if path is None:
+        if stages:
+            raise StmoeError("--stages names the stages --rerun runs again; give --rerun too")
+        return None, None
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StmoeError(f"--rerun {path}: {exc}") from exc
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("stages"), dict):
+        raise StmoeError(f"--rerun {path}: not a GPU check's JSON (no 'stages' object)")
+    names = [n.strip() for n in stages.split(",") if n.strip()] if stages else None
+    return earlier, rerun_plan(earlier, names, order)
