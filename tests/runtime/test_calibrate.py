@@ -321,5 +321,6 @@ def test_the_compute_totals_are_a_run_without_clocks_and_the_split_is_scaled_to_
     f = compute.measure_compute(model_dir, root / "store", CalibrateOptions(tokens=3), top_k=4)
     layers = f["num_layers"]
     # the clocked run paid at least 4 clocks a layer a token (two hooks, two around experts)
-    assert f["token_s_clocked"] - f["token_s"] >= 4 * layers * 0.002 * 0.9, f
+    # (half of the clocks' 16 ms a token: a loaded machine's noise between two runs is not)
+    assert f["token_s_clocked"] - f["token_s"] >= 0.5 * 4 * layers * 0.002, f
     assert 0 < f["experts_s"] < f["layers_s"] < f["token_s"], f

@@ -180,6 +180,10 @@ def test_nvidia_smi_says_the_link_and_the_compute_mode_or_why_not(monkeypatch):
 
     monkeypatch.setattr(stages.subprocess, "run", missing)
     assert stages.nvidia_smi()["error"].startswith("FileNotFoundError")
+    monkeypatch.setattr(stages.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, "", "No devices were found"))
+    assert stages.nvidia_smi() == {"error": "nvidia-smi printed nothing; stderr: No devices "
+                                            "were found"}
 
 
 def test_stages_past_the_budget_are_skipped(tmp_path):

@@ -85,7 +85,10 @@ def nvidia_smi() -> dict[str, str]:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True)
     except (OSError, subprocess.SubprocessError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    values = [v.strip() for v in out.stdout.splitlines()[0].split(",")]
+    lines = out.stdout.splitlines()
+    if not lines:  # (the environment stage must not fail on what it only records)
+        return {"error": f"nvidia-smi printed nothing; stderr: {out.stderr.strip()[:200]}"}
+    values = [v.strip() for v in lines[0].split(",")]
     return dict(zip(SMI_FIELDS, values, strict=False))
 
 

@@ -31,7 +31,7 @@ class LockedHost:
     (writable)."""
 
     def __init__(self, nbytes: int, pinning: HostPinning) -> None:
-        self.nbytes, self.pinning = nbytes, pinning
+        self.pinning = pinning
         self._map: mmap.mmap | None = mmap.mmap(-1, nbytes)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         self.ptr: int | None = self.tensor.data_ptr()
@@ -57,8 +57,7 @@ class LockedHost:
         """Unlocked and unmapped (registered), or handed back to torch (allocated)."""
         if self.ptr is not None:
             self.pinning.unregister(self.ptr)
-        self.tensor = torch.empty(0, dtype=torch.uint8)
-        self._drop_map()
+        self._drop_map()  # (the allocated tensor dropped too)
 
     def _drop_map(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
