@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from refused_o_direct import refuse_o_direct_reads  # noqa: E402
 from stmoe.runtime.store import ExpertStore, pack  # noqa: E402
 from stmoe.runtime.store.tiers import (  # noqa: E402
     DiskTier,
@@ -88,5 +89,21 @@ def test_a_demand_read_waits_behind_one_chunk_of_a_prefetch_in_flight(store):
         own = other.nbytes / tier.bandwidth
         assert waits[True] <= own + chunk_s + 0.05, waits  # behind one chunk at most
         assert waits[False] >= own + 0.6 * per_block, waits  # behind the rest of the block
+    finally:
+        tier.close()
+
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "O_DIRECT"), reason="no O_DIRECT here")
+def test_o_direct_refused_at_the_first_read_falls_back_to_plain_reads(store, monkeypatch):
+    tried = refuse_o_direct_reads(monkeypatch)
+    tier = DiskTier(store)
+    try:
+        assert tried, "the tier did not try O_DIRECT"
+        assert not tier.direct
+        for block in list(store.blocks.values())[:2]:
+            got = tier.fetch(block, aligned_buffer(padded(block))).numpy()
+            want = b"".join(a.tobytes() for a in store.read(block.layer, block.expert).values())
+            assert got.tobytes() == want
     finally:
         tier.close()

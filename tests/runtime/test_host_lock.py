@@ -118,12 +118,14 @@ def test_the_pinned_store_and_the_bounce_buffers_fall_back_and_hold_the_right_by
 def test_a_run_whose_registrations_are_refused_gives_the_resident_models_tokens(qwen, tier):
     store, tables, want = qwen
     pinning = RefusingPinning()
-    with (pytest.warns(RuntimeWarning, match="pinned allocation"),
+    with (pytest.warns(RuntimeWarning, match="pinned allocation") as caught,
           stand_in(delay=0.001, pinning=pinning),
           offload(tiny_model("qwen2_moe")[0], store, capacity=3, predictor="stmoe",
                   tables=tables, tier=tier) as om):
         assert om.generate(PROMPT, max_new_tokens=5).tokens == want
     assert pinning.allocated  # it ran on the fallback
+    # the warning names the caller's line (this file), not a line inside stmoe
+    assert {w.filename for w in caught if "pinned allocation" in str(w.message)} == {__file__}
 
 
 def test_the_check_records_a_refused_registration_and_claims_nothing_of_it():

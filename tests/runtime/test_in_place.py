@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from checkpoint_folders import FOLDERS, make_model_folder, saved_folder  # noqa: E402
+from refused_o_direct import refuse_o_direct_reads  # noqa: E402
 from stmoe.errors import OffloadError  # noqa: E402
 from stmoe.hf.layout import experts_modules  # noqa: E402
 from stmoe.hf.loading import load_causal_lm  # noqa: E402
@@ -308,3 +309,25 @@ def test_the_cli_indexes_in_place_and_generate_says_so(cli, tmp_path, monkeypatc
         assert "read in place from the checkpoint" in got.output
     assert list((tmp_path / "cache" / "stores").glob("*-in-place/index.json"))
     shutil.rmtree(tmp_path / "ix")
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+def test_in_place_reads_fall_back_where_o_direct_reads_are_refused(indexed, monkeypatch):
+    """Every checkpoint file opens with O_DIRECT but its reads fail (EINVAL): the reader
+    opens them all plainly and brings the same checked bytes."""
+    folder, index = indexed
+    store = ExpertStore(index)
+    store.check_source(folder)
+    plain = InPlaceTier(store)
+    try:
+        want = {key: _tier_bytes(plain, b) for key, b in list(store.blocks.items())[:3]}
+    finally:
+        plain.close()
+    tried = refuse_o_direct_reads(monkeypatch)
+    tier = InPlaceTier(store)
+    try:
+        assert len(tried) >= 1 and not tier.reader.direct
+        for key, block in list(store.blocks.items())[:3]:
+            assert _tier_bytes(tier, block) == want[key], key
+    finally:
+        tier.close()

@@ -24,6 +24,7 @@ from stmoe.predictors.base import ModelShape, Predictor
 from stmoe.quant.formats import WeightFormat, parse_format
 from stmoe.util.config_names import TOP_K, config_int
 from stmoe.util.units import UnitError, capacity_per_layer, parse_bytes, parse_seconds
+from stmoe.util.warn import warn
 
 TIERS = ("disk", "emulated", "gpu", "gpu-disk")  # the names stmoe.offload's ``tier`` takes
 
@@ -282,13 +283,9 @@ def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
         options["lookahead"] = lookahead
     loaded = None
     if cls is not None and not cls.needs_tables and tables is not None:
-        import warnings
-
         from stmoe.errors import StmoeNote
 
-        # stacklevel: the line that called offload()
-        warnings.warn(f"predictor {name!r} takes no profiled tables: {tables} is not used",
-                      StmoeNote, stacklevel=5)
+        warn(f"predictor {name!r} takes no profiled tables: {tables} is not used", StmoeNote)
     if cls is not None and cls.needs_tables:
         if tables is None and model_dir is not None and (model_dir / SHIPPED_TABLES).is_file():
             tables = model_dir / SHIPPED_TABLES

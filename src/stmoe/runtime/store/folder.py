@@ -9,13 +9,13 @@ name (a replaced store, a killed pack's, version 1's).
 from __future__ import annotations
 
 import fcntl
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from stmoe.errors import StmoeNote
 from stmoe.runtime.store.index import DATA_NAME
+from stmoe.util.warn import warn
 
 OLD_DATA = ("experts.bin", "experts.bin.tmp")  # version 1's data file and its temporary
 LOCK_NAME = ".pack.lock"  # the folder's advisory lock (never removed: see pack_lock)
@@ -29,8 +29,8 @@ def pack_lock(out: Path) -> Iterator[None]:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            warnings.warn(f"{out}: another pack is writing this store; waiting for it",
-                          StmoeNote, stacklevel=3)
+            warn(f"{out}: another pack is writing this store; waiting for it",
+                 StmoeNote)
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

@@ -14,13 +14,13 @@ says which one a run got; a fallback warns once per process.
 from __future__ import annotations
 
 import mmap
-import warnings
 
 import torch
 
 from stmoe.errors import OffloadError
 from stmoe.runtime.store.device_ops import HostPinning, unmap
 from stmoe.runtime.store.index import ALIGN
+from stmoe.util.warn import warn
 
 REGISTERED = "registered in place"
 _warned = False
@@ -78,7 +78,7 @@ def _allocate(nbytes: int, pinning: HostPinning, refused: OffloadError) -> torch
                            f"host memory instead failed too: {exc}") from exc
     if not _warned:
         _warned = True
-        warnings.warn(f"{refused}; using torch's pinned allocation instead (the same "
-                      "asynchronous copies; torch rounds each block up to a power of two and "
-                      "keeps it cached once freed)", RuntimeWarning, stacklevel=4)
+        warn(f"{refused}; using torch's pinned allocation instead (the same "
+             "asynchronous copies; torch rounds each block up to a power of two and "
+             "keeps it cached once freed)", RuntimeWarning)
     return tensor

@@ -31,7 +31,7 @@ from stmoe.runtime.store.index import (
     StoreError,
     block_crc,
 )
-from stmoe.runtime.store.tiers import CHUNK_BYTES, Between
+from stmoe.runtime.store.tiers import CHUNK_BYTES, Between, open_direct
 
 if TYPE_CHECKING:
     from stmoe.runtime.store.expert_store import ExpertStore
@@ -47,23 +47,24 @@ class ExtentReader:
 
     def __init__(self, files: list[Path], direct: bool = True) -> None:
         self.files = files
-        self.direct = direct and hasattr(os, "O_DIRECT")
         self.fds: list[int] = []
-        if self.direct:
+        self.direct = direct and self._open_direct()
+        if not self.direct:  # one file refused: all read plainly
             try:
-                self._open(os.O_RDONLY | os.O_DIRECT)
-            except OSError:  # tmpfs and some others refuse O_DIRECT: all files read plainly
-                self.direct = False
-        if not self.direct:
-            self._open(os.O_RDONLY)
+                self.fds.extend(os.open(f, os.O_RDONLY) for f in self.files)
+            except BaseException:
+                self.close()
+                raise
 
-    def _open(self, flags: int) -> None:
-        try:
-            for f in self.files:
-                self.fds.append(os.open(f, flags))
-        except BaseException:
-            self.close()
-            raise
+    def _open_direct(self) -> bool:
+        """Every file opened with O_DIRECT and its reads tried (``open_direct``), or none."""
+        for f in self.files:
+            fd = open_direct(f)
+            if fd is None:
+                self.close()
+                return False
+            self.fds.append(fd)
+        return True
 
     def read(self, block: Block, dests: list[np.ndarray], scratch: np.ndarray | None,
              where: str, between: Between = None) -> int:

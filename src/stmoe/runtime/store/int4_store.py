@@ -15,7 +15,6 @@ does not say which layout it holds: it is assumed to be this CPU's, with a note.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 from stmoe.errors import StmoeNote, StoreError
 from stmoe.quant.formats import WeightFormat
 from stmoe.runtime.store.index import Block, StoreIndex, TensorSlot
+from stmoe.util.warn import warn
 
 if TYPE_CHECKING:
     import torch
@@ -105,17 +105,17 @@ def reconcile(path: Path, index: StoreIndex) -> Repack | None:
     here, stored = cpu_layout(), index.int4_layout
     again = f"stmoe pack MODEL -o {path} --format int4 again on this machine"
     if stored is None:
-        warnings.warn(f"{path}: this int4 store does not record the CPU layout its bytes "
-                      f"were packed in (packed before stmoe recorded it); assumed to be this "
-                      f"CPU's ({here}). If it was packed on another kind of CPU it computes "
-                      f"wrong weights here: run {again}", StmoeNote, stacklevel=3)
+        warn(f"{path}: this int4 store does not record the CPU layout its bytes "
+             f"were packed in (packed before stmoe recorded it); assumed to be this "
+             f"CPU's ({here}). If it was packed on another kind of CPU it computes "
+             f"wrong weights here: run {again}", StmoeNote)
         return None
     if stored == here:
         return None
     first = index.blocks[min(index.blocks)]
     mb = sum(math.prod(t.shape) for t in first.tensors if int4_matrix(t)) / 1e6
-    warnings.warn(f"{path}: int4 store packed on a CPU with the {stored} int4 layout, this "
-                  f"CPU reads {here}: each block is repacked as it is read (exact; about "
-                  f"{mb * REPACK_MS_PER_MB:.2g} ms per expert on one core); to save that, "
-                  f"run {again}", StmoeNote, stacklevel=3)
+    warn(f"{path}: int4 store packed on a CPU with the {stored} int4 layout, this "
+         f"CPU reads {here}: each block is repacked as it is read (exact; about "
+         f"{mb * REPACK_MS_PER_MB:.2g} ms per expert on one core); to save that, "
+         f"run {again}", StmoeNote)
     return Repack(stored, here)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -38,6 +37,7 @@ from stmoe.runtime.store.index import (
 )
 from stmoe.runtime.store.int4_store import packing_layout
 from stmoe.util.fileio import atomic_write_text, naming_failures, publish, temp_beside
+from stmoe.util.warn import warn
 
 # progress(total_bytes, label) -> a context giving advance(nbytes), as progress.byte_progress
 ProgressFactory = Callable[[int, str], AbstractContextManager[Callable[[int], None]]]
@@ -118,8 +118,7 @@ def pack_folder(model_dir: str | Path, out_dir: str | Path,
         from stmoe.hf.loading import load_causal_lm
 
         model = load_causal_lm(model_dir)  # its errors are clear
-        warnings.warn(f"{exc}; packing from the whole model loaded in memory", StmoeNote,
-                      stacklevel=2)
+        warn(f"{exc}; packing from the whole model loaded in memory", StmoeNote)
         return pack(model, out_dir, source=model_dir, weights=weights)
     if weights.quantized:
         from stmoe.quant.experts import input_widths
@@ -258,11 +257,11 @@ def open_store(model_dir: str | Path, store: str | Path | None,
                 raise StoreError("in place" if opened.in_place else "not in place")
             return opened
         except StoreError as exc:
-            warnings.warn(f"the cached store is unusable ({exc}); packing it again",
-                          StmoeNote, stacklevel=2)
+            warn(f"the cached store is unusable ({exc}); packing it again",
+                 StmoeNote)
     elif out.is_dir() and any(out.iterdir()):
-        warnings.warn(f"{out}: a half-written store (no index.json); packing it again",
-                      StmoeNote, stacklevel=2)
+        warn(f"{out}: a half-written store (no index.json); packing it again",
+             StmoeNote)
     if in_place:
         from stmoe.runtime.store.in_place_index import make_in_place
 

@@ -66,6 +66,25 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
 
 
+def open_direct(path: str | os.PathLike[str]) -> int | None:
+    """``path`` opened with O_DIRECT and one aligned page read back, or None where the
+    file system refuses either. Why the read: some (FUSE, sandboxed ones) accept the flag
+    at open and refuse every read with EINVAL, which would fail each load of a run that
+    a plain read serves."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:  # tmpfs and some others refuse O_DIRECT
+        return None
+    try:
+        os.preadv(fd, [aligned_buffer(ALIGN)], 0)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class Tier(Protocol):
     """Where blocks are read from. ``reads_in_place``: ``read_into`` can read a block
     straight into a slot's memory (else it is never called, and ``fetch`` reads into the
@@ -113,15 +132,9 @@ class DiskTier:
     def __init__(self, store: ExpertStore, direct: bool = True) -> None:
         self.store = store
         self.chunk_bytes = CHUNK_BYTES
-        self.direct = False
-        fd = -1
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                fd = os.open(store.data_path, os.O_RDONLY | os.O_DIRECT)
-                self.direct = True
-            except OSError:  # tmpfs and some others refuse O_DIRECT
-                fd = -1
-        self.fd = fd if fd >= 0 else os.open(store.data_path, os.O_RDONLY)
+        fd = open_direct(store.data_path) if direct else None
+        self.direct = fd is not None
+        self.fd = fd if fd is not None else os.open(store.data_path, os.O_RDONLY)
         self.drop_cache()
 
     def drop_cache(self) -> None:
