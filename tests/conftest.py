@@ -17,6 +17,11 @@ from stmoe.cli import app
 # inherited by the commands tests start (runtime.store.default_store_dir reads it).
 TEST_CACHE = Path(tempfile.mkdtemp(prefix="stmoe-test-cache-"))
 os.environ["STMOE_CACHE"] = str(TEST_CACHE)
+# vLLM names an IPC socket per engine in VLLM_RPC_BASE_PATH (default: /tmp) and leaves it
+# there (about 200 a run of tests/vllm_plugin): this session's go into a folder of its own,
+# removed with the cache (each xdist worker has its own)
+VLLM_SOCKETS = Path(tempfile.mkdtemp(prefix="stmoe-test-vllm-ipc-"))
+os.environ.setdefault("VLLM_RPC_BASE_PATH", str(VLLM_SOCKETS))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("STMOE_SHARED", REPO.parent / "shared")) / "traces"
@@ -84,6 +89,7 @@ def quick_demo(tmp_path_factory: pytest.TempPathFactory):
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(TEST_CACHE, ignore_errors=True)
+    shutil.rmtree(VLLM_SOCKETS, ignore_errors=True)
 
 
 # ---- tests/vllm_plugin, split over pytest-xdist's workers (``make test-vllm``: ``-n 2
