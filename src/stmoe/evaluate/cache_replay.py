@@ -1,6 +1,7 @@
 """Cache replay: a per-layer expert cache fed by a predictor's prefetches.
 
-Each MoE layer has its own cache of ``capacity`` experts. At every (token, layer):
+Each MoE layer has its own cache of ``capacity`` experts (one number for every layer, or
+one per layer: ``stmoe.evaluate.layer_capacity`` sizes them). At every (token, layer):
 
 1. the prefetch set's first ``capacity`` experts are loaded, most confident first
    (already resident: nothing moves); an insertion never evicts an expert of the
@@ -23,6 +24,7 @@ the whole trace.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +41,7 @@ POLICIES = cp.names_for(cp.REPLAY)  # the policy names a replay accepts
 class CacheStats:
     """What a cache replay moved and how often the router found its experts resident."""
 
-    capacity: int  # experts per layer
+    capacity: int | tuple[int, ...]  # experts per layer: every layer's, or each layer's
     policy: str
     tokens: int  # tokens counted
     demanded: int  # expert uses the router asked for
@@ -48,6 +50,8 @@ class CacheStats:
     prefetched: int  # of which by prefetch
     useful: int  # loads the router then used
     wasted: int  # loads evicted (or left at the end) unused
+    layer_demanded: tuple[int, ...] = ()  # ``demanded`` of each layer
+    layer_hits: tuple[int, ...] = ()  # ``hits`` of each layer
 
     @property
     def hit_rate(self) -> float:
@@ -66,7 +70,7 @@ class CacheStats:
 
     def to_dict(self) -> dict[str, float | int | str]:
         return {
-            "capacity": self.capacity,
+            "capacity": list(self.capacity) if isinstance(self.capacity, tuple) else self.capacity,
             "policy": self.policy,
             "hit_rate": self.hit_rate,
             "moved_per_token": self.moved_per_token,
@@ -86,19 +90,16 @@ class CacheStats:
 def replay_cache(
     trace: RoutingTrace,
     plan: PrefetchPlan,
-    capacity: int,
+    capacity: int | Sequence[int],
     policy: str = "lru",
     count_mask: np.ndarray | None = None,
     scores: np.ndarray | None = None,
 ) -> CacheStats:
-    """Run the per-layer caches over ``trace`` with ``plan``'s prefetches; ``scores``
-    ([T*L, N], ``Predictor.scored_plan``'s) rank the victims of policy ``score``."""
+    """Run the per-layer caches over ``trace`` with ``plan``'s prefetches; ``capacity``:
+    experts per layer, one number or one per layer; ``scores`` ([T*L, N],
+    ``Predictor.scored_plan``'s) rank the victims of policy ``score``."""
     code = cp.policy_code(policy, cp.REPLAY, PredictorError)
-    if capacity < trace.top_k:
-        raise PredictorError(
-            f"cache capacity {capacity} is below top-k {trace.top_k}: one token's experts "
-            "must fit; use --capacity >= top-k"
-        )
+    caps = _capacities(capacity, trace)
     rows = trace.num_tokens * trace.num_layers
     if code != cp.SCORE:
         scores = np.zeros((rows, 0), dtype=np.float32)  # rows of none: (score's) victims as LRU
@@ -113,16 +114,35 @@ def replay_cache(
         count_mask = np.ones(trace.num_tokens, dtype=bool)
     experts = np.ascontiguousarray(trace.experts, dtype=np.int16)
     counts = _replay(
-        experts, (plan.ptr, plan.ids), (min(capacity, trace.num_experts), code),
+        experts, (plan.ptr, plan.ids), (np.minimum(caps, trace.num_experts), code),
         np.asarray(count_mask, dtype=np.bool_), _occurrences(experts, trace.num_experts),
         np.ascontiguousarray(scores, dtype=np.float32), trace.num_experts,
     )
-    demanded, hits, moved, prefetched, useful, wasted = (int(x) for x in counts)
+    demanded, hits, moved, prefetched, useful, wasted = (int(x) for x in counts.sum(axis=0))
     return CacheStats(
-        capacity=capacity, policy=cp.POLICIES[code], tokens=int(np.count_nonzero(count_mask)),
+        capacity=capacity if isinstance(capacity, int) else tuple(int(c) for c in caps),
+        policy=cp.POLICIES[code], tokens=int(np.count_nonzero(count_mask)),
         demanded=demanded, hits=hits, moved=moved, prefetched=prefetched, useful=useful,
-        wasted=wasted,
+        wasted=wasted, layer_demanded=tuple(int(x) for x in counts[:, 0]),
+        layer_hits=tuple(int(x) for x in counts[:, 1]),
     )
+
+
+def _capacities(capacity: int | Sequence[int], trace: RoutingTrace) -> np.ndarray:
+    """[L] int64 experts per layer, each checked to hold one token's experts."""
+    caps = np.full(trace.num_layers, capacity, dtype=np.int64) if isinstance(
+        capacity, (int, np.integer)) else np.asarray(capacity, dtype=np.int64).reshape(-1)
+    if caps.shape != (trace.num_layers,):
+        raise PredictorError(f"{caps.size} cache capacities for a trace of {trace.num_layers} "
+                             "MoE layers: give one number, or one per layer")
+    low = np.flatnonzero(caps < trace.top_k)
+    if low.size:
+        where = "" if isinstance(capacity, (int, np.integer)) else f" (layer {low[0]})"
+        raise PredictorError(
+            f"cache capacity {caps[low[0]]}{where} is below top-k {trace.top_k}: one token's "
+            "experts must fit; use --capacity >= top-k"
+        )
+    return caps
 
 
 def _occurrences(experts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -149,13 +169,14 @@ def _drop(layer, v, res, unused, counted_load):  # pragma: no cover - compiled
 @njit(cache=True)
 def _replay(experts, plan, cache, count_mask, occurrences, scores,
             n):  # pragma: no cover - compiled
-    """The counters of ``replay_cache``: (demanded, hits, moved, prefetched, useful, wasted).
+    """The counters of ``replay_cache``, [L, 6]: each layer's (demanded, hits, moved,
+    prefetched, useful, wasted).
 
-    plan: the prefetch sets as CSR (ptr, ids); cache: (experts kept per layer,
+    plan: the prefetch sets as CSR (ptr, ids); cache: ([L] experts kept per layer,
     ``cache_policy`` code); occurrences: ``_occurrences``'s CSR, for Belady; scores:
     [T*L, N or 0] each prediction's scores, for score eviction."""
     ptr, ids = plan
-    capacity, policy = cache
+    caps, policy = cache
     occ_ptr, occ = occurrences
     t_count, n_layers = experts.shape[0], experts.shape[1]
     resident = np.zeros((n_layers, n), dtype=np.bool_)
@@ -167,12 +188,14 @@ def _replay(experts, plan, cache, count_mask, occurrences, scores,
     nxt = np.zeros(n, dtype=np.int64)
     size = np.zeros(n_layers, dtype=np.int64)
     protect = np.zeros(n, dtype=np.bool_)
-    demanded = hits = moved = prefetched = useful = wasted = 0
+    out = np.zeros((n_layers, 6), dtype=np.int64)
     clock = 0
     for t in range(t_count):
         counted = count_mask[t]
         for layer in range(n_layers):
             clock += 1
+            capacity = caps[layer]
+            demanded = hits = moved = prefetched = useful = wasted = 0
             if policy == cp.BELADY:  # next demand at or after t, per expert of this layer
                 for e in range(n):
                     c = layer * n + e
@@ -237,8 +260,14 @@ def _replay(experts, plan, cache, count_mask, occurrences, scores,
             for a in experts[t, layer]:
                 if a >= 0:
                     protect[a] = False
+            out[layer, 0] += demanded
+            out[layer, 1] += hits
+            out[layer, 2] += moved
+            out[layer, 3] += prefetched
+            out[layer, 4] += useful
+            out[layer, 5] += wasted
     for layer in range(n_layers):
         for e in range(n):
             if resident[layer, e] and unused[layer, e] and counted_load[layer, e]:
-                wasted += 1
-    return np.array([demanded, hits, moved, prefetched, useful, wasted], dtype=np.int64)
+                out[layer, 5] += 1
+    return out

@@ -1,0 +1,92 @@
+"""Each layer's cache size from hit-rate curves: the same total, spent where it buys hits.
+
+Why: a cache of the same size at every layer (``--capacity 50%``) spends as many slots on
+a layer whose experts the predictor names well, which needs few beyond its prefetch set,
+as on one it cannot, which needs many. Every layer's cache is its own and the prefetch
+plan does not depend on what is cached, so a layer's hits at capacity ``c`` are the same
+whatever the other layers hold: curves measured one capacity at a time (``layer_hits``)
+price every split of a total exactly, and ``allocate`` picks one greedily.
+
+The curves must come from routing other than the one judged (the tables' own routing
+makes later layers look predictable that are not): benchmarks/bench_layer_capacity.py
+measures them cross-fitted and judges the split held out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from stmoe.evaluate.cache_replay import replay_cache
+from stmoe.predictors.base import PredictorError, PrefetchPlan
+from stmoe.trace.schema import RoutingTrace
+
+
+def default_grid(num_experts: int, top_k: int, steps: int = 32) -> list[int]:
+    """Capacities to measure: top-k, then multiples of ``num_experts / steps`` above it, up
+    to every expert."""
+    step = max(1, num_experts // steps)
+    return sorted({top_k, *range(step * (top_k // step + 1), num_experts + 1, step)})
+
+
+def layer_hits(trace: RoutingTrace, plan: PrefetchPlan, grid: Sequence[int],
+               policy: str = "lru", count_mask: np.ndarray | None = None,
+               scores: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """([L, G] hits of each layer at each capacity of ``grid``, [L] uses demanded): one
+    cache replay per capacity (``replay_cache``'s arguments)."""
+    hits = np.zeros((trace.num_layers, len(grid)), dtype=np.int64)
+    demanded = np.zeros(trace.num_layers, dtype=np.int64)
+    for i, c in enumerate(grid):
+        s = replay_cache(trace, plan, int(c), policy, count_mask, scores)
+        hits[:, i] = s.layer_hits
+        demanded = np.asarray(s.layer_demanded, dtype=np.int64)
+    return hits, demanded
+
+
+def allocate(hits: np.ndarray, grid: Sequence[int], total: int,
+             num_experts: int | None = None) -> np.ndarray:
+    """[L] experts per layer summing to ``total`` (at most every expert of every layer):
+    each layer starts at ``grid[0]``, then the budget goes, a grid step or several at a
+    time, to the layer whose hits (``hits``: [L, G], summed over any number of curves) rise
+    most per slot; several steps are weighed at once, so a curve flat before a rise still
+    wins its rise. What no step can buy is spread a slot at a time over the layers the
+    last step would have helped most (ties: the lower layer)."""
+    grid = [int(c) for c in grid]
+    if list(grid) != sorted(set(grid)) or not grid:
+        raise PredictorError(f"capacity grid {grid}: expected distinct increasing sizes")
+    curves = np.asarray(hits, dtype=np.float64)
+    layers = curves.shape[0]
+    if curves.shape != (layers, len(grid)):
+        raise PredictorError(f"hit curves of shape {curves.shape} for a grid of {len(grid)}")
+    top = grid[-1] if num_experts is None else num_experts
+    if total < grid[0] * layers:
+        raise PredictorError(f"{total} cache slots cannot give {layers} layers {grid[0]} each")
+    at = np.zeros(layers, dtype=np.int64)  # each layer's index into grid
+    left = total - grid[0] * layers
+    while True:
+        best, pick = 0.0, None
+        for layer in range(layers):
+            i = at[layer]
+            for j in range(i + 1, len(grid)):
+                cost = grid[j] - grid[i]
+                if cost > left:
+                    break
+                gain = (curves[layer, j] - curves[layer, i]) / cost
+                if gain > best:
+                    best, pick = gain, (layer, j)
+        if pick is None:
+            break
+        layer, j = pick
+        left -= grid[j] - grid[at[layer]]
+        at[layer] = j
+    caps = np.asarray(grid, dtype=np.int64)[at]
+    nxt = np.minimum(at + 1, len(grid) - 1)  # what one more step would have bought
+    rise = curves[np.arange(layers), nxt] - curves[np.arange(layers), at]
+    order = sorted(range(layers), key=lambda layer: (-rise[layer], layer))
+    while left > 0 and (caps < top).any():
+        for layer in order:
+            if left and caps[layer] < top:
+                caps[layer] += 1
+                left -= 1
+    return caps
