@@ -38,7 +38,7 @@ def main() -> None:
         start_rss = rss_bytes()
         result = om.generate("def main():\n", max_new_tokens=args.tokens)
         probe.close()
-        capacity = om.engine.capacity
+        capacity = om.config["capacity"]
         cache_mib = om.engine.cache_bytes / 2**20
     growth = probe.growth_after(args.warmup)
     print(f"generated {len(result.tokens)} tokens at {result.decode_tokens_per_s:.1f} tokens/s; "

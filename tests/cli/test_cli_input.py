@@ -191,19 +191,19 @@ def test_generate_refuses_a_model_path_that_is_not_a_folder(cli, small):
 def test_capacity_beyond_the_experts_is_refused(capacity, message):
     pytest.importorskip("torch")
     from stmoe.errors import OffloadError
-    from stmoe.runtime.options import resolve_capacity
+    from stmoe.runtime.options import resolve_capacities
 
     with pytest.raises(OffloadError, match=message):
-        resolve_capacity(capacity, 4, 16, 2, 1000)
+        resolve_capacities(capacity, 4, 16, 2, 1000)
 
 
 def test_capacity_that_fits_everything_is_all_experts():
     pytest.importorskip("torch")
-    from stmoe.runtime.options import resolve_capacity
+    from stmoe.runtime.options import resolve_capacities
 
-    assert resolve_capacity("100%", 4, 16, 2, 1000) == 16
-    assert resolve_capacity(16, 4, 16, 2, 1000) == 16
-    assert resolve_capacity("64GB", 4, 16, 2, 1000) == 16  # a budget is a ceiling
+    assert resolve_capacities("100%", 4, 16, 2, 1000) == (16,) * 4
+    assert resolve_capacities(16, 4, 16, 2, 1000) == (16,) * 4
+    assert resolve_capacities("64GB", 4, 16, 2, 1000) == (16,) * 4  # a budget is a ceiling
 
 
 @pytest.mark.parametrize("text", ["inf", "nan", "0", "-1MB", "1e400", "infMB"])

@@ -18,7 +18,7 @@ from stmoe.hf.layout import experts_modules  # noqa: E402
 from stmoe.predictors import REGISTRY, profile, save_tables  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.cache import READY, LayerCache, ParamSpec  # noqa: E402
-from stmoe.runtime.options import resolve_capacity  # noqa: E402
+from stmoe.runtime.options import resolve_capacities  # noqa: E402
 from stmoe.runtime.store import ExpertStore, StoreError, pack  # noqa: E402
 from stmoe.util.units import UnitError, parse_bytes, parse_seconds  # noqa: E402
 from tiny_moe import FAMILIES, tiny_model  # noqa: E402
@@ -273,7 +273,7 @@ def test_score_eviction_needs_a_predictor_that_scores_every_expert(tmp_path):
 
     state = SimpleNamespace(caches=[SimpleNamespace(policy="score")])
     with pytest.raises(OffloadError, match="'random' scores none"):
-        PrefetchPlanner(state, make("random", ModelShape(2, 4, 2)), None, None, 1, 3)
+        PrefetchPlanner(state, make("random", ModelShape(2, 4, 2)), None, None, 1, (3, 3))
 
 
 @pytest.mark.parametrize("policy", ["predicted", "lru", "lfu", "none"])
@@ -334,12 +334,20 @@ def test_capacity_below_top_k_and_bad_settings_are_clear_errors(tmp_path):
 
 
 def test_capacity_forms():
-    assert resolve_capacity(8, 4, 16, 4, 1000) == 8
-    assert resolve_capacity("50%", 4, 16, 4, 1000) == 8
-    assert resolve_capacity("100%", 4, 16, 4, 1000) == 16
-    assert resolve_capacity("24KB", 4, 16, 4, 1000) == 6  # 24000 bytes / (4 layers x 1000)
+    assert resolve_capacities(8, 4, 16, 4, 1000) == (8,) * 4
+    assert resolve_capacities("50%", 4, 16, 4, 1000) == (8,) * 4
+    assert resolve_capacities("100%", 4, 16, 4, 1000) == (16,) * 4
+    assert resolve_capacities("24KB", 4, 16, 4, 1000) == (6,) * 4  # 24000 B / (4 x 1000)
+    assert resolve_capacities("4, 16,5,9", 4, 16, 4, 1000) == (4, 16, 5, 9)  # one per layer
+    assert resolve_capacities([4, 16, 5, 9], 4, 16, 4, 1000) == (4, 16, 5, 9)
     with pytest.raises(OffloadError, match="a share of the experts"):
-        resolve_capacity("lots", 4, 16, 4, 1000)
+        resolve_capacities("lots", 4, 16, 4, 1000)
+    with pytest.raises(OffloadError, match="3 counts for 4 MoE layers"):
+        resolve_capacities("4,5,6", 4, 16, 4, 1000)
+    with pytest.raises(OffloadError, match="capacity of layer 2 '50%': not a count"):
+        resolve_capacities("4,5,50%,6", 4, 16, 4, 1000)
+    with pytest.raises(OffloadError, match="capacity of layer 3 17: there are 16 experts"):
+        resolve_capacities([4, 5, 6, 17], 4, 16, 4, 1000)
     assert parse_bytes("200MB") == 2e8 and parse_bytes("1GiB") == 2**30
     assert parse_seconds("50us") == pytest.approx(5e-5) and parse_seconds("2ms") == 0.002
     with pytest.raises(UnitError, match="unknown unit"):

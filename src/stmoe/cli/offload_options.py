@@ -31,7 +31,8 @@ StoreOpt = Annotated[
 CapacityOpt = Annotated[
     str | None,
     typer.Option(help="Experts cached per layer (8), a share (50%) or bytes for the whole "
-                 f"model (64MB); >= top-k. Default: {_DEFAULT.capacity}.", rich_help_panel=CACHE),
+                 "model (64MB); >= top-k. Or one count per MoE layer (48,60,12). Default: "
+                 f"{_DEFAULT.capacity}.", rich_help_panel=CACHE),
 ]
 
 MemoryOpt = Annotated[
@@ -173,13 +174,14 @@ def offload_for(command: str, model: Path, store: Path | None, capacity: str | N
 
 def check_capacity_early(model: Path, capacity: str | None) -> None:
     """A --capacity the model cannot take, refused from its config.json alone
-    (``util.units.capacity_per_layer``: the grammar, a count above its N, a share or
-    count below its top-k). A byte budget's count needs the store, so it comes later."""
+    (``util.units.layer_capacities``: the grammar, a count above its N, a share or
+    count below its top-k). A byte budget's count needs the store, and a split's number of
+    counts the model's MoE layers, so they come later."""
     import json
 
     from stmoe.errors import StmoeError
     from stmoe.util.config_names import NUM_EXPERTS, TOP_K, config_int
-    from stmoe.util.units import capacity_per_layer
+    from stmoe.util.units import layer_capacities
 
     if capacity is None:
         return
@@ -190,4 +192,4 @@ def check_capacity_early(model: Path, capacity: str | None) -> None:
     experts, top_k = (config_int(config, names) for names in (NUM_EXPERTS, TOP_K))
     if not isinstance(config, dict) or experts is None or top_k is None:
         return  # the loader says what the config lacks; the runtime checks the capacity then
-    capacity_per_layer(capacity, experts, top_k, error=StmoeError)
+    layer_capacities(capacity, experts, top_k, num_layers=None, error=StmoeError)

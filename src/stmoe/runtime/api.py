@@ -273,14 +273,14 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
     # first: its tables and compiled kernels (stmoe-plus: ~22 MiB) are in the process measured
     pred = resolve_predictor(options, shape, model_dir)
     placed = place(model, expert_store, options, shape)  # the cache's size; the device
-    per_layer, plan = placed.per_layer, placed.plan
+    capacities, plan = placed.capacities, placed.plan
     if placed.accel is not None:  # the move put new Parameters in place: the routers the
         layout = ModelLayout.of(model)  # lookahead reads are found again on the device
     acc = placed.accel
     source = open_tier(options.tier, expert_store, options.bandwidth, options.latency,
                        acc.ops if acc else None, acc.pinning if acc else None,
                        options.worker_count())
-    settings = EngineSettings(per_layer, options.policy, options.worker_count(),
+    settings = EngineSettings(capacities, options.policy, options.worker_count(),
                               placed.device, options.max_loads, options.admission)
     try:
         engine = OffloadEngine(model, expert_store, source, pred, settings, layout)
@@ -288,8 +288,11 @@ def _offload(model: torch.nn.Module, expert_store: ExpertStore, options: Offload
         source.close()
         raise
     model.set_experts_implementation(IMPL_NAME)
-    config = {"store": str(expert_store.path), "capacity": per_layer, "capacity_share":
-              per_layer / shape.num_experts, "predictor": pred.name, "policy": settings.policy,
+    uniform = len(set(capacities)) == 1  # "capacity": one count, or each layer's
+    config = {"store": str(expert_store.path),
+              "capacity": capacities[0] if uniform else list(capacities), "capacity_share":
+              sum(capacities) / (len(capacities) * shape.num_experts),
+              "predictor": pred.name, "policy": settings.policy,
               "tier": options.tier, "emulated": source.emulated, "workers": settings.workers,
               "max_loads": engine.max_loads, "admission": settings.admission,
               "lookahead": pred.point if pred.uses_lookahead else None,

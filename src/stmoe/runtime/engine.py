@@ -53,7 +53,7 @@ from stmoe.runtime.step import LayerTally, Part, Step, current_driver, foresee
 from stmoe.runtime.store import ExpertStore
 from stmoe.runtime.store.loader import Loader
 from stmoe.runtime.store.tiers import Tier
-from stmoe.util.units import capacity_per_layer
+from stmoe.util.units import layer_capacities
 
 
 class Removable(Protocol):
@@ -100,12 +100,12 @@ class OffloadEngine:
         self.settings, self.policy = settings, settings.policy
         self.num_layers = len(layers)
         self.num_experts = int(store.model["num_experts"])
-        self.capacity = capacity_per_layer(settings.capacity, self.num_experts,
-                                           predictor.shape.top_k, forms=("count",),
-                                           error=OffloadError)
-        self.max_loads = _checked_max_loads(settings)
+        capacities = layer_capacities(settings.capacity, self.num_experts,  # (counts: not None)
+                                      predictor.shape.top_k, num_layers=self.num_layers,
+                                      error=OffloadError) or ()
+        self.capacities, self.max_loads = capacities, _max_loads(settings.max_loads, capacities)
         self.device = device
-        caches = [LayerCache(layer, self.capacity, param_specs(store.blocks[(layer, 0)]),
+        caches = [LayerCache(layer, capacities[layer], param_specs(store.blocks[(layer, 0)]),
                              self.num_experts, self.policy, self.device, layouts)
                   for layer in range(self.num_layers)]
         self.state = EngineState(caches, store, Loader(tier, store), self.device)
@@ -113,7 +113,7 @@ class OffloadEngine:
         self.caches, self.cv, self.expert_bytes = caches, self.state.cv, self.state.expert_bytes
         self.prefetcher = Prefetcher(self.state, settings.workers, worker_cpus)
         self.planner = planner(self.state, predictor, self.prefetcher, lookahead,
-                               self.max_loads, self.capacity, prompt_routers)
+                               self.max_loads, capacities, prompt_routers)
         self.path = ExpertsPath(self.state, layers, settings, self.prefetcher, self.planner)
         self.reset(future=None)
         self.prefetcher.start()
@@ -133,7 +133,7 @@ class OffloadEngine:
                                       self.num_layers)
             if self.settings.admission:  # measured afresh in every run
                 self.state.run.admission = Admission.for_tier(
-                    self.num_layers, self.capacity, self.predictor.horizon, self.tier.name)
+                    self.num_layers, max(self.capacities), self.predictor.horizon, self.tier.name)
             self.prefetcher.discard_error()
 
     @property
@@ -339,9 +339,9 @@ def _check_settings(settings: EngineSettings) -> None:
         raise OffloadError(f"workers must be >= 0, got {settings.workers}")
 
 
-def _checked_max_loads(settings: EngineSettings) -> int:
-    """Loads a prediction may start per layer (the most confident experts not yet cached)."""
-    capacity, max_loads = settings.capacity, settings.max_loads
+def _max_loads(max_loads: int | None, capacities: tuple[int, ...]) -> int:
+    """Loads a prediction may start per layer (its most confident experts not yet cached)."""
+    capacity = max(capacities)
     out = min(capacity, max_loads if max_loads is not None else capacity)
     if out < 0:
         raise OffloadError(f"max_loads must be >= 0, got {max_loads}")

@@ -64,7 +64,7 @@ class ExpertsPath:
         self.any_numbering = [any_expert_numbering(module) for module, _ in layers]
         # of those, the ones that compute each token alone: any call on the slots in place
         self.any_rows = [rows_independent(module) for module, _ in layers]
-        self.capacity, self.policy = settings.capacity, settings.policy
+        self.policy = settings.policy
         self._buf = aligned_buffer(state.max_block)  # the compute thread's read buffer
         self.demand = DemandLoads(state, prefetcher, self._buf)
         self._ensure = self.demand.ensure  # (the stall: the name tests call)
@@ -90,9 +90,9 @@ class ExpertsPath:
                 self.planner.prompt_counts(layer, hidden_states))
         else:
             rows = (ids if ids.device.type == "cpu" else ids.to("cpu")).numpy()
-        if rows.shape[-1] > self.capacity:
+        if rows.shape[-1] > state.caches[layer].capacity:
             raise OffloadError(f"the router picks {rows.shape[-1]} experts per token but the "
-                               f"cache holds {self.capacity} per layer")
+                               f"cache holds {state.caches[layer].capacity} at layer {layer}")
         # sorted distinct ids: plain Python beats torch.unique on a decode step's few ids
         needed = sorted(set(rows.ravel().tolist())) if rows.size <= 64 else np.unique(rows).tolist()
         cache = state.caches[layer]

@@ -23,7 +23,13 @@ from stmoe.predictors import make
 from stmoe.predictors.base import ModelShape, Predictor
 from stmoe.quant.formats import WeightFormat, parse_format
 from stmoe.util.config_names import TOP_K, config_int
-from stmoe.util.units import UnitError, capacity_per_layer, parse_bytes, parse_seconds
+from stmoe.util.units import (
+    LayerCapacity,
+    UnitError,
+    layer_capacities,
+    parse_bytes,
+    parse_seconds,
+)
 from stmoe.util.warn import warn
 
 TIERS = ("disk", "emulated", "gpu", "gpu-disk")  # the names stmoe.offload's ``tier`` takes
@@ -35,7 +41,9 @@ class OffloadOptions:
     (``stmoe generate`` reads them).
 
     capacity: experts cached per layer: a count (8), a share of N (50%) or bytes for
-        the whole model (64MB; a budget above all experts caches them all).
+        the whole model (64MB; a budget above all experts caches them all), alike at every
+        layer; or one count per MoE layer ("48,60,12" or a list: a split sized by
+        ``stmoe.evaluate.layer_capacity``).
     predictor: a registered name (stmoe, stmoe-plus, hybrid, ondemand, ...) or a ready
         ``Predictor``.
     tables: profiled tables; None: those shipped beside a model folder.
@@ -73,7 +81,7 @@ class OffloadOptions:
         the disk and gpu-disk tiers and the native format only; False: a packed store.
     """
 
-    capacity: int | str = "50%"
+    capacity: LayerCapacity = "50%"
     predictor: str | Predictor = "stmoe"
     tables: str | Path | None = None
     policy: str = "lru"
@@ -243,13 +251,16 @@ def top_k_of(config: object) -> int:
     return top_k
 
 
-def resolve_capacity(capacity: int | str, num_layers: int, num_experts: int, top_k: int,
-                     expert_bytes: int) -> int:
-    """Experts per layer from a count (8), a share of the experts ('50%') or a byte budget
-    for the whole model ('64MB'): ``util.units.capacity_per_layer`` (its grammar, bounds
-    and message), refused as the runtime's ``OffloadError``."""
-    return capacity_per_layer(capacity, num_experts, top_k, num_layers=num_layers,
-                              expert_bytes=expert_bytes, error=OffloadError)
+def resolve_capacities(capacity: LayerCapacity, num_layers: int, num_experts: int,
+                       top_k: int, expert_bytes: int) -> tuple[int, ...]:
+    """Each MoE layer's experts from a count (8), a share of the experts ('50%') or a byte
+    budget for the whole model ('64MB'), alike at every layer, or one count per layer:
+    ``util.units.layer_capacities`` (its grammar, bounds and message), refused as the
+    runtime's ``OffloadError``."""
+    out = layer_capacities(capacity, num_experts, top_k, num_layers=num_layers,
+                           expert_bytes=expert_bytes, error=OffloadError)
+    assert out is not None  # (expert_bytes given)
+    return out
 
 
 def resolve_predictor(options: OffloadOptions, shape: ModelShape,

@@ -27,7 +27,7 @@ from stmoe.runtime.memory import (
     plan_memory,
     process_bytes,
 )
-from stmoe.runtime.options import OffloadOptions, resolve_capacity
+from stmoe.runtime.options import OffloadOptions, resolve_capacities
 from stmoe.runtime.store import ExpertStore
 from stmoe.runtime.store.bounce import bounce_buffers, bounce_bytes
 from stmoe.runtime.store.pinned import host_bytes
@@ -39,7 +39,7 @@ class Placement:
     """Experts per layer, the ``--memory`` plan that chose them (None: ``capacity`` did),
     and a gpu tier's device (None: the CPU tiers, the caches beside the model)."""
 
-    per_layer: int
+    capacities: tuple[int, ...]  # each MoE layer's experts
     plan: MemoryPlan | None
     accel: Accelerator | None
 
@@ -62,12 +62,12 @@ def place(model: torch.nn.Module, store: ExpertStore, options: OffloadOptions,
                             nbytes, options.worker_count(), buffer_bytes(store.blocks[(0, 0)]))
                 if accel is None else gpu_plan(model, store, options, shape, memory, process,
                                                accel.free_bytes()))
-    per_layer = plan.per_layer if plan else resolve_capacity(
+    capacities = (plan.per_layer,) * shape.num_layers if plan else resolve_capacities(
         options.capacity, shape.num_layers, shape.num_experts, shape.top_k, nbytes)
     if accel is not None:
         move_resident(model, accel.device)
         device_linears(model)  # quantized resident linears in the device's layout, once
-    return Placement(per_layer, plan, accel)
+    return Placement(capacities, plan, accel)
 
 
 def gpu_plan(model: torch.nn.Module, store: ExpertStore, options: OffloadOptions,

@@ -68,7 +68,8 @@ class PrefetchPlanner:
 
     def __init__(self, state: EngineState, predictor: Predictor, prefetcher: Prefetcher,
                  lookahead: GateLookahead | None, max_loads: int,
-                 capacity: int, prompt_routers: list[torch.Tensor] | None = None) -> None:
+                 capacities: tuple[int, ...],
+                 prompt_routers: list[torch.Tensor] | None = None) -> None:
         self.state, self.predictor, self.prefetcher = state, predictor, prefetcher
         self.predicts = predictor.prefetches  # else nothing to learn or queue
         self.horizon = predictor.horizon
@@ -76,7 +77,7 @@ class PrefetchPlanner:
         self.routers = lookahead.routers if lookahead is not None else None
         self.late = lookahead.late if lookahead is not None else None  # the late point's
         self.max_loads = max_loads  # loads one prediction may start (its most confident first)
-        self.capacity = capacity
+        self.capacities = capacities  # each layer's: what its predictions are cut to
         # cache policy score: each prediction's scores go to the layer's cache (its victims)
         self.scored = bool(state.caches) and state.caches[0].policy == "score"
         if self.scored and not predictor.scores_experts:  # (offload() says so first)
@@ -187,7 +188,7 @@ class PrefetchPlanner:
         (``_prompt_counts``, or ``counts``: those, already on the host), up to capacity."""
         if counts is None:
             counts = self._prompt_counts(layer, hidden).to("cpu").numpy()
-        ranked = np.argsort(-counts, kind="stable")[: self.capacity]  # ties: smaller id
+        ranked = np.argsort(-counts, kind="stable")[: self.capacities[layer]]  # ties: smaller id
         experts = [int(e) for e in ranked if counts[e] > 0]
         # not through admission: its precisions are a decode step's, and a prompt's layer
         # needs most of these anyway
@@ -242,14 +243,15 @@ class PrefetchPlanner:
         """The prediction for (``fwd``, ``layer``), up to capacity, and with cache policy
         score the scores it was ranked from."""
         run = self.state.run
+        capacity = self.capacities[layer]
         if run.future is not None:
-            return list(run.future.get((fwd, layer), ()))[: self.capacity], None
+            return list(run.future.get((fwd, layer), ()))[:capacity], None
         slots, scores = run.slot_ids(), None
         if self.scored:
-            ids, scores = self.predictor.predict_batch_scored(layer, slots, self.capacity)
+            ids, scores = self.predictor.predict_batch_scored(layer, slots, capacity)
         else:
-            ids = self.predictor.predict_batch(layer, slots, max_size=self.capacity)
-        out = [int(e) for e in ids[: self.capacity]]
+            ids = self.predictor.predict_batch(layer, slots, max_size=capacity)
+        out = [int(e) for e in ids[:capacity]]
         n = self.state.num_experts
         if out and (min(out) < 0 or max(out) >= n):  # checked here, not as a worker's KeyError
             bad = next(e for e in out if not 0 <= e < n)

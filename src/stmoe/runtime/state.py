@@ -45,7 +45,7 @@ from stmoe.runtime.store.tiers import Between, buffer_bytes
 class EngineSettings:
     """How an engine serves a model's experts (``stmoe.offload`` resolves them)."""
 
-    capacity: int  # experts cached per MoE layer
+    capacity: int | tuple[int, ...]  # experts cached per MoE layer: every layer's, or each's
     policy: str  # which cached expert a load evicts (stmoe.cache_policy)
     workers: int  # prefetch threads (0: every expert loads on demand)
     device: torch.device | None  # where the caches live; None: the resident weights'

@@ -29,7 +29,7 @@ _TOKENS = 2  # tokens of made-up routing per pass: the second sees the first's h
 
 def warm_up(om: OffloadedModel) -> float:
     """Compile the kernels ``om``'s runs call; the seconds it took."""
-    return warm_kernels(om.engine.predictor, int(om.config["capacity"]),
+    return warm_kernels(om.engine.predictor, max(om.engine.capacities),
                         int(om.config["num_experts"]))
 
 

@@ -10,7 +10,7 @@ two parsers of "50%", or two checks of its bounds, would drift apart. Each refus
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Literal, overload
 
 from stmoe.errors import StmoeError
@@ -135,6 +135,34 @@ def capacity_per_layer(capacity: int | str, num_experts: int, top_k: int, *,
         raise error(f"{given} gives {count} experts per layer, below the router's "
                     f"top-{top_k} (one token's experts must fit); {allowed}")
     return count
+
+
+LayerCapacity = int | str | Sequence[int]  # one capacity for every layer, or one per layer
+
+
+def layer_capacities(capacity: LayerCapacity, num_experts: int, top_k: int, *,
+                     num_layers: int | None, expert_bytes: int | None = None,
+                     name: str = "capacity",
+                     error: type[Exception] = UnitError) -> tuple[int, ...] | None:
+    """Each layer's experts: ``capacity_per_layer``'s forms for every layer alike, or one
+    count per layer ("48,60,12" or a sequence of ints: a split sized by
+    ``stmoe.evaluate.layer_capacity``), each bounds-checked as a count, and as many as
+    ``num_layers`` (None: not known yet, any number). None where a byte budget's count
+    needs ``expert_bytes``, as ``capacity_per_layer``. One ``error`` naming the layer."""
+    if isinstance(capacity, str) and "," in capacity:
+        parts: list[int | str] = [p.strip() for p in capacity.split(",")]
+    elif isinstance(capacity, Sequence) and not isinstance(capacity, str):
+        parts = list(capacity)
+    else:
+        one = capacity_per_layer(capacity, num_experts, top_k, expert_bytes=expert_bytes,
+                                 num_layers=num_layers or 1, name=name, error=error)
+        return None if one is None or num_layers is None else (one,) * num_layers
+    if num_layers is not None and len(parts) != num_layers:
+        raise error(f"{name} {capacity!r}: {len(parts)} counts for {num_layers} MoE layers "
+                    "(one per layer, or one capacity for all)")
+    return tuple(capacity_per_layer(p, num_experts, top_k, forms=("count",),
+                                    name=f"{name} of layer {i}", error=error)
+                 for i, p in enumerate(parts))
 
 
 def _allowed(num_experts: int, top_k: int, forms: Collection[CapacityForm]) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from stmoe.predictors.base import ModelShape
 from stmoe.runtime.memory import rss_bytes
-from stmoe.runtime.options import resolve_capacity, resolve_predictor, top_k_of
+from stmoe.runtime.options import resolve_capacities, resolve_predictor, top_k_of
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.store.reading import open_tier
 from stmoe.runtime.warm_up import warm_kernels
@@ -124,8 +124,9 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
                                     "routers, which routing= overrides; replay with a predictor "
                                     "that learns from the routing (stmoe, stmoe-plus, ...)")
         forced = ForcedRouting(config.routing, len(layers), num_experts, shape.top_k)
-    capacity = resolve_capacity(options.capacity, len(layers), num_experts, shape.top_k,
-                                store.blocks[(0, 0)].nbytes)
+    # (one for every layer: the config's commas separate its keys, so it has no per-layer form)
+    capacity = resolve_capacities(options.capacity, len(layers), num_experts, shape.top_k,
+                                  store.blocks[(0, 0)].nbytes)[0]
     tier = open_tier(options.tier, store, options.bandwidth, options.latency)
     settings = EngineSettings(capacity, options.policy, options.worker_count(),
                               torch.device("cpu"), options.max_loads, options.admission)

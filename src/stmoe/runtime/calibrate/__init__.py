@@ -80,7 +80,7 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
     module docstring); the figures ``hardware_toml`` writes."""
     from transformers import AutoConfig
 
-    from stmoe.runtime.options import OffloadOptions, resolve_capacity, top_k_of
+    from stmoe.runtime.options import OffloadOptions, resolve_capacities, top_k_of
 
     o = options or CalibrateOptions()
     check_options(o)
@@ -89,7 +89,11 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
     n_experts, n_layers = int(opened.model["num_experts"]), int(opened.model["moe_layers"])
     top_k = top_k_of(AutoConfig.from_pretrained(model_dir, local_files_only=True))
     expert_bytes = opened.blocks[(0, 0)].nbytes
-    capacity = resolve_capacity(o.capacity, n_layers, n_experts, top_k, expert_bytes)
+    capacities = resolve_capacities(o.capacity, n_layers, n_experts, top_k, expert_bytes)
+    if len(set(capacities)) > 1:
+        raise OffloadError(f"--capacity {o.capacity!r}: a preset describes one cache size "
+                           "for every layer (its cache_experts_per_layer); give one")
+    capacity = capacities[0]
     workers = OffloadOptions(tier=o.tier, workers=o.workers).worker_count()
     acc = accelerator(o.tier) if o.tier in GPU_TIERS else None
     tier = open_tier(o.tier, opened, o.bandwidth, o.latency, acc.ops if acc else None,
