@@ -136,21 +136,37 @@ def _raw(url: str, body: str) -> socket.socket:
     return s
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_is_cancelled_and_counted_so(server, solo, stream):
+def _flowing_past(after: int, seen: threading.Event):
+    """A ``StepGate`` hold that never holds: it only tells (``seen``) when a request has
+    ``after`` tokens, the others still coming every step."""
+    def hold(step) -> bool:
+        if any(len(m.request.output) >= after for m in step):
+            seen.set()
+        return False
+
+    return hold
+
+
+@pytest.mark.parametrize("mode", ["stream", "held", "flowing"])
+def test_a_client_that_disconnects_is_cancelled_and_counted_so(server, solo, mode):
+    """``held``: a whole answer's client goes while its steps wait; ``flowing``: while its
+    tokens keep coming (every few ms: its going must be seen all the same, not after its
+    last token)."""
     url, service = server
-    body = json.dumps({"model": NAME, "prompt": PROMPTS[0], "max_tokens": 500,
-                       "stream": stream})
+    body = json.dumps({"model": NAME, "prompt": PROMPTS[0], "max_tokens": 1000,
+                       "stream": mode == "stream"})
     counts = service.counters.requests
     before = {k: counts.get(k, 0) for k in ("cancelled", "error", "ok")}
-    with StepGate(service.batcher, _held_until_cancelled(8)) as gate:
+    seen = threading.Event()
+    hold = _flowing_past(8, seen) if mode == "flowing" else _held_until_cancelled(8)
+    with StepGate(service.batcher, hold) as gate:
         with _raw(url, body) as s:
-            if stream:  # mid-stream: some of its text came
+            if mode == "stream":  # mid-stream: some of its text came
                 received = b""
                 while b"data:" not in received:
                     received += s.recv(4096)
-            else:  # mid-run: its 8th token made, the rest held until it is cancelled
-                assert gate.held.wait(120)
+            else:  # mid-run: its 8th token made (the rest held, or still coming)
+                assert (seen if mode == "flowing" else gate.held).wait(120)
         until(lambda: counts.get("cancelled", 0) == before["cancelled"] + 1,
               "counted cancelled")
     until(lambda: service.batcher.queue_depth() == (0, 0), "out of the batch")
@@ -239,7 +255,10 @@ BAD = [
     # failures of parsing and encoding: the error object, never a 500
     (json.dumps({"model": NAME, "prompt": "abc\ud800def"}), 400, "prompt", "lone surrogate"),
     (json.dumps({"model": NAME, "prompt": "x", "user": "\udc00"}), 400, "user", "surrogate"),
-    (json.dumps({"model": NAME, "prompt": "x", "\ud800": 1}), 400, None, "valid string"),
+    (json.dumps({"model": NAME, "prompt": "x", "\ud800": 1}), 400, "\\ud800",
+     "field's name of invalid Unicode"),
+    (json.dumps({"model": NAME, "prompt": "x", "logit_bias": {"\ud800": 1}}), 400,
+     "logit_bias.\\ud800", "lone surrogate"),  # (a field taken only at its default)
     (f'{{"model": "{NAME}", "prompt": {DEEP}}}', 400, None, "nested too deeply"),
     (DEEP, 400, None, "nested too deeply"),
     (f'{{"model": "{NAME}", "prompt": "x", "max_tokens": {"9" * 5000}}}', 400, None,
@@ -277,12 +296,29 @@ def test_bad_chat_messages_are_refused(server):
             (user([{"type": "image_url", "image_url": {"url": "x"}}]), "messages.0.content",
              "content"),
             (user("abc\ud800def"), "messages.0.content", "lone surrogate"),
-            (user([{"type": "text", "text": "\ud800"}]), "messages.0.content", "surrogate"),
+            (user([{"type": "text", "text": "\ud800"}]), "messages.0.content.0.text",
+             "surrogate"),
+            # fields kept as JSON, or only at their default: once a 500 (the refusal quoted
+            # the value), or taken (a key of metadata)
+            (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                         "tool_choice": "\ud800"}), "tool_choice", "lone surrogate"),
+            (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                         "metadata": {"\ud800": "x"}}), "metadata.\\ud800", "surrogate"),
+            (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                         "prompt_cache_options": {"a": "\udfff"}}), "prompt_cache_options.a",
+             "surrogate"),
             (user(5), "messages.0.content", "a string"),
             (user(["hi"]), "messages.0.content", "content part"),
             (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
                          "max_completion_tokens": True}), "max_completion_tokens", "integer"),
-            (json.dumps({"model": NAME, "messages": "hi"}), "messages", "list")):
+            (json.dumps({"model": NAME, "messages": "hi"}), "messages", "list"),
+            # the limit refused under the name it was sent by
+            (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                         "max_completion_tokens": 0, "max_tokens": 5}),
+             "max_completion_tokens", "max_completion_tokens must be at least 1"),
+            (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                         "max_completion_tokens": 10**6}), "max_completion_tokens",
+             "exceed the model's")):
         code, answer = _post(url + "/v1/chat/completions", body)
         assert code == 400 and says in answer["error"]["message"], answer
         assert answer["error"]["param"] == param, answer
@@ -301,6 +337,17 @@ def test_more_clients_than_the_batch_and_queue_get_429(server):
             assert sum(service.batcher.queue_depth()) == 5
             with pytest.raises(openai.RateLimitError, match="retry later"):
                 c.completions.create(model=NAME, prompt="x", max_tokens=2)
+            # the two queued clients go away: their places are free at once, not when a
+            # running request ends (no step runs: none can end)
+            cancelled = service.counters.requests.get("cancelled", 0)
+            for s in streams[3:]:
+                s.close()
+            until(lambda: service.counters.requests.get("cancelled", 0) == cancelled + 2,
+                  "the queued clients' going seen")
+            assert service.batcher.queue_depth() == (3, 0)
+            streams.append(c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=400,
+                                                stream=True))  # taken, not a 429
+            assert service.batcher.queue_depth() == (3, 1)
         finally:
             for s in streams:
                 s.close()
@@ -346,3 +393,50 @@ def test_int4_server_batches_decode_steps_and_keeps_each_clients_solo_output(tmp
     # the lossy format is named in every response
     assert "int4" in usage["weights"] and "lossy" in usage["weights"]
     assert usage["resident_weights"] == "int4"
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(server, monkeypatch):
+    """A prompt of megabytes takes seconds to tokenize (then it is refused: too long); the
+    server answers other clients meanwhile. Its tokenizing is held here until another
+    client got its answer: on the event loop, that answer could never come."""
+    url, service = server
+    holding, release = threading.Event(), threading.Event()
+    real = service._encode
+
+    def encode(text: str) -> list[int]:
+        if len(text) > 10**6:
+            holding.set()
+            release.wait(120)
+        return real(text)
+
+    monkeypatch.setattr(service, "_encode", encode)
+    answers: dict[str, tuple[int, dict]] = {}
+    big = threading.Thread(target=lambda: answers.setdefault("big", _post(
+        url + "/v1/completions", json.dumps({"model": NAME, "prompt": "hello world " * 200_000,
+                                             "max_tokens": 1}))))
+    big.start()
+    try:
+        assert holding.wait(120), "the huge prompt never reached the tokenizer"
+        assert json.loads(_get(url + "/health"))["status"] == "ok"  # while it is tokenized
+    finally:
+        release.set()
+        big.join(120)
+    code, answer = answers["big"]
+    assert code == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+
+
+def test_a_wrong_method_gets_405_with_allow_and_an_unknown_path_404(server):
+    import urllib.error
+    import urllib.request
+
+    url, _ = server
+    for path, method, status in (("/v1/completions", "GET", 405), ("/nowhere", "GET", 404),
+                                 ("/health", "POST", 405)):
+        req = urllib.request.Request(url + path, method=method, data=b"{}" if method == "POST"
+                                     else None)
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(req, timeout=120)
+        e = caught.value
+        assert e.code == status and "error" in json.loads(e.read()), path
+        if status == 405:  # HTTP requires the methods it takes
+            assert e.headers["Allow"] == ("POST" if method == "GET" else "GET"), e.headers

@@ -61,3 +61,43 @@ def test_the_last_piece_is_sent_whole_without_a_stop():
     sent, rest, stream, _ = _run(["ab", "ST"], ["STOP"])
     assert sent == ["ab", ""] and rest == "ST" and stream.final() == "abST"
     assert not stream.stopped
+
+
+def _run_late(pieces: list[str], stops: list[str], every: int) -> TextStream:
+    """The same tokens, the stream pushed only after every ``every``-th (an event loop
+    running late: several tokens at once), then flushed."""
+    job = _Job()
+    stream = TextStream(_Service(pieces), job, stops)
+    for t in range(len(pieces)):
+        job.output.append(t)
+        if (t + 1) % every == 0:
+            stream.push()
+    stream.flush()
+    return stream
+
+
+CASES = [
+    (["ab", "c", "ST", "OP", "de", "f", "g"], ["STOP"]),           # completed at token 3
+    (["x", "ab", "cd", "e", "bc"], ["abcd", "bc"]),                # overlapping stops
+    (["a", "b\ufffd", "\ufffd", "c", "STOP", "z", "z"], ["cST"]),  # incomplete characters
+    (["hello", " wor", "ld", "!"], ["NOPE"]),                       # no stop
+]
+
+
+def test_the_text_and_its_tokens_do_not_depend_on_how_late_the_pushes_come():
+    """Another client's load delays the event loop; what the completion is (its text, the
+    tokens counted and given log-probabilities: ``used``) must not change with it."""
+    for pieces, stops in CASES:
+        sent, rest, want, _ = _run(pieces, stops)
+        for every in (2, 3, len(pieces) + 1):  # the last: only the flush reads them
+            got = _run_late(pieces, stops, every)
+            assert (got.text, got.used, got.stopped) == (want.text, want.used, want.stopped), (
+                pieces, stops, every)
+            assert got.sent == "".join(sent) + rest
+
+
+def test_used_stops_at_the_token_that_completed_the_stop_string():
+    _, _, stream, _ = _run(["ab", "c", "ST", "OP", "de", "f"], ["STOP"])
+    assert stream.used == 4 and stream.text == "abc"
+    late = _run_late(["ab", "c", "ST", "OP", "de", "f"], ["STOP"], 6)
+    assert late.used == 4 and late.text == "abc"

@@ -31,6 +31,7 @@ from stmoe.serve.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    lone_surrogate,
     validation_message,
 )
 from stmoe.serve.responses import Reply
@@ -60,7 +61,7 @@ def create_app(service: Service, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind=kind).body(),
-                            status_code=exc.status_code)
+                            status_code=exc.status_code, headers=exc.headers)  # (405: Allow)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -83,17 +84,20 @@ def create_app(service: Service, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
         return PlainTextResponse(metrics_text(service),
                                  media_type="text/plain; version=0.0.4")
 
+    # the prompt is tokenized on a thread (the tokenizer lets go of the GIL): a body of
+    # megabytes takes seconds, which on the event loop would stall every other client
     @app.post("/v1/completions")
     async def completions(http: Request) -> Any:
         req = _parse(CompletionRequest, await _body(http, body_timeout))
         _check_model(service, req.model)
-        return await _reply(service, http, req, service.completion_ids(req))
+        return await _reply(service, http, req,
+                            await asyncio.to_thread(service.completion_ids, req))
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request) -> Any:
         req = _parse(ChatRequest, await _body(http, body_timeout))
         _check_model(service, req.model)
-        return await _reply(service, http, req, service.chat_ids(req))
+        return await _reply(service, http, req, await asyncio.to_thread(service.chat_ids, req))
 
     return app
 
@@ -146,6 +150,9 @@ async def _body(http: Request, timeout: float) -> Any:
 def _parse(model: Any, body: Any) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
+    bad = lone_surrogate(body)
+    if bad is not None:
+        raise ApiError(400, *bad)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -164,5 +171,5 @@ async def _reply(service: Service, http: Request, req: CompletionRequest | ChatR
                  ids: list[int]) -> Any:
     """``req``'s choices run (one batcher request each) and answered, whole or streamed."""
     jobs = service.requests(ids, req.limit(), req.sampling(req.logprob_count()),
-                            req.choices())
+                            req.choices(), req.limit_name())
     return await Reply(service, http, jobs, req).respond()

@@ -121,5 +121,6 @@ def _same(v: JsonValue, default: JsonValue) -> bool:
 
 
 def _short(v: JsonValue) -> str:
-    text = json.dumps(v, ensure_ascii=False)
+    # (a lone surrogate escaped: the refusal must encode; app.py refuses one first anyway)
+    text = json.dumps(v, ensure_ascii=False).encode("utf-8", "backslashreplace").decode()
     return text if len(text) <= 60 else text[:57] + "..."

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator
 
 from stmoe.runtime.batcher import Sampling
-from stmoe.serve.fields import Content, Prompt, Stops, Text, only
+from stmoe.serve.fields import Content, Prompt, Stops, Text, only, unicode_text
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_LOGPROBS = 20  # top log-probabilities per token, at most (OpenAI's chat limit)
@@ -116,6 +116,10 @@ class CompletionRequest(_Common):
     def limit(self) -> int | None:
         return self.max_tokens
 
+    def limit_name(self) -> str:
+        """The field ``limit`` came from (a refusal names it)."""
+        return "max_tokens"
+
     def logprob_count(self) -> int | None:
         """Top log-probabilities per token (None: no log-probabilities)."""
         return self.logprobs
@@ -181,9 +185,42 @@ class ChatRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
+    def limit_name(self) -> str:
+        """The field ``limit`` came from (a refusal names it)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None \
+            else "max_tokens"
+
     def logprob_count(self) -> int | None:
         """Top log-probabilities per token (None: no log-probabilities)."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def lone_surrogate(body: Any) -> tuple[str, str] | None:
+    """The first string of ``body`` (a parsed JSON value: its objects' keys included) that
+    holds a lone surrogate, as (message, the field's path), or None. Why before the fields'
+    own checks: a key (an unknown field's, ``metadata``'s) or a value pydantic keeps as
+    JSON would pass them, and a refusal quoting it could not be encoded (a 500)."""
+    stack: list[tuple[Any, str, str | None]] = [(body, "", None)]  # (value, path, its key)
+    while stack:  # depth first in the body's order (not recursive: it may nest deep)
+        value, path, key = stack.pop()
+        if key is not None:
+            try:
+                unicode_text(key)
+            except ValueError as exc:
+                name = _encodable(path)
+                return f"{name}: a field's name of {exc}", name
+        if isinstance(value, dict):
+            stack.extend((item, f"{path}.{k}" if path else str(k), str(k))
+                         for k, item in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{i}" if path else str(i), None)
+                         for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, str):
+            try:
+                unicode_text(value)
+            except ValueError as exc:
+                return f"{path}: {exc}", path
+    return None
 
 
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:

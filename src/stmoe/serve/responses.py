@@ -28,6 +28,7 @@ from stmoe.serve.service import Service
 from stmoe.serve.text import TextStream
 
 Events = asyncio.Queue[tuple[int, int | None]]  # (choice, its next token; None: its end)
+POLL_S = 0.25  # how often a whole answer asks whether its client is still there
 
 
 @dataclass(eq=False)
@@ -62,6 +63,7 @@ class Reply:
         self.jobs = jobs
         self.events: Events = asyncio.Queue()
         self.recorded = False
+        self.polled = time.monotonic()  # when ``_next`` last asked if the client is there
         self.meta = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
                      "created": int(time.time()), "model": service.name}
 
@@ -111,14 +113,20 @@ class Reply:
                 "choices": choices, "usage": self._usage()}
 
     async def _next(self) -> tuple[int, int | None]:
-        """The next event, cancelling every choice if the client went away."""
+        """The next event, cancelling every choice if the client went away: asked every
+        ``POLL_S`` whether tokens come or not (a running choice makes one every few ms,
+        so asking only when none came would never ask until its last)."""
         while True:
-            try:
-                return await asyncio.wait_for(self.events.get(), timeout=0.25)
-            except TimeoutError:
+            now = time.monotonic()
+            if now - self.polled >= POLL_S:
+                self.polled = now
                 if await self.http.is_disconnected():
                     for job in self.jobs:
                         job.cancel()
+            try:
+                return await asyncio.wait_for(self.events.get(), timeout=POLL_S)
+            except TimeoutError:
+                pass
 
     def _choice(self, c: Choice) -> dict[str, Any]:
         out: dict[str, Any] = {"index": c.index, "finish_reason": self._reason(c),
@@ -219,7 +227,11 @@ class Reply:
         extension: what the request met, and the weights' formats it ran in (a quantized
         one is lossy: named in every response)."""
         jobs = self.jobs
-        prompt, completion = int(jobs[0].ids.shape[1]), sum(len(j.output) for j in jobs)
+        # a choice a stop string ended counts up to the token that completed it (the
+        # tokens made before it left the batch are not its completion's)
+        completion = sum(c.text.used if c.text.stopped else len(c.job.output)
+                         for c in self.choices)
+        prompt = int(jobs[0].ids.shape[1])
         decode = max(j.decode_s() for j in jobs)
         extra = Usage.joint([j.usage for j in jobs]).to_dict()
         extra["weights"] = self.service.om.config["weights_label"]

@@ -73,7 +73,7 @@ class Service:
         return self._encode(text)
 
     def requests(self, ids: list[int], max_tokens: int | None, sampling: Sampling,
-                 n: int = 1) -> list[Request]:
+                 n: int = 1, field: str = "max_tokens") -> list[Request]:
         """``n`` batcher requests for ``ids``, one per choice, checked (``request``); choice
         i sampled with seed ``seed + i`` (``choice_seed``), so it is the solo run of that
         seed."""
@@ -81,14 +81,16 @@ class Service:
             raise ApiError(400, f"n is {n}; this server runs and queues at most "
                            f"{self.batcher.capacity} requests at once (--max-batch + "
                            "--max-queue), one per choice", "n")
-        first = self.request(ids, max_tokens)
+        first = self.request(ids, max_tokens, field)
         return [Request(first.ids, first.max_new_tokens,
                         sampling=replace(sampling, seed=choice_seed(sampling.seed, i)))
                 for i in range(n)]
 
-    def request(self, ids: list[int], max_tokens: int | None) -> Request:
+    def request(self, ids: list[int], max_tokens: int | None,
+                field: str = "max_tokens") -> Request:
         """A greedy batcher request for ``ids``, checked against the model's positions;
-        ``max_tokens`` None: the default, whatever else was sent (``default_tokens``)."""
+        ``max_tokens`` None: the default, whatever else was sent (``default_tokens``);
+        ``field``: the request's name for it (chat's max_completion_tokens, say)."""
         if not ids:
             raise ApiError(400, "the prompt has no tokens", "prompt")
         limit = self.positions - len(ids) if self.positions else None
@@ -99,11 +101,11 @@ class Service:
         if max_tokens is None:
             return Request(torch.tensor([ids]), self.default_tokens(len(ids)))
         if max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+            raise ApiError(400, f"{field} must be at least 1, got {max_tokens}", field)
         if limit is not None and max_tokens > limit:
-            raise ApiError(400, f"max_tokens {max_tokens} and the prompt's {len(ids)} tokens "
+            raise ApiError(400, f"{field} {max_tokens} and the prompt's {len(ids)} tokens "
                            f"exceed the model's {self.positions} positions (at most {limit} "
-                           "here)", "max_tokens", code="context_length_exceeded")
+                           "here)", field, code="context_length_exceeded")
         return Request(torch.tensor([ids]), max_tokens)
 
     def default_tokens(self, prompt: int) -> int:

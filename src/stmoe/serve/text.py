@@ -17,7 +17,12 @@ if TYPE_CHECKING:
 class TextStream:
     """The text of ``job``'s tokens so far; ``push`` returns what may be sent now.
     ``used``: how many of the tokens that text was decoded from (frozen at a stop string:
-    the tokens after it are not the completion's)."""
+    the tokens after it are not the completion's).
+
+    The tokens are read as if pushed one at a time, however many arrived since the last
+    push (the event loop may run late): the stop string ends the completion at the token
+    that completed it, and the text, ``used`` (its log-probabilities, its usage) are the
+    same whatever the timing, so another client's load cannot change them."""
 
     def __init__(self, service: Service, job: Request, stops: list[str]) -> None:
         self.service, self.job, self.stops = service, job, stops
@@ -25,36 +30,51 @@ class TextStream:
         self.text = ""
         self.stopped = False
         self.used = 0
+        self.seen = 0  # tokens read for a stop string so far
 
     def push(self) -> str:
         """After a new token: the text that can be sent (maybe empty)."""
         if self.stopped:
             return ""
-        tokens = list(self.job.output)
-        full = self.service.text(tokens)
-        if full.endswith("\ufffd"):  # a character still incomplete
-            return ""
-        return self._advance(full, len(tokens), last=False)
+        return self._read(list(self.job.output), last=False)
 
     def flush(self) -> str:
         """At the end: everything not sent yet, its stop strings applied as ``push``'s (the
         last token's text may have been held back as an incomplete character)."""
         if self.stopped:
             return self._send(self.text)
-        tokens = list(self.job.output)
-        return self._advance(self.service.text(tokens), len(tokens), last=True)
+        return self._read(list(self.job.output), last=True)
 
-    def _advance(self, full: str, used: int, last: bool) -> str:
-        """``full`` (of ``used`` tokens) cut at its first stop string; what may be sent now."""
-        self.used = used
-        found = [at for at in (full.find(stop) for stop in self.stops) if at >= 0]
-        if found:
-            full, self.stopped = full[: min(found)], True
-        self.text = full
-        if self.stopped:
-            self.job.cancel()  # leaves the batch at the next step
-            return self._send(full)
+    def _read(self, tokens: list[int], last: bool) -> str:
+        """The tokens not read yet, one prefix at a time, as a push after each would read
+        them: a prefix whose text ends in an incomplete character is passed over (but the
+        last one at the end); the first whose text holds a stop string ends it there."""
+        full = None
+        for n in range(self.seen + 1, len(tokens) + 1):
+            self.seen = n
+            full = self.service.text(tokens[:n])
+            if full.endswith("\ufffd") and not (last and n == len(tokens)):
+                full = None  # a character still incomplete
+                continue
+            if self.stops and self._stop(full, n):
+                return self._send(self.text)
+        if full is None:  # no new text of whole characters
+            if not last:
+                return ""
+            full = self.service.text(tokens)  # at the end, an incomplete one is read too
+            if self.stops and self._stop(full, len(tokens)):
+                return self._send(self.text)
+        self.used, self.text = len(tokens), full
         return self._send(full if last else full[: len(full) - self._held(full)])
+
+    def _stop(self, full: str, used: int) -> bool:
+        """``full`` (of ``used`` tokens) cut at its first stop string, if it holds one."""
+        found = [at for at in (full.find(stop) for stop in self.stops) if at >= 0]
+        if not found:
+            return False
+        self.text, self.used, self.stopped = full[: min(found)], used, True
+        self.job.cancel()  # leaves the batch at the next step
+        return True
 
     def final(self) -> str:
         self.flush()

@@ -32,7 +32,7 @@ import torch
 
 from stmoe.errors import OffloadError
 from stmoe.runtime.api import OffloadedModel
-from stmoe.runtime.batcher.member import Member, charge, finish, generate_extra
+from stmoe.runtime.batcher.member import Member, charge, drop_cancelled, finish, generate_extra
 from stmoe.runtime.batcher.requests import Cancelled, QueueFull, Request
 from stmoe.runtime.batcher.step_forward import StepForward, decode_call, step_caches
 from stmoe.runtime.batcher.step_rows import StepRows
@@ -102,6 +102,7 @@ class StepBatcher:
         with self.cv:
             if self.closed:
                 raise OffloadError("the batcher is closed")
+            drop_cancelled(self.waiting)
             if len(self.members) + len(self.waiting) + len(requests) > self.capacity:
                 raise QueueFull(f"{len(self.members)} requests running and {len(self.waiting)} "
                                 "queued, the most this server takes; retry later")
@@ -116,6 +117,7 @@ class StepBatcher:
     def queue_depth(self) -> tuple[int, int]:
         """(requests running, requests queued)."""
         with self.cv:
+            drop_cancelled(self.waiting)
             return len(self.members), len(self.waiting)
 
     def close(self) -> None:
@@ -203,11 +205,9 @@ class StepBatcher:
 
     def _admit(self) -> None:
         """(cv held) Start queued requests on free slots."""
+        drop_cancelled(self.waiting)
         while self.waiting and len(self.members) < self.max_batch and not self.closed:
             r = self.waiting.popleft()
-            if r.cancelled.is_set():
-                finish(r, Cancelled("cancelled before it started"))
-                continue
             m = Member(r, min(set(range(self.max_batch)) - set(self.members)))
             self.members[m.slot] = m
             r.thread_name = f"stmoe-request-{self.started}-slot{m.slot}"

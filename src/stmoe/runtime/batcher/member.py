@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from stmoe.errors import OffloadError
-from stmoe.runtime.batcher.requests import Request
+from stmoe.runtime.batcher.requests import Cancelled, Request
 from stmoe.runtime.step import LayerTally, Part
 
 # an experts call waiting for its step's layer: (layer, hidden [T, H], top-k ids, weights)
@@ -91,6 +92,15 @@ def finish(request: Request, error: BaseException | None) -> None:
     request.error = error
     request.done.set()
     request.emit(None)
+
+
+def drop_cancelled(waiting: deque[Request]) -> None:
+    """(the batcher's lock held) The queued requests cancelled before they started (their
+    clients went away) ended now: their places are free at once, not when a running one
+    ends and the queue moves."""
+    for r in [r for r in waiting if r.cancelled.is_set()]:
+        waiting.remove(r)
+        finish(r, Cancelled("cancelled before it started"))
 
 
 class Streamer:
