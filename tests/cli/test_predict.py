@@ -255,3 +255,27 @@ def test_eval_prints_the_equal_set_size_comparison_first(cli, tmp_path):
                 "--json", report)
     assert "At equal set size" not in again.output
     assert "equal_set_size" not in json.loads(report.read_text())
+
+
+def test_eval_notes_tables_of_another_model_or_of_synthetic_routing(cli, tmp_path):
+    """Tables of the same shape are taken whoever they were profiled on; the note says when
+    that was another model's routing, or SYNTHETIC routing."""
+    import dataclasses
+
+    import stmoe
+
+    mine = stmoe.synthesize(tokens=60, layers=3, experts=8, top_k=2, sequences=2, seed=1)
+    real = dataclasses.replace(mine, meta=dataclasses.replace(mine.meta, model="model-a",
+                                                              synthetic=False))
+    other = dataclasses.replace(real, meta=dataclasses.replace(real.meta, model="model-b"))
+    paths = {name: tmp_path / f"{name}.npz" for name in ("syn", "a", "b")}
+    for name, trace in (("syn", mine), ("a", real), ("b", other)):
+        stmoe.save_trace(trace, paths[name])
+        assert cli("profile", paths[name], "-o", tmp_path / f"t-{name}.npz").exit_code == 0
+    for tables, says in (("syn", "profiled on SYNTHETIC routing"),
+                         ("b", "profiled on 'model-b''s routing"), ("a", None)):
+        res = cli("eval", paths["a"], "--tables", tmp_path / f"t-{tables}.npz",
+                  "--predictor", "stmoe")
+        assert res.exit_code == 0, res.output
+        notes = [line for line in res.output.splitlines() if "were profiled on" in line]
+        assert (says in " ".join(notes)) if says else not notes, (tables, res.output)

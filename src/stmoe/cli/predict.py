@@ -122,6 +122,20 @@ def _warn_in_sample(trace: RoutingTrace, tables: ProfiledTables) -> None:
                   "for both", soft_wrap=True)
 
 
+def _warn_other_model(trace: RoutingTrace, tables: ProfiledTables) -> None:
+    """A note when ``tables`` were profiled on another model than ``trace``'s (the same
+    shape, else they are refused) or on SYNTHETIC routing: the figures then say how that
+    routing predicts this one, which is rarely what was meant."""
+    profiled = str(tables.info.get("model", ""))
+    if tables.info.get("synthetic") and not trace.meta.synthetic:
+        err.print(f"note: {tables.source or 'the tables'} were profiled on SYNTHETIC routing "
+                  f"({profiled or 'unnamed'}); the trace replayed is {trace.meta.model!r}'s",
+                  soft_wrap=True)
+    elif profiled and trace.meta.model and profiled != trace.meta.model:
+        err.print(f"note: {tables.source or 'the tables'} were profiled on {profiled!r}'s "
+                  f"routing; the trace replayed is {trace.meta.model!r}'s", soft_wrap=True)
+
+
 def _default_predictors(trace: RoutingTrace, tables: ProfiledTables | None) -> list[str]:
     """Every predictor this trace and these tables can run, with a note naming the others
     and why (a default run never drops a predictor silently)."""
@@ -239,6 +253,7 @@ def eval_cmd(
     check_range("--set-size", set_size, 0, n, why=why)
     if tables is not None:
         _warn_in_sample(trace, tables)
+        _warn_other_model(trace, tables)
     chosen = predictor or _default_predictors(trace, tables)
     options: dict[str, Any] = {"seed": seed}
     if set_size:
