@@ -181,14 +181,21 @@ def test_profiling_tables_that_cannot_fit_in_memory_is_one_line(cli, tmp_path, m
     save_trace(trace, tmp_path / "wide.npz")
     monkeypatch.setattr("stmoe.predictors.profiling.available_memory", lambda: 16 << 30)
     result = cli("profile", tmp_path / "wide.npz", "-o", tmp_path / "t.npz")
-    one_line_error(result, "N=32767 experts", "needs at least 56.0 GiB",
-                   "16.0 GiB of memory is available", "--layers")
+    one_line_error(result, "N=32767 experts", "needs about 224.0 GiB at its peak",
+                   "56.0 GiB of N x N count tables", "16.0 GiB of memory is available",
+                   "--layers")
     assert not (tmp_path / "t.npz").exists()
     from stmoe.predictors.base import ModelShape
-    from stmoe.predictors.profiling import check_table_memory, table_bytes
+    from stmoe.predictors.profiling import PEAK_FACTOR, check_table_memory, table_bytes
 
     assert table_bytes(ModelShape(8, 64, 2)) < 2**21  # ordinary models are far below
     check_table_memory(ModelShape(8, 64, 2))
+    # the peak, not the counts alone, must fit: a quarter of it was let through before
+    monkeypatch.setattr("stmoe.predictors.profiling.available_memory",
+                        lambda: 2 * table_bytes(ModelShape(2, 2048, 2)))
+    with pytest.raises(Exception, match="at its peak"):
+        check_table_memory(ModelShape(2, 2048, 2))
+    assert PEAK_FACTOR > 2
 
 
 def test_eval_without_tables_gives_each_skipped_predictor_its_own_reason(cli, tmp_path):
