@@ -27,6 +27,7 @@ from stmoe.cli import (
     quantize,
     serve,
     simulate,
+    split_capacity,
     trace,
     train_tiny,
 )
@@ -68,6 +69,7 @@ app.command("export")(friendly(trace.export_cmd))
 app.command("capture")(friendly(capture.capture_cmd))
 app.command("profile")(friendly(predict.profile_cmd))
 app.command("eval")(friendly(predict.eval_cmd))
+app.command("split-capacity")(friendly(split_capacity.split_capacity_cmd))
 app.command("simulate")(friendly(simulate.simulate_cmd))
 app.command("analyze")(friendly(analyze.analyze_cmd))
 app.command("demo")(friendly(demo.demo_cmd))

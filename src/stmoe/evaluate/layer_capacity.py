@@ -14,13 +14,17 @@ measures them cross-fitted and judges the split held out.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from stmoe.evaluate.cache_replay import replay_cache
+from stmoe.evaluate.metrics import scope_tokens
+from stmoe.predictors import ModelShape, make, profile
 from stmoe.predictors.base import PredictorError, PrefetchPlan
 from stmoe.trace.schema import RoutingTrace
+from stmoe.trace.select import select_sequences
 
 
 def default_grid(num_experts: int, top_k: int, steps: int = 32) -> list[int]:
@@ -90,3 +94,64 @@ def allocate(hits: np.ndarray, grid: Sequence[int], total: int,
                 caps[layer] += 1
                 left -= 1
     return caps
+
+
+@dataclass(frozen=True)
+class Split:
+    """A split of ``total`` slots (``capacities``, one per layer) and what it and the same
+    size everywhere (``uniform``) hit on the curves it was chosen from (``hit_rate``,
+    ``uniform_hit_rate``: an estimate that favours the split, which was fitted to them)."""
+
+    capacities: tuple[int, ...]
+    uniform: int
+    hit_rate: float
+    uniform_hit_rate: float
+    folds: int
+
+
+def cross_fitted_hits(trace: RoutingTrace, predictor: str, policy: str, grid: Sequence[int],
+                      folds: int = 5,
+                      progress: Callable[[int, int], None] | None = None
+                      ) -> tuple[np.ndarray, np.ndarray, int]:
+    """``layer_hits`` of ``predictor`` (its prefetches, cache ``policy``) with each of
+    ``folds`` parts of the sequences replayed with tables profiled on the others (held
+    out: why, the module docstring); summed over the parts, and how many parts there were.
+    ``progress(done, of)`` after each part."""
+    n = trace.num_sequences
+    if n < 2:
+        raise PredictorError(f"sizing a split needs routing of at least 2 sequences (this "
+                             f"trace has {n}): each is replayed with tables of the others")
+    parts = min(folds, n)
+    shape = ModelShape.of(trace)
+    hits = np.zeros((trace.num_layers, len(grid)), dtype=np.int64)
+    demanded = np.zeros(trace.num_layers, dtype=np.int64)
+    for part in range(parts):
+        held = select_sequences(trace, [i for i in range(n) if i % parts == part])
+        rest = select_sequences(trace, [i for i in range(n) if i % parts != part])
+        p = make(predictor, shape, profile(rest))
+        scored = policy == "score" and p.scores_experts
+        plan, scores = p.scored_plan(held) if scored else (p.plan(held), None)
+        h, d = layer_hits(held, plan, grid, policy if scored or policy != "score" else "lru",
+                          scope_tokens(held), scores)
+        hits, demanded = hits + h, demanded + d
+        if progress is not None:
+            progress(part + 1, parts)
+    return hits, demanded, parts
+
+
+def size_split(trace: RoutingTrace, uniform: int, predictor: str = "stmoe-plus",
+               policy: str = "lru", folds: int = 5,
+               progress: Callable[[int, int], None] | None = None) -> Split:
+    """The split of ``uniform`` slots a layer (the same total) that ``allocate`` picks from
+    ``trace``'s cross-fitted curves (``cross_fitted_hits``)."""
+    grid = default_grid(trace.num_experts, trace.top_k)
+    if uniform not in grid:
+        grid = sorted({*grid, uniform})
+    hits, demanded, parts = cross_fitted_hits(trace, predictor, policy, grid, folds, progress)
+    caps = allocate(hits, grid, uniform * trace.num_layers, trace.num_experts)
+    # the split's own points may lie between the grid's: its hits read at the point below
+    at = [max(i for i, c in enumerate(grid) if c <= cap) for cap in caps]
+    total = max(int(demanded.sum()), 1)
+    return Split(tuple(int(c) for c in caps), uniform,
+                 float(sum(hits[layer, i] for layer, i in enumerate(at))) / total,
+                 float(hits[:, grid.index(uniform)].sum()) / total, parts)

@@ -65,12 +65,14 @@ def progress_bytes(f: IO[bytes], path: Path, description: str) -> Iterator[bytes
 
 
 @contextmanager
-def byte_progress(total: int, description: str) -> Iterator[Callable[[int], None]]:
-    """A bar over ``total`` bytes (when on a terminal); yields ``advance(nbytes)``."""
+def byte_progress(total: int, description: str,
+                  in_bytes: bool = True) -> Iterator[Callable[[int], None]]:
+    """A bar over ``total`` bytes (or steps: ``in_bytes`` False), when on a terminal;
+    yields ``advance(n)``."""
     if not _enabled():
         yield lambda nbytes: None
         return
-    with _bar(in_bytes=True) as bar:
+    with _bar(in_bytes=in_bytes) as bar:
         task = bar.add_task(description, total=total)
         yield lambda nbytes: bar.advance(task, nbytes)
 
