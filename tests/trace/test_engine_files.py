@@ -154,14 +154,30 @@ def expert_drop_records():
     return ne, recs
 
 
-def test_moe_infinity_expert_drop_binary_and_npz(tmp_path, cli):
-    ne, recs = expert_drop_records()
-    out = bytearray(b"MOEDROPT" + struct.pack("<iiiiq", 1, ne, 4, 0, len(recs)))
+def moedropt(ne: int, records) -> bytes:
+    """ExpertDispatcher::DumpExpertDropTrace's binary of ``records`` (seq, layer, rows,
+    weights, mask) over 4 model layers, every residency known."""
+    out = bytearray(b"MOEDROPT" + struct.pack("<iiiiq", 1, ne, 4, 0, len(records)))
     out += np.zeros(4 * ne, "<i8").tobytes()
-    for seq, layer, rows, w, m in recs:
+    for seq, layer, rows, w, m in records:
         out += struct.pack("<qiiB", seq, layer, rows, 1) + w.tobytes() + m.tobytes()
         out += np.ones(ne, np.uint8).tobytes()
-    (tmp_path / "drop.bin").write_bytes(bytes(out))
+    return bytes(out)
+
+
+def drop_npz_arrays(records) -> dict[str, np.ndarray]:
+    """The parser's npz members of ``records``: the decode (one-row) records only."""
+    dec = [r for r in records if r[2] == 1]
+    return dict(weights=np.concatenate([r[3] for r in dec]),
+                mask=np.concatenate([r[4] for r in dec]),
+                layer=np.array([r[1] for r in dec], np.int32),
+                seq=np.array([r[0] for r in dec], np.int64))
+
+
+def test_moe_infinity_expert_drop_binary_and_npz(tmp_path, cli):
+    ne, recs = expert_drop_records()
+    out = moedropt(ne, recs)
+    (tmp_path / "drop.bin").write_bytes(out)
     assert sniff_format(tmp_path / "drop.bin") == "expert-drop"
     trace = load_trace(tmp_path / "drop.bin")
     assert trace.seq_starts.tolist() == [0, 6] and trace.num_tokens == 10
@@ -172,12 +188,9 @@ def test_moe_infinity_expert_drop_binary_and_npz(tmp_path, cli):
     (tmp_path / "cut.bin").write_bytes(bytes(out[:-30]))
     result = cli("import", tmp_path / "cut.bin", "-o", tmp_path / "o.npz")
     assert result.exit_code == 1 and "truncated" in result.output
-    dec = [r for r in recs if r[2] == 1]  # the parser's npz keeps decode rows only
-    np.savez_compressed(tmp_path / "drop.npz", weights=np.concatenate([r[3] for r in dec]),
-                        mask=np.concatenate([r[4] for r in dec]),
-                        resident=np.ones((len(dec), ne), np.uint8),
-                        layer=np.array([r[1] for r in dec], np.int32),
-                        seq=np.array([r[0] for r in dec], np.int64),
+    arrays = drop_npz_arrays(recs)  # the parser's npz keeps decode rows only
+    np.savez_compressed(tmp_path / "drop.npz", **arrays,
+                        resident=np.ones((len(arrays["seq"]), ne), np.uint8),
                         byte_size=np.zeros((4, ne), np.int64), num_experts=np.int64(ne),
                         num_layers=np.int64(4))
     assert sniff_format(tmp_path / "drop.npz") == "expert-drop"
@@ -192,12 +205,7 @@ def test_moe_infinity_passes_follow_its_own_step_grouping(tmp_path):
     ne, recs = expert_drop_records()
 
     def write(records, name):
-        out = bytearray(b"MOEDROPT" + struct.pack("<iiiiq", 1, ne, 4, 0, len(records)))
-        out += np.zeros(4 * ne, "<i8").tobytes()
-        for seq, layer, rows, w, m in records:
-            out += struct.pack("<qiiB", seq, layer, rows, 1) + w.tobytes() + m.tobytes()
-            out += np.ones(ne, np.uint8).tobytes()
-        (tmp_path / name).write_bytes(bytes(out))
+        (tmp_path / name).write_bytes(moedropt(ne, records))
         return load_trace(tmp_path / name)
 
     per_pass = write(recs, "a.bin")

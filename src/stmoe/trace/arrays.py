@@ -12,12 +12,20 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
-from stmoe.trace.engines.common import Columns, EngineOptions, finish, note, refuse_counts
+from stmoe.trace.assemble import agreed_num_experts, order_by_weight
+from stmoe.trace.engines.common import (
+    Columns,
+    EngineOptions,
+    check_prompt,
+    finish,
+    note,
+    refuse_counts,
+)
 from stmoe.trace.export import manifest_path
-from stmoe.trace.io import checked_input, trace_from_arrays
+from stmoe.trace.io import MEMBERS, checked_input, trace_from_arrays
 from stmoe.trace.npfiles import load_npy, read_npz_arrays
 from stmoe.trace.ranks import RANK_ORDER
-from stmoe.trace.schema import RoutingTrace
+from stmoe.trace.schema import RoutingTrace, meta_int
 from stmoe.util.fileio import manifest_mismatch
 
 
@@ -31,9 +39,10 @@ def read_npy(
     with ``np.save``); sequence starts from the option, a side file
     ``NAME.seq_starts.npy``/``.txt``, or one sequence; ``--prompt-lengths`` marks decode."""
     opts = opts or EngineOptions()
-    exported = seq_starts is None and check_export_pair(path)
+    listing = check_export_pair(path) if seq_starts is None else None
+    exported = listing is not None
     # stmoe's own export keeps rank order, unless its manifest says the rows were sets
-    ranked = exported and json.loads(manifest_path(path).read_text()).get(RANK_ORDER) is not False
+    ranked = exported and listing.get(RANK_ORDER) is not False
     starts = resolve_seq_starts(path, seq_starts)
     ex = load_npy(path, mmap=True)
     if ex.ndim != 3:
@@ -55,20 +64,29 @@ def read_npy(
     )
 
 
-def check_export_pair(path: Path) -> bool:
+def check_export_pair(path: Path) -> dict[str, Any] | None:
     """An npy export's main file and side file are the pair its manifest lists (a kill
-    between their renames would otherwise pair new ids with old sequence starts): True
-    for such a pair, False for a file without a manifest (``np.save`` by hand)."""
+    between their renames would otherwise pair new ids with old sequence starts): the
+    manifest for such a pair, None for a file without one (``np.save`` by hand). The
+    manifest must list ``path`` and its side file, not other files beside them."""
     manifest = manifest_path(path)
     if not manifest.exists():
-        return False
+        return None
+    expected = f"{path.name} and its side file from one `stmoe export`"
     bad = manifest_mismatch(manifest)
     if bad is not None:
-        raise TraceError(f"{bad} is not the file {manifest.name} lists",
-                         expected=f"{path.name} and its side file from one `stmoe export`",
+        raise TraceError(f"{bad} is not the file {manifest.name} lists", expected=expected,
                          hint="an export was interrupted: export again (or delete the "
                          "manifest if you replaced the files yourself)")
-    return True
+    listing = json.loads(manifest.read_text(encoding="utf-8"))
+    pair = (path.name, path.with_suffix(".seq_starts.npy").name)
+    unlisted = [name for name in pair if name not in listing["files"]]
+    if unlisted:
+        raise TraceError(f"{manifest.name} lists {', '.join(sorted(listing['files']))}, not "
+                         f"{unlisted[0]}", expected=expected,
+                         hint="the manifest is another export's: delete it if these files "
+                         "are not from that export")
+    return listing
 
 
 def oriented(ex: np.ndarray, layout: str) -> np.ndarray:
@@ -103,9 +121,14 @@ def decode_by_prompt(
     ends = np.append(starts[1:], n_tokens)
     if np.any(ends <= starts):
         return decode  # bad starts: validation names them
-    for a, b, p in zip(starts, ends, prompt_lengths, strict=True):
-        decode[a + min(int(p), int(b - a)) : b] = True
+    for s, (a, b, p) in enumerate(zip(starts, ends, prompt_lengths, strict=True)):
+        check_prompt(int(p), int(b - a), f"sequence {s}")
+        decode[a + int(p) : b] = True
     return decode
+
+
+# A header-less .npz: the native file's arrays and a ``meta`` JSON string, nothing else.
+NPZ_MEMBERS = ("meta", *(name for name in MEMBERS if name != "header"))
 
 
 def read_headerless_npz(path: Path, num_experts: int | None) -> RoutingTrace:
@@ -129,16 +152,25 @@ def read_headerless_npz(path: Path, num_experts: int | None) -> RoutingTrace:
         ]
         if counts:
             raise refuse_counts(f"member {counts[0]!r}: a float [.., L, E] array")
+    unknown = [name for name in arrays if name not in NPZ_MEMBERS]
+    if unknown:  # a misspelt 'weight' would otherwise be read as a trace without weights
+        raise TraceError(f"unknown member{'s' * (len(unknown) > 1)} "
+                         f"{', '.join(map(repr, unknown))}",
+                         expected=f"only members {', '.join(NPZ_MEMBERS)}",
+                         hint="a misspelt member's data would be lost: rename it")
     if ex is None or ex.ndim != 3:
         raise TraceError(
             "member 'experts' is missing or not [T, L, K]", expected="experts [T, L, K]"
         )
-    if num_experts is not None:
-        if meta.get("num_experts", num_experts) != num_experts:
-            raise TraceError(f"--num-experts {num_experts} contradicts the file's "
-                             f"{meta['num_experts']}")
-        meta["num_experts"] = num_experts
-    if "num_experts" not in meta:
+    weights = arrays.get("weights")
+    if weights is not None and weights.shape == ex.shape \
+            and np.issubdtype(weights.dtype, np.floating):  # else validation names it
+        arrays["experts"], arrays["weights"], changed = order_by_weight(ex, weights)
+        if changed:
+            meta["reordered_by_weight"] = changed  # kept in meta.extra
+    declared = meta_int(meta, "num_experts") if meta.get("num_experts") is not None else None
+    meta["num_experts"] = agreed_num_experts(num_experts, declared)
+    if meta["num_experts"] is None:
         raise TraceError("the number of experts is unknown", hint="pass --num-experts N")
     meta.setdefault("top_k", ex.shape[2])
     meta.setdefault("num_layers", ex.shape[1])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ def check_declared(header: Mapping[str, Any], layer_ids: Iterable[int], top_k: i
             missing = [x for x in named if x not in ids]
             what = (f"no record of any token for layer{'s' * (len(missing) > 1)} "
                     f"{', '.join(map(str, missing))}" if missing and len(ids) < declared
-                    else f"records for {len(ids)} layers ({_short(ids)})")
+                    else f"records for {len(ids)} layers ({short_repr(ids)})")
             raise TraceError(f"the metadata on {header_at} declares {declared} MoE layers, "
                              f"but the file holds {what}", position=first_record,
                              expected=f"a record of each of the {declared} layers it declares, "
@@ -50,6 +50,45 @@ def check_declared(header: Mapping[str, Any], layer_ids: Iterable[int], top_k: i
                          f"{meta_int(header, 'top_k')}, but the records hold {top_k} experts",
                          position=first_record,
                          expected=f"{meta_int(header, 'top_k')} experts in every record")
+
+
+def check_phase_order(is_decode: np.ndarray, seq_starts: np.ndarray,
+                      where: Callable[[int], str]) -> None:
+    """Each sequence is its prompt, then what was generated: prefill tokens, then decode
+    ones. A prefill token after a decode one of its sequence is a damaged or reordered
+    file; ``where(token)`` names that token's position in the file."""
+    decode = np.asarray(is_decode, dtype=bool)
+    back = np.flatnonzero(decode[:-1] & ~decode[1:]) + 1
+    back = back[~np.isin(back, seq_starts)]
+    if len(back):
+        raise TraceError("a prefill token after a decode token of its sequence",
+                         position=where(int(back[0])),
+                         expected="prefill tokens, then decode tokens, in each sequence")
+
+
+def check_counts(meta: Mapping[str, Any], counts: Sequence[tuple[str, int, str]]) -> None:
+    """The token counts a file's metadata declares, against the data: ``counts`` holds
+    (metadata key, what the file holds, what is counted); absent keys are not checked."""
+    for key, have, what in counts:
+        if key not in meta:
+            continue
+        declared = meta[key]
+        if not isinstance(declared, int) or isinstance(declared, bool) or declared < 0:
+            raise TraceError(f"metadata {key!r} is {short_repr(declared)}", position="meta",
+                             expected="an integer >= 0")
+        if declared != have:
+            raise TraceError(f"the metadata says {key} {declared} but the file holds {have} "
+                             f"{what}", position="meta", expected=f"{declared} {what}",
+                             hint="the file looks truncated or edited")
+
+
+def agreed_num_experts(option: int | None, declared: int | None) -> int | None:
+    """N: the file's own where it says it, else ``--num-experts``; where both do they must
+    agree (an option that overrode the file would check its ids against another model)."""
+    if option is not None and declared is not None and option != declared:
+        raise TraceError(f"--num-experts {option} contradicts the file's {declared}",
+                         expected=f"--num-experts {declared} or none: the file says N")
+    return declared if declared is not None else option
 
 
 def order_by_weight(experts: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -81,11 +120,11 @@ def expert_ids(value: Any, where: str) -> list[int]:
         or not value
         or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     ):
-        raise TraceError(f"'experts' is {_short(value)}", position=where,
+        raise TraceError(f"'experts' is {short_repr(value)}", position=where,
                          expected="a non-empty list of integer expert ids")
     for slot, v in enumerate(value):
         if not -1 <= v <= _ID_MAX:
-            raise TraceError(f"expert id {_short(v)} in slot {slot} is out of range",
+            raise TraceError(f"expert id {short_repr(v)} in slot {slot} is out of range",
                              position=where, expected=f"-1..{_ID_MAX}")
     return value
 
@@ -93,7 +132,7 @@ def expert_ids(value: Any, where: str) -> list[int]:
 def gate_weights(value: Any, k: int, where: str) -> list[float]:
     """A record's gate weights: ``k`` finite numbers that fit float32."""
     if not isinstance(value, list) or len(value) != k:
-        raise TraceError(f"'weights' is {_short(value)}", position=where,
+        raise TraceError(f"'weights' is {short_repr(value)}", position=where,
                          expected=f"a list of {k} numbers, one per expert")
     out = []
     for slot, w in enumerate(value):
@@ -102,7 +141,7 @@ def gate_weights(value: Any, k: int, where: str) -> list[float]:
         except OverflowError:
             ok = False
         if not ok or w != w:
-            raise TraceError(f"gate weight {_short(w)} in slot {slot}", position=where,
+            raise TraceError(f"gate weight {short_repr(w)} in slot {slot}", position=where,
                              expected="a finite number")
         out.append(float(w))
     return out
@@ -120,6 +159,6 @@ def check_keys(obj: dict[str, Any], known: Sequence[str], where: str) -> None:
                                  expected=f"{close[0]!r} (known fields: {known_list})")
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."

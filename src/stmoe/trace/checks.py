@@ -67,8 +67,11 @@ def check_lookahead(trace: Any, name: str, fail: Fail) -> None:
     ):
         fail(f"{name} has shape {look.shape}, dtype {look.dtype}",
              expected=f"integer [T, L, J] with T, L = {trace.experts.shape[:2]} and J >= 1")
-    if look.min() < EMPTY_SLOT or look.max() >= trace.num_experts:
-        fail(f"a {name} expert id is out of range",
+    bad = (look < EMPTY_SLOT) | (look >= trace.num_experts)
+    if bad.any():
+        tok, layer, slot = first(bad)
+        fail(f"a {name} expert id is out of range: {int(look[tok, layer, slot])}",
+             position=f"token {tok}, layer {layer}, slot {slot}",
              expected=f"-1..{trace.num_experts - 1}")
     ordered = np.sort(look, axis=2)
     dup = (ordered[:, :, 1:] == ordered[:, :, :-1]) & (ordered[:, :, 1:] != EMPTY_SLOT)
@@ -94,6 +97,12 @@ def check_layer_ids(trace: Any, fail: Fail) -> None:
         fail(f"meta.extra.model_layer_ids is {text if len(text) <= 60 else text[:57] + '...'}",
              expected=f"{trace.num_layers} increasing model layer numbers in "
              f"0..{LAYER_ID_MAX - 1}, one per MoE layer")
+
+
+def model_layer_ids(trace: Any) -> list[int]:
+    """The model's number of each MoE layer: ``meta.extra.model_layer_ids`` (validated:
+    increasing, one per layer), or ``0..L-1`` when the trace names none."""
+    return [int(i) for i in trace.meta.extra.get("model_layer_ids") or range(trace.num_layers)]
 
 
 def check_labels(trace: Any, fail: Fail) -> None:

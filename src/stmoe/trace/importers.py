@@ -32,7 +32,8 @@ from typing import Any
 from stmoe.errors import TraceError
 from stmoe.trace import jsonl, routes
 from stmoe.trace.arrays import read_headerless_npz, read_npy
-from stmoe.trace.engines import moe_infinity, sglang, torchfile, vllm
+from stmoe.trace.assemble import agreed_num_experts
+from stmoe.trace.engines import moe_infinity, sglang, torchfile, vllm, vllm_profile
 from stmoe.trace.engines.common import EngineOptions
 from stmoe.trace.engines.jsonio import load_json
 from stmoe.trace.io import checked_input, read_native
@@ -246,9 +247,7 @@ def _read(path: Path, kind: str, num_experts: int | None,
           seq_starts: str | Sequence[int] | None, opts: EngineOptions) -> RoutingTrace:
     if kind == "native":
         trace = read_native(path)
-        if num_experts is not None and num_experts != trace.num_experts:
-            raise TraceError(f"--num-experts {num_experts} contradicts the file's "
-                             f"{trace.num_experts}")
+        agreed_num_experts(num_experts, trace.num_experts)
         return trace
     if kind == "npz":
         return read_headerless_npz(path, num_experts)
@@ -261,7 +260,7 @@ def _read(path: Path, kind: str, num_experts: int | None,
     if kind == "vllm":
         return vllm.read_response(path, opts, num_experts)
     if kind == "vllm-profile":
-        return vllm.read_profile(path, opts, num_experts)
+        return vllm_profile.read_profile(path, opts, num_experts)
     if kind == "sglang":
         return sglang.read_generate(path, opts, num_experts)
     if kind == "torch":

@@ -9,6 +9,7 @@ describes the layout; ``FORMAT_VERSION`` is checked on every read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -143,7 +144,8 @@ def trace_from_arrays(
         domains=tuple(domains),
         meta=TraceMeta.from_dict(meta) if not isinstance(meta, TraceMeta) else meta,
     )
-    return validate(trace, file=str(path))
+    validate(trace, file=str(path))  # seq_starts judged at their stored width first
+    return dataclasses.replace(trace, seq_starts=trace.seq_starts.astype(np.int64, copy=False))
 
 
 def checked_input(path: str | Path, what: str) -> Path:

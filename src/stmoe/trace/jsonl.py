@@ -9,14 +9,12 @@ carries the trace's metadata (``stmoe export`` writes it); the ``num_layers`` an
 Optional per record: ``weights`` (all records or none), ``phase``
 (``"prefill"``/``"decode"``) or ``decode`` (bool), and ``domain`` (one per
 sequence). ``seq`` may be an integer or a string; sequences are ordered by it.
-Within a sequence, token positions must be consecutive and every token must have
-every layer that appears anywhere in the file.
+Within a sequence, token positions must be consecutive, prefill tokens come before
+decode ones, and every token must have every layer that appears anywhere in the file.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +22,16 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.assemble import (
+    agreed_num_experts,
     check_declared,
     check_keys,
+    check_phase_order,
     expert_ids,
     gate_weights,
     layer_numbering,
     order_by_weight,
 )
+from stmoe.trace.engines.jsonio import json_lines
 from stmoe.trace.schema import (
     UNLABELLED,
     RoutingTrace,
@@ -39,7 +40,6 @@ from stmoe.trace.schema import (
     meta_int,
     validate,
 )
-from stmoe.util.progress import progress_bytes
 
 _FIELDS = ("seq", "token", "layer", "experts", "weights", "phase", "decode", "domain")
 
@@ -66,7 +66,7 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
     rec = _Records()
     top_k: int | None = None
     has_weights: bool | None = None
-    for lineno, obj in _records(path):
+    for lineno, obj in json_lines(path):
         if "meta" in obj and "layer" not in obj:
             rec.header = _header(obj["meta"], lineno, first=not rec.line and not rec.header)
             rec.header_line = lineno
@@ -120,9 +120,8 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
         raise TraceError("the file holds no records", expected="at least one routing record")
     assert top_k is not None
     check_declared(rec.header, rec.layer, top_k, f"line {rec.header_line}", f"line {rec.line[0]}")
-    if num_experts is None and "num_experts" in rec.header:
-        num_experts = meta_int(rec.header, "num_experts")
-    return _assemble(rec, path, num_experts)
+    declared = meta_int(rec.header, "num_experts") if "num_experts" in rec.header else None
+    return _assemble(rec, path, agreed_num_experts(num_experts, declared))
 
 
 def _header(meta: Any, lineno: int, first: bool) -> dict[str, Any]:
@@ -136,34 +135,6 @@ def _header(meta: Any, lineno: int, first: bool) -> dict[str, Any]:
     except TraceError as exc:
         raise TraceError(exc.problem, position=f"line {lineno}", expected=exc.expected) from None
     return meta
-
-
-def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with open(path, "rb") as f:
-        lines = progress_bytes(f, path, "reading JSON Lines")
-        for lineno, raw in enumerate(lines, start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except RecursionError:
-                raise TraceError("JSON nested too deeply", position=f"line {lineno}",
-                                 expected="one flat record per line") from None
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                truncated = not raw.endswith(b"\n")
-                raise TraceError(
-                    f"not valid JSON ({exc})",
-                    position=f"line {lineno}",
-                    expected="one JSON object per line",
-                    hint="the file looks truncated" if truncated else None,
-                ) from None
-            if not isinstance(obj, dict):
-                raise TraceError(
-                    f"a JSON {type(obj).__name__} instead of an object",
-                    position=f"line {lineno}",
-                    expected="one JSON object per line",
-                )
-            yield lineno, obj
 
 
 def _int_field(obj: dict[str, Any], key: str, lineno: int) -> int:
@@ -265,6 +236,8 @@ def _assemble(rec: _Records, path: Path, num_experts: int | None) -> RoutingTrac
             position=f"line {line[i]}",
             expected="one phase per token",
         )
+    check_phase_order(decode[tok_first], np.flatnonzero(new_seq), lambda i: (
+        f"line {line[tok_first[i]]}, sequence {keys[by_key[tok_seq[i]]]!r}, token {tok_pos[i]}"))
     experts = np.asarray(rec.experts, dtype=np.int64)[order].reshape(len(tok_first), n_layers, -1)
     weights = None
     extra: dict[str, Any] = dict(layer_extra)

@@ -4,8 +4,10 @@
      "routes": [{"token_pos": p, "token_id": id, "phase": "prefill" | "decode",
                  "layers": {"0": {"experts": [K ids], "weights": [K floats]}, ...}}, ...]}
 
-``routes`` run over strictly increasing, consecutive token positions; every route
-has every MoE layer. See ``../shared/traces/README.md`` for a real example.
+``routes`` run over strictly increasing, consecutive token positions, prefill routes
+before decode ones; every route has every MoE layer; the counts ``meta`` declares
+(``total_tokens``, ``prompt_len``, ``generated_len``) are what the routes
+hold. See ``../shared/traces/README.md`` for a real example.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.assemble import (
+    agreed_num_experts,
+    check_counts,
     check_keys,
+    check_phase_order,
     expert_ids,
     gate_weights,
     layer_numbering,
@@ -85,6 +90,11 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
         is_decode[i] = phase == "decode"
         token_ids.append(_token_id(route, where))
         _fill_layers(_layers_of(route, i), i, where, layer_map, experts, weights)
+    check_phase_order(is_decode, np.zeros(1, np.int64),
+                      lambda i: f"route {i} (token_pos {routes[i].get('token_pos', i)})")
+    n_decode = int(is_decode.sum())
+    check_counts(meta, [("total_tokens", t, "routes"), ("prompt_len", t - n_decode,
+                        "prefill routes"), ("generated_len", n_decode, "decode routes")])
     has_ids = token_ids.count(None) == 0
     if not has_ids and token_ids.count(None) != len(token_ids):
         i = token_ids.index(None)
@@ -99,10 +109,9 @@ def read(path: Path, *, num_experts: int | None = None) -> RoutingTrace:
         experts, weights, changed = order_by_weight(experts, weights)
         if changed:
             extra["reordered_by_weight"] = changed
-    n = num_experts if num_experts is not None else meta.get("num_experts")
-    if n is not None:
-        n = meta_int({"num_experts": n}, "num_experts")
-    else:
+    declared = meta_int(meta, "num_experts") if meta.get("num_experts") is not None else None
+    n = agreed_num_experts(num_experts, declared)
+    if n is None:
         n = inferred_num_experts(experts, lambda t, layer, _: f"route {t}, layer {layer}")
         extra["num_experts_inferred"] = True
     trace = RoutingTrace(
@@ -211,12 +220,13 @@ def _layers_of(route: Any, i: int) -> dict[str, Any]:
 
 
 def _layer_key(key: str, i: int) -> int:
-    try:
-        return int(key)
-    except ValueError:
+    """A layer number written in ASCII digits: ``int`` also reads "1_0" as 10, " 1" and
+    "+1" as 1, so two spellings could name one layer."""
+    if not (key.isascii() and key.isdigit()) or len(key) > 9:
         raise TraceError(
             f"layer key {key!r}", position=f"route {i}", expected="integer layer numbers as keys"
-        ) from None
+        )
+    return int(key)
 
 
 def _entry(entry: Any, top_k: int | None, where: str) -> tuple[list[int], list[float] | None]:

@@ -252,6 +252,7 @@ def _validate_sequences(trace: RoutingTrace, fail: Any) -> None:
         fail(f"seq_starts has shape {starts.shape}", expected="a 1-D array with at least one entry")
     if not np.issubdtype(starts.dtype, np.integer):
         fail(f"seq_starts has dtype {starts.dtype}", expected="integer token positions")
+    starts = starts_as_int64(starts, fail)
     if starts[0] != 0:
         fail(f"the first sequence starts at token {int(starts[0])}", expected="0")
     steps = np.diff(starts)
@@ -285,6 +286,24 @@ def _validate_sequences(trace: RoutingTrace, fail: Any) -> None:
     if trace.token_ids is not None and t and int(np.max(trace.token_ids)) > _INT64_MAX:
         fail(f"token id {int(np.max(trace.token_ids))} does not fit int64",
              expected="ids as stored, int64")
+    if trace.token_ids is not None and t and int(np.min(trace.token_ids)) < 0:
+        tok = int(np.argmax(np.asarray(trace.token_ids) < 0))
+        fail(f"token id {int(trace.token_ids[tok])} is negative", position=f"token {tok}",
+             expected="vocabulary ids >= 0")
+
+
+def starts_as_int64(starts: np.ndarray, fail: Any) -> np.ndarray:
+    """Integer ``seq_starts`` as int64 once every value is a token position that fits
+    it, judged at the stored width: a uint64 ``2**64 - 3`` or an int8 ``-100`` cast or
+    subtracted first would wrap into plausible positions."""
+    bad = starts < 0
+    if np.issubdtype(starts.dtype, np.unsignedinteger):
+        bad = starts > _INT64_MAX
+    if bad.any():
+        i = int(np.argmax(bad))
+        fail(f"sequence {i} starts at token {int(starts[i])}", position=f"sequence {i}",
+             expected="token positions >= 0 that fit int64")
+    return starts.astype(np.int64)
 
 
 def _validate_ids(trace: RoutingTrace, fail: Any) -> None:

@@ -9,6 +9,7 @@ from typing import Literal
 import numpy as np
 
 from stmoe.errors import TraceError
+from stmoe.trace.checks import model_layer_ids
 from stmoe.trace.ranks import RANK_ORDER, all_ranked
 from stmoe.trace.schema import RoutingTrace, validate
 from stmoe.util.units import UnitError, parse_layer_range
@@ -122,6 +123,11 @@ def concat(traces: Sequence[RoutingTrace], *, drop_partial: bool = False) -> Rou
                     position=f"trace {i}",
                     expected="traces of the same model and shape",
                 )
+        a, b = model_layer_ids(first), model_layer_ids(t)
+        if a != b:  # the same count of MoE layers, but other layers of the model
+            raise TraceError(f"trace {i} has model_layer_ids {b} but trace 0 has {a}",
+                             position=f"trace {i}",
+                             expected="traces of the same model layers")
     complete = {}
     for field, label in (("weights", "gate weights"), ("token_ids", "token ids"),
                          ("lookahead", "gate lookahead"),

@@ -8,6 +8,7 @@ rules. ``writers`` writes the vLLM and SGLang layouts back. torch is imported on
 inside ``torchfile`` when a ``torch.save`` file is actually read.
 """
 
-from stmoe.trace.engines.common import EngineOptions, ImportNote
+from stmoe.trace.engines.common import ImportNote
+from stmoe.trace.engines.options import EngineOptions
 
 __all__ = ["EngineOptions", "ImportNote"]

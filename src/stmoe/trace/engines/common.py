@@ -1,4 +1,5 @@
-"""What every engine reader shares: the options a file cannot answer, and the assembly.
+"""What every engine reader shares: the assembly of its requests into one trace (the
+options a file cannot answer are parsed in ``options``).
 
 Engines hand out routing per request, over the model's *every* layer (dense ones hold a
 fill value), with the prompt length somewhere else or nowhere. Each reader turns its
@@ -12,16 +13,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from stmoe.errors import StmoeNote, TraceError
 from stmoe.trace.assemble import order_by_weight
+from stmoe.trace.engines.options import EngineOptions
 from stmoe.trace.schema import RoutingTrace, TraceMeta, inferred_num_experts, validate
 
-LAYOUTS = ("tlk", "ltk")
 _ID_MAX = int(np.iinfo(np.int16).max)  # ids are stored as int16
 
 
@@ -32,83 +33,6 @@ class ImportNote(StmoeNote):
 
 def note(message: str) -> None:
     warnings.warn(message, ImportNote, stacklevel=3)
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """What a file may not say itself (``stmoe import`` options)."""
-
-    prompt_lengths: tuple[int, ...] | None = None  # one per sequence, in file order
-    layers: int | None = None  # SGLang's flat bytes: model layers per token
-    top_k: int | None = None  # SGLang's flat bytes; transformers' router logits
-    layout: str = "tlk"  # bare arrays: tokens first (tlk) or layers first (ltk)
-    moe_layers: tuple[int, ...] | None = None  # model layers that route; others dropped
-
-    @classmethod
-    def parse(
-        cls,
-        prompt_lengths: str | Sequence[int] | None = None,
-        layers: int | None = None,
-        top_k: int | None = None,
-        layout: str | None = None,
-        moe_layers: str | Sequence[int] | None = None,
-    ) -> EngineOptions:
-        """Options as a user types them: "512,300,77" and "1-23,25"."""
-        if layout is not None and layout not in LAYOUTS:
-            raise TraceError(f"--layout {layout!r}", expected="tlk or ltk")
-        for name, value in (("--layers", layers), ("--top-k", top_k)):
-            if value is not None and not 0 < value <= 1 << 16:
-                raise TraceError(f"{name} {value}", expected="a positive integer")
-        return cls(
-            prompt_lengths=None if prompt_lengths is None
-            else int_list(prompt_lengths, "--prompt-lengths"),
-            layers=layers,
-            top_k=top_k,
-            layout=layout or "tlk",
-            moe_layers=None if moe_layers is None else layer_list(moe_layers),
-        )
-
-    def given(self) -> set[str]:
-        """The option names a user set, as typed on the command line."""
-        names = {"prompt_lengths": "--prompt-lengths", "layers": "--layers",
-                 "top_k": "--top-k", "moe_layers": "--moe-layers"}
-        out = {flag for key, flag in names.items() if getattr(self, key) is not None}
-        return out | ({"--layout"} if self.layout != "tlk" else set())
-
-
-def int_list(value: str | Sequence[int], what: str) -> tuple[int, ...]:
-    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
-    out = []
-    for i, item in enumerate(items):
-        try:
-            n = int(item)
-        except (TypeError, ValueError):
-            raise TraceError(f"{what} item {i} is {item!r}", expected="integers") from None
-        if not 0 <= n < 2**62:
-            raise TraceError(f"{what} item {i} is {n}", expected="integers >= 0")
-        out.append(n)
-    if not out:
-        raise TraceError(f"{what} is empty", expected="e.g. 512,300,77")
-    return tuple(out)
-
-
-def layer_list(value: str | Sequence[int]) -> tuple[int, ...]:
-    """``"1-23"``, ``"0,2,4-7"`` or a list of ints: sorted, distinct layer numbers."""
-    if not isinstance(value, str):
-        return tuple(sorted(set(int_list(value, "--moe-layers"))))
-    out: set[int] = set()
-    for part in value.replace(" ", "").split(","):
-        lo, dash, hi = part.partition("-")
-        try:
-            a, b = int(lo), int(hi) if dash else int(lo)
-        except ValueError:
-            raise TraceError(f"--moe-layers part {part!r}",
-                             expected="layer numbers and ranges, e.g. 1-23 or 0,2,4-7"
-                             ) from None
-        if not 0 <= a <= b < 1 << 16:
-            raise TraceError(f"--moe-layers part {part!r}", expected="ranges low-high, >= 0")
-        out.update(range(a, b + 1))
-    return tuple(sorted(out))
 
 
 @dataclass
@@ -155,17 +79,6 @@ def checked_ids(arr: np.ndarray, num_experts: int | None, where: str) -> np.ndar
                          expected=f"0..{hi}, or -1 for an empty slot (read as stored, "
                          f"{arr.dtype})")
     return arr.astype(np.int32)
-
-
-def written_moe_layers(opts: EngineOptions, value: Any, where: str) -> EngineOptions:
-    """``opts`` with the MoE layers a ``stmoe export`` file names (``stmoe_moe_layers``)
-    when the user gave none: such a file says which layers route, no guess is needed."""
-    if value is None or opts.moe_layers is not None:
-        return opts
-    if not isinstance(value, list) or not value:
-        raise TraceError(f"'stmoe_moe_layers' is {value!r}", position=where,
-                         expected="a list of model layer numbers")
-    return replace(opts, moe_layers=layer_list(value))
 
 
 def note_missing_prompts(requests: Sequence[SequenceRouting], opts: EngineOptions) -> None:
@@ -282,15 +195,21 @@ def _prompt_lengths(requests: Sequence[SequenceRouting],
                              position=r.where or f"sequence {i}",
                              expected="the file's own prompt length")
         prompt = r.prompt_len if opt is None else opt
-        if prompt is not None and prompt > r.start + len(r.experts):
-            raise TraceError(f"a prompt of {prompt} tokens but only {r.start + len(r.experts)} "
-                             "routed tokens", position=r.where or f"sequence {i}",
-                             expected="a prompt length of at most the routed tokens (an "
-                             "engine routes prompt + generated - 1)",
-                             hint="the routing looks truncated, or the prompt length is "
-                             "another request's")
+        if prompt is not None:
+            check_prompt(prompt, r.start + len(r.experts), r.where or f"sequence {i}")
         out.append(prompt)
     return out
+
+
+def check_prompt(prompt: int, routed: int, where: str) -> None:
+    """A prompt never holds more tokens than its request routed (prompt + generated - 1):
+    a longer one is another request's, or the routing was cut."""
+    if prompt > routed:
+        raise TraceError(f"a prompt of {prompt} tokens but only {routed} routed tokens",
+                         position=where, expected="a prompt length of at most the routed "
+                         "tokens (an engine routes prompt + generated - 1)",
+                         hint="the routing looks truncated, or the prompt length is "
+                         "another request's")
 
 
 def _moe_layers(experts: np.ndarray, chosen: tuple[int, ...] | None) -> tuple[list[int], dict]:

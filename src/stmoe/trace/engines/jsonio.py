@@ -1,4 +1,5 @@
-"""Reading engines' JSON responses: the document, base64 fields and integer fields.
+"""Reading JSON: engines' responses (the document, base64 fields and integer fields) and
+JSON Lines files, one checked object per line.
 
 Serving engines answer HTTP requests with JSON whose routing is base64 (vLLM: the
 bytes of a ``.npy`` file; SGLang: raw little-endian ids). These helpers turn each
@@ -10,10 +11,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from stmoe.errors import TraceError
+from stmoe.util.progress import progress_bytes
 
 
 def load_json(path: Path, what: str = "an engine's response") -> Any:
@@ -33,6 +36,36 @@ def load_json(path: Path, what: str = "an engine's response") -> Any:
                          expected=f"{what}, complete",
                          hint="the file looks truncated" if truncated else None
                          ) from None
+
+
+def json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """A JSON Lines file's objects with their line numbers (blank lines skipped); one
+    clear error for a line that is not a JSON object."""
+    with open(path, "rb") as f:
+        lines = progress_bytes(f, path, "reading JSON Lines")
+        for lineno, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except RecursionError:
+                raise TraceError("JSON nested too deeply", position=f"line {lineno}",
+                                 expected="one flat record per line") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                truncated = not raw.endswith(b"\n")
+                raise TraceError(
+                    f"not valid JSON ({exc})",
+                    position=f"line {lineno}",
+                    expected="one JSON object per line",
+                    hint="the file looks truncated" if truncated else None,
+                ) from None
+            if not isinstance(obj, dict):
+                raise TraceError(
+                    f"a JSON {type(obj).__name__} instead of an object",
+                    position=f"line {lineno}",
+                    expected="one JSON object per line",
+                )
+            yield lineno, obj
 
 
 def b64_bytes(value: Any, where: str) -> bytes:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from stmoe.errors import TraceError
-from stmoe.trace.assemble import layer_numbering
+from stmoe.trace.assemble import agreed_num_experts, layer_numbering
 from stmoe.trace.engines.common import EngineOptions, SequenceRouting, assemble, check_size
 
 MAGIC = b"MOEDROPT"
@@ -55,13 +55,13 @@ def read_binary(path: Path, opts: EngineOptions, num_experts: int | None):
         w = np.frombuffer(buf, "<f4", cells, off).reshape(rows, ne)
         m = np.frombuffer(buf, np.uint8, cells, off + cells * 4).reshape(rows, ne)
         off += cells * 5 + ne
-        records.append((seq, layer, w, m))
+        records.append(_checked((seq, layer, w, m), where))
     if off != len(buf):
         raise TraceError(f"{len(buf) - off} bytes after the last record", position="end",
                          expected=f"exactly {nrec} records")
     meta = {"source": f"imported from {path.name} (MoE-Infinity expert-drop trace v{version})",
             "file": str(path)}
-    return _trace(records, opts, num_experts or ne, meta)
+    return _trace(records, opts, agreed_num_experts(num_experts, ne), meta)
 
 
 def read_npz(arrays: dict[str, np.ndarray], path: Path, opts: EngineOptions,
@@ -73,7 +73,12 @@ def read_npz(arrays: dict[str, np.ndarray], path: Path, opts: EngineOptions,
         raise TraceError(f"weights {w.shape}, mask {m.shape}, layer {layer.shape}, "
                          f"seq {seq.shape}",
                          expected="weights and mask [R, E], layer and seq [R]")
-    records = [(int(seq[i]), int(layer[i]), w[i : i + 1], m[i : i + 1]) for i in range(n)]
+    for name, arr in (("layer", layer), ("seq", seq)):
+        if not np.issubdtype(arr.dtype, np.integer):  # int() would truncate 1.7 to layer 1
+            raise TraceError(f"member {name!r} has dtype {arr.dtype}",
+                             expected="integer layer numbers and sequence counters")
+    records = [_checked((int(seq[i]), int(layer[i]), w[i : i + 1], m[i : i + 1]), f"record {i}")
+               for i in range(n)]
     ne = w.shape[1]
     if "num_experts" in arrays:
         declared = np.asarray(arrays["num_experts"])
@@ -83,7 +88,28 @@ def read_npz(arrays: dict[str, np.ndarray], path: Path, opts: EngineOptions,
         ne = int(declared)
     meta = {"source": f"imported from {path.name} (MoE-Infinity expert-drop trace)",
             "file": str(path)}
-    return _trace(records, opts, num_experts or ne, meta)
+    return _trace(records, opts, agreed_num_experts(num_experts, ne), meta)
+
+
+def _checked(record: Record, where: str) -> Record:
+    """A record whose mask is 0/1 bytes and whose routed experts have finite weights: a
+    NaN or -inf weight would sort its expert out of the routing, a mask byte of 200 be
+    counted as 200 routed experts."""
+    _, layer, w, m = record
+    bad = (m != 0) & (m != 1)
+    if bad.any():
+        row, e = (int(i) for i in np.argwhere(bad)[0])
+        raise TraceError(f"mask byte {m[row, e].item()!r} for expert {e}",
+                         position=f"{where} (layer {layer}), row {row}",
+                         expected="0 or 1, whether the expert is routed")
+    with np.errstate(invalid="ignore"):
+        bad = (m == 1) & ~np.isfinite(w)
+    if bad.any():
+        row, e = (int(i) for i in np.argwhere(bad)[0])
+        raise TraceError(f"gate weight {float(w[row, e])} on routed expert {e}",
+                         position=f"{where} (layer {layer}), row {row}",
+                         expected="a finite gate weight for every expert the mask routes")
+    return record
 
 
 def _trace(records: list[Record], opts: EngineOptions, num_experts: int, meta: dict):

@@ -25,15 +25,16 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
+from stmoe.trace.assemble import short_repr
 from stmoe.trace.engines.common import (
     EngineOptions,
     SequenceRouting,
     assemble,
     checked_ids,
     note_missing_prompts,
-    written_moe_layers,
 )
 from stmoe.trace.engines.jsonio import b64_bytes, load_json, opt_int
+from stmoe.trace.engines.options import written_moe_layers
 
 _DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64")
 EXTEND, DECODE, MIXED, IDLE = 1, 2, 3, 4  # ForwardMode values the recorder stores
@@ -43,13 +44,16 @@ def read_generate(path: Path, opts: EngineOptions, num_experts: int | None):
     """A ``/generate`` response (object) or a batch's (list): one sequence per response."""
     doc = load_json(path)
     responses = doc if isinstance(doc, list) else [doc]
+    if not responses:
+        raise TraceError("the batch is an empty list", expected="a /generate response, or a "
+                         "list of one or more")
     requests = [_response(r, i, opts, num_experts) for i, r in enumerate(responses)]
     note_missing_prompts(requests, opts)
-    first = responses[0].get("meta_info") if isinstance(responses[0], dict) else None
-    opts = written_moe_layers(opts, first.get("stmoe_moe_layers") if isinstance(first, dict)
-                              else None, "response 0")
+    infos = [r["meta_info"] for r in responses]  # each checked a dict by _response
+    opts = written_moe_layers(opts, [(f"response {i}", info.get("stmoe_moe_layers"))
+                                     for i, info in enumerate(infos)], requests)
     meta = {"source": f"imported from {path.name} (SGLang response)", "file": str(path)}
-    if isinstance(first, dict) and first.get("stmoe_rank_order") is False:
+    if infos[0].get("stmoe_rank_order") is False:
         meta["rank_order"] = False  # stmoe's export of a trace whose rows are sets
     return assemble(requests, opts, num_experts, meta)
 
@@ -78,6 +82,10 @@ def _response(resp: Any, i: int, opts: EngineOptions, num_experts: int | None) -
     prompt = opt_int(info, "prompt_tokens", where)
     completion = opt_int(info, "completion_tokens", where)
     end = prompt + completion - 1 if prompt is not None and completion is not None else None
+    if end is not None and end < 0:
+        raise TraceError("prompt_tokens and completion_tokens are both 0", position=where,
+                         expected="a request of at least one token: it routes prompt + "
+                         "completion - 1 of them")
     layers, top_k = _shape(n, end, opts, where)
     rows = n // (layers * top_k)
     if rows * layers * top_k != n:
@@ -133,8 +141,8 @@ def read_recorder(dumps: list[tuple[Path, dict]], opts: EngineOptions,
         try:
             records, mapping = _checked(dump)
             fingerprint = hash(tuple(
-                (r.get("forward_pass_id"), tuple(r.get("positions") or ()),
-                 tuple(r.get("input_ids") or ())) for r in records
+                (r["forward_pass_id"], tuple(r["positions"]), tuple(r["input_ids"]))
+                for r in records
             ))
             if fingerprint in seen:
                 continue
@@ -152,6 +160,7 @@ def _checked(dump: dict) -> tuple[list[dict], np.ndarray]:
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise TraceError("'records' is not a list of forward passes",
                          expected="the per_token recorder's dump")
+    records = [_record(r, i) for i, r in enumerate(records)]
     mapping = dump.get("last_physical_to_logical_map")
     if mapping is None:
         raise TraceError("the dump has no 'last_physical_to_logical_map'",
@@ -165,8 +174,37 @@ def _checked(dump: dict) -> tuple[list[dict], np.ndarray]:
     return records, checked_ids(mapping, None, "last_physical_to_logical_map")
 
 
+def _record(rec: dict, i: int) -> dict:
+    """One forward pass with its id, tokens, positions and lengths checked and made plain
+    (ints; lists of ints >= 0) before anything sorts, iterates or adds them."""
+    where = f"record {i}"
+    fid = rec.get("forward_pass_id")
+    if isinstance(fid, np.ndarray) and fid.ndim == 0:
+        fid = fid.item()
+    if fid is not None and (not isinstance(fid, int | np.integer) or isinstance(fid, bool)):
+        raise TraceError(f"'forward_pass_id' is {short_repr(fid)}", position=where,
+                         expected="an integer, the pass's number")
+    out = dict(rec, forward_pass_id=int(fid or 0))
+    for key in ("input_ids", "positions", "extend_seq_lens"):
+        out[key] = _ints(rec.get(key), key, f"{where} (forward pass {out['forward_pass_id']})")
+    return out
+
+
+def _ints(value: Any, key: str, where: str) -> list[int]:
+    """A record's list (or 1-D tensor) of integers >= 0; None is an empty list."""
+    if value is None:
+        return []
+    items = value.tolist() if isinstance(value, np.ndarray) and value.ndim == 1 else value
+    if not isinstance(items, list | tuple) or not all(
+            isinstance(v, int | np.integer) and not isinstance(v, bool) and 0 <= v < 2**62
+            for v in items):
+        raise TraceError(f"{key!r} is {short_repr(value)}", position=where,
+                         expected="a list of integers >= 0")
+    return [int(v) for v in items]
+
+
 def _rebuild(records: list[dict], mapping: np.ndarray) -> list[SequenceRouting]:
-    order = sorted(range(len(records)), key=lambda i: (records[i].get("forward_pass_id") or 0, i))
+    order = sorted(range(len(records)), key=lambda i: (records[i]["forward_pass_id"], i))
     reqs: list[_Open] = []
     for i in order:
         rec = records[i]
@@ -177,21 +215,21 @@ def _rebuild(records: list[dict], mapping: np.ndarray) -> list[SequenceRouting]:
         if mode not in (EXTEND, DECODE, MIXED):
             raise TraceError(f"forward_mode is {mode!r}", position=where,
                              expected="1 extend, 2 decode, 3 mixed or 4 idle")
-        ids, pos = list(rec["input_ids"]), list(rec.get("positions") or [])
+        ids, pos = rec["input_ids"], rec["positions"]
         tokens = _logical(rec.get("topk_ids_of_layer"), mapping, len(ids), where)
         if len(pos) != len(ids):
             raise TraceError(f"{len(pos)} positions for {len(ids)} tokens", position=where,
                              expected="one position per token")
-        lens = [1] * len(ids) if mode == DECODE else list(rec.get("extend_seq_lens") or [])
-        if sum(lens) != len(ids):
-            raise TraceError(f"extend_seq_lens sum to {sum(lens)} for {len(ids)} tokens",
-                             position=where,
-                             expected="one length per request in the pass")
+        lens = [1] * len(ids) if mode == DECODE else rec["extend_seq_lens"]
+        if sum(lens) != len(ids) or 0 in lens:
+            raise TraceError(f"extend_seq_lens {short_repr(lens)} sum to {sum(lens)} for "
+                             f"{len(ids)} tokens", position=where,
+                             expected="one length >= 1 per request in the pass")
         used: set[int] = set()
         a = 0
         for n in lens:
-            p0 = int(pos[a])
-            if [int(p) for p in pos[a : a + n]] != list(range(p0, p0 + n)):
+            p0 = pos[a]
+            if pos[a : a + n] != list(range(p0, p0 + n)):
                 raise TraceError(f"positions {pos[a:a + n]} of one request are not consecutive",
                                  position=where, expected="positions p, p+1, ...")
             j = next((j for j, r in enumerate(reqs) if r.last == p0 - 1 and j not in used), None)
@@ -203,7 +241,7 @@ def _rebuild(records: list[dict], mapping: np.ndarray) -> list[SequenceRouting]:
             if decode and r.first_decode is None:
                 r.first_decode = p0
             r.rows.append(tokens[a : a + n])
-            r.ids += [int(x) for x in ids[a : a + n]]
+            r.ids += ids[a : a + n]
             r.last = p0 + n - 1
             used.add(j)
             a += n

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
+from stmoe.trace.assemble import agreed_num_experts
 from stmoe.trace.engines import sglang
 from stmoe.trace.engines.common import EngineOptions, SequenceRouting, assemble, refuse_counts
 from stmoe.trace.schema import RoutingTrace
@@ -141,4 +142,4 @@ def _router_logits(logits: list, path: Path, opts: EngineOptions,
     no_prompt = EngineOptions(moe_layers=opts.moe_layers)  # the lengths cut padding here
     meta = {"source": f"imported from {path.name} (transformers router logits)",
             "file": str(path)}
-    return assemble(requests, no_prompt, num_experts or n_exp, meta)
+    return assemble(requests, no_prompt, agreed_num_experts(num_experts, n_exp), meta)

@@ -1,4 +1,5 @@
-"""vLLM's routing: the OpenAI server's completions response, and published routing profiles.
+"""vLLM's routing: the OpenAI server's completions response (published routing profiles
+are read in ``vllm_profile``).
 
 With ``enable_return_routed_experts`` vLLM returns, per request, an int array
 ``[prompt + generated - 1, num_hidden_layers, top_k]`` (rows are token positions;
@@ -7,23 +8,16 @@ the last sampled token never ran through the model). Offline,
 ``.npy``, read by ``arrays.read_npy``); the OpenAI server puts it in
 ``choices[].routed_experts`` as base64 of ``.npy`` bytes. Dense layers hold the
 buffer's fill (0, or -1 in newer versions); ``common`` drops them.
-
-Routing profiles published from vLLM runs are JSON Lines, one record per token and
-layer: ``problem_id``, ``layer``, ``token_pos`` (or ``token_idx``: the index inside
-the forward batch, 0..P-1 in prefill and 0 for every decode step), ``experts`` and
-``gating_probs``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from stmoe.errors import TraceError
-from stmoe.trace.assemble import expert_ids, gate_weights, layer_numbering
 from stmoe.trace.engines.common import (
     EngineOptions,
     SequenceRouting,
@@ -31,12 +25,11 @@ from stmoe.trace.engines.common import (
     checked_ids,
     note,
     note_missing_prompts,
-    written_moe_layers,
 )
 from stmoe.trace.engines.jsonio import b64_bytes, id_list, load_json, opt_int
+from stmoe.trace.engines.options import written_moe_layers
 from stmoe.trace.npfiles import load_npy_bytes, short
 from stmoe.trace.schema import RoutingTrace
-from stmoe.util.progress import progress_bytes
 
 
 def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> RoutingTrace:
@@ -74,7 +67,7 @@ def read_response(path: Path, opts: EngineOptions, num_experts: int | None) -> R
                  "the generated token_ids)")
         requests.append(SequenceRouting(experts, prompt, token_ids=tokens, where=where))
     note_missing_prompts(requests, opts)
-    opts = written_moe_layers(opts, doc.get("stmoe_moe_layers"), "response")
+    opts = written_moe_layers(opts, [("response", doc.get("stmoe_moe_layers"))], requests)
     meta = {"source": f"imported from {path.name} (vLLM response)", "file": str(path),
             "model": doc.get("model", "unknown"), "rank_order": False}  # CPU: topk unsorted
     return assemble(requests, opts, num_experts, meta)
@@ -127,82 +120,3 @@ def _routed(value: Any, where: str, num_experts: int | None) -> np.ndarray:
                          position=f"{where}.routed_experts",
                          expected="integer [tokens - 1, layers, top_k]")
     return checked_ids(arr, num_experts, f"{where}.routed_experts")
-
-
-_PROFILE_FIELDS = ("problem_id", "layer", "experts")
-
-
-def read_profile(path: Path, opts: EngineOptions, num_experts: int | None) -> RoutingTrace:
-    """Routing-profile JSON Lines: tokens rebuilt per (problem, layer) in file order."""
-    rows: dict[Any, dict[int, list[tuple[int, list[int], list[float] | None, int]]]] = {}
-    for lineno, rec in _lines(path):
-        where = f"line {lineno}"
-        missing = [k for k in _PROFILE_FIELDS if k not in rec]
-        pos = rec.get("token_pos", rec.get("token_idx"))
-        if missing or pos is None:
-            raise TraceError(f"the record lacks {', '.join(missing) or 'token_pos'}",
-                             position=where,
-                             expected="problem_id, layer, token_pos (or token_idx), "
-                             "experts")
-        layer, pos = opt_int(rec, "layer", where), opt_int({"p": pos}, "p", where)
-        ids = expert_ids(rec["experts"], where)
-        probs = rec.get("gating_probs")
-        w = None if probs is None else gate_weights(probs, len(ids), where)
-        key = rec["problem_id"]
-        if not isinstance(key, int | str) or isinstance(key, bool):
-            raise TraceError(f"'problem_id' is {key!r}", position=where,
-                             expected="an integer or string id")
-        rows.setdefault(key, {}).setdefault(int(layer or 0), []).append((pos, ids, w, lineno))
-    if not rows:
-        raise TraceError("the file holds no records", expected="routing-profile records")
-    all_layers = sorted({layer for per in rows.values() for layer in per})
-    mapping, layer_extra = layer_numbering(all_layers)
-    requests = [_profile_request(key, per, mapping, layer_extra) for key, per in rows.items()]
-    meta = {"source": f"imported from {path.name} (vLLM routing profile)", "file": str(path)}
-    return assemble(requests, opts, num_experts, meta)
-
-
-def _profile_request(key: Any, per: dict, mapping: dict[int, int], extra: dict) -> SequenceRouting:
-    counts = {layer: len(recs) for layer, recs in per.items()}
-    first = min(per)
-    bad = next((layer for layer in mapping if counts.get(layer, 0) != counts[first]), None)
-    if bad is not None:
-        raise TraceError(f"problem {key!r} has {counts.get(bad, 0)} records for layer {bad} "
-                         f"but {counts[first]} for layer {first}",
-                         position=f"line {per[first][0][3]}",
-                         expected="one record per token for every layer")
-    n, k = counts[first], len(per[first][0][1])
-    experts = np.full((n, len(mapping), k), -1, dtype=np.int32)
-    has_w = all(r[2] is not None for recs in per.values() for r in recs)
-    weights = np.zeros(experts.shape, np.float32) if has_w else None
-    for layer, recs in per.items():
-        for t, (_, ids, w, lineno) in enumerate(recs):
-            if len(ids) != k:
-                raise TraceError(f"{len(ids)} experts here but {k} elsewhere",
-                                 position=f"line {lineno}", expected=f"K={k} experts")
-            experts[t, mapping[layer]] = ids
-            if weights is not None:
-                weights[t, mapping[layer]] = w
-    # The prefill pass numbers its tokens 0..P-1; every decode step restarts at 0.
-    positions = [r[0] for r in per[first]]
-    prompt = next((i for i, p in enumerate(positions) if p != i), len(positions))
-    return SequenceRouting(experts, prompt, weights=weights, where=f"problem {key!r}",
-                           extra=dict(extra))
-
-
-def _lines(path: Path):
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(progress_bytes(f, path, "reading JSON Lines"), start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-                raise TraceError(f"not valid JSON ({exc})", position=f"line {lineno}",
-                                 expected="one JSON object per line",
-                                 hint=None if raw.endswith(b"\n")
-                                 else "the file looks truncated") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"a JSON {type(obj).__name__}", position=f"line {lineno}",
-                                 expected="one JSON object per line")
-            yield lineno, obj

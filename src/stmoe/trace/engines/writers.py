@@ -26,20 +26,16 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
+from stmoe.trace.checks import model_layer_ids
 from stmoe.trace.ranks import is_ranked
 from stmoe.trace.schema import RoutingTrace
 from stmoe.util.fileio import atomic_write_text
 
 
-def _layer_ids(trace: RoutingTrace) -> list[int]:
-    """The model's number of each MoE layer (validated: increasing, one per layer)."""
-    return [int(i) for i in trace.meta.extra.get("model_layer_ids") or range(trace.num_layers)]
-
-
 def _requests(trace: RoutingTrace) -> list[dict[str, Any]]:
     """Per sequence: the routing over the model's layers (dense ones, known from
     ``model_layer_ids``, hold -1 as an engine's buffer does), prompt length, token ids."""
-    layer_ids = _layer_ids(trace)
+    layer_ids = model_layer_ids(trace)
     out = []
     for s, sl in trace.sequences():
         experts = np.full((sl.stop - sl.start, max(layer_ids) + 1, trace.top_k), -1, np.int32)
@@ -79,7 +75,7 @@ def export_vllm(trace: RoutingTrace, path: str | Path) -> Path:
         prompt_total += req["prompt"]
         gen_total += gen
     doc = {"id": "cmpl-stmoe-export", "object": "text_completion", "model": trace.meta.model,
-           "choices": choices, "stmoe_moe_layers": _layer_ids(trace),
+           "choices": choices, "stmoe_moe_layers": model_layer_ids(trace),
            "usage": {"prompt_tokens": prompt_total, "completion_tokens": gen_total,
                      "total_tokens": prompt_total + gen_total}}
     return _write(doc, path)
@@ -95,7 +91,7 @@ def export_sglang(trace: RoutingTrace, path: str | Path) -> Path:
             "id": f"stmoe-export-{i}", "prompt_tokens": req["prompt"], "completion_tokens": gen,
             "finish_reason": {"type": "length", "length": gen},
             "routed_experts": base64.b64encode(raw).decode("ascii"),
-            "routed_experts_dtype": "int32", "stmoe_moe_layers": _layer_ids(trace),
+            "routed_experts_dtype": "int32", "stmoe_moe_layers": model_layer_ids(trace),
             **({} if is_ranked(trace) else {"stmoe_rank_order": False})}})
     return _write(docs[0] if len(docs) == 1 else docs, path)
 
