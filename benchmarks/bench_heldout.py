@@ -155,7 +155,7 @@ def judge(config: str, runs: dict[str, list[dict[str, Any]]],
     for name, v in targets.items():
         print(f"  {v:11} {name}")
     for s in [s for s in runs if s not in SYSTEMS]:  # an A/B run beside (--also)
-        base = s.removesuffix("-all").removesuffix("-score")
+        base = s.removesuffix("-all").removesuffix("-score").removesuffix("-split")
         if base in runs:
             ab = [speed[base][i] / speed[s][i] for i in range(n)]
             print(f"  {base} / {s}: {spread(ab)}x per round")
@@ -193,7 +193,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write every run's figures here")
     ap.add_argument("--also", default="", help="comma-separated systems of "
                     "bench_offload_real.py run beside, e.g. stmoe-plus-all (admission off: "
-                    "every predicted load) or stmoe-plus-score (score eviction); each one's "
+                    "every predicted load), stmoe-plus-score (score eviction) or stmoe-plus-split "
+                    "(each layer's cache sized from the other prompts' curves); each one's "
                     "base system / it is printed")
     a = ap.parse_args()
     a.also = [s for s in a.also.split(",") if s]

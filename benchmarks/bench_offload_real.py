@@ -83,6 +83,9 @@ SYSTEMS = {  # name: (predictor, cache policy)
     "stmoe-plus-2k": ("stmoe-plus", "lru"),  # 2K experts per prediction: more recall, more loads
     "oracle": ("oracle", "lru"),
     "stmoe-plus-score": ("stmoe-plus", "score"),  # victims: what stmoe-plus scores lowest
+    # each layer's cache sized by held-out curves of --profile-on's prompts, the same total
+    # (stmoe.evaluate.layer_capacity; the split printed)
+    "stmoe-plus-split": ("stmoe-plus", "lru"),
     # admission off (every predicted load made, the runtime before issue 27): the A/B
     "stmoe-all": ("stmoe", "lru"),
     "stmoe-plus-all": ("stmoe-plus", "lru"),
@@ -163,6 +166,27 @@ def replay_plan(args: argparse.Namespace, config: Any) -> Any:
                         config.vocab_size)
 
 
+def split_for(args: argparse.Namespace, tables: Any) -> list[int]:
+    """stmoe-plus-split's capacities: ``--capacity`` per layer split by the curves of the
+    --profile-on prompts, each replayed with tables of the others (HELD-OUT, as the tables)."""
+    from stmoe.evaluate.layer_capacity import size_split
+    from stmoe.evaluate.systems import PLUS_SET_SIZE_IN_K
+    from stmoe.trace import concat, load_trace
+    from stmoe.util.units import capacity_per_layer
+
+    if not args.profile_on or len(args.profile_on.split(",")) < 2:
+        raise SystemExit("stmoe-plus-split sizes its split from 2 or more --profile-on traces")
+    routing = concat([select_layers(load_trace(p), args.cut)
+                      for p in args.profile_on.split(",")])
+    uniform = capacity_per_layer(args.capacity, routing.num_experts, routing.top_k,
+                                 forms=("count", "share"))
+    split = size_split(routing, uniform, "stmoe-plus", "lru", options={
+        "set_size": PLUS_SET_SIZE_IN_K * tables.shape.top_k})
+    print(f"stmoe-plus-split: {','.join(map(str, split.capacities))} (uniform {uniform})",
+          file=sys.stderr, flush=True)
+    return list(split.capacities)
+
+
 def compared(predictor: str, tables: Path) -> tuple[Any, Path | None]:
     """(what ``offload(predictor=...)`` takes for a compared system, the ``tables`` it takes
     beside it: None where the predictor is an object holding them or needs none)."""
@@ -191,6 +215,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         pred = make("stmoe-plus", loaded.shape, loaded, set_size=2.0 * loaded.shape.top_k)
     link = {"bandwidth": args.bandwidth} if args.tier == "emulated" else {}
     capacity = "100%" if args.one == "all-cached" else args.capacity
+    if args.one == "stmoe-plus-split":
+        capacity = split_for(args, load_tables(tables))
     started = time.perf_counter()
     with offload(model, store, capacity=capacity, predictor=pred, tables=takes, policy=policy,
                  tier=args.tier, admission=not args.one.endswith("-all"), **link) as om:

@@ -72,3 +72,26 @@ def test_bad_capacities_are_refused_in_one_line(replayed):
         allocate(np.zeros((3, 2)), [2, 4], total=5)
     with pytest.raises(PredictorError, match="distinct increasing"):
         allocate(np.zeros((3, 2)), [4, 2], total=12)
+
+
+def test_cross_fitted_curves_replay_each_part_with_tables_of_the_others():
+    from stmoe.evaluate.layer_capacity import cross_fitted_hits, size_split
+    from stmoe.trace.select import select_sequences
+
+    trace = stmoe.synthesize(tokens=90, layers=3, experts=16, top_k=2, sequences=3, seed=4)
+    grid = [2, 4, 8, 16]
+    hits, _, parts = cross_fitted_hits(trace, "stmoe-plus", "lru", grid, folds=5,
+                                       options={"set_size": 3})
+    assert parts == 3  # no more parts than sequences
+    want = np.zeros_like(hits)
+    for i in range(3):  # sequence i replayed with tables of the two others
+        held = select_sequences(trace, [i])
+        rest = select_sequences(trace, [j for j in range(3) if j != i])
+        plan = make("stmoe-plus", ModelShape.of(trace), profile([rest]), set_size=3).plan(held)
+        want += layer_hits(held, plan, grid, "lru", np.asarray(held.is_decode) |
+                           ~np.asarray(held.is_decode).any())[0]
+    assert np.array_equal(hits, want)
+    split = size_split(trace, 4, folds=5, options={"set_size": 3})
+    assert sum(split.capacities) == 12 and split.folds == 3
+    with pytest.raises(PredictorError, match="at least 2 sequences"):
+        cross_fitted_hits(select_sequences(trace, [0]), "stmoe-plus", "lru", grid)

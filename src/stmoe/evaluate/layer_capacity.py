@@ -14,8 +14,9 @@ measures them cross-fitted and judges the split held out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -111,9 +112,11 @@ class Split:
 
 def cross_fitted_hits(trace: RoutingTrace, predictor: str, policy: str, grid: Sequence[int],
                       folds: int = 5,
-                      progress: Callable[[int, int], None] | None = None
+                      progress: Callable[[int, int], None] | None = None,
+                      options: Mapping[str, Any] | None = None
                       ) -> tuple[np.ndarray, np.ndarray, int]:
-    """``layer_hits`` of ``predictor`` (its prefetches, cache ``policy``) with each of
+    """``layer_hits`` of ``predictor`` (made with ``options``; its prefetches, cache
+    ``policy``) with each of
     ``folds`` parts of the sequences replayed with tables profiled on the others (held
     out: why, the module docstring); summed over the parts, and how many parts there were.
     ``progress(done, of)`` after each part."""
@@ -128,7 +131,7 @@ def cross_fitted_hits(trace: RoutingTrace, predictor: str, policy: str, grid: Se
     for part in range(parts):
         held = select_sequences(trace, [i for i in range(n) if i % parts == part])
         rest = select_sequences(trace, [i for i in range(n) if i % parts != part])
-        p = make(predictor, shape, profile(rest))
+        p = make(predictor, shape, profile(rest), **(options or {}))
         scored = policy == "score" and p.scores_experts
         plan, scores = p.scored_plan(held) if scored else (p.plan(held), None)
         h, d = layer_hits(held, plan, grid, policy if scored or policy != "score" else "lru",
@@ -141,13 +144,15 @@ def cross_fitted_hits(trace: RoutingTrace, predictor: str, policy: str, grid: Se
 
 def size_split(trace: RoutingTrace, uniform: int, predictor: str = "stmoe-plus",
                policy: str = "lru", folds: int = 5,
-               progress: Callable[[int, int], None] | None = None) -> Split:
+               progress: Callable[[int, int], None] | None = None,
+               options: Mapping[str, Any] | None = None) -> Split:
     """The split of ``uniform`` slots a layer (the same total) that ``allocate`` picks from
     ``trace``'s cross-fitted curves (``cross_fitted_hits``)."""
     grid = default_grid(trace.num_experts, trace.top_k)
     if uniform not in grid:
         grid = sorted({*grid, uniform})
-    hits, demanded, parts = cross_fitted_hits(trace, predictor, policy, grid, folds, progress)
+    hits, demanded, parts = cross_fitted_hits(trace, predictor, policy, grid, folds, progress,
+                                              options)
     caps = allocate(hits, grid, uniform * trace.num_layers, trace.num_experts)
     # the split's own points may lie between the grid's: its hits read at the point below
     at = [max(i for i, c in enumerate(grid) if c <= cap) for cap in caps]
