@@ -86,6 +86,7 @@ SYSTEMS = {  # name: (predictor, cache policy)
     # each layer's cache sized by held-out curves of --profile-on's prompts, the same total
     # (stmoe.evaluate.layer_capacity; the split printed)
     "stmoe-plus-split": ("stmoe-plus", "lru"),
+    "stmoe-plus-split-all": ("stmoe-plus", "lru"),  # the same, admission off
     # admission off (every predicted load made, the runtime before issue 27): the A/B
     "stmoe-all": ("stmoe", "lru"),
     "stmoe-plus-all": ("stmoe-plus", "lru"),
@@ -215,7 +216,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         pred = make("stmoe-plus", loaded.shape, loaded, set_size=2.0 * loaded.shape.top_k)
     link = {"bandwidth": args.bandwidth} if args.tier == "emulated" else {}
     capacity = "100%" if args.one == "all-cached" else args.capacity
-    if args.one == "stmoe-plus-split":
+    if args.one.startswith("stmoe-plus-split"):
         capacity = split_for(args, load_tables(tables))
     started = time.perf_counter()
     with offload(model, store, capacity=capacity, predictor=pred, tables=takes, policy=policy,
