@@ -134,14 +134,19 @@ def tables_for(args: argparse.Namespace) -> Path:
     tag += "" if args.cut == str(args.layers) else f"-cut{args.cut.replace(':', '-')}"
     tables = bench_dir() / f"{args.like}-L{args.layers}{tag}.tables.npz"
     if not tables.is_file():
-        from stmoe.trace import concat
-
         if args.split_at:
             routing = split_routing(args, select_layers(load_trace(trace), args.cut))[0]
         else:
-            routing = concat([select_layers(load_trace(p), args.cut) for p in sources])
+            routing = cut_routing(sources, args.cut)
         save_tables(profile(routing), tables)
     return tables
+
+
+def cut_routing(paths: list[Path], cut: str) -> Any:
+    """The traces at ``paths``, their layers ``cut`` as the replay's, as one trace."""
+    from stmoe.trace import concat, load_trace
+
+    return concat([select_layers(load_trace(p), cut) for p in paths])
 
 
 def split_routing(args: argparse.Namespace, trace: Any) -> tuple[Any, Any]:
@@ -168,23 +173,20 @@ def replay_plan(args: argparse.Namespace, config: Any) -> Any:
 
 
 def split_for(args: argparse.Namespace, tables: Any) -> list[int]:
-    """stmoe-plus-split's capacities: ``--capacity`` per layer split by the curves of the
-    --profile-on prompts, each replayed with tables of the others (HELD-OUT, as the tables)."""
+    """stmoe-plus-split's capacities (each run's JSON records them): ``--capacity`` per
+    layer split by the curves of the --profile-on prompts, each replayed with tables of the
+    others (HELD-OUT, as the tables)."""
     from stmoe.evaluate.layer_capacity import size_split
     from stmoe.evaluate.systems import PLUS_SET_SIZE_IN_K
-    from stmoe.trace import concat, load_trace
     from stmoe.util.units import capacity_per_layer
 
     if not args.profile_on or len(args.profile_on.split(",")) < 2:
         raise SystemExit("stmoe-plus-split sizes its split from 2 or more --profile-on traces")
-    routing = concat([select_layers(load_trace(p), args.cut)
-                      for p in args.profile_on.split(",")])
+    routing = cut_routing([Path(p) for p in args.profile_on.split(",")], args.cut)
     uniform = capacity_per_layer(args.capacity, routing.num_experts, routing.top_k,
                                  forms=("count", "share"))
     split = size_split(routing, uniform, "stmoe-plus", "lru", options={
         "set_size": PLUS_SET_SIZE_IN_K * tables.shape.top_k})
-    print(f"stmoe-plus-split: {','.join(map(str, split.capacities))} (uniform {uniform})",
-          file=sys.stderr, flush=True)
     return list(split.capacities)
 
 
@@ -233,6 +235,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         out.update({k: decode[k] for k in ("demand_reads", "demand_read_s", "prefetch_reads",
                                            "prefetch_read_s")})
         out["cache_bytes"] = om.config["cache_bytes"]
+        out["capacity"] = om.config["capacity"]  # (a split: each layer's)
         out["admission"] = r.stats.get("admission")
         out["offload_s"] = offload_s
         out["resident_bytes"] = sum(p.numel() * p.element_size() for p in om.model.parameters()

@@ -116,10 +116,10 @@ def cross_fitted_hits(trace: RoutingTrace, predictor: str, policy: str, grid: Se
                       options: Mapping[str, Any] | None = None
                       ) -> tuple[np.ndarray, np.ndarray, int]:
     """``layer_hits`` of ``predictor`` (made with ``options``; its prefetches, cache
-    ``policy``) with each of
-    ``folds`` parts of the sequences replayed with tables profiled on the others (held
-    out: why, the module docstring); summed over the parts, and how many parts there were.
-    ``progress(done, of)`` after each part."""
+    ``policy``: ``lru`` where it scores no expert) with each of ``folds`` parts of the
+    sequences replayed with tables profiled on the others (held out: why, the module
+    docstring); summed over the parts, and how many parts there were. ``progress(done,
+    of)`` after each part."""
     n = trace.num_sequences
     if n < 2:
         raise PredictorError(f"sizing a split needs routing of at least 2 sequences (this "
@@ -132,10 +132,9 @@ def cross_fitted_hits(trace: RoutingTrace, predictor: str, policy: str, grid: Se
         held = select_sequences(trace, [i for i in range(n) if i % parts == part])
         rest = select_sequences(trace, [i for i in range(n) if i % parts != part])
         p = make(predictor, shape, profile(rest), **(options or {}))
-        scored = policy == "score" and p.scores_experts
-        plan, scores = p.scored_plan(held) if scored else (p.plan(held), None)
-        h, d = layer_hits(held, plan, grid, policy if scored or policy != "score" else "lru",
-                          scope_tokens(held), scores)
+        use = "lru" if policy == "score" and not p.scores_experts else policy
+        plan, scores = p.scored_plan(held) if use == "score" else (p.plan(held), None)
+        h, d = layer_hits(held, plan, grid, use, scope_tokens(held), scores)
         hits, demanded = hits + h, demanded + d
         if progress is not None:
             progress(part + 1, parts)
