@@ -125,3 +125,24 @@ def test_the_command_says_it_is_lossy(tmp_path):
     assert "9 expert matrices in int8 W8A8 (LOSSY: mean relative weight error" in r.output
     r = CliRunner().invoke(app, ["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "q")])
     assert r.exit_code == 1 and "exists and is not an empty folder" in r.output
+
+
+def test_offloading_a_quantized_folder_without_its_package_is_one_line(tmp_path):
+    """transformers needs compressed-tensors to load the folder; without it, `stmoe
+    generate` and `stmoe pack` said "unexpected input" (an ImportError): now one line that
+    says what the folder is for."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from stmoe.cli import app
+
+    if importlib.util.find_spec("compressed_tensors") is not None:
+        pytest.skip("compressed-tensors is installed here: transformers loads the folder")
+    quantize_checkpoint(SHIPPED_MODEL, tmp_path / "q", "int8")
+    for args in (["generate", "--model", str(tmp_path / "q"), "--prompt", "hi"],
+                 ["pack", str(tmp_path / "q"), "-o", str(tmp_path / "s")]):
+        r = CliRunner().invoke(app, args)
+        said = " ".join(r.output.split())
+        assert r.exit_code == 1 and "transformers cannot load this checkpoint here" in said, said
+        assert "a `stmoe quantize` folder is vLLM's" in said and "Traceback" not in said

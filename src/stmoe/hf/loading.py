@@ -57,6 +57,11 @@ def load_causal_lm(model_dir: str | Path) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise CaptureError(f"{path}: cannot load the model ({exc})") from None
+    except ImportError as exc:  # a quantization config whose package is not installed
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(f"{path}: transformers cannot load this checkpoint here ({first}); "
+                           "a `stmoe quantize` folder is vLLM's: serve it there, or offload "
+                           "the original model") from None
     return model.eval()
 
 

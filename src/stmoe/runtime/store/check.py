@@ -99,6 +99,12 @@ def file_records(model_dir: Path) -> dict[str, Any]:
     files = [check_input_file(f, "a checkpoint file") for f in checkpoint_files(model_dir)]
     if not files:
         raise StoreError(f"{model_dir}: no checkpoint files (*.safetensors or *.bin)")
+    for f in files:  # a store records each file by its name in ``model_dir``
+        if f.parent != Path(model_dir):
+            raise StoreError(f"{model_dir / 'model.safetensors.index.json'}: shard "
+                             f"{f.relative_to(model_dir) if f.is_relative_to(model_dir) else f}"
+                             " is not in the model folder itself; stmoe reads shards beside "
+                             "config.json only: move it there and fix the weight_map")
     stats = [f.stat() for f in files]
     hashes = _sha256(files, f"hashing {model_dir.name}'s checkpoint")
     rows = zip(files, stats, hashes, strict=True)

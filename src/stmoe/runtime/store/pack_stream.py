@@ -212,12 +212,32 @@ class CheckpointExperts:
                     raise StreamUnsupported(f"{self.path}: {p.full} needs {self.num_experts} "
                                             f"tensors {pattern!r}, the checkpoint has "
                                             f"{len(got)}")
+                self._check_headers(p, got)
         t = self._slice(p, 0)
         if t.dtype != p.dtype or tuple(t.shape) != p.shape:
             where = p.fused[1] if p.fused else p.full
             raise StreamUnsupported(f"{self.path}: {where}: one expert is {t.dtype} "
                                     f"{list(t.shape)}, the model's {p.full} is {p.dtype} "
                                     f"{list(p.shape)} (transformers would convert it)")
+
+    def _check_headers(self, p: _Param, pieces: dict[int, tuple[Path, str]]) -> None:
+        """Every expert's tensor of one pattern with expert 0's dtype and shape, by the
+        headers (``_check`` reads expert 0's alone): a header lying about another expert's
+        would have its bytes packed, or read in place, as other values than transformers
+        loads (a dtype it casts: loaded instead; a shape it cannot load: refused)."""
+        first = self._open(pieces[0][0]).get_slice(pieces[0][1])
+        want = (first.get_dtype(), first.get_shape())
+        for _, (f, key) in sorted(pieces.items()):
+            s = self._open(f).get_slice(key)
+            dtype, shape = s.get_dtype(), s.get_shape()
+            if shape != want[1]:
+                raise StoreError(f"{f}: tensor {key} has shape {list(shape)}, expert 0's "
+                                 f"{pieces[0][1]} {list(want[1])}: the checkpoint is damaged "
+                                 f"({p.full} stacks them)")
+            if dtype != want[0]:
+                raise StreamUnsupported(f"{f}: tensor {key} is {dtype}, expert 0's "
+                                        f"{pieces[0][1]} {want[0]} (transformers would "
+                                        "convert it)")
 
     def _slice(self, p: _Param, expert: int) -> torch.Tensor:
         if p.fused is not None:
