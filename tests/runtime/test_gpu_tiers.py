@@ -272,6 +272,51 @@ def test_cuda_streams_belong_to_the_callers_device_not_each_threads(monkeypatch)
         {"device": torch.device("cuda", 1), "priority": 0}]
 
 
+def test_the_compute_stream_is_the_caches_devices_not_the_threads(monkeypatch):
+    """The compute stream (None) of a cache on cuda:1, asked from a thread whose current
+    device is 0 (a server's thread, a caller out of ``torch.cuda.device(1)``): its waits,
+    events, launches and the drain are cuda:1's. On device 0's stream, the ids' copy event
+    would complete before the copy and kernels would read slots before their copies land."""
+    from stmoe.runtime.store import device_ops
+
+    class Stream:
+        def __init__(self, device):
+            self.device, self.waited = device, []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    class Event:
+        def __init__(self, **kw):
+            self.stream = None
+
+        def record(self, stream=None):  # torch's: None is the CURRENT device's stream
+            self.stream = stream if stream is not None else current_stream()
+
+    def current_stream(device=None):
+        return Stream(torch.device("cuda", 0) if device is None else torch.device(device))
+
+    entered, synced = [], []
+    monkeypatch.setattr(device_ops, "_cudart", lambda: None)
+    monkeypatch.setattr(device_ops.torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(device_ops.torch.cuda, "Event", Event)
+    monkeypatch.setattr(device_ops.torch.cuda, "stream", lambda s: entered.append(s) or (
+        __import__("contextlib").nullcontext()))
+    monkeypatch.setattr(device_ops.torch.cuda, "synchronize", lambda device=None: synced.append(
+        device))
+    ops = device_ops.CudaOps(torch.device("cuda", 1))
+    one = torch.device("cuda", 1)
+    assert ops.record(None).stream.device == one
+    ops.launch(None, lambda: None)
+    ops.copy_async(torch.zeros(2), torch.ones(2), None)
+    assert [s.device for s in entered] == [one, one]
+    waited = []
+    monkeypatch.setattr(Stream, "wait_event", lambda self, e: waited.append(self.device))
+    ops.wait(None, Event())
+    ops.drain()
+    assert waited == [one] and synced == [one]
+
+
 def test_free_device_memory_counts_what_torchs_allocator_holds_unused(monkeypatch):
     """The driver counts blocks torch's caching allocator keeps (a closed offload's slots,
     a reference model's weights) as taken; the plan may use them."""

@@ -202,6 +202,8 @@ class OffloadEngine:
             self.state.closed = True
         self.prefetcher.close()
         self.hooks.remove()
+        if (ops := self.state.device_ops()) is not None:  # work still queued on its streams
+            ops.drain()  # (an int4 slot's conversion) writes slots: done before they go
         self.tier.close()
         for module in self.path.modules:  # (whoever runs the model: _wire's layers)
             detach(module, self)

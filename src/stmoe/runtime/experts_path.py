@@ -147,7 +147,8 @@ class ExpertsPath:
         touched there) and the call computes on the slots in place: the same counters and
         bits as the long path, with no wait (pinned, they cannot leave before the unpin)."""
         state = self.state
-        try:
+        launched = False  # the readers' free event recorded (else in ``finally``: a failed
+        try:  # call's queued kernels may still read the slots a worker may now overwrite)
             if self._device is None:  # (on a device: after the layer's kernels are launched)
                 self.planner.after_routing(layer, rows, hidden_states)
             state.run.stats.phases[state.run.phase].add(
@@ -165,11 +166,16 @@ class ExpertsPath:
             out = self._compute(layer, params, n, hidden_states, index, top_k_weights,
                                 segments, args, kwargs)
             self._read(cache, held)
+            launched = True
             if self._device is not None:  # the predictor's host time overlaps the compute
                 self.planner.after_routing(layer, rows, hidden_states, *brought)
             return out, 0.0
         finally:
-            self._unpin(cache)
+            try:
+                if not launched:
+                    self._read(cache, held)
+            finally:
+                self._unpin(cache)
 
     def _on_device(self) -> DeviceSide | None:
         """Where the tier copies to a device: the ids' way to the host and each layer's
@@ -203,6 +209,14 @@ class ExpertsPath:
             return base(weights, hidden_states, index, top_k_weights, *args, **kwargs)
         parts, pool = segments
         one = lambda s: base(weights, hidden_states[s], index[s], top_k_weights[s])  # noqa: E731
+        if pool is not None and hidden_states.device.type == "cuda":
+            # a pool thread's current stream is its own: launch on the caller's, where the
+            # slots' ready and free events are waited on and recorded
+            stream, plain = torch.cuda.current_stream(hidden_states.device), one
+
+            def one(s: slice) -> torch.Tensor:
+                with torch.cuda.stream(stream):
+                    return plain(s)
         return torch.cat(list(pool.map(one, parts)) if pool else [one(s) for s in parts])
 
     def _prepare(self, layer: int, cache: LayerCache, needed: list[int], rows: np.ndarray,
@@ -267,6 +281,10 @@ class ExpertsPath:
             for e in extra:
                 read_extra(state, cache, target[e], e, self._buf, self.state.demand_stream)
         except BaseException:
+            # copies already queued into these rows may still run: a worker's write into
+            # one waits for them (their free event), as it waits for a layer's readers
+            self._read(cache, {r for r in (*slots.values(), *target.values())
+                               if r < cache.capacity})
             with state.cv:
                 for row in slots.values():  # the rows moved, placed or being read
                     cache.abandon(row)

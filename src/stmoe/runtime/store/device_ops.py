@@ -169,27 +169,33 @@ class CudaOps:
     def elapsed(self, start: CopyEvent, end: CopyEvent) -> float:
         return float(start.elapsed_time(end)) / 1e3  # type: ignore[attr-defined]
 
+    def _stream(self, stream: object) -> object:
+        """``stream``, or (None) the compute stream: the current stream of the cache's
+        device, not of the calling thread's current device (a server's thread, or a caller
+        that left ``torch.cuda.device(1)``, is on device 0)."""
+        return stream if stream is not None else torch.cuda.current_stream(self.device)
+
     def launch(self, stream: object, work: Callable[[], None]) -> None:
-        with torch.cuda.stream(stream):  # type: ignore[arg-type]
+        with torch.cuda.stream(self._stream(stream)):  # type: ignore[arg-type]
             work()
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: object) -> CopyEvent:
-        s = stream if stream is not None else torch.cuda.current_stream()
+        s = self._stream(stream)
         with torch.cuda.stream(s):  # type: ignore[arg-type]
             dst.copy_(src, non_blocking=True)
         return self.record(s)
 
     def record(self, stream: object) -> CopyEvent:
         event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)  # type: ignore[arg-type]  # (None: the current stream)
+        event.record(self._stream(stream))  # type: ignore[arg-type]
         return event
 
     def wait(self, stream: object, event: CopyEvent) -> None:
-        s = stream if stream is not None else torch.cuda.current_stream()
+        s = self._stream(stream)
         s.wait_event(event)  # type: ignore[attr-defined]  # the device waits, not the host
 
     def drain(self) -> None:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)  # every stream of the cache's device
 
 
 class CopySpan:
