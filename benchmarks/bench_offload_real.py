@@ -298,13 +298,14 @@ def calibrate(args: argparse.Namespace, tier: str, rnd: int) -> Path:
     system, so its preset measures the tier when the round's runs did (a virtual
     disk's speed drifts over minutes; ``bench_sim_check.py`` simulates each round with
     its own preset)."""
-    model, store, _ = prepare(args)
+    model, store, tables = prepare(args)
     out = bench_dir() / (
         f"calibrated-{args.like}-L{args.layers}-{tier}-{args.started}-round{rnd + 1}.toml"
     )  # (the run's start in the name: one set per run)
     cmd = [sys.executable, "-m", "stmoe", "calibrate", "--model", str(model), "--store",
            str(store), "--tier", tier, "--capacity", args.capacity, "--routing",
-           str(args.trace), "--threads", str(args.threads), "-o", str(out)]
+           str(args.trace), "--threads", str(args.threads), "--tables", str(tables),
+           "-o", str(out)]  # (the tables: the predictors' own time measured with them)
     if tier == "emulated":
         cmd += ["--bandwidth", args.bandwidth]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)

@@ -47,6 +47,15 @@ def calibrate_cmd(
             "reads in an LRU-only replay of it.",
         ),
     ] = _D.routing,
+    tables: Annotated[
+        Path | None,
+        path_option("--tables", help="Profiled tables the predictors' own time is measured "
+                    "with (default: the model folder's shipped ones; none: not measured)."),
+    ] = _D.tables,
+    predictors: Annotated[str, typer.Option(
+        help="Predictors whose time per decode layer call (learning, predicting) goes into "
+             "the preset's [host.predictors], comma-separated, or none.")
+    ] = ",".join(_D.predictors),
 ) -> None:
     """Measure the tier (bandwidth and latency reading expert blocks of the store, alone
     and with the prefetch workers) and the compute per decode token at the model's sizes,
@@ -62,14 +71,15 @@ def calibrate_cmd(
 
     check_range("--seconds", seconds, 0.0, MAX_SECONDS, exclusive=True)
     check_range("--tokens", tokens, *TOKENS)
-    check_range("--threads", threads, 1)
-    check_range("--workers", workers, 0)
+    check_range("--threads", threads, 1, 1024)  # generate's bounds (100000 crashed torch)
+    check_range("--workers", workers, 0, 64)
     if output.suffix != ".toml":
         raise StmoeError(f"--output {clean_label(output)}: expected a .toml file name")
     check_output_path(output)
     options = CalibrateOptions(tier=tier, bandwidth=bandwidth, latency=latency, seconds=seconds,
                                tokens=tokens, threads=threads, workers=workers,
-                               capacity=capacity, routing=routing)
+                               capacity=capacity, routing=routing, tables=tables,
+                               predictors=_predictor_names(predictors))
     figures = calibrate(model, store, options)
     atomic_write_text(output, hardware_toml(figures))
     spec = hardware_preset(str(output))  # what was written loads as a hardware spec
@@ -85,4 +95,27 @@ def calibrate_cmd(
               f"{host.first_touch_s * 1e3:.2f} ms; per decode token: "
               f"{figures['token_s'] * 1e3:.1f} ms "
               f"({figures['experts_s'] * 1e3:.1f} in experts)")
+    timed = figures.get("predictors") or {}
+    if timed:
+        out.print("per decode layer call: " + ", ".join(
+            f"{name} {(t['learn_s'] + t['predict_s'] + t['admission_s']) * 1e6:.0f} us "
+            f"(planner {t['learn_s'] * 1e6:.0f}, predictor {t['predict_s'] * 1e6:.0f}, "
+            f"admission {t['admission_s'] * 1e6:.0f})" for name, t in timed.items()))
+    elif options.predictors:
+        out.print("the predictors' time not measured: no tables (--tables)")
     out.print(f"wrote {clean_label(output)}")
+
+
+def _predictor_names(text: str) -> tuple[str, ...]:
+    """``--predictors``: comma-separated names of the timed ones, or none."""
+    from stmoe.errors import StmoeError
+    from stmoe.runtime.calibrate.predictor_time import TIMED_PREDICTORS
+
+    if text.strip().lower() == "none":
+        return ()
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",")))
+    bad = [n for n in names if n not in TIMED_PREDICTORS]
+    if bad or not names:
+        raise StmoeError(f"--predictors {clean_label(text)}: expected some of "
+                         f"{', '.join(TIMED_PREDICTORS)} (comma-separated), or none")
+    return names

@@ -211,6 +211,10 @@ class CalibrateOptions:
     capacity: str | int = OffloadOptions.capacity
     seed: int = 0
     routing: Path | None = None  # a trace whose decode misses the reads follow (else random)
+    # the predictors whose own time per decode layer call is measured, with ``tables``
+    # (default: the model folder's shipped tables; none there: not measured)
+    predictors: tuple[str, ...] = ("stmoe", "stmoe-plus")
+    tables: Path | None = None
 
 
 def check_options(o: CalibrateOptions) -> None:

@@ -89,6 +89,17 @@ class HostSpec:
     # a prefetch worker's read in pieces of this many bytes (the runtime's CHUNK_BYTES; a
     # preset without the key, written before the runtime chunked, gets today's)
     chunk_bytes: int = 4 << 20
+    # [host.predictors]: each predictor's own time on the compute thread (none: 0 counted)
+    predictors: dict[str, PredictorCost] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PredictorCost:
+    """A predictor's own seconds on the runtime's compute thread per decode layer call."""
+
+    learn_s: float  # the planner's work but the predictor's answer (every call)
+    predict_s: float  # the predictor asked for a set (not where admission has it off)
+    admission_s: float  # admission's look at the layer's last set (where admission is on)
 
 
 # the runtime's tiers a calibrated preset may describe (gpu: the pinned store's copies to
@@ -131,12 +142,12 @@ class HardwareSpec:
 
 def _load(kind: str, name_or_path: str, cls: type) -> Any:
     table = _table(kind, name_or_path)
-    fields = {f.name for f in dataclasses.fields(cls)} - {"name", "dataflows", "host"}
+    fields = {f.name for f in dataclasses.fields(cls)} - {"name"}  # a model has no tables
     optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     missing = sorted(fields - optional - set(table) - {"description", "source"})
     if missing:
         raise SpecError(f"{kind} spec {name_or_path!r} lacks {', '.join(missing)}")
-    unknown = sorted(set(table) - fields - {"dataflows", "host", "description", "source"})
+    unknown = sorted(set(table) - fields - {"description", "source"})
     if unknown:
         raise SpecError(f"{kind} spec {name_or_path!r} has unknown keys {', '.join(unknown)}")
     values: dict[str, Any] = {"name": Path(name_or_path).stem if name_or_path.endswith(".toml")
@@ -165,8 +176,8 @@ def _table(kind: str, name_or_path: str) -> dict[str, Any]:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise SpecError(f"{path}: no such {kind} spec file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise SpecError(f"{path}: not valid TOML ({exc})") from None
+        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:  # or a folder
+            raise SpecError(f"{path}: not valid TOML for a {kind} spec ({exc})") from None
         return data
     presets = _presets(kind)
     if name_or_path not in presets:
@@ -191,12 +202,14 @@ def _dataflows(where: str, table: dict[str, Any]) -> dict[str, Dataflow]:
         raise SpecError(f"hardware spec {where!r} needs a [dataflows] table")
     out = {}
     for name, d in flows.items():
-        try:
-            out[name] = Dataflow(peak=float(d["peak"]), half=float(d["half"]))
-        except (KeyError, TypeError, ValueError):
-            raise SpecError(
-                f"hardware spec {where!r}: dataflow {name} needs peak and half"
-            ) from None
+        if not isinstance(d, dict) or set(d) != {"peak", "half"}:  # a typo is not ignored
+            raise SpecError(f"hardware spec {where!r}: dataflow {name} is {d!r}; it needs "
+                            "peak and half, nothing else")
+        out[name] = Dataflow(*(_typed("hardware", where, f"{name}.{k}", d[k], "float")
+                               for k in ("peak", "half")))
+        if not (0 < out[name].peak <= 1 and 0 <= out[name].half < math.inf):  # nan fails too
+            raise SpecError(f"hardware spec {where!r}: dataflow {name} is {d!r}; expected "
+                            "0 < peak <= 1 and a finite half >= 0")
     if table.get("dataflow") not in (*out, "reconfigurable"):
         raise SpecError(f"hardware spec {where!r}: dataflow {table.get('dataflow')!r} is neither "
                         f"'reconfigurable' nor one of {', '.join(out)}")
@@ -212,7 +225,7 @@ def _host(where: str, table: dict[str, Any]) -> HostSpec | None:
         raise SpecError(f"hardware spec {where!r}: host must be a table ([host])")
     names = [f.name for f in dataclasses.fields(HostSpec)]
     required = [f.name for f in dataclasses.fields(HostSpec)
-                if f.default is dataclasses.MISSING]
+                if dataclasses.MISSING is f.default and dataclasses.MISSING is f.default_factory]
     missing, unknown = sorted(set(required) - set(host)), sorted(set(host) - set(names))
     if missing or unknown:
         what = "; ".join(
@@ -221,7 +234,8 @@ def _host(where: str, table: dict[str, Any]) -> HostSpec | None:
         )
         raise SpecError(f"hardware spec {where!r}: [host] {what}")
     values = {f.name: _typed("hardware", where, f"host.{f.name}", host[f.name], f.type)
-              for f in dataclasses.fields(HostSpec) if f.name in host}
+              for f in dataclasses.fields(HostSpec) if f.name in host and f.name != "predictors"}
+    values["predictors"] = _predictor_costs(where, host.get("predictors", {}))
     spec = HostSpec(**values)
     if spec.tier not in HOST_TIERS:
         raise SpecError(f"hardware spec {where!r}: host.tier is {spec.tier!r}, expected "
@@ -230,24 +244,54 @@ def _host(where: str, table: dict[str, Any]) -> HostSpec | None:
         raise SpecError(f"hardware spec {where!r}: host.chunk_bytes is {spec.chunk_bytes}, "
                         "expected >= 4096 (one page)")
     for key in ("workers", "layer_s", "token_s", "first_touch_s"):
-        if not getattr(spec, key) >= 0:
+        if not 0 <= getattr(spec, key) < math.inf:
             raise SpecError(f"hardware spec {where!r}: host.{key} is {getattr(spec, key)}, "
-                            "expected >= 0")
+                            "expected a finite number >= 0")
     if not (spec.read_parallel_bytes_per_s > 0 and math.isfinite(spec.read_parallel_bytes_per_s)):
         raise SpecError(f"hardware spec {where!r}: host.read_parallel_bytes_per_s must be "
                         "positive and finite")
     return spec
 
 
+def _predictor_costs(where: str, table: Any) -> dict[str, PredictorCost]:
+    """``[host.predictors]``: predictor name = { learn_s = S, predict_s = S }."""
+    from stmoe.predictors import REGISTRY
+
+    said = f"hardware spec {where!r}: [host.predictors]"
+    if not isinstance(table, dict):
+        raise SpecError(f"{said} must be a table of predictor = {{ learn_s, predict_s }}")
+    out = {}
+    for name, cost in table.items():
+        if name not in REGISTRY:
+            raise SpecError(f"{said}: unknown predictor {name!r}; choose from "
+                            f"{', '.join(REGISTRY)}")
+        if not isinstance(cost, dict) or set(cost) != {"learn_s", "predict_s", "admission_s"}:
+            raise SpecError(f"{said}: {name} is {cost!r}, expected {{ learn_s = SECONDS, "
+                            "predict_s = SECONDS, admission_s = SECONDS }")
+        for key, value in cost.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    0 <= value < math.inf):
+                raise SpecError(f"{said}: {name}.{key} is {value!r}, expected a finite number "
+                                "of seconds >= 0")
+        out[name] = PredictorCost(float(cost["learn_s"]), float(cost["predict_s"]),
+                                  float(cost["admission_s"]))
+    return out
+
+
 def _check_positive(kind: str, where: str, spec: Any) -> None:
     for f in dataclasses.fields(spec):
         value = getattr(spec, f.name)
-        if isinstance(value, int | float) and not isinstance(value, bool) and not value >= 0:
-            raise SpecError(f"{kind} spec {where!r}: {f.name} is {value}, expected >= 0")
+        if type(value) in (int, float) and not 0 <= value < math.inf:  # nan, inf; not a bool
+            raise SpecError(f"{kind} spec {where!r}: {f.name} is {value}, expected finite >= 0")
     for must in ("layers", "hidden", "num_experts", "top_k", "clock_hz", "pe_macs_per_cycle",
-                 "link_bytes_per_s"):
+                 "link_bytes_per_s", "expert_intermediate", "attention_heads", "kv_heads",
+                 "dtype_bytes", "router_macs_per_cycle", "pe_groups"):  # divisors, or sizes
         if hasattr(spec, must) and getattr(spec, must) <= 0:
             raise SpecError(f"{kind} spec {where!r}: {must} must be positive")
+    if isinstance(spec, ModelSpec) and (spec.top_k > spec.num_experts  # or GQA groups:
+                                        or spec.attention_heads % spec.kv_heads):
+        raise SpecError(f"{kind} spec {where!r}: top_k {spec.top_k}, kv_heads {spec.kv_heads}: "
+                        "expected top_k <= num_experts and kv_heads dividing attention_heads")
 
 
 def model_preset(name_or_path: str) -> ModelSpec:

@@ -30,7 +30,10 @@ here is measured with the runtime's own code paths:
 * compute: ``stmoe.offload`` itself replaying a routing that always picks the
   same top-K experts, so after the prompt every expert is a hit and a decode
   token is pure compute plus the runtime's per-layer work; the experts calls and
-  the decoder layers are timed inside that run.
+  the decoder layers are timed inside that run;
+* the predictors' own time on the compute thread per decode layer call (learning the
+  routing, then predicting and queueing a set: ``predictor_time``), where tables are at
+  hand (``tables``, else the model folder's shipped ones).
 
 ``stmoe.sim.host.calibrated.hardware_toml`` writes the figures with the keys of
 ``sim/data/hardware.toml`` and a ``[host]`` table, each number with a comment
@@ -49,10 +52,12 @@ from typing import Any
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.models import SHIPPED_TABLES
 from stmoe.runtime.accelerator import GPU_TIERS, accelerator
 from stmoe.runtime.cache import param_specs
 from stmoe.runtime.calibrate.compute import measure_compute, measure_runtime_reads, routed_plan
 from stmoe.runtime.calibrate.device_reads import measure_device_latency, measure_device_reads
+from stmoe.runtime.calibrate.predictor_time import measure_predictors
 from stmoe.runtime.calibrate.reads import (
     PageFaults,
     Reads,
@@ -72,6 +77,12 @@ __all__ = ["CALIBRATED_TIERS", "CalibrateOptions", "PageFaults", "Reads", "calib
            "check_options", "faulted_buffer", "machine", "measure_compute", "measure_latency",
            "measure_page_faults", "measure_reads", "measure_runtime_reads", "routed_blocks",
            "routed_plan", "slab_memory"]
+
+
+def shipped_tables(model_dir: Path) -> Path | None:
+    """The model folder's own tables (the shipped model's), or None."""
+    path = model_dir / SHIPPED_TABLES
+    return path if path.is_file() else None
 
 
 def calibrate(model_dir: str | Path, store: str | Path | None,
@@ -121,6 +132,9 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
     finally:
         tier.close()
     compute = measure_compute(model_dir, opened.path, o, top_k)
+    tables = o.tables if o.tables is not None else shipped_tables(model_dir)
+    predictors = (measure_predictors(model_dir, opened.path, o, o.predictors, tables, top_k)
+                  if o.predictors and tables is not None else {})
     per_read = max(one.wall_s / one.blocks - latency, 1e-9)  # the mean: interference counts
     runtime = None
     if o.routing is not None:  # the tier as the runtime's own reads met it
@@ -144,6 +158,7 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         "reads_n": dataclasses.asdict(many),
         "emulated_link": {"bandwidth": o.bandwidth, "latency": o.latency}
         if o.tier == "emulated" else None, **compute,
+        "predictors": predictors, "predictor_tables": None if tables is None else str(tables),
         "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
     }

@@ -22,7 +22,7 @@ from stmoe.predictors import ProfiledTables
 from stmoe.runtime.gpu_check.decode import CAPACITIES, SYSTEMS
 from stmoe.sim.host.calibrated import hardware_toml
 from stmoe.sim.host.systems import HostOptions, simulate_runtime
-from stmoe.sim.specs import HardwareSpec, ModelSpec, hardware_preset
+from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError, hardware_preset
 from stmoe.trace.schema import RoutingTrace
 
 # of the experts in HBM: the decode table's capacities
@@ -66,6 +66,9 @@ def forecast(hw: HardwareSpec, model: ModelSpec, tail: RoutingTrace, tables: Pro
              share: float) -> dict[str, float]:
     """Each system's simulated decode tokens/s replaying ``tail``, and ``resident``: the
     GPU-resident model's (the preset's compute with every expert in HBM, no copy)."""
+    if hw.host is not None and hw.host.tier != "gpu":  # the check's: a pinned host store
+        raise SpecError(f"hardware {hw.name!r}: a preset of the {hw.host.tier} tier; the GPU "
+                        "check's forecast takes one `stmoe calibrate --tier gpu` wrote")
     sim = simulate_runtime(tail, model, hw, list(SYSTEMS),
                            HostOptions(capacity=round(share * model.num_experts),
                                        tables=tables))

@@ -116,6 +116,11 @@ def simulate(
     names = list(dict.fromkeys(["gpu-baseline", *systems]))
     results = {n: run_system(n, trace, model, hw, run)
                for n in progress(names, len(names), "simulating the systems")}
+    for n, r in results.items():  # finite figures whose products overflow: no inf or nan out
+        if not (np.isfinite(r.time) and np.isfinite(r.total_energy)):
+            raise SpecError(f"model {model.name!r} on hardware {hw.name!r}: {n}'s time "
+                            f"({r.time:g} s) or energy ({r.total_energy:g} J) is not finite; "
+                            "a figure of the specs is out of any real range")
     base = results["gpu-baseline"].time
     out: dict[str, Any] = {
         "model": model.name,

@@ -46,8 +46,8 @@ def hardware_toml(f: dict[str, Any]) -> str:
         line("link_latency_s", f["latency_s"], "measured: median one-page read into a "
              "faulted-in page"),
         line("cache_experts_per_layer", f["capacity"], "the cache described (--capacity)"),
-        line("epu_cycles_per_candidate", 0, "prediction runs on the CPU: 18-61 us a layer "
-             "(docs/simulator.md), left out"),
+        line("epu_cycles_per_candidate", 0, "prediction runs on the host CPU: its time per "
+             "layer call is [host.predictors]'s"),
         line("epu_fixed_cycles", 0, na), line("verify_cycles", 0, na),
         line("emu_stages_per_group", 0, na), line("pe_groups", 1, na),
         line("mac_pj", 0.0, "energy not measured"), line("sram_pj_per_byte", 0.0, na),
@@ -78,7 +78,26 @@ def hardware_toml(f: dict[str, Any]) -> str:
              "a read into a slot, faulted in when the cache is made (measured "
              f"{f['populate_s'] * 1e3:.2f} ms an expert, not timed by the simulator)"),
     ]
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows + _predictors(f)) + "\n"
+
+
+def _predictors(f: dict[str, Any]) -> list[str]:
+    """``[host.predictors]``: each timed predictor's learn_s and predict_s per decode layer
+    call (``runtime.calibrate.predictor_time``); none timed: a comment saying so."""
+    timed = f.get("predictors") or {}
+    if not timed:
+        return ["# [host.predictors] not measured (no tables: `stmoe calibrate --tables`): the "
+                "simulator counts no predictor time"]
+    rows = ["", "[host.predictors]  # a predicting system's own work on the compute thread "
+            "per decode layer call: the planner's but the predictor's answer, the answer (per "
+            "call asking it), admission's look at the last set"]
+    for name, t in timed.items():
+        rows.append(f"{json.dumps(name)} = {{ learn_s = {t['learn_s']!r}, predict_s = "
+                    f"{t['predict_s']!r}, admission_s = {t['admission_s']!r} }}  # measured: "
+                    f"{t['calls']} decode layer calls ({t['asked']} asking the predictor), "
+                    "every expert cached, tables "
+                    f"{json.dumps(f.get('predictor_tables'))}")
+    return rows
 
 
 def _single_reader(f: dict[str, Any]) -> str:

@@ -24,6 +24,13 @@ class HostCosts:
     chunks: int = 1  # pieces of a worker's read (the compute thread's reads are whole)
     chunk_s: float = 0.0  # one piece alone (0: read_s / chunks)
     free_waste: bool = False  # a wasted read costs admission no saved read (a GPU's copies)
+    # a predicting system's own work on the compute thread per decode layer call
+    # (``[host.predictors]``; 0: no predictor, or not measured): the planner's but the
+    # predictor's answer, the answer (not where admission has the layer's prefetch off),
+    # admission's look at the layer's last set (where admission is on)
+    learn_s: float = 0.0
+    predict_s: float = 0.0
+    admission_s: float = 0.0
 
 
 @dataclass(frozen=True)

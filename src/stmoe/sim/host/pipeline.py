@@ -11,8 +11,12 @@ when it ends), then one forward call per decode token. At every MoE layer:
    runtime's bookkeeping) on the compute thread;
 2. the layer begins: queued prefetches for it (or older) are now *stale* and
    dropped when a worker reaches them; the routed experts are pinned;
-3. the planner: the predictor's set for the next layer (wrapping to the next
-   token's layer 0) is queued, most confident first, the experts not cached yet;
+3. the planner, on the compute thread (after admission's look at the layer's last
+   set, ``admission_s``): the predictor is taught the layer's routing (``learn_s``) and
+   asked for the next layer's set (``predict_s``, only where admission asks; the three
+   a preset's measured ``[host.predictors]``, else 0), which
+   (wrapping to the next token's layer 0) is queued, most confident first, the
+   experts not cached yet;
    the set is protected from eviction until its layer begins; idle workers start
    its loads at once unless this layer stalls (step 4 pauses them first);
 4. ensure (the *stall*): each routed expert READY is a hit; LOADING (a prefetch
@@ -180,11 +184,12 @@ class _Sim:
         self.pinned[layer, needed] = True
         self.clock[layer] += 1
         st = self.state[layer]
-        # the runtime pauses right after the planner queues (no time passes between): a
-        # stalling layer's queued loads wait for its ensure to end
+        # the runtime pauses as the layer begins, before its planner: a stalling layer's
+        # queued loads wait for its ensure to end
         self.paused = bool((st[needed] != READY).any())
         if self.adm is not None and self.counting:
             self._record(fwd, layer, needed)
+            self._host(c.admission_s)  # (its clock reading is taken as it begins)
         self._predict(fwd, layer)
         start = self.t
         self._ensure(layer, needed)
@@ -244,17 +249,26 @@ class _Sim:
             # the prompt's own layers are predicted from an empty history (not modelled) but
             # by the oracle; the first decode token's layer 0 once the prompt is learnt
             return
+        self._host(self.c.learn_s)  # the predictor taught this layer's routing
         self.plan_set(*target)
+
+    def _host(self, seconds: float) -> None:
+        """The compute thread's own work (the predictor's): time passes, reads land."""
+        if seconds > 0:
+            self.t += seconds
+            self._advance(self.t)
 
     def plan_set(self, fwd: int, layer: int) -> None:
         """The planner for (``fwd``, ``layer``): the predictor's set, through admission."""
         if self.adm is None:
+            self._host(self.c.predict_s)
             self.queue_set(fwd, layer, self.predicted(fwd, layer))
             return
         if not self.adm.wants(layer):  # no prediction: score's victims as LRU until one
             self.score[layer] = cp.NO_SCORES
             ranked = []
-        else:
+        else:  # (the predictor is asked only here: its time too)
+            self._host(self.c.predict_s)
             ranked = self.predicted(fwd, layer).tolist()
         self.queue_set(fwd, layer, np.asarray(self.adm.admit(fwd, layer, ranked), np.int64))
 

@@ -45,6 +45,9 @@ class HostOptions:
     admission: bool = True  # the runtime's default (a system named NAME-all: off)
 
 
+MAX_COST_S = 1e6  # one read, expert or layer of no real machine takes 11 days
+
+
 def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
     """The host pipeline's seconds from a hardware spec with a ``[host]`` table."""
     host = hw.host
@@ -59,8 +62,14 @@ def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
     serial, free_waste = link_of(host.tier)  # the runtime's own rule (stmoe.admission)
     parallel = read_s / (model.expert_bytes / host.read_parallel_bytes_per_s)
     chunks = max(1, math.ceil(model.expert_bytes / host.chunk_bytes))
-    return HostCosts(layer_s=host.layer_s, token_s=host.token_s,
-                     expert_s=model.expert_macs / rate if rate > 0 else 0.0, read_s=read_s,
+    expert_s = model.expert_macs / rate if rate > 0 else math.inf
+    # finite figures whose quotients are out of any real range: the pipeline's sums overflow
+    if not max(read_s, expert_s, host.layer_s, host.token_s, host.first_touch_s) < MAX_COST_S:
+        raise SpecError(f"hardware {hw.name!r}: with model {model.name!r} an expert takes "
+                        f"{read_s:g} s to read, {expert_s:g} s to compute (layer_s "
+                        f"{host.layer_s:g}, token_s {host.token_s:g}, first_touch_s "
+                        f"{host.first_touch_s:g}); expected each under {MAX_COST_S:g} s")
+    return HostCosts(layer_s=host.layer_s, token_s=host.token_s, expert_s=expert_s, read_s=read_s,
                      # paid by a read into a spare row only (slots are faulted in already)
                      first_touch_s=host.first_touch_s,
                      parallel=parallel, workers=host.workers,
@@ -69,6 +78,20 @@ def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
                      # every piece pays the latency (a preadv, a link transfer, of its own)
                      chunk_s=hw.link_latency_s
                      + model.expert_bytes / chunks / hw.link_bytes_per_s)
+
+
+def predictor_costs(costs: HostCosts, hw: HardwareSpec,
+                    predictor: str) -> tuple[HostCosts, bool]:
+    """``costs`` with ``predictor``'s own time on the compute thread where the preset
+    measured it (``[host.predictors]``), and whether it did (ondemand and the oracle ask no
+    predictor: nothing to count, True)."""
+    if predictor in ("ondemand", "oracle"):
+        return costs, True
+    cost = hw.host.predictors.get(predictor) if hw.host is not None else None
+    if cost is None:
+        return costs, False
+    return dataclasses.replace(costs, learn_s=cost.learn_s, predict_s=cost.predict_s,
+                               admission_s=cost.admission_s), True
 
 
 ALL_SUFFIX = "-all"  # a system with admission off: every predicted load made
@@ -129,7 +152,8 @@ def run_host_system(name: str, seq: RoutingTrace, prefill: int, model: ModelSpec
         plan, horizon = (made.ptr, made.ids), p.horizon
     run = HostRun(np.asarray(seq.experts, dtype=np.int64), prefill, plan,
                   predictor == "oracle", o.capacity, policy, admitted(name, o), horizon, scores)
-    c = simulate_host(run, host_costs(model, hw), model.num_experts)
+    costs, timed = predictor_costs(host_costs(model, hw), hw, predictor)
+    c = simulate_host(run, costs, model.num_experts)
     t, tokens = c["time"], c["tokens"]
     return {
         "predictor": predictor, "policy": policy, "decode_s": t,
@@ -139,6 +163,9 @@ def run_host_system(name: str, seq: RoutingTrace, prefill: int, model: ModelSpec
         "bytes_moved": int(c["moved"]) * model.expert_bytes,
         "bytes_wasted": int(c["wasted"]) * model.expert_bytes,
         "admission": run.admission and not run.oracle,
+        # the predictor's own time counted (False: a predicting system whose preset has no
+        # [host.predictors] entry for it, so none was)
+        "predictor_time": timed,
         "counters": c,
     }
 
