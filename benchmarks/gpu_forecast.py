@@ -4,6 +4,7 @@ nothing measured (``stmoe.runtime.gpu_check.forecast``; docs/simulator.md).
 
     PYTHONPATH=src python3 benchmarks/gpu_forecast.py                  # ASSUMED GPU costs
     PYTHONPATH=src python3 benchmarks/gpu_forecast.py --hardware gpu_check.calibrated-gpu.toml
+    PYTHONPATH=src python3 benchmarks/gpu_forecast.py --predictors-from CPU.toml  # + their time
 
 The routing, its held-out split (tables profiled on tokens 0..99, the rest replayed), the
 model's shape and the systems are the check's; the costs a grid of ASSUMED ones (public
@@ -36,6 +37,9 @@ def main() -> None:
     ap.add_argument("--routing", type=Path, default=None,
                     help=f"the recorded routing (default {CARRIED}, else ../shared/traces)")
     ap.add_argument("--layers", type=int, default=LAYERS, help="MoE layers (the check's: 4)")
+    ap.add_argument("--predictors-from", type=Path, default=None,
+                    help="a `stmoe calibrate` preset whose [host.predictors] stands for the "
+                         "GPU host's predictor time in the ASSUMED grid (default: none counted)")
     a = ap.parse_args()
     path = a.routing or next((p for p in (REPO / CARRIED, REPO.parent / "shared" / "traces"
                                            / SAMPLE) if p.is_file()), None)
@@ -51,7 +55,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for share in SHARES:
             points = ([(str(a.hardware), hardware_preset(str(a.hardware)))] if a.hardware
-                      else assumed_grid(model, share, Path(tmp)))
+                      else assumed_grid(model, share, Path(tmp), a.predictors_from))
             for label, hw in points:
                 r = forecast(hw, model, tail, tables, share)
                 rates = " ".join(f"{k} {v:.1f}" for k, v in r.items())

@@ -287,6 +287,21 @@ def test_the_forecast_reads_the_checks_targets_off_the_simulator(tmp_path):
         assert [name for name, _, _ in verdicts(r)] == [
             "stmoe-plus / lru-only", "lru-only -> oracle gap closed",
             "the same by stmoe-plus-score", "stmoe-plus / resident"]
+    # --predictors-from: another preset's [host.predictors] in every ASSUMED point, said so;
+    # the predicting systems only are slower for it
+    source = tmp_path / "cpu.toml"
+    source.write_text((tmp_path / f"{points[0][1].name}.toml").read_text().replace(
+        "# [host.predictors] not measured", "# was") + "\n[host.predictors]\nstmoe-plus = "
+        "{ learn_s = 4e-05, predict_s = 3e-05, admission_s = 1.5e-05 }\n")
+    (tmp_path / "t").mkdir()
+    timed = list(assumed_grid(model, 0.5, tmp_path / "t", source))
+    assert all("predictors as cpu.toml" in label for label, _ in timed)
+    cost = timed[0][1].host.predictors["stmoe-plus"]
+    assert (cost.learn_s, cost.predict_s, cost.admission_s) == (4e-05, 3e-05, 1.5e-05)
+    assert "ASSUMED: " in (tmp_path / "t" / f"{timed[0][1].name}.toml").read_text()
+    plain, slower = (forecast(p[0][1], model, tail, profile(head), 0.5) for p in (points, timed))
+    assert slower["stmoe-plus"] < plain["stmoe-plus"]
+    assert slower["lru-only"] == plain["lru-only"] and slower["oracle"] == plain["oracle"]
 
 
 def test_without_a_gpu_a_real_run_stops_after_the_environment_and_claims_nothing(tmp_path):

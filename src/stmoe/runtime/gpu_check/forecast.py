@@ -13,6 +13,7 @@ copy; a GUESSED compute time per MoE layer, x0.5 to x3) or a preset ``stmoe cali
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from stmoe.predictors import ProfiledTables
 from stmoe.runtime.gpu_check.decode import CAPACITIES, SYSTEMS
 from stmoe.sim.host.calibrated import hardware_toml
 from stmoe.sim.host.systems import HostOptions, simulate_runtime
-from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError, hardware_preset
+from stmoe.sim.specs import HardwareSpec, ModelSpec, PredictorCost, SpecError, hardware_preset
 from stmoe.trace.schema import RoutingTrace
 
 # of the experts in HBM: the decode table's capacities
@@ -35,9 +36,12 @@ EXPERTS_S, REST_S, TOKEN_S = 0.4e-3, 0.7e-3, 0.3e-3
 SCALES = (0.5, 1.0, 3.0)
 
 
-def assumed(model: ModelSpec, bw: float, scale: float, share: float, root: Path) -> HardwareSpec:
+def assumed(model: ModelSpec, bw: float, scale: float, share: float, root: Path,
+            predictors: dict[str, PredictorCost] | None = None,
+            source: str = "") -> HardwareSpec:
     """A preset of ASSUMED GPU costs (a calibrate preset's keys; its source line says
-    assumed), written under ``root``."""
+    assumed), written under ``root``; ``predictors``: a predicting system's own host time
+    (another preset's ``[host.predictors]``, from ``source``), else none counted."""
     layers = model.layers
     figures = {
         "when": "ASSUMED (stmoe.runtime.gpu_check.forecast)", "machine": "no GPU",
@@ -49,17 +53,24 @@ def assumed(model: ModelSpec, bw: float, scale: float, share: float, root: Path)
         "latency_s": COPY_S, "capacity": round(share * model.num_experts), "workers": 1,
         "chunk_bytes": 4 << 20, "parallel_bytes_per_s": bw,
         "reads_n": {"threads": 2, "blocks": 0}, "tokens": 0, "first_touch_s": 0.0,
-        "touch_reads": 0, "populate_s": 0.0, "reads_1": {"blocks": 0}}
+        "touch_reads": 0, "populate_s": 0.0, "reads_1": {"blocks": 0},
+        "predictors": {name: {**dataclasses.asdict(cost), "how": f"ASSUMED: {source}'s"}
+                       for name, cost in (predictors or {}).items()}}
     path = root / f"assumed-{bw:.0e}-{scale}-{share}.toml"
     path.write_text(hardware_toml(figures))
     return hardware_preset(str(path))
 
 
-def assumed_grid(model: ModelSpec, share: float, root: Path) -> Iterator[tuple[str, HardwareSpec]]:
-    """(label, preset) of every assumed point."""
+def assumed_grid(model: ModelSpec, share: float, root: Path,
+                 predictors_from: Path | None = None) -> Iterator[tuple[str, HardwareSpec]]:
+    """(label, preset) of every assumed point (with ``predictors_from``, a preset whose
+    ``[host.predictors]`` stands for the GPU host's predictor time)."""
+    costs = hardware_preset(str(predictors_from)).host if predictors_from else None
+    predictors = costs.predictors if costs is not None else {}
+    note = f", predictors as {predictors_from.name}" if predictors else ", no predictor time"
     for bw, scale in itertools.product(LINKS, SCALES):
-        yield (f"ASSUMED {bw / 1e9:.0f} GB/s, compute x{scale}",
-               assumed(model, bw, scale, share, root))
+        yield (f"ASSUMED {bw / 1e9:.0f} GB/s, compute x{scale}{note}",
+               assumed(model, bw, scale, share, root, predictors, str(predictors_from)))
 
 
 def forecast(hw: HardwareSpec, model: ModelSpec, tail: RoutingTrace, tables: ProfiledTables,

@@ -92,11 +92,12 @@ def _predictors(f: dict[str, Any]) -> list[str]:
             "per decode layer call: the planner's but the predictor's answer, the answer (per "
             "call asking it), admission's look at the last set"]
     for name, t in timed.items():
+        how = t.get("how") or (f"measured: {t['calls']} decode layer calls ({t['asked']} "
+                               "asking the predictor), every expert cached, tables "
+                               f"{json.dumps(f.get('predictor_tables'))}")
         rows.append(f"{json.dumps(name)} = {{ learn_s = {t['learn_s']!r}, predict_s = "
-                    f"{t['predict_s']!r}, admission_s = {t['admission_s']!r} }}  # measured: "
-                    f"{t['calls']} decode layer calls ({t['asked']} asking the predictor), "
-                    "every expert cached, tables "
-                    f"{json.dumps(f.get('predictor_tables'))}")
+                    f"{t['predict_s']!r}, admission_s = {t['admission_s']!r} }}  # "
+                    + how.replace("\n", " "))
     return rows
 
 
