@@ -85,6 +85,10 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys, mon
 
     host = hardware_preset(str(preset)).host
     assert host is not None and host.tier == "gpu"
+    # the predicting systems' own host time, timed with the check's tables, simulated
+    assert set(host.predictors) == {"stmoe", "stmoe-plus"}
+    assert set(doc["stages"]["calibrate_simulator"]["preset"]["predictors"]) == {
+        "stmoe", "stmoe-plus"}
     assert doc["stages"]["tier_gpu"]["runs"][0]["identical"] is True
     assert doc["stages"]["cuda_tests"]["ran"] is False
     printed = capsys.readouterr().out
