@@ -58,9 +58,10 @@ def calibrate_cmd(
     ] = ",".join(_D.predictors),
 ) -> None:
     """Measure the tier (bandwidth and latency reading expert blocks of the store, alone
-    and with the prefetch workers) and the compute per decode token at the model's sizes,
-    with the runtime's own code; write them as a hardware preset whose every number says
-    how, when and on what it was measured. `stmoe simulate --pipeline runtime --hardware
+    and with the prefetch workers), the compute per decode token at the model's sizes and,
+    with tables, each predictor's own time per layer, with the runtime's own code; write
+    them as a hardware preset whose every number says how, when and on what it was
+    measured. `stmoe simulate --pipeline runtime --hardware
     OUT.toml` then predicts the runtime's decode time on this machine (docs/simulator.md).
     """
     from stmoe.errors import StmoeError
