@@ -344,10 +344,12 @@ def test_more_clients_than_the_batch_and_queue_get_429(server):
                 s.close()
             until(lambda: service.counters.requests.get("cancelled", 0) == cancelled + 2,
                   "the queued clients' going seen")
-            assert service.batcher.queue_depth() == (3, 0)
+            # (the gate may hold the batcher's thread before it moved all three into the
+            # batch: a CI run saw (1, 2); the places are what counts)
+            assert sum(service.batcher.queue_depth()) == 3
             streams.append(c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=400,
                                                 stream=True))  # taken, not a 429
-            assert service.batcher.queue_depth() == (3, 1)
+            assert sum(service.batcher.queue_depth()) == 4
         finally:
             for s in streams:
                 s.close()
