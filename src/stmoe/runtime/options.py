@@ -286,6 +286,13 @@ def resolve_predictor(options: OffloadOptions, shape: ModelShape,
     return pred
 
 
+def shipped_tables(model_dir: Path) -> Path | None:
+    """The model folder's own profiled tables (the shipped model's), or None: the tables a
+    predictor takes when none are given."""
+    path = model_dir / SHIPPED_TABLES
+    return path if path.is_file() else None
+
+
 def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
                model_dir: Path | None, lookahead: str) -> Predictor:
     from stmoe.predictors import REGISTRY
@@ -302,8 +309,8 @@ def _predictor(name: str, shape: ModelShape, tables: str | Path | None,
 
         warn(f"predictor {name!r} takes no profiled tables: {tables} is not used", StmoeNote)
     if cls is not None and cls.needs_tables:
-        if tables is None and model_dir is not None and (model_dir / SHIPPED_TABLES).is_file():
-            tables = model_dir / SHIPPED_TABLES
+        if tables is None and model_dir is not None:
+            tables = shipped_tables(model_dir)
         if tables is None:
             raise OffloadError(f"predictor {name!r} needs profiled tables: pass --tables "
                                "(write them with `stmoe capture` then `stmoe profile`)")

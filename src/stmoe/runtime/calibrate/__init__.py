@@ -52,7 +52,6 @@ from typing import Any
 import torch
 
 from stmoe.errors import OffloadError
-from stmoe.models import SHIPPED_TABLES
 from stmoe.runtime.accelerator import GPU_TIERS, accelerator
 from stmoe.runtime.cache import param_specs
 from stmoe.runtime.calibrate.compute import measure_compute, measure_runtime_reads, routed_plan
@@ -79,19 +78,18 @@ __all__ = ["CALIBRATED_TIERS", "CalibrateOptions", "PageFaults", "Reads", "calib
            "routed_plan", "slab_memory"]
 
 
-def shipped_tables(model_dir: Path) -> Path | None:
-    """The model folder's own tables (the shipped model's), or None."""
-    path = model_dir / SHIPPED_TABLES
-    return path if path.is_file() else None
-
-
 def calibrate(model_dir: str | Path, store: str | Path | None,
               options: CalibrateOptions | None = None) -> dict[str, Any]:
     """Measure the tier and the compute for ``model_dir`` and its ``store`` (see the
     module docstring); the figures ``hardware_toml`` writes."""
     from transformers import AutoConfig
 
-    from stmoe.runtime.options import OffloadOptions, resolve_capacities, top_k_of
+    from stmoe.runtime.options import (
+        OffloadOptions,
+        resolve_capacities,
+        shipped_tables,
+        top_k_of,
+    )
 
     o = options or CalibrateOptions()
     check_options(o)

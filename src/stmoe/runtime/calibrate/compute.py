@@ -32,7 +32,6 @@ def measure_compute(model_dir: Path, store_path: Path | None, o: CalibrateOption
     runtime does, so the clocked run is slower than the runtime's own (``token_s_clocked``
     says by how much) and would make the simulator predict it slower too."""
     from stmoe.runtime.api import offload
-    from stmoe.runtime.forced_routing import RoutingPlan
 
     torch.set_num_threads(o.threads)
     link = {"bandwidth": o.bandwidth, "latency": o.latency} if o.tier == "emulated" else {}
@@ -40,15 +39,9 @@ def measure_compute(model_dir: Path, store_path: Path | None, o: CalibrateOption
     with offload(model_dir, store_path, capacity=capacity, predictor="ondemand", policy="lru",
                  tier=o.tier, workers=0, **link) as om:
         n_layers = om.config["num_layers"]
-        steps = o.tokens + 1  # the prompt's forward, then the timed decode tokens
+        plan, steps = decode_plan(o, om, top_k)
         if o.routing is not None:
-            plan = routed_plan(o.routing, om, n_layers, top_k)
-            steps = min(o.tokens, plan.new_tokens)
             om.force_routing(plan, max_new_tokens=steps)  # every routed expert into the cache
-        else:
-            experts = np.broadcast_to(np.arange(top_k), (steps + 1, n_layers, top_k)).copy()
-            plan = RoutingPlan(experts, np.full(experts.shape, 1.0 / top_k, dtype=np.float32),
-                              2, [1, 2])
         plain = _hits(om.force_routing(plan, max_new_tokens=steps, cold=o.routing is None))
         expert_s: list[float] = []
         layer_s: list[float] = []
@@ -81,6 +74,20 @@ def measure_compute(model_dir: Path, store_path: Path | None, o: CalibrateOption
         "tokens": tokens,
         "num_layers": n_layers,
     }
+
+
+def decode_plan(o: CalibrateOptions, om: OffloadedModel, top_k: int) -> tuple[RoutingPlan, int]:
+    """The routing calibrate's compute runs replay and their decode tokens: ``o.routing``'s
+    first sequence, else the same top-K experts at every token (after the prompt's forward,
+    ``o.tokens`` decode tokens)."""
+    n_layers = int(om.config["num_layers"])
+    if o.routing is not None:
+        plan = routed_plan(o.routing, om, n_layers, top_k)
+        return plan, min(o.tokens, plan.new_tokens)
+    steps = o.tokens + 1  # the prompt's forward, then the timed decode tokens
+    experts = np.broadcast_to(np.arange(top_k), (steps + 1, n_layers, top_k)).copy()
+    return RoutingPlan(experts, np.full(experts.shape, 1.0 / top_k, dtype=np.float32),
+                       2, [1, 2]), steps
 
 
 def _hits(result: GenerationResult) -> GenerationResult:

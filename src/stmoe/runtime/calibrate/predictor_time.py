@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from stmoe.errors import OffloadError
@@ -47,7 +46,7 @@ def measure_predictors(model_dir: Path, store_path: Path | None, o: CalibrateOpt
     from stmoe.evaluate.systems import compared_predictor
     from stmoe.predictors import load_tables
     from stmoe.runtime.api import offload
-    from stmoe.runtime.calibrate.compute import routed_plan
+    from stmoe.runtime.calibrate.compute import decode_plan
     from stmoe.runtime.warm_up import warm_up
 
     unknown = [n for n in names if n not in TIMED_PREDICTORS]
@@ -63,15 +62,7 @@ def measure_predictors(model_dir: Path, store_path: Path | None, o: CalibrateOpt
         with offload(model_dir, store_path, capacity="100%", predictor=predictor,
                      tables=tables if isinstance(predictor, str) else None, policy="lru",
                      tier=o.tier, **link) as om:  # admission on: the runtime's default
-            n_layers = int(om.config["num_layers"])
-            if o.routing is not None:
-                plan = routed_plan(o.routing, om, n_layers, top_k)
-                steps = min(o.tokens, plan.new_tokens)
-            else:
-                steps = o.tokens + 1
-                experts = np.broadcast_to(np.arange(top_k), (steps + 1, n_layers, top_k)).copy()
-                plan = RoutingPlan(experts, np.full(experts.shape, 1.0 / top_k,
-                                                    dtype=np.float32), 2, [1, 2])
+            plan, steps = decode_plan(o, om, top_k)
             warm_up(om)  # numba's kernels compiled, not timed
             om.force_routing(plan, max_new_tokens=steps)  # every routed expert cached
             out[name] = _timed_run(om, plan, steps)
