@@ -106,10 +106,11 @@ class Admission:
         st.prediction = (fwd, tuple(ranked))
         if not st.on:
             return []
-        floor = self.waste_cost() / (1.0 + self.waste_cost())
-        keep = 0
-        while keep < len(ranked) and st.precision[min(keep, self.capacity - 1)] >= floor:
-            keep += 1
+        w = self.waste_cost()
+        floor, precision = w / (1.0 + w), st.precision
+        # the first rank below the floor (ranks past the capacity take the last one's)
+        keep = next((r for r in range(min(len(ranked), self.capacity)) if precision[r] < floor),
+                    len(ranked))
         return ranked[: min(keep, self.budget())]
 
     def wants(self, layer: int) -> bool:
@@ -158,8 +159,9 @@ class Admission:
         prefetch brought in (unused until now), ``misses`` not in the cache."""
         st, cfg = self.layers[layer], self.config
         if st.prediction is not None and st.prediction[0] == fwd:
+            precision, a, keep = st.precision, cfg.ema, 1 - cfg.ema
             for r, e in enumerate(st.prediction[1][: self.capacity]):
-                st.precision[r] = (1 - cfg.ema) * st.precision[r] + cfg.ema * (e in needed)
+                precision[r] = keep * precision[r] + a * (e in needed)
         st.prediction = None
         harmed = len(misses & st.ghosts)
         st.ghosts -= needed
@@ -222,9 +224,14 @@ def record_call(run: Any, cache: Any, layer: int, needed: list[int], now: float)
     to ``run.admission.observe``: the routed experts a prefetch brought in (unused until now), the
     misses, and since the last call its wall time and the tier's read seconds and count
     (``run``: a ``RunState``; ``cache``: the layer's ``LayerCache``)."""
-    slots = [cache.where.get(e) for e in needed]
-    hits = sum(1 for s in slots if s is not None and cache.prefetched[s] and not cache.used[s])
-    misses = {e for e, s in zip(needed, slots, strict=True) if s is None}
+    where, prefetched, used = cache.where, cache.prefetched, cache.used
+    hits, misses = 0, set()
+    for e in needed:  # one pass (this runs at every decode layer call)
+        s = where.get(e)
+        if s is None:
+            misses.add(e)
+        elif prefetched[s] and not used[s]:
+            hits += 1
     reads = run.stats.phases["decode"].reads
     run.admission.observe(run.fwd, layer, set(needed), hits, misses, now,
                           reads["demand"][1] + reads["prefetch"][1],

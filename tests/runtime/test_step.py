@@ -74,7 +74,7 @@ def test_a_driver_of_its_own_gets_the_resident_bits(qwen, capacity):
                  tables=tables) as om:
         got, driver = _driven_logits(om, ids)
         assert driver.layers == list(range(om.engine.num_layers))  # every layer, in order
-        assert om.engine.run.fwd == 0 and len(om.engine.run.forward_ends) == 1  # books once
+        assert om.engine.run.fwd == 0 and om.engine.run.forward_ends.count == 1  # books once
     assert torch.equal(got, want)
 
 
@@ -89,7 +89,7 @@ def test_a_solo_forward_is_a_step_of_one_part_with_its_books_kept_once(qwen):
             with torch.no_grad():
                 om.model(input_ids=ids)
             run = engine.run
-            assert run.fwd == n - 1 and len(run.forward_ends) == n
+            assert run.fwd == n - 1 and run.forward_ends.count == n
             assert run.step.parts == (Part((0, 1), n - 1),) and run.step.rows == 2
             assert run.phase == "prefill" and run.batch == (2, len(PROMPT))
         assert engine.state.owner is None  # each call let the engine go

@@ -154,9 +154,11 @@ class OffloadedModel:
             out, stats = self._measure(lambda: self._run(ids, max_new_tokens), cold)
             run = self.engine.run
         ends = run.forward_ends
-        ttft = ends[0] - run.started
-        decode_tokens = len(ends) - 1
-        decode_s = ends[-1] - ends[0] if decode_tokens else 0.0
+        if not ends.count:
+            raise OffloadError("the generation ran no forward call of the model")
+        ttft = ends.first - run.started
+        decode_tokens = ends.count - 1
+        decode_s = ends.last - ends.first if decode_tokens else 0.0
         new = out[0, ids.shape[1] :].tolist()
         phase = stats.phases["decode" if decode_tokens else "prefill"].summary()
         text = self.tokenizer.decode(new) if self.tokenizer is not None else ""

@@ -10,14 +10,93 @@ compute stream for pending copies an event before and after it, and at the run's
 for copies), ``copy_busy_s`` (the union of the copies' intervals: the link's busy time)
 and the bytes copied, whose ratio is the copy bandwidth the run achieved. Every time is
 measured from one reference event recorded before the first of them.
+
+Bounded: a server's run lasts as long as the server, so the events cannot all wait for its
+end. Once a phase holds ``FOLD_AT`` of them, those completed are folded into sums and let
+go (``_Phase.fold``), exactly: a copy's interval joins the busy time only once no copy yet
+unfolded can start before it ends (the device's clock only moves forward: an event not yet
+completed lies after every completed one). A short run (a benchmark's) folds nothing
+before its end.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from dataclasses import dataclass, field
 
 from stmoe.runtime.stats import PHASES
 from stmoe.runtime.store.device_ops import CopyEvent, CopySpan, DeviceOps
+
+FOLD_AT = 4096  # a phase's events kept before the completed ones are folded into sums
+
+
+@dataclass
+class _Phase:
+    """One phase's copies and waits: those not folded yet, and the sums of those folded."""
+
+    spans: list[CopySpan] = field(default_factory=list)  # in the order they were queued
+    waits: list[tuple[CopyEvent, CopyEvent]] = field(default_factory=list)
+    timed: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, bytes)
+    copies: int = 0  # folded
+    nbytes: int = 0
+    busy: float = 0.0  # the union of the folded copies' intervals
+    stall: float = 0.0
+    fold_at: int = field(default_factory=lambda: FOLD_AT)  # (read when made: tests lower it)
+
+    def held(self) -> int:
+        return len(self.spans) + len(self.waits) + len(self.timed)
+
+    def fold(self, at: _Clock, final: bool) -> None:
+        """Fold what has completed (``final``: every event has) into the sums."""
+        spans: list[CopySpan] = []
+        for s in self.spans:  # a span whose end completed: its start did before it
+            if final or s.query():
+                self.timed.append((at(s.start), at(s.end), s.nbytes))
+            else:
+                spans.append(s)
+        waits: list[tuple[CopyEvent, CopyEvent]] = []
+        for before, after in self.waits:
+            if final or after.query():
+                self.stall += max(0.0, at(after) - at(before))
+            else:
+                waits.append((before, after))
+        self.spans, self.waits = spans, waits
+        # no copy left can start before ``edge``: those running start there or later, those
+        # not started after every completed event ...
+        edge = math.inf if final else min((at(s.start) for s in self.spans if s.start.query()),
+                                          default=math.inf)
+        while True:  # ... and those that stay (ending past it) start there or later
+            lower = min((a for a, b, _ in self.timed if b > edge and a < edge), default=edge)
+            if lower >= edge:
+                break
+            edge = lower
+        now = sorted(t for t in self.timed if t[1] <= edge)
+        self.timed = [t for t in self.timed if t[1] > edge]
+        reach = -math.inf
+        for start, end, nbytes in now:  # their union (no copy left overlaps it)
+            if end > reach:
+                self.busy += end - max(start, reach)
+                reach = end
+            self.copies += 1
+            self.nbytes += nbytes
+        self.fold_at = max(FOLD_AT, 2 * self.held())  # what stays waits for twice as many
+
+    def figures(self) -> dict[str, float]:
+        return {"copies": self.copies, "copy_bytes": self.nbytes, "copy_busy_s": self.busy,
+                "copy_GBps": self.nbytes / self.busy / 1e9 if self.busy > 0 else 0.0,
+                "device_stall_s": self.stall}
+
+
+class _Clock:
+    """An event's time from the timeline's reference (the event completed)."""
+
+    def __init__(self, ops: DeviceOps, ref: CopyEvent) -> None:
+        self.ops, self.ref = ops, ref
+
+    def __call__(self, event: CopyEvent) -> float:
+        event.synchronize()  # a no-op where it has completed
+        return self.ops.elapsed(self.ref, event)
 
 
 class DeviceTimeline:
@@ -27,41 +106,34 @@ class DeviceTimeline:
     def __init__(self, ops: DeviceOps) -> None:
         self.ops = ops
         self.ref = ops.record(None)  # before every event this timeline will hold
+        self._at = _Clock(ops, self.ref)
         self._lock = threading.Lock()
-        self._copies: dict[str, list[CopySpan]] = {p: [] for p in PHASES}
-        self._waits: dict[str, list[tuple[CopyEvent, CopyEvent]]] = {p: [] for p in PHASES}
+        self._phases = {p: _Phase() for p in PHASES}
 
     def copy(self, phase: str, span: CopySpan) -> None:
         with self._lock:
-            self._copies[phase].append(span)
+            self._phases[phase].spans.append(span)
+            self._fold_if_full(self._phases[phase])
 
     def wait(self, phase: str, before: CopyEvent, after: CopyEvent) -> None:
         with self._lock:
-            self._waits[phase].append((before, after))
+            self._phases[phase].waits.append((before, after))
+            self._fold_if_full(self._phases[phase])
+
+    def held(self) -> int:
+        """Events' spans and waits not folded yet (what the timeline keeps)."""
+        with self._lock:
+            return sum(p.held() for p in self._phases.values())
 
     def resolve(self) -> dict[str, dict[str, float]]:
         """Per phase: copies, copy_bytes, copy_busy_s, copy_GBps (bytes over busy time) and
         device_stall_s; waits for every event first (the run is over)."""
         with self._lock:
-            copies = {p: list(v) for p, v in self._copies.items()}
-            waits = {p: list(v) for p, v in self._waits.items()}
-        self.ref.synchronize()  # CUDA times only between completed events
-        at = self._at
-        out = {}
-        for phase in PHASES:
-            spans = sorted((at(s.start), at(s.end)) for s in copies[phase])
-            busy, reach = 0.0, float("-inf")
-            for start, end in spans:  # the union of the intervals
-                if end > reach:
-                    busy += end - max(start, reach)
-                    reach = end
-            nbytes = sum(s.nbytes for s in copies[phase])
-            out[phase] = {"copies": len(spans), "copy_bytes": nbytes, "copy_busy_s": busy,
-                          "copy_GBps": nbytes / busy / 1e9 if busy > 0 else 0.0,
-                          "device_stall_s": sum(max(0.0, at(b) - at(a))
-                                                for a, b in waits[phase])}
-        return out
+            self.ref.synchronize()  # CUDA times only between completed events
+            for phase in self._phases.values():
+                phase.fold(self._at, final=True)
+            return {p: self._phases[p].figures() for p in PHASES}
 
-    def _at(self, event: CopyEvent) -> float:
-        event.synchronize()
-        return self.ops.elapsed(self.ref, event)
+    def _fold_if_full(self, phase: _Phase) -> None:
+        if phase.held() >= phase.fold_at and self.ref.query():
+            phase.fold(self._at, final=False)

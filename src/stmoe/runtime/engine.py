@@ -287,7 +287,7 @@ class OffloadEngine:
         run = self.state.run
         if run.step is not step:
             raise OffloadError("end_step of a step the engine is not running")
-        run.forward_ends.append(time.perf_counter())
+        run.forward_ends.add(time.perf_counter())
         self.planner.forward_ended()
 
     def leave_step(self) -> None:

@@ -251,7 +251,7 @@ class PrefetchPlanner:
             ids, scores = self.predictor.predict_batch_scored(layer, slots, capacity)
         else:
             ids = self.predictor.predict_batch(layer, slots, max_size=capacity)
-        out = [int(e) for e in ids[:capacity]]
+        out = np.asarray(ids)[:capacity].tolist()  # Python ints (one call, not one per id)
         n = self.state.num_experts
         if out and (min(out) < 0 or max(out) >= n):  # checked here, not as a worker's KeyError
             bad = next(e for e in out if not 0 <= e < n)

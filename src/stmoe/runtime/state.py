@@ -56,6 +56,21 @@ class EngineSettings:
 Future = dict[tuple[int, int], tuple[int, ...]]  # (forward call, layer) -> the experts it needs
 
 
+@dataclass
+class CallEnds:
+    """When a run's forward calls ended (``perf_counter``): the first, the last, how many.
+    Why not each: a server's run lasts as long as the server."""
+
+    first: float = 0.0
+    last: float = 0.0
+    count: int = 0
+
+    def add(self, t: float) -> None:
+        if not self.count:
+            self.first = t
+        self.last, self.count = t, self.count + 1
+
+
 @dataclass(eq=False)
 class RunState:
     """One measured run so far (guarded by the engine's lock where workers read it)."""
@@ -70,7 +85,7 @@ class RunState:
     # per layer, the (call, experts) last predicted for it: the prediction counted there
     pending: list[tuple[int, frozenset[int]] | None] = field(init=False)
     routing_log: Future = field(default_factory=dict)  # what the recording pass saw
-    forward_ends: list[float] = field(default_factory=list)  # perf_counter at each call's end
+    forward_ends: CallEnds = field(default_factory=CallEnds)  # the calls' ends
     started: float = field(default_factory=time.perf_counter)
     prefill_routing: list[np.ndarray] = field(default_factory=list)  # the prompt's, per layer
     mask: np.ndarray | None = None  # [B, S] real (not padding) positions of this call
