@@ -324,3 +324,28 @@ def test_the_compute_totals_are_a_run_without_clocks_and_the_split_is_scaled_to_
     # (half of the clocks' 16 ms a token: a loaded machine's noise between two runs is not)
     assert f["token_s_clocked"] - f["token_s"] >= 0.5 * 4 * layers * 0.002, f
     assert 0 < f["experts_s"] < f["layers_s"] < f["token_s"], f
+
+
+def test_a_latency_not_below_the_mean_read_gives_no_absurd_bandwidth(tiny, cli, monkeypatch):
+    """Where the one-page latency measured is not below an expert's mean read (a tiny
+    expert, a noisy machine), subtracting it left a read of 1 ns, and the preset said the
+    disk moved petabytes a second. Now the read is all transfer: the mean still adds up."""
+    from stmoe.runtime import calibrate
+    from stmoe.runtime.calibrate import split_read
+
+    assert split_read(3e-4, 1e-4) == pytest.approx((2e-4, 1e-4))
+    assert split_read(1e-4, 3e-4) == (1e-4, 0.0)
+    with pytest.raises(stmoe.errors.OffloadError, match="mean read"):
+        split_read(0.0, 1e-4)
+    monkeypatch.setattr(calibrate, "measure_latency", lambda *a, **k: 5.0)  # 5 s a page
+    root, model_dir = tiny
+    out = root / "slow-latency.toml"
+    res = cli("calibrate", "--model", model_dir, "--store", root / "store", "-o", out, *FAST,
+              "--predictors", "none")
+    assert res.exit_code == 0, res.output
+    spec = hardware_preset(str(out))
+    assert spec.link_latency_s == 0.0
+    table = tomllib.loads(out.read_text())
+    assert 1e6 < spec.link_bytes_per_s < 1e12, spec.link_bytes_per_s
+    assert "could not be told apart" in out.read_text()
+    assert "5000000.0 us" in out.read_text() and table["link_latency_s"] == 0.0

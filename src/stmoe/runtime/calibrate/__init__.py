@@ -75,7 +75,7 @@ from stmoe.runtime.store.tiers import CHUNK_BYTES
 __all__ = ["CALIBRATED_TIERS", "CalibrateOptions", "PageFaults", "Reads", "calibrate",
            "check_options", "faulted_buffer", "machine", "measure_compute", "measure_latency",
            "measure_page_faults", "measure_reads", "measure_runtime_reads", "routed_blocks",
-           "routed_plan", "slab_memory"]
+           "routed_plan", "slab_memory", "split_read"]
 
 
 def calibrate(model_dir: str | Path, store: str | Path | None,
@@ -133,11 +133,14 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
     tables = o.tables if o.tables is not None else shipped_tables(model_dir)
     predictors = (measure_predictors(model_dir, opened.path, o, o.predictors, tables, top_k)
                   if o.predictors and tables is not None else {})
-    per_read = max(one.wall_s / one.blocks - latency, 1e-9)  # the mean: interference counts
+    measured_latency = latency
+    loop_s, _ = split_read(one.wall_s / one.blocks, latency)
     runtime = None
     if o.routing is not None:  # the tier as the runtime's own reads met it
         runtime = measure_runtime_reads(model_dir, opened.path, o, capacity)
-        per_read = max(runtime["mean_s"] - latency, 1e-9)
+    # the mean: interference counts
+    per_read, latency = split_read(runtime["mean_s"] if runtime else one.wall_s / one.blocks,
+                                   latency)
     # several readers at once: the loop's throughput, never below one reader's
     parallel_bytes_per_s = max(many.bytes_per_s, expert_bytes / (per_read + latency))
     return {
@@ -145,12 +148,13 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         "model_dir": str(model_dir), "num_layers": n_layers, "num_experts": n_experts,
         "top_k": top_k, "expert_bytes": expert_bytes, "capacity": capacity,
         "workers": workers, "threads": o.threads, "latency_s": latency,
+        "latency_measured_s": measured_latency,
         "chunk_bytes": CHUNK_BYTES,
         "first_touch_s": faults.first_touch_s, "populate_s": faults.populate_s,
         "touch_reads": faults.reads,
         "expert_macs": expert_bytes // param_specs(opened.blocks[(0, 0)])[0].dtype.itemsize,
         "bytes_per_s": expert_bytes / per_read, "reads_1": dataclasses.asdict(one),
-        "loop_bytes_per_s": expert_bytes / max(one.wall_s / one.blocks - latency, 1e-9),
+        "loop_bytes_per_s": expert_bytes / loop_s,
         "runtime_reads": runtime,
         "parallel_bytes_per_s": parallel_bytes_per_s,
         "reads_n": dataclasses.asdict(many),
@@ -160,6 +164,19 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
     }
+
+
+def split_read(mean_s: float, latency_s: float) -> tuple[float, float]:
+    """(transfer, latency) seconds of one expert's read whose mean is ``mean_s``, given the
+    measured latency. Why: the simulator's read is latency + bytes / bandwidth, so the two
+    must add up to the mean; where the measured latency (a one-page read) is not below it
+    (a tiny expert, a noisy machine), the bandwidth cannot be told apart, and subtracting
+    would give a near-zero transfer (an absurd bandwidth): the read is taken as all transfer
+    and the latency as 0, which still gives the measured mean."""
+    if not mean_s > 0:
+        raise OffloadError(f"calibrate measured a mean read of {mean_s} s; expected more "
+                           "than 0")
+    return (mean_s - latency_s, latency_s) if mean_s > latency_s else (mean_s, 0.0)
 
 
 def machine() -> str:

@@ -43,8 +43,7 @@ def hardware_toml(f: dict[str, Any]) -> str:
              "(its time is inside host.layer_s)"),
         line("dataflow", "weight_stationary", "one fixed kernel"),
         line("link_bytes_per_s", f["bytes_per_s"], _single_reader(f)),
-        line("link_latency_s", f["latency_s"], "measured: median one-page read into a "
-             "faulted-in page"),
+        line("link_latency_s", f["latency_s"], _latency_note(f)),
         line("cache_experts_per_layer", f["capacity"], "the cache described (--capacity)"),
         line("epu_cycles_per_candidate", 0, "prediction runs on the host CPU: its time per "
              "layer call is [host.predictors]'s"),
@@ -99,6 +98,16 @@ def _predictors(f: dict[str, Any]) -> list[str]:
                     f"{t['predict_s']!r}, admission_s = {t['admission_s']!r} }}  # "
                     + how.replace("\n", " "))
     return rows
+
+
+def _latency_note(f: dict[str, Any]) -> str:
+    """How ``link_latency_s`` was measured (and why it may be 0: ``calibrate.split_read``)."""
+    measured = f.get("latency_measured_s", f["latency_s"])
+    if f["latency_s"] == measured:
+        return "measured: median one-page read into a faulted-in page"
+    return (f"0: the measured latency ({measured * 1e6:.1f} us, a one-page read) was not below "
+            "an expert's mean read, so bandwidth and latency could not be told apart; the "
+            "read is all in link_bytes_per_s (the measured mean)")
 
 
 def _single_reader(f: dict[str, Any]) -> str:
