@@ -100,7 +100,8 @@ def test_a_shard_in_a_subfolder_is_refused_naming_the_weight_map(folder, tmp_pat
 def test_packing_over_a_folder_whose_index_json_is_someone_elses_is_refused(folder, tmp_path,
                                                                              cli):
     """`stmoe pack -o DIR` replaces a store in DIR; a DIR holding a user's own index.json
-    (and data beside it) is refused and left as it was. A store's own is still replaced."""
+    (and data beside it) is refused and left as it was, by every writer (no lock file left
+    in it either). A store's own is still replaced."""
     out = tmp_path / "mine"
     out.mkdir()
     (out / "index.json").write_text('{"mine": true}')
@@ -111,6 +112,11 @@ def test_packing_over_a_folder_whose_index_json_is_someone_elses_is_refused(fold
         assert res.exit_code == 1 and "not an stmoe store's index" in said, said
         assert (out / "index.json").read_text() == '{"mine": true}'
         assert (out / "experts.bin").read_bytes() == b"my data"
+    for make in (pack_folder, make_in_place):  # the library's writers too, not the CLI alone
+        with pytest.raises(StoreError, match="not an stmoe store's index"):
+            make(folder, out)
+        assert (out / "index.json").read_text() == '{"mine": true}'
+        assert sorted(p.name for p in out.iterdir()) == ["experts.bin", "index.json"]
     store = tmp_path / "store"
     for _ in range(2):  # a store's own index: replaced
         res = cli("pack", folder, "-o", store)

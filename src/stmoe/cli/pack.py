@@ -63,7 +63,6 @@ def pack_cmd(
                   f"({len(store.blocks)} blocks, {store.weights.label})", markup=False)
         return
     fmt = parse_format(weights, group_size)
-    _refuse_foreign_index(output)
     if in_place:
         from stmoe.runtime.store.in_place_index import make_in_place
 
@@ -82,25 +81,3 @@ def pack_cmd(
     size = store.data_path.stat().st_size
     out.print(f"wrote {path}: {size / 2**20:.1f} MiB of experts, {store.weights.label}",
               markup=False)
-
-
-def _refuse_foreign_index(output: Path) -> None:
-    """-o a folder whose index.json is not a store's is refused: packing replaces that file
-    (and any experts*.bin beside it), so a user's own would be lost with exit 0. A store's,
-    damaged or not, is replaced as the docstring says."""
-    import json
-
-    from stmoe.runtime.store import StoreError
-    from stmoe.runtime.store.index import MAX_INDEX_BYTES, STORE_FORMAT
-
-    index = output / "index.json"
-    if not index.is_file():
-        return
-    try:
-        with index.open("rb") as f:
-            data = json.loads(f.read(MAX_INDEX_BYTES + 1))
-    except (OSError, ValueError, RecursionError):
-        data = None
-    if not (isinstance(data, dict) and data.get("format") == STORE_FORMAT):
-        raise StoreError(f"{index}: not an stmoe store's index, and packing into {output} "
-                         "would replace it: pack into a new or empty folder (or remove it)")
