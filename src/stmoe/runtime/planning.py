@@ -286,6 +286,7 @@ class PrefetchPlanner:
             run = self.state.run
             if admit and run.admission is not None and run.future is None:  # the oracle: bound
                 experts = run.admission.admit(fwd, layer, experts)
-            self.state.run.pending[layer] = (fwd, frozenset(experts))
-            self.state.caches[layer].protected = frozenset(experts)
+            chosen = frozenset(experts)
+            run.pending[layer] = (fwd, chosen)
+            self.state.caches[layer].protected = chosen
             self.prefetcher.request(fwd, layer, experts, self.max_loads)
