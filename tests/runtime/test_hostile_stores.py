@@ -112,9 +112,15 @@ def test_packing_over_a_folder_whose_index_json_is_someone_elses_is_refused(fold
         assert res.exit_code == 1 and "not an stmoe store's index" in said, said
         assert (out / "index.json").read_text() == '{"mine": true}'
         assert (out / "experts.bin").read_bytes() == b"my data"
+    def reads(*args):
+        raise AssertionError("the checkpoint was read before the folder was refused")
+
     for make in (pack_folder, make_in_place):  # the library's writers too, not the CLI alone
-        with pytest.raises(StoreError, match="not an stmoe store's index"):
-            make(folder, out)
+        with pytest.MonkeyPatch.context() as mp:  # refused before any expert is read
+            mp.setattr("stmoe.runtime.store.pack_stream.CheckpointExperts", reads)
+            mp.setattr("stmoe.runtime.store.in_place_index.CheckpointExperts", reads)
+            with pytest.raises(StoreError, match="not an stmoe store's index"):
+                make(folder, out)
         assert (out / "index.json").read_text() == '{"mine": true}'
         assert sorted(p.name for p in out.iterdir()) == ["experts.bin", "index.json"]
     store = tmp_path / "store"

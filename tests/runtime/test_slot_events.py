@@ -222,7 +222,8 @@ def test_a_slots_conversion_is_not_timed_as_its_copy(tmp_path, monkeypatch):
         monkeypatch.setattr(cache, "layouts", {"stand-in": None})
         monkeypatch.setattr(cache, "convert", lambda slot: time.sleep(0.3))
         spans = []
-        monkeypatch.setattr(state.run.timeline, "copy", lambda phase, span: spans.append(span))
+        monkeypatch.setattr(state.run.timeline, "copy",
+                            lambda phase, span, marker=None: spans.append(span))
         ready = state.fill(cache, 0, state.store.blocks[(0, 0)], None, ops.new_stream())
         ready.synchronize()
         (span,) = spans

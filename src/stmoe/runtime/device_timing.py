@@ -13,14 +13,18 @@ measured from one reference event recorded before the first of them.
 
 Bounded: a server's run lasts as long as the server, so the events cannot all wait for its
 end. Once a phase holds ``FOLD_AT`` of them, those completed are folded into sums and let
-go (``_Phase.fold``), exactly: a copy's interval joins the busy time only once no copy yet
-unfolded can start before it ends (the device's clock only moves forward: an event not yet
-completed lies after every completed one). A short run (a benchmark's) folds nothing
-before its end.
+go (``_Phase.fold``), exactly: a copy's interval joins the busy time only once every copy
+not yet folded starts no earlier than it (the device's clock only moves forward: an event not yet
+completed lies after every completed one; a fill announces itself, ``opening``, before its
+first copy is queued, so a copy not yet handed to the timeline holds the edge back too).
+The union is one sweep over the copies in the order they start, carried from fold to fold:
+the figures are those of one pass over every event at the run's end, bit for bit. A short
+run (a benchmark's) folds nothing before its end.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from dataclasses import dataclass, field
@@ -35,12 +39,15 @@ FOLD_AT = 4096  # a phase's events kept before the completed ones are folded int
 class _Phase:
     """One phase's copies and waits: those not folded yet, and the sums of those folded."""
 
-    spans: list[CopySpan] = field(default_factory=list)  # in the order they were queued
+    spans: list[CopySpan] = field(default_factory=list)
     waits: list[tuple[CopyEvent, CopyEvent]] = field(default_factory=list)
+    # each fill still queuing its copies: an event recorded on its stream before them
+    opening: list[CopyEvent] = field(default_factory=list)
     timed: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, bytes)
     copies: int = 0  # folded
     nbytes: int = 0
     busy: float = 0.0  # the union of the folded copies' intervals
+    reach: float = -math.inf  # the latest end folded (the union's sweep goes on from it)
     stall: float = 0.0
     fold_at: int = field(default_factory=lambda: FOLD_AT)  # (read when made: tests lower it)
 
@@ -48,7 +55,8 @@ class _Phase:
         return len(self.spans) + len(self.waits) + len(self.timed)
 
     def fold(self, at: _Clock, final: bool) -> None:
-        """Fold what has completed (``final``: every event has) into the sums."""
+        """Fold what has completed (``final``: every event has) into the sums: the union is
+        one sweep over the copies in the order they start, taken up to ``edge``."""
         spans: list[CopySpan] = []
         for s in self.spans:  # a span whose end completed: its start did before it
             if final or s.query():
@@ -62,24 +70,19 @@ class _Phase:
             else:
                 waits.append((before, after))
         self.spans, self.waits = spans, waits
-        # no copy left can start before ``edge``: those running start there or later, those
-        # not started after every completed event ...
-        edge = math.inf if final else min((at(s.start) for s in self.spans if s.start.query()),
-                                          default=math.inf)
-        while True:  # ... and those that stay (ending past it) start there or later
-            lower = min((a for a, b, _ in self.timed if b > edge and a < edge), default=edge)
-            if lower >= edge:
-                break
-            edge = lower
-        now = sorted(t for t in self.timed if t[1] <= edge)
-        self.timed = [t for t in self.timed if t[1] > edge]
-        reach = -math.inf
-        for start, end, nbytes in now:  # their union (no copy left overlaps it)
-            if end > reach:
-                self.busy += end - max(start, reach)
-                reach = end
+        # no copy not yet timed starts before ``edge``: a running one's start completed, a
+        # fill's still queuing starts after its marker, any other after every completed event
+        started = [e for e in [s.start for s in spans] + self.opening if e.query()]
+        edge = math.inf if final else min((at(e) for e in started), default=math.inf)
+        self.timed.sort()
+        k = bisect.bisect_left(self.timed, (edge, -math.inf, 0))  # those starting before it
+        for start, end, nbytes in self.timed[:k]:
+            if end > self.reach:
+                self.busy += end - max(start, self.reach)
+                self.reach = end
             self.copies += 1
             self.nbytes += nbytes
+        del self.timed[:k]
         self.fold_at = max(FOLD_AT, 2 * self.held())  # what stays waits for twice as many
 
     def figures(self) -> dict[str, float]:
@@ -110,9 +113,23 @@ class DeviceTimeline:
         self._lock = threading.Lock()
         self._phases = {p: _Phase() for p in PHASES}
 
-    def copy(self, phase: str, span: CopySpan) -> None:
+    def opening(self, phase: str, marker: CopyEvent) -> None:
+        """A fill starts queuing its copies on the stream ``marker`` was just recorded on
+        (before them): until ``copy`` (or ``closing``) nothing that may overlap them folds."""
+        with self._lock:
+            self._phases[phase].opening.append(marker)
+
+    def closing(self, phase: str, marker: CopyEvent) -> None:
+        """The fill that ``opening`` announced queued no span (it failed)."""
+        with self._lock:
+            self._drop(self._phases[phase], marker)
+
+    def copy(self, phase: str, span: CopySpan, marker: CopyEvent | None = None) -> None:
+        """A block's copies (``marker``: its fill's, from ``opening``, now closed)."""
         with self._lock:
             self._phases[phase].spans.append(span)
+            if marker is not None:
+                self._drop(self._phases[phase], marker)
             self._fold_if_full(self._phases[phase])
 
     def wait(self, phase: str, before: CopyEvent, after: CopyEvent) -> None:
@@ -133,6 +150,10 @@ class DeviceTimeline:
             for phase in self._phases.values():
                 phase.fold(self._at, final=True)
             return {p: self._phases[p].figures() for p in PHASES}
+
+    @staticmethod
+    def _drop(phase: _Phase, marker: CopyEvent) -> None:
+        phase.opening = [m for m in phase.opening if m is not marker]
 
     def _fold_if_full(self, phase: _Phase) -> None:
         if phase.held() >= phase.fold_at and self.ref.query():

@@ -251,7 +251,8 @@ class PrefetchPlanner:
             ids, scores = self.predictor.predict_batch_scored(layer, slots, capacity)
         else:
             ids = self.predictor.predict_batch(layer, slots, max_size=capacity)
-        out = np.asarray(ids)[:capacity].tolist()  # Python ints (one call, not one per id)
+        # Python ints (one call, not one per id)
+        out = np.asarray(ids)[:capacity].astype(np.int64, copy=False).tolist()
         n = self.state.num_experts
         if out and (min(out) < 0 or max(out) >= n):  # checked here, not as a worker's KeyError
             bad = next(e for e in out if not 0 <= e < n)

@@ -193,6 +193,11 @@ class EngineState:
             return self.loader.fill(cache, slot, block, buf, stream, between)
         events.before_write(slot, stream)
         ops = self.device_ops()
+        timeline, phase = self._run.timeline, self._run.phase  # the run the copy starts in
+        marker = None  # before the copies: nothing they may overlap folds while they queue
+        if timeline is not None and ops is not None:
+            marker = ops.record(stream)
+            timeline.opening(phase, marker)
         try:
             copied = ready = self.loader.fill(cache, slot, block, buf, stream, between,
                                               wait=False)
@@ -202,12 +207,16 @@ class EngineState:
                 ready = CopySpan(ready.start, end, ready.nbytes) \
                     if isinstance(ready, CopySpan) else end
         except BaseException:  # copies queued before the failure land before the slot's
+            if timeline is not None and marker is not None:
+                timeline.closing(phase, marker)
             if ops is not None:  # next write (its loader waits on this, then)
                 with self.cv:
                     events.landing(slot, ops.record(stream))
             raise
-        if isinstance(copied, CopySpan) and self._run.timeline is not None:
-            self._run.timeline.copy(self._run.phase, copied)  # the copy, not a conversion
+        if timeline is not None and isinstance(copied, CopySpan):
+            timeline.copy(phase, copied, marker)  # the copy, not a conversion
+        elif timeline is not None and marker is not None:
+            timeline.closing(phase, marker)
         return ready
 
     def filled(self, cache: LayerCache, slot: int, ready: CopyEvent | None) -> None:

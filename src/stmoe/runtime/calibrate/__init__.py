@@ -72,10 +72,11 @@ from stmoe.runtime.store import open_store
 from stmoe.runtime.store.reading import open_tier
 from stmoe.runtime.store.tiers import CHUNK_BYTES
 
-__all__ = ["CALIBRATED_TIERS", "CalibrateOptions", "PageFaults", "Reads", "calibrate",
-           "check_options", "faulted_buffer", "machine", "measure_compute", "measure_latency",
-           "measure_page_faults", "measure_reads", "measure_runtime_reads", "routed_blocks",
-           "routed_plan", "slab_memory", "split_read"]
+__all__ = ["CALIBRATED_TIERS", "MIN_TRANSFER_SHARE", "CalibrateOptions", "PageFaults",
+           "Reads", "calibrate", "check_options", "faulted_buffer", "machine",
+           "measure_compute", "measure_latency", "measure_page_faults", "measure_reads",
+           "measure_runtime_reads", "routed_blocks", "routed_plan", "slab_memory",
+           "split_read"]
 
 
 def calibrate(model_dir: str | Path, store: str | Path | None,
@@ -166,17 +167,24 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
     }
 
 
+MIN_TRANSFER_SHARE = 0.1  # the least share of an expert's mean read taken as transfer
+
+
 def split_read(mean_s: float, latency_s: float) -> tuple[float, float]:
     """(transfer, latency) seconds of one expert's read whose mean is ``mean_s``, given the
-    measured latency. Why: the simulator's read is latency + bytes / bandwidth, so the two
-    must add up to the mean; where the measured latency (a one-page read) is not below it
-    (a tiny expert, a noisy machine), the bandwidth cannot be told apart, and subtracting
-    would give a near-zero transfer (an absurd bandwidth): the read is taken as all transfer
-    and the latency as 0, which still gives the measured mean."""
+    measured latency; they add up to the mean (the simulator's read is latency + bytes /
+    bandwidth). Why a floor: where the measured latency (a one-page read) is near or above
+    the mean (a tiny expert, a noisy machine), subtracting it leaves a transfer of next to
+    nothing, an absurd bandwidth; the transfer is kept at MIN_TRANSFER_SHARE of the mean or
+    more (the bandwidth at most ten times what the whole read gives) and the latency is
+    what is left."""
     if not mean_s > 0:
         raise OffloadError(f"calibrate measured a mean read of {mean_s} s; expected more "
                            "than 0")
-    return (mean_s - latency_s, latency_s) if mean_s > latency_s else (mean_s, 0.0)
+    if mean_s - latency_s >= MIN_TRANSFER_SHARE * mean_s:
+        return mean_s - latency_s, latency_s
+    transfer = MIN_TRANSFER_SHARE * mean_s
+    return transfer, mean_s - transfer
 
 
 def machine() -> str:

@@ -24,7 +24,7 @@ import torch
 from stmoe.quant.formats import NATIVE
 from stmoe.runtime.store.check import check_unchanged, file_records
 from stmoe.runtime.store.extents import NotInPlace, planned_blocks, tensor_spans
-from stmoe.runtime.store.folder import pack_lock, remove_unnamed
+from stmoe.runtime.store.folder import pack_lock, refuse_foreign_index, remove_unnamed
 from stmoe.runtime.store.in_place import ExtentReader
 from stmoe.runtime.store.index import ALIGN, IN_PLACE, Block, index_text
 from stmoe.runtime.store.pack_stream import CheckpointExperts, StreamUnsupported
@@ -43,6 +43,7 @@ def make_in_place(model_dir: str | Path, out_dir: str | Path,
     from stmoe.util.progress import byte_progress
 
     model_dir, out = Path(model_dir), Path(out_dir)
+    refuse_foreign_index(out)  # before the experts are read (pack_lock checks it again)
     try:
         experts = CheckpointExperts(model_dir)
     except StreamUnsupported as exc:

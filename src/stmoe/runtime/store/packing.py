@@ -26,7 +26,7 @@ from stmoe.hf.layout import expert_params
 from stmoe.quant.formats import NATIVE, WeightFormat
 from stmoe.runtime.store.check import architecture, file_records
 from stmoe.runtime.store.expert_store import ExpertStore
-from stmoe.runtime.store.folder import pack_lock, remove_unnamed
+from stmoe.runtime.store.folder import pack_lock, refuse_foreign_index, remove_unnamed
 from stmoe.runtime.store.index import (
     ALIGN,
     Block,
@@ -112,6 +112,7 @@ def pack_folder(model_dir: str | Path, out_dir: str | Path,
     from stmoe.util.progress import byte_progress
 
     model_dir = Path(model_dir)
+    refuse_foreign_index(Path(out_dir))  # before any reading (pack_lock checks it again)
     try:
         experts = CheckpointExperts(model_dir)
     except StreamUnsupported as exc:

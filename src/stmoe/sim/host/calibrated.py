@@ -105,9 +105,10 @@ def _latency_note(f: dict[str, Any]) -> str:
     measured = f.get("latency_measured_s", f["latency_s"])
     if f["latency_s"] == measured:
         return "measured: median one-page read into a faulted-in page"
-    return (f"0: the measured latency ({measured * 1e6:.1f} us, a one-page read) was not below "
-            "an expert's mean read, so bandwidth and latency could not be told apart; the "
-            "read is all in link_bytes_per_s (the measured mean)")
+    return (f"the measured latency ({measured * 1e6:.1f} us, a one-page read) was near or "
+            "above an expert's mean read, so bandwidth and latency could not be told apart: "
+            "a tenth of the mean is taken as transfer (link_bytes_per_s), the rest as latency "
+            "(the two add up to the measured mean)")
 
 
 def _single_reader(f: dict[str, Any]) -> str:
