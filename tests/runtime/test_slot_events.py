@@ -229,3 +229,34 @@ def test_a_slots_conversion_is_not_timed_as_its_copy(tmp_path, monkeypatch):
         (span,) = spans
         assert ops.elapsed(span.start, span.end) < 0.15  # the copy's
         assert ops.elapsed(ready.start, ready.end) >= 0.3  # the ready event's: with it
+
+
+def test_a_long_runs_timeline_folds_while_the_copies_land(qwen, monkeypatch):
+    """A server's run never ends, so its device timeline folds as it goes (FOLD_AT lowered
+    here): through the real fill path, every fill's announcement is closed, the timeline
+    holds few events while hundreds are queued, and the run's figures count every copy."""
+    from stmoe.runtime import device_timing
+
+    monkeypatch.setattr(device_timing, "FOLD_AT", 8)
+    store, tables, want = qwen
+    held: list[int] = []
+    handed = device_timing.DeviceTimeline.copy
+
+    def copy(self, phase, span, marker=None):
+        handed(self, phase, span, marker)
+        held.append(self.held())
+
+    monkeypatch.setattr(device_timing.DeviceTimeline, "copy", copy)
+    fresh, _ = tiny_model("qwen2_moe")
+    with offload(fresh, store, capacity=2, predictor="stmoe-plus", tables=tables,
+                 workers=2) as om:
+        ops = HostThreadOps(delay=0.001)
+        om.engine.tier = PinnedHostTier(om.engine.store, NoPinning(), ops)
+        r = om.generate(PROMPT, max_new_tokens=4 * NEW)
+        phases = om.engine.state.run.timeline._phases.values()
+        assert not any(p.opening for p in phases)  # every announcement closed
+        ops.close()
+    assert r.tokens[:NEW] == want.tolist()
+    copies = sum(r.stats["phases"][p]["device"]["copies"] for p in ("prefill", "decode"))
+    assert copies == len(held) > 50, (copies, len(held))
+    assert max(held) < 40, max(held)  # folded during the run, not kept to its end
