@@ -71,6 +71,7 @@ from stmoe.runtime.options import CALIBRATED_TIERS, CalibrateOptions, check_opti
 from stmoe.runtime.store import open_store
 from stmoe.runtime.store.reading import open_tier
 from stmoe.runtime.store.tiers import CHUNK_BYTES
+from stmoe.sim.host.calibrated import MIN_TRANSFER_SHARE, split_read
 
 __all__ = ["CALIBRATED_TIERS", "MIN_TRANSFER_SHARE", "CalibrateOptions", "PageFaults",
            "Reads", "calibrate", "check_options", "faulted_buffer", "machine",
@@ -135,13 +136,11 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
     predictors = (measure_predictors(model_dir, opened.path, o, o.predictors, tables, top_k)
                   if o.predictors and tables is not None else {})
     measured_latency = latency
-    loop_s, _ = split_read(one.wall_s / one.blocks, latency)
+    loop = split_read(one.wall_s / one.blocks, latency)  # the mean: interference counts
     runtime = None
     if o.routing is not None:  # the tier as the runtime's own reads met it
         runtime = measure_runtime_reads(model_dir, opened.path, o, capacity)
-    # the mean: interference counts
-    per_read, latency = split_read(runtime["mean_s"] if runtime else one.wall_s / one.blocks,
-                                   latency)
+    per_read, latency = split_read(runtime["mean_s"], latency) if runtime else loop
     # several readers at once: the loop's throughput, never below one reader's
     parallel_bytes_per_s = max(many.bytes_per_s, expert_bytes / (per_read + latency))
     return {
@@ -155,7 +154,7 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         "touch_reads": faults.reads,
         "expert_macs": expert_bytes // param_specs(opened.blocks[(0, 0)])[0].dtype.itemsize,
         "bytes_per_s": expert_bytes / per_read, "reads_1": dataclasses.asdict(one),
-        "loop_bytes_per_s": expert_bytes / loop_s,
+        "loop_bytes_per_s": expert_bytes / loop[0],
         "runtime_reads": runtime,
         "parallel_bytes_per_s": parallel_bytes_per_s,
         "reads_n": dataclasses.asdict(many),
@@ -165,26 +164,6 @@ def calibrate(model_dir: str | Path, store: str | Path | None,
         "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
     }
-
-
-MIN_TRANSFER_SHARE = 0.1  # the least share of an expert's mean read taken as transfer
-
-
-def split_read(mean_s: float, latency_s: float) -> tuple[float, float]:
-    """(transfer, latency) seconds of one expert's read whose mean is ``mean_s``, given the
-    measured latency; they add up to the mean (the simulator's read is latency + bytes /
-    bandwidth). Why a floor: where the measured latency (a one-page read) is near or above
-    the mean (a tiny expert, a noisy machine), subtracting it leaves a transfer of next to
-    nothing, an absurd bandwidth; the transfer is kept at MIN_TRANSFER_SHARE of the mean or
-    more (the bandwidth at most ten times what the whole read gives) and the latency is
-    what is left."""
-    if not mean_s > 0:
-        raise OffloadError(f"calibrate measured a mean read of {mean_s} s; expected more "
-                           "than 0")
-    if mean_s - latency_s >= MIN_TRANSFER_SHARE * mean_s:
-        return mean_s - latency_s, latency_s
-    transfer = MIN_TRANSFER_SHARE * mean_s
-    return transfer, mean_s - transfer
 
 
 def machine() -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from stmoe.errors import OffloadError
+
 
 def hardware_toml(f: dict[str, Any]) -> str:
     """``calibrate``'s figures as a hardware spec (``stmoe.sim.specs.hardware_preset``):
@@ -100,15 +102,35 @@ def _predictors(f: dict[str, Any]) -> list[str]:
     return rows
 
 
+MIN_TRANSFER_SHARE = 0.1  # the least share of an expert's mean read taken as transfer
+
+
+def split_read(mean_s: float, latency_s: float) -> tuple[float, float]:
+    """(transfer, latency) seconds of one expert's read whose mean is ``mean_s``, given the
+    measured latency; they add up to the mean (the simulator's read is latency + bytes /
+    bandwidth). Why a floor: where the measured latency (a one-page read) is near or above
+    the mean (a tiny expert, a noisy machine), subtracting it leaves a transfer of next to
+    nothing, an absurd bandwidth; the transfer is kept at MIN_TRANSFER_SHARE of the mean or
+    more (the bandwidth at most ten times what the whole read gives) and the latency is
+    what is left."""
+    if not mean_s > 0:
+        raise OffloadError(f"calibrate measured a mean read of {mean_s} s; expected more "
+                           "than 0")
+    if mean_s - latency_s >= MIN_TRANSFER_SHARE * mean_s:
+        return mean_s - latency_s, latency_s
+    transfer = MIN_TRANSFER_SHARE * mean_s
+    return transfer, mean_s - transfer
+
+
 def _latency_note(f: dict[str, Any]) -> str:
-    """How ``link_latency_s`` was measured (and why it may be 0: ``calibrate.split_read``)."""
+    """How ``link_latency_s`` was measured (and why it may be less: ``split_read``)."""
     measured = f.get("latency_measured_s", f["latency_s"])
     if f["latency_s"] == measured:
         return "measured: median one-page read into a faulted-in page"
     return (f"the measured latency ({measured * 1e6:.1f} us, a one-page read) was near or "
             "above an expert's mean read, so bandwidth and latency could not be told apart: "
-            "a tenth of the mean is taken as transfer (link_bytes_per_s), the rest as latency "
-            "(the two add up to the measured mean)")
+            f"{MIN_TRANSFER_SHARE:.0%} of the mean is taken as transfer (link_bytes_per_s), "
+            "the rest as latency (the two add up to the measured mean)")
 
 
 def _single_reader(f: dict[str, Any]) -> str:
