@@ -24,6 +24,7 @@ import torch
 
 from stmoe.errors import OffloadError
 from stmoe.runtime.memory import device_free_bytes
+from stmoe.runtime.store.checked_ops import CheckedOps
 from stmoe.runtime.store.device_ops import (
     NO_CUDA,
     CudaHostPinning,
@@ -66,7 +67,7 @@ def accelerator(tier: str) -> Accelerator:
 
 @contextmanager
 def stand_in(delay: float = 0.0, free_bytes: int = 64 << 30,
-             ops: HostThreadOps | None = None,
+             ops: HostThreadOps | CheckedOps | None = None,
              pinning: HostPinning | None = None) -> Iterator[Accelerator]:
     """The CPU standing in for the GPU (for tests and the GPU check's dry run): every copy
     lands ``delay`` seconds late on a copy thread of its own stream (``ops`` if given),

@@ -60,6 +60,19 @@ def gather(cache: LayerCache, needed: list[int], slots: dict[int, int],
             for p in cache.params}
 
 
+def read_extras(state: EngineState, cache: LayerCache, rows: dict[int, int], buf: Any,
+                stream: Any) -> None:
+    """Read the experts the cache had no slot for into their ``rows`` (expert -> row).
+    Where copies run asynchronously (a device cache), ``stream`` first waits for what the
+    compute stream has queued: the row moves just made read the rows these copies
+    overwrite, and the compute stream waited for the copies that filled them."""
+    ops = state.device_ops() if rows else None
+    if ops is not None:
+        ops.wait(stream, ops.record(None))
+    for expert, row in rows.items():
+        read_extra(state, cache, row, expert, buf, stream)
+
+
 def read_extra(state: EngineState, cache: LayerCache, row: int, expert: int, buf: Any,
                stream: Any) -> None:
     """Read an expert the cache had no slot for into ``row`` (a slot ``place`` gave it,

@@ -32,7 +32,7 @@ import torch
 
 from stmoe.admission import record_call
 from stmoe.errors import OffloadError
-from stmoe.runtime.arrange import gather, load_transient, plan_id_order, read_extra
+from stmoe.runtime.arrange import gather, load_transient, plan_id_order, read_extras
 from stmoe.runtime.cache import READY, TEMP, LayerCache
 from stmoe.runtime.demand import DemandLoads, Slots
 from stmoe.runtime.device_path import DeviceSide, IdsToHost, SlotTable
@@ -278,8 +278,8 @@ class ExpertsPath:
             with state.cv:
                 cache.place(target, slots)
             start = time.perf_counter()
-            for e in extra:
-                read_extra(state, cache, target[e], e, self._buf, self.state.demand_stream)
+            read_extras(state, cache, {e: target[e] for e in extra}, self._buf,
+                        state.demand_stream)
         except BaseException:
             # copies already queued into these rows may still run: a worker's write into
             # one waits for them (their free event), as it waits for a layer's readers

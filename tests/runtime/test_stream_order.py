@@ -1,0 +1,221 @@
+"""The GPU tiers' stream protocol checked as CUDA orders work (store/happens_before.py), on
+the CPU's stand-in: each pair of accesses to one cache row where one writes is ordered by the
+streams' waits, events and the host's synchronizations, or it is a race, whatever the host's
+timing. Why: the stand-in computes on the host as a kernel is called, so a slot rewritten
+while its readers are only queued (issue 43's write-after-read race) gives the right bits
+there; this check sees it. Issue 43, item 4."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_quantized import FORMATS, _generate, quantizable  # noqa: E402
+
+from stmoe.runtime.accelerator import GPU_TIERS, stand_in  # noqa: E402
+from stmoe.runtime.api import offload  # noqa: E402
+from stmoe.runtime.slot_events import SlotEvents  # noqa: E402
+from stmoe.runtime.store import pack  # noqa: E402
+from stmoe.runtime.store.checked_ops import CheckedOps, clock_of, watching  # noqa: E402
+from stmoe.runtime.store.device_ops import CopySpan  # noqa: E402
+from stmoe.runtime.store.happens_before import OrderingCheck  # noqa: E402
+from stmoe.runtime.store.stand_in import HostThreadOps  # noqa: E402
+from tiny_moe import FAMILIES, packed_with_tables, tiny_model  # noqa: E402
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]  # more experts than a top-k cache holds: rows move
+NEW = 24
+ONE_MOE_LAYER = {"num_hidden_layers": 2, "mlp_only_layers": [1]}  # qwen2_moe's
+
+
+def _check(rows: int = 3) -> tuple[OrderingCheck, object, torch.Tensor]:
+    check = OrderingCheck()
+    slab = torch.zeros(rows, 16)
+    check.track("slab", slab)
+    return check, CheckedOps(check, HostThreadOps()), slab
+
+
+def test_a_copy_read_by_the_compute_stream_without_a_wait_is_a_race():
+    check, ops, slab = _check()
+    ops.copy_async(slab[1], torch.ones(16), "copy stream")
+    with watching(check):
+        slab[1].sum()
+    assert check.race_count == 1 and "slab row 1" in str(check.races[0])
+    ops.close()
+
+
+def test_a_wait_on_the_copys_event_or_the_host_having_seen_it_orders_the_read():
+    check, ops, slab = _check()
+    event = ops.copy_async(slab[0], torch.ones(16), "copy stream")
+    ops.wait(None, event)  # the compute stream waits (the device, not the host)
+    with watching(check):
+        slab[0].sum()
+    later = ops.copy_async(slab[2], torch.ones(16), "copy stream")
+    later.synchronize()  # the host saw it land: what is queued after follows it
+    with watching(check):
+        slab[2].sum()
+    assert check.race_count == 0 and check.reads == 2 and check.writes == 2
+    ops.close()
+
+
+def test_a_rewrite_waits_for_the_readers_free_event_or_it_races():
+    check, ops, slab = _check()
+    ops.copy_async(slab[0], torch.ones(16), None)  # (on the compute stream: ordered)
+    with watching(check):
+        slab[0].sum()
+    free = ops.record(None)
+    ops.wait("loader", free)
+    ops.wait(None, ops.copy_async(slab[0], torch.zeros(16), "loader"))
+    assert check.race_count == 0
+    with watching(check):
+        slab[0].sum()
+    ops.copy_async(slab[0], torch.ones(16), "another loader")  # no wait for the readers
+    assert check.race_count >= 1
+    assert "writing: a copy" in check.races[0].second
+    ops.close()
+
+
+def test_rows_picked_by_an_index_are_the_rows_read():
+    """An index reads its rows only: a copy into another row of the slab does not race."""
+    check, ops, slab = _check()
+    first = ops.copy_async(slab[0], torch.ones(16), "copy stream")
+    ops.wait(None, first)
+    with watching(check):
+        slab[torch.tensor([0, 0])].sum()
+        torch.index_select(slab, 0, torch.tensor([0])).sum()
+    ops.copy_async(slab[1], torch.ones(16), "copy stream")
+    assert check.race_count == 0
+    with watching(check):
+        slab.sum()  # the whole slab: row 1 too
+    assert check.race_count == 1
+    ops.close()
+
+
+def test_a_span_is_waited_on_by_its_end_and_an_unknown_event_is_refused():
+    _, ops, slab = _check()
+    start = ops.record("s")
+    ops.copy_async(slab[0], torch.ones(16), "s")
+    span = CopySpan(start, ops.record("s"), 64)
+    assert clock_of(span) == clock_of(span.end)
+    with pytest.raises(TypeError, match="did not make"):
+        clock_of(object())
+    ops.close()
+
+
+class InlineOps(HostThreadOps):
+    """As CUDA's: a copy and a launched work are torch calls on the calling thread."""
+
+    def copy_async(self, dst, src, stream):
+        dst.copy_(src)
+        return self.record(stream)
+
+    def launch(self, stream, work):
+        work()
+
+
+def test_the_ops_own_torch_calls_are_theirs_not_the_compute_streams():
+    """Where the device ops call torch on the watched thread (CUDA's copy, a conversion
+    launched on a copy stream), those calls are the copy stream's work: a later copy that
+    waits for them alone does not race with a compute that never touched the row."""
+    check = OrderingCheck()
+    slab = torch.zeros(2, 16)
+    check.track("slab", slab)
+    ops = CheckedOps(check, InlineOps())
+    with watching(check):
+        first = ops.copy_async(slab[0], torch.ones(16), "s")
+        ops.launch("s", lambda: slab[0].mul_(2))  # (a conversion in place, on "s")
+        ops.wait("t", ops.record("s"))
+        ops.copy_async(slab[0], torch.ones(16), "t")
+    assert check.writes == 3 and check.race_count == 0, check.summary()
+    assert clock_of(first)[1] == 1  # the copy was stream "s"'s first work
+    ops.close()
+
+
+def _run(family: str, tier: str, changes: dict | None = None, tmp_path=None,
+         predictor: str = "stmoe") -> OrderingCheck:
+    """A generation at capacity top-k on the stand-in, two loaders, every row tracked."""
+    _, store, tables = packed_with_tables(family, tmp_path, **(changes or {}))
+    check = OrderingCheck()
+    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=0.002))), offload(
+            tiny_model(family, **(changes or {}))[0], store, capacity=2, predictor=predictor,
+            tables=tables, tier=tier, workers=2) as om, _tracked(check, om):
+        om.generate(PROMPT, max_new_tokens=NEW)
+    return check
+
+
+@contextmanager
+def _tracked(check: OrderingCheck, om) -> Iterator[None]:
+    """Every cache row of ``om`` tracked; the calling thread's torch calls watched."""
+    for i, cache in enumerate(om.engine.state.caches):
+        for name, slab in cache.rows.items():
+            check.track(f"layer {i} {name}", slab)
+    with watching(check):
+        yield
+
+
+@pytest.mark.parametrize("tier", GPU_TIERS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_familys_run_on_a_gpu_tier_is_ordered(family, tier, tmp_path):
+    """Capacity top-k, two loaders, a prompt that moves rows and reads extra experts."""
+    check = _run(family, tier, tmp_path=tmp_path, predictor="stmoe-plus")
+    assert check.writes > 0 and check.reads > 0 and check.compared > 0  # it saw the slots
+    assert check.race_count == 0, check.summary()
+
+
+def test_one_moe_layer_reuses_a_slot_right_after_its_readers(tmp_path):
+    """One MoE layer: the next token's prefetch rewrites the slots its kernels were just
+    queued to read, with no router copy to the host between: only the free event orders
+    them. Without ``after_read`` (the issue's race) the check finds it."""
+    assert _run("qwen2_moe", "gpu", ONE_MOE_LAYER, tmp_path).race_count == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SlotEvents, "after_read", lambda self, slots: None)
+        broken = _run("qwen2_moe", "gpu", ONE_MOE_LAYER, tmp_path)
+    assert broken.race_count > 0
+    assert any("reading: aten" in r.first and "writing: a copy" in r.second
+               for r in broken.races), broken.summary()
+
+
+def test_without_the_ready_wait_a_read_races_with_its_copy(tmp_path):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SlotEvents, "before_read", lambda self, slots: None)
+        broken = _run("qwen2_moe", "gpu", ONE_MOE_LAYER, tmp_path)
+    assert any("writing: a copy" in r.first and "reading: aten" in r.second
+               for r in broken.races), broken.summary()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_quantized_stores_run_is_ordered(fmt, tmp_path):
+    """int8 and int4 experts (their kernels read a slot's rows), a batch of two prompts."""
+    store = pack(quantizable("qwen3_moe"), tmp_path / "store", weights=FORMATS[fmt])
+    check = OrderingCheck()
+    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=0.002))), offload(
+            quantizable("qwen3_moe"), store, capacity=2, predictor="ondemand",
+            tier="gpu-disk", workers=2) as om, _tracked(check, om):
+        _generate(om.model)
+    assert check.writes > 0 and check.reads > 0
+    assert check.race_count == 0, check.summary()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; CI has none")
+@pytest.mark.parametrize("tier", GPU_TIERS)
+@pytest.mark.parametrize("fmt", ["native", "int4"])
+def test_on_cuda_the_streams_order_every_access(fmt, tier, tmp_path, monkeypatch):
+    """CUDA's own ops (streams, events, an int4 slot's conversion launched on its copy
+    stream), checked: what the stand-in's branches leave out."""
+    import stmoe.runtime.accelerator as accelerator
+
+    check, real = OrderingCheck(), accelerator.CudaOps
+    monkeypatch.setattr(accelerator, "CudaOps", lambda device: CheckedOps(check, real(device)))
+    store = pack(quantizable("qwen3_moe"), tmp_path / "store", weights=FORMATS.get(fmt))
+    with offload(quantizable("qwen3_moe"), store, capacity=2, predictor="ondemand",
+                 tier=tier, workers=2) as om:
+        assert isinstance(om.engine.tier.ops, CheckedOps)
+        with _tracked(check, om):
+            om.generate(PROMPT, max_new_tokens=NEW)
+    assert check.writes > 0 and check.reads > 0
+    assert check.race_count == 0, check.summary()
