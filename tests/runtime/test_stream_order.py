@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 from test_quantized import FORMATS, _generate, quantizable  # noqa: E402
 
+from staggered_requests import submit_staggered  # noqa: E402
 from stmoe.runtime.accelerator import GPU_TIERS, stand_in  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.slot_events import SlotEvents  # noqa: E402
@@ -196,6 +197,47 @@ def test_a_quantized_stores_run_is_ordered(fmt, tmp_path):
             quantizable("qwen3_moe"), store, capacity=2, predictor="ondemand",
             tier="gpu-disk", workers=2) as om, _tracked(check, om):
         _generate(om.model)
+    assert check.writes > 0 and check.reads > 0
+    assert check.race_count == 0, check.summary()
+
+
+@pytest.mark.parametrize("fmt", ["native", "int4"])
+def test_a_servers_steps_are_ordered(fmt, tmp_path, monkeypatch):
+    """Three requests through the step batcher (int4: one batched forward per step), its
+    thread, each request's and the two threads computing a step's segments watched."""
+    from stmoe.runtime.batcher import StepBatcher
+    from stmoe.runtime.batcher import batcher as module
+
+    check = OrderingCheck()
+
+    def watched(run):
+        def on_a_watched_thread(self, *args):
+            with watching(check):
+                return run(self, *args)
+        return on_a_watched_thread
+
+    for name in ("_main", "_member"):
+        monkeypatch.setattr(module.StepBatcher, name, watched(getattr(module.StepBatcher, name)))
+
+    class WatchedPool(module.ThreadPoolExecutor):  # the threads computing a step's segments
+        def submit(self, fn, /, *args, **kwargs):  # (``map`` submits)
+            def on_a_watched_thread():
+                with watching(check):
+                    return fn(*args, **kwargs)
+            return super().submit(on_a_watched_thread)
+
+    monkeypatch.setattr(module, "ThreadPoolExecutor", WatchedPool)
+    store = pack(quantizable("qwen3_moe"), tmp_path / "store", weights=FORMATS.get(fmt))
+    resident = {"quantize_resident": "int4"} if fmt == "int4" else {}
+    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=0.002))), offload(
+            quantizable("qwen3_moe"), store, capacity=3, predictor="ondemand", tier="gpu",
+            workers=2, **resident) as om, _tracked(check, om):
+        batcher = StepBatcher(om, max_batch=3, compute_threads=2)
+        try:
+            submit_staggered(batcher)
+        finally:
+            batcher.close()
+        assert batcher.batched == (fmt == "int4")
     assert check.writes > 0 and check.reads > 0
     assert check.race_count == 0, check.summary()
 
