@@ -29,7 +29,8 @@ from stmoe.runtime.store.stand_in import HostThreadOps  # noqa: E402
 from tiny_moe import FAMILIES, packed_with_tables, tiny_model  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]  # more experts than a top-k cache holds: rows move
-NEW = 24
+NEW = 16
+UNTABLED = ("ondemand", "random", "oracle", "gate-lookahead")  # predictors without tables
 ONE_MOE_LAYER = {"num_hidden_layers": 2, "mlp_only_layers": [1]}  # qwen2_moe's
 
 
@@ -136,15 +137,32 @@ def test_the_ops_own_torch_calls_are_theirs_not_the_compute_streams():
     ops.close()
 
 
-def _run(family: str, tier: str, changes: dict | None = None, tmp_path=None,
-         predictor: str = "stmoe") -> OrderingCheck:
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """(family, config changes) -> its store and tables, made once for the module."""
+    made: dict = {}
+
+    def get(family: str, changes: dict) -> tuple:
+        key = (family, repr(sorted(changes.items())))
+        if key not in made:
+            made[key] = packed_with_tables(family, tmp_path_factory.mktemp(family),
+                                           **changes)[1:]
+        return made[key]
+    return get
+
+
+def _run(family: str, tier: str, changes: dict | None = None, packed=None,
+         predictor: str = "stmoe", **options) -> OrderingCheck:
     """A generation at capacity top-k on the stand-in, two loaders, every row tracked."""
-    _, store, tables = packed_with_tables(family, tmp_path, **(changes or {}))
+    store, tables = packed(family, changes or {})
+    options = {"capacity": 2, "workers": 2, **options}
     check = OrderingCheck()
-    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=0.002))), offload(
-            tiny_model(family, **(changes or {}))[0], store, capacity=2, predictor=predictor,
-            tables=tables, tier=tier, workers=2) as om, _tracked(check, om):
+    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=0.001))), offload(
+            tiny_model(family, **(changes or {}))[0], store, predictor=predictor,
+            tables=None if predictor in UNTABLED else tables, tier=tier,
+            **options) as om, _tracked(check, om):
         om.generate(PROMPT, max_new_tokens=NEW)
+        om.generate(PROMPT[:2], max_new_tokens=4)  # a second sequence, its own prompt
     return check
 
 
@@ -160,30 +178,46 @@ def _tracked(check: OrderingCheck, om) -> Iterator[None]:
 
 @pytest.mark.parametrize("tier", GPU_TIERS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_every_familys_run_on_a_gpu_tier_is_ordered(family, tier, tmp_path):
+def test_every_familys_run_on_a_gpu_tier_is_ordered(family, tier, packed):
     """Capacity top-k, two loaders, a prompt that moves rows and reads extra experts."""
-    check = _run(family, tier, tmp_path=tmp_path, predictor="stmoe-plus")
+    check = _run(family, tier, packed=packed, predictor="stmoe-plus")
     assert check.writes > 0 and check.reads > 0 and check.compared > 0  # it saw the slots
     assert check.race_count == 0, check.summary()
 
 
-def test_one_moe_layer_reuses_a_slot_right_after_its_readers(tmp_path):
+@pytest.mark.parametrize("capacity", [2, 5])
+@pytest.mark.parametrize("predictor", ["ondemand", "stmoe", "random", "oracle", "stmoe-plus",
+                                       "hybrid", "gate-lookahead"])
+def test_every_predictors_run_is_ordered(predictor, capacity, packed):
+    """Three loaders; the gate lookahead's early and late points, the oracle's two passes."""
+    check = _run("mixtral", "gpu-disk", packed=packed, predictor=predictor,
+                 capacity=capacity, workers=3)
+    assert check.writes > 0 and check.race_count == 0, check.summary()
+
+
+def test_score_eviction_is_ordered(packed):
+    check = _run("qwen2_moe", "gpu", packed=packed, predictor="stmoe-plus", capacity=3,
+                 policy="score")
+    assert check.writes > 0 and check.race_count == 0, check.summary()
+
+
+def test_one_moe_layer_reuses_a_slot_right_after_its_readers(packed):
     """One MoE layer: the next token's prefetch rewrites the slots its kernels were just
     queued to read, with no router copy to the host between: only the free event orders
     them. Without ``after_read`` (the issue's race) the check finds it."""
-    assert _run("qwen2_moe", "gpu", ONE_MOE_LAYER, tmp_path).race_count == 0
+    assert _run("qwen2_moe", "gpu", ONE_MOE_LAYER, packed).race_count == 0
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(SlotEvents, "after_read", lambda self, slots: None)
-        broken = _run("qwen2_moe", "gpu", ONE_MOE_LAYER, tmp_path)
+        broken = _run("qwen2_moe", "gpu", ONE_MOE_LAYER, packed)
     assert broken.race_count > 0
     assert any("reading: aten" in r.first and "writing: a copy" in r.second
                for r in broken.races), broken.summary()
 
 
-def test_without_the_ready_wait_a_read_races_with_its_copy(tmp_path):
+def test_without_the_ready_wait_a_read_races_with_its_copy(packed):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(SlotEvents, "before_read", lambda self, slots: None)
-        broken = _run("qwen2_moe", "gpu", ONE_MOE_LAYER, tmp_path)
+        broken = _run("qwen2_moe", "gpu", ONE_MOE_LAYER, packed)
     assert any("writing: a copy" in r.first and "reading: aten" in r.second
                for r in broken.races), broken.summary()
 
@@ -193,7 +227,7 @@ def test_a_quantized_stores_run_is_ordered(fmt, tmp_path):
     """int8 and int4 experts (their kernels read a slot's rows), a batch of two prompts."""
     store = pack(quantizable("qwen3_moe"), tmp_path / "store", weights=FORMATS[fmt])
     check = OrderingCheck()
-    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=0.002))), offload(
+    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=0.001))), offload(
             quantizable("qwen3_moe"), store, capacity=2, predictor="ondemand",
             tier="gpu-disk", workers=2) as om, _tracked(check, om):
         _generate(om.model)
@@ -229,7 +263,7 @@ def test_a_servers_steps_are_ordered(fmt, tmp_path, monkeypatch):
     monkeypatch.setattr(module, "ThreadPoolExecutor", WatchedPool)
     store = pack(quantizable("qwen3_moe"), tmp_path / "store", weights=FORMATS.get(fmt))
     resident = {"quantize_resident": "int4"} if fmt == "int4" else {}
-    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=0.002))), offload(
+    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=0.001))), offload(
             quantizable("qwen3_moe"), store, capacity=3, predictor="ondemand", tier="gpu",
             workers=2, **resident) as om, _tracked(check, om):
         batcher = StepBatcher(om, max_batch=3, compute_threads=2)
