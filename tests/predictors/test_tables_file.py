@@ -404,3 +404,25 @@ def test_finite_but_absurd_fitted_weights_are_refused(good, tmp_path, key, value
             make(name, tables.shape, tables)
         text = str(caught.value)
         assert str(path) in text and words in text and "+-1e+06" in text, text
+
+
+def test_tables_of_many_experts_profiled_on_few_tokens_read_back(tmp_path, monkeypatch):
+    """Counts of 256 experts profiled on a few tokens are mostly zeros and compress far beyond
+    a trace's ratio (a 40-layer Qwen3.6 trace's: 139x, 123 MB); stmoe reads back what it
+    wrote, bounded by the sizes the header declares. (The free allowance is cut to 1 MiB so
+    the small file here is judged as a big one would be.)"""
+    from stmoe.trace import npfiles
+
+    monkeypatch.setattr(npfiles, "UNCOMPRESSED_FREE", 1 << 20)
+    trace = stmoe.synthesize(tokens=24, layers=4, experts=256, top_k=8, sequences=2, seed=1)
+    path = save_tables(profile(trace), tmp_path / "sparse.npz")
+    total = sum(i.file_size for i in zipfile.ZipFile(path).infolist())
+    assert total > npfiles.RATIO_MAX * path.stat().st_size > 0  # beyond a trace's ratio
+    assert load_tables(path).shape == ModelShape(4, 256, 8)
+
+
+def test_tables_arrays_beyond_what_their_header_declares_are_refused_unread(tmp_path, good):
+    """A bomb in a tables file: 100 MB of zeros under a header of 12 experts."""
+    header, arrays = _parts(good)
+    arrays["cooccurrence"] = np.zeros((100 << 20) // 8, dtype=np.int64)
+    _refused(_write(tmp_path / "bomb.npz", header, arrays), "decompression bomb")

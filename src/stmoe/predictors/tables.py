@@ -29,6 +29,7 @@ from stmoe.predictors.tables_check import (
     check_domains,
     check_info,
     header_dims,
+    max_bytes,
     read_header,
 )
 from stmoe.trace.io import read_npz_arrays
@@ -134,14 +135,16 @@ def load_tables(path: str | Path) -> ProfiledTables:
         raise PredictorError(f"{path}: no such tables file (write one with `stmoe profile`)")
     check_input_file(path, "a tables file (write one with `stmoe profile`)")
     where = str(path)
-    try:
-        arrays = read_npz_arrays(path, mmap=False)
+    try:  # the header first: the sizes it declares bound what the arrays may take
+        header = read_header(read_npz_arrays(path, mmap=False, only=("header",)).get("header"),
+                             where)
+        dims = header_dims(header, where)
+        domains = check_domains(header.get("per_domain", []), where)
+        arrays = read_npz_arrays(path, mmap=False,
+                                 max_total=max_bytes(dims, len(domains), RECENT_TOKENS))
     except (zlib.error, NotImplementedError, RuntimeError) as exc:  # damaged, odd or encrypted
         raise PredictorError(f"{where}: not a readable tables file ({exc})") from None
-    header = read_header(arrays.get("header"), where)
-    dims = header_dims(header, where)
     info = check_info(header.get("info", {}), dims.shape.num_layers, where)
-    domains = check_domains(header.get("per_domain", []), where)
     tables = _tables_from(check_arrays(arrays, dims, where), dims.shape, info, where)
     per_domain = {}
     for i, (name, domain_info) in enumerate(domains):

@@ -169,6 +169,18 @@ def check_domains(entries: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def max_bytes(dims: Dims, domains: int, recent_tokens: int) -> int:
+    """The most a tables file of ``dims`` (and ``domains`` per-domain sets, each with up to
+    ``recent_tokens`` of token memory) holds uncompressed, every array at 8 bytes an item:
+    a bound for its reader, since counts profiled on few tokens are mostly zeros and
+    compress far beyond a trace's ratio."""
+    n, layers, k = dims.shape.num_experts, dims.shape.num_layers, dims.shape.top_k
+    pairs = max(layers - 1, 0)
+    items = (2 * pairs * n * dims.row_width + pairs * n * n + layers * n
+             + D_MAX * max(pairs, 1) * n * n + layers * n * n + recent_tokens * layers * k)
+    return (1 + domains) * 8 * items + (1 << 20)  # (and the header)
+
+
 def check_arrays(arrays: Mapping[str, np.ndarray], dims: Dims, where: str,
                  prefix: str = "") -> dict[str, np.ndarray | None]:
     """Every array of one set of tables (``prefix``: a domain's ``domain<i>/``), by shape,

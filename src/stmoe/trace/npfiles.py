@@ -147,16 +147,21 @@ def _read_data(f: BinaryIO, head: NpyHeader) -> np.ndarray:
 
 
 def read_npz_arrays(
-    path: Path, *, mmap: bool, known: Collection[str] | None = None
+    path: Path, *, mmap: bool, known: Collection[str] | None = None,
+    only: Collection[str] | None = None, max_total: int = 0,
 ) -> dict[str, np.ndarray]:
     """Every member of an ``.npz`` as an array, each size checked before it is read.
 
     ``mmap`` maps stored (uncompressed) members of 1 MiB or more instead of reading
-    them; ``known`` lists the only member names allowed (others are refused unread).
+    them; ``known`` lists the only member names allowed (others are refused unread);
+    ``only``: read just these members (those present). ``max_total``: the uncompressed
+    bytes the caller knows its format may hold, from sizes it has already checked (a
+    tables file's header: its arrays are mostly zeros, far beyond ``RATIO_MAX``);
+    accepted beyond the ratio, up to that.
     """
     try:
         with zipfile.ZipFile(path) as zf:
-            infos = _checked_directory(zf, path, known)
+            infos = _checked_directory(zf, path, known, only, max_total)
             return {name: _member(zf, info, name, path, mmap) for name, info in infos.items()}
     except TraceError:
         raise
@@ -166,7 +171,8 @@ def read_npz_arrays(
 
 
 def _checked_directory(
-    zf: zipfile.ZipFile, path: Path, known: Collection[str] | None
+    zf: zipfile.ZipFile, path: Path, known: Collection[str] | None,
+    only: Collection[str] | None = None, max_total: int = 0,
 ) -> dict[str, zipfile.ZipInfo]:
     """The members by array name, once the directory's sizes are judged plausible."""
     size = os.stat(path).st_size
@@ -187,8 +193,10 @@ def _checked_directory(
                              file=path, hint=_TRUNCATED)
         infos[name] = info
     _check_tiling(path, infos, getattr(zf, "start_dir", None))
+    if only is not None:
+        infos = {name: info for name, info in infos.items() if name in only}
     total = sum(i.file_size for i in infos.values())
-    if total > max(UNCOMPRESSED_FREE, RATIO_MAX * size):
+    if total > max(UNCOMPRESSED_FREE, RATIO_MAX * size, max_total):
         raise TraceError(
             f"the arrays would take {total} bytes uncompressed, {total // max(size, 1)} "
             f"times the file's {size} bytes",
