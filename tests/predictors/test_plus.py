@@ -505,3 +505,23 @@ def test_eval_notes_when_the_replayed_tokens_were_profiled(cli, tmp_path):
     assert "in-sample" in res.output
     res = cli("eval", trace, "--split", "0.5", "--tables", half, "--predictor", "stmoe-plus")
     assert res.exit_code == 0 and "in-sample" not in res.output, res.output
+
+
+def test_a_replay_of_any_profiled_sequence_is_in_sample_however_long(cli, tmp_path):
+    """The tables keep each profiled sequence's digest: a trace longer than their token
+    memory (1,024 tokens) is known as in-sample whole, and ``simulate`` says so as ``eval``
+    does; tables profiled on SYNTHETIC routing are named so there too."""
+    trace, tables = tmp_path / "s.npz", tmp_path / "t.npz"
+    stmoe.save_trace(stmoe.synthesize(tokens=3000, layers=4, experts=16, top_k=4,
+                                      sequences=6, seed=2), trace)
+    assert cli("profile", trace, "-o", tables).exit_code == 0
+    res = cli("eval", trace, "--tables", tables, "--predictor", "stmoe")
+    assert res.exit_code == 0 and "3000 of the 3000 tokens" in res.output, res.output
+    res = cli("simulate", trace, "--model", "stmoe-tiny", "--layers", "4", "--tables", tables)
+    assert res.exit_code == 0 and "3000 of the 3000 tokens" in res.output, res.output
+    real = tmp_path / "real.npz"  # the same routing, not marked synthetic
+    t = stmoe.load_trace(trace)
+    stmoe.save_trace(dataclasses.replace(t, meta=dataclasses.replace(
+        t.meta, synthetic=False, model="some-model")), real)
+    res = cli("simulate", real, "--model", "stmoe-tiny", "--layers", "4", "--tables", tables)
+    assert res.exit_code == 0 and "profiled on SYNTHETIC routing" in res.output, res.output

@@ -155,6 +155,14 @@ def test_simulate_command_json_and_figures(cli, tmp_path):
         assert (tmp_path / "fig" / f"{png}.png").stat().st_size > 10_000
     bad = cli("simulate", tmp_path / "t.npz", "--model", "nope", "--hardware", "stmoe-asic")
     assert bad.exit_code == 1 and "unknown model 'nope'" in bad.output
+    # the sweeps' points are the trace's: batches of its simulated (held-out) half's two
+    # sequences at most, caches up to its experts
+    sweeps = data["sweeps"]
+    assert sweeps["batch"]["values"] == [1, 2]
+    assert sweeps["cache_experts_per_layer"]["values"] == [0, 2, 4, 8, 16]
+    big = cli("simulate", tmp_path / "t.npz", "--model", model, "--batch", "3")
+    assert big.exit_code == 1 and "batch 3: the simulated routing holds 2 sequence(s)" in \
+        big.output, big.output
 
 
 def test_prefetches_that_arrive_too_late_cost_nothing():

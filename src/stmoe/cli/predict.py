@@ -21,6 +21,7 @@ from stmoe.cli.common import (
     write_json,
 )
 from stmoe.cli.eval_tables import print_results
+from stmoe.cli.table_notes import note_tables
 from stmoe.errors import StmoeError
 from stmoe.evaluate.equal_size import equal_set_size
 from stmoe.evaluate.replay import ReplayResult, cross_domain_matrix, replay
@@ -34,10 +35,9 @@ from stmoe.predictors import (
     rank_readers,
     save_tables,
 )
-from stmoe.predictors.base import ModelShape
 from stmoe.predictors.tables import ProfiledTables
 from stmoe.trace import RoutingTrace, import_files, select_domain, split_auto
-from stmoe.trace.ranks import is_ranked, set_order
+from stmoe.trace.ranks import is_ranked
 from stmoe.trace.select import select_layers
 from stmoe.util.units import capacity_per_layer
 
@@ -102,38 +102,6 @@ def profile_cmd(
         f"{tables.row_width}, profiled on {trace.num_tokens} tokens"
         + (" (SYNTHETIC)" if trace.meta.synthetic else "")
     )
-
-
-def _warn_in_sample(trace: RoutingTrace, tables: ProfiledTables) -> None:
-    """A note when most replayed tokens were profiled into ``tables`` (their exact
-    routing is in the tables' token memory): recall would be in-sample, and
-    stmoe-plus's memory recalls nearly everything it has seen."""
-    if tables.recent is None or tables.shape != ModelShape.of(trace):
-        return
-    # compared as sets (each row in the canonical order): a trace whose rows are sets
-    # may hold a profiled token's experts in another order
-    seen = {row.tobytes() for row in set_order(tables.recent)[0]}
-    routing = set_order(trace.experts)[0]
-    known = sum(routing[t].tobytes() in seen for t in range(trace.num_tokens))
-    if known > trace.num_tokens / 2:
-        err.print(f"note: {known} of the {trace.num_tokens} tokens replayed were profiled into "
-                  "these tables (their routing is in the tables' memory), so recall is "
-                  "in-sample; profile and evaluate different parts, e.g. the same --split "
-                  "for both", soft_wrap=True)
-
-
-def _warn_other_model(trace: RoutingTrace, tables: ProfiledTables) -> None:
-    """A note when ``tables`` were profiled on another model than ``trace``'s (the same
-    shape, else they are refused) or on SYNTHETIC routing: the figures then say how that
-    routing predicts this one, which is rarely what was meant."""
-    profiled = str(tables.info.get("model", ""))
-    if tables.info.get("synthetic") and not trace.meta.synthetic:
-        err.print(f"note: {tables.source or 'the tables'} were profiled on SYNTHETIC routing "
-                  f"({profiled or 'unnamed'}); the trace replayed is {trace.meta.model!r}'s",
-                  soft_wrap=True)
-    elif profiled and trace.meta.model and profiled != trace.meta.model:
-        err.print(f"note: {tables.source or 'the tables'} were profiled on {profiled!r}'s "
-                  f"routing; the trace replayed is {trace.meta.model!r}'s", soft_wrap=True)
 
 
 def _default_predictors(trace: RoutingTrace, tables: ProfiledTables | None) -> list[str]:
@@ -252,8 +220,7 @@ def eval_cmd(
     policy_code(policy, REPLAY, StmoeError)  # checked even where no --capacity uses it
     check_range("--set-size", set_size, 0, n, why=why)
     if tables is not None:
-        _warn_in_sample(trace, tables)
-        _warn_other_model(trace, tables)
+        note_tables(trace, tables)
     chosen = predictor or _default_predictors(trace, tables)
     options: dict[str, Any] = {"seed": seed}
     if set_size:

@@ -111,7 +111,9 @@ def simulate_cmd(
     breakdown (compute, stall waiting for weights, link and prediction time), energy
     and energy-delay product. See docs/simulator.md for the model and its limits.
     """
+    from stmoe.cli.table_notes import note_tables
     from stmoe.predictors import load_tables
+    from stmoe.predictors.base import ModelShape
     from stmoe.sim.accelerator import plots
     from stmoe.sim.accelerator.simulate import check_model_fits, prepare_tables, simulate, sweep
     from stmoe.sim.accelerator.systems import DEFAULT_SYSTEMS, RunOptions
@@ -139,6 +141,8 @@ def simulate_cmd(
         trace = first_layers(trace, layers)
         spec_m = dataclasses.replace(spec_m, layers=layers)
     spec_h = _with_buffer(spec_h, spec_m, buffer, buffer_for)
+    if loaded is not None and loaded.shape == ModelShape.of(trace):  # (else refused below)
+        note_tables(trace, loaded)  # in-sample, synthetic or another model's tables
     _refuse_other_pipelines(pipeline, {
         "runtime": {"--capacity": capacity != RUNTIME_CAPACITY, "--decode-tokens": decode_tokens
                         is not None, "--sequence": sequence != 0},
@@ -164,11 +168,14 @@ def simulate_cmd(
         plots.normalized_time(data, output_dir / "normalized_time.png")
         plots.ablation(data, output_dir / "ablation.png")
         bw = spec_h.link_bytes_per_s
+        n = trace.num_experts  # the sweeps' points that this trace (its simulated part) has
         sweeps = {
             "link_bytes_per_s": ([bw / 4, bw / 2, bw, 2 * bw, 4 * bw, 8 * bw, 16 * bw],
                                  "link bandwidth (bytes/s)"),
-            "cache_experts_per_layer": ([0, 2, 4, 8, 16, 32], "cache capacity (experts per layer)"),
-            "batch": ([1, 2, 4, 8], "batch size (sequences)"),
+            "cache_experts_per_layer": ([c for c in (0, 2, 4, 8, 16, 32) if c < n] + [n],
+                                        "cache capacity (experts per layer)"),
+            "batch": ([b for b in (1, 2, 4, 8) if b <= trace.num_sequences],
+                      "batch size (sequences)"),
         }
         data["sweeps"] = {}
         for parameter, (values, label) in sweeps.items():  # the batch sweep sets its own batch

@@ -23,7 +23,7 @@ from stmoe.predictors.base import ModelShape, PredictorError
 from stmoe.predictors.counting import D_MAX, layer_tokens, pair_counts
 from stmoe.predictors.plus.fitting import fit_weights
 from stmoe.predictors.tables import RECENT_TOKENS, ProfiledTables, cct_from_counts, cooccurrence
-from stmoe.trace.ranks import as_sets
+from stmoe.trace.ranks import as_sets, sequence_digests
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.summary import expert_load
 
@@ -78,6 +78,8 @@ def profile(
             "sources": [t.meta.source for t in traces],
             "domains": sorted({d for t in traces for d in t.domains}),
             "synthetic": any(t.meta.synthetic for t in traces),
+            # each profiled sequence's digest: a replay of one is in-sample (cli.table_notes)
+            "sequences": sorted({d for t in traces for d in sequence_digests(t)}),
             **extra,
         },
         pair_counts=pairs,

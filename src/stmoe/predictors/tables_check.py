@@ -138,6 +138,10 @@ def check_info(info: Any, layers: int, where: str, field: str = "info") -> dict[
         raise fail(where, f"{field}['tokens']", _show(info["tokens"]), "a token count >= 0")
     if info.get("plus") is not None:
         _check_fit(info["plus"], where, f"{field}['plus']", nested=True)
+    seqs = info.get("sequences", [])
+    if not (isinstance(seqs, list) and all(isinstance(d, str) and len(d) <= 64 for d in seqs)):
+        raise fail(where, f"{field}['sequences']", _show(seqs),
+                   "a list of the profiled sequences' digests (short strings)")
     return info
 
 

@@ -14,6 +14,7 @@ docs/trace-format.md lists which consumer does which.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterable
 
 import numpy as np
@@ -78,3 +79,12 @@ def as_sets(trace: RoutingTrace) -> RoutingTrace:
         return trace
     experts, weights = set_order(trace.experts, trace.weights)
     return dataclasses.replace(trace, experts=experts, weights=weights)
+
+
+def sequence_digests(trace: RoutingTrace) -> list[str]:
+    """A short digest of each sequence's routing as sets (rank ignored): what tables keep of
+    the sequences they were profiled on, so a replay of any of them is known as in-sample
+    however long the trace (their token memory keeps only the last tokens)."""
+    rows = set_order(trace.experts)[0]
+    return [hashlib.blake2b(rows[a:a + n].tobytes(), digest_size=8).hexdigest()
+            for a, n in zip(trace.seq_starts.tolist(), trace.seq_lengths.tolist(), strict=True)]

@@ -112,6 +112,12 @@ def simulate(
     if options.batch < 1:
         raise SpecError(f"batch {options.batch}: expected >= 1")
     trace, tables, note = prepare_tables(trace, options.tables, systems)
+    if options.batch > trace.num_sequences:  # (sequences decode together: more is not a batch)
+        raise SpecError(f"batch {options.batch}: the simulated routing holds "
+                        f"{trace.num_sequences} sequence(s); expected at most "
+                        f"{trace.num_sequences} (a batch decodes that many sequences "
+                        "together; without tables, only the trace's held-out part is "
+                        "simulated)")
     run = dataclasses.replace(options, tables=tables)
     names = list(dict.fromkeys(["gpu-baseline", *systems]))
     results = {n: run_system(n, trace, model, hw, run)
