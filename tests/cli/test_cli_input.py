@@ -94,6 +94,10 @@ def test_emoji_codes_in_labels_print_literally(cli, small, tmp_path):
         (["eval", "{t}", "--set-size", "-1"], ["--set-size -1", "from 0 to 8"]),
         (["eval", "{t}", "--horizon", "4"], ["--horizon 4", "from 1 to 3"]),
         (["eval", "{t}", "--split", "nan"], ["--split nan", "strictly between 0 and 1"]),
+        (["eval", "{t}", "--predictor", "stmoe", "--lookahead", "early"],
+         ["--lookahead early", "none of stmoe takes a gate lookahead"]),
+        (["eval", "{t}", "--lookahead", "bogus"], ["--lookahead bogus", "auto, early or late"]),
+        (["generate", "--prompt", "x", "--sequence", "3"], ["--sequence applies to --routing"]),
         (["profile", "{t}", "-o", "{d}/t.npz", "--split", "1"], ["--split 1.0", "strictly"]),
         (["import", "{t}", "-o", "{d}/x.npz", "--num-experts", "0"], ["--num-experts 0", ">= 1"]),
         (["simulate", "{t}", "--model", "x", "--batch", "0"], ["--batch 0", ">= 1"]),
@@ -438,3 +442,8 @@ def test_a_fit_of_another_version_is_said_not_silently_replaced(cli, small, tmp_
     res = cli("eval", small, "--tables", tmp_path / "t99.npz", "--predictor", "stmoe-plus")
     assert res.exit_code == 0, res.output
     assert "fit of version 99" in res.output and "default weights" in res.output
+
+
+def test_the_cross_domain_matrix_is_the_named_predictors(cli, small):
+    res = cli("eval", small, "--predictor", "oracle", "--cross-domain")
+    assert res.exit_code == 0 and "cross-domain recall (oracle)" in res.output, res.output

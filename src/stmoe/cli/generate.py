@@ -129,6 +129,9 @@ def generate_cmd(
                          "routing")
     if layers is not None and routing is None:
         raise StmoeError("--layers applies to --routing (which of the trace's layers to replay)")
+    if sequence != 0 and routing is None:
+        raise StmoeError("--sequence applies to --routing (which of the trace's sequences to "
+                         "replay)")
     model = checked_model(model, capacity, memory)
     to_stdout = json_to_stdout(json_out)
     with offload_for("generate", model, store, capacity, threads, memory=memory,

@@ -145,7 +145,7 @@ def eval_cmd(
     ] = None,
     capacity: Annotated[
         int | None,
-        typer.Option(help="Also replay a cache of C experts per layer (1 to the trace's N)."),
+        typer.Option(help="Also replay a cache of C experts per layer (top-k to the trace's N)."),
     ] = None,
     policy: Annotated[
         str, typer.Option(help="Cache eviction: lru, lfu, belady (the offline bound) or score "
@@ -188,7 +188,8 @@ def eval_cmd(
     split: SplitOpt = None,
     domain: DomainOpt = None,
     cross_domain: Annotated[
-        bool, typer.Option(help="Add a profile-on-A, evaluate-on-B recall matrix over domains.")
+        bool, typer.Option(help="Add a profile-on-A, evaluate-on-B recall matrix over domains "
+                           "(of the first --predictor, else stmoe).")
     ] = False,
     json_out: Annotated[
         Path | None, path_option("--json", help="Write all results as JSON here ('-': stdout).")
@@ -210,6 +211,8 @@ def eval_cmd(
     check_range("--seed", seed, 0)
     check_range("--horizon", horizon, 1, 3)
     check_range("--split", split, 0, 1, exclusive=True)
+    if lookahead not in ("auto", "early", "late"):
+        raise StmoeError(f"--lookahead {clean_label(lookahead)}: expected auto, early or late")
     tables = load_tables(tables_path) if tables_path is not None else None  # before the trace
     trace = _select(import_files([trace_path]), domain, split, 1)
     n = trace.meta.num_experts
@@ -227,6 +230,9 @@ def eval_cmd(
         options["set_size"] = set_size
         options["max_set_size"] = set_size
     if lookahead != "auto":
+        if not any(REGISTRY[n].uses_lookahead for n in chosen if n in REGISTRY):
+            raise StmoeError(f"--lookahead {lookahead}: none of {', '.join(chosen)} takes a gate "
+                             "lookahead; use hybrid or gate-lookahead")
         options["lookahead"] = lookahead
     if adaptive:
         if not any("adaptive" in accepted_options(n) for n in chosen):
@@ -249,9 +255,10 @@ def eval_cmd(
         which = (f"{lru_instead[0]} scores no expert, so its cache" if len(lru_instead) == 1
                  else f"{', '.join(lru_instead)} score no expert, so their caches")
         err.print(f"note: --policy score: {which} ran lru")
-    if cross_domain:
+    if cross_domain:  # the first predictor named (else stmoe), as its label says
         shared = {k: v for k, v in options.items() if k != "horizon"}
-        result = ReplayResult(result.trace, result.results, cross_domain_matrix(trace, **shared))
+        result = ReplayResult(result.trace, result.results, cross_domain_matrix(
+            trace, predictor[0] if predictor else "stmoe", **shared))
     data = result.to_dict()
     data["horizon"] = horizon
     if not (set_size or adaptive or horizon > 1):  # else the user chose the sets' sizes
