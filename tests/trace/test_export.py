@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import one_line_error
-from stmoe import load_trace, synthesize
+from stmoe import load_trace, save_trace, synthesize
 from stmoe.errors import TraceError
 from stmoe.trace.engines import EngineOptions
 from stmoe.trace.export import EXPORT_FORMATS, export_trace
@@ -158,3 +158,23 @@ def test_a_killed_exports_leftover_is_removed_by_the_next_export(tmp_path):
     export_trace(NEW, path, "vllm")
     assert not stale.exists()
     assert load_trace(path).num_sequences == NEW.num_sequences
+
+
+@pytest.mark.parametrize(("fmt", "lost", "kept"), [
+    ("npy", ["the model name", "the SYNTHETIC mark", "--num-experts 64", "decode tokens"], []),
+    ("vllm", ["the SYNTHETIC mark", "--num-experts 64", "decode tokens"], ["model name"]),
+    ("sglang", ["the model name", "the SYNTHETIC mark", "--num-experts 64"], ["decode"]),
+    ("jsonl", [], ["does not keep"]),
+])
+def test_an_export_says_what_its_format_does_not_keep(cli, tmp_path, fmt, lost, kept):
+    """Synthetic routing of 64 experts whose highest id used is below 63, two sequences: an
+    import of a foreign file would read it back as real, of fewer experts (review, item 6)."""
+    trace = synthesize(tokens=40, layers=4, experts=64, top_k=2, sequences=2, skew=4, seed=3)
+    assert int(trace.experts.max()) < 63 and trace.meta.synthetic
+    save_trace(trace, tmp_path / "t.npz")
+    res = cli("export", tmp_path / "t.npz", "-o", tmp_path / f"out.{fmt}", "--format", fmt)
+    assert res.exit_code == 0, res.output
+    for words in lost:
+        assert words in res.output, (words, res.output)
+    for words in kept:
+        assert words not in res.output, (words, res.output)

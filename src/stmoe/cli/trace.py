@@ -15,6 +15,7 @@ from stmoe.cli.common import (
     check_inputs,
     check_range,
     clean_label,
+    err,
     json_to_stdout,
     key_value_table,
     out,
@@ -32,7 +33,7 @@ from stmoe.trace import (
     synthesize,
 )
 from stmoe.trace.engines import EngineOptions
-from stmoe.trace.export import EXPORT_FORMATS, export_trace
+from stmoe.trace.export import EXPORT_FORMATS, export_losses, export_trace
 
 _SPEC = SynthSpec()
 
@@ -236,5 +237,10 @@ def export_cmd(
     --layers L --top-k K).
     """
     check_inputs("a trace file", trace_path)
-    path = export_trace(load_trace(trace_path), output, format)
+    trace = load_trace(trace_path)
+    path = export_trace(trace, output, format)
     out.print(f"wrote {clean_label(path)}")
+    lost = export_losses(trace, format)
+    if lost:
+        err.print(f"note: the {format} file does not keep {'; '.join(lost)}", soft_wrap=True,
+                  markup=False)

@@ -20,7 +20,7 @@ import numpy as np
 from stmoe.errors import TraceError
 from stmoe.trace.engines.writers import export_sglang, export_vllm
 from stmoe.trace.ranks import RANK_ORDER, is_ranked
-from stmoe.trace.schema import RoutingTrace
+from stmoe.trace.schema import UNLABELLED, RoutingTrace
 from stmoe.util.fileio import atomic_write, atomic_write_files
 from stmoe.util.progress import progress
 
@@ -69,6 +69,35 @@ def export_npy(trace: RoutingTrace, path: str | Path) -> Path:
 def manifest_path(path: Path) -> Path:
     """Where ``export_npy`` lists the files of one export (the npy reader checks it)."""
     return path.with_suffix(".manifest.json")
+
+
+def export_losses(trace: RoutingTrace, format: str) -> list[str]:
+    """What of ``trace`` a ``format`` export does not keep (the native file keeps all): said
+    where the export is written, since an import of it then differs without an error
+    (synthetic routing read back as real, tables of N experts refused by it)."""
+    if format == "jsonl":
+        kept = {"model", "synthetic", "experts", "weights", "phases", "domains"}
+    elif format == "vllm":  # (each request's prompt length: in its token ids, or the usage)
+        kept = {"model", "token ids"} | (
+            {"phases"} if trace.token_ids is not None or trace.num_sequences == 1 else set())
+    elif format == "sglang":
+        kept = {"phases"}
+    else:  # npy
+        kept = set()
+    used = int(np.asarray(trace.experts).max(initial=-1)) + 1
+    labelled = any(d != UNLABELLED for d in trace.domains)
+    has = {
+        "model": ("the model name", bool(trace.meta.model)),
+        "synthetic": ("the SYNTHETIC mark", trace.meta.synthetic),
+        "experts": (f"the experts per layer (an import counts {used}, the highest id used + 1: "
+                    f"give it --num-experts {trace.num_experts})", used < trace.num_experts),
+        "weights": ("the gate weights", trace.weights is not None),
+        "phases": ("which tokens are decode tokens", bool(np.asarray(trace.is_decode).any())),
+        "domains": ("the domains", labelled),
+        "token ids": ("the token ids", trace.token_ids is not None),
+        "lookahead": ("the gate lookahead", trace.lookahead is not None),
+    }
+    return [what for key, (what, present) in has.items() if present and key not in kept]
 
 
 def export_trace(trace: RoutingTrace, path: str | Path, format: str) -> Path:
