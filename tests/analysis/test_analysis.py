@@ -138,3 +138,14 @@ def test_a_layer_whose_every_slot_is_empty_is_reported_not_a_crash(cli, tmp_path
     data = json.loads((tmp_path / "a.json").read_text())
     assert data["spatial"]["pairs_total"] == 3
     assert [p["dof"] > 0 for p in data["spatial"]["pairs"]] == [True, False, False]
+
+
+def test_a_trace_of_one_token_sequences_has_no_temporal_evidence(cli, tmp_path):
+    """No two tokens follow each other: the report says so, not an overlap of 0.00x."""
+    stmoe.save_trace(stmoe.synthesize(tokens=3, layers=4, experts=8, top_k=2, sequences=3),
+                     tmp_path / "t.npz")
+    result = cli("analyze", tmp_path / "t.npz", "-o", tmp_path / "rep")
+    assert result.exit_code == 0, result.output
+    assert "no consecutive tokens to compare" in result.output and "0.00x" not in result.output
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "no consecutive pairs to compare" in report and "0.00x" not in report

@@ -447,3 +447,15 @@ def test_a_fit_of_another_version_is_said_not_silently_replaced(cli, small, tmp_
 def test_the_cross_domain_matrix_is_the_named_predictors(cli, small):
     res = cli("eval", small, "--predictor", "oracle", "--cross-domain")
     assert res.exit_code == 0 and "cross-domain recall (oracle)" in res.output, res.output
+
+
+@pytest.mark.parametrize("command", [["profile", "-o", "{d}/t.npz"], ["split-capacity"],
+                                     ["import", "-o", "{d}/i.npz"]])
+def test_the_same_trace_given_twice_is_refused(cli, small, tmp_path, command):
+    """Under another name too (a hard link): its routing would count twice, and a held-out
+    part could hold a copy of a profiled one (review item 10)."""
+    link = tmp_path / "link.npz"
+    os.link(small, link)
+    name, *opts = command
+    args = [name, str(small), str(link), *(a.format(d=tmp_path) for a in opts)]
+    one_line_error(cli(*args), "the same file as", "given twice")

@@ -220,7 +220,11 @@ def test_more_new_tokens_than_the_routing_holds_is_a_note(replay_setup, cli):
 
     assert len(json.loads((root / "g.json").read_text())["tokens"]) == plan.new_tokens
     res = cli(*args, "--max-new-tokens", "2")
-    assert res.exit_code == 0 and "note:" not in res.output
+    assert res.exit_code == 0 and "--max-new-tokens" not in res.output, res.output
+    # what the run was: random weights, synthetic routing, tables profiled on it
+    said = " ".join(res.output.split())
+    assert "the model's weights are RANDOM" in said and "replayed the SYNTHETIC routing" in said
+    assert "so every figure is in-sample" in said, said
     res = cli(*args, "--layers", "4")
     assert res.exit_code == 1 and str(root / "t.npz") in res.output
 

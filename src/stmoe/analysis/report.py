@@ -67,7 +67,9 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
         "would by chance if layers were independent).",
         f"**Temporal**: consecutive tokens share {tmp['overlap']:.2f} experts per layer on "
         f"average, {tmp['overlap_ratio']:.2f}x the {tmp['expected_overlap']:.3g} of random "
-        f"routing (95% CI {_fmt(lo)}-{_fmt(hi)}x).",
+        f"routing (95% CI {_fmt(lo)}-{_fmt(hi)}x)." if tmp["token_pairs"] else
+        "**Temporal**: no evidence: no sequence holds two tokens, so there are no consecutive "
+        "pairs to compare.",
         f"**Load**: the top 10% of experts carry {np.mean(ld['top10_share']):.0%} of the "
         f"routings on average; max/mean use {np.mean(ld['max_over_mean']):.2f}.",
     ])

@@ -44,7 +44,8 @@ def analyze_cmd(
     out.print(
         f"{clean_label(trace.meta.model)}{synthetic}: {s['pairs_significant']}/"
         f"{s['pairs_total']} layer pairs reject independence (p < {s['alpha']}); "
-        f"consecutive-token overlap {t['overlap_ratio']:.2f}x random"
+        + (f"consecutive-token overlap {t['overlap_ratio']:.2f}x random" if t["token_pairs"]
+           else "no consecutive tokens to compare (every sequence holds one)")
     )
     report = clean_label(output / "report")
     out.print(f"wrote {report}.html and {report}.md")

@@ -190,9 +190,18 @@ def check_range(option: str, value: float | None, low: float | None = None,
 
 
 def check_inputs(what: str, paths: list[Path] | Path | None) -> None:
-    """Each input file regular and readable, checked before any work (``check_input_file``)."""
-    for path in [paths] if isinstance(paths, Path) else paths or []:
+    """Each input file regular and readable, checked before any work (``check_input_file``),
+    and none given twice (the same file under two names included): its routing would count
+    twice, and a held-out part could hold a copy of a profiled one."""
+    listed = [paths] if isinstance(paths, Path) else list(paths or [])
+    seen: dict[tuple[int, int], Path] = {}
+    for path in listed:
         check_input_file(path, what)
+        st = path.stat()
+        first = seen.setdefault((st.st_dev, st.st_ino), path)
+        if first is not path:
+            raise StmoeError(f"{clean_label(path)}: the same file as {clean_label(first)}, given "
+                             f"twice; give each {what.removeprefix('a ')} once")
 
 
 def key_value_table(title: str, rows: list[tuple[str, Any]]) -> Table:

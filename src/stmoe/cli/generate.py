@@ -141,8 +141,10 @@ def generate_cmd(
                      format=weights, group_size=group_size, in_place=in_place,
                      quantize_resident=quantize_resident) as om:
         compiled = warm_up(om)  # outside the timer: numba's first calls compile or load
+        random_weights = bool(getattr(om.model.config, "stmoe_random_weights", False))
+        synthetic = False
         if routing is not None:
-            run = _replay(om, routing, sequence, max_new_tokens, layers)
+            run, synthetic = _replay(om, routing, sequence, max_new_tokens, layers, tables)
         else:
             assert prompt is not None
             run = functools.partial(om.generate, prompt, max_new_tokens=max_new_tokens or 32)
@@ -153,12 +155,17 @@ def generate_cmd(
                              "output must not change between runs")
     data = summary(runs)
     data["warm_up_s"] = compiled
+    data["random_weights"], data["synthetic_routing"] = random_weights, synthetic
     if to_stdout:
         print_json(data)
         return
+    if random_weights:
+        out.print("the model's weights are RANDOM (`stmoe make-model`): its text means nothing; "
+                  "the speeds and the offloaded bits are the runtime's", markup=False)
     if routing is not None:
-        out.print(f"replayed the routing of {plain_label(str(routing))}, sequence {sequence} "
-                  "(the generated text is meaningless: not shown)", markup=False)
+        out.print(f"replayed the {'SYNTHETIC ' if synthetic else ''}routing of "
+                  f"{plain_label(str(routing))}, sequence {sequence} (the generated text is "
+                  "meaningless: not shown)", markup=False)
     else:  # unwrapped (soft_wrap): copied code keeps its lines
         out.print(plain_label((prompt or "") + runs[0].text, multiline=True), markup=False,
                   soft_wrap=True)
@@ -174,9 +181,11 @@ def generate_cmd(
 
 
 def _replay(om: OffloadedModel, routing: Path, sequence: int, max_new_tokens: int | None,
-            layers: str | None = None) -> Callable[[], Any]:
+            layers: str | None = None, tables: Path | None = None
+            ) -> tuple[Callable[[], Any], bool]:
     """One replay of the trace's sequence (its ``layers``) through the offloaded model
-    (``OffloadedModel.force_routing``), as a call to repeat."""
+    (``OffloadedModel.force_routing``), as a call to repeat, and whether the routing is
+    SYNTHETIC; notes on ``tables`` where they were profiled on it, or on other routing."""
     from stmoe.runtime.forced_routing import plan_routing
     from stmoe.trace import load_trace
     from stmoe.trace.select import select_layers
@@ -199,7 +208,16 @@ def _replay(om: OffloadedModel, routing: Path, sequence: int, max_new_tokens: in
         warnings.warn(f"{routing}: sequence {sequence} holds the routing of "
                       f"{plan.new_tokens} new tokens, so {plan.new_tokens} are generated, not "
                       f"--max-new-tokens {max_new_tokens}", StmoeNote, stacklevel=2)
-    return functools.partial(om.force_routing, plan, max_new_tokens)
+    if tables is not None:
+        from stmoe.cli.table_notes import note_tables
+        from stmoe.predictors import load_tables
+        from stmoe.trace.select import first_layers, select_sequences
+
+        replayed = select_sequences(trace, [sequence])  # as the plan takes it: first L layers
+        if replayed.num_layers > c["num_layers"]:
+            replayed = first_layers(replayed, c["num_layers"])
+        note_tables(replayed, load_tables(tables))
+    return functools.partial(om.force_routing, plan, max_new_tokens), trace.meta.synthetic
 
 
 def _check_generate_options(max_new_tokens: int | None, max_loads: int | None, workers: int | None,

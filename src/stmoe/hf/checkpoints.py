@@ -152,6 +152,7 @@ def _write_checkpoint(plan: CheckpointPlan, out: Path, label: str, seed: int,
         atomic_write_text(out / "model.safetensors.index.json", json.dumps(index, indent=1) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(SHIPPED_MODEL / name, out / name)
+    plan.config.stmoe_random_weights = True  # (said by whatever runs it: `stmoe generate`)
     plan.config.save_pretrained(out)
 
 
