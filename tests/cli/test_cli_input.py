@@ -99,6 +99,9 @@ def test_emoji_codes_in_labels_print_literally(cli, small, tmp_path):
         (["eval", "{t}", "--lookahead", "bogus"], ["--lookahead bogus", "auto, early or late"]),
         (["generate", "--prompt", "x", "--sequence", "3"], ["--sequence applies to --routing"]),
         (["profile", "{t}", "-o", "{d}/t.npz", "--split", "1"], ["--split 1.0", "strictly"]),
+        (["profile", "{t}", "-o", "{d}/t.npz", "--row-width", "0"], ["--row-width 0"]),
+        (["profile", "{t}", "-o", "{d}/t.npz", "--row-width", "9"],
+         ["--row-width 9", "8 experts per layer"]),
         (["import", "{t}", "-o", "{d}/x.npz", "--num-experts", "0"], ["--num-experts 0", ">= 1"]),
         (["simulate", "{t}", "--model", "x", "--batch", "0"], ["--batch 0", ">= 1"]),
         (["simulate", "{t}", "--model", "x", "--pregate-accuracy", "nan"],
@@ -459,3 +462,14 @@ def test_the_same_trace_given_twice_is_refused(cli, small, tmp_path, command):
     name, *opts = command
     args = [name, str(small), str(link), *(a.format(d=tmp_path) for a in opts)]
     one_line_error(cli(*args), "the same file as", "given twice")
+
+
+def test_a_file_where_an_output_folder_goes_says_so(cli, small, tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    one_line_error(cli("analyze", small, "-o", tmp_path / "afile"), "afile: File exists",
+                   "a folder was expected there")
+
+
+def test_a_tables_file_given_as_a_trace_is_named_for_what_it_is(cli, small, tmp_path):
+    assert cli("profile", small, "-o", tmp_path / "t.npz").exit_code == 0
+    one_line_error(cli("info", tmp_path / "t.npz"), "this is a tables file")

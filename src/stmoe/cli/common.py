@@ -82,7 +82,9 @@ def friendly(fn: F) -> F:
             _fail(str(exc))
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename else ""
-            _fail(f"{where}{exc.strerror or exc}")
+            why = (" (a folder was expected there, new or existing: a file is in the way)"
+                   if isinstance(exc, (FileExistsError, NotADirectoryError)) else "")
+            _fail(f"{where}{exc.strerror or exc}{why}")
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
                 RecursionError, EOFError, MemoryError) as exc:
             _fail(f"unexpected input stmoe does not check yet ({type(exc).__name__}: {exc}); "

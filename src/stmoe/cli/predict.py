@@ -92,9 +92,12 @@ def profile_cmd(
     """
     check_inputs("a trace file", traces)
     check_range("--split", split, 0, 1, exclusive=True)
+    check_range("--row-width", row_width, 1)
     trace = _select(import_files(traces), domain, split, 0)
     if layers is not None:
         trace = select_layers(trace, layers)
+    check_range("--row-width", row_width, 1, trace.num_experts,
+                why=f"the trace has {trace.num_experts} experts per layer")
     tables = profile(trace, row_width=row_width, by_domain=by_domain)
     save_tables(tables, output)
     out.print(

@@ -181,8 +181,11 @@ def _checked_directory(
         name = info.filename.removesuffix(".npy")
         if not info.filename.endswith(".npy") or (known is not None and name not in known):
             expected = "only .npy members" if known is None else f"members {', '.join(known)}"
+            tables = name in ("header", "cct_ids")  # (save_tables' members)
             raise TraceError(f"unexpected member {info.filename!r}", file=path, expected=expected,
-                             hint="the file is damaged or not this format")
+                             hint="this is a tables file (`stmoe profile` writes them), not a "
+                             "routing trace" if tables else "the file is damaged or not this "
+                             "format")
         if name in infos:
             raise TraceError(f"member {info.filename!r} appears twice", file=path,
                              expected="one member per array")
