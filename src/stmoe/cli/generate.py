@@ -52,6 +52,7 @@ from stmoe.runtime.warm_up import warm_up
 
 if TYPE_CHECKING:
     from stmoe.runtime.api import OffloadedModel
+    from stmoe.trace import RoutingTrace
 
 _DEFAULT = OffloadOptions()  # the one place the offload defaults are written
 
@@ -142,9 +143,9 @@ def generate_cmd(
                      quantize_resident=quantize_resident) as om:
         compiled = warm_up(om)  # outside the timer: numba's first calls compile or load
         random_weights = bool(getattr(om.model.config, "stmoe_random_weights", False))
-        synthetic = False
+        replayed = None
         if routing is not None:
-            run, synthetic = _replay(om, routing, sequence, max_new_tokens, layers, tables)
+            run, replayed = _replay(om, routing, sequence, max_new_tokens, layers)
         else:
             assert prompt is not None
             run = functools.partial(om.generate, prompt, max_new_tokens=max_new_tokens or 32)
@@ -153,6 +154,12 @@ def generate_cmd(
         if r.tokens != runs[0].tokens:  # lossless offloading gives the same tokens every run
             raise StmoeError(f"run {i} generated other tokens than run 1; the offloaded "
                              "output must not change between runs")
+    synthetic = replayed is not None and replayed.meta.synthetic
+    if replayed is not None and tables is not None:  # (once the runs succeeded: no note
+        from stmoe.cli.table_notes import note_tables  # before a refusal)
+        from stmoe.predictors import load_tables
+
+        note_tables(replayed, load_tables(tables))
     data = summary(runs)
     data["warm_up_s"] = compiled
     data["random_weights"], data["synthetic_routing"] = random_weights, synthetic
@@ -181,11 +188,10 @@ def generate_cmd(
 
 
 def _replay(om: OffloadedModel, routing: Path, sequence: int, max_new_tokens: int | None,
-            layers: str | None = None, tables: Path | None = None
-            ) -> tuple[Callable[[], Any], bool]:
+            layers: str | None = None) -> tuple[Callable[[], Any], RoutingTrace]:
     """One replay of the trace's sequence (its ``layers``) through the offloaded model
-    (``OffloadedModel.force_routing``), as a call to repeat, and whether the routing is
-    SYNTHETIC; notes on ``tables`` where they were profiled on it, or on other routing."""
+    (``OffloadedModel.force_routing``), as a call to repeat, and the routing it replays (that
+    sequence, the model's layers of it)."""
     from stmoe.runtime.forced_routing import plan_routing
     from stmoe.trace import load_trace
     from stmoe.trace.select import select_layers
@@ -208,16 +214,12 @@ def _replay(om: OffloadedModel, routing: Path, sequence: int, max_new_tokens: in
         warnings.warn(f"{routing}: sequence {sequence} holds the routing of "
                       f"{plan.new_tokens} new tokens, so {plan.new_tokens} are generated, not "
                       f"--max-new-tokens {max_new_tokens}", StmoeNote, stacklevel=2)
-    if tables is not None:
-        from stmoe.cli.table_notes import note_tables
-        from stmoe.predictors import load_tables
-        from stmoe.trace.select import first_layers, select_sequences
+    from stmoe.trace.select import first_layers, select_sequences
 
-        replayed = select_sequences(trace, [sequence])  # as the plan takes it: first L layers
-        if replayed.num_layers > c["num_layers"]:
-            replayed = first_layers(replayed, c["num_layers"])
-        note_tables(replayed, load_tables(tables))
-    return functools.partial(om.force_routing, plan, max_new_tokens), trace.meta.synthetic
+    replayed = select_sequences(trace, [sequence])  # as the plan takes it: its first L layers
+    if replayed.num_layers > c["num_layers"]:
+        replayed = first_layers(replayed, c["num_layers"])
+    return functools.partial(om.force_routing, plan, max_new_tokens), replayed
 
 
 def _check_generate_options(max_new_tokens: int | None, max_loads: int | None, workers: int | None,
