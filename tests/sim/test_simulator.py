@@ -539,3 +539,28 @@ def test_the_host_pipeline_ranks_by_lru_while_admission_skips_a_layers_predictio
     sim.adm.wants = lambda layer: False
     sim.plan_set(2, 1)
     assert len(sim.score[1]) == 0
+
+
+def test_a_preset_calibrated_on_another_model_is_named_as_such(cli, tmp_path):
+    """Its layer and token times are the calibrated model's (review item 5): a note naming
+    both; none where the model matches or the preset predates the key."""
+    trace = stmoe.synthesize(tokens=40, layers=4, experts=16, top_k=4, sequences=1, seed=0)
+    stmoe.save_trace(trace, tmp_path / "t.npz")
+    path = tmp_path / "host.toml"
+    text = HOST_TOML.format(pe=1.0, bw=1e9, par=1e9, tier="disk", touch=0.0)
+    path.write_text(text)
+    args = ["simulate", tmp_path / "t.npz", "--model", "stmoe-tiny", "--layers", "4",
+            "--hardware", path, "--pipeline", "runtime"]
+    res = cli(*args)
+    assert res.exit_code == 0 and "calibrated on a model" not in res.output, res.output
+    path.write_text(text.replace("workers = 2", 'workers = 2\nmeasured_on = "40 layers x 256 '
+                                 'experts of 6291456 bytes"'))
+    res = cli(*args)
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0, res.output
+    assert "calibrated on a model of 40 layers x 256 experts of 6291456 bytes" in said, said
+    tiny = model_preset("stmoe-tiny")
+    same = f"{4} layers x {tiny.num_experts} experts of {tiny.expert_bytes} bytes"
+    path.write_text(text.replace("workers = 2", f'workers = 2\nmeasured_on = "{same}"'))
+    res = cli(*args)
+    assert res.exit_code == 0 and "calibrated on a model" not in res.output, res.output

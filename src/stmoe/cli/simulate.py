@@ -13,6 +13,7 @@ from stmoe.cli.common import (
     check_inputs,
     check_range,
     clean_label,
+    err,
     json_to_stdout,
     out,
     path_argument,
@@ -240,10 +241,16 @@ def _runtime(trace: Any, model: Any, hw: Any, system: list[str] | None, tables: 
     """``--pipeline runtime``: the runtime's systems replaying one sequence on this host."""
     from stmoe.predictors import profile
     from stmoe.sim.accelerator.simulate import check_model_fits, needs_plus_fit
+    from stmoe.sim.host.calibrated import measured_on
     from stmoe.sim.host.systems import RUNTIME_SYSTEMS, HostOptions, simulate_runtime
 
     capacity, decode_tokens, sequence = replay
     check_model_fits(trace, model)
+    simulated = measured_on(model.layers, model.num_experts, model.expert_bytes)
+    if hw.host is not None and hw.host.measured_on not in ("", simulated):
+        err.print(f"note: {clean_label(hw.name)} was calibrated on a model of "
+                  f"{hw.host.measured_on}; its layer and token times are that model's, "
+                  f"not {clean_label(model.name)}'s ({simulated})", markup=False)
     systems = system or list(RUNTIME_SYSTEMS)
     note = "given"
     if tables is None:  # as benchmarks/bench_offload_real.py: in-sample, said so

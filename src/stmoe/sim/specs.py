@@ -86,9 +86,8 @@ class HostSpec:
     layer_s: float  # per decode token and MoE layer, outside the experts call
     token_s: float  # per decode token, outside the MoE decoder layers
     first_touch_s: float  # extra per read into cache memory never used before (page faults)
-    # a prefetch worker's read in pieces of this many bytes (the runtime's CHUNK_BYTES; a
-    # preset without the key, written before the runtime chunked, gets today's)
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = 4 << 20  # a worker's read pieces (the runtime's; older presets: today's)
+    measured_on: str = ""  # the model calibrated: "L layers x N experts of B bytes" (older: "")
     # [host.predictors]: each predictor's own time on the compute thread (none: 0 counted)
     predictors: dict[str, PredictorCost] = dataclasses.field(default_factory=dict)
 

@@ -46,7 +46,8 @@ def hardware_toml(f: dict[str, Any]) -> str:
         line("dataflow", "weight_stationary", "one fixed kernel"),
         line("link_bytes_per_s", f["bytes_per_s"], _single_reader(f)),
         line("link_latency_s", f["latency_s"], _latency_note(f)),
-        line("cache_experts_per_layer", f["capacity"], "the cache described (--capacity)"),
+        line("cache_experts_per_layer", f["capacity"], "calibrate's --capacity: the "
+             "accelerator pipeline's buffer (the runtime pipeline takes simulate --capacity)"),
         line("epu_cycles_per_candidate", 0, "prediction runs on the host CPU: its time per "
              "layer call is [host.predictors]'s"),
         line("epu_fixed_cycles", 0, na), line("verify_cycles", 0, na),
@@ -60,6 +61,8 @@ def hardware_toml(f: dict[str, Any]) -> str:
         "",
         "[host]  # the runtime's host pipeline (stmoe simulate --pipeline runtime)",
         line("tier", f["tier"], f"the tier measured: {tier}"),
+        line("measured_on", measured_on(f["num_layers"], f["num_experts"], f["expert_bytes"]),
+             "the model measured: its layer and token times are that model's"),
         line("workers", f["workers"], "the runtime's prefetch threads on this tier"),
         line("chunk_bytes", f.get("chunk_bytes", 4 << 20), "the runtime's: a prefetch "
              "worker reads an expert in pieces of this size, a demand read goes between"),
@@ -80,6 +83,11 @@ def hardware_toml(f: dict[str, Any]) -> str:
              f"{f['populate_s'] * 1e3:.2f} ms an expert, not timed by the simulator)"),
     ]
     return "\n".join(rows + _predictors(f)) + "\n"
+
+
+def measured_on(layers: int, experts: int, expert_bytes: int) -> str:
+    """How a preset names the model it was calibrated on (``[host] measured_on``)."""
+    return f"{layers} layers x {experts} experts of {expert_bytes} bytes"
 
 
 def _predictors(f: dict[str, Any]) -> list[str]:
