@@ -68,7 +68,7 @@ GPU_TESTS := tests/hf tests/serve/test_step_forward.py tests/serve/test_step_row
 	tests/runtime/test_transformers_versions.py tests/runtime/test_quantized.py \
 	tests/runtime/test_gpu_tiers.py tests/runtime/test_gpu_quantized.py \
 	tests/runtime/test_gpu_check.py tests/runtime/test_gpu_check_rerun.py \
-	tests/runtime/test_host_lock.py
+	tests/runtime/test_host_lock.py tests/runtime/test_stream_order.py
 
 $(GPU_SITE)/.installed: Makefile | $(BIN)/python
 	rm -rf $(GPU_SITE)
