@@ -473,3 +473,12 @@ def test_a_file_where_an_output_folder_goes_says_so(cli, small, tmp_path):
 def test_a_tables_file_given_as_a_trace_is_named_for_what_it_is(cli, small, tmp_path):
     assert cli("profile", small, "-o", tmp_path / "t.npz").exit_code == 0
     one_line_error(cli("info", tmp_path / "t.npz"), "this is a tables file")
+
+
+def test_a_split_that_rounds_to_whole_sequences_says_so(cli, small, tmp_path):
+    res = cli("profile", small, "--split", "0.0001", "-o", tmp_path / "t.npz")
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "--split 0.0001 splits the trace's 2 sequences whole" in said, said
+    res = cli("profile", small, "--split", "0.5", "-o", tmp_path / "h.npz")
+    assert res.exit_code == 0 and "note:" not in res.output, res.output

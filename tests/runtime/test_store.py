@@ -83,6 +83,10 @@ def test_pack_command(cli, tmp_path):
     assert len(store.blocks) == 8 * 16
     bad = cli("pack", tmp_path, "-o", tmp_path / "x")
     assert bad.exit_code == 1 and "no config.json" in bad.output
+    # bf16 names a bf16 checkpoint's native format: of a float32 one it would write float32
+    bf16 = cli("pack", SHIPPED_MODEL, "-o", tmp_path / "b", "--format", "bf16")
+    assert bf16.exit_code == 1 and "weights are float32" in bf16.output, bf16.output
+    assert not (tmp_path / "b").exists()
 
 
 # ---- a fuzzed index: one clear line, or the resident model's exact tokens --------------------

@@ -63,6 +63,7 @@ def pack_cmd(
                   f"({len(store.blocks)} blocks, {store.weights.label})", markup=False)
         return
     fmt = parse_format(weights, group_size)
+    _refuse_bf16_of_another_dtype(weights, model_dir)
     if in_place:
         from stmoe.runtime.store.in_place_index import make_in_place
 
@@ -81,3 +82,24 @@ def pack_cmd(
     size = store.data_path.stat().st_size
     out.print(f"wrote {path}: {size / 2**20:.1f} MiB of experts, {store.weights.label}",
               markup=False)
+
+
+def _refuse_bf16_of_another_dtype(weights: str, model_dir: Path) -> None:
+    """``--format bf16`` names the native format of a bf16 checkpoint (stmoe converts no
+    dtype): asked of a checkpoint of another dtype, it would write that dtype, labelled
+    native, which is not what was asked. Refused where the config names its dtype."""
+    import json
+
+    from stmoe.runtime.store import StoreError
+
+    if weights.strip().lower() not in ("bf16", "bfloat16"):
+        return
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # (the pack itself says what is wrong with the folder)
+    dtype = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    if isinstance(dtype, str) and dtype not in ("bfloat16", "bf16"):
+        raise StoreError(f"--format {weights}: {model_dir}'s weights are {dtype}; bf16 is the "
+                         "native format of a bf16 checkpoint (stmoe converts no dtype): use "
+                         "--format native to keep them, or int8/int4")

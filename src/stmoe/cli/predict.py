@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,7 +23,7 @@ from stmoe.cli.common import (
 )
 from stmoe.cli.eval_tables import print_results
 from stmoe.cli.table_notes import note_tables
-from stmoe.errors import StmoeError
+from stmoe.errors import StmoeError, StmoeNote
 from stmoe.evaluate.equal_size import equal_set_size
 from stmoe.evaluate.replay import ReplayResult, cross_domain_matrix, replay
 from stmoe.predictors import (
@@ -58,7 +59,15 @@ def _select(
 ) -> RoutingTrace:
     if domain is not None:
         trace = select_domain(trace, domain)
-    return trace if split is None else split_auto(trace, split)[part]
+    if split is None:
+        return trace
+    parts = split_auto(trace, split)
+    share = parts[0].num_tokens / trace.num_tokens
+    if abs(share - split) > 0.05:  # several sequences split whole, not at the fraction asked
+        warnings.warn(f"--split {split:g} splits the trace's {trace.num_sequences} sequences "
+                      f"whole: the first part holds {parts[0].num_tokens} of its "
+                      f"{trace.num_tokens} tokens ({share:.0%})", StmoeNote, stacklevel=2)
+    return parts[part]
 
 
 def profile_cmd(

@@ -4,12 +4,15 @@
 Why: tables profiled on the routing replayed make every predictor look better than it is
 (stmoe-plus's token memory recalls nearly everything it has seen), and tables profiled on
 SYNTHETIC routing or another model's say how that routing predicts this one. Neither is an
-error (an in-sample replay is a fair upper bound, asked for knowingly), so each is a note.
+error (an in-sample replay is a fair upper bound, asked for knowingly), so each is a note
+(shown once the command succeeded: a refusal stays one line).
 """
 
 from __future__ import annotations
 
-from stmoe.cli.common import err
+import warnings
+
+from stmoe.errors import StmoeNote
 from stmoe.predictors.base import ModelShape
 from stmoe.predictors.tables import ProfiledTables
 from stmoe.trace import RoutingTrace
@@ -49,9 +52,9 @@ def note_in_sample(trace: RoutingTrace, tables: ProfiledTables) -> None:
     in-sample."""
     known = in_sample_tokens(trace, tables)
     if known > trace.num_tokens / 2:
-        err.print(f"note: {known} of the {trace.num_tokens} tokens replayed were profiled into "
-                  f"{tables.source or 'these tables'}, so every figure is in-sample; profile "
-                  "and replay different parts, e.g. the same --split for both", soft_wrap=True)
+        _note(f"{known} of the {trace.num_tokens} tokens replayed were profiled into "
+              f"{tables.source or 'these tables'}, so every figure is in-sample; profile and "
+              "replay different parts, e.g. the same --split for both")
 
 
 def note_other_model(trace: RoutingTrace, tables: ProfiledTables) -> None:
@@ -60,9 +63,12 @@ def note_other_model(trace: RoutingTrace, tables: ProfiledTables) -> None:
     routing predicts this one, which is rarely what was meant."""
     profiled = str(tables.info.get("model", ""))
     if tables.info.get("synthetic") and not trace.meta.synthetic:
-        err.print(f"note: {tables.source or 'the tables'} were profiled on SYNTHETIC routing "
-                  f"({profiled or 'unnamed'}); the trace replayed is {trace.meta.model!r}'s",
-                  soft_wrap=True)
+        _note(f"{tables.source or 'the tables'} were profiled on SYNTHETIC routing "
+              f"({profiled or 'unnamed'}); the trace replayed is {trace.meta.model!r}'s")
     elif profiled and trace.meta.model and profiled != trace.meta.model:
-        err.print(f"note: {tables.source or 'the tables'} were profiled on {profiled!r}'s "
-                  f"routing; the trace replayed is {trace.meta.model!r}'s", soft_wrap=True)
+        _note(f"{tables.source or 'the tables'} were profiled on {profiled!r}'s routing; the "
+              f"trace replayed is {trace.meta.model!r}'s")
+
+
+def _note(text: str) -> None:
+    warnings.warn(text, StmoeNote, stacklevel=3)
