@@ -194,7 +194,7 @@ def _replay(om: OffloadedModel, routing: Path, sequence: int, max_new_tokens: in
     sequence, the model's layers of it)."""
     from stmoe.runtime.forced_routing import plan_routing
     from stmoe.trace import load_trace
-    from stmoe.trace.select import select_layers
+    from stmoe.trace.select import first_layers, select_layers, select_sequences
 
     trace = load_trace(routing)
     c = om.config
@@ -214,8 +214,6 @@ def _replay(om: OffloadedModel, routing: Path, sequence: int, max_new_tokens: in
         warnings.warn(f"{routing}: sequence {sequence} holds the routing of "
                       f"{plan.new_tokens} new tokens, so {plan.new_tokens} are generated, not "
                       f"--max-new-tokens {max_new_tokens}", StmoeNote, stacklevel=2)
-    from stmoe.trace.select import first_layers, select_sequences
-
     replayed = select_sequences(trace, [sequence])  # as the plan takes it: its first L layers
     if replayed.num_layers > c["num_layers"]:
         replayed = first_layers(replayed, c["num_layers"])

@@ -98,7 +98,8 @@ def _refuse_bf16_of_another_dtype(weights: str, model_dir: Path) -> None:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return  # (the pack itself says what is wrong with the folder)
-    dtype = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    dtype = (config.get("torch_dtype") or config.get("dtype")) if isinstance(config, dict) \
+        else None
     if isinstance(dtype, str) and dtype not in ("bfloat16", "bf16"):
         raise StoreError(f"--format {weights}: {model_dir}'s weights are {dtype}; bf16 is the "
                          "native format of a bf16 checkpoint (stmoe converts no dtype): use "

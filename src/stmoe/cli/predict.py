@@ -101,7 +101,6 @@ def profile_cmd(
     """
     check_inputs("a trace file", traces)
     check_range("--split", split, 0, 1, exclusive=True)
-    check_range("--row-width", row_width, 1)
     trace = _select(import_files(traces), domain, split, 0)
     if layers is not None:
         trace = select_layers(trace, layers)

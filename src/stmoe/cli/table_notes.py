@@ -33,8 +33,9 @@ def in_sample_tokens(trace: RoutingTrace, tables: ProfiledTables) -> int:
     if tables.shape != ModelShape.of(trace):
         return 0
     profiled = set(tables.info.get("sequences", []))
+    routing = set_order(trace.experts)[0]
     known, rest = 0, []
-    for digest, a, n in zip(sequence_digests(trace), trace.seq_starts.tolist(),
+    for digest, a, n in zip(sequence_digests(trace, routing), trace.seq_starts.tolist(),
                             trace.seq_lengths.tolist(), strict=True):
         if digest in profiled:
             known += n
@@ -42,7 +43,6 @@ def in_sample_tokens(trace: RoutingTrace, tables: ProfiledTables) -> int:
             rest.append((a, n))
     if tables.recent is not None and rest:
         seen = {row.tobytes() for row in set_order(tables.recent)[0]}
-        routing = set_order(trace.experts)[0]
         known += sum(routing[t].tobytes() in seen for a, n in rest for t in range(a, a + n))
     return known
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -15,7 +16,6 @@ from stmoe.cli.common import (
     check_inputs,
     check_range,
     clean_label,
-    err,
     json_to_stdout,
     key_value_table,
     out,
@@ -23,6 +23,7 @@ from stmoe.cli.common import (
     path_option,
     write_json,
 )
+from stmoe.errors import StmoeNote
 from stmoe.trace import (
     FORMATS,
     SynthSpec,
@@ -241,6 +242,6 @@ def export_cmd(
     path = export_trace(trace, output, format)
     out.print(f"wrote {clean_label(path)}")
     lost = export_losses(trace, format)
-    if lost:
-        err.print(f"note: the {format} file does not keep {'; '.join(lost)}", soft_wrap=True,
-                  markup=False)
+    if lost:  # (a note, shown as every command's are)
+        warnings.warn(f"the {format} file does not keep {'; '.join(lost)}", StmoeNote,
+                      stacklevel=2)

@@ -81,10 +81,11 @@ def as_sets(trace: RoutingTrace) -> RoutingTrace:
     return dataclasses.replace(trace, experts=experts, weights=weights)
 
 
-def sequence_digests(trace: RoutingTrace) -> list[str]:
-    """A short digest of each sequence's routing as sets (rank ignored): what tables keep of
-    the sequences they were profiled on, so a replay of any of them is known as in-sample
+def sequence_digests(trace: RoutingTrace, rows: np.ndarray | None = None) -> list[str]:
+    """A short digest of each sequence's routing as sets (rank ignored; ``rows``: the
+    trace's rows in set order, where the caller has them): what tables keep of the
+    sequences they were profiled on, so a replay of any of them is known as in-sample
     however long the trace (their token memory keeps only the last tokens)."""
-    rows = set_order(trace.experts)[0]
+    rows = set_order(trace.experts)[0] if rows is None else rows
     return [hashlib.blake2b(rows[a:a + n].tobytes(), digest_size=8).hexdigest()
             for a, n in zip(trace.seq_starts.tolist(), trace.seq_lengths.tolist(), strict=True)]

@@ -24,9 +24,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stmoe.runtime.store.device_ops import CopyEvent, DeviceOps
-from stmoe.runtime.store.happens_before import COMPUTE, Clock, Extent, OrderingCheck, extent
+from stmoe.runtime.store.happens_before import (
+    COMPUTE,
+    Clock,
+    Extent,
+    OrderingCheck,
+    Stamp,
+    extent,
+)
 
-Stamp = tuple[int, Clock]  # a piece of work's timeline and clock (``OrderingCheck.queue``)
 NO_READ = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "new_empty",
                      "new_zeros", "new_ones", "new_full", "empty_strided", "detach",
                      "lift_fresh", "_local_scalar_dense"})  # (the last: a host tensor's)
@@ -58,8 +64,8 @@ def report_kernel(check: OrderingCheck, func: Any, args: tuple[Any, ...],
     name = func.overloadpacket.__name__
     if func.is_view or name in NO_READ:
         return
-    accesses = list(_accesses(func, name, args, kwargs))
-    touching = [(w, e) for w, e in accesses if check.touches(e)]
+    touching = [(w, e) for w, e in _accesses(func, name, args, kwargs, check.touches)
+                if check.touches(e)]
     if not touching:
         return
     if stamp is None:
@@ -84,22 +90,30 @@ def _row_extents(t: torch.Tensor, rows: list[int]) -> list[Extent]:
     return [e for r in rows if (e := extent(t, r)) is not None]
 
 
-def _accesses(func: Any, name: str, args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> Iterator[tuple[bool, Extent]]:
-    """(writes?, bytes) of each tensor a torch call reads or writes."""
+def _accesses(func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              tracked: Callable[[Extent], bool]) -> Iterator[tuple[bool, Extent]]:
+    """(writes?, bytes) of each tensor a torch call reads or writes; a gathering kernel's
+    table read row by row where it is ``tracked`` (its indices read only then: on CUDA,
+    reading them waits for the device)."""
     picked: dict[int, list[Extent]] = {}  # argument position -> the rows it reads
+
+    def table(at: int) -> torch.Tensor | None:  # the gathered-from tensor, where tracked
+        t = args[at]
+        return t if (e := extent(t)) is not None and tracked(e) else None
+
     if name == "index" and isinstance(args[1], (list, tuple)) and args[1] and all(
             i is None for i in args[1][1:]) and isinstance(args[1][0], torch.Tensor):
-        picked[0] = _row_extents(args[0], _rows(args[1][0], args[0].shape[0]))
-    elif name == "index_select" and args[1] == 0:
-        picked[0] = _row_extents(args[0], _rows(args[2], args[0].shape[0]))
-    elif name == "embedding":
-        picked[0] = _row_extents(args[0], _rows(args[1], args[0].shape[0]))
+        if (t := table(0)) is not None:
+            picked[0] = _row_extents(t, _rows(args[1][0], t.shape[0]))
+    elif name == "embedding" or (name == "index_select" and args[1] == 0):
+        if (t := table(0)) is not None:  # (weight, indices) / (self, dim, index)
+            index = args[1] if name == "embedding" else args[2]
+            picked[0] = _row_extents(t, _rows(index, t.shape[0]))
     elif name == "_grouped_mm" and args[1].dim() == 3 and args[0].dim() == 2 and (
-            offs := args[2] if len(args) > 2 else kwargs.get("offs")) is not None:
+            offs := args[2] if len(args) > 2 else kwargs.get("offs")) is not None and (
+            t := table(1)) is not None:  # (x, the experts' weights, the groups' ends)
         ends = [0, *offs.tolist()]
-        picked[1] = _row_extents(args[1], [g for g in range(len(ends) - 1)
-                                           if ends[g + 1] > ends[g]])
+        picked[1] = _row_extents(t, [g for g in range(len(ends) - 1) if ends[g + 1] > ends[g]])
     for i, arg in enumerate(func._schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(arg.name)
         write = arg.alias_info is not None and arg.alias_info.is_write

@@ -25,6 +25,7 @@ import torch
 
 Clock = dict[int, int]  # timeline -> the count of its work a point in time follows
 Extent = tuple[int, int]  # [start, end) bytes
+Stamp = tuple[int, Clock]  # a piece of work's timeline and clock (``OrderingCheck.queue``)
 COMPUTE = 0  # the compute stream's timeline (``None`` in DeviceOps' calls)
 HISTORY = 64  # a row's accesses kept, at most (those not yet ordered before a later one)
 RACES_KEPT = 20  # distinct races listed; ``race_count`` counts them all
@@ -67,6 +68,9 @@ class _Slab:
     start: int
     row_bytes: int
     rows: int
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.start < end and start < self.start + self.rows * self.row_bytes
 
     def rows_in(self, start: int, end: int) -> range:
         first = max(0, (start - self.start) // self.row_bytes)
@@ -127,7 +131,7 @@ class OrderingCheck:
             self._clocks[held[1]] = {}
         return held[1]
 
-    def queue(self, stream: object) -> tuple[int, Clock]:
+    def queue(self, stream: object) -> Stamp:
         """Work queued on ``stream`` now: its timeline and its clock."""
         with self._lock:
             timeline = self._timeline(stream)
@@ -159,18 +163,16 @@ class OrderingCheck:
 
     # ---- the accesses -------------------------------------------------------------------
     def touches(self, where: Extent) -> bool:
-        start, end = where
-        return any(s.start < end and start < s.start + s.rows * s.row_bytes
-                   for s in self._slabs)
+        return any(s.overlaps(*where) for s in self._slabs)
 
-    def access(self, stamp: tuple[int, Clock], where: Extent, write: bool, what: str) -> None:
+    def access(self, stamp: Stamp, where: Extent, write: bool, what: str) -> None:
         """Work ``stamp`` (``queue``'s) reads or writes ``where``: checked against every
         earlier access of the rows there not yet ordered before a later one."""
         timeline, clock = stamp
         start, end = where
         with self._lock:
             for i, slab in enumerate(self._slabs):
-                if not (slab.start < end and start < slab.start + slab.rows * slab.row_bytes):
+                if not slab.overlaps(start, end):
                     continue
                 for row in slab.rows_in(start, end):
                     self._record((i, row), Access(timeline, clock, write, what))
