@@ -103,7 +103,7 @@ def _delete(name: str):
 
 def _other_layers(header: dict, arrays: dict) -> None:
     header["num_layers"] = 4
-    del header["info"]["layer_tokens"]
+    del header["info"]["layer_tokens"], header["info"]["model_layer_ids"]
 
 
 CASES = [  # (what is broken, how, words the one line must hold)
@@ -138,6 +138,14 @@ CASES = [  # (what is broken, how, words the one line must hold)
     ("layer_tokens negative", _set_info("layer_tokens", [5, -1, 5]), ["info['layer_tokens']"]),
     ("layer_tokens as text", _set_info("layer_tokens", "many"), ["info['layer_tokens']"]),
     ("tokens negative", _set_info("tokens", -4), ["info['tokens']", "found -4"]),
+    ("model_layer_ids decreasing", _set_info("model_layer_ids", [4, 3, 2]),
+     ["info['model_layer_ids']", "found [4, 3, 2]", "expected 3 increasing MoE layer numbers"]),
+    ("model_layer_ids of another length", _set_info("model_layer_ids", [0, 1]),
+     ["info['model_layer_ids']", "found [0, 1]"]),
+    ("model_layer_ids as text", _set_info("model_layer_ids", "12:15"),
+     ["info['model_layer_ids']", "12:15"]),
+    ("model_layer_ids beyond any model", _set_info("model_layer_ids", [0, 1, 5000]),
+     ["info['model_layer_ids']", "0..4095"]),
     ("weights as text (item 8)", _set_plus("w", ["1.0"] * 10),
      ["info['plus']['w']", 'found ["1.0"']),
     ("a fitted setting NaN", _set_plus("alpha", float("nan")), ["info['plus']['alpha']", "NaN"]),

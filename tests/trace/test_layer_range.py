@@ -3,6 +3,8 @@ generate --routing, so a cut from the middle of a model can be measured."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -65,5 +67,58 @@ def test_generate_replays_a_middle_cut_of_a_deeper_trace(cli, tmp_path):
     assert done.exit_code == 0, done.output
     wrong = cli(*common, "--layers", "8:12")
     assert wrong.exit_code == 1 and "4 MoE layers of the trace for a model of 8" in wrong.output
+    made = cli("profile", tmp_path / "deep.npz", "--layers", "0:8", "-o", tmp_path / "tab.npz")
+    assert made.exit_code == 0, made.output
+    other = cli(*common[:-1], "stmoe", "--tables", tmp_path / "tab.npz", "--layers", "8:16")
+    assert other.exit_code == 1 and "MoE layers 0-7 but the trace replays layers 8-15" in \
+        other.output, other.output
     alone = cli("generate", "--prompt", "x", "--layers", "0:8")
     assert alone.exit_code == 1 and "--layers applies to --routing" in alone.output
+
+
+def test_a_cut_names_the_model_layers_it_kept():
+    """A cut keeps its layers' model numbers (composed over cuts, and over a trace that
+    names its own), so tables profiled on one cut are told from another's; a cut from
+    layer 0 names none, as the whole trace does."""
+    trace = synthesize(SynthSpec(tokens=20, layers=12, experts=8, top_k=2, sequences=1, seed=1))
+    assert select_layers(trace, "4:9").meta.extra["model_layer_ids"] == [4, 5, 6, 7, 8]
+    assert select_layers(select_layers(trace, "4:9"), "1:3").meta.extra["model_layer_ids"] == [5, 6]
+    assert "model_layer_ids" not in first_layers(trace, 5).meta.extra
+    named = dataclasses.replace(trace, meta=dataclasses.replace(
+        trace.meta, extra={"model_layer_ids": list(range(1, 13))}))
+    assert select_layers(named, "0:3").meta.extra["model_layer_ids"] == [1, 2, 3]
+
+
+def test_tables_of_one_cut_are_refused_for_another(cli, tmp_path):
+    """`profile --layers 4:9` tables have the shape of layers 0-4 too: replaying those with
+    them (eval, simulate) is refused naming both, the same cut is accepted, and tables
+    without the record (older files) are checked by shape only."""
+    from stmoe.evaluate.replay import replay
+    from stmoe.predictors import PredictorError, load_tables, profile, save_tables
+
+    trace = synthesize(SynthSpec(tokens=400, layers=12, experts=60, top_k=4, sequences=2,
+                                 seed=1))  # qwen1.5-moe-a2.7b's width, for simulate
+    save_trace(trace, tmp_path / "t.npz")
+    save_trace(select_layers(trace, "4:9"), tmp_path / "cut.npz")
+    done = cli("profile", tmp_path / "t.npz", "--layers", "4:9", "-o", tmp_path / "tab.npz")
+    assert done.exit_code == 0, done.output
+    tables = load_tables(tmp_path / "tab.npz")
+    assert tables.info["model_layer_ids"] == [4, 5, 6, 7, 8]
+    front = select_layers(trace, 5)
+    with pytest.raises(PredictorError, match=r"MoE layers 4-8 but the trace replays layers 0-4"):
+        replay(front, ["stmoe"], tables)
+    assert replay(select_layers(trace, "4:9"), ["stmoe"], tables).results
+    save_trace(front, tmp_path / "front.npz")
+    for command in (("eval", tmp_path / "front.npz", "--tables", tmp_path / "tab.npz"),
+                    ("simulate", tmp_path / "front.npz", "--tables", tmp_path / "tab.npz",
+                     "--model", "qwen1.5-moe-a2.7b", "--layers", "5")):
+        refused = cli(*command)
+        assert refused.exit_code == 1 and "layers 4-8" in refused.output, refused.output
+        assert "the same --layers" in refused.output
+    ok = cli("eval", tmp_path / "cut.npz", "--tables", tmp_path / "tab.npz", "--predictor",
+             "stmoe")
+    assert ok.exit_code == 0, ok.output
+    old = profile(select_layers(trace, "4:9"))
+    del old.info["model_layer_ids"]
+    save_tables(old, tmp_path / "old.npz")
+    assert replay(front, ["stmoe"], load_tables(tmp_path / "old.npz")).results

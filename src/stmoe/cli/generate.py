@@ -143,9 +143,14 @@ def generate_cmd(
                      quantize_resident=quantize_resident) as om:
         compiled = warm_up(om)  # outside the timer: numba's first calls compile or load
         random_weights = bool(getattr(om.model.config, "stmoe_random_weights", False))
-        replayed = None
+        replayed, profiled = None, None
         if routing is not None:
             run, replayed = _replay(om, routing, sequence, max_new_tokens, layers)
+            if tables is not None:  # profiled on these layers of the model (before any run)
+                from stmoe.predictors import load_tables
+
+                profiled = load_tables(tables)
+                profiled.check_trace(replayed)
         else:
             assert prompt is not None
             run = functools.partial(om.generate, prompt, max_new_tokens=max_new_tokens or 32)
@@ -155,11 +160,10 @@ def generate_cmd(
             raise StmoeError(f"run {i} generated other tokens than run 1; the offloaded "
                              "output must not change between runs")
     synthetic = replayed is not None and replayed.meta.synthetic
-    if replayed is not None and tables is not None:  # (once the runs succeeded: no note
+    if replayed is not None and profiled is not None:  # (once the runs succeeded: no note
         from stmoe.cli.table_notes import note_tables  # before a refusal)
-        from stmoe.predictors import load_tables
 
-        note_tables(replayed, load_tables(tables))
+        note_tables(replayed, profiled)
     data = summary(runs)
     data["warm_up_s"] = compiled
     data["random_weights"], data["synthetic_routing"] = random_weights, synthetic

@@ -173,7 +173,7 @@ def replay(
     ready instances) over ``trace``, each from a fresh start."""
     shape = ModelShape.of(trace)
     if tables is not None:
-        tables.check_fits(shape)
+        tables.check_trace(trace)
     if not isinstance(predictors, Mapping):
         predictors = {
             n: make(n, shape, tables, **_options_for(n, options or {})) for n in predictors

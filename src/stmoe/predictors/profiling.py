@@ -22,7 +22,14 @@ from stmoe.errors import TraceError
 from stmoe.predictors.base import ModelShape, PredictorError
 from stmoe.predictors.counting import D_MAX, layer_tokens, pair_counts
 from stmoe.predictors.plus.fitting import fit_weights
-from stmoe.predictors.tables import RECENT_TOKENS, ProfiledTables, cct_from_counts, cooccurrence
+from stmoe.predictors.tables import (
+    RECENT_TOKENS,
+    ProfiledTables,
+    cct_from_counts,
+    cooccurrence,
+    layer_span,
+)
+from stmoe.trace.checks import model_layer_ids
 from stmoe.trace.ranks import as_sets, sequence_digests
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.summary import expert_load
@@ -52,6 +59,12 @@ def profile(
             raise PredictorError(
                 f"trace {i} has {ModelShape.of(t).describe()} but trace 0 has {shape.describe()}"
             )
+        if model_layer_ids(t) != model_layer_ids(traces[0]):
+            raise PredictorError(
+                f"trace {i} holds the model's MoE layers {layer_span(model_layer_ids(t))} but "
+                f"trace 0 holds {layer_span(model_layer_ids(traces[0]))}; profile one cut of "
+                "the model's layers at a time"
+            )
     width = shape.top_k if row_width is None else int(row_width)
     if not 1 <= width <= shape.num_experts:
         raise PredictorError(f"row width {width}: expected 1..{shape.num_experts}")
@@ -80,6 +93,8 @@ def profile(
             "synthetic": any(t.meta.synthetic for t in traces),
             # each profiled sequence's digest: a replay of one is in-sample (cli.table_notes)
             "sequences": sorted({d for t in traces for d in sequence_digests(t)}),
+            # the model's MoE layers profiled: replaying other layers is refused (check_trace)
+            "model_layer_ids": model_layer_ids(traces[0]),
             **extra,
         },
         pair_counts=pairs,

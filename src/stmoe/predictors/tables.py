@@ -32,6 +32,7 @@ from stmoe.predictors.tables_check import (
     max_bytes,
     read_header,
 )
+from stmoe.trace.checks import model_layer_ids
 from stmoe.trace.io import read_npz_arrays
 from stmoe.trace.schema import _CHUNK_TOKENS, RoutingTrace
 from stmoe.util.fileio import atomic_write, check_input_file
@@ -70,6 +71,29 @@ class ProfiledTables:
                 f"trace or model has {shape.describe()}; profile tables on a trace of this "
                 "model"
             )
+
+    def check_trace(self, trace: RoutingTrace) -> None:
+        """Refuse tables that do not fit ``trace``: another model shape, or the same shape
+        profiled on other MoE layers of the model (``profile --layers 12:24`` tables
+        replayed on layers 0-11 would predict one cut's routing from another's, with no
+        error). Tables without the record (older files) are checked by shape only."""
+        self.check_fits(ModelShape.of(trace))
+        profiled = self.info.get("model_layer_ids")
+        replayed = model_layer_ids(trace)
+        if profiled is not None and list(profiled) != replayed:
+            raise PredictorError(
+                f"{self.source or 'tables'}: profiled on the model's MoE layers "
+                f"{layer_span(profiled)} but the trace replays layers {layer_span(replayed)}; "
+                "profile and replay the same layers (the same --layers)"
+            )
+
+
+def layer_span(ids: list[int]) -> str:
+    """``12-23`` for a run of layer numbers, else the list."""
+    ids = [int(i) for i in ids]
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}-{ids[-1]}"
+    return ", ".join(map(str, ids))
 
 
 def cooccurrence(trace: RoutingTrace) -> np.ndarray:

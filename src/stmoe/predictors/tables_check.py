@@ -12,6 +12,7 @@ and flags, never text); ``plus.fitted`` checks the rest where it reads the fit.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ import numpy as np
 
 from stmoe.predictors.base import ModelShape, PredictorError
 from stmoe.predictors.counting import D_MAX
+from stmoe.trace.checks import LAYER_ID_MAX
 
 TABLES_FORMAT = "stmoe-tables"
 TABLES_VERSION = 1
@@ -138,6 +140,13 @@ def check_info(info: Any, layers: int, where: str, field: str = "info") -> dict[
         raise fail(where, f"{field}['tokens']", _show(info["tokens"]), "a token count >= 0")
     if info.get("plus") is not None:
         _check_fit(info["plus"], where, f"{field}['plus']", nested=True)
+    ids = info.get("model_layer_ids")
+    if ids is not None and not (
+            isinstance(ids, list) and len(ids) == layers
+            and all(_is_int(i) and 0 <= i < LAYER_ID_MAX for i in ids)
+            and all(a < b for a, b in itertools.pairwise(ids))):
+        raise fail(where, f"{field}['model_layer_ids']", _show(ids),
+                   f"{layers} increasing MoE layer numbers in 0..{LAYER_ID_MAX - 1}")
     seqs = info.get("sequences", [])
     if not (isinstance(seqs, list) and all(isinstance(d, str) and len(d) <= 64 for d in seqs)):
         raise fail(where, f"{field}['sequences']", _show(seqs),

@@ -233,9 +233,12 @@ def select_layers(trace: RoutingTrace, layers: int | str) -> RoutingTrace:
     def cut(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else np.ascontiguousarray(np.asarray(a)[:, start:stop])
 
-    extra = dict(trace.meta.extra)
-    if extra.get("model_layer_ids") is not None:  # the kept layers' own model numbers
-        extra["model_layer_ids"] = list(extra["model_layer_ids"])[start:stop]
+    # the kept layers' own model numbers, so tables profiled on one cut are not taken for
+    # another's (ProfiledTables.check_trace); a cut from layer 0 names none, as a whole trace
+    extra = {k: v for k, v in trace.meta.extra.items() if k != "model_layer_ids"}
+    kept = model_layer_ids(trace)[start:stop]
+    if kept != list(range(stop - start)):
+        extra["model_layer_ids"] = kept
     return validate(dataclasses.replace(
         trace, experts=cut(trace.experts), weights=cut(trace.weights),
         lookahead=cut(trace.lookahead), lookahead_late=cut(trace.lookahead_late),

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from stmoe.predictors import ModelShape, ProfiledTables, profile
+from stmoe.predictors import ProfiledTables, profile
 from stmoe.sim.accelerator.systems import (
     ABLATION,
     DEFAULT_SYSTEMS,
@@ -86,7 +86,7 @@ def prepare_tables(
     of the trace with the held-out second half simulated (stmoe-plus's weights fitted
     only when one of ``systems`` needs them)."""
     if tables is not None:
-        tables.check_fits(ModelShape.of(trace))
+        tables.check_trace(trace)
         return trace, tables, "given"
     first, rest = split_auto(trace, 0.5)
     return (

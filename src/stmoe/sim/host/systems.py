@@ -178,7 +178,7 @@ def simulate_runtime(trace: RoutingTrace, model: ModelSpec, hw: HardwareSpec,
     if needs and options.tables is None:
         raise SpecError("the runtime pipeline's predictors need tables (--tables)")
     if options.tables is not None:
-        options.tables.check_fits(ModelShape.of(seq))
+        options.tables.check_trace(seq)
     capacity_per_layer(options.capacity, model.num_experts, model.top_k, forms=("count",),
                        error=SpecError)
     costs = host_costs(model, hw)
