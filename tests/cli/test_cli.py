@@ -129,6 +129,25 @@ def test_synth_rejects_bad_values_clearly(cli, tmp_path):
     assert result.exit_code == 1 and "spatial=2.0" in result.output and "[0, 1]" in result.output
 
 
+def test_outputs_named_for_another_format_are_refused_before_any_work(cli, tmp_path):
+    """stmoe writes traces and tables as .npz whatever the name: `-o x.json` would hold an
+    npz no JSON reader takes, so it is one line naming the file; no suffix is fine."""
+    src = tmp_path / "in" / "s.npz"
+    src.parent.mkdir()
+    assert cli("synth", "-o", src, "--tokens", "60").exit_code == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    for args, name, what in ((("synth",), "x.json", "a trace"),
+                             (("import", src), "x.JSONL", "a trace"),
+                             (("profile", src), "t.pt", "a tables file")):
+        result = cli(*args, "-o", out / name)
+        assert result.exit_code == 1, result.output
+        assert f"{out / name}: stmoe writes {what} as .npz" in result.output, result.output
+        assert not any(out.iterdir())
+    assert cli("synth", "-o", out / "plain", "--tokens", "20").exit_code == 0
+    assert load_trace(out / "plain").meta.synthetic
+
+
 def test_info_human_output(cli, tmp_path):
     cli("synth", "-o", tmp_path / "s.npz", "--tokens", "100", "--domains", "2", "--sequences", "2")
     result = cli("info", tmp_path / "s.npz")

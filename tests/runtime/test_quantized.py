@@ -204,9 +204,15 @@ def test_quantized_resident_linears_are_bit_identical_offloaded(name, experts, r
         OffloadOptions(quantize_resident="native").check()
 
 
-def test_group_size_is_int4s_alone():
-    with pytest.raises(OffloadError, match="group_size is for format int4 only"):
-        OffloadOptions(group_size=64).check()
+def test_a_group_size_alone_asks_for_int4_in_those_groups():
+    """Only int4 has a group size, so one given without a format asks for int4 of that
+    size (an int4 store packed so is taken); with another format it is refused."""
+    from stmoe.quant.formats import WeightFormat
+
+    assert OffloadOptions(group_size=64).weight_format() == WeightFormat("int4", 64)
+    assert OffloadOptions().weight_format() is None
+    with pytest.raises(OffloadError, match="a group size is for int4 only, not int8"):
+        OffloadOptions(format="int8", group_size=64).check()
 
 
 def test_the_cli_packs_and_generates_in_a_format_and_says_so(cli, tmp_path):
@@ -222,6 +228,11 @@ def test_the_cli_packs_and_generates_in_a_format_and_says_so(cli, tmp_path):
     assert "experts' weights" in res.output and "int4 (groups of 32, lossy)" in res.output
     one_line_error(cli(*args, "--store", tmp_path / "s4", "--format", "int8"),
                    "holds int4 (groups of 32, lossy) experts, not int8")
+    res = cli(*args, "--store", tmp_path / "s4", "--group-size", "32")  # the store's groups
+    assert res.exit_code == 0 and "int4 (groups of 32, lossy)" in res.output, res.output
+    one_line_error(cli(*args, "--store", tmp_path / "s4", "--group-size", "64"),
+                   "holds int4 (groups of 32, lossy) experts, not int4 (groups of 64",
+                   "--format int4 --group-size 64")
     one_line_error(cli("pack", SHIPPED_MODEL, "-o", tmp_path / "x", "--format", "int4",
                        "--group-size", "64"), "down_proj", "groups of 64", "--group-size 32")
     one_line_error(cli("pack", SHIPPED_MODEL, "-o", tmp_path / "x", "--format", "int2"),

@@ -8,7 +8,14 @@ from typing import Annotated
 
 import typer
 
-from stmoe.cli.common import check_inputs, check_range, clean_label, out, path_option
+from stmoe.cli.common import (
+    check_inputs,
+    check_range,
+    clean_label,
+    npz_output,
+    out,
+    path_option,
+)
 from stmoe.errors import StmoeError
 
 
@@ -45,6 +52,7 @@ def capture_cmd(
     check_range("--max-new-tokens", max_new_tokens, 1)
     check_range("--batch-size", batch_size, 1)
     check_inputs("a prompts file (text or JSON Lines)", prompts)
+    npz_output(output)
     try:
         from stmoe.hf.capture_generate import DEFAULT_PROMPTS, capture_prompts, read_prompts
     except ImportError as exc:

@@ -115,6 +115,16 @@ def check_outputs_apart(options: dict[str, Any]) -> None:
                                  "result to another path")
 
 
+def npz_output(dest: Path, what: str = "trace") -> None:
+    """Refuse, before any work, an output named for another format (``-o x.json``):
+    stmoe writes traces and tables as .npz whatever the name, so a .json would hold an
+    npz that no JSON reader takes. No suffix is accepted (files are read by content)."""
+    if dest.suffix.lower() not in ("", ".npz"):
+        hint = "; `stmoe export` writes an engine's formats" if what == "trace" else ""
+        raise StmoeError(f"{dest}: stmoe writes a {what} as .npz, not {dest.suffix}; name "
+                         f"the file .npz{hint}")
+
+
 def _show(caught: list[warnings.WarningMessage]) -> None:
     """stmoe's notes as one ``note:`` line each; other warnings as Python shows them."""
     for w in caught:

@@ -120,7 +120,9 @@ FormatOpt = Annotated[
                  rich_help_panel=WEIGHTS),
 ]
 
-GroupSizeOpt = Annotated[int | None, typer.Option(help=GROUP_HELP, rich_help_panel=WEIGHTS)]
+GroupSizeOpt = Annotated[int | None, typer.Option(
+    help=GROUP_HELP + " Alone (no --format): int4 in groups of that size, e.g. an int4 "
+    "--store's.", rich_help_panel=WEIGHTS)]
 
 InPlaceOpt = Annotated[
     bool,

@@ -15,6 +15,7 @@ from stmoe.cli.common import (
     clean_label,
     err,
     json_to_stdout,
+    npz_output,
     out,
     path_argument,
     path_option,
@@ -100,6 +101,7 @@ def profile_cmd(
     signal weights, fitted on the last fifth of the profiling tokens.
     """
     check_inputs("a trace file", traces)
+    npz_output(output, "tables file")
     check_range("--split", split, 0, 1, exclusive=True)
     trace = _select(import_files(traces), domain, split, 0)
     if layers is not None:

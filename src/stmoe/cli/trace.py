@@ -18,6 +18,7 @@ from stmoe.cli.common import (
     clean_label,
     json_to_stdout,
     key_value_table,
+    npz_output,
     out,
     path_argument,
     path_option,
@@ -114,6 +115,7 @@ def import_cmd(
     what was expected.
     """
     check_inputs("a trace file", sources)
+    npz_output(output)
     for option, value in (("--num-experts", num_experts), ("--layers", layers), ("--top-k", top_k)):
         check_range(option, value, 1)
     engine = EngineOptions.parse(prompt_lengths, layers, top_k, layout, moe_layers)
@@ -219,6 +221,7 @@ def synth_cmd(
     For tests and benchmarks; its metadata marks it synthetic.
     """
     given = {k: v for k, v in locals().items() if k != "output" and v is not None}
+    npz_output(output)
     trace = synthesize(dataclasses.replace(_SPEC, **given))
     save_trace(trace, output)
     out.print(f"wrote {clean_label(output)}: SYNTHETIC {clean_label(repr(trace))}")

@@ -189,7 +189,7 @@ def plan_format(modules: list[torch.nn.Module], weights: WeightFormat,
     another quantized format, or a model without experts is refused."""
     if wanted is not None and not wanted.accepts(weights):
         raise OffloadError(f"{store}: holds {weights.label} experts, not {wanted.label}; "
-                           f"pack one with `stmoe pack --format {wanted.name}`")
+                           f"pack one with `stmoe pack {wanted.pack_options}`")
     if not modules:
         raise OffloadError("the model has no routed-experts modules")
     held = format_of(modules[0])

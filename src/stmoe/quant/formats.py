@@ -58,6 +58,12 @@ class WeightFormat:
         """A name for folders and table cells: native, int8, int4g128 (int4: size unchosen)."""
         return f"int4g{self.group_size}" if self.group_size else self.name
 
+    @property
+    def pack_options(self) -> str:
+        """The ``stmoe pack`` options that write this format (hints in refusals)."""
+        size = f" --group-size {self.group_size}" if self.group_size else ""
+        return f"--format {self.name}{size}"
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "group_size": self.group_size}
 

@@ -67,7 +67,7 @@ class OffloadOptions:
     format: the experts' weight format (``stmoe.quant``): native (the checkpoint's
         dtype, lossless), int8 or int4 (lossy, the user's choice); None: a given store's
         own, else native. group_size: int4's (None: the largest of 128, 64, 32 dividing
-        the experts' input widths).
+        the experts' input widths; given without format: int4 in groups of that size).
     quantize_resident: int8 or int4 for the resident linears too (attention, shared
         experts, lm_head; ``quant.linears``: gates stay native); None: native.
     memory: a budget for the whole process, page cache included ('10GB'): the cache is
@@ -117,12 +117,12 @@ class OffloadOptions:
         return fmt
 
     def weight_format(self) -> WeightFormat | None:
-        """The format asked for, checked (None: whatever the store holds)."""
-        if self.format is None:
-            if self.group_size is not None:
-                raise OffloadError("group_size is for format int4 only")
+        """The format asked for, checked (None: whatever the store holds). A group size
+        alone asks for int4 in groups of that size: only int4 has one, so an int4 store
+        packed with it is taken and any other refused, naming both."""
+        if self.format is None and self.group_size is None:
             return None
-        return parse_format(self.format, self.group_size)
+        return parse_format(self.format or "int4", self.group_size)
 
     def check(self) -> None:
         """Refuse an unknown tier or cache policy, a link setting the tier does not take or

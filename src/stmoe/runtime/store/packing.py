@@ -233,14 +233,14 @@ def open_store(model_dir: str | Path, store: str | Path | None,
     if in_place and weights is not None and weights.quantized:
         raise StoreError(f"{weights.label} experts are not the checkpoint's bytes, so they "
                          f"cannot be read in place; pack them: stmoe pack {model_dir} -o DIR "
-                         f"--format {weights.name}")
+                         f"{weights.pack_options}")
     if store is not None:
         opened = ExpertStore(store)
         opened.check_source(model_dir)
         if weights is not None and not weights.accepts(opened.weights):
             raise StoreError(f"{opened.path}: holds {opened.weights.label} experts, not "
                              f"{weights.label}; pack one: stmoe pack {model_dir} -o DIR "
-                             f"--format {weights.name}")
+                             f"{weights.pack_options}")
         if in_place and not opened.in_place:
             raise StoreError(f"{opened.path}: a packed store, not an in-place index; leave "
                              f"out in-place, or make one: stmoe pack {model_dir} -o DIR "
