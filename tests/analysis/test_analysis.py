@@ -85,7 +85,18 @@ def test_report_with_domains(cli, tmp_path):
     assert set(data["domains"]["per_domain"]) == {"synth-0", "synth-1", "synth-2"}
     assert len(data["domains"]["js_divergence_per_layer"]["synth-0 vs synth-1"]) == 4
     assert (tmp_path / "rep" / "domains.png").exists()
-    assert "SYNTHETIC" in (tmp_path / "rep" / "report.md").read_text()
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "SYNTHETIC" in report
+    assert "## 4. Domains" in report and "## 5. Predictability" in report
+    one = tmp_path / "one.npz"  # one domain: no Domains section, and no gap in the numbers
+    cli("synth", "-o", one, "--tokens", "600", "--layers", "4", "--experts", "16",
+        "--top-k", "2", "--sequences", "4", "--domains", "1")
+    assert cli("analyze", one, "-o", tmp_path / "rep1").exit_code == 0
+    titles = [line for line in (tmp_path / "rep1" / "report.md").read_text().splitlines()
+              if line.startswith("## ")]
+    assert titles == ["## Summary", "## 1. Spatial (cross-layer) correlation",
+                      "## 2. Temporal (cross-token) correlation", "## 3. Load and skew",
+                      "## 4. Predictability"], titles
 
 
 @needs_shared

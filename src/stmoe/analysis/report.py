@@ -6,6 +6,7 @@ Markdown and the HTML always say the same thing.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import re
@@ -82,7 +83,7 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
         )
         plots.spatial_tests(data, out / "spatial_tests.png")
         sections.append(Section(
-            "1. Spatial (cross-layer) correlation",
+            "Spatial (cross-layer) correlation",
             ["Each token is one observation: the experts it chose at layer l and at l+1. "
              "The test statistic is T times the sum of squared canonical correlations between "
              "the two sets' category counts (Pearson's chi-square when K = 1), chi-square with "
@@ -106,7 +107,7 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
     plots.temporal_overlap(data, out / "temporal_overlap.png")
     plots.reuse_distance(data, out / "reuse_distance.png")
     sections.append(Section(
-        "2. Temporal (cross-token) correlation",
+        "Temporal (cross-token) correlation",
         [f"Random top-{t['top_k']} routing over {t['num_experts']} experts shares K^2/N = "
          f"{tmp['expected_overlap']:.3g} experts between two tokens. Confidence intervals use the "
          "method of batch means over the token sequence, which allows for autocorrelation. "
@@ -120,13 +121,13 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
     ))
     plots.load(data, out / "load.png")
     sections.append(
-        Section("3. Load and skew", [], [("load.png", "Expert use and skew per layer.")])
+        Section("Load and skew", [], [("load.png", "Expert use and skew per layer.")])
     )
     if data["domains"]:
         d = data["domains"]
         plots.domains(data, out / "domains.png")
         sections.append(Section(
-            "4. Domains", ["Jensen-Shannon divergence (bits, 0 = same use, 1 = disjoint) between "
+            "Domains", ["Jensen-Shannon divergence (bits, 0 = same use, 1 = disjoint) between "
                            "each pair of domains' expert use, per layer."],
             [("domains.png", "Domain differences.")],
             (["domain", "tokens", f"pairs with p < {ALPHA}", "overlap ratio"],
@@ -137,7 +138,7 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
         p, k = data["predictability"], t["top_k"]
         plots.predictability(data, out / "predictability.png")
         sections.append(Section(
-            "5. Predictability",
+            "Predictability",
             [f"Tables profiled on the first {p['profiled_tokens']} tokens, predictors replayed on "
              f"the other {p['evaluated_tokens']} ({p['scope']}). Recall: the share of the "
              "experts the router chose that the prediction named; set size: the experts one "
@@ -157,7 +158,9 @@ def _sections(data: dict[str, Any], trace: RoutingTrace, out: Path) -> list[Sect
                _fmt(recall_at_set_size(p["curves"][n], k)),
                _fmt(recall_at_set_size(p["curves"][n], 2 * k))] for n in p["recall"]]),
         ))
-    return sections
+    # numbered as shown: a trace without domains (or pairs) leaves no gap
+    return [summary] + [dataclasses.replace(sec, title=f"{i}. {sec.title}")
+                        for i, sec in enumerate(sections[1:], start=1)]
 
 
 def _markdown(title: str, sections: list[Section]) -> str:
