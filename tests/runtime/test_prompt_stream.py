@@ -38,19 +38,22 @@ def test_a_long_prompt_finds_its_next_layers_loaded(tmp_path):
     tables = save_tables(profile(trace), tmp_path / "tables.npz")
     with torch.no_grad():
         want = model(input_ids=torch.tensor([PROMPT])).logits
-    got = {}
-    for stream in (True, False):
-        with offload(tiny_model("qwen3_moe")[0], store, capacity=8, predictor="stmoe",
-                     tables=tables, tier="emulated", bandwidth="20MB") as om:
-            got[stream] = _prefill(om, stream)
-            with torch.no_grad():  # the same bits either way
-                assert torch.equal(om.model(input_ids=torch.tensor([PROMPT])).logits, want)
-    on, off = got[True], got[False]
-    # layer 0 is never streamed (nothing runs before it); layers 1 and 2 are
-    assert on["prefetch_reads"] > off["prefetch_reads"]
-    assert on["hits"] > off["hits"], (on, off)
-    assert on["demand_reads"] < off["demand_reads"]
-    # at least one streamed layer found experts waiting (each one does on a quiet machine;
-    # on a loaded one a worker may be scheduled only after the compute thread got there)
-    streamed = on["per_layer"][1:]
-    assert any(layer["hits"] > 0 for layer in streamed), streamed
+    # The streamed loads race the compute thread, so on a machine loaded past its cores a
+    # worker may be scheduled only after the compute got there (0 prefetch reads, seen at
+    # load 3.4): the figures are asked of one of three tries; the bits of every one.
+    for _ in range(3):
+        got = {}
+        for stream in (True, False):
+            with offload(tiny_model("qwen3_moe")[0], store, capacity=8, predictor="stmoe",
+                         tables=tables, tier="emulated", bandwidth="20MB") as om:
+                got[stream] = _prefill(om, stream)
+                with torch.no_grad():  # the same bits either way
+                    assert torch.equal(om.model(input_ids=torch.tensor([PROMPT])).logits, want)
+        on, off = got[True], got[False]
+        # layer 0 is never streamed (nothing runs before it); layers 1 and 2 are; at least
+        # one streamed layer finds experts waiting (each one does on a quiet machine)
+        if (on["prefetch_reads"] > off["prefetch_reads"] and on["hits"] > off["hits"]
+                and on["demand_reads"] < off["demand_reads"]
+                and any(layer["hits"] > 0 for layer in on["per_layer"][1:])):
+            return
+    pytest.fail(f"in 3 tries the streamed prompt found no more experts loaded: {on}, {off}")
