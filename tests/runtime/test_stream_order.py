@@ -22,9 +22,16 @@ from stmoe.runtime.accelerator import GPU_TIERS, stand_in  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.slot_events import SlotEvents  # noqa: E402
 from stmoe.runtime.store import pack  # noqa: E402
-from stmoe.runtime.store.checked_ops import CheckedOps, clock_of, watching  # noqa: E402
+from stmoe.runtime.store.bounce import BouncePool  # noqa: E402
+from stmoe.runtime.store.checked_ops import (  # noqa: E402
+    CheckedOps,
+    clock_of,
+    watch_bounce,
+    watching,
+)
 from stmoe.runtime.store.device_ops import CopySpan  # noqa: E402
 from stmoe.runtime.store.happens_before import OrderingCheck  # noqa: E402
+from stmoe.runtime.store.index import slot_bytes  # noqa: E402
 from stmoe.runtime.store.stand_in import HostThreadOps  # noqa: E402
 from tiny_moe import FAMILIES, packed_with_tables, tiny_model  # noqa: E402
 
@@ -152,12 +159,13 @@ def packed(tmp_path_factory):
 
 
 def _run(family: str, tier: str, changes: dict | None = None, packed=None,
-         predictor: str = "stmoe", **options) -> OrderingCheck:
-    """A generation at capacity top-k on the stand-in, two loaders, every row tracked."""
+         predictor: str = "stmoe", delay: float = 0.001, **options) -> OrderingCheck:
+    """A generation at capacity top-k on the stand-in, two loaders, every row tracked;
+    each copy ``delay`` seconds late."""
     store, tables = packed(family, changes or {})
     options = {"capacity": 2, "workers": 2, **options}
     check = OrderingCheck()
-    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=0.001))), offload(
+    with stand_in(ops=CheckedOps(check, HostThreadOps(delay=delay))), offload(
             tiny_model(family, **(changes or {}))[0], store, predictor=predictor,
             tables=None if predictor in UNTABLED else tables, tier=tier,
             **options) as om, _tracked(check, om):
@@ -168,10 +176,12 @@ def _run(family: str, tier: str, changes: dict | None = None, packed=None,
 
 @contextmanager
 def _tracked(check: OrderingCheck, om) -> Iterator[None]:
-    """Every cache row of ``om`` tracked; the calling thread's torch calls watched."""
+    """Every cache row of ``om`` tracked (and gpu-disk's bounce buffers); the calling
+    thread's torch calls watched."""
     for i, cache in enumerate(om.engine.state.caches):
         for name, slab in cache.rows.items():
             check.track(f"layer {i} {name}", slab)
+    watch_bounce(check, om.engine.tier)
     with watching(check):
         yield
 
@@ -220,6 +230,46 @@ def test_without_the_ready_wait_a_read_races_with_its_copy(packed):
         broken = _run("qwen2_moe", "gpu", ONE_MOE_LAYER, packed)
     assert any("writing: a copy" in r.first and "reading: aten" in r.second
                for r in broken.races), broken.summary()
+
+
+def test_a_runs_bounce_buffers_are_checked_too(packed):
+    """gpu-disk reads each block into a pinned bounce buffer on the host and copies it out
+    on a stream: a run's reads into the buffers and copies out of them are checked (every
+    gpu-disk run here tracks them), and ordered."""
+    check = _run("mixtral", "gpu-disk", packed=packed, workers=3)
+    bounced = sum(n for label, n in check.by_slab.items() if label.startswith("bounce"))
+    assert bounced > 0 and check.race_count == 0, (check.by_slab, check.summary())
+
+
+@pytest.mark.parametrize("drained", [True, False])
+def test_a_bounce_buffer_refilled_before_its_copy_ran_is_a_race(packed, drained):
+    """One buffer, two loads back to back, copies 50 ms late: the second read waits for the
+    first copy's event (``BouncePool._drain``), or it is the host's write racing a copy
+    still queued to read the buffer."""
+    from stmoe.runtime.store import ExpertStore
+    from stmoe.runtime.store.reading import open_disk_to_device
+    from stmoe.runtime.store.stand_in import NoPinning
+
+    store = ExpertStore(packed("mixtral", {})[0])
+    check, inner = OrderingCheck(), HostThreadOps(delay=0.05)
+    tier = open_disk_to_device(store, CheckedOps(check, inner), NoPinning(), buffers=1)
+    try:
+        watch_bounce(check, tier)
+        with pytest.MonkeyPatch.context() as mp:
+            if not drained:
+                mp.setattr(BouncePool, "_drain", lambda self, b: setattr(b, "pending", None))
+            for block in list(store.blocks.values())[:2]:
+                slot = [torch.empty(slot_bytes(t), dtype=torch.uint8) for t in block.tensors]
+                tier.load(block, slot, stream="loader")
+    finally:
+        tier.close()
+        inner.close()
+    assert check.by_slab["bounce buffer 0"] >= 4  # two reads into it, two copies out
+    if drained:
+        assert check.race_count == 0, check.summary()
+    else:
+        assert any("a copy" in r.first and "a read from disk on the host" in r.second
+                   for r in check.races), check.summary()
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from stmoe.runtime.store.device_ops import CopyEvent, DeviceOps
 from stmoe.runtime.store.happens_before import (
     COMPUTE,
+    HOST,
     Clock,
     Extent,
     OrderingCheck,
@@ -76,7 +77,46 @@ def report_kernel(check: OrderingCheck, func: Any, args: tuple[Any, ...],
 
 
 def _stream_name(timeline: int) -> str:
+    if timeline == HOST:
+        return "the host"
     return "the compute stream" if timeline == COMPUTE else f"stream {timeline}"
+
+
+def watch_bounce(check: OrderingCheck, tier: object) -> None:
+    """A disk -> GPU tier's bounce buffers checked too (``store.bounce``): each tracked as
+    one row, each read from disk into one reported as the host's write. A buffer rewritten
+    while a copy out of it may still run (its event not yet seen complete) is then a race.
+    Other tiers have no pool: nothing to do."""
+    pool = getattr(tier, "pool", None)
+    if pool is None:
+        return
+    buffers = {}
+    for i, bounce in enumerate(pool.buffers):
+        check.track(f"bounce buffer {i}", bounce.tensor.view(1, -1))
+        buffers[id(bounce.buf)] = extent(bounce.tensor)
+    tier.reader = _HostReads(check, tier.reader, buffers)  # type: ignore[attr-defined]
+
+
+class _HostReads:
+    """A tier's reader whose reads into a tracked bounce buffer are reported as the host's
+    writes of the whole buffer (an O_DIRECT read may land past the block's bytes)."""
+
+    def __init__(self, check: OrderingCheck, inner: Any, buffers: dict[int, Extent | None]
+                 ) -> None:
+        self.check, self.inner, self.buffers = check, inner, buffers
+
+    def fetch(self, block: Any, buf: Any, between: Any = None) -> torch.Tensor:
+        where = self.buffers.get(id(buf))
+        stamp = self.check.host() if where is not None else None  # as the read starts
+        with _quiet():  # (the reader's own torch calls: the host's, not the compute's)
+            src = self.inner.fetch(block, buf, between)
+        if stamp is not None and where is not None:
+            self.check.access(stamp, where, True, "writing: a read from disk on the host "
+                              f"({threading.current_thread().name})")
+        return src
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def _rows(index: torch.Tensor, size: int) -> list[int]:

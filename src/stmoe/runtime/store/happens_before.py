@@ -7,7 +7,8 @@ race) cannot show there: by the time a loader's copy runs, the host has long rea
 This checks the order itself, as CUDA defines it, whatever the host's timing happened to be.
 
 Each stream (the compute stream included) keeps a vector clock: work queued on a stream
-follows what the host has seen complete (an event synchronized, or queried done; a drain),
+follows what the host has seen complete (an event synchronized, or queried done; a drain)
+and what the host did before (its own accesses: a disk read into a bounce buffer),
 an event recorded on a stream takes the stream's clock, and a stream's wait joins the
 event's. Work reads and writes byte ranges; of any two accesses to one tracked row
 (``track``: a cache's slab, row by row) where one writes, one must be ordered before the
@@ -19,6 +20,7 @@ launched work.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ Clock = dict[int, int]  # timeline -> the count of its work a point in time foll
 Extent = tuple[int, int]  # [start, end) bytes
 Stamp = tuple[int, Clock]  # a piece of work's timeline and clock (``OrderingCheck.queue``)
 COMPUTE = 0  # the compute stream's timeline (``None`` in DeviceOps' calls)
+HOST = -1  # the host's own accesses (a read from disk into a bounce buffer)
 HISTORY = 64  # a row's accesses kept, at most (those not yet ordered before a later one)
 RACES_KEPT = 20  # distinct races listed; ``race_count`` counts them all
 
@@ -105,6 +108,7 @@ class OrderingCheck:
         self.races: list[Race] = []
         self.race_count = 0
         self.reads = self.writes = self.compared = 0  # row accesses, and pairs that conflict
+        self.by_slab: Counter[str] = Counter()  # accesses of each tracked slab, by label
 
     # ---- what is checked --------------------------------------------------------------
     def track(self, label: str, slab: torch.Tensor) -> None:
@@ -147,6 +151,13 @@ class OrderingCheck:
             _join(self._clocks[timeline], self._host)
             return dict(self._clocks[timeline])
 
+    def host(self) -> Stamp:
+        """An access by the host now: after what it has seen complete, and before any work
+        queued from here on (``queue`` joins the host's clock)."""
+        with self._lock:
+            self._host[HOST] = self._host.get(HOST, 0) + 1
+            return HOST, dict(self._host)
+
     def waits(self, stream: object, clock: Clock) -> None:
         with self._lock:
             _join(self._clocks[self._timeline(stream)], clock)
@@ -175,6 +186,7 @@ class OrderingCheck:
                 if not slab.overlaps(start, end):
                     continue
                 for row in slab.rows_in(start, end):
+                    self.by_slab[slab.label] += 1
                     self._record((i, row), Access(timeline, clock, write, what))
 
     def _record(self, key: tuple[int, int], new: Access) -> None:
