@@ -35,6 +35,19 @@ def test_keys_become_offload_options_and_the_plugins_own():
     assert c.weights is None and parse("format=native").weights is None
 
 
+def test_a_capacity_per_layer_is_split_by_slashes():
+    """`stmoe split-capacity` prints one count per MoE layer with commas, which separate
+    STMOE_VLLM's items: there the counts take slashes, and resolve as the runtime's list."""
+    from stmoe.errors import OffloadError
+    from stmoe.runtime.options import resolve_capacities
+
+    c = parse("capacity=4/6/2,predictor=stmoe-plus")
+    assert c.options.capacity == "4,6,2" and c.options.predictor == "stmoe-plus"
+    assert resolve_capacities(c.options.capacity, 3, 8, 2, 1 << 20) == (4, 6, 2)
+    with pytest.raises(OffloadError, match="3"):  # a count per layer, as many as the layers
+        resolve_capacities(parse("capacity=4/6").options.capacity, 3, 8, 2, 1 << 20)
+
+
 def test_a_format_is_stmoes_own_store_and_vllm_never_loads_the_experts():
     for text in ("format=int4", "format=int4,experts=stream", "format=int8"):
         c = parse(text)

@@ -31,7 +31,9 @@ NEW = 12
 # the plugin's runs: (name, STMOE_VLLM without the folders)
 PLUGIN = [("top-k, stmoe-plus", "capacity=4,predictor=stmoe-plus"),
           ("50%, stmoe", "capacity=50%,predictor=stmoe"),
-          ("6, lru-only, no workers", "capacity=6,predictor=ondemand,workers=0"),
+          # one count per MoE layer (`stmoe split-capacity`'s, in STMOE_VLLM's slashes)
+          ("4 to 8 per layer, lru-only, no workers",
+           "capacity=4/5/6/8/7/6/5/4,predictor=ondemand,workers=0"),
           ("100%, lru-only", "capacity=100%,predictor=ondemand"),
           ("top-k, stmoe-plus, streamed", "capacity=4,predictor=stmoe-plus,experts=stream"),
           ("6, stmoe, in place", "capacity=6,predictor=stmoe,experts=in-place"),
@@ -75,6 +77,7 @@ def test_greedy_tokens_equal_plain_vllm_at_every_capacity_and_concurrency(driven
     lines = [x for x in log.splitlines() if "stmoe: offloading 8 MoE layers" in x]
     assert len(lines) == len(PLUGIN) + 2, lines  # (+ bfloat16's, + the reload run's)
     assert any("4 of 16 experts cached per layer" in x for x in lines)
+    assert any("4,5,6,8,7,6,5,4 of 16 experts cached per layer" in x for x in lines)
     assert any("predictor stmoe-plus, policy score" in x for x in lines)
 
 

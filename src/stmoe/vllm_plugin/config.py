@@ -136,6 +136,8 @@ def _value(key: str, value: str) -> object:
             raise PluginConfigError(f"STMOE_VLLM kernel={value!r}: expected portable (checked "
                                     "bit for bit) or variants (vLLM's ISA kernels too)")
         return value
+    if key == "capacity":  # one count per MoE layer as 48/60/12: the items' comma is taken
+        return value.replace("/", ",")
     if key in ("tables", "store", "capture", "routing"):
         return Path(value).expanduser()
     if key in _INTS:

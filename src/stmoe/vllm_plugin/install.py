@@ -124,9 +124,10 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
                                     "routers, which routing= overrides; replay with a predictor "
                                     "that learns from the routing (stmoe, stmoe-plus, ...)")
         forced = ForcedRouting(config.routing, len(layers), num_experts, shape.top_k)
-    # (one for every layer: the config's commas separate its keys, so it has no per-layer form)
-    capacity = resolve_capacities(options.capacity, len(layers), num_experts, shape.top_k,
-                                  store.blocks[(0, 0)].nbytes)[0]
+    # every layer's count, or each's (STMOE_VLLM's capacity=4/6/2: config._value)
+    capacities = resolve_capacities(options.capacity, len(layers), num_experts, shape.top_k,
+                                    store.blocks[(0, 0)].nbytes)
+    capacity = capacities[0] if len(set(capacities)) == 1 else capacities
     tier = open_tier(options.tier, store, options.bandwidth, options.latency)
     settings = EngineSettings(capacity, options.policy, options.worker_count(),
                               torch.device("cpu"), options.max_loads, options.admission)
@@ -138,7 +139,7 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     except BaseException:
         tier.close()
         raise
-    warm_s = warm_kernels(predictor, capacity, num_experts)  # numba's, before any request
+    warm_s = warm_kernels(predictor, max(capacities), num_experts)  # numba's, before any request
     capture = (Capture(config.capture, len(layers), num_experts, model_dir.name)
                if config.capture is not None else None)
     watch = TablesWatch(Path(options.tables) if options.tables is not None else None,
@@ -146,13 +147,14 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     steps = Steps(runner, engine, capture, watch, forced)
     steps.install(model)
     atexit.register(steps.flush)
-    log.info("stmoe: offloading %d MoE layers of %s: %d of %d experts cached per layer "
+    log.info("stmoe: offloading %d MoE layers of %s: %s of %d experts cached per layer "
              "(%s), predictor %s, policy %s, tier %s, %d workers (CPUs %s); experts %s, %s; "
              "store %s (%s, "
              "%.1f MiB of "
              "experts); capture %s; routing %s; kernels warmed in %.1f s; ready in %.1f s; "
              "worker RSS %.2f GiB as vLLM had loaded the model, %.2f GiB now", len(layers),
-             model_dir.name, capacity, num_experts, options.capacity, predictor.name,
+             model_dir.name, ",".join(map(str, capacities)) if isinstance(capacity, tuple)
+             else capacity, num_experts, options.capacity, predictor.name,
              settings.policy, options.tier, settings.workers,
              ",".join(map(str, sorted(engine.prefetcher.cpus or os.sched_getaffinity(0)))),
              weights, config.experts, store.path,
