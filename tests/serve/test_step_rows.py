@@ -168,3 +168,67 @@ def test_requests_at_a_gathered_linear_end_when_the_batcher_stops(tmp_path, monk
             assert any("the batcher stopped" in e for e in errors), errors
         finally:
             batcher.close()
+
+
+def test_a_product_in_cudas_int4_layout_is_one_product_not_split():
+    """On a gpu tier ``device_linears`` leaves int4 weights in CUDA's 4-D layout, lm_head's
+    too: there are no columns to cut (and one CUDA kernel spans the device), so the wide
+    product is one call. Before, every step that reached lm_head failed for each request
+    with 'columns of a matrix in CUDA's int4 layout' (found by reading: no GPU here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stmoe.quant.cuda_kernels import cuda_int4_shape
+    from stmoe.runtime.batcher.step_rows import SPLIT_COLUMNS, split_rows
+
+    linear = torch.nn.Linear(256, SPLIT_COLUMNS, bias=False).to(torch.bfloat16)
+    module = QuantizedLinear(linear, parse_format("int4", 128), "lm_head")
+    module.qweight = torch.nn.Parameter(  # the layout's shape (the CPU cannot compute it)
+        torch.zeros(cuda_int4_shape(SPLIT_COLUMNS, 256), dtype=torch.int32), requires_grad=False)
+    seen = []
+
+    def rows(flat: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(flat.shape))
+        return torch.zeros(flat.shape[0], SPLIT_COLUMNS, dtype=flat.dtype)
+
+    module.rows = rows
+    xs = [torch.randn(1, 2, 256, dtype=torch.bfloat16), torch.randn(1, 1, 256,
+                                                                    dtype=torch.bfloat16)]
+    with ThreadPoolExecutor(2) as pool:
+        got = split_rows(module, xs, pool, 2)
+    assert seen == [(3, 256)] and not module._columns
+    assert [tuple(y.shape) for y in got] == [(1, 2, SPLIT_COLUMNS), (1, 1, SPLIT_COLUMNS)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; CI has none")
+@pytest.mark.parametrize("resident", ["int8", "int4"])
+def test_on_cuda_a_steps_gathered_rows_keep_every_requests_solo_tokens(resident, tmp_path):
+    """`stmoe serve --tier gpu --quantize-resident`: the step batcher gathers the resident
+    linears' rows of its requests into one product (each request its own forward). Each
+    request gets its tokens alone on the same offloaded GPU model, lm_head's 4096-wide
+    product included (int4: CUDA's layout, one product, never split by columns)."""
+    from stmoe.runtime.batcher.step_rows import SPLIT_COLUMNS
+
+    def bf16() -> torch.nn.Module:
+        return tiny_model("qwen3_moe", vocab_size=SPLIT_COLUMNS,
+                          moe_intermediate_size=32)[0].to(torch.bfloat16)
+
+    class OnCuda:  # ``solo``'s generate with its CPU inputs moved to the GPU
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model = model
+
+        def generate(self, ids: torch.Tensor, attention_mask: torch.Tensor, **kw):
+            return self.model.generate(ids.cuda(), attention_mask=attention_mask.cuda(), **kw)
+
+    store = pack(bf16(), tmp_path / "store", weights=FORMATS["int4"])
+    with offload(bf16(), store, capacity=3, quantize_resident=resident, predictor="ondemand",
+                 tier="gpu") as om:
+        want = [solo(OnCuda(om.model), p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+        batcher = StepBatcher(om, max_batch=3, batched=False)
+        try:
+            assert batcher.share_rows
+            _, got = submit_staggered(batcher)
+            assert batcher.rows.calls > 0
+        finally:
+            batcher.close()
+    assert got == want

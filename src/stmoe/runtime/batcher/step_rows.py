@@ -127,7 +127,10 @@ def split_rows(module: QuantizedLinear, xs: list[torch.Tensor], pool: Executor |
     flat = [x.reshape(-1, x.shape[-1]) for x in xs]
     rows = torch.cat(flat)
     n = module.out_features
-    if pool is None or workers < 2 or n < SPLIT_COLUMNS:
+    # on a GPU one kernel spans the device (and CUDA's int4 layout has no columns to cut):
+    # threads split only the CPU's products
+    if pool is None or workers < 2 or n < SPLIT_COLUMNS or rows.is_cuda \
+            or module.qweight.dim() != 2:
         y = module.rows(rows)
     else:
         cuts = [n * i // workers // 64 * 64 for i in range(workers)] + [n]  # int4 packs by 64
