@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_step_rows import FORMATS, native, quantized  # noqa: E402
+from test_step_rows import FORMATS, OnCuda, native, quantized  # noqa: E402
 
 from staggered_requests import (  # noqa: E402
     LENGTHS,
@@ -83,6 +83,28 @@ def test_one_batched_forward_keeps_every_requests_solo_bits(name, tmp_path):
 @pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3"])
 def test_int8_batched_forward_keeps_solo_bits(name, tmp_path):
     assert staggered_against_solo(name, "int8", tmp_path).step_forward.steps > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; CI has none")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_on_cuda_one_batched_forward_keeps_every_requests_solo_tokens(fmt, tmp_path):
+    """`stmoe serve --tier gpu` with quantized experts and resident linears: a decode step's
+    requests in one forward on the GPU, each getting its tokens alone on the same model."""
+    def bf16() -> torch.nn.Module:
+        return native("qwen3_moe").to(torch.bfloat16)
+
+    store = pack(bf16(), tmp_path / "store", weights=FORMATS[fmt])
+    with offload(bf16(), store, capacity=3, quantize_resident=fmt, predictor="ondemand",
+                 tier="gpu") as om:
+        want = [solo(OnCuda(om.model), p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
+        batcher = StepBatcher(om, max_batch=3)
+        try:
+            _, got = submit_staggered(batcher)
+        finally:
+            batcher.close()
+        assert batcher.batched and batcher.step_forward.steps > 0
+    assert got == want
 
 
 def test_batched_false_keeps_each_requests_own_forward(tmp_path):

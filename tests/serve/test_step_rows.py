@@ -199,6 +199,16 @@ def test_a_product_in_cudas_int4_layout_is_one_product_not_split():
     assert [tuple(y.shape) for y in got] == [(1, 2, SPLIT_COLUMNS), (1, 1, SPLIT_COLUMNS)]
 
 
+class OnCuda:
+    """A model whose ``generate`` (``solo``'s) takes CPU inputs and runs them on CUDA."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def generate(self, ids: torch.Tensor, attention_mask: torch.Tensor, **kw):
+        return self.model.generate(ids.cuda(), attention_mask=attention_mask.cuda(), **kw)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; CI has none")
 @pytest.mark.parametrize("resident", ["int8", "int4"])
@@ -212,13 +222,6 @@ def test_on_cuda_a_steps_gathered_rows_keep_every_requests_solo_tokens(resident,
     def bf16() -> torch.nn.Module:
         return tiny_model("qwen3_moe", vocab_size=SPLIT_COLUMNS,
                           moe_intermediate_size=32)[0].to(torch.bfloat16)
-
-    class OnCuda:  # ``solo``'s generate with its CPU inputs moved to the GPU
-        def __init__(self, model: torch.nn.Module) -> None:
-            self.model = model
-
-        def generate(self, ids: torch.Tensor, attention_mask: torch.Tensor, **kw):
-            return self.model.generate(ids.cuda(), attention_mask=attention_mask.cuda(), **kw)
 
     store = pack(bf16(), tmp_path / "store", weights=FORMATS["int4"])
     with offload(bf16(), store, capacity=3, quantize_resident=resident, predictor="ondemand",

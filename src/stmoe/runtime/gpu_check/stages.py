@@ -205,7 +205,7 @@ def cuda_tests(c: Check) -> dict[str, Any]:
            "tests/runtime/test_cuda_identity.py", "tests/quant/test_cuda_kernels.py",
            "tests/runtime/test_gpu_tiers.py", "tests/runtime/test_gpu_quantized.py",
            "tests/runtime/test_host_lock.py", "tests/runtime/test_stream_order.py",
-           "tests/serve/test_step_rows.py"]
+           "tests/serve/test_step_rows.py", "tests/serve/test_step_forward.py"]
     if c.dry:
         return {"command": cmd, "ran": False, "why": "dry run: CI runs these, and they skip"}
     if c.repo is None:
