@@ -67,6 +67,19 @@ def test_a_seed_decides_every_draw():
         Sampling(temperature=1.0, seed=2**64 - 1), 20)
 
 
+def test_seeds_that_differ_in_their_high_bits_draw_apart():
+    """torch's CPU generator keeps a seed's low 32 bits: 0, 2^32 and 2^63 drew alike (found
+    by a hostile client). Every seed's 64 bits now count; a seed below 2^32 draws as it
+    always did."""
+    from stmoe.runtime.batcher.sampling import generator_seed
+
+    seeds = [0, 1, 2**32, 2**32 + 1, 2**63, 2**64 - 1, 5 << 40]
+    draws = {s: tuple(_draws(Sampling(temperature=1.0, seed=s), 40)) for s in seeds}
+    assert len(set(draws.values())) == len(seeds), draws
+    assert [generator_seed(s) for s in (0, 1, 2**32 - 1)] == [0, 1, 2**32 - 1]
+    assert all(0 <= generator_seed(s) < 2**32 for s in seeds)
+
+
 @pytest.mark.parametrize(("t", "k", "p"), [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8),
                                            (0.9, 5, 0.7)])
 def test_the_draws_follow_the_warped_distribution(t, k, p):

@@ -221,6 +221,15 @@ BAD = [
     (b"[1, 2]", 400, None, "JSON object"),
     (b"\xff\xfe", 400, None, "not valid JSON"),
     (json.dumps({"model": NAME, "prompt": "x", "colour": 1}), 400, "colour", "unknown field"),
+    # an unknown field named as sent, whatever it looks like (a capital, a type's name:
+    # once taken for pydantic's union tags, "unknown field None")
+    (json.dumps({"model": NAME, "prompt": "x", "Temperature": 0.5}), 400, "Temperature",
+     "unknown field 'Temperature'"),
+    (json.dumps({"model": NAME, "prompt": "x", "str": 1}), 400, "str", "unknown field"),
+    # UTF-8 only: json.loads of bytes guessed UTF-16 and skipped a byte-order mark
+    (json.dumps({"model": NAME, "prompt": "x"}).encode("utf-16"), 400, None, "not UTF-8"),
+    (b"\xef\xbb\xbf" + json.dumps({"model": NAME, "prompt": "x"}).encode(), 400, None,
+     "BOM"),
     (json.dumps({"prompt": "x"}), 400, "model", "missing"),
     (json.dumps({"model": NAME, "prompt": "x", "n": 6}), 400, "n", "--max-batch + --max-queue"),
     (json.dumps({"model": NAME, "prompt": "x", "n": 0}), 400, "n", "greater than or equal to 1"),
@@ -312,6 +321,12 @@ def test_bad_chat_messages_are_refused(server):
             (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
                          "max_completion_tokens": True}), "max_completion_tokens", "integer"),
             (json.dumps({"model": NAME, "messages": "hi"}), "messages", "list"),
+            (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x",
+                                                     "Name": "y"}]}), "messages.0.Name",
+             "unknown field"),
+            (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                         "max_completion_tokens": 5, "max_tokens": -7}), "max_tokens",
+             "max_tokens must be at least 1, got -7"),
             # the limit refused under the name it was sent by
             (json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}],
                          "max_completion_tokens": 0, "max_tokens": 5}),
@@ -322,6 +337,62 @@ def test_bad_chat_messages_are_refused(server):
         code, answer = _post(url + "/v1/chat/completions", body)
         assert code == 400 and says in answer["error"]["message"], answer
         assert answer["error"]["param"] == param, answer
+
+
+def test_a_prompt_of_megabytes_is_refused_from_its_first_characters(server, monkeypatch):
+    """A text prompt that cannot fit is refused from its first 32 characters per position,
+    never tokenized whole (4 MB: seconds and most of a GiB on a thread every client's
+    request needs); one that fits is tokenized whole, as before."""
+    url, service = server
+    from stmoe.serve.service import PREFIX_CHARS
+
+    seen: list[int] = []
+    tok = service.tokenizer
+
+    class Recording:  # the tokenizer, each text it tokenizes (directly) recorded
+        def __call__(self, text: str, **kw):
+            seen.append(len(text))
+            return tok(text, **kw)
+
+        def __getattr__(self, name: str):
+            return getattr(tok, name)
+
+    monkeypatch.setattr(service, "tokenizer", Recording())
+    for endpoint, body in (("completions", {"prompt": "word " * 800_000}),
+                           ("chat/completions",
+                            {"messages": [{"role": "user", "content": "word " * 800_000}]})):
+        seen.clear()
+        code, answer = _post(f"{url}/v1/{endpoint}", json.dumps({"model": NAME, **body}))
+        assert code == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+        assert seen and max(seen) <= service.positions * PREFIX_CHARS, seen
+    seen.clear()
+    code, _ = _post(url + "/v1/completions", json.dumps({"model": NAME, "prompt": "word " * 100,
+                                                         "max_tokens": 2}))
+    assert code == 200 and seen == [500]
+
+
+def test_a_chat_template_prompt_of_megabytes_is_refused_too():
+    """A chat template's rendering is checked the same way (the shipped model has none)."""
+    from transformers import AutoTokenizer
+
+    from stmoe.serve.protocol import ApiError, ChatRequest
+    from stmoe.serve.service import Service
+
+    service = Service.__new__(Service)  # (its tokenizer and positions are all chat_ids reads)
+    service.tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    service.tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                                       "\n{% endfor %}<assistant>")
+    service.positions = 1024
+
+    def chat(content: str) -> ChatRequest:
+        return ChatRequest.model_validate({"model": NAME, "messages": [
+            {"role": "user", "content": content}]})
+
+    with pytest.raises(ApiError, match="its first 32768 characters alone"):
+        service.chat_ids(chat("word " * 800_000))
+    short = [{"role": "user", "content": "word " * 100}]
+    assert service.chat_ids(chat("word " * 100)) == list(
+        service.tokenizer.apply_chat_template(short, add_generation_prompt=True, tokenize=True))
 
 
 def test_more_clients_than_the_batch_and_queue_get_429(server):

@@ -84,20 +84,20 @@ def create_app(service: Service, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
         return PlainTextResponse(metrics_text(service),
                                  media_type="text/plain; version=0.0.4")
 
-    # the prompt is tokenized on a thread (the tokenizer lets go of the GIL): a body of
-    # megabytes takes seconds, which on the event loop would stall every other client
+    # the body is decoded, validated and its prompt tokenized on a thread (json and the
+    # tokenizer let go of the GIL in parts): a body of megabytes takes seconds, which on
+    # the event loop would stall every other client
     @app.post("/v1/completions")
     async def completions(http: Request) -> Any:
-        req = _parse(CompletionRequest, await _body(http, body_timeout))
-        _check_model(service, req.model)
-        return await _reply(service, http, req,
-                            await asyncio.to_thread(service.completion_ids, req))
+        raw = await _body(http, body_timeout)
+        req, ids = await asyncio.to_thread(_prepare, service, CompletionRequest, raw)
+        return await _reply(service, http, req, ids)
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request) -> Any:
-        req = _parse(ChatRequest, await _body(http, body_timeout))
-        _check_model(service, req.model)
-        return await _reply(service, http, req, await asyncio.to_thread(service.chat_ids, req))
+        raw = await _body(http, body_timeout)
+        req, ids = await asyncio.to_thread(_prepare, service, ChatRequest, raw)
+        return await _reply(service, http, req, ids)
 
     return app
 
@@ -121,8 +121,8 @@ def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-async def _body(http: Request, timeout: float) -> Any:
-    """The body as JSON, read within MAX_BODY bytes and ``timeout`` seconds."""
+async def _body(http: Request, timeout: float) -> bytearray:
+    """The body's bytes, read within MAX_BODY bytes and ``timeout`` seconds."""
     declared = http.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
         raise ApiError(413, f"the body is {declared} bytes, over the {MAX_BODY} this server "
@@ -139,15 +139,26 @@ async def _body(http: Request, timeout: float) -> Any:
         raise ApiError(408, f"the body did not arrive within {timeout:g} s", close=True) from None
     except ClientDisconnect:  # nobody left to read the answer
         raise ApiError(400, "the client went away while sending its body", close=True) from None
+    return raw
+
+
+def _json(raw: bytes | bytearray) -> Any:
+    """The body's JSON: UTF-8 only (RFC 8259; ``json.loads`` of bytes would guess UTF-16 or
+    skip a byte-order mark), a lone surrogate let through to be named by ``_parse``."""
     try:
-        return json.loads(raw)
+        return json.loads(bytes(raw).decode("utf-8", "surrogatepass"))
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: not UTF-8 ({exc})") from None
     except RecursionError:
         raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer too long
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
 
 
-def _parse(model: Any, body: Any) -> Any:
+def _parse(model: Any, raw: bytes | bytearray) -> Any:
+    """The body as a ``model`` request, checked; run on a thread (``prepare``): a body of
+    megabytes takes seconds to decode and validate."""
+    body = _json(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     bad = lone_surrogate(body)
@@ -158,6 +169,14 @@ def _parse(model: Any, body: Any) -> Any:
     except ValidationError as exc:
         message, param = validation_message(list(exc.errors()))
         raise ApiError(400, message, param) from None
+
+
+def _prepare(service: Service, model: Any, raw: bytes | bytearray) -> tuple[Any, list[int]]:
+    """A request's body as (the request, its prompt's token ids), each step checked."""
+    req = _parse(model, raw)
+    _check_model(service, req.model)
+    ids = service.chat_ids(req) if isinstance(req, ChatRequest) else service.completion_ids(req)
+    return req, ids
 
 
 def _check_model(service: Service, name: str) -> None:

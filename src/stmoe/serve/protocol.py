@@ -182,8 +182,13 @@ class ChatRequest(_Common):
         return v
 
     def limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
+        if self.max_completion_tokens is None:
+            return self.max_tokens
+        if self.max_tokens is not None and self.max_tokens < 1:  # (unused, but not ignored)
+            raise ApiError(400, f"max_tokens must be at least 1, got {self.max_tokens} "
+                           "(beside max_completion_tokens, the one used: leave it out)",
+                           "max_tokens")
+        return self.max_completion_tokens
 
     def limit_name(self) -> str:
         """The field ``limit`` came from (a refusal names it)."""
@@ -228,9 +233,13 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     if not errors:
         return "the request is invalid", None
     e = errors[0]
-    loc = [str(p) for p in e.get("loc", ()) if p != "body" and not _union_tag(p)]
-    param = ".".join(loc) or None
     kind, msg = e.get("type", ""), str(e.get("msg", "invalid"))
+    parts = [p for p in e.get("loc", ()) if p != "body"]
+    # an unknown field's last step is the client's own key, whatever it looks like
+    # ('Temperature', 'str'): never taken for a union's tag
+    own = [str(parts.pop())] if kind == "extra_forbidden" and parts else []
+    loc = [str(p) for p in parts if not _union_tag(p)] + own
+    param = ".".join(loc) or None
     if kind == "json_invalid":
         ctx = e.get("ctx") or {}
         return f"the body is not valid JSON ({ctx.get('error', msg)})", None

@@ -23,6 +23,11 @@ from stmoe.serve.protocol import ApiError, ChatRequest, CompletionRequest
 # server does: a prompt that fits is never refused for a filled-in default); this many
 # where the model states no positions
 MAX_TOKENS_DEFAULT = 256
+# A long text prompt is tokenized first to this many characters per position (several
+# times a token's length in any vocabulary): more tokens there than the positions, by
+# more than the few a cut through a word can add, and the whole cannot fit either
+PREFIX_CHARS = 32
+CUT_TOKENS = 64
 
 
 @dataclass
@@ -67,6 +72,9 @@ class Service:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         tok = self._tok()
         if getattr(tok, "chat_template", None):
+            if sum(len(m["content"]) for m in messages) > self.positions * PREFIX_CHARS:
+                self._refuse_long(tok.apply_chat_template(  # (the template adds none)
+                    messages, add_generation_prompt=True, tokenize=False), special=False)
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) else ids)
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
@@ -151,7 +159,22 @@ class Service:
         return self.tokenizer
 
     def _encode(self, text: str) -> list[int]:
+        self._refuse_long(text)
         return list(self._tok()(text).input_ids)
+
+    def _refuse_long(self, text: str, special: bool = True) -> None:
+        """Refuse a text that cannot fit the positions from its first characters alone: a
+        prompt of megabytes would otherwise be tokenized whole (seconds and most of a GiB)
+        only to be refused, holding a thread every client's request needs."""
+        head = self.positions * PREFIX_CHARS
+        if not self.positions or len(text) <= head:
+            return
+        n = len(self._tok()(text[:head], add_special_tokens=special).input_ids)
+        if n > self.positions + CUT_TOKENS:
+            raise ApiError(400, f"the prompt has more than {self.positions} tokens (its first "
+                           f"{head} characters alone have {n}); this model takes at most "
+                           f"{self.positions} positions, prompt and completion together",
+                           "prompt", code="context_length_exceeded")
 
 
 def _eos_ids(model: Any) -> set[int]:

@@ -23,6 +23,7 @@ import torch
 # below this, a temperature is greedy (as vLLM's server has it: 1/T overflows the logits)
 MIN_TEMPERATURE = 1e-5
 SEED_SPACE = 2**64  # torch.Generator's seeds; a request's seed is taken modulo this
+LOW_SEEDS = 2**32  # the part of a seed torch's CPU generator keeps (``generator_seed``)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Sampler:
     def _draw(self, logits: torch.Tensor) -> int:
         if self.generator is None:
             self.generator = torch.Generator(device=logits.device)
-            self.generator.manual_seed(self.seed)
+            self.generator.manual_seed(generator_seed(self.seed))
         probs = torch.softmax(warp(logits, self.sampling), dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
@@ -113,6 +114,19 @@ def _logprobs(scores: torch.Tensor, token: int, k: int) -> TokenLogprob:
     pairs = () if top is None else tuple(
         zip(top.indices.tolist(), top.values.tolist(), strict=True))
     return TokenLogprob(token, float(logp[token]), pairs)
+
+
+def generator_seed(seed: int) -> int:
+    """What ``seed`` (0..2^64-1) seeds a generator with. torch's CPU generator keeps only a
+    seed's low 32 bits, so 0, 2^32 and 2^63 drew alike: a seed of 2^32 or more is mixed
+    down (splitmix64's finalizer), so seeds that differ in their high bits draw apart; below
+    2^32 it is itself (what it always drew). Two seeds may still meet, with odds 2^-32."""
+    if seed < LOW_SEEDS:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15) % SEED_SPACE
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % SEED_SPACE
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % SEED_SPACE
+    return (z ^ (z >> 31)) % LOW_SEEDS
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
