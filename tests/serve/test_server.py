@@ -258,8 +258,11 @@ BAD = [
      "valid number"),
     (json.dumps({"model": NAME, "prompt": "x", "stop": 5}), 400, "stop", "a string"),
     (json.dumps({"model": NAME, "prompt": "x", "stop": ["a", None]}), 400, "stop", "a string"),
-    (json.dumps({"model": NAME, "prompt": "x", "stream_options": {"include_usage": 1}}), 400,
+    (json.dumps({"model": NAME, "prompt": "x", "stream": True,
+                 "stream_options": {"include_usage": 1}}), 400,
      "stream_options.include_usage", "boolean"),
+    (json.dumps({"model": NAME, "prompt": "x", "stream_options": {"include_usage": True}}),
+     400, "stream_options", "send it with stream: true"),  # (at its default: taken)
     (json.dumps({"model": 5, "prompt": "x"}), 400, "model", "valid string"),
     # failures of parsing and encoding: the error object, never a 500
     (json.dumps({"model": NAME, "prompt": "abc\ud800def"}), 400, "prompt", "lone surrogate"),

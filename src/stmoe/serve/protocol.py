@@ -80,6 +80,16 @@ class _Common(BaseModel):
     logit_bias: Annotated[dict[str, JsonValue] | None,
                           only({}, why="this server does not bias logits")] = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # what it asks for has no effect on a whole answer: refused, not ignored (at its
+        # default, as clients send it with stream false, taken)
+        if v is not None and v.include_usage and not info.data.get("stream"):
+            raise ValueError("include_usage is for a streamed answer (a whole one always "
+                             "has its usage): send it with stream: true, or leave it out")
+        return v
+
     def stops(self) -> list[str]:
         return list(self.stop or [])
 
