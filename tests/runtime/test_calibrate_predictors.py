@@ -68,8 +68,10 @@ def test_each_predictors_time_is_measured_written_and_simulated(tiny, cli):
     assert "predictor time not in the preset" not in output
     assert all(s["predictor_time"] for s in systems.values())
 
-    # the same preset without its [host.predictors]: the predicting systems are faster by
-    # their predictor's time at every decode layer call (admission off: every call predicts)
+    # the same preset without its [host.predictors]: the predicting systems' compute thread
+    # is spared their predictor's time at every decode layer call (admission off: every call
+    # predicts), less what it hid of a stall (the reads in flight go on meanwhile: where the
+    # link measured slow, as on a loaded machine, a stall shrinks by some of it)
     text = hw.read_text()
     bare = root / "hw-bare.toml"
     bare.write_text(text[: text.index("\n[host.predictors]")] + "\n")
@@ -80,7 +82,9 @@ def test_each_predictors_time_is_measured_written_and_simulated(tiny, cli):
         calls = systems[system]["decode_tokens"] * 2
         cost = timed[name].learn_s + timed[name].predict_s  # (-all: admission's look none)
         extra = systems[system]["decode_s"] - plain[system]["decode_s"]
-        assert extra == pytest.approx(calls * cost, rel=0.05), system
+        hidden = plain[system]["stall_s"] - systems[system]["stall_s"]
+        assert extra + hidden == pytest.approx(calls * cost, rel=1e-6), system
+        assert -1e-9 <= hidden <= calls * cost * (1 + 1e-6), system  # (float noise: 1e-17)
     for system in ("lru-only", "oracle"):  # no predictor asked: no time added
         assert systems[system]["decode_s"] == plain[system]["decode_s"]
 
