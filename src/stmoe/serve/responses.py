@@ -195,8 +195,7 @@ class Reply:
         pieces = self.service.pieces()
         if self.chat:
             return chat_logprobs([e for _, e in entries], pieces)
-        tokens = c.job.output
-        offsets = [len(self.service.text(tokens[:i])) for i, _ in entries]
+        offsets = [c.text.length(i) for i, _ in entries]
         return completion_logprobs([e for _, e in entries], pieces, offsets)
 
     def _reason(self, c: Choice) -> str:

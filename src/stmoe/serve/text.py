@@ -31,6 +31,7 @@ class TextStream:
         self.stopped = False
         self.used = 0
         self.seen = 0  # tokens read for a stop string so far
+        self.lengths: dict[int, int] = {0: 0}  # n -> the length of the first n tokens' text
 
     def push(self) -> str:
         """After a new token: the text that can be sent (maybe empty)."""
@@ -53,6 +54,7 @@ class TextStream:
         for n in range(self.seen + 1, len(tokens) + 1):
             self.seen = n
             full = self.service.text(tokens[:n])
+            self.lengths[n] = len(full)
             if full.endswith("\ufffd") and not (last and n == len(tokens)):
                 full = None  # a character still incomplete
                 continue
@@ -75,6 +77,13 @@ class TextStream:
         self.text, self.used, self.stopped = full[: min(found)], used, True
         self.job.cancel()  # leaves the batch at the next step
         return True
+
+    def length(self, n: int) -> int:
+        """The length of the first ``n`` tokens' text (a log-probability's text offset):
+        each prefix's text is decoded once, here or as it was read."""
+        if n not in self.lengths:
+            self.lengths[n] = len(self.service.text(list(self.job.output)[:n]))
+        return self.lengths[n]
 
     def final(self) -> str:
         self.flush()
