@@ -9,6 +9,7 @@ import typer
 
 from stmoe.cli.common import check_range, clean_label, out, path_option
 from stmoe.errors import StmoeError
+from stmoe.sim.specs import preset_names
 from stmoe.util.units import UnitError, parse_layer_range
 
 
@@ -17,9 +18,8 @@ def make_model_cmd(
         str,
         typer.Option(
             "--like",
-            help="A simulator model preset (`stmoe simulate "
-            "--help` lists them; e.g. qwen3.6-35b-a3b, "
-            "qwen1.5-moe-a2.7b, mixtral-8x7b) or a spec .toml file.",
+            help=f"A simulator model preset ({', '.join(preset_names('models'))}) or a "
+            "spec .toml file.",
         ),
     ],
     output: Annotated[Path, path_option("--output", "-o", help="Checkpoint folder to write.")],

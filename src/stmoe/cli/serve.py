@@ -79,8 +79,9 @@ def serve_cmd(
     Endpoints: POST /v1/completions and /v1/chat/completions (streaming with
     "stream": true), GET /v1/models, /health and /metrics (Prometheus). Requests
     running at once share decode steps: their experts are loaded once per step and
-    prefetched as the union of their predictions; each request's tokens are the
-    resident model's greedy tokens, whatever else runs (docs/serve.md). Stop with
+    prefetched as the union of their predictions; each request's tokens are those of
+    the same request run alone on the resident model (greedy at temperature 0; sampled
+    with a seed: that seed's draws), whatever else runs (docs/serve.md). Stop with
     Ctrl-C.
     """
     check_range("--port", port, 1, 65535)

@@ -23,6 +23,7 @@ from stmoe.cli.common import (
 )
 from stmoe.errors import StmoeError
 from stmoe.runtime.options import OffloadOptions
+from stmoe.sim.specs import preset_names
 from stmoe.util.units import capacity_per_layer
 
 RUNTIME_CAPACITY = str(OffloadOptions.capacity)  # the runtime's own default cache size
@@ -30,10 +31,11 @@ RUNTIME_CAPACITY = str(OffloadOptions.capacity)  # the runtime's own default cac
 
 def simulate_cmd(
     trace_path: Annotated[Path, path_argument(metavar="TRACE", help="Trace of the model.")],
-    model: Annotated[str, typer.Option(help="Model preset (e.g. qwen1.5-moe-a2.7b) or a .toml.")],
-    hardware: Annotated[
-        str, typer.Option(help="Hardware preset: stmoe-asic, gpu-offload, edge-ssd, or a .toml.")
-    ] = "stmoe-asic",
+    model: Annotated[str, typer.Option(
+        help=f"Model preset ({', '.join(preset_names('models'))}) or a .toml.")],
+    hardware: Annotated[str, typer.Option(
+        help=f"Hardware preset ({', '.join(preset_names('hardware'))}) or a .toml (`stmoe "
+        "calibrate` writes one of this machine).")] = "stmoe-asic",
     system: Annotated[
         list[str] | None,
         typer.Option(
@@ -79,8 +81,9 @@ def simulate_cmd(
         typer.Option(
             help="accelerator: the paper's pipeline; runtime: the offloading runtime on this "
             "host (needs a `stmoe calibrate` hardware .toml; systems on-demand, lru-only, "
-            "stmoe, stmoe-plus, oracle, with the runtime's prefetch admission; NAME-all, "
-            "e.g. stmoe-all: admission off, every predicted load)."
+            "stmoe, stmoe-plus, stmoe-plus-score (its score eviction), oracle, with the "
+            "runtime's prefetch admission; NAME-all, e.g. stmoe-all: admission off, every "
+            "predicted load)."
         ),
     ] = "accelerator",
     capacity: Annotated[

@@ -236,9 +236,9 @@ def export_cmd(
 
     jsonl: one record per (token, layer) with weights, phase and domain (lossless
     but for metadata). npy: the raw [T, L, K] expert ids plus a .seq_starts.npy
-    side file. vllm: a vLLM completions response (choices[].routed_experts).
-    sglang: an SGLang /generate response, or a batch's list (import it back with
-    --layers L --top-k K).
+    side file and a .manifest.json binding the two. vllm: a vLLM completions response
+    (choices[].routed_experts). sglang: an SGLang /generate response, or a batch's
+    list (import it back with --layers L --top-k K).
     """
     check_inputs("a trace file", trace_path)
     trace = load_trace(trace_path)

@@ -1,7 +1,7 @@
 """The demo's offloaded generation, twice: at real expert sizes (the headline) and at the
 shipped model's own (the second table).
 
-The shipped model's experts are 221 KiB: over the demo's emulated link their transfers
+The shipped model's experts are 216 KiB: over the demo's emulated link their transfers
 cost little beside compute, so prediction's headroom over an LRU cache is about the
 shared machine's noise. The headline is measured where the method is meant to work:
 a checkpoint with the shipped model's routing shape (8 MoE layers, 16 experts, top-4)

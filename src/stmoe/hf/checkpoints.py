@@ -1,7 +1,7 @@
 """Checkpoints of real MoE shapes with random weights, for measuring offloading at scale.
 
 No real model's weights can be downloaded here, and the shipped model's experts
-(221 KiB) are too small for transfer time to matter. ``make_checkpoint`` writes
+(216 KiB) are too small for transfer time to matter. ``make_checkpoint`` writes
 a transformers checkpoint with the exact dimensions of a simulator model preset
 (``sim/data/models.toml``: hidden size, expert width, experts, top-k, attention
 heads, dtype), optionally only its first MoE layers, so that ``stmoe pack`` and
