@@ -394,8 +394,46 @@ def test_a_chat_template_prompt_of_megabytes_is_refused_too():
     with pytest.raises(ApiError, match="its first 32768 characters alone"):
         service.chat_ids(chat("word " * 800_000))
     short = [{"role": "user", "content": "word " * 100}]
-    assert service.chat_ids(chat("word " * 100)) == list(
-        service.tokenizer.apply_chat_template(short, add_generation_prompt=True, tokenize=True))
+    rendered = service.tokenizer.apply_chat_template(short, add_generation_prompt=True,
+                                                     tokenize=False)
+    assert service.chat_ids(chat("word " * 100)) == service.tokenizer(
+        rendered, add_special_tokens=False).input_ids
+
+
+def test_a_chat_template_renders_the_prompt(server, solo, monkeypatch):
+    """A model with a chat template (every real chat model; the shipped one has none): the
+    rendered messages are the prompt. transformers 5 answers the template's tokens as a
+    BatchEncoding, which was taken for the ids, so every such chat request failed."""
+    url, service = server
+    monkeypatch.setattr(service.tokenizer, "chat_template", "{% for m in messages %}<{{ "
+                        "m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>", raising=False)
+    code, answer = _post(url + "/v1/chat/completions", json.dumps(
+        {"model": NAME, "messages": [{"role": "user", "content": "def f(x):"}],
+         "max_tokens": 6, "temperature": 0}))
+    assert code == 200, answer
+    ids = service.tokenizer("<user>def f(x):\n<assistant>", add_special_tokens=False).input_ids
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    assert answer["choices"][0]["message"]["content"] == solo.text_of(ids, 6)
+
+
+def test_a_messages_name_reaches_the_prompt():
+    """OpenAI's participant name: passed to a chat template (as vLLM's server does), and
+    in the plain rendering `role (name): content`; it was accepted and dropped."""
+    from transformers import AutoTokenizer
+
+    from stmoe.serve.protocol import ChatRequest
+    from stmoe.serve.service import Service
+
+    service = Service.__new__(Service)
+    service.tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    service.positions = 1024
+    req = ChatRequest.model_validate({"model": NAME, "messages": [
+        {"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo"}]})
+    tok = service.tokenizer
+    assert service.chat_ids(req) == tok("user (ann): hi\nuser: yo\nassistant:").input_ids
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}{% if m.name %} {{ m.name }}"
+                         "{% endif %}>{{ m['content'] }}{% endfor %}<assistant>")
+    assert tok.decode(service.chat_ids(req)) == "<user ann>hi<user>yo<assistant>"
 
 
 def test_more_clients_than_the_batch_and_queue_get_429(server):

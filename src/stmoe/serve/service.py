@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -69,15 +70,22 @@ class Service:
         return list(req.prompt)  # type: ignore[arg-type]
 
     def chat_ids(self, req: ChatRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        # a message's name (OpenAI's participant) reaches the template, as vLLM's server
+        # passes it (templates that read it use it; the others leave it)
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
         tok = self._tok()
         if getattr(tok, "chat_template", None):
             if sum(len(m["content"]) for m in messages) > self.positions * PREFIX_CHARS:
                 self._refuse_long(tok.apply_chat_template(  # (the template adds none)
                     messages, add_generation_prompt=True, tokenize=False), special=False)
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            # transformers 5 answers a BatchEncoding (a Mapping, not a dict: taken whole, it
+            # was its keys, so every templated chat failed); older ones the ids
+            ids = out["input_ids"] if isinstance(out, Mapping) else out
+            return [int(t) for t in ids]
+        text = "".join(f"{m['role']}{' (' + m['name'] + ')' if 'name' in m else ''}: "
+                       f"{m['content']}\n" for m in messages) + "assistant:"
         return self._encode(text)
 
     def requests(self, ids: list[int], max_tokens: int | None, sampling: Sampling,
