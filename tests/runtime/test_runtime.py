@@ -174,6 +174,49 @@ def test_a_failed_read_into_a_spare_row_leaves_the_cache_consistent(tmp_path):
             assert torch.equal(om.model(input_ids=x).logits, want)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_a_checkpoints_tensors_the_model_has_no_place_for_are_skipped(family, tmp_path):
+    """A multi-token-prediction layer (DeepSeek-V3's `model.layers.61`, Qwen3.6's `mtp.`)
+    is in the checkpoint, not in transformers' model, which drops it. Its per-expert keys
+    sent the loader to load the whole model, every expert included (for DeepSeek-V3:
+    out of memory), with no word; now they are skipped, as transformers skips them."""
+    from safetensors.torch import save_file
+
+    from stmoe.hf.loading import load_without_experts
+
+    model, _ = tiny_model(family)
+    model.save_pretrained(tmp_path / "model")
+    extra = {f"model.layers.99.mlp.experts.{e}.{w}.weight": torch.zeros(4, 4)
+             for e in range(2) for w in ("gate_proj", "up_proj", "down_proj")}
+    extra["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(4, 4)
+    extra["model.layers.99.self_attn.q_proj.weight"] = torch.zeros(4, 4)
+    save_file(extra, str(tmp_path / "model" / "mtp.safetensors"))
+    loaded = load_without_experts(tmp_path / "model")
+    assert not loaded.full_load
+    x = torch.tensor([[1, 2, 3, 4]])
+    pack(model, tmp_path / "store", source=tmp_path / "model")
+    with torch.no_grad(), offload(tmp_path / "model", tmp_path / "store", capacity=3,
+                                  predictor="ondemand") as om:
+        assert torch.equal(om.model(input_ids=x).logits, model(input_ids=x).logits)
+
+
+def test_a_checkpoint_quantized_by_another_tool_is_refused(tmp_path):
+    """An FP8 checkpoint (config.json's quantization_config) loaded as floats dropped its
+    scales with no error; its experts are not weights stmoe computes: refused, naming it."""
+    import json
+
+    from stmoe.errors import StoreError
+
+    model, _ = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StoreError, match=r"config.json: a checkpoint quantized by another "
+                       r"tool \(fp8\)"):
+        offload(tmp_path / "model", capacity=3, predictor="ondemand")
+
+
 def test_experts_are_never_materialised_and_the_cache_is_the_only_expert_memory(tmp_path):
     model, _ = tiny_model("mixtral")
     model.save_pretrained(tmp_path / "model")
@@ -788,3 +831,27 @@ def test_generate_says_a_single_run_is_a_single_run(cli):
     assert "stmoe, up to 8 loads per prediction" in res.output
     assert "a single run: speed figures swing between runs" in res.output
     assert cli("generate", "--prompt", "x", "--repeat", "0").exit_code == 1
+
+
+def test_greedy_is_the_models_argmax_whatever_its_generation_config_asks():
+    """A checkpoint's generation_config.json may ask for a repetition penalty (Qwen1.5-MoE-
+    Chat: 1.1), which transformers applies even to greedy decoding: every token is then the
+    argmax of the model's own logits only with it turned off (``prompts.UNALTERED``)."""
+    from stmoe.runtime.prompts import greedy_generate
+
+    model, _ = tiny_model("qwen3_moe")
+    x = torch.tensor([[5, 6, 7, 5, 6, 7]])
+    plain = greedy_generate(model, x, 12, ignore_eos=True)
+    ids = x
+    with torch.no_grad():
+        for _ in range(12):  # the argmax, by hand
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)],
+                            dim=1)
+    assert torch.equal(plain, ids)
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.no_repeat_ngram_size = 2
+    assert torch.equal(greedy_generate(model, x, 12, ignore_eos=True), ids)
+    with torch.no_grad():  # (what it asked for does change this model's tokens)
+        assert not torch.equal(model.generate(x, attention_mask=torch.ones_like(x),
+                                              max_new_tokens=12, do_sample=False,
+                                              pad_token_id=0), ids)

@@ -554,3 +554,26 @@ def test_a_wrong_method_gets_405_with_allow_and_an_unknown_path_404(server):
         assert e.code == status and "error" in json.loads(e.read()), path
         if status == 405:  # HTTP requires the methods it takes
             assert e.headers["Allow"] == ("POST" if method == "GET" else "GET"), e.headers
+
+
+def test_a_chat_templates_own_refusal_is_the_clients_error():
+    """Mixtral's template raises on roles that do not alternate: a 400 naming the messages
+    and the template's words (it was a 500)."""
+    from transformers import AutoTokenizer
+
+    from stmoe.serve.protocol import ApiError, ChatRequest
+    from stmoe.serve.service import Service
+
+    service = Service.__new__(Service)
+    service.tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    service.positions = 1024
+    service.tokenizer.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}")
+    req = ChatRequest.model_validate({"model": NAME, "messages": [
+        {"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
+    with pytest.raises(ApiError, match="chat template refused the messages: roles must "
+                       "alternate") as caught:
+        service.chat_ids(req)
+    assert caught.value.status == 400 and caught.value.param == "messages"

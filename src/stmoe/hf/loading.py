@@ -125,20 +125,19 @@ def conversions(model: torch.nn.Module) -> tuple[list[Any], list[Any]] | None:
 
 
 def _renamer(model: torch.nn.Module,
-             prefixes: tuple[str, ...]) -> Callable[[str], str | None]:
-    """Checkpoint key -> the model's parameter name, by transformers' own renaming rules;
-    None for a key that a converter (fusing several tensors) would produce, unless it is
-    an expert's."""
+             prefixes: tuple[str, ...]) -> Callable[[str], tuple[str, bool]]:
+    """Checkpoint key -> (the model's parameter name, by transformers' own renaming rules;
+    whether a converter fusing several tensors makes it, unless it is an expert's)."""
     rules = conversions(model)
     if rules is None:
-        return lambda key: key
+        return lambda key: (key, False)
     from transformers.core_model_loading import rename_source_key
 
     renamings, converters = rules
 
-    def rename(key: str) -> str | None:
+    def rename(key: str) -> tuple[str, bool]:
         name, converted = rename_source_key(key, renamings, converters)
-        return name if converted is None or name.startswith(prefixes) else None
+        return name, converted is not None and not name.startswith(prefixes)
 
     return rename
 
@@ -166,12 +165,15 @@ def load_without_experts(model_dir: str | Path) -> LoadedModel:
     model = meta_model(path)
     prefixes = ModelLayout.of(model).prefixes()
     rename = _renamer(model, prefixes)
+    known = set(model.state_dict())
     state = {}
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                name = rename(key)
-                if name is None:  # a converted (fused) weight: only transformers can load it
+                name, fused = rename(key)
+                if name not in known:  # no place in the model (a multi-token-prediction
+                    continue  # layer: DeepSeek-V3's, Qwen3.6's): transformers drops it too
+                if fused:  # a converted (fused) weight: only transformers can load it
                     return LoadedModel(load_causal_lm(path), full_load=True)
                 if not name.startswith(prefixes):
                     state[name] = handle.get_tensor(key)

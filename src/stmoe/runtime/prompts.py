@@ -40,4 +40,16 @@ def greedy_generate(model: Any, ids: torch.Tensor, max_new_tokens: int, ignore_e
                               max_new_tokens=max_new_tokens,
                               min_new_tokens=max_new_tokens if ignore_eos else None,
                               do_sample=False, pad_token_id=pad[0] if isinstance(pad, list)
-                              else pad, **extra)
+                              else pad, **UNALTERED, **extra)
+
+
+# A checkpoint's generation_config.json may ask for logits processors that change the
+# greedy token (Qwen1.5-MoE-Chat: repetition_penalty 1.1), which transformers applies even
+# with do_sample=False: the model's own argmax, as stmoe reports it and `serve` promises
+# (no penalties), needs them off
+UNALTERED: dict[str, Any] = {
+    "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+    "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+}

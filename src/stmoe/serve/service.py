@@ -76,17 +76,28 @@ class Service:
                     for m in req.messages]
         tok = self._tok()
         if getattr(tok, "chat_template", None):
+            return self._templated(tok, messages)
+        text = "".join(f"{m['role']}{' (' + m['name'] + ')' if 'name' in m else ''}: "
+                       f"{m['content']}\n" for m in messages) + "assistant:"
+        return self._encode(text)
+
+    def _templated(self, tok: Any, messages: list[dict[str, str]]) -> list[int]:
+        """The messages through the tokenizer's chat template, as token ids; the template's
+        own refusal (Mixtral's, of roles that do not alternate) is the client's error."""
+        from jinja2.exceptions import TemplateError  # (transformers' templates need jinja2)
+
+        try:
             if sum(len(m["content"]) for m in messages) > self.positions * PREFIX_CHARS:
                 self._refuse_long(tok.apply_chat_template(  # (the template adds none)
                     messages, add_generation_prompt=True, tokenize=False), special=False)
             out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            # transformers 5 answers a BatchEncoding (a Mapping, not a dict: taken whole, it
-            # was its keys, so every templated chat failed); older ones the ids
-            ids = out["input_ids"] if isinstance(out, Mapping) else out
-            return [int(t) for t in ids]
-        text = "".join(f"{m['role']}{' (' + m['name'] + ')' if 'name' in m else ''}: "
-                       f"{m['content']}\n" for m in messages) + "assistant:"
-        return self._encode(text)
+        except TemplateError as exc:
+            raise ApiError(400, f"the model's chat template refused the messages: {exc}",
+                           "messages") from None
+        # transformers 5 answers a BatchEncoding (a Mapping, not a dict: taken whole, it was
+        # its keys, so every templated chat failed); older ones the ids
+        ids = out["input_ids"] if isinstance(out, Mapping) else out
+        return [int(t) for t in ids]
 
     def requests(self, ids: list[int], max_tokens: int | None, sampling: Sampling,
                  n: int = 1, field: str = "max_tokens") -> list[Request]:

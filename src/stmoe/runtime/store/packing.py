@@ -15,6 +15,7 @@ safetensors shards (``pack_folder``, ``pack_stream``).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -219,6 +220,22 @@ def default_store_dir(model_dir: Path, weights: WeightFormat | None = None,
     return root / f"{model_dir.name}-{h.hexdigest()[:16]}{suffix}"
 
 
+def refuse_quantized(model_dir: Path) -> None:
+    """A checkpoint quantized by another tool (config.json's ``quantization_config``: FP8
+    with its scales, GPTQ, AWQ) is refused: its experts' bytes are not weights stmoe
+    computes, and loading around them dropped the scales with no error."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # (the loader names a missing or damaged config)
+    quantized = config.get("quantization_config") if isinstance(config, dict) else None
+    if quantized is not None:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise StoreError(f"{model_dir / 'config.json'}: a checkpoint quantized by another tool "
+                         f"({method}); stmoe offloads float checkpoints (bf16, fp16, fp32): give "
+                         "the original weights (stmoe's own --format int8/int4 quantizes them)")
+
+
 def open_store(model_dir: str | Path, store: str | Path | None,
                progress: ProgressFactory | None = None,
                weights: WeightFormat | None = None, in_place: bool = False) -> ExpertStore:
@@ -230,6 +247,7 @@ def open_store(model_dir: str | Path, store: str | Path | None,
     store in another format is refused. ``in_place``: the cached one is an in-place
     index (``in_place.make_in_place``), made the same way."""
     model_dir = Path(model_dir)
+    refuse_quantized(model_dir)
     if in_place and weights is not None and weights.quantized:
         raise StoreError(f"{weights.label} experts are not the checkpoint's bytes, so they "
                          f"cannot be read in place; pack them: stmoe pack {model_dir} -o DIR "
