@@ -113,6 +113,7 @@ def pack_folder(model_dir: str | Path, out_dir: str | Path,
     from stmoe.util.progress import byte_progress
 
     model_dir = Path(model_dir)
+    refuse_quantized(model_dir)
     refuse_foreign_index(Path(out_dir))  # before any reading (pack_lock checks it again)
     try:
         experts = CheckpointExperts(model_dir)
@@ -233,7 +234,8 @@ def refuse_quantized(model_dir: Path) -> None:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
         raise StoreError(f"{model_dir / 'config.json'}: a checkpoint quantized by another tool "
                          f"({method}); stmoe offloads float checkpoints (bf16, fp16, fp32): give "
-                         "the original weights (stmoe's own --format int8/int4 quantizes them)")
+                         "the original weights (stmoe's own --format int8/int4 quantizes them; "
+                         "a `stmoe quantize` folder is vLLM's: serve it there)")
 
 
 def open_store(model_dir: str | Path, store: str | Path | None,
