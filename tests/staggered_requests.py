@@ -43,6 +43,17 @@ class ForwardLog(LogitLog):
             output.logits[:, -1].detach().clone())
 
 
+class OnCuda:
+    """A model whose ``generate`` (``solo``'s, a test's) takes CPU inputs and runs them on
+    CUDA."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def generate(self, ids: torch.Tensor, attention_mask: torch.Tensor, **kw: Any) -> Any:
+        return self.model.generate(ids.cuda(), attention_mask=attention_mask.cuda(), **kw)
+
+
 def solo(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """Greedy ``n`` tokens of ``prompt`` on ``model`` alone."""
     ids = torch.tensor([prompt])

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 from test_quantized import FORMATS, _generate, quantizable  # noqa: E402
 
+from staggered_requests import OnCuda  # noqa: E402
 from stmoe.quant.cuda_kernels import cuda_int4_shape  # noqa: E402
 from stmoe.quant.experts import quantize_model  # noqa: E402
 from stmoe.runtime import slot_layout  # noqa: E402
@@ -185,15 +186,6 @@ def test_on_cuda_quantized_resident_linears_are_the_gpu_resident_models(tmp_path
 
 
 def _generate_on(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    seq, logits = _generate(_Cuda(model))
+    seq, logits = _generate(OnCuda(model))
     return seq.cpu(), [x.cpu() for x in logits]
 
-
-class _Cuda:
-    """A model whose ``generate`` takes CPU inputs and runs them on CUDA."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def generate(self, ids: torch.Tensor, attention_mask: torch.Tensor, **kw):
-        return self.model.generate(ids.cuda(), attention_mask=attention_mask.cuda(), **kw)

@@ -16,12 +16,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_step_rows import FORMATS, OnCuda, native, quantized  # noqa: E402
+from test_step_rows import FORMATS, native, quantized  # noqa: E402
 
 from staggered_requests import (  # noqa: E402
     LENGTHS,
     PROMPTS,
     ForwardLog,
+    OnCuda,
     Stop,
     errors_when_the_batcher_stops,
     solo,

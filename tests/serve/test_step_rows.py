@@ -23,6 +23,7 @@ from staggered_requests import (  # noqa: E402
     LENGTHS,
     PROMPTS,
     LogitLog,
+    OnCuda,
     Stop,
     errors_when_the_batcher_stops,
     solo,
@@ -197,16 +198,6 @@ def test_a_product_in_cudas_int4_layout_is_one_product_not_split():
         got = split_rows(module, xs, pool, 2)
     assert seen == [(3, 256)] and not module._columns
     assert [tuple(y.shape) for y in got] == [(1, 2, SPLIT_COLUMNS), (1, 1, SPLIT_COLUMNS)]
-
-
-class OnCuda:
-    """A model whose ``generate`` (``solo``'s) takes CPU inputs and runs them on CUDA."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def generate(self, ids: torch.Tensor, attention_mask: torch.Tensor, **kw):
-        return self.model.generate(ids.cuda(), attention_mask=attention_mask.cuda(), **kw)
 
 
 @pytest.mark.cuda

@@ -156,7 +156,7 @@ def _json(raw: bytes | bytearray) -> Any:
 
 
 def _parse(model: Any, raw: bytes | bytearray) -> Any:
-    """The body as a ``model`` request, checked; run on a thread (``prepare``): a body of
+    """The body as a ``model`` request, checked; run on a thread (``_prepare``): a body of
     megabytes takes seconds to decode and validate."""
     body = _json(raw)
     if not isinstance(body, dict):

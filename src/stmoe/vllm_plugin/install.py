@@ -127,9 +127,8 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     # every layer's count, or each's (STMOE_VLLM's capacity=4/6/2: config._value)
     capacities = resolve_capacities(options.capacity, len(layers), num_experts, shape.top_k,
                                     store.blocks[(0, 0)].nbytes)
-    capacity = capacities[0] if len(set(capacities)) == 1 else capacities
     tier = open_tier(options.tier, store, options.bandwidth, options.latency)
-    settings = EngineSettings(capacity, options.policy, options.worker_count(),
+    settings = EngineSettings(capacities, options.policy, options.worker_count(),
                               torch.device("cpu"), options.max_loads, options.admission)
     try:
         layouts, names = (slot_layouts(layers, store, tier) if store.in_place
@@ -153,8 +152,8 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
              "%.1f MiB of "
              "experts); capture %s; routing %s; kernels warmed in %.1f s; ready in %.1f s; "
              "worker RSS %.2f GiB as vLLM had loaded the model, %.2f GiB now", len(layers),
-             model_dir.name, ",".join(map(str, capacities)) if isinstance(capacity, tuple)
-             else capacity, num_experts, options.capacity, predictor.name,
+             model_dir.name, capacities[0] if len(set(capacities)) == 1
+             else ",".join(map(str, capacities)), num_experts, options.capacity, predictor.name,
              settings.policy, options.tier, settings.workers,
              ",".join(map(str, sorted(engine.prefetcher.cpus or os.sched_getaffinity(0)))),
              weights, config.experts, store.path,
