@@ -416,6 +416,27 @@ def test_a_chat_template_renders_the_prompt(server, solo, monkeypatch):
     assert answer["choices"][0]["message"]["content"] == solo.text_of(ids, 6)
 
 
+def test_a_sentencepiece_completion_keeps_its_first_space(server, solo, monkeypatch):
+    """With a sentencepiece-style tokenizer (Llama's, Mixtral's, Gemma's) a completion's
+    text is what it adds to the prompt's: its first word's space kept, streamed or not.
+    Decoded alone, as it was, every answer began without it ("Sayhello")."""
+    from metaspace_tokenizer import metaspace_tokenizer
+
+    url, service = server
+    monkeypatch.setattr(service, "tokenizer", metaspace_tokenizer(
+        int(service.om.model.config.vocab_size)))
+    ids = [5, 6, 7, 8, 9]
+    tokens = [t for t in solo.tokens(ids, 5) if t not in solo.eos]
+    assert tokens and min(tokens) >= 2  # words only (ids 0 and 1 are unk and BOS)
+    want = "".join(f" w{t}" for t in tokens)
+    code, answer = _post(url + "/v1/completions", json.dumps(
+        {"model": NAME, "prompt": ids, "max_tokens": 5, "temperature": 0}))
+    assert code == 200 and answer["choices"][0]["text"] == want, answer
+    streamed = _client(url).completions.create(model=NAME, prompt=ids, max_tokens=5,
+                                               temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want
+
+
 def test_a_messages_name_reaches_the_prompt():
     """OpenAI's participant name: passed to a chat template (as vLLM's server does), and
     in the plain rendering `role (name): content`; it was accepted and dropped."""

@@ -29,7 +29,7 @@ class _Service:
 def _run(pieces: list[str], stops: list[str]) -> tuple[list[str], str, TextStream, _Job]:
     """Every token pushed, then the flush: (what each push sent, the flush's, the stream)."""
     job = _Job()
-    stream = TextStream(_Service(pieces), job, stops)
+    stream = TextStream(_Service(pieces).text, job, stops)
     sent = []
     for t in range(len(pieces)):
         job.output.append(t)
@@ -67,7 +67,7 @@ def _run_late(pieces: list[str], stops: list[str], every: int) -> TextStream:
     """The same tokens, the stream pushed only after every ``every``-th (an event loop
     running late: several tokens at once), then flushed."""
     job = _Job()
-    stream = TextStream(_Service(pieces), job, stops)
+    stream = TextStream(_Service(pieces).text, job, stops)
     for t in range(len(pieces)):
         job.output.append(t)
         if (t + 1) % every == 0:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.hf.completion_text import AfterPrompt
 from stmoe.hf.layout import ModelLayout
 from stmoe.hf.loading import load_without_experts
 from stmoe.predictors.base import ModelShape
@@ -161,7 +162,8 @@ class OffloadedModel:
         decode_s = ends.last - ends.first if decode_tokens else 0.0
         new = out[0, ids.shape[1] :].tolist()
         phase = stats.phases["decode" if decode_tokens else "prefill"].summary()
-        text = self.tokenizer.decode(new) if self.tokenizer is not None else ""
+        text = (AfterPrompt(self.tokenizer, ids[0].tolist())(new)  # (its first space kept)
+                if self.tokenizer is not None else "")
         return GenerationResult(
             tokens=new, text=text, prompt_tokens=int(ids.shape[1]), ttft_s=ttft,
             decode_tokens=decode_tokens, decode_s=decode_s,

@@ -58,7 +58,7 @@ class Reply:
         self.service, self.http, self.req = service, http, req
         self.chat = isinstance(req, ChatRequest)
         self.logprobs = req.logprob_count() is not None
-        self.choices = [Choice(i, job, TextStream(service, job, req.stops()))
+        self.choices = [Choice(i, job, TextStream(service.reader(job), job, req.stops()))
                         for i, job in enumerate(jobs)]
         self.jobs = jobs
         self.events: Events = asyncio.Queue()

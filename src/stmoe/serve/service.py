@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from stmoe.hf.completion_text import AfterPrompt
 from stmoe.runtime.api import OffloadedModel
 from stmoe.runtime.batcher import Request, Sampling, StepBatcher, choice_seed
 from stmoe.serve.logprobs import TokenPieces
@@ -145,10 +146,12 @@ class Service:
         self.batcher.submit_all(requests)
 
     # ---- text ----------------------------------------------------------------------
-    def text(self, tokens: list[int]) -> str:
-        """The completion's text (the end-of-sequence token not shown)."""
-        return self._tok().decode([t for t in tokens if t not in self.eos],
-                                  skip_special_tokens=True)
+    def reader(self, request: Request) -> Callable[[list[int]], str]:
+        """The text of a completion's tokens, as it reads after ``request``'s prompt
+        (``AfterPrompt``: a sentencepiece tokenizer's first space kept); special tokens and
+        the end-of-sequence token not shown."""
+        after = AfterPrompt(self._tok(), request.ids[0].tolist(), skip_special_tokens=True)
+        return lambda tokens: after([t for t in tokens if t not in self.eos])
 
     def pieces(self) -> TokenPieces:
         """The tokenizer's tokens as bytes and text (log-probabilities name each token)."""

@@ -7,15 +7,16 @@ stop string is held back until it cannot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from stmoe.runtime.batcher import Request
-    from stmoe.serve.service import Service
 
 
 class TextStream:
-    """The text of ``job``'s tokens so far; ``push`` returns what may be sent now.
+    """The text of ``job``'s tokens so far (``decode``: the text of its first n, as
+    ``Service.reader`` makes it); ``push`` returns what may be sent now.
     ``used``: how many of the tokens that text was decoded from (frozen at a stop string:
     the tokens after it are not the completion's).
 
@@ -24,8 +25,9 @@ class TextStream:
     that completed it, and the text, ``used`` (its log-probabilities, its usage) are the
     same whatever the timing, so another client's load cannot change them."""
 
-    def __init__(self, service: Service, job: Request, stops: list[str]) -> None:
-        self.service, self.job, self.stops = service, job, stops
+    def __init__(self, decode: Callable[[list[int]], str], job: Request,
+                 stops: list[str]) -> None:
+        self.decode, self.job, self.stops = decode, job, stops
         self.sent = ""
         self.text = ""
         self.stopped = False
@@ -53,7 +55,7 @@ class TextStream:
         full = None
         for n in range(self.seen + 1, len(tokens) + 1):
             self.seen = n
-            full = self.service.text(tokens[:n])
+            full = self.decode(tokens[:n])
             self.lengths[n] = len(full)
             if full.endswith("\ufffd") and not (last and n == len(tokens)):
                 full = None  # a character still incomplete
@@ -63,7 +65,7 @@ class TextStream:
         if full is None:  # no new text of whole characters
             if not last:
                 return ""
-            full = self.service.text(tokens)  # at the end, an incomplete one is read too
+            full = self.decode(tokens)  # at the end, an incomplete one is read too
             if self.stops and self._stop(full, len(tokens)):
                 return self._send(self.text)
         self.used, self.text = len(tokens), full
@@ -82,7 +84,7 @@ class TextStream:
         """The length of the first ``n`` tokens' text (a log-probability's text offset):
         each prefix's text is decoded once, here or as it was read."""
         if n not in self.lengths:
-            self.lengths[n] = len(self.service.text(list(self.job.output)[:n]))
+            self.lengths[n] = len(self.decode(list(self.job.output)[:n]))
         return self.lengths[n]
 
     def final(self) -> str:
