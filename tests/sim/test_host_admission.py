@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -153,3 +155,32 @@ def test_simulate_runtime_says_each_systems_admission(cli, tmp_path):
                                                                        "oracle")}
     assert "layers off at the end" in rows["stmoe"], res.output
     assert "off: every load" in rows["stmoe-all"] and "exempt" in rows["oracle"]
+
+
+def test_simulate_runtime_takes_one_count_per_layer(cli, tmp_path):
+    """`--capacity 8,8,8,8` (`stmoe split-capacity`'s form) is `--capacity 8`'s run; a split
+    is run as given, named in the title and the JSON; a count per layer too few is refused
+    naming both numbers."""
+    from test_simulator import HOST_TOML
+
+    import stmoe
+    from stmoe.trace import save_trace
+
+    tiny = stmoe.synthesize(tokens=40, layers=4, experts=16, top_k=4, sequences=1, seed=0)
+    save_trace(tiny, tmp_path / "t.npz")
+    (tmp_path / "hw.toml").write_text(HOST_TOML.format(pe=1e3, bw=1e9, par=1e9, tier="disk",
+                                                       touch=0.0))
+    base = ["simulate", tmp_path / "t.npz", "--model", "stmoe-tiny", "--layers", "4",
+            "--hardware", tmp_path / "hw.toml", "--pipeline", "runtime", "--json", "-"]
+    runs = {}
+    for capacity in ("8", "8,8,8,8", "16,4,4,8"):
+        res = cli(*base, "--capacity", capacity)
+        assert res.exit_code == 0, res.output
+        runs[capacity] = json.loads(res.stdout)
+    assert runs["8"]["systems"] == runs["8,8,8,8"]["systems"]
+    assert runs["16,4,4,8"]["capacity"] == [16, 4, 4, 8]
+    assert runs["16,4,4,8"]["systems"] != runs["8"]["systems"]
+    shown = cli(*base[:-2], "--capacity", "16,4,4,8", "--system", "lru-only")
+    assert shown.exit_code == 0 and "16,4,4,8 experts cached (each MoE layer's)" in shown.output
+    bad = cli(*base, "--capacity", "8,8")
+    assert bad.exit_code != 0 and "--capacity '8,8': 2 counts for 4 MoE layers" in bad.output

@@ -282,6 +282,41 @@ def test_lru_hits_on_the_host_equal_the_cache_replay_without_prefetch(tmp_path):
     assert data["systems"]["lru-only"]["hit_rate"] == pytest.approx(want.hit_rate, abs=1e-12)
 
 
+def test_each_layers_capacity_on_the_host_is_the_replays_and_one_for_all_is_alike(tmp_path):
+    """``capacity`` one count per MoE layer (`stmoe split-capacity`'s, as the runtime takes
+    it): LRU hits without prefetch equal the cache replay's at the same per-layer sizes,
+    differ from either uniform run, and a count repeated for every layer is the one count's
+    run exactly (every system)."""
+    from stmoe.evaluate.cache_replay import replay_cache
+    from stmoe.predictors import make
+    from stmoe.sim.host.systems import RUNTIME_SYSTEMS, HostOptions, simulate_runtime
+    from stmoe.trace.select import decode_only
+
+    trace = decode_only(host_trace(60))
+    trace = dataclasses.replace(trace, is_decode=np.arange(trace.num_tokens) > 0)
+    hw = host_spec(tmp_path)
+    split = (16, 6, 8, 12)[: trace.num_layers]
+    assert len(split) == trace.num_layers
+    plan = make("ondemand", stmoe.predictors.ModelShape.of(trace)).plan(trace)
+    rates = {}
+    for caps in (split, 8, 12):
+        got = simulate_runtime(trace, MODEL, hw, ["lru-only"], HostOptions(capacity=caps))
+        want = replay_cache(trace, plan, caps, "lru", count_mask=np.asarray(trace.is_decode))
+        rates[caps] = got["systems"]["lru-only"]["hit_rate"]
+        assert rates[caps] == pytest.approx(want.hit_rate, abs=1e-12), caps
+    assert rates[split] not in (rates[8], rates[12])
+    tables = profile(trace, fit_plus=False)
+    one, each = (simulate_runtime(trace, MODEL, hw, list(RUNTIME_SYSTEMS), HostOptions(
+        capacity=c, decode_tokens=20, tables=tables)) for c in (8, (8,) * trace.num_layers))
+    assert each["capacity"] == [8] * trace.num_layers and one["capacity"] == 8
+    assert each["systems"] == one["systems"]
+    with pytest.raises(stmoe.sim.specs.SpecError, match="3 counts for 4 MoE layers"):
+        simulate_runtime(trace, MODEL, hw, ["lru-only"], HostOptions(capacity=(8, 8, 8)))
+    with pytest.raises(stmoe.sim.specs.SpecError,
+                       match=r"capacity of layer 1 1 .*expected 2 to 16"):
+        simulate_runtime(trace, MODEL, hw, ["lru-only"], HostOptions(capacity=(8, 1, 8, 8)))
+
+
 def test_a_shared_device_splits_its_speed_and_a_link_serialises():
     from stmoe.sim.host.link import FifoLink, SharedLink
 

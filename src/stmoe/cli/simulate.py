@@ -24,7 +24,7 @@ from stmoe.cli.common import (
 from stmoe.errors import StmoeError
 from stmoe.runtime.options import OffloadOptions
 from stmoe.sim.specs import preset_names
-from stmoe.util.units import capacity_per_layer
+from stmoe.util.units import capacity_per_layer, layer_capacities
 
 RUNTIME_CAPACITY = str(OffloadOptions.capacity)  # the runtime's own default cache size
 
@@ -87,7 +87,8 @@ def simulate_cmd(
         ),
     ] = "accelerator",
     capacity: Annotated[
-        str, typer.Option(help="Runtime pipeline: experts cached per layer (8) or a share (50%).")
+        str, typer.Option(help="Runtime pipeline: experts cached per layer (8), a share (50%), "
+                          "or one count per MoE layer (48,60,12: `stmoe split-capacity`'s).")
     ] = RUNTIME_CAPACITY,
     layers: Annotated[
         int | None, typer.Option(help="Only the first N MoE layers (a make-model --layers model).")
@@ -195,6 +196,13 @@ def simulate_cmd(
         out.print(f"wrote figures to {clean_label(output_dir)}/")
 
 
+def _cached(capacity: int | tuple[int, ...]) -> str:
+    """A runtime run's cache, in its table's title."""
+    if isinstance(capacity, int):
+        return f"{capacity} experts cached per layer"
+    return f"{','.join(map(str, capacity))} experts cached (each MoE layer's)"
+
+
 def _with_buffer(hw: Any, model: Any, buffer: str | None, buffer_for: str | None) -> Any:
     """The hardware with ``--buffer`` and ``--buffer-for`` applied (checked first)."""
     from stmoe.sim.specs import BUFFER_FOR
@@ -259,9 +267,15 @@ def _runtime(trace: Any, model: Any, hw: Any, system: list[str] | None, tables: 
     if tables is None:  # as benchmarks/bench_offload_real.py: in-sample, said so
         tables = profile(trace, fit_plus=needs_plus_fit(systems))
         note = "profiled on the simulated trace itself (IN-SAMPLE)"
-    per_layer = capacity_per_layer(capacity, model.num_experts, model.top_k,
-                                   expert_bytes=model.expert_bytes, forms=("count", "share"),
-                                   name="--capacity", error=StmoeError)
+    per_layer: int | tuple[int, ...]
+    if "," in capacity:  # one count per MoE layer, as the runtime's --capacity takes
+        per_layer = layer_capacities(capacity, model.num_experts, model.top_k,
+                                     num_layers=trace.num_layers, name="--capacity",
+                                     error=StmoeError)
+    else:
+        per_layer = capacity_per_layer(capacity, model.num_experts, model.top_k,
+                                       expert_bytes=model.expert_bytes, forms=("count", "share"),
+                                       name="--capacity", error=StmoeError)
     options = HostOptions(capacity=per_layer, sequence=sequence,
                           decode_tokens=decode_tokens, tables=tables)
     data = simulate_runtime(trace, model, hw, systems, options)
@@ -271,7 +285,7 @@ def _runtime(trace: Any, model: Any, hw: Any, system: list[str] | None, tables: 
         return
     synthetic = " [SYNTHETIC TRACE]" if data["trace"]["synthetic"] else ""
     table = Table(title=f"runtime pipeline: {clean_label(data['model'])} on "
-                  f"{clean_label(data['hardware'])}, {per_layer} experts cached per layer"
+                  f"{clean_label(data['hardware'])}, {_cached(per_layer)}"
                   + synthetic, title_justify="left")
     for col in ("system", "decode tok/s", "decode s", "stall share", "hit rate", "moved GiB",
                 "admission"):

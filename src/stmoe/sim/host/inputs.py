@@ -41,9 +41,16 @@ class HostRun:
     prefill: int  # tokens of the prompt's forward call
     plan: tuple[np.ndarray, np.ndarray] | None  # (ptr, ids) of every (token, layer)'s set
     oracle: bool  # the sets are the routed experts themselves (decode only)
-    capacity: int  # experts cached per layer
+    capacity: int | tuple[int, ...]  # experts cached per layer: alike, or each layer's
     policy: str  # lru, lfu, none or score
     admission: bool = False  # the runtime's per-layer prefetch admission (stmoe.admission)
     horizon: int = 1  # layers ahead the predictor's sets are for (admission's budget)
     # [T*L, N] the scores each set was ranked from (``Predictor.scored_plan``): policy score
     scores: np.ndarray | None = None
+
+    def capacities(self) -> tuple[int, ...]:
+        """Each layer's cache size (the runtime's ``capacities``; not checked here)."""
+        layers = int(self.experts.shape[1])
+        if isinstance(self.capacity, int):
+            return (self.capacity,) * layers
+        return tuple(int(c) for c in self.capacity)

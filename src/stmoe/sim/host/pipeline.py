@@ -60,7 +60,7 @@ from stmoe.admission import Admission
 from stmoe.sim.host.inputs import HostCosts, HostRun
 from stmoe.sim.host.tier import Tier
 from stmoe.sim.specs import SpecError
-from stmoe.util.units import capacity_per_layer
+from stmoe.util.units import layer_capacities
 
 _NO_FUTURE = np.zeros(0, dtype=np.int64)
 ABSENT, LOADING, READY = 0, 1, 2
@@ -84,7 +84,9 @@ class _Sim:
         # per layer, the scores of its latest prediction (policy score; none yet: as LRU)
         self.score = [cp.NO_SCORES] * n_layers
         self.tier = Tier(costs)
-        self.adm = (Admission(n_layers, run.capacity, run.horizon, serial=costs.fifo,
+        self.caps = run.capacities()  # each layer's (checked by simulate_host)
+        # admission as the runtime's: sized by the largest layer's cache
+        self.adm = (Admission(n_layers, max(self.caps), run.horizon, serial=costs.fifo,
                               free_waste=costs.free_waste)
                     if run.admission and not run.oracle else None)
         self.decode_read_s = 0.0  # decode reads' seconds and count (what admission is told)
@@ -150,7 +152,7 @@ class _Sim:
         st = self.state[layer]
         if st[e] != ABSENT:
             return False
-        if self.size[layer] >= self.run.capacity:
+        if self.size[layer] >= self.caps[layer]:
             keep = self.pinned[layer] | self.protected[layer]
             v = cp.choose_victim(st == READY, keep, self.last_use[layer], self.uses[layer],
                                  _NO_FUTURE, self.score[layer], self.code)
@@ -287,21 +289,21 @@ class _Sim:
             return np.zeros(0, dtype=np.int64)
         if run.oracle:
             rows = run.experts[: run.prefill, layer] if fwd == 0 else run.experts[token, layer]
-            return np.unique(rows)[: run.capacity]
+            return np.unique(rows)[: self.caps[layer]]
         if run.plan is None:
             return np.zeros(0, dtype=np.int64)
         ptr, ids = run.plan
         i = token * run.experts.shape[1] + layer
         if run.scores is not None:  # the planner hands the cache what the set was ranked from
             self.score[layer] = run.scores[i]
-        return ids[ptr[i] : ptr[i + 1]][: run.capacity].astype(np.int64)
+        return ids[ptr[i] : ptr[i + 1]][: self.caps[layer]].astype(np.int64)
 
     def queue_set(self, fwd: int, layer: int, experts: np.ndarray) -> None:
         if not len(experts):
             return
         self.protected[layer] = False
         self.protected[layer, experts] = True
-        loads = [int(e) for e in experts if self.state[layer, e] == ABSENT][: self.run.capacity]
+        loads = [e for e in map(int, experts) if self.state[layer, e] == ABSENT][: self.caps[layer]]
         for rank, e in enumerate(loads):
             heapq.heappush(self.queue, (fwd, layer, rank, e))
         self._dispatch(self.t)
@@ -309,8 +311,8 @@ class _Sim:
 
 def simulate_host(run: HostRun, costs: HostCosts, num_experts: int) -> dict[str, float]:
     """Decode time and counters of ``run`` on a host with ``costs`` (module docstring)."""
-    capacity_per_layer(run.capacity, num_experts, run.experts.shape[2], forms=("count",),
-                       error=SpecError)
+    layer_capacities(run.capacity, num_experts, run.experts.shape[2],
+                     num_layers=run.experts.shape[1], error=SpecError)
     sim = _Sim(run, costs, num_experts)
     n_layers = run.experts.shape[1]
     decode = run.experts.shape[0] - run.prefill

@@ -28,7 +28,7 @@ from stmoe.sim.host.pipeline import HostCosts, HostRun, simulate_host
 from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import select_sequences
-from stmoe.util.units import capacity_per_layer
+from stmoe.util.units import layer_capacities
 
 # the runtime's compared systems but hybrid (its gate lookahead reads the model's routers)
 RUNTIME_SYSTEMS = {k: v for k, v in OFFLOAD_SYSTEMS.items() if k != "hybrid"}
@@ -38,7 +38,7 @@ RUNTIME_SYSTEMS = {k: v for k, v in OFFLOAD_SYSTEMS.items() if k != "hybrid"}
 class HostOptions:
     """What one replay of the runtime is: cache, sequence, tokens, tables."""
 
-    capacity: int  # experts cached per layer
+    capacity: int | tuple[int, ...]  # experts cached per layer: alike, or each layer's
     sequence: int = 0  # the trace's sequence replayed
     decode_tokens: int | None = None  # decode forward calls timed (None: all the sequence's)
     tables: ProfiledTables | None = None
@@ -179,14 +179,17 @@ def simulate_runtime(trace: RoutingTrace, model: ModelSpec, hw: HardwareSpec,
         raise SpecError("the runtime pipeline's predictors need tables (--tables)")
     if options.tables is not None:
         options.tables.check_trace(seq)
-    capacity_per_layer(options.capacity, model.num_experts, model.top_k, forms=("count",),
-                       error=SpecError)
+    layer_capacities(options.capacity, model.num_experts, model.top_k,
+                     num_layers=seq.num_layers, error=SpecError)
     costs = host_costs(model, hw)
     return {
         "pipeline": "runtime", "model": model.name, "hardware": hw.name,
         "trace": {"model": seq.meta.model, "synthetic": seq.meta.synthetic,
                   "sequence": options.sequence, "prompt_tokens": prefill,
                   "decode_tokens": seq.num_tokens - prefill},
-        "capacity": options.capacity, "costs": dataclasses.asdict(costs),
+        # one count, or each layer's (as the runtime's config)
+        "capacity": (options.capacity if isinstance(options.capacity, int)
+                     else list(options.capacity)),
+        "costs": dataclasses.asdict(costs),
         "systems": {s: run_host_system(s, seq, prefill, model, hw, options) for s in systems},
     }
