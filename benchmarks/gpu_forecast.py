@@ -20,6 +20,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
+from stmoe.evaluate.layer_capacity import size_split
 from stmoe.predictors import profile
 from stmoe.runtime.gpu_check.forecast import SHARES, assumed_grid, forecast, verdicts
 from stmoe.runtime.gpu_check.setup import CARRIED, LAYERS, LIKE, SAMPLE, SPLIT_AT, SPLIT_PROMPT
@@ -54,10 +55,13 @@ def main() -> None:
           f"{tail.num_tokens - SPLIT_PROMPT} decode tokens replayed)")
     with tempfile.TemporaryDirectory() as tmp:
         for share in SHARES:
+            # stmoe-plus-split's caches, sized from the profiled tokens alone (as the check's)
+            split = size_split(head, round(share * model.num_experts)).capacities
+            print(f"{share:.0%} in HBM: stmoe-plus-split's caches {','.join(map(str, split))}")
             points = ([(str(a.hardware), hardware_preset(str(a.hardware)))] if a.hardware
                       else assumed_grid(model, share, Path(tmp), a.predictors_from))
             for label, hw in points:
-                r = forecast(hw, model, tail, tables, share)
+                r = forecast(hw, model, tail, tables, share, split)
                 rates = " ".join(f"{k} {v:.1f}" for k, v in r.items())
                 marks = "; ".join(f"{n} {v:.2f} ({'MET' if v >= g else 'NOT MET'})"
                                   for n, v, g in verdicts(r))

@@ -42,8 +42,16 @@ def test_what_cannot_be_split_is_refused_in_one_line(cli, traced, args, says):
     one_line_error(cli("split-capacity", traced[1], *args), says)
 
 
-def test_one_sequence_cannot_be_held_out(cli, tmp_path):
+def test_one_sequence_is_split_by_its_own_held_out_tail(cli, tmp_path):
+    """One long sequence (a single prompt's capture): its tail replayed with tables of its
+    head, said so; one too short for that is refused in one line."""
     path = tmp_path / "one.npz"
-    stmoe.save_trace(stmoe.synthesize(tokens=50, layers=2, experts=8, top_k=2, sequences=1),
+    one = stmoe.synthesize(tokens=50, layers=2, experts=8, top_k=2, sequences=1, seed=1)
+    stmoe.save_trace(one, path)
+    res = cli("split-capacity", path)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == ",".join(map(str, size_split(one, 4).capacities))
+    assert "its one sequence's tail" in res.stderr
+    stmoe.save_trace(stmoe.synthesize(tokens=3, layers=2, experts=8, top_k=2, sequences=1),
                      path)
-    one_line_error(cli("split-capacity", path), "at least 2 sequences", "has 1")
+    one_line_error(cli("split-capacity", path), "too short to replay its decode tail")

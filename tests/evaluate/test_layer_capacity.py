@@ -93,5 +93,29 @@ def test_cross_fitted_curves_replay_each_part_with_tables_of_the_others():
     assert np.array_equal(hits, want)
     split = size_split(trace, 4, folds=5, options={"set_size": 3})
     assert sum(split.capacities) == 12 and split.folds == 3
-    with pytest.raises(PredictorError, match="at least 2 sequences"):
-        cross_fitted_hits(select_sequences(trace, [0]), "stmoe-plus", "lru", grid)
+
+
+def test_one_sequence_is_cut_by_tokens_its_tail_replayed_with_tables_of_its_head():
+    """One long prompt's routing (the shared Qwen3.6 sample, the GPU check's): the curves are
+    its decode tail's from 60% of its tokens on (after the 8 before), replayed with tables of
+    the tokens before, so none is in-sample; a sequence too short for that is refused."""
+    from stmoe.evaluate.layer_capacity import cross_fitted_hits, size_split
+    from stmoe.trace.select import held_out_tail, select_sequences
+
+    one = select_sequences(stmoe.synthesize(tokens=90, layers=3, experts=16, top_k=2,
+                                            sequences=3, seed=4), [1])
+    grid = [2, 4, 8, 16]
+    hits, _, parts = cross_fitted_hits(one, "stmoe-plus", "lru", grid,
+                                       options={"set_size": 3})
+    first = int(np.flatnonzero(np.asarray(one.is_decode))[0])
+    at = max(round(0.6 * one.num_tokens), first)
+    head, tail = held_out_tail(one, at, 8)
+    assert tail.num_tokens == one.num_tokens - at + 8
+    plan = make("stmoe-plus", ModelShape.of(one), profile([head]), set_size=3).plan(tail)
+    want, _ = layer_hits(tail, plan, grid, "lru", np.asarray(tail.is_decode))
+    assert parts == 1 and np.array_equal(hits, want)
+    assert sum(size_split(one, 4, options={"set_size": 3}).capacities) == 12
+    short = select_sequences(stmoe.synthesize(tokens=3, layers=3, experts=16, top_k=2,
+                                              sequences=1, seed=4), [0])
+    with pytest.raises(PredictorError, match="too short to replay its decode tail"):
+        cross_fitted_hits(short, "stmoe-plus", "lru", grid)

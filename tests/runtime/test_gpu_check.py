@@ -63,8 +63,15 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys, mon
     runs = table["runs"]
     assert {(r["tier"], r["capacity"], r["system"]) for r in runs} == {
         (t, c, s) for t in ("gpu", "gpu-disk") for c in ("25%", "50%")
-        for s in ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle", "stmoe-plus-score")}
+        for s in ("on-demand", "lru-only", "stmoe", "stmoe-plus", "oracle", "stmoe-plus-score")
+    } | {("gpu", "50%", "stmoe-plus-split")}  # (where the targets are read, only)
     assert all(r["identical"] is True for r in runs), [r for r in runs if not r["identical"]]
+    # its caches add up to 50% of the tiny model's 16 experts a layer, one per layer
+    split = table["split"]["capacities"]
+    assert len(split) == 2 and sum(split) == 16 and table["split"]["system"] == "stmoe-plus-split"
+    split_run = next(r for r in runs if r["system"] == "stmoe-plus-split")
+    assert split_run["cache_bytes"] == next(r for r in runs if r["system"] == "stmoe-plus" and (
+        r["tier"], r["capacity"]) == ("gpu", "50%"))["cache_bytes"]
     assert table["resident"]["repeats_its_tokens"] and "HELD-OUT" in table["routing"]
     assert table["pinned_store_locked"] == "registered in place"  # (host_lock's fallback not)
     for r in runs:  # the device's figures of every run (the stand-in's here)
@@ -76,7 +83,7 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys, mon
     assert acc["experts_modules_offloaded"] == acc["of_layers"] - acc["experts_layers_in_hbm"] > 0
     sim = doc["stages"]["calibrate_simulator"]["systems"]
     assert [r["system"] for r in sim] == ["on-demand", "lru-only", "stmoe", "stmoe-plus",
-                                          "oracle", "stmoe-plus-score"]
+                                          "oracle", "stmoe-plus-score", "stmoe-plus-split"]
     assert all(r["simulated_tok_s"] > 0 and r["measured_tok_s"] for r in sim)
     # the calibrated preset comes back beside the JSON (gpu_forecast.py --hardware reads it)
     preset = tmp_path / doc["stages"]["calibrate_simulator"]["preset_file"]

@@ -21,8 +21,8 @@ from stmoe.util.units import capacity_per_layer
 
 def split_capacity_cmd(
     traces: Annotated[list[Path], path_argument(
-        metavar="TRACE...", help="Routing of the model, at least 2 sequences (`stmoe capture`, "
-        "or any format `stmoe import` reads).")],
+        metavar="TRACE...", help="Routing of the model (`stmoe capture`, or any format "
+        "`stmoe import` reads): several sequences, or one long one.")],
     capacity: Annotated[str, typer.Option(
         help="The cache to split: experts per layer (30) or a share of them (50%), the same "
         "total over every layer.")] = "50%",
@@ -46,7 +46,8 @@ def split_capacity_cmd(
     (docs/benchmarks.md): try it against one size on your own routing.
 
     The curves of each layer's hits against its cache size come from the traces'
-    sequences, each replayed with tables profiled on the others (held out); the split
+    sequences, each replayed with tables profiled on the others (held out; a trace of one
+    sequence: its decode tail from 60% of its tokens on, with tables of the rest); the split
     spends the total where they rise most per slot. Prints the counts, one per MoE layer,
     for `--capacity` of `stmoe generate` and `stmoe serve` (or
     `stmoe.offload(capacity=...)`); the hit rates on stderr are those of the curves the
@@ -70,8 +71,14 @@ def split_capacity_cmd(
     total = uniform * trace.num_layers
     err.print(f"{uniform} of {trace.num_experts} experts a layer over {trace.num_layers} MoE "
               f"layers ({total} slots), split for {predictor} with {policy} eviction; curves "
-              f"from {split.folds} held-out parts of {trace.num_sequences} sequences"
+              f"from {_parts(split.folds, trace.num_sequences)}"
               f"{' (SYNTHETIC)' if trace.meta.synthetic else ''}: hit rate "
               f"{split.uniform_hit_rate:.3f} -> {split.hit_rate:.3f} on them (fitted to "
               "them: an estimate that favours the split)", soft_wrap=True)
     out.print(",".join(map(str, split.capacities)))
+
+
+def _parts(folds: int, sequences: int) -> str:
+    if sequences == 1:
+        return "its one sequence's tail (its last 40% of tokens) replayed with tables of the rest"
+    return f"{folds} held-out parts of {sequences} sequences"

@@ -25,7 +25,11 @@ from stmoe.evaluate.metrics import scope_tokens
 from stmoe.predictors import ModelShape, make, profile
 from stmoe.predictors.base import PredictorError, PrefetchPlan
 from stmoe.trace.schema import RoutingTrace
-from stmoe.trace.select import select_sequences
+from stmoe.trace.select import held_out_tail, select_sequences
+
+# a trace of one sequence (one long prompt's routing): its first 60% of tokens profiled, the
+# rest replayed after the 8 tokens before them (as the GPU check splits its sample)
+ONE_SEQUENCE_AT, TAIL_PROMPT = 0.6, 8
 
 
 def default_grid(num_experts: int, top_k: int, steps: int = 32) -> list[int]:
@@ -118,19 +122,16 @@ def cross_fitted_hits(trace: RoutingTrace, predictor: str, policy: str, grid: Se
     """``layer_hits`` of ``predictor`` (made with ``options``; its prefetches, cache
     ``policy``: ``lru`` where it scores no expert) with each of ``folds`` parts of the
     sequences replayed with tables profiled on the others (held out: why, the module
-    docstring); summed over the parts, and how many parts there were. ``progress(done,
+    docstring; one sequence: its tail with tables of its head, ``_parts``); summed over the
+    parts, and how many parts there were. ``progress(done,
     of)`` after each part."""
     n = trace.num_sequences
-    if n < 2:
-        raise PredictorError(f"sizing a split needs routing of at least 2 sequences (this "
-                             f"trace has {n}): each is replayed with tables of the others")
     parts = min(folds, n)
     shape = ModelShape.of(trace)
     hits = np.zeros((trace.num_layers, len(grid)), dtype=np.int64)
     demanded = np.zeros(trace.num_layers, dtype=np.int64)
     for part in range(parts):
-        held = select_sequences(trace, [i for i in range(n) if i % parts == part])
-        rest = select_sequences(trace, [i for i in range(n) if i % parts != part])
+        held, rest = _parts(trace, part, parts)
         p = make(predictor, shape, profile(rest), **(options or {}))
         use = "lru" if policy == "score" and not p.scores_experts else policy
         plan, scores = p.scored_plan(held) if use == "score" else (p.plan(held), None)
@@ -139,6 +140,26 @@ def cross_fitted_hits(trace: RoutingTrace, predictor: str, policy: str, grid: Se
         if progress is not None:
             progress(part + 1, parts)
     return hits, demanded, parts
+
+
+def _parts(trace: RoutingTrace, part: int, parts: int) -> tuple[RoutingTrace, RoutingTrace]:
+    """(replayed, profiled) of fold ``part``: every ``parts``-th sequence against the
+    others; a trace of one sequence is cut by tokens instead (``held_out_tail``: from
+    ``ONE_SEQUENCE_AT`` of its tokens, or its first decoded one if later, replayed after the
+    ``TAIL_PROMPT`` tokens before them, with tables of the tokens before)."""
+    n = trace.num_sequences
+    if n > 1:
+        return (select_sequences(trace, [i for i in range(n) if i % parts == part]),
+                select_sequences(trace, [i for i in range(n) if i % parts != part]))
+    decode = np.flatnonzero(np.asarray(trace.is_decode))
+    at = max(round(ONE_SEQUENCE_AT * trace.num_tokens), int(decode[0]) if len(decode) else 0)
+    prompt = min(TAIL_PROMPT, at - 1)
+    if not len(decode) or prompt < 1 or trace.num_tokens - at < 2:
+        raise PredictorError(f"sizing a split from one sequence ({trace.num_tokens} tokens, "
+                             f"{len(decode)} of them decoded): too short to replay its decode "
+                             "tail with tables of the rest (a longer one, or more sequences)")
+    head, tail = held_out_tail(trace, at, prompt)
+    return tail, head
 
 
 def size_split(trace: RoutingTrace, uniform: int, predictor: str = "stmoe-plus",

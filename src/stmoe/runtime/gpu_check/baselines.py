@@ -13,7 +13,13 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
-from stmoe.runtime.gpu_check.decode import SYSTEMS, decode_speed, device_context, pinned_store
+from stmoe.runtime.gpu_check.decode import (
+    SPLIT,
+    SYSTEMS,
+    decode_speed,
+    device_context,
+    pinned_store,
+)
 from stmoe.runtime.gpu_check.setup import setup
 
 if TYPE_CHECKING:
@@ -126,12 +132,18 @@ def calibrate_simulator(c: Check) -> dict[str, Any]:
                            HostOptions(capacity=round(SHARE * model.num_experts),
                                        decode_tokens=s.steps - 1,
                                        tables=load_tables(s.tables)))
+    split = simulate_runtime(load_trace(s.routing), model, hardware_preset(str(preset)),
+                             ["stmoe-plus"], HostOptions(capacity=s.split,
+                                                         decode_tokens=s.steps - 1,
+                                                         tables=load_tables(s.tables)))
+    simulated_speed = {name: float(r["decode_tokens_per_s"]) for name, r in
+                       (*sim["systems"].items(), (SPLIT, split["systems"]["stmoe-plus"]))}
     measured = {r["system"]: r for r in c.doc["stages"].get("decode_table", {}).get("runs", [])
                 if r.get("tier") == "gpu" and r.get("capacity") == capacity
                 and "decode_tok_s" in r}
     rows = []
-    for system in SYSTEMS:
-        simulated = float(sim["systems"][system]["decode_tokens_per_s"])
+    for system in (*SYSTEMS, SPLIT):
+        simulated = simulated_speed[system]
         got = measured.get(system, {}).get("decode_tok_s")
         rows.append({"system": system, "simulated_tok_s": round(simulated, 3),
                      "measured_tok_s": got,

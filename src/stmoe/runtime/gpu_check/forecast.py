@@ -20,7 +20,7 @@ from pathlib import Path
 
 from stmoe.evaluate.compare import closed
 from stmoe.predictors import ProfiledTables
-from stmoe.runtime.gpu_check.decode import CAPACITIES, SYSTEMS
+from stmoe.runtime.gpu_check.decode import CAPACITIES, SPLIT, SYSTEMS
 from stmoe.sim.host.calibrated import hardware_toml
 from stmoe.sim.host.systems import HostOptions, simulate_runtime
 from stmoe.sim.specs import HardwareSpec, ModelSpec, PredictorCost, SpecError, hardware_preset
@@ -74,9 +74,10 @@ def assumed_grid(model: ModelSpec, share: float, root: Path,
 
 
 def forecast(hw: HardwareSpec, model: ModelSpec, tail: RoutingTrace, tables: ProfiledTables,
-             share: float) -> dict[str, float]:
+             share: float, split: tuple[int, ...] | None = None) -> dict[str, float]:
     """Each system's simulated decode tokens/s replaying ``tail``, and ``resident``: the
-    GPU-resident model's (the preset's compute with every expert in HBM, no copy)."""
+    GPU-resident model's (the preset's compute with every expert in HBM, no copy); with
+    ``split`` (each layer's cache, adding up to ``share``), SPLIT's: stmoe-plus on it."""
     if hw.host is not None and hw.host.tier != "gpu":  # the check's: a pinned host store
         raise SpecError(f"hardware {hw.name!r}: a preset of the {hw.host.tier} tier; the GPU "
                         "check's forecast takes one `stmoe calibrate --tier gpu` wrote")
@@ -84,6 +85,10 @@ def forecast(hw: HardwareSpec, model: ModelSpec, tail: RoutingTrace, tables: Pro
                            HostOptions(capacity=round(share * model.num_experts),
                                        tables=tables))
     rates = {s: float(sim["systems"][s]["decode_tokens_per_s"]) for s in SYSTEMS}
+    if split is not None:
+        on_split = simulate_runtime(tail, model, hw, ["stmoe-plus"],
+                                    HostOptions(capacity=split, tables=tables))
+        rates[SPLIT] = float(on_split["systems"]["stmoe-plus"]["decode_tokens_per_s"])
     host = hw.host
     assert host is not None  # simulate_runtime refuses a preset without [host]
     expert_s = model.expert_macs / (hw.pe_macs_per_cycle * hw.clock_hz)
@@ -100,4 +105,5 @@ def verdicts(rates: dict[str, float]) -> list[tuple[str, float, float]]:
     return [("stmoe-plus / lru-only", rates["stmoe-plus"] / rates["lru-only"], 1.0),
             ("lru-only -> oracle gap closed", gap("stmoe-plus"), 0.5),
             ("the same by stmoe-plus-score", gap("stmoe-plus-score"), 0.5),
+            *([("the same by stmoe-plus-split", gap(SPLIT), 0.5)] if SPLIT in rates else []),
             ("stmoe-plus / resident", rates["stmoe-plus"] / rates["resident"], 0.6)]

@@ -37,6 +37,7 @@ CARRIED = Path("out") / "gpu_check" / "routing.npz"  # under the checkout: what 
 SPLIT_AT, SPLIT_PROMPT = 100, 8  # bench_offload_real.py's held-out split of the sample
 DRY_SPLIT_AT, DRY_SPLIT_PROMPT = 20, 4
 KEPT_LAYERS = 8  # the sample's first layers carried (the check makes up to 8)
+SPLIT_SHARE = 0.5  # the share of the experts stmoe-plus-split's per-layer caches add up to
 
 
 @dataclass
@@ -52,6 +53,10 @@ class Setup:
     plan: RoutingPlan
     source: str  # where the routing came from, said beside every figure
     steps: int  # new tokens per replay
+    # each layer's cache at SPLIT_SHARE for stmoe-plus, sized from the profiled head alone
+    # (its own tail replayed with tables of its start: ``layer_capacity.size_split``), so
+    # the replayed routing stays held out
+    split: tuple[int, ...]
 
 
 def prepare_routing(shared: Path, out: Path) -> Path:
@@ -78,6 +83,7 @@ def setup(c: Check) -> Setup:
 
 
 def _make(c: Check) -> Setup:
+    from stmoe.evaluate.layer_capacity import size_split
     from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
     from stmoe.predictors import profile, save_tables
     from stmoe.runtime.forced_routing import plan_routing
@@ -99,8 +105,9 @@ def _make(c: Check) -> Setup:
 
     vocab = AutoConfig.from_pretrained(model_dir, local_files_only=True).vocab_size
     plan = plan_routing(tail, 0, layers, spec.num_experts, spec.top_k, vocab, routing)
+    split = size_split(head, round(SPLIT_SHARE * spec.num_experts)).capacities
     return Setup(like, layers, model_dir, store, tables, routing, plan, label,
-                 min(c.tokens, plan.new_tokens))
+                 min(c.tokens, plan.new_tokens), split)
 
 
 def held_out(c: Check, layers: int) -> tuple[RoutingTrace, RoutingTrace, str]:

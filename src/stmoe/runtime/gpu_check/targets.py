@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from stmoe.evaluate.compare import closed
+from stmoe.runtime.gpu_check.decode import SPLIT
 from stmoe.runtime.gpu_check.record import MIB, Check
 
 AT = ("gpu", "50%")  # where issue 43's targets are read: pinned memory, half the experts
@@ -26,6 +27,8 @@ def targets(c: Check) -> None:
     _gap(c, "stmoe-plus", plus, lru, oracle)
     _gap(c, "stmoe-plus-score (score eviction, the check's own)", speed.get("stmoe-plus-score"),
          lru, oracle)
+    _gap(c, "stmoe-plus-split (each layer's cache its own size, the check's own)",
+         speed.get(SPLIT), lru, oracle)
     acc = st.get("accelerate_offload", {}).get("decode_tok_s")
     _ratio(c, "stmoe-plus vs accelerate's offload decode (50% of the experts in HBM)", plus,
            acc, 5.0)
