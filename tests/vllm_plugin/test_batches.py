@@ -35,6 +35,8 @@ def test_a_call_of_decode_tokens_only_is_a_decode_step_one_row_per_request():
     ([5, 1], [0, 9], 6),  # a prompt beside a decode token: mixed
     ([1], [0], 1),  # a one-token prompt: its sequence starts here
     ([1, 1], [4, 4], 3),  # more rows than the requests' tokens (padding): not theirs
+    ([1], [4], 1),  # a prompt's last token, its first 4 in vLLM's prefix cache
+    ([1, 1], [9, 4], 2),  # a decode token beside such a prompt token
 ])
 def test_any_other_call_is_a_prompt_step_of_one_row_on_the_scratch_slot(counts, computed,
                                                                          tokens):
@@ -144,3 +146,26 @@ def test_another_kernel_is_refused():
     layer.quant_method.moe_kernel.fused_experts = type("TritonExperts", (), {})()
     with pytest.raises(PluginConfigError, match="its kernel is TritonExperts"):
         check_layer("m", layer)
+
+
+def test_a_gate_packed_away_by_vllms_cpu_dispatch_is_read_back_exactly():
+    """vLLM's CPU linear dispatch packs a small gate's weight for its own kernel and leaves
+    ``weight`` empty (seen on the shipped model: shape (0,)), so hybrid's gate lookahead
+    found no router and vLLM could not start. It is read back through the kernel."""
+    from stmoe.vllm_plugin.layers import _router
+
+    torch.manual_seed(0)
+    w = torch.randn(16, 24)
+    gate = torch.nn.Module()
+    gate.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    gate.input_size, gate.output_size, gate.params_dtype = 24, 16, torch.float32
+    gate.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, w, bias)
+    block = torch.nn.Module()
+    block.gate = gate
+    block.experts = SimpleNamespace(global_num_experts=16)
+    model = torch.nn.Module()
+    model.mlp = block
+    got = _router(model, "mlp.experts", block.experts)
+    assert got is not None and torch.equal(got, w)
+    block.gate = torch.nn.Linear(24, 16, bias=False)  # a plain weight: itself
+    assert _router(model, "mlp.experts", block.experts) is block.gate.weight

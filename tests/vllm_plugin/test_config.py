@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stmoe.vllm_plugin import ENV_VAR, register
-from stmoe.vllm_plugin.config import KEYS, PluginConfigError, parse
+from stmoe.vllm_plugin.config import KEYS, PluginConfigError, check_paths, parse
 
 
 def test_every_default_where_it_is_only_switched_on():
@@ -60,6 +60,8 @@ def test_a_format_is_stmoes_own_store_and_vllm_never_loads_the_experts():
     ("capacity", "item 1 ('capacity'): expected key=value"),
     ("capacity=4,speed=9", "item 2: unknown key 'speed'"),
     ("capacity=4,capacity=8", "'capacity' is given twice"),
+    ("capacity=4;predictor=stmoe", "item 1 ('capacity=4;predictor=stmoe'): a ';' in its value; "
+     "the items are separated by commas"),
     ("workers=two", "workers='two': expected a count >= 0"),
     ("max_loads=-1", "max_loads='-1': expected a count >= 0"),
     ("admission=maybe", "admission='maybe': expected on or off"),
@@ -77,12 +79,39 @@ def test_a_format_is_stmoes_own_store_and_vllm_never_loads_the_experts():
     ("format=int8,group_size=32", "a group size is for int4 only"),
     ("group_size=x", "group_size='x': expected a count >= 0"),
     ("policy=fifo", "STMOE_VLLM: "),
-    ("tier=disk,bandwidth=1GB", "STMOE_VLLM: "),
+    # in STMOE_VLLM's words, not the CLI's (--bandwidth, --tier)
+    ("tier=disk,bandwidth=1GB", "STMOE_VLLM: bandwidth applies to tier emulated only"),
+    # group_size alone asks for int4 (as the CLI's --group-size): named so, not format=None
+    ("group_size=64,experts=loaded", "STMOE_VLLM group_size=64 (int4 in groups of that size) "
+     "packs stmoe's own int4 store"),
+    ("predictor=oracle", "predictor=oracle: the oracle knows each step's routing before"),
 ])
 def test_a_bad_item_is_refused_by_name(text, says):
     with pytest.raises(PluginConfigError) as e:
         parse(text)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_path_that_cannot_serve_is_refused_as_vllm_starts(tmp_path):
+    """``check_paths``, before an engine loads anything (each was a bare OS error in the
+    worker, after the model had loaded): a capture folder under a file, or a file; a store
+    that is a file; tables or a routing trace that are not there. A capture folder that can
+    be is made."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for text, says in ((f"capture={afile}", f"capture={afile}: a folder each finished "
+                        "request's routing is written to, and it cannot be made or written"),
+                       (f"capture={afile / 'sub'}", "cannot be made or written"),
+                       (f"store={afile}", f"store={afile}: a file; store= names the store's "
+                        "folder"),
+                       ("tables=/no/such/t.npz", "tables=/no/such/t.npz: no such file"),
+                       ("routing=/no/such/r.npz", "routing=/no/such/r.npz: no such trace")):
+        with pytest.raises(PluginConfigError) as e:
+            check_paths(parse(text))
+        assert says in str(e.value) and "\n" not in str(e.value)
+    made = parse(f"capture={tmp_path / 'new' / 'traces'},tables={afile}")
+    check_paths(made)
+    assert made.capture is not None and made.capture.is_dir()
 
 
 def test_the_refusal_lists_the_keys():
@@ -100,3 +129,7 @@ def test_register_does_nothing_unless_asked(monkeypatch):
     assert not {m for m in set(sys.modules) - before if m.startswith(("vllm", "stmoe.vllm"))}
     monkeypatch.setenv(ENV_VAR, "  ")
     register()
+    for off in ("0", "off", "False", " no "):  # switched off as it reads, not refused
+        monkeypatch.setenv(ENV_VAR, off)
+        register()
+    assert not {m for m in set(sys.modules) - before if m.startswith(("vllm", "stmoe.vllm"))}

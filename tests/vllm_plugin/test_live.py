@@ -37,8 +37,9 @@ PLUGIN = [("top-k, stmoe-plus", "capacity=4,predictor=stmoe-plus"),
           ("100%, lru-only", "capacity=100%,predictor=ondemand"),
           ("top-k, stmoe-plus, streamed", "capacity=4,predictor=stmoe-plus,experts=stream"),
           ("6, stmoe, in place", "capacity=6,predictor=stmoe,experts=in-place"),
-          # the batch's union scores each layer's victims (predict_batch_scored, several slots)
-          ("top-k, stmoe-plus, score eviction", "capacity=4,predictor=stmoe-plus,policy=score")]
+          # the batch's union scores each layer's victims (predict_batch_scored, several slots);
+          # hybrid's gate lookahead reads each gate's weight back from vLLM's packed kernel
+          ("top-k, hybrid, score eviction", "capacity=4,predictor=hybrid,policy=score")]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_greedy_tokens_equal_plain_vllm_at_every_capacity_and_concurrency(driven
     assert len(lines) == len(PLUGIN) + 2, lines  # (+ bfloat16's, + the reload run's)
     assert any("4 of 16 experts cached per layer" in x for x in lines)
     assert any("4,5,6,8,7,6,5,4 of 16 experts cached per layer" in x for x in lines)
-    assert any("predictor stmoe-plus, policy score" in x for x in lines)
+    assert any("predictor hybrid, policy score" in x for x in lines)
 
 
 def test_in_bfloat16_too(driven):
@@ -175,6 +176,18 @@ def test_a_bad_setting_stops_vllm_with_one_line_naming_it(tmp_path):
                                    "max_tokens": 2, "batches": [[0]]}]})
     assert p.returncode != 0
     assert "STMOE_VLLM item 2: unknown key 'speed'; the keys are capacity" in p.stderr
+
+
+def test_vllms_compiled_mode_is_refused_before_the_weights_load(tmp_path):
+    """vLLM's default (no --enforce-eager) compiles the forward with torch.compile, which
+    failed deep in Dynamo on stmoe's loads (chosen by the router at run time)."""
+    p = start(tmp_path, {"model": str(SHIPPED_MODEL), "prompts": PROMPTS[:1], "eager": False,
+                         "runs": [{"name": "compiled", "stmoe": "capacity=4",
+                                   "max_tokens": 2, "batches": [[0]]}]})
+    assert p.returncode != 0
+    said = p.stdout + p.stderr  # (the worker's error is in vLLM's log)
+    assert "stmoe: STMOE_VLLM runs in vLLM's eager mode only: add --enforce-eager" in said
+    assert "guard on data-dependent" not in said
 
 
 def test_another_vllm_version_is_refused(monkeypatch):

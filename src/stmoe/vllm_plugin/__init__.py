@@ -12,9 +12,13 @@ import os
 ENV_VAR = "STMOE_VLLM"
 
 
+OFF = ("", "0", "off", "false", "no")  # STMOE_VLLM values that leave the plugin off
+
+
 def register() -> None:
-    """vLLM's plugin hook: switch stmoe on where ``STMOE_VLLM`` is set, else nothing."""
-    if not os.environ.get(ENV_VAR, "").strip():
+    """vLLM's plugin hook: switch stmoe on where ``STMOE_VLLM`` is set (and not to one of
+    OFF), else nothing."""
+    if os.environ.get(ENV_VAR, "").strip().lower() in OFF:
         return
     from stmoe.vllm_plugin.install import install
 

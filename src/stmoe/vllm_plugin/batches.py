@@ -98,10 +98,11 @@ def spans_of(requests: Requests, ids: list[str], counts: list[int], computed: li
 
 def step_of(spans: tuple[Span, ...], tokens: int, call: int) -> Step:
     """The engine's step for a call of ``tokens`` rows: decode rows (one per request, each
-    its slot) where every request brings one token it has not begun with, else a prompt
-    step of one row of ``tokens`` (the scratch slot; ``BatchPlanner`` teaches the spans)."""
+    its slot) where every request brings one generated token (past its prompt), else a
+    prompt step of one row of ``tokens`` (the scratch slot; ``BatchPlanner`` teaches the
+    spans). A prompt's last token alone (the rest in vLLM's prefix cache) is a prompt's."""
     decode = (bool(spans) and spans[-1].end == tokens
-              and all(s.end - s.start == 1 and s.computed > 0 for s in spans))
+              and all(s.end - s.start == 1 and s.computed >= s.prompt > 0 for s in spans))
     if decode:
         return Step((Part(tuple(s.slot for s in spans), call),), 1, prefill=False)
     return Step((Part((SCRATCH,), call),), tokens, prefill=True)

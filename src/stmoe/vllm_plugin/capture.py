@@ -5,7 +5,9 @@ Why here: the plugin already sees every MoE layer's top-k ids and weights as vLL
 chose them (before they are renumbered to slots), and which rows of the flat batch are
 whose (``batches.Span``). A request's trace holds one row per token that ran through the
 model, prompt then generated (the last sampled token never runs), in the router's order:
-what vLLM's ``enable_return_routed_experts`` returns for it. ``stmoe profile`` builds
+what vLLM's ``enable_return_routed_experts`` returns for it. A prompt whose start vLLM's
+prefix cache held begins where it ran (``extra.cached_prompt_tokens`` says how many did not),
+its decode tokens marked as such. ``stmoe profile`` builds
 tables from the folder.
 """
 
@@ -23,19 +25,28 @@ from stmoe.vllm_plugin.batches import Span
 
 
 class _Rows:
-    """One request's rows so far, by position in its sequence."""
+    """One request's rows so far: positions ``first`` to ``first + count - 1`` of its
+    sequence. ``first`` > 0 where vLLM's prefix cache held the prompt's start: those tokens
+    never ran, so they have no routing here."""
 
     def __init__(self) -> None:
         self.experts: list[np.ndarray] = []  # [n, L, K] per call
         self.weights: list[np.ndarray] = []
         self.tokens: list[np.ndarray] = []
+        self.first = 0
         self.count = 0
         self.prompt = 0
 
     def add(self, span: Span, experts: np.ndarray, weights: np.ndarray,
             tokens: np.ndarray) -> None:
-        if span.computed < self.count:  # recomputed (vLLM preempted it): from there on
-            keep = span.computed
+        end = self.first + self.count
+        if not self.count or not self.first <= span.computed <= end:
+            # the first rows, or rows not next to those kept (recomputed from before them):
+            # from here on
+            self.experts, self.weights, self.tokens = [], [], []
+            self.first, self.count = span.computed, 0
+        elif span.computed < end:  # recomputed (vLLM preempted it): from there on
+            keep = span.computed - self.first
             self.experts = [np.concatenate(self.experts)[:keep]]
             self.weights = [np.concatenate(self.weights)[:keep]]
             self.tokens = [np.concatenate(self.tokens)[:keep]]
@@ -84,10 +95,12 @@ class Capture:
         if rows is None or rows.count == 0:
             return None
         experts = np.concatenate(rows.experts)
-        is_decode = np.arange(rows.count) >= rows.prompt
+        is_decode = rows.first + np.arange(rows.count) >= rows.prompt
+        extra: dict[str, object] = {"request": request, "prompt_tokens": rows.prompt}
+        if rows.first:  # the prompt's first tokens came from vLLM's prefix cache
+            extra["cached_prompt_tokens"] = rows.first
         meta = TraceMeta(self.num_experts, int(experts.shape[2]), self.num_layers,
-                         model=self.model, source="stmoe vLLM plugin (capture)",
-                         extra={"request": request, "prompt_tokens": rows.prompt})
+                         model=self.model, source="stmoe vLLM plugin (capture)", extra=extra)
         trace = RoutingTrace(experts, np.zeros(1, dtype=np.int64), is_decode, meta,
                              weights=np.concatenate(rows.weights),
                              token_ids=np.concatenate(rows.tokens))

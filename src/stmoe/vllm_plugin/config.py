@@ -33,6 +33,8 @@ as a trained model would; the tokens are meaningless.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +100,9 @@ def parse(text: str) -> PluginConfig:
                                     f"the keys are {', '.join(KEYS)}")
         if key in values:
             raise PluginConfigError(f"STMOE_VLLM: {key!r} is given twice")
+        if ";" in value:  # "capacity=4;predictor=x" was read as one capacity
+            raise PluginConfigError(f"STMOE_VLLM item {position} ({item!r}): a ';' in its "
+                                    "value; the items are separated by commas")
         values[key] = _value(key, value)
     own = {k: values.pop(k) for k in _OWN if k in values}
     options = dataclasses.replace(OffloadOptions(), **values)  # type: ignore[arg-type]
@@ -109,11 +114,18 @@ def parse(text: str) -> PluginConfig:
     experts = own.get("experts", "loaded")
     if weights is not None and weights.quantized:
         if "experts" in own and experts != "stream":
-            raise PluginConfigError(f"STMOE_VLLM format={options.format} packs stmoe's own "
+            asked = (f"format={options.format}" if options.format else
+                     f"group_size={options.group_size} (int4 in groups of that size)")
+            raise PluginConfigError(f"STMOE_VLLM {asked} packs stmoe's own "
                                     f"{weights.name} store from the checkpoint's files, so vLLM "
                                     f"never loads the experts: experts={experts} cannot go with "
                                     "it (leave experts out, or give experts=stream)")
         experts = "stream"
+    if options.predictor == "oracle":
+        raise PluginConfigError("STMOE_VLLM predictor=oracle: the oracle knows each step's "
+                                "routing before it runs, which `stmoe generate` measures in a "
+                                "second pass; vLLM runs each step once (it is the bound of "
+                                "`stmoe eval` and `stmoe simulate`, not a serving predictor)")
     if "routing" in own and "capture" in own:
         raise PluginConfigError("STMOE_VLLM routing= replays a trace in place of the router's, "
                                 "so capture= would record that trace, not the model's routing: "
@@ -155,6 +167,33 @@ def _value(key: str, value: str) -> object:
     return value
 
 
+def check_paths(config: PluginConfig) -> None:
+    """The folders and files ``config`` names, checked as vLLM starts (``install``, in its
+    first process, before an engine loads anything; ``parse`` stays free of the disk): a
+    capture folder that cannot be made or written, a store that is a file, tables or a
+    routing trace that are not there were each a bare OS error in the worker, after the
+    model had loaded. A capture folder that can be is made."""
+    capture, store = config.capture, config.store
+    if capture is not None:
+        try:
+            capture.mkdir(parents=True, exist_ok=True)
+            if not os.access(capture, os.W_OK | os.X_OK):
+                raise PermissionError("not writable")
+        except OSError as exc:
+            raise PluginConfigError(f"STMOE_VLLM capture={capture}: a folder each finished "
+                                    f"request's routing is written to, and it cannot be "
+                                    f"made or written ({exc.strerror or exc})") from None
+    if store is not None and store.exists() and not store.is_dir():
+        raise PluginConfigError(f"STMOE_VLLM store={store}: a file; store= names the store's "
+                                "folder (made on first use)")
+    tables = config.options.tables
+    if tables is not None and not Path(tables).is_file():
+        raise PluginConfigError(f"STMOE_VLLM tables={tables}: no such file (tables "
+                                "`stmoe profile` wrote)")
+    if config.routing is not None and not config.routing.is_file():
+        raise PluginConfigError(f"STMOE_VLLM routing={config.routing}: no such trace file")
+
+
 def _check(options: OffloadOptions) -> None:
     """The options stmoe.offload checks, and what differs inside vLLM, refused in a line."""
     if options.tier not in TIERS:
@@ -166,4 +205,14 @@ def _check(options: OffloadOptions) -> None:
     try:
         options.check()
     except StmoeError as exc:
-        raise PluginConfigError(f"STMOE_VLLM: {exc}") from None
+        raise PluginConfigError(in_keys(f"STMOE_VLLM: {exc}")) from None
+
+
+def in_keys(message: str) -> str:
+    """A runtime message in STMOE_VLLM's words: its CLI options (``--group-size``) named as
+    the keys that set them here (``group_size``)."""
+    def key(m: re.Match[str]) -> str:
+        name = m[1].replace("-", "_")
+        return name if name in KEYS else m[0]
+
+    return re.sub(r"--([a-z][a-z-]*)", key, message)

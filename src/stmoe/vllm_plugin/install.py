@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from stmoe.errors import StmoeError
 from stmoe.predictors.base import ModelShape
 from stmoe.runtime.memory import rss_bytes
 from stmoe.runtime.options import resolve_capacities, resolve_predictor, top_k_of
@@ -26,7 +27,13 @@ from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.store.reading import open_tier
 from stmoe.runtime.warm_up import warm_kernels
 from stmoe.vllm_plugin.capture import Capture
-from stmoe.vllm_plugin.config import PluginConfig, PluginConfigError, parse
+from stmoe.vllm_plugin.config import (
+    PluginConfig,
+    PluginConfigError,
+    check_paths,
+    in_keys,
+    parse,
+)
 from stmoe.vllm_plugin.engine import VllmEngine
 from stmoe.vllm_plugin.forced import ForcedRouting
 from stmoe.vllm_plugin.in_place import open_or_index, slot_layouts
@@ -43,6 +50,7 @@ SUPPORTED = (0, 30)  # the vLLM (major, minor) the plugin is tested with, bit fo
 def install(text: str) -> None:
     """Check ``STMOE_VLLM``'s value and this vLLM, then hook model loading (idempotent)."""
     config = parse(text)
+    check_paths(config)
     import vllm
     from vllm.platforms import current_platform
 
@@ -65,8 +73,17 @@ def install(text: str) -> None:
     load, shutdown = CPUModelRunner.load_model, CPUWorker.shutdown
 
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
+        config: PluginConfig = CPUModelRunner._stmoe_config
+        check_eager(self.model_config)  # before the weights load: at once
         load(self, *args, **kwargs)
-        self._stmoe_steps = attach(self, CPUModelRunner._stmoe_config)
+        try:
+            self._stmoe_steps = attach(self, config)
+        except PluginConfigError:
+            raise
+        except StmoeError as exc:  # the runtime's refusal, in STMOE_VLLM's words
+            message = in_keys(f"stmoe: STMOE_VLLM={config.text!r} refused: {exc}")
+            log.error("%s", message)  # (one line to find in vLLM's log of the traceback)
+            raise PluginConfigError(message) from exc
 
     def shutdown_worker(self: Any) -> None:  # the requests still held: their routing written
         steps = getattr(getattr(self, "model_runner", None), "_stmoe_steps", None)
@@ -77,6 +94,17 @@ def install(text: str) -> None:
     CPUModelRunner.load_model = load_model  # type: ignore[method-assign]
     CPUWorker.shutdown = shutdown_worker  # type: ignore[method-assign]
     CPUModelRunner._stmoe_config = config  # type: ignore[attr-defined]
+
+
+def check_eager(model_config: Any) -> None:
+    """Refuse vLLM's compiled mode (its default): torch.compile traces the model's forward,
+    and stmoe's expert calls wait on loads chosen by the router's ids at run time, which it
+    cannot trace (it failed deep in Dynamo, 'Could not guard on data-dependent
+    expression')."""
+    if not getattr(model_config, "enforce_eager", False):
+        raise PluginConfigError("stmoe: STMOE_VLLM runs in vLLM's eager mode only: add "
+                                "--enforce-eager (LLM(..., enforce_eager=True)); vLLM's "
+                                "compiled mode cannot trace loads chosen by the router")
 
 
 def attach(runner: Any, config: PluginConfig) -> Steps:

@@ -177,7 +177,8 @@ def _check_scales(module: torch.nn.Module, scales: tuple[tuple[str, str, str], .
 
 
 def _router(model: torch.nn.Module, name: str, module: torch.nn.Module) -> torch.Tensor | None:
-    """The router weight [N, H] beside the layer: a ``gate`` child of an enclosing block."""
+    """The router weight [N, H] beside the layer: a ``gate`` child of an enclosing block (its
+    weight, or where vLLM's CPU linear dispatch packed it away, read back: ``_unpacked``)."""
     n = module.global_num_experts
     parts = name.split(".")
     for cut in range(len(parts) - 1, 0, -1):
@@ -186,4 +187,19 @@ def _router(model: torch.nn.Module, name: str, module: torch.nn.Module) -> torch
         w = getattr(gate, "weight", None)
         if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == n:
             return w
+        if (gate is not None and getattr(gate, "output_size", None) == n
+                and callable(getattr(gate, "cpu_linear", None))):
+            return _unpacked(gate)
     return None
+
+
+def _unpacked(gate: torch.nn.Module) -> torch.Tensor:
+    """A gate's weight [N, H] that vLLM's CPU dispatch (``dispatch_cpu_unquantized_gemm``)
+    packed for its own kernel, leaving ``weight`` empty: read back through that kernel as
+    its product with the identity (each output one weight times 1, plus zeros: exact). The
+    gate lookahead (``hybrid``) needs it; before, hybrid could not start."""
+    dtype = getattr(gate, "params_dtype", None)  # (vLLM's linears: the model's dtype)
+    eye = torch.eye(int(gate.input_size),
+                    dtype=dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype())
+    with torch.no_grad():
+        return gate.cpu_linear(eye, gate.weight, None).T.contiguous()

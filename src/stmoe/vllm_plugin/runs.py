@@ -37,12 +37,12 @@ SHUTDOWN_S = 3.0
 
 
 def make_llm(model: str, dtype: str, *, max_model_len: int = 512, prefix_caching: bool = True,
-             routed: bool = False) -> Any:
+             routed: bool = False, eager: bool = True) -> Any:
     """A ``vllm.LLM`` as the plugin's tests and benchmark run it (CPU, eager, seed 0); it
     reads STMOE_VLLM as its engine starts."""
     from vllm import LLM
 
-    return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+    return LLM(model=model, dtype=dtype, enforce_eager=eager, max_model_len=max_model_len,
                seed=0, gpu_memory_utilization=0.1, enable_prefix_caching=prefix_caching,
                enable_return_routed_experts=routed)
 
@@ -59,7 +59,7 @@ def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
                    entry.get("dtype", spec.get("dtype", "float32")),
                    max_model_len=spec.get("max_model_len", 512),
                    prefix_caching=bool(spec.get("prefix_caching", True)),
-                   routed=bool(entry.get("routed")))
+                   routed=bool(entry.get("routed")), eager=bool(spec.get("eager", True)))
     try:
         params = SamplingParams(temperature=0, max_tokens=entry["max_tokens"], ignore_eos=True)
         prompts = spec["prompts"]
