@@ -321,3 +321,15 @@ def test_what_make_demo_writes_is_ignored_by_git():
                  f"{SCRATCH}/tiny.npz", f"{SCRATCH}/qwen36-l8/model.safetensors"):
         proc = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
         assert proc.returncode == 0, f"{path} is not ignored by .gitignore"
+
+
+def test_every_journal_entry_is_in_the_journals_index():
+    """docs/journal/README.md lists every entry, newest first (four of one day's were left
+    out once, so the index hid them)."""
+    folder = REPO / "docs" / "journal"
+    index = (folder / "README.md").read_text()
+    entries = sorted(p.name for p in folder.glob("*.md") if p.name != "README.md")
+    assert [e for e in entries if f"]({e})" not in index] == []
+    listed = re.findall(r"^- (\d{4}-\d{2}-\d{2}): \[.*\]\((\S+\.md)\)", index, re.M)
+    assert [date for date, _ in listed] == sorted((d for d, _ in listed), reverse=True)
+    assert all(name.startswith(date) for date, name in listed)
