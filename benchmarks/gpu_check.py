@@ -23,9 +23,11 @@ so a run cut short still leaves what it measured. Stages:
 4. ``decode_table``: a Qwen3.6-35B-A3B-shaped checkpoint made there (``stmoe make-model``,
    RANDOM weights, 4 MoE layers: 6 GiB of experts) replaying recorded routing held out from
    the predictors' tables: the GPU-resident model, then on-demand, lru-only, stmoe,
-   stmoe-plus and the oracle at 25% and 50% of the experts in HBM, from pinned memory
-   (``--tier gpu``) and from disk (``--tier gpu-disk``): decode tokens/s, hit rate, PCIe
-   bytes, stall share (host and device), achieved copy bandwidth, tokens identical;
+   stmoe-plus, the oracle and stmoe-plus-score at 25% and 50% of the experts in HBM, from
+   pinned memory (``--tier gpu``) and from disk (``--tier gpu-disk``), and at 50% from
+   pinned memory stmoe-plus-split (each layer's cache its own size, the same total, sized
+   from the profiled tokens alone): decode tokens/s, hit rate, PCIe bytes, stall share (host
+   and device), achieved copy bandwidth, the caches it ran with, tokens identical;
 5. ``accelerate_offload``: accelerate's ``device_map`` with half the layers' experts in host
    memory (the same HBM budget as 50%), the same routing forced;
 6. ``calibrate_simulator``: ``stmoe calibrate --tier gpu`` on that checkpoint, and the

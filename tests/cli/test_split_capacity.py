@@ -51,7 +51,7 @@ def test_one_sequence_is_split_by_its_own_held_out_tail(cli, tmp_path):
     res = cli("split-capacity", path)
     assert res.exit_code == 0, res.output
     assert res.stdout.strip() == ",".join(map(str, size_split(one, 4).capacities))
-    assert "its one sequence's tail" in res.stderr
+    assert "its one sequence's decode tail" in res.stderr
     stmoe.save_trace(stmoe.synthesize(tokens=3, layers=2, experts=8, top_k=2, sequences=1),
                      path)
     one_line_error(cli("split-capacity", path), "too short to replay its decode tail")

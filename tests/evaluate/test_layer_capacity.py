@@ -119,3 +119,18 @@ def test_one_sequence_is_cut_by_tokens_its_tail_replayed_with_tables_of_its_head
                                               sequences=1, seed=4), [0])
     with pytest.raises(PredictorError, match="too short to replay its decode tail"):
         cross_fitted_hits(short, "stmoe-plus", "lru", grid)
+    prompt_only = stmoe.synthesize(tokens=40, layers=3, experts=16, top_k=2, sequences=1,
+                                   prefill_fraction=1.0, seed=4)
+    with pytest.raises(PredictorError, match="all of them prompt"):
+        cross_fitted_hits(prompt_only, "stmoe-plus", "lru", grid)
+    # a prompt past 60% of the tokens: the tail starts at its first generated token
+    late = stmoe.synthesize(tokens=40, layers=3, experts=16, top_k=2, sequences=1,
+                            prefill_fraction=0.8, seed=4)
+    first = int(np.flatnonzero(np.asarray(late.is_decode))[0])
+    assert first > 24
+    _, tail = held_out_tail(late, first, 8)
+    plan = make("stmoe-plus", ModelShape.of(late), profile([held_out_tail(late, first, 8)[0]]),
+                set_size=3).plan(tail)
+    want, _ = layer_hits(tail, plan, grid, "lru", np.asarray(tail.is_decode))
+    got, _, _ = cross_fitted_hits(late, "stmoe-plus", "lru", grid, options={"set_size": 3})
+    assert np.array_equal(got, want)

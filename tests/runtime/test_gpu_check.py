@@ -69,9 +69,12 @@ def test_the_dry_run_runs_end_to_end_and_writes_valid_json(tmp_path, capsys, mon
     # its caches add up to 50% of the tiny model's 16 experts a layer, one per layer
     split = table["split"]["capacities"]
     assert len(split) == 2 and sum(split) == 16 and table["split"]["system"] == "stmoe-plus-split"
+    assert split != [8, 8]  # (the dry run's is not the one size: the test can tell)
     split_run = next(r for r in runs if r["system"] == "stmoe-plus-split")
-    assert split_run["cache_bytes"] == next(r for r in runs if r["system"] == "stmoe-plus" and (
-        r["tier"], r["capacity"]) == ("gpu", "50%"))["cache_bytes"]
+    plus = next(r for r in runs if r["system"] == "stmoe-plus" and (
+        r["tier"], r["capacity"]) == ("gpu", "50%"))
+    assert split_run["experts_cached"] == split and plus["experts_cached"] == 8
+    assert split_run["cache_bytes"] == plus["cache_bytes"]
     assert table["resident"]["repeats_its_tokens"] and "HELD-OUT" in table["routing"]
     assert table["pinned_store_locked"] == "registered in place"  # (host_lock's fallback not)
     for r in runs:  # the device's figures of every run (the stand-in's here)
@@ -346,6 +349,30 @@ def test_a_store_that_cannot_be_pinned_loses_the_gpu_runs_not_the_table(tmp_path
     disk = [r for r in table["runs"] if r["tier"] == "gpu-disk"]
     assert gpu and all("out of memory" in r["error"] for r in gpu)
     assert disk and all(r["identical"] is True and r["decode_tok_s"] > 0 for r in disk)
+
+
+def test_a_split_that_cannot_be_sized_loses_its_run_not_the_table(tmp_path, monkeypatch):
+    """stmoe-plus-split's caches are sized in the setup every stage shares: a refusal there
+    (a head with too few decode tokens, say) is recorded, its run and simulated row left out,
+    and every other run goes on."""
+    from stmoe.evaluate import layer_capacity
+    from stmoe.predictors.base import PredictorError
+    from stmoe.runtime.gpu_check.baselines import calibrate_simulator
+    from stmoe.runtime.gpu_check.decode import SYSTEMS, decode_table
+
+    def refused(*args, **kwargs):
+        raise PredictorError("too short to replay its decode tail")
+
+    monkeypatch.setattr(layer_capacity, "size_split", refused)
+    doc = run_stages(tmp_path / "check.json", dry_run=True,
+                     stages={"decode_table": decode_table,
+                             "calibrate_simulator": calibrate_simulator})
+    table = doc["stages"]["decode_table"]
+    assert table["status"] == "ok" and "too short" in table["split"]["error"]
+    assert {r["system"] for r in table["runs"]} == set(SYSTEMS)
+    assert all(r["identical"] is True for r in table["runs"])
+    sim = doc["stages"]["calibrate_simulator"]
+    assert sim["status"] == "ok" and [r["system"] for r in sim["systems"]] == list(SYSTEMS)
 
 
 def test_the_gpu_disk_runs_leave_time_to_the_stages_after_the_table(tmp_path, monkeypatch):

@@ -299,6 +299,7 @@ def test_each_layers_capacity_on_the_host_is_the_replays_and_one_for_all_is_alik
     assert len(split) == trace.num_layers
     plan = make("ondemand", stmoe.predictors.ModelShape.of(trace)).plan(trace)
     rates = {}
+    one_lru = simulate_runtime(trace, MODEL, hw, ["lru-only"], HostOptions(capacity=8))
     for caps in (split, 8, 12):
         got = simulate_runtime(trace, MODEL, hw, ["lru-only"], HostOptions(capacity=caps))
         want = replay_cache(trace, plan, caps, "lru", count_mask=np.asarray(trace.is_decode))
@@ -315,6 +316,12 @@ def test_each_layers_capacity_on_the_host_is_the_replays_and_one_for_all_is_alik
     with pytest.raises(stmoe.sim.specs.SpecError,
                        match=r"capacity of layer 1 1 .*expected 2 to 16"):
         simulate_runtime(trace, MODEL, hw, ["lru-only"], HostOptions(capacity=(8, 1, 8, 8)))
+    # a string (even of a count) is refused, not read as one count per character
+    for bad in ("16", "50%", 8.0):
+        with pytest.raises(stmoe.sim.specs.SpecError, match="takes a count of experts"):
+            simulate_runtime(trace, MODEL, hw, ["lru-only"], HostOptions(capacity=bad))
+    assert simulate_runtime(trace, MODEL, hw, ["lru-only"], HostOptions(
+        capacity=np.int64(8)))["systems"] == one_lru["systems"]
 
 
 def test_a_shared_device_splits_its_speed_and_a_link_serialises():

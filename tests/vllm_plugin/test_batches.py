@@ -169,3 +169,19 @@ def test_a_gate_packed_away_by_vllms_cpu_dispatch_is_read_back_exactly():
     assert got is not None and torch.equal(got, w)
     block.gate = torch.nn.Linear(24, 16, bias=False)  # a plain weight: itself
     assert _router(model, "mlp.experts", block.experts) is block.gate.weight
+
+
+def test_eager_is_enforce_eager_or_compilation_off():
+    """The compiled mode is refused; eager is ``enforce_eager`` or compilation mode NONE
+    (``-cc.mode=none``, or vLLM's CPU platform with LoRA), which compiles nothing either."""
+    from stmoe.vllm_plugin.install import check_eager
+
+    def runner(eager: bool, mode: int) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
+                               vllm_config=SimpleNamespace(
+                                   compilation_config=SimpleNamespace(mode=mode)))
+
+    check_eager(runner(True, 2))
+    check_eager(runner(False, 0))
+    with pytest.raises(PluginConfigError, match="eager mode only: add --enforce-eager"):
+        check_eager(runner(False, 2))

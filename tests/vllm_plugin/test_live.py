@@ -35,7 +35,9 @@ PLUGIN = [("top-k, stmoe-plus", "capacity=4,predictor=stmoe-plus"),
           ("4 to 8 per layer, lru-only, no workers",
            "capacity=4/5/6/8/7/6/5/4,predictor=ondemand,workers=0"),
           ("100%, lru-only", "capacity=100%,predictor=ondemand"),
-          ("top-k, stmoe-plus, streamed", "capacity=4,predictor=stmoe-plus,experts=stream"),
+          # (stmoe-plus's score eviction of several requests' union too)
+          ("top-k, stmoe-plus, streamed, score eviction",
+           "capacity=4,predictor=stmoe-plus,experts=stream,policy=score"),
           ("6, stmoe, in place", "capacity=6,predictor=stmoe,experts=in-place"),
           # the batch's union scores each layer's victims (predict_batch_scored, several slots);
           # hybrid's gate lookahead reads each gate's weight back from vLLM's packed kernel
@@ -80,6 +82,7 @@ def test_greedy_tokens_equal_plain_vllm_at_every_capacity_and_concurrency(driven
     assert any("4 of 16 experts cached per layer" in x for x in lines)
     assert any("4,5,6,8,7,6,5,4 of 16 experts cached per layer" in x for x in lines)
     assert any("predictor hybrid, policy score" in x for x in lines)
+    assert any("predictor stmoe-plus, policy score" in x for x in lines)
 
 
 def test_in_bfloat16_too(driven):

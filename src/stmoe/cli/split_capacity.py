@@ -47,7 +47,8 @@ def split_capacity_cmd(
 
     The curves of each layer's hits against its cache size come from the traces'
     sequences, each replayed with tables profiled on the others (held out; a trace of one
-    sequence: its decode tail from 60% of its tokens on, with tables of the rest); the split
+    sequence: its decode tail from 60% of its tokens on, or from its first generated token if
+    later, with tables of the tokens before); the split
     spends the total where they rise most per slot. Prints the counts, one per MoE layer,
     for `--capacity` of `stmoe generate` and `stmoe serve` (or
     `stmoe.offload(capacity=...)`); the hit rates on stderr are those of the curves the
@@ -80,5 +81,6 @@ def split_capacity_cmd(
 
 def _parts(folds: int, sequences: int) -> str:
     if sequences == 1:
-        return "its one sequence's tail (its last 40% of tokens) replayed with tables of the rest"
+        return ("its one sequence's decode tail (from 60% of its tokens, or its first generated "
+                "one if later) replayed with tables of the tokens before")
     return f"{folds} held-out parts of {sequences} sequences"

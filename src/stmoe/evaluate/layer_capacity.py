@@ -154,9 +154,14 @@ def _parts(trace: RoutingTrace, part: int, parts: int) -> tuple[RoutingTrace, Ro
     decode = np.flatnonzero(np.asarray(trace.is_decode))
     at = max(round(ONE_SEQUENCE_AT * trace.num_tokens), int(decode[0]) if len(decode) else 0)
     prompt = min(TAIL_PROMPT, at - 1)
-    if not len(decode) or prompt < 1 or trace.num_tokens - at < 2:
+    if not len(decode):
+        raise PredictorError(f"sizing a split from one sequence of {trace.num_tokens} tokens, "
+                             "all of them prompt: the split is judged on generated tokens, "
+                             "replayed with tables of the tokens before them (a trace with "
+                             "generated tokens, or more sequences)")
+    if prompt < 1 or trace.num_tokens - at < 2:
         raise PredictorError(f"sizing a split from one sequence ({trace.num_tokens} tokens, "
-                             f"{len(decode)} of them decoded): too short to replay its decode "
+                             f"{len(decode)} of them generated): too short to replay its decode "
                              "tail with tables of the rest (a longer one, or more sequences)")
     head, tail = held_out_tail(trace, at, prompt)
     return tail, head

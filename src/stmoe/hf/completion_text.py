@@ -4,8 +4,10 @@ Decoded alone, a completion loses what its first token owes to the text before i
 sentencepiece tokenizer (Llama's, Mixtral's, Gemma's) drops the leading space of the first
 word it decodes, so the prompt "Say" and the completion "▁hello" read "Sayhello". So the
 completion is decoded after the prompt's last few tokens and that context's own text is cut
-off, as vLLM's detokenizer does (it primes its decoder with 4 to 24 of the prompt's tokens,
-the fewest whose text holds no incomplete character). Where the context's text does not
+off: the text it adds to the prompt's, as vLLM's detokenizer gives it (vLLM 0.30 primes its
+incremental decoder with the whole prompt; earlier releases with 4 to 24 of its last tokens,
+the fewest whose text holds no incomplete character, which is what is taken here: a few
+tokens settle how the first one reads, and the cost stays small). Where the context's text does not
 begin the whole (a character split between prompt and completion), the completion is
 decoded alone, as before.
 
@@ -18,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-# vLLM's bounds on the prompt tokens decoded before a completion
-# (vllm/v1/engine/detokenizer.py: FastIncrementalDetokenizer)
+# the prompt tokens decoded before a completion (the bounds earlier vLLM releases took)
 CONTEXT_MIN, CONTEXT_MAX = 4, 24
 REPLACEMENT = "\ufffd"  # what a decoder gives for bytes of an incomplete character
 

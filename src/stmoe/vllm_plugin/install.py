@@ -74,7 +74,7 @@ def install(text: str) -> None:
 
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
         config: PluginConfig = CPUModelRunner._stmoe_config
-        check_eager(self.model_config)  # before the weights load: at once
+        check_eager(self)  # before the weights load: at once
         load(self, *args, **kwargs)
         try:
             self._stmoe_steps = attach(self, config)
@@ -96,15 +96,19 @@ def install(text: str) -> None:
     CPUModelRunner._stmoe_config = config  # type: ignore[attr-defined]
 
 
-def check_eager(model_config: Any) -> None:
+def check_eager(runner: Any) -> None:
     """Refuse vLLM's compiled mode (its default): torch.compile traces the model's forward,
     and stmoe's expert calls wait on loads chosen by the router's ids at run time, which it
     cannot trace (it failed deep in Dynamo, 'Could not guard on data-dependent
-    expression')."""
-    if not getattr(model_config, "enforce_eager", False):
-        raise PluginConfigError("stmoe: STMOE_VLLM runs in vLLM's eager mode only: add "
-                                "--enforce-eager (LLM(..., enforce_eager=True)); vLLM's "
-                                "compiled mode cannot trace loads chosen by the router")
+    expression'). Eager is ``enforce_eager``, or compilation off (``-cc.mode=none``; vLLM's
+    CPU platform turns it off itself with LoRA)."""
+    eager = getattr(runner.model_config, "enforce_eager", False)
+    compilation = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
+    if eager or int(getattr(compilation, "mode", -1)) == 0:  # CompilationMode.NONE
+        return
+    raise PluginConfigError("stmoe: STMOE_VLLM runs in vLLM's eager mode only: add "
+                            "--enforce-eager (LLM(..., enforce_eager=True)); vLLM's "
+                            "compiled mode cannot trace loads chosen by the router")
 
 
 def attach(runner: Any, config: PluginConfig) -> Steps:

@@ -45,9 +45,11 @@ def decode_table(c: Check) -> dict[str, Any]:
     s = setup(c)
     rec: dict[str, Any] = {"model": f"{s.like}, {s.layers} MoE layers, RANDOM weights",
                            "routing": s.source, "new_tokens": s.steps,
-                           "split": {"system": SPLIT, "capacities": list(s.split),
-                                     "at": list(SPLIT_AT), "sized_from": "the profiled tokens "
-                                     "alone (their tail replayed with tables of their start)"}}
+                           "split": {"system": SPLIT, "at": list(SPLIT_AT),
+                                     "sized_from": "the profiled tokens alone (their tail "
+                                     "replayed with tables of their start)",
+                                     **({"capacities": list(s.split)} if s.split is not None
+                                        else {"error": s.split_error})}}
     resident = resident_run(c, s)
     rec["resident"] = resident
     c.shared["want"] = resident["tokens"]
@@ -57,7 +59,8 @@ def decode_table(c: Check) -> dict[str, Any]:
     with device_context(c), pinned_store(s, rec):
         for tier in TIERS:
             for capacity in CAPACITIES:
-                for system in (*SYSTEMS, SPLIT) if (tier, capacity) == SPLIT_AT else SYSTEMS:
+                split = (tier, capacity) == SPLIT_AT and s.split is not None
+                for system in (*SYSTEMS, SPLIT) if split else SYSTEMS:
                     keep = DISK_KEEPS_S if tier == "gpu-disk" else 0.0
                     if c.out_of_time(keep):
                         why = f" less the {keep:.0f} s kept for the stages after" if keep else ""
@@ -107,7 +110,8 @@ def offloaded_run(c: Check, s: Setup, system: str, capacity: str, tier: str) -> 
             "copy_busy_s": round(float(dev.get("copy_busy_s", 0.0)), 4),
             "decode_s": round(r.decode_s, 4), "offload_s": round(offload_s, 2),
             "warm_up_s": round(warm_s, 2), "direct_io": om.config.get("direct_io"),
-            "cache_bytes": om.config["cache_bytes"]}
+            # the caches it ran with: one count, or each layer's (stmoe-plus-split's)
+            "cache_bytes": om.config["cache_bytes"], "experts_cached": om.config["capacity"]}
 
 
 def resident_run(c: Check, s: Setup) -> dict[str, Any]:

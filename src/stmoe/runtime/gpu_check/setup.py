@@ -55,8 +55,10 @@ class Setup:
     steps: int  # new tokens per replay
     # each layer's cache at SPLIT_SHARE for stmoe-plus, sized from the profiled head alone
     # (its own tail replayed with tables of its start: ``layer_capacity.size_split``), so
-    # the replayed routing stays held out
-    split: tuple[int, ...]
+    # the replayed routing stays held out; None where it could not be sized (``split_error``
+    # says why): only stmoe-plus-split's run is lost, not the table
+    split: tuple[int, ...] | None
+    split_error: str = ""
 
 
 def prepare_routing(shared: Path, out: Path) -> Path:
@@ -105,9 +107,13 @@ def _make(c: Check) -> Setup:
 
     vocab = AutoConfig.from_pretrained(model_dir, local_files_only=True).vocab_size
     plan = plan_routing(tail, 0, layers, spec.num_experts, spec.top_k, vocab, routing)
-    split = size_split(head, round(SPLIT_SHARE * spec.num_experts)).capacities
+    split, split_error = None, ""
+    try:
+        split = size_split(head, round(SPLIT_SHARE * spec.num_experts)).capacities
+    except Exception as exc:  # (a head with too few decode tokens, say): that run's loss
+        split_error = f"{type(exc).__name__}: {exc}"
     return Setup(like, layers, model_dir, store, tables, routing, plan, label,
-                 min(c.tokens, plan.new_tokens), split)
+                 min(c.tokens, plan.new_tokens), split, split_error)
 
 
 def held_out(c: Check, layers: int) -> tuple[RoutingTrace, RoutingTrace, str]:

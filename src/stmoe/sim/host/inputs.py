@@ -47,10 +47,3 @@ class HostRun:
     horizon: int = 1  # layers ahead the predictor's sets are for (admission's budget)
     # [T*L, N] the scores each set was ranked from (``Predictor.scored_plan``): policy score
     scores: np.ndarray | None = None
-
-    def capacities(self) -> tuple[int, ...]:
-        """Each layer's cache size (the runtime's ``capacities``; not checked here)."""
-        layers = int(self.experts.shape[1])
-        if isinstance(self.capacity, int):
-            return (self.capacity,) * layers
-        return tuple(int(c) for c in self.capacity)

@@ -84,7 +84,7 @@ class _Sim:
         # per layer, the scores of its latest prediction (policy score; none yet: as LRU)
         self.score = [cp.NO_SCORES] * n_layers
         self.tier = Tier(costs)
-        self.caps = run.capacities()  # each layer's (checked by simulate_host)
+        self.caps = host_capacities(run.capacity, num_experts, run.experts.shape[2], n_layers)
         # admission as the runtime's: sized by the largest layer's cache
         self.adm = (Admission(n_layers, max(self.caps), run.horizon, serial=costs.fifo,
                               free_waste=costs.free_waste)
@@ -309,11 +309,27 @@ class _Sim:
         self._dispatch(self.t)
 
 
+def host_capacities(capacity: object, num_experts: int, top_k: int,
+                    num_layers: int) -> tuple[int, ...]:
+    """Each layer's cache from a run's ``capacity``: one count for every layer, or one count
+    per layer, each checked (``layer_capacities``: top-k to N, as many as the layers); any
+    other form (a share, a string) refused, never read as something else."""
+    if isinstance(capacity, (int, np.integer)) and not isinstance(capacity, bool):
+        counts: list[int] = [int(capacity)] * num_layers
+    elif isinstance(capacity, (tuple, list)) and all(
+            isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in capacity):
+        counts = [int(c) for c in capacity]
+    else:
+        raise SpecError(f"capacity {capacity!r}: the host pipeline takes a count of experts "
+                        "per layer, or one count per MoE layer")
+    caps = layer_capacities(counts, num_experts, top_k, num_layers=num_layers, error=SpecError)
+    assert caps is not None  # (counts: never a byte budget)
+    return caps
+
+
 def simulate_host(run: HostRun, costs: HostCosts, num_experts: int) -> dict[str, float]:
     """Decode time and counters of ``run`` on a host with ``costs`` (module docstring)."""
-    layer_capacities(run.capacity, num_experts, run.experts.shape[2],
-                     num_layers=run.experts.shape[1], error=SpecError)
-    sim = _Sim(run, costs, num_experts)
+    sim = _Sim(run, costs, num_experts)  # (its capacities checked: host_capacities)
     n_layers = run.experts.shape[1]
     decode = run.experts.shape[0] - run.prefill
     for layer in range(n_layers):  # the prompt, in one forward call

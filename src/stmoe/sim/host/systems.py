@@ -24,11 +24,10 @@ import numpy as np
 from stmoe.admission import link_of
 from stmoe.evaluate.systems import OFFLOAD_SYSTEMS, compared_predictor
 from stmoe.predictors import REGISTRY, ModelShape, ProfiledTables, make
-from stmoe.sim.host.pipeline import HostCosts, HostRun, simulate_host
+from stmoe.sim.host.pipeline import HostCosts, HostRun, host_capacities, simulate_host
 from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import select_sequences
-from stmoe.util.units import layer_capacities
 
 # the runtime's compared systems but hybrid (its gate lookahead reads the model's routers)
 RUNTIME_SYSTEMS = {k: v for k, v in OFFLOAD_SYSTEMS.items() if k != "hybrid"}
@@ -179,8 +178,7 @@ def simulate_runtime(trace: RoutingTrace, model: ModelSpec, hw: HardwareSpec,
         raise SpecError("the runtime pipeline's predictors need tables (--tables)")
     if options.tables is not None:
         options.tables.check_trace(seq)
-    layer_capacities(options.capacity, model.num_experts, model.top_k,
-                     num_layers=seq.num_layers, error=SpecError)
+    caps = host_capacities(options.capacity, model.num_experts, model.top_k, seq.num_layers)
     costs = host_costs(model, hw)
     return {
         "pipeline": "runtime", "model": model.name, "hardware": hw.name,
@@ -188,8 +186,8 @@ def simulate_runtime(trace: RoutingTrace, model: ModelSpec, hw: HardwareSpec,
                   "sequence": options.sequence, "prompt_tokens": prefill,
                   "decode_tokens": seq.num_tokens - prefill},
         # one count, or each layer's (as the runtime's config)
-        "capacity": (options.capacity if isinstance(options.capacity, int)
-                     else list(options.capacity)),
+        "capacity": caps[0] if len(set(caps)) == 1 and not isinstance(
+            options.capacity, (tuple, list)) else list(caps),
         "costs": dataclasses.asdict(costs),
         "systems": {s: run_host_system(s, seq, prefill, model, hw, options) for s in systems},
     }
