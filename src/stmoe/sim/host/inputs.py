@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stmoe.sim.specs import SpecError
+from stmoe.util.units import layer_capacities
+
 
 @dataclass(frozen=True)
 class HostCosts:
@@ -47,3 +50,21 @@ class HostRun:
     horizon: int = 1  # layers ahead the predictor's sets are for (admission's budget)
     # [T*L, N] the scores each set was ranked from (``Predictor.scored_plan``): policy score
     scores: np.ndarray | None = None
+
+
+def host_capacities(capacity: object, num_experts: int, top_k: int,
+                    num_layers: int) -> tuple[int, ...]:
+    """Each layer's cache from a run's ``capacity``: one count for every layer, or one count
+    per layer, each checked (``layer_capacities``: top-k to N, as many as the layers); any
+    other form (a share, a string) refused, never read as something else."""
+    if isinstance(capacity, (int, np.integer)) and not isinstance(capacity, bool):
+        counts: list[int] = [int(capacity)] * num_layers
+    elif isinstance(capacity, (tuple, list)) and all(
+            isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in capacity):
+        counts = [int(c) for c in capacity]
+    else:
+        raise SpecError(f"capacity {capacity!r}: the host pipeline takes a count of experts "
+                        "per layer, or one count per MoE layer")
+    caps = layer_capacities(counts, num_experts, top_k, num_layers=num_layers, error=SpecError)
+    assert caps is not None  # (counts: never a byte budget)
+    return caps

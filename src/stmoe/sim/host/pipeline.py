@@ -57,10 +57,9 @@ import numpy as np
 
 from stmoe import cache_policy as cp
 from stmoe.admission import Admission
-from stmoe.sim.host.inputs import HostCosts, HostRun
+from stmoe.sim.host.inputs import HostCosts, HostRun, host_capacities
 from stmoe.sim.host.tier import Tier
 from stmoe.sim.specs import SpecError
-from stmoe.util.units import layer_capacities
 
 _NO_FUTURE = np.zeros(0, dtype=np.int64)
 ABSENT, LOADING, READY = 0, 1, 2
@@ -307,24 +306,6 @@ class _Sim:
         for rank, e in enumerate(loads):
             heapq.heappush(self.queue, (fwd, layer, rank, e))
         self._dispatch(self.t)
-
-
-def host_capacities(capacity: object, num_experts: int, top_k: int,
-                    num_layers: int) -> tuple[int, ...]:
-    """Each layer's cache from a run's ``capacity``: one count for every layer, or one count
-    per layer, each checked (``layer_capacities``: top-k to N, as many as the layers); any
-    other form (a share, a string) refused, never read as something else."""
-    if isinstance(capacity, (int, np.integer)) and not isinstance(capacity, bool):
-        counts: list[int] = [int(capacity)] * num_layers
-    elif isinstance(capacity, (tuple, list)) and all(
-            isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in capacity):
-        counts = [int(c) for c in capacity]
-    else:
-        raise SpecError(f"capacity {capacity!r}: the host pipeline takes a count of experts "
-                        "per layer, or one count per MoE layer")
-    caps = layer_capacities(counts, num_experts, top_k, num_layers=num_layers, error=SpecError)
-    assert caps is not None  # (counts: never a byte budget)
-    return caps
 
 
 def simulate_host(run: HostRun, costs: HostCosts, num_experts: int) -> dict[str, float]:

@@ -24,7 +24,8 @@ import numpy as np
 from stmoe.admission import link_of
 from stmoe.evaluate.systems import OFFLOAD_SYSTEMS, compared_predictor
 from stmoe.predictors import REGISTRY, ModelShape, ProfiledTables, make
-from stmoe.sim.host.pipeline import HostCosts, HostRun, host_capacities, simulate_host
+from stmoe.sim.host.inputs import host_capacities
+from stmoe.sim.host.pipeline import HostCosts, HostRun, simulate_host
 from stmoe.sim.specs import HardwareSpec, ModelSpec, SpecError
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.select import select_sequences
