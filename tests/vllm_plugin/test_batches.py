@@ -173,7 +173,10 @@ def test_a_gate_packed_away_by_vllms_cpu_dispatch_is_read_back_exactly():
 
 def test_eager_is_enforce_eager_or_compilation_off():
     """The compiled mode is refused; eager is ``enforce_eager`` or compilation mode NONE
-    (``-cc.mode=none``, or vLLM's CPU platform with LoRA), which compiles nothing either."""
+    (``-cc.mode=none``, or vLLM's CPU platform with LoRA), which compiles nothing either.
+    (``install``'s ``load_model`` asks this before vLLM loads the weights. A live run without
+    --enforce-eager was refused so, in one line, on 2026-12-07 (journal 2026-12-07-vllm-review);
+    it is not in the suite, whose vLLM engines are most of CI's time.)"""
     from stmoe.vllm_plugin.install import check_eager
 
     def runner(eager: bool, mode: int) -> SimpleNamespace:

@@ -181,18 +181,6 @@ def test_a_bad_setting_stops_vllm_with_one_line_naming_it(tmp_path):
     assert "STMOE_VLLM item 2: unknown key 'speed'; the keys are capacity" in p.stderr
 
 
-def test_vllms_compiled_mode_is_refused_before_the_weights_load(tmp_path):
-    """vLLM's default (no --enforce-eager) compiles the forward with torch.compile, which
-    failed deep in Dynamo on stmoe's loads (chosen by the router at run time)."""
-    p = start(tmp_path, {"model": str(SHIPPED_MODEL), "prompts": PROMPTS[:1], "eager": False,
-                         "runs": [{"name": "compiled", "stmoe": "capacity=4",
-                                   "max_tokens": 2, "batches": [[0]]}]})
-    assert p.returncode != 0
-    said = p.stdout + p.stderr  # (the worker's error is in vLLM's log)
-    assert "stmoe: STMOE_VLLM runs in vLLM's eager mode only: add --enforce-eager" in said
-    assert "guard on data-dependent" not in said
-
-
 def test_another_vllm_version_is_refused(monkeypatch):
     import vllm
 
