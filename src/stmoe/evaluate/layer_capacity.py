@@ -152,13 +152,13 @@ def _parts(trace: RoutingTrace, part: int, parts: int) -> tuple[RoutingTrace, Ro
         return (select_sequences(trace, [i for i in range(n) if i % parts == part]),
                 select_sequences(trace, [i for i in range(n) if i % parts != part]))
     decode = np.flatnonzero(np.asarray(trace.is_decode))
-    at = max(round(ONE_SEQUENCE_AT * trace.num_tokens), int(decode[0]) if len(decode) else 0)
-    prompt = min(TAIL_PROMPT, at - 1)
     if not len(decode):
         raise PredictorError(f"sizing a split from one sequence of {trace.num_tokens} tokens, "
                              "all of them prompt: the split is judged on generated tokens, "
                              "replayed with tables of the tokens before them (a trace with "
                              "generated tokens, or more sequences)")
+    at = max(round(ONE_SEQUENCE_AT * trace.num_tokens), int(decode[0]))
+    prompt = min(TAIL_PROMPT, at - 1)
     if prompt < 1 or trace.num_tokens - at < 2:
         raise PredictorError(f"sizing a split from one sequence ({trace.num_tokens} tokens, "
                              f"{len(decode)} of them generated): too short to replay its decode "

@@ -144,8 +144,7 @@ def calibrate_simulator(c: Check) -> dict[str, Any]:
                 if r.get("tier") == "gpu" and r.get("capacity") == capacity
                 and "decode_tok_s" in r}
     rows = []
-    for system in (*SYSTEMS, SPLIT) if s.split is not None else SYSTEMS:
-        simulated = simulated_speed[system]
+    for system, simulated in simulated_speed.items():  # SYSTEMS' order, then SPLIT's
         got = measured.get(system, {}).get("decode_tok_s")
         rows.append({"system": system, "simulated_tok_s": round(simulated, 3),
                      "measured_tok_s": got,

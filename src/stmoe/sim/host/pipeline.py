@@ -302,7 +302,7 @@ class _Sim:
             return
         self.protected[layer] = False
         self.protected[layer, experts] = True
-        loads = [e for e in map(int, experts) if self.state[layer, e] == ABSENT][: self.caps[layer]]
+        loads = [int(e) for e in experts if self.state[layer, e] == ABSENT][: self.caps[layer]]
         for rank, e in enumerate(loads):
             heapq.heappush(self.queue, (fwd, layer, rank, e))
         self._dispatch(self.t)

@@ -186,9 +186,8 @@ def simulate_runtime(trace: RoutingTrace, model: ModelSpec, hw: HardwareSpec,
         "trace": {"model": seq.meta.model, "synthetic": seq.meta.synthetic,
                   "sequence": options.sequence, "prompt_tokens": prefill,
                   "decode_tokens": seq.num_tokens - prefill},
-        # one count, or each layer's (as the runtime's config)
-        "capacity": caps[0] if len(set(caps)) == 1 and not isinstance(
-            options.capacity, (tuple, list)) else list(caps),
+        # one count, or each layer's (as given)
+        "capacity": list(caps) if isinstance(options.capacity, (tuple, list)) else caps[0],
         "costs": dataclasses.asdict(costs),
         "systems": {s: run_host_system(s, seq, prefill, model, hw, options) for s in systems},
     }
