@@ -42,10 +42,14 @@ $(VLLM_VENV)/.installed-vllm: pyproject.toml
 	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
+# The main suite two tests at a time (pytest-xdist: its tests take about one core each, so
+# two workers take 5.6 minutes where one took 8.4, journal 2026-12-07-ci-time); then the GPU
+# machines' releases' tests (one at a time: two were slower, torch's own threads) while
+# .venv-vllm installs beside them, then the vLLM plugin's tests
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
-	$(MAKE) test-gpu-versions
+	$(BIN)/python -m pytest -q -n 2
+	$(MAKE) -j2 --output-sync=target test-gpu-versions $(VLLM_VENV)/.installed-vllm
 	$(MAKE) test-vllm
 
 # the vLLM plugin's tests inside the real vLLM (the main run skips them: no vLLM there), two

@@ -106,10 +106,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # idled: worker ``gwN`` binds its engines to core ``N`` (modulo the CPUs there are) unless
 # the caller set the variable.
 VLLM_BIND = "VLLM_CPU_OMP_THREADS_BIND"
-# the files with minutes of engine runs, longest first (`pytest --durations` on 2 cores:
-# about 6.5, 2.7, 2.6, 2.5 and 2.1 minutes); the others take seconds
-VLLM_LONGEST_FIRST = ("test_live.py", "test_docs.py", "test_own_formats.py",
-                      "test_int8_experts.py", "test_forced_live.py")
+# the files with minutes of engine runs, in the order that ends the two workers closest
+# together (xdist gives a worker its next file once two of its tests are left, so the order
+# was chosen by simulating that rule over each file's `pytest --durations` on 2 cores: about
+# 3, 3, 0.8, 1.8, 1, 1.3 minutes; int8's are skipped without AMX); the others take seconds
+VLLM_LONGEST_FIRST = ("test_live.py", "test_docs.py", "test_live_refusals.py",
+                      "test_own_formats.py", "test_live_bf16.py", "test_forced_live.py",
+                      "test_int8_experts.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

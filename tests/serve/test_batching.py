@@ -142,12 +142,14 @@ class _FailingReads:
 
     def __init__(self, inner) -> None:
         self.inner, self.armed = inner, False
+        self.on_failure = lambda: None
 
     def read_into(self, block, parts, between=None):
         return False
 
     def fetch(self, block, buf, between=None):
         if self.armed:
+            self.on_failure()
             raise OSError(5, "Input/output error (injected)")
         return self.inner.fetch(block, buf)
 
@@ -173,3 +175,33 @@ def test_a_failed_read_fails_its_step_and_the_batcher_keeps_serving(tmp_path):
         finally:
             batcher.close()
         om.engine.check()
+
+
+
+def test_a_failed_steps_prefetches_are_not_the_next_requests_error(tmp_path):
+    """A step that fails at a layer leaves the prefetches it queued for the next ones: read
+    after it, while the disk still fails, their error was the next request's, on a disk
+    that works again (seen under load). They end with their step: the next request gets its
+    solo output."""
+    want = _solo(tiny_model("qwen3_moe")[0], PROMPTS[0], 6)
+    om, _ = _tiny_offloaded(tmp_path)
+    with om:
+        engine = om.engine
+        engine.tier = tier = _FailingReads(engine.tier)
+        queued: list[int] = []  # prefetches queued as each armed read failed
+        tier.on_failure = lambda: queued.append(len(engine.prefetcher.queue))
+        batcher = StepBatcher(om, max_batch=1)
+        try:
+            tier.armed = True
+            with pytest.raises(OSError, match="injected"):
+                batcher.submit(Request(torch.tensor([PROMPTS[0]]), 6)).wait(60)
+            with engine.cv:  # what the workers would still read, they read failing
+                while engine.prefetcher.queue:
+                    engine.cv.wait(0.05)
+                engine.prefetcher.drain()
+            tier.armed = False
+            assert queued and queued[0] > 0  # the step's failing read left prefetches queued
+            assert batcher.submit(Request(torch.tensor([PROMPTS[0]]), 6)).wait(60) == want
+        finally:
+            batcher.close()
+        engine.check()

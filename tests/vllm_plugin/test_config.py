@@ -85,6 +85,9 @@ def test_a_format_is_stmoes_own_store_and_vllm_never_loads_the_experts():
     ("group_size=64,experts=loaded", "STMOE_VLLM group_size=64 (int4 in groups of that size) "
      "packs stmoe's own int4 store"),
     ("predictor=oracle", "predictor=oracle: the oracle knows each step's routing before"),
+    # known from the name, so refused as vLLM starts (it was refused after the model loaded)
+    ("predictor=hybrid,routing=r.npz", "STMOE_VLLM predictor=hybrid: it reads the model's own "
+     "routers, which routing= overrides"),
 ])
 def test_a_bad_item_is_refused_by_name(text, says):
     with pytest.raises(PluginConfigError) as e:

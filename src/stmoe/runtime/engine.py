@@ -123,10 +123,7 @@ class OffloadEngine:
         """Start a measured run: fresh counters, empty caches (``cold``), predictor slots
         reset. ``future`` (the oracle) maps (forward call, layer) to the experts it needs."""
         with self.cv:
-            self.prefetcher.cancel()
-            # loads of the previous run still in flight finish first: they must not
-            # land in (or be counted by) the new run
-            self.prefetcher.drain()
+            self.prefetcher.settle()  # the last run's loads: not landing in this one
             if cold:
                 self.state.forget_cached()
             self.state.run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), future,
@@ -134,7 +131,6 @@ class OffloadEngine:
             if self.settings.admission:  # measured afresh in every run
                 self.state.run.admission = Admission.for_tier(
                     self.num_layers, max(self.capacities), self.predictor.horizon, self.tier.name)
-            self.prefetcher.discard_error()
 
     @property
     def run(self) -> RunState:
@@ -170,8 +166,7 @@ class OffloadEngine:
             return max(len(c.where) for c in self.caches)
 
     def counters(self) -> tuple[dict[str, float], int, int]:
-        """The run so far, read under the lock: the decode phase's summary, the bytes
-        read and the bytes wasted."""
+        """The run so far, under the lock: decode's summary, bytes read, bytes wasted."""
         with self.cv:
             stats = self.state.run.stats
             return stats.phases["decode"].summary(), stats.bytes_moved, stats.bytes_wasted
@@ -290,11 +285,15 @@ class OffloadEngine:
         run.forward_ends.add(time.perf_counter())
         self.planner.forward_ended()
 
-    def leave_step(self) -> None:
-        """The calling thread's step is over, completed or failed: the engine let go (a
-        no-op for another thread, or inside a measured run, which keeps its claim)."""
+    def leave_step(self, failed: bool = False) -> None:
+        """The calling thread's step is over, completed or ``failed`` (its loads end too):
+        the engine let go (a no-op for another thread, or in a measured run: it keeps it)."""
         with self.cv:
-            self.state.leave_forward()
+            try:
+                if failed:
+                    self.prefetcher.settle()  # (a stuck read raises: after this)
+            finally:
+                self.state.leave_forward()
 
     # ---- transformers' experts call (hf_glue routes every offloaded experts call here) ---
     def experts_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor,

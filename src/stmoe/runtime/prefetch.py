@@ -134,8 +134,13 @@ class Prefetcher:
             detail = exc if isinstance(exc, (OffloadError, OSError)) else repr(exc)
             raise StoreError(f"a prefetch worker failed: {detail}") from exc
 
-    def discard_error(self) -> None:
-        """(lock held) A new run starts: a failure of the previous one is not raised."""
+    def settle(self) -> None:
+        """(lock held) The loads asked so far end: the queued ones forgotten, those in
+        flight finished, a failure they left dropped (a new run starts, or a step failed and
+        the next must not inherit a read that failed during it: the step's own error is
+        already its requests')."""
+        self.queue.clear()
+        self.drain()
         self.error = None
 
     def close(self) -> None:

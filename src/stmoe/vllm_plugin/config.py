@@ -126,6 +126,11 @@ def parse(text: str) -> PluginConfig:
                                 "routing before it runs, which `stmoe generate` measures in a "
                                 "second pass; vLLM runs each step once (it is the bound of "
                                 "`stmoe eval` and `stmoe simulate`, not a serving predictor)")
+    if "routing" in own and _reads_routers(options.predictor):
+        raise PluginConfigError(f"STMOE_VLLM predictor={options.predictor}: it reads the "
+                                "model's own routers, which routing= overrides; replay with a "
+                                "predictor that learns from the routing (stmoe, stmoe-plus, "
+                                "...)")
     if "routing" in own and "capture" in own:
         raise PluginConfigError("STMOE_VLLM routing= replays a trace in place of the router's, "
                                 "so capture= would record that trace, not the model's routing: "
@@ -134,6 +139,16 @@ def parse(text: str) -> PluginConfig:
                         experts,  # type: ignore[arg-type]
                         own.get("kernel", "portable"), text,  # type: ignore[arg-type]
                         own.get("routing"))  # type: ignore[arg-type]
+
+
+def _reads_routers(predictor: object) -> bool:
+    """Whether the predictor named takes the gate lookahead (hybrid): the model's own
+    routers, which a forced routing bypasses. Known from its name, so refused as vLLM
+    starts, not after the model has loaded."""
+    from stmoe.predictors import REGISTRY
+
+    return isinstance(predictor, str) and predictor in REGISTRY and REGISTRY[
+        predictor].uses_lookahead
 
 
 def _value(key: str, value: str) -> object:

@@ -150,11 +150,7 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     shape = ModelShape(len(layers), num_experts, top_k_of(hf_config))
     predictor = resolve_predictor(options, shape, model_dir)
     forced = None
-    if config.routing is not None:
-        if predictor.uses_lookahead:
-            raise PluginConfigError(f"stmoe: predictor {predictor.name!r} reads the model's own "
-                                    "routers, which routing= overrides; replay with a predictor "
-                                    "that learns from the routing (stmoe, stmoe-plus, ...)")
+    if config.routing is not None:  # (a predictor reading the routers: refused in parse)
         forced = ForcedRouting(config.routing, len(layers), num_experts, shape.top_k)
     # every layer's count, or each's (STMOE_VLLM's capacity=4/6/2: config._value)
     capacities = resolve_capacities(options.capacity, len(layers), num_experts, shape.top_k,

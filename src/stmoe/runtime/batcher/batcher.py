@@ -80,8 +80,7 @@ class StepBatcher:
         self.share_rows = share_rows and self.rows.active
         self.step_forward = StepForward(self.model, self.pool, threads)
         self.batched = batched and self.share_rows and self.step_forward.why_not is None
-        self.closed, self.steps = False, 0
-        self.started = 0  # requests started (names their threads)
+        self.closed, self.steps, self.started = False, 0, 0  # started: names their threads
         # the recent steps' (start time, prompt or not, members): a step lasts until the next
         self.step_log: deque[tuple[float, bool, int]] = deque(maxlen=4096)
         self.error: BaseException | None = None
@@ -217,9 +216,8 @@ class StepBatcher:
             m.thread.start()
 
     def _next_step(self) -> list[Member] | None:
-        """(cv held) The next step's members once every member waits at its first MoE
-        layer or its batched decode call (or has finished): the oldest new prompt alone,
-        else every decoding one."""
+        """(cv held) The next step's members once each waits at its first MoE layer or its
+        batched decode call (or has finished): the oldest new prompt alone, else all."""
         members = self.members.values()
         if not members or any(m.arrival is None and m.forward_call is None for m in members):
             return None
@@ -283,14 +281,16 @@ class StepBatcher:
         length = int(members[0].request.ids.shape[1]) if prompt else 1
         step = Step(tuple(m.part() for m in members), length, prefill=prompt)
         self.engine.begin_step(step)
+        ended = False  # (a failed step's loads end with it: ``Prefetcher.settle``)
         try:
             if not prompt and self.batched:
                 self._run_forward(members)
             elif not self._run_own_forwards(members, prompt):
                 return  # a failed call: the step's requests have their error
             self.engine.end_step(step)
+            ended = True
         finally:
-            self.engine.leave_step()
+            self.engine.leave_step(failed=not ended)
         for m in members:
             m.calls += 1
             m.request.usage.steps += 1
