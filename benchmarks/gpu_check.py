@@ -37,7 +37,9 @@ so a run cut short still leaves what it measured. Stages:
 
 The recorded routing is the shared sample (../shared/traces, which the project cannot ship):
 ``--prepare`` copies its first 8 layers to out/gpu_check/routing.npz (ignored by git), to be
-carried to the GPU machine with the crc32c wheel (gpu_check.sh's header).
+carried to the GPU machine with the crc32c wheel (gpu_check.sh's header), with
+stmoe-plus-split's caches sized in it (the GPU machine would compile numba's replay kernels
+for about 20 s to size them; the JSON's ``split.sized`` says which it used).
 
 ``--dry-run`` runs every stage's plumbing on the CPU with tiny sizes and synthetic routing,
 the gpu tiers on the CPU's stand-in for a GPU: its figures are not measurements of anything.

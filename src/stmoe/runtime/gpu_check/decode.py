@@ -48,6 +48,7 @@ def decode_table(c: Check) -> dict[str, Any]:
                            "split": {"system": SPLIT, "at": list(SPLIT_AT),
                                      "sized_from": "the profiled tokens alone (their tail "
                                      "replayed with tables of their start)",
+                                     "sized": s.split_sized,
                                      **({"capacities": list(s.split)} if s.split is not None
                                         else {"error": s.split_error})}}
     resident = resident_run(c, s)

@@ -18,11 +18,14 @@ and replays the recorded routing, on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stmoe.errors import StmoeError
+from stmoe.sim.specs import model_preset
+from stmoe.trace.select import held_out_tail, select_layers
 
 if TYPE_CHECKING:
     from stmoe.runtime.forced_routing import RoutingPlan
@@ -37,6 +40,7 @@ CARRIED = Path("out") / "gpu_check" / "routing.npz"  # under the checkout: what 
 SPLIT_AT, SPLIT_PROMPT = 100, 8  # bench_offload_real.py's held-out split of the sample
 DRY_SPLIT_AT, DRY_SPLIT_PROMPT = 20, 4
 KEPT_LAYERS = 8  # the sample's first layers carried (the check makes up to 8)
+PREPARED = "gpu_check_split"  # the carried file's extra: stmoe-plus-split's caches, sized
 SPLIT_SHARE = 0.5  # the share of the experts stmoe-plus-split's per-layer caches add up to
 
 
@@ -59,20 +63,52 @@ class Setup:
     # says why): only stmoe-plus-split's run is lost, not the table
     split: tuple[int, ...] | None
     split_error: str = ""
+    split_sized: str = "here"  # or "at --prepare" (read from the carried routing's file)
 
 
 def prepare_routing(shared: Path, out: Path) -> Path:
     """The shared sample's first KEPT_LAYERS layers as ``out`` (a native trace file), for a
     GPU machine that has no ../shared; a clear error where the sample is missing."""
     from stmoe.trace import load_trace, save_trace
-    from stmoe.trace.select import select_layers
 
     sample = shared / SAMPLE
     if not sample.is_file():
         raise StmoeError(f"{sample}: no such trace; --prepare needs ../shared/traces")
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_trace(select_layers(load_trace(sample), str(KEPT_LAYERS)), out)
+    trace = select_layers(load_trace(sample), str(KEPT_LAYERS))
+    head, _ = held_out_tail(select_layers(trace, str(LAYERS)), SPLIT_AT, SPLIT_PROMPT)
+    extra = {**trace.meta.extra, PREPARED: {**_split_key(LAYERS, SPLIT_AT, SPLIT_PROMPT),
+                                            "capacities": list(_size_split(head))}}
+    save_trace(dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, extra=extra)),
+               out)
     return out
+
+
+def _split_key(layers: int, at: int, prompt: int) -> dict[str, int]:
+    """What a split was sized for: a prepared one is used only where all of it matches."""
+    return {"layers": layers, "split_at": at, "split_prompt": prompt,
+            "experts_cached": round(SPLIT_SHARE * model_preset(LIKE).num_experts)}
+
+
+def _size_split(head: RoutingTrace) -> tuple[int, ...]:
+    from stmoe.evaluate.layer_capacity import size_split
+
+    return size_split(head, round(SPLIT_SHARE * head.num_experts)).capacities
+
+
+def _prepared_split(head: RoutingTrace, key: dict[str, int]) -> tuple[int, ...] | None:
+    """The split ``--prepare`` sized for this very head (numba's replay kernels compile
+    for about 20 s on a cold machine: the GPU machine's time), or None."""
+    prepared = head.meta.extra.get(PREPARED)
+    if not isinstance(prepared, dict) or {k: prepared.get(k) for k in key} != key:
+        return None
+    caps = prepared.get("capacities")
+    if (not isinstance(caps, list) or len(caps) != head.num_layers
+            or not all(isinstance(n, int) and head.top_k <= n <= head.num_experts
+                       for n in caps)
+            or sum(caps) != key["experts_cached"] * head.num_layers):
+        return None  # (not what prepare writes: sized again here)
+    return tuple(caps)
 
 
 def setup(c: Check) -> Setup:
@@ -85,12 +121,10 @@ def setup(c: Check) -> Setup:
 
 
 def _make(c: Check) -> Setup:
-    from stmoe.evaluate.layer_capacity import size_split
     from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
     from stmoe.predictors import profile, save_tables
     from stmoe.runtime.forced_routing import plan_routing
     from stmoe.runtime.store import pack_folder
-    from stmoe.sim.specs import model_preset
     from stmoe.trace import save_trace
 
     like = DRY_LIKE if c.tiny else LIKE
@@ -107,20 +141,23 @@ def _make(c: Check) -> Setup:
 
     vocab = AutoConfig.from_pretrained(model_dir, local_files_only=True).vocab_size
     plan = plan_routing(tail, 0, layers, spec.num_experts, spec.top_k, vocab, routing)
-    split, split_error = None, ""
-    try:
-        split = size_split(head, round(SPLIT_SHARE * spec.num_experts)).capacities
-    except Exception as exc:  # (a head with too few decode tokens, say): that run's loss
-        split_error = f"{type(exc).__name__}: {exc}"
+    split_error, sized = "", "here"
+    split = None if c.tiny else _prepared_split(head, _split_key(layers, SPLIT_AT,
+                                                                 SPLIT_PROMPT))
+    if split is not None:
+        sized = "at --prepare"
+    else:
+        try:
+            split = _size_split(head)
+        except Exception as exc:  # (a head with too few decode tokens, say): that run's loss
+            split_error = f"{type(exc).__name__}: {exc}"
     return Setup(like, layers, model_dir, store, tables, routing, plan, label,
-                 min(c.tokens, plan.new_tokens), split, split_error)
+                 min(c.tokens, plan.new_tokens), split, split_error, sized)
 
 
 def held_out(c: Check, layers: int) -> tuple[RoutingTrace, RoutingTrace, str]:
     """The routing's first ``layers`` layers split by tokens: (profiled, replayed, where it
     came from and how it was split)."""
-    from stmoe.trace.select import held_out_tail, select_layers
-
     trace, source = _trace(c, layers)
     at, prompt = (DRY_SPLIT_AT, DRY_SPLIT_PROMPT) if c.tiny else (SPLIT_AT, SPLIT_PROMPT)
     head, tail = held_out_tail(select_layers(trace, str(layers)), at, prompt)
@@ -132,7 +169,6 @@ def held_out(c: Check, layers: int) -> tuple[RoutingTrace, RoutingTrace, str]:
 def _trace(c: Check, layers: int) -> tuple[RoutingTrace, str]:
     """The recorded routing (the carried file, else the shared sample), or in a dry run a
     synthetic trace of the tiny preset's shape; with where it came from."""
-    from stmoe.sim.specs import model_preset
     from stmoe.trace import load_trace, synthesize
 
     if c.tiny:
