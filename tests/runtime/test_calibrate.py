@@ -99,8 +99,10 @@ def test_a_gpu_tier_is_measured_into_device_slots(tiny, cli, tier):
     assert spec.host.first_touch_s == 0.0
     # the copies' 200 MB/s, less the stand-in's hand-offs (and the disk's read, gpu-disk); the
     # latency subtracted from each read is measured apart, and under load it can take more
-    # of a read's time than it did then, which raises the rate (a loaded CI run: 247 MB/s)
-    assert 20e6 <= spec.link_bytes_per_s <= 300e6, spec.link_bytes_per_s
+    # of a read's time than it did then, which raises the rate (a loaded CI run: 247 MB/s;
+    # the suite runs two tests at a time, so the bound is 1 GB/s: the bug this guards
+    # against, the host's issue timed for the copy, read 221 TB/s)
+    assert 20e6 <= spec.link_bytes_per_s <= 1e9, spec.link_bytes_per_s
     assert spec.link_latency_s > 0 and spec.host.layer_s > 0
 
 
@@ -123,7 +125,7 @@ def test_a_gpu_tiers_runtime_reads_are_its_copies_not_their_issue(tiny, cli, tie
     assert res.exit_code == 0, res.output
     assert "the runtime's reads" in res.output
     spec = hardware_preset(str(out))
-    assert 20e6 <= spec.link_bytes_per_s <= 300e6, spec.link_bytes_per_s
+    assert 20e6 <= spec.link_bytes_per_s <= 1e9, spec.link_bytes_per_s  # (bound: above)
     assert "timed by the device's events" in out.read_text()
 
 

@@ -268,6 +268,51 @@ def test_a_worker_whose_fetch_raises_anything_fails_the_call_at_once(mixtral, ex
         _after_failure_the_model_still_works(om, expected)
 
 
+
+class _FailingDisk(_FailingTier):
+    """Every read raises while armed, the compute thread's too; the prefetches queued as
+    each of the compute thread's failed are counted."""
+
+    def __init__(self, inner, engine) -> None:
+        super().__init__(inner, OSError(5, "Input/output error (injected)"))
+        self.engine, self.queued = engine, []
+
+    def fetch(self, block, buf, between=None):
+        if self.armed and not threading.current_thread().name.startswith("stmoe-prefetch"):
+            self.queued.append(len(self.engine.prefetcher.queue))
+        if self.armed:
+            raise self.exc
+        return self.inner.fetch(block, buf)
+
+
+def test_a_failed_forwards_prefetches_are_not_the_next_forwards_error(mixtral):
+    """transformers' own generate on the offloaded model (no measured run: nothing resets
+    between calls). A forward failing at a layer leaves the prefetches it queued; read
+    after it while the disk still failed, their error was the next call's, on a disk that
+    works again. They end with the failed forward (``Engine.leave_step``)."""
+    store, expected = mixtral
+    prompt = PROMPTS[1]
+    ids = torch.tensor([prompt])
+
+    def generate():
+        return om.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 pad_token_id=0)
+
+    with _offloaded(store) as om:
+        engine = om.engine
+        engine.tier = tier = _FailingDisk(engine.tier, engine)
+        with pytest.raises(OSError, match="injected"):
+            _bounded(generate)
+        with engine.cv:  # what the workers would still read, they read failing
+            while engine.prefetcher.queue:
+                engine.cv.wait(0.05)
+            engine.prefetcher.drain()
+        tier.armed = False
+        assert tier.queued and tier.queued[0] > 0  # prefetches were queued as it failed
+        assert _bounded(generate)[0, len(prompt):].tolist() == expected[tuple(prompt)]
+        om.engine.check()
+
 def test_a_worker_failing_before_its_fetch_fails_the_call_at_once(mixtral):
     """A request for an expert the store lacks (queued past the predictor check) fails in
     the worker before any read: the caller gets the error, the workers keep serving."""

@@ -390,13 +390,17 @@ def test_the_gpu_disk_runs_leave_time_to_the_stages_after_the_table(tmp_path, mo
     assert disk and all("kept for the stages after" in r["skipped"] for r in disk)
 
 
-def test_a_check_makes_its_work_folder_only_when_a_stage_asks_and_removes_it(tmp_path):
+def test_a_check_makes_its_work_folder_only_when_a_stage_asks_and_removes_it(tmp_path,
+                                                                             monkeypatch):
     import tempfile
 
-    before = set(Path(tempfile.gettempdir()).glob("stmoe-gpu-check-*"))
+    # a temporary folder of this test's own (other checks, under pytest -n, make theirs in
+    # the shared one as this one runs)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     c = Check(tmp_path / "c.json", True, "x", 60.0)
-    assert set(Path(tempfile.gettempdir()).glob("stmoe-gpu-check-*")) == before
+    assert not list(tmp_path.glob("stmoe-gpu-check-*"))
     work = c.work
+    assert work.parent == tmp_path
     assert work.is_dir() and c.work == work  # one folder, made once
     c.remove_work()
     assert not work.exists()

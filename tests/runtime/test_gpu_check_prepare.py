@@ -38,8 +38,11 @@ def test_the_prepared_split_is_the_one_sized_here_and_taken_only_where_it_fits(t
     # another head (a rehearsal's one layer, another split point): sized again, not taken
     assert _prepared_split(_head(out, 1), _split_key(1, SPLIT_AT, SPLIT_PROMPT)) is None
     assert _prepared_split(head, {**key, "split_at": SPLIT_AT + 1}) is None
+    # other routing with the same file's extra (a tool that kept it): not taken
+    other = dataclasses.replace(head, experts=head.experts[:, ::-1].copy())
+    assert _prepared_split(other, key) is None
     # a file whose split is not what prepare writes: not taken either
     for bad in ([*caps[:-1], caps[-1] + 1], [*caps[:-1], "x"], caps[:-1], None):
-        extra = {**head.meta.extra, PREPARED: {**key, "capacities": bad}}
+        extra = {**head.meta.extra, PREPARED: {**head.meta.extra[PREPARED], "capacities": bad}}
         tampered = dataclasses.replace(head, meta=dataclasses.replace(head.meta, extra=extra))
         assert _prepared_split(tampered, key) is None, bad

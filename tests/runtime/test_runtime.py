@@ -733,7 +733,7 @@ def test_the_runtime_computes_the_same_gate_lookahead_as_capture(tmp_path, point
     assert isinstance(make("gate-lookahead", shape), LookaheadPredictor)
     model, _ = tiny_model("qwen3_moe")
     with offload(model, store, capacity=2, predictor=spy, tier="disk") as om:
-        assert (om.engine._late is not None) == (point == "late")
+        assert (om.engine.planner.late is not None) == (point == "late")
         with torch.no_grad():
             om.model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
                               do_sample=False, pad_token_id=0)
@@ -755,7 +755,7 @@ def test_offload_applies_the_lookahead_option_to_a_predictor_object(tmp_path):
     model, _ = tiny_model("qwen3_moe")
     with offload(model, store, capacity=2, predictor=LookaheadPredictor(shape),
                  lookahead="early") as om:
-        assert om.engine._late is None and om.config["lookahead"] == "early"
+        assert om.engine.planner.late is None and om.config["lookahead"] == "early"
     model, _ = tiny_model("qwen3_moe")
     with pytest.raises(OffloadError, match="applies to predictors that use the gate lookahead"):
         offload(model, store, capacity=2, predictor="stmoe", tables=None, lookahead="early")

@@ -148,8 +148,10 @@ def test_the_captured_folder_profiles_into_tables(driven):
 
 def test_tables_reload_while_serving_when_their_file_changes(driven):
     """Replaced between the run's two rounds (the same tables, a new file): reloaded once,
-    said in vLLM's log, and the tokens after it are plain vLLM's (the test above)."""
+    said in vLLM's log, and both rounds' tokens are plain vLLM's."""
     _, runs, log = driven
     assert len(runs[RELOADED]["rounds_s"]) == 2
+    # its first round too, from empty caches before the reload
+    assert runs[RELOADED]["rounds_tokens"] == [runs["plain"]["tokens"]] * 2
     assert "stmoe: tables reloaded from" in log and "(reload 1)" in log
     assert "(reload 2)" not in log

@@ -15,10 +15,9 @@ concern each, and runs their life cycle (measured runs, shutdown):
   experts implementation, so every output bit is the resident model's;
 - ``planning``: what the predictor is taught and asked, for which layer and when
   (the horizon, the prompt's routing, the early or late gate lookahead);
-- ``prefetch``: the worker threads loading the predictions, most urgent first,
-  dropping stale requests and handing their errors to the compute thread;
-- ``hf_glue``: transformers' side: registration, the forward hooks and phase
-  tracking, the experts released to ``meta``;
+- ``prefetch``: the worker threads loading the predictions, most urgent first, dropping
+  stale requests and handing their errors to the compute thread (a failed step's: dropped);
+- ``hf_glue``: transformers' side: registration, forward hooks, experts released to ``meta``;
 - ``state``: the lock, caches and run state they share.
 """
 
@@ -222,11 +221,6 @@ class OffloadEngine:
     def cache_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
-    @property
-    def _late(self) -> list[tuple[torch.nn.Module, torch.nn.Module]] | None:
-        """Each MoE layer's (decoder layer, pre-MoE norm) when the late lookahead is in use."""
-        return self.planner.late
-
     # ---- the step API: the one home of the run's books ------------------------------
     def solo_step(self, batch: int, length: int, mask: np.ndarray | None) -> Step:
         """The step of a forward call transformers runs itself: its whole batch one part
@@ -244,7 +238,7 @@ class OffloadEngine:
             state.enter_forward()
             run = state.run
             run.fwd += 1
-            run.step, run.batch = step, (step.rows, step.length)
+            run.step, run.batch, run.step_open = step, (step.rows, step.length), True
             run.phase = "prefill" if step.prefill else "decode"
             run.prefill_routing, run.mask, run.slots = [], step.mask, step.slots
             if run.future is not None and step.parts[0].limit is not None:
@@ -284,13 +278,16 @@ class OffloadEngine:
             raise OffloadError("end_step of a step the engine is not running")
         run.forward_ends.add(time.perf_counter())
         self.planner.forward_ended()
+        run.step_open = False
 
-    def leave_step(self, failed: bool = False) -> None:
-        """The calling thread's step is over, completed or ``failed`` (its loads end too):
-        the engine let go (a no-op for another thread, or in a measured run: it keeps it)."""
+    def leave_step(self) -> None:
+        """The calling thread's step is over: the engine let go (a no-op for another thread,
+        or in a measured run: it keeps it). A step short of ``end_step`` failed: its loads
+        end with it, not failing the next step (``Prefetcher.settle``)."""
         with self.cv:
             try:
-                if failed:
+                if self.state.run.step_open and self.serves_caller():
+                    self.state.run.step_open = False
                     self.prefetcher.settle()  # (a stuck read raises: after this)
             finally:
                 self.state.leave_forward()

@@ -140,8 +140,11 @@ class Prefetcher:
         the next must not inherit a read that failed during it: the step's own error is
         already its requests')."""
         self.queue.clear()
-        self.drain()
-        self.error = None
+        self.pause(False)  # (a failure between a stall's start and its end left it paused)
+        try:
+            self.drain()
+        finally:
+            self.error = None
 
     def close(self) -> None:
         """Stop the workers (loads in flight finish first, for at most ``CLOSE_WAIT_S``:

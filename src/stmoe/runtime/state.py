@@ -94,6 +94,7 @@ class RunState:
     # step batches requests that keep their slots while others join and leave
     slots: list[int] | None = None
     step: Step | None = None  # the step in progress (``OffloadEngine.begin_step``)
+    step_open: bool = False  # begun, not yet ended: failed if left so (``leave_step``)
     # a device cache's copies and waits, timed by the device (``device_timing``)
     timeline: DeviceTimeline | None = None
 

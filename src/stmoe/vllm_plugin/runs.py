@@ -12,8 +12,9 @@ an ``LLM``, generates, and shuts the engine down, and the next run starts afresh
                "batches": [[0, 1, 2, 3]], "rounds": 1, "routed": false}, ...]}
 
 Each batch is one ``generate`` call of those prompts (its requests run concurrently, by
-vLLM's continuous batching), greedy with ``ignore_eos``. Per run: each batch's tokens, each
-round's seconds (after one warm-up batch), and with ``routed`` vLLM's own routed experts.
+vLLM's continuous batching), greedy with ``ignore_eos``. Per run: each batch's tokens (the
+last round's; ``rounds_tokens``: every round's), each round's seconds (after one warm-up
+batch), and with ``routed`` vLLM's own routed experts.
 ``tables_swap: [SRC, DST]`` replaces DST (the run's tables) with SRC before round 2; an
 entry's ``dtype`` and ``model`` override the spec's.
 """
@@ -67,6 +68,7 @@ def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
                      use_tqdm=False)  # warm-up: the first call's one-time costs
         rounds: list[float] = []
         tokens: list[list[list[int]]] = []
+        each_round: list[list[list[list[int]]]] = []  # every round's tokens, not only the last
         routed: list[list[list]] = []
         for r in range(entry.get("rounds", 1)):
             if r == 1 and entry.get("tables_swap"):  # new tables while serving
@@ -79,6 +81,7 @@ def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
                     for batch in entry["batches"]]
             rounds.append(time.perf_counter() - started)
             tokens = [[list(o.outputs[0].token_ids) for o in batch] for batch in outs]
+            each_round.append(tokens)
             if entry.get("routed"):
                 routed = [[o.outputs[0].routed_experts.tolist() for o in batch]
                           for batch in outs]
@@ -87,7 +90,8 @@ def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
                      use_tqdm=False)
         new = sum(len(t) for batch in tokens for t in batch)
         return {"name": entry["name"], "stmoe": entry.get("stmoe"), "tokens": tokens,
-                "rounds_s": rounds, "new_tokens": new, "routed": routed or None}
+                "rounds_s": rounds, "new_tokens": new, "routed": routed or None,
+                "rounds_tokens": each_round}
     finally:
         llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
         del llm

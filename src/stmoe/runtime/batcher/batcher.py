@@ -281,16 +281,14 @@ class StepBatcher:
         length = int(members[0].request.ids.shape[1]) if prompt else 1
         step = Step(tuple(m.part() for m in members), length, prefill=prompt)
         self.engine.begin_step(step)
-        ended = False  # (a failed step's loads end with it: ``Prefetcher.settle``)
         try:
             if not prompt and self.batched:
                 self._run_forward(members)
             elif not self._run_own_forwards(members, prompt):
                 return  # a failed call: the step's requests have their error
             self.engine.end_step(step)
-            ended = True
         finally:
-            self.engine.leave_step(failed=not ended)
+            self.engine.leave_step()  # (a failed step's loads end with it)
         for m in members:
             m.calls += 1
             m.request.usage.steps += 1

@@ -77,11 +77,24 @@ def prepare_routing(shared: Path, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     trace = select_layers(load_trace(sample), str(KEPT_LAYERS))
     head, _ = held_out_tail(select_layers(trace, str(LAYERS)), SPLIT_AT, SPLIT_PROMPT)
-    extra = {**trace.meta.extra, PREPARED: {**_split_key(LAYERS, SPLIT_AT, SPLIT_PROMPT),
-                                            "capacities": list(_size_split(head))}}
+    extra = dict(trace.meta.extra)
+    try:  # (what cannot be sized here is sized, or its run lost, on the GPU machine)
+        extra[PREPARED] = {**_split_key(LAYERS, SPLIT_AT, SPLIT_PROMPT), "head": _crc(head),
+                           "capacities": list(_size_split(head))}
+    except Exception as exc:
+        print(f"stmoe-plus-split's caches not sized here ({type(exc).__name__}: {exc})")
     save_trace(dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, extra=extra)),
                out)
     return out
+
+
+def _crc(head: RoutingTrace) -> int:
+    """The profiled tokens' routing, checksummed: a split is for these very rows."""
+    import zlib
+
+    import numpy as np
+
+    return zlib.crc32(np.ascontiguousarray(head.experts).tobytes())
 
 
 def _split_key(layers: int, at: int, prompt: int) -> dict[str, int]:
@@ -100,7 +113,8 @@ def _prepared_split(head: RoutingTrace, key: dict[str, int]) -> tuple[int, ...] 
     """The split ``--prepare`` sized for this very head (numba's replay kernels compile
     for about 20 s on a cold machine: the GPU machine's time), or None."""
     prepared = head.meta.extra.get(PREPARED)
-    if not isinstance(prepared, dict) or {k: prepared.get(k) for k in key} != key:
+    if (not isinstance(prepared, dict) or {k: prepared.get(k) for k in key} != key
+            or prepared.get("head") != _crc(head)):
         return None
     caps = prepared.get("capacities")
     if (not isinstance(caps, list) or len(caps) != head.num_layers
