@@ -36,7 +36,7 @@ import torch
 
 from stmoe.admission import Admission
 from stmoe.cache_policy import RUNTIME, policy_code
-from stmoe.errors import OffloadError
+from stmoe.errors import OffloadError, StoreError
 from stmoe.hf.layout import ModelLayout
 from stmoe.predictors.base import Predictor
 from stmoe.runtime.cache import LayerCache, param_specs
@@ -288,7 +288,9 @@ class OffloadEngine:
             try:
                 if self.state.run.step_open and self.serves_caller():
                     self.state.run.step_open = False
-                    self.prefetcher.settle()  # (a stuck read raises: after this)
+                    self.prefetcher.settle()
+            except StoreError:  # a load stuck past the limit: the step's own error already,
+                pass  # and the next step needing its slot says so again
             finally:
                 self.state.leave_forward()
 
