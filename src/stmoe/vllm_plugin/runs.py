@@ -67,8 +67,7 @@ def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
         llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2),
                      use_tqdm=False)  # warm-up: the first call's one-time costs
         rounds: list[float] = []
-        tokens: list[list[list[int]]] = []
-        each_round: list[list[list[list[int]]]] = []  # every round's tokens, not only the last
+        each_round: list[list[list[list[int]]]] = []  # each round's: batch, request, tokens
         routed: list[list[list]] = []
         for r in range(entry.get("rounds", 1)):
             if r == 1 and entry.get("tables_swap"):  # new tables while serving
@@ -80,14 +79,15 @@ def run(spec: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
             outs = [llm.generate([prompts[i] for i in batch], params, use_tqdm=False)
                     for batch in entry["batches"]]
             rounds.append(time.perf_counter() - started)
-            tokens = [[list(o.outputs[0].token_ids) for o in batch] for batch in outs]
-            each_round.append(tokens)
+            each_round.append([[list(o.outputs[0].token_ids) for o in batch]
+                               for batch in outs])
             if entry.get("routed"):
                 routed = [[o.outputs[0].routed_experts.tolist() for o in batch]
                           for batch in outs]
         # one more request: vLLM tells the worker of the finished ones at its next step
         llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1),
                      use_tqdm=False)
+        tokens = each_round[-1] if each_round else []
         new = sum(len(t) for batch in tokens for t in batch)
         return {"name": entry["name"], "stmoe": entry.get("stmoe"), "tokens": tokens,
                 "rounds_s": rounds, "new_tokens": new, "routed": routed or None,

@@ -19,9 +19,12 @@ and replays the recorded routing, on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from stmoe.errors import StmoeError
 from stmoe.sim.specs import model_preset
@@ -79,8 +82,7 @@ def prepare_routing(shared: Path, out: Path) -> Path:
     head, _ = held_out_tail(select_layers(trace, str(LAYERS)), SPLIT_AT, SPLIT_PROMPT)
     extra = dict(trace.meta.extra)
     try:  # (what cannot be sized here is sized, or its run lost, on the GPU machine)
-        extra[PREPARED] = {**_split_key(LAYERS, SPLIT_AT, SPLIT_PROMPT), "head": _crc(head),
-                           "capacities": list(_size_split(head))}
+        extra[PREPARED] = {**_split_key(head), "capacities": list(_size_split(head))}
     except Exception as exc:
         print(f"stmoe-plus-split's caches not sized here ({type(exc).__name__}: {exc})")
     save_trace(dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, extra=extra)),
@@ -88,33 +90,25 @@ def prepare_routing(shared: Path, out: Path) -> Path:
     return out
 
 
-def _crc(head: RoutingTrace) -> int:
-    """The profiled tokens' routing, checksummed: a split is for these very rows."""
-    import zlib
-
-    import numpy as np
-
-    return zlib.crc32(np.ascontiguousarray(head.experts).tobytes())
-
-
-def _split_key(layers: int, at: int, prompt: int) -> dict[str, int]:
-    """What a split was sized for: a prepared one is used only where all of it matches."""
-    return {"layers": layers, "split_at": at, "split_prompt": prompt,
-            "experts_cached": round(SPLIT_SHARE * model_preset(LIKE).num_experts)}
+def _split_key(head: RoutingTrace) -> dict[str, int]:
+    """What a split was sized for: the profiled tokens' very routing (a checksum: their
+    layers, their split point and their rows) and the total it shares out; a prepared split
+    is used only where both match."""
+    return {"experts_cached": round(SPLIT_SHARE * head.num_experts),
+            "head": zlib.crc32(np.ascontiguousarray(head.experts).tobytes())}
 
 
 def _size_split(head: RoutingTrace) -> tuple[int, ...]:
     from stmoe.evaluate.layer_capacity import size_split
 
-    return size_split(head, round(SPLIT_SHARE * head.num_experts)).capacities
+    return size_split(head, _split_key(head)["experts_cached"]).capacities
 
 
-def _prepared_split(head: RoutingTrace, key: dict[str, int]) -> tuple[int, ...] | None:
+def _prepared_split(head: RoutingTrace) -> tuple[int, ...] | None:
     """The split ``--prepare`` sized for this very head (numba's replay kernels compile
     for about 20 s on a cold machine: the GPU machine's time), or None."""
-    prepared = head.meta.extra.get(PREPARED)
-    if (not isinstance(prepared, dict) or {k: prepared.get(k) for k in key} != key
-            or prepared.get("head") != _crc(head)):
+    prepared, key = head.meta.extra.get(PREPARED), _split_key(head)
+    if not isinstance(prepared, dict) or {k: prepared.get(k) for k in key} != key:
         return None
     caps = prepared.get("capacities")
     if (not isinstance(caps, list) or len(caps) != head.num_layers
@@ -156,8 +150,7 @@ def _make(c: Check) -> Setup:
     vocab = AutoConfig.from_pretrained(model_dir, local_files_only=True).vocab_size
     plan = plan_routing(tail, 0, layers, spec.num_experts, spec.top_k, vocab, routing)
     split_error, sized = "", "here"
-    split = None if c.tiny else _prepared_split(head, _split_key(layers, SPLIT_AT,
-                                                                 SPLIT_PROMPT))
+    split = None if c.tiny else _prepared_split(head)
     if split is not None:
         sized = "at --prepare"
     else:
