@@ -39,6 +39,10 @@ def test_the_prepared_split_is_the_one_sized_here_and_taken_only_where_it_fits(t
     # other routing with the same file's extra (a tool that kept it): not taken
     other = dataclasses.replace(head, experts=head.experts[:, ::-1].copy())
     assert _prepared_split(other) is None
+    # a split sized by other code (the file prepared before a change to stmoe): not taken
+    moved = {**head.meta.extra[PREPARED], "code": head.meta.extra[PREPARED]["code"] ^ 1}
+    assert _prepared_split(dataclasses.replace(head, meta=dataclasses.replace(
+        head.meta, extra={**head.meta.extra, PREPARED: moved}))) is None
     # a file whose split is not what prepare writes: not taken either
     for bad in ([*caps[:-1], caps[-1] + 1], [*caps[:-1], "x"], caps[:-1], None):
         extra = {**head.meta.extra, PREPARED: {**head.meta.extra[PREPARED], "capacities": bad}}

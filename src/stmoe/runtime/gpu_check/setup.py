@@ -92,10 +92,23 @@ def prepare_routing(shared: Path, out: Path) -> Path:
 
 def _split_key(head: RoutingTrace) -> dict[str, int]:
     """What a split was sized for: the profiled tokens' very routing (a checksum: their
-    layers, their split point and their rows) and the total it shares out; a prepared split
-    is used only where both match."""
+    layers, their split point and their rows), the total it shares out, and the code that
+    sized it; a prepared split is used only where all three match."""
     return {"experts_cached": round(SPLIT_SHARE * head.num_experts),
-            "head": zlib.crc32(np.ascontiguousarray(head.experts).tobytes())}
+            "head": zlib.crc32(np.ascontiguousarray(head.experts).tobytes()),
+            "code": _package_checksum()}
+
+
+def _package_checksum() -> int:
+    """A checksum of stmoe's sources (the sizing's, its predictors' and replay's among
+    them): a split sized before any of them changed is sized again, not trusted."""
+    import stmoe
+
+    root, crc = Path(stmoe.__file__).parent, 0
+    for path in sorted(root.rglob("*.py")):
+        crc = zlib.crc32(path.read_bytes(), zlib.crc32(path.relative_to(root).as_posix()
+                                                       .encode(), crc))
+    return crc
 
 
 def _size_split(head: RoutingTrace) -> tuple[int, ...]:
