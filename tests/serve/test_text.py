@@ -22,8 +22,8 @@ class _Service:
     def __init__(self, pieces: list[str]) -> None:
         self.pieces = pieces
 
-    def text(self, tokens: list[int]) -> str:
-        return "".join(self.pieces[t] for t in tokens)
+    def text(self, tokens: list[int], n: int) -> str:
+        return "".join(self.pieces[t] for t in tokens[:n])
 
 
 def _run(pieces: list[str], stops: list[str]) -> tuple[list[str], str, TextStream, _Job]:
@@ -101,3 +101,16 @@ def test_used_stops_at_the_token_that_completed_the_stop_string():
     assert stream.used == 4 and stream.text == "abc"
     late = _run_late(["ab", "c", "ST", "OP", "de", "f"], ["STOP"], 6)
     assert late.used == 4 and late.text == "abc"
+
+
+def test_a_stop_string_in_rewritten_earlier_text_is_found():
+    """Each push searches only where a stop string could newly begin, unless the text no
+    longer goes on from the last one read (a decoder that rewrote it): then all of it."""
+    texts = ["", "hello world", "STOP world!!"]  # the second token rewrites the first's text
+    job = _Job()
+    stream = TextStream(lambda tokens, n: texts[n], job, ["STOP"])
+    job.output.append(0)
+    assert stream.push() == "hello world"
+    job.output.append(1)
+    stream.push()
+    assert stream.stopped and stream.text == "" and job.cancelled

@@ -42,12 +42,16 @@ class AfterPrompt:
         self.head = self._decode(self.context)
 
     def __call__(self, tokens: Sequence[int]) -> str:
+        added = self.after(tokens)
+        return self._decode(list(tokens)) if added is None else added
+
+    def after(self, tokens: Sequence[int]) -> str | None:
+        """The text ``tokens`` add after the context, or None where the context's own text
+        does not begin the whole (or there is none): ``__call__`` decodes them alone."""
         if not self.head:  # no context, or one of special tokens only
-            return self._decode(list(tokens))
+            return None
         whole = self._decode(self.context + list(tokens))
-        if whole.startswith(self.head):
-            return whole[len(self.head):]
-        return self._decode(list(tokens))
+        return whole[len(self.head):] if whole.startswith(self.head) else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from stmoe.hf.completion_text import AfterPrompt
+from stmoe.hf.completion_text import CONTEXT_MAX
+from stmoe.hf.growing_text import GrowingText
 from stmoe.runtime.api import OffloadedModel
 from stmoe.runtime.batcher import Request, Sampling, StepBatcher, choice_seed
 from stmoe.serve.logprobs import TokenPieces
@@ -149,9 +150,10 @@ class Service:
     def reader(self, request: Request) -> Callable[[list[int]], str]:
         """The text of a completion's tokens, as it reads after ``request``'s prompt
         (``AfterPrompt``: a sentencepiece tokenizer's first space kept); special tokens and
-        the end-of-sequence token not shown."""
-        after = AfterPrompt(self._tok(), request.ids[0].tolist(), skip_special_tokens=True)
-        return lambda tokens: after([t for t in tokens if t not in self.eos])
+        the end-of-sequence token not shown. Read as they come (``GrowingText``: each read
+        costs the tokens since a recent point, not all of them)."""
+        return GrowingText(self._tok(), request.ids[0, -CONTEXT_MAX:].tolist(),
+                           skip_special_tokens=True, hidden=self.eos)
 
     def pieces(self) -> TokenPieces:
         """The tokenizer's tokens as bytes and text (log-probabilities name each token)."""

@@ -1,13 +1,13 @@
 """A completion's text as its tokens arrive: whole characters only, cut at a stop string.
 
-Tokens decode to text only together (a character may span tokens), so the text is
-decoded whole each time and the new part sent; a tail that could still begin a
-stop string is held back until it cannot.
+Tokens decode to text only together (a character may span tokens), so the text of all of
+them is read each time (``Service.reader``: from a recent point, not decoded whole) and the
+new part sent; a tail that could still begin a stop string is held back until it cannot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 
 class TextStream:
-    """The text of ``job``'s tokens so far (``decode``: the text of its first n, as
-    ``Service.reader`` makes it); ``push`` returns what may be sent now.
+    """The text of ``job``'s tokens so far (``decode(tokens, n)``: the text of the first n,
+    as ``Service.reader`` makes it); ``push`` returns what may be sent now.
     ``used``: how many of the tokens that text was decoded from (frozen at a stop string:
     the tokens after it are not the completion's).
 
@@ -25,9 +25,11 @@ class TextStream:
     that completed it, and the text, ``used`` (its log-probabilities, its usage) are the
     same whatever the timing, so another client's load cannot change them."""
 
-    def __init__(self, decode: Callable[[list[int]], str], job: Request,
+    def __init__(self, decode: Callable[[Sequence[int], int], str], job: Request,
                  stops: list[str]) -> None:
         self.decode, self.job, self.stops = decode, job, stops
+        self.tokens: list[int] = []  # the job's tokens read so far (grown, never copied)
+        self.clear = ""  # the last text read that holds no stop string
         self.sent = ""
         self.text = ""
         self.stopped = False
@@ -39,14 +41,20 @@ class TextStream:
         """After a new token: the text that can be sent (maybe empty)."""
         if self.stopped:
             return ""
-        return self._read(list(self.job.output), last=False)
+        return self._read(self._grow(), last=False)
 
     def flush(self) -> str:
         """At the end: everything not sent yet, its stop strings applied as ``push``'s (the
         last token's text may have been held back as an incomplete character)."""
         if self.stopped:
             return self._send(self.text)
-        return self._read(list(self.job.output), last=True)
+        return self._read(self._grow(), last=True)
+
+    def _grow(self) -> list[int]:
+        """The job's tokens, those new since the last read added (the batcher's thread
+        appends to its list; a slice of it is taken whole)."""
+        self.tokens += self.job.output[len(self.tokens):]
+        return self.tokens
 
     def _read(self, tokens: list[int], last: bool) -> str:
         """The tokens not read yet, one prefix at a time, as a push after each would read
@@ -55,7 +63,7 @@ class TextStream:
         full = None
         for n in range(self.seen + 1, len(tokens) + 1):
             self.seen = n
-            full = self.decode(tokens[:n])
+            full = self.decode(tokens, n)
             self.lengths[n] = len(full)
             if full.endswith("\ufffd") and not (last and n == len(tokens)):
                 full = None  # a character still incomplete
@@ -65,16 +73,22 @@ class TextStream:
         if full is None:  # no new text of whole characters
             if not last:
                 return ""
-            full = self.decode(tokens)  # at the end, an incomplete one is read too
+            full = self.decode(tokens, len(tokens))  # at the end, an incomplete one too
             if self.stops and self._stop(full, len(tokens)):
                 return self._send(self.text)
         self.used, self.text = len(tokens), full
         return self._send(full if last else full[: len(full) - self._held(full)])
 
     def _stop(self, full: str, used: int) -> bool:
-        """``full`` (of ``used`` tokens) cut at its first stop string, if it holds one."""
-        found = [at for at in (full.find(stop) for stop in self.stops) if at >= 0]
+        """``full`` (of ``used`` tokens) cut at its first stop string, if it holds one:
+        searched from where one could begin after the last text read without one, when
+        ``full`` goes on from that text (else from its start)."""
+        longest = max(len(stop) for stop in self.stops)
+        start = (max(0, len(self.clear) - longest + 1) if full.startswith(self.clear)
+                 else 0)
+        found = [at for at in (full.find(stop, start) for stop in self.stops) if at >= 0]
         if not found:
+            self.clear = full
             return False
         self.text, self.used, self.stopped = full[: min(found)], used, True
         self.job.cancel()  # leaves the batch at the next step
@@ -84,7 +98,7 @@ class TextStream:
         """The length of the first ``n`` tokens' text (a log-probability's text offset):
         each prefix's text is decoded once, here or as it was read."""
         if n not in self.lengths:
-            self.lengths[n] = len(self.decode(list(self.job.output)[:n]))
+            self.lengths[n] = len(self.decode(self._grow(), n))
         return self.lengths[n]
 
     def final(self) -> str:
