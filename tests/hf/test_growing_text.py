@@ -114,3 +114,83 @@ def test_each_read_decodes_a_bounded_number_of_tokens():
         assert text(tokens, n) == "c" * n
     assert max(tok.read) <= STRIDE + 2 * CONTEXT_MAX, max(tok.read)
     assert sum(tok.read) < 2000 * (STRIDE + 2 * CONTEXT_MAX)
+
+
+def _byte_fallback_chain():
+    """Llama 2's decoder chain over one word and all 256 byte-fallback pieces."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "\u2581w": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_no_point_is_settled_where_its_context_begins_inside_a_character():
+    """A real U+FFFD among the last tokens makes every context hold one, so the context
+    taken is 24 tokens that begin inside 中: a point is settled only where the text ends
+    in its context's own text (the helper's review found the text going wrong here)."""
+    tok = _byte_fallback_chain()
+    by = lambda s: [2 + b for b in s.encode()]  # noqa: E731
+    _check_every_length(tok, [1], by("中" * 9 + "\ufffd" + "é") + by("中") + [1] + by("é" * 30),
+                        skip=True)
+    rng = random.Random(5)
+    for _ in range(3):  # random bytes, real U+FFFDs among them
+        tokens = [rng.choice([1, *by("\ufffd"), *by("中é"), rng.randrange(2, 258)])
+                  for _ in range(200)]
+        _check_every_length(tok, [1], tokens)
+
+
+def test_a_decoder_rewriting_across_the_context_is_not_settled_there():
+    """Fuse then Replace("aa", "b"): a context of an odd count of "a"s reads otherwise than
+    the text does there."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "c": 2}, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("aa", "b")])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    _check_every_length(tok, [2], [2] + [1] * 32 + [2] * 40)
+
+
+def test_a_tokenizer_cleaning_up_spaces_is_decoded_whole():
+    """transformers' clean-up of spaces reads the whole text (" ' " -> "'", left to right:
+    which space goes can hang on any apostrophe before), which no context bounds: no point
+    is settled, every read is the whole decode (a local decoder would settle at 32 here)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "'": 2}, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                  clean_up_tokenization_spaces=True)
+    tokens = [1] * 40 + [2, 2, 2, 0, 2, 2, 2]
+    text = GrowingText(tok, [1], skip_special_tokens=True)
+    whole = AfterPrompt(tok, [1], skip_special_tokens=True)
+    for n in range(len(tokens) + 1):
+        assert text(tokens, n) == whole(tokens[:n])
+    assert text.fixed == 0
+
+
+def test_a_context_of_skipped_tokens_moves_on():
+    """Special tokens skipped at the first point: the point is tried again further on, so
+    the reads after it stay bounded (else each would decode the whole completion)."""
+    tok = _shipped()
+    pad = tok.pad_token_id
+    words = tok("one two three four five six seven eight nine ten " * 40).input_ids
+    tokens = words[:28] + [pad] * 4 + words[28:400]
+    sizes: list[int] = []
+    decode = tok.decode
+
+    class Counting:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            sizes.append(len(token_ids))
+            return decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    text = GrowingText(Counting(), words[:4], skip_special_tokens=True)
+    whole = AfterPrompt(tok, words[:4], skip_special_tokens=True)
+    for n in range(len(tokens) + 1):
+        assert text(tokens, n) == whole(tokens[:n])
+    assert text.fixed > 300 and max(sizes[-100:]) <= STRIDE + 2 * CONTEXT_MAX

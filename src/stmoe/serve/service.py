@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -147,7 +147,7 @@ class Service:
         self.batcher.submit_all(requests)
 
     # ---- text ----------------------------------------------------------------------
-    def reader(self, request: Request) -> Callable[[list[int]], str]:
+    def reader(self, request: Request) -> GrowingText:
         """The text of a completion's tokens, as it reads after ``request``'s prompt
         (``AfterPrompt``: a sentencepiece tokenizer's first space kept); special tokens and
         the end-of-sequence token not shown. Read as they come (``GrowingText``: each read

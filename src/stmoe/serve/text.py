@@ -29,7 +29,7 @@ class TextStream:
                  stops: list[str]) -> None:
         self.decode, self.job, self.stops = decode, job, stops
         self.tokens: list[int] = []  # the job's tokens read so far (grown, never copied)
-        self.clear = ""  # the last text read that holds no stop string
+        self.stop_free = ""  # the last text read that holds no stop string
         self.sent = ""
         self.text = ""
         self.stopped = False
@@ -84,11 +84,11 @@ class TextStream:
         searched from where one could begin after the last text read without one, when
         ``full`` goes on from that text (else from its start)."""
         longest = max(len(stop) for stop in self.stops)
-        start = (max(0, len(self.clear) - longest + 1) if full.startswith(self.clear)
+        start = (max(0, len(self.stop_free) - longest + 1) if full.startswith(self.stop_free)
                  else 0)
         found = [at for at in (full.find(stop, start) for stop in self.stops) if at >= 0]
         if not found:
-            self.clear = full
+            self.stop_free = full
             return False
         self.text, self.used, self.stopped = full[: min(found)], used, True
         self.job.cancel()  # leaves the batch at the next step
