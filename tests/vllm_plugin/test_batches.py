@@ -166,9 +166,10 @@ def test_a_gate_packed_away_by_vllms_cpu_dispatch_is_read_back_exactly():
     model = torch.nn.Module()
     model.mlp = block
     got = _router(model, "mlp.experts", block.experts)
-    assert got is not None and torch.equal(got, w)
+    assert got is not None and torch.equal(got.weight, w) and got.picks is None
     block.gate = torch.nn.Linear(24, 16, bias=False)  # a plain weight: itself
-    assert _router(model, "mlp.experts", block.experts) is block.gate.weight
+    got = _router(model, "mlp.experts", block.experts)
+    assert got is not None and got.weight is block.gate.weight
 
 
 def test_eager_is_enforce_eager_or_compilation_off():

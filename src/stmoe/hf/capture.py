@@ -132,7 +132,7 @@ class RoutingRecorder:
                 hidden = args[0] if args else kwargs["hidden_states"]
                 hidden = hidden.reshape(-1, hidden.shape[-1])
                 router = self.routers[layer + 1]
-                width = min(2 * index.shape[-1], router.shape[0])
+                width = min(2 * index.shape[-1], router.num_experts)
                 step.look.append(lookahead_ids(hidden, router, width).to("cpu"))
 
         return hook
@@ -150,7 +150,7 @@ class RoutingRecorder:
                                    "or out of order in one forward call")
             hidden = args[0] if args else kwargs["hidden_states"]
             router = self.routers[layer]
-            width = min(2 * step.top_k, router.shape[0])  # top-K: known from MoE layer 0
+            width = min(2 * step.top_k, router.num_experts)  # top-K: known from MoE layer 0
             x = late_hidden(self.late[layer][1], hidden).reshape(-1, hidden.shape[-1])
             step.look_late.append(lookahead_ids(x, router, width).to("cpu"))
 

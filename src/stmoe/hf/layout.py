@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stmoe.hf.routers import Router, find_routers
+
 # the norm a decoder layer applies right before its MoE block, by the names transformers uses
 PRE_MOE_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "post_attention_layernorm",
                  "ffn_norm")
@@ -26,17 +28,17 @@ PRE_MOE_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "post_attentio
 @dataclass(frozen=True, eq=False)
 class ModelLayout:
     """A model's MoE facts, found once: its routed-experts modules in layer order (name,
-    module), each MoE layer's router weight [N, H] and its (decoder layer, pre-MoE norm)
+    module), each MoE layer's router (``hf.routers``) and its (decoder layer, pre-MoE norm)
     for the late gate lookahead (None where some layer's cannot be found)."""
 
     modules: list[tuple[str, torch.nn.Module]]
-    routers: list[torch.Tensor] | None
+    routers: list[Router] | None
     late: list[tuple[torch.nn.Module, torch.nn.Module]] | None
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelLayout:
         modules = experts_modules(model)
-        return cls(modules, routers(model, modules), late_points(model, modules))
+        return cls(modules, find_routers(model, modules), late_points(model, modules))
 
     @property
     def num_layers(self) -> int:
@@ -77,28 +79,6 @@ def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return found
 
 
-def routers(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]
-            ) -> list[torch.Tensor] | None:
-    """Each MoE layer's router weight [N, H] (the gate next to its experts), or None
-    when some layer's cannot be found (then no gate lookahead)."""
-    found = []
-    for name, experts in modules:
-        n = int(getattr(experts, "num_experts", 0))
-        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        weight = None
-        for child_name, child in parent.named_children():
-            w = getattr(child, "weight", None)
-            if child is experts or not isinstance(w, torch.Tensor) or w.dim() != 2:
-                continue
-            if w.shape[0] == n and child_name in ("gate", "router", "gate_proj", "wg"):
-                weight = w
-                break
-        if weight is None:
-            return None
-        found.append(weight)
-    return found
-
-
 def late_points(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]
                 ) -> list[tuple[torch.nn.Module, torch.nn.Module]] | None:
     """Each MoE layer's (decoder layer, pre-MoE norm), for the *late* gate lookahead
@@ -136,10 +116,10 @@ def late_hidden(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return norm(hidden.detach())
 
 
-def lookahead_ids(hidden: torch.Tensor, router: torch.Tensor, width: int) -> torch.Tensor:
-    """Top-``width`` experts of ``router`` applied to ``hidden`` ([T, H]), ranked."""
-    logits = hidden.detach().to(torch.float32) @ router.detach().to(torch.float32).T
-    return torch.topk(logits, width, dim=-1).indices
+def lookahead_ids(hidden: torch.Tensor, router: Router, width: int) -> torch.Tensor:
+    """Top-``width`` experts of ``router`` for ``hidden`` ([T, H]), ranked (``Router.ranked``:
+    the family's own top-k first where its router module picks one)."""
+    return router.ranked(hidden, width)
 
 
 def layer_number(name: str) -> int:

@@ -38,6 +38,7 @@ from stmoe.admission import Admission
 from stmoe.cache_policy import RUNTIME, policy_code
 from stmoe.errors import OffloadError, StoreError
 from stmoe.hf.layout import ModelLayout
+from stmoe.hf.routers import Router
 from stmoe.predictors.base import Predictor
 from stmoe.runtime.cache import LayerCache, param_specs
 from stmoe.runtime.experts_path import ExpertsPath, Layers
@@ -82,7 +83,7 @@ class OffloadEngine:
     def _wire(self, model: torch.nn.Module, layers: Layers, store: ExpertStore, tier: Tier,
               predictor: Predictor, settings: EngineSettings, device: torch.device,
               lookahead: GateLookahead | None,
-              prompt_routers: list[torch.Tensor] | None,
+              prompt_routers: list[Router] | None,
               planner: type[PrefetchPlanner] = PrefetchPlanner,
               layouts: dict[str, SlotLayout] | None = None,
               worker_cpus: set[int] | None = None) -> None:

@@ -31,6 +31,7 @@ import torch
 from stmoe import cache_policy as cp
 from stmoe.errors import OffloadError
 from stmoe.hf.layout import ModelLayout, late_hidden, lookahead_ids
+from stmoe.hf.routers import Router
 from stmoe.predictors.base import Predictor, PredictorError
 from stmoe.runtime.prefetch import Prefetcher
 from stmoe.runtime.state import EngineState
@@ -41,7 +42,7 @@ class GateLookahead:
     """The gate lookahead a run computes: each MoE layer's router, and with the late
     point each layer's (decoder layer, pre-MoE norm)."""
 
-    routers: list[torch.Tensor]
+    routers: list[Router]
     late: list[tuple[torch.nn.Module, torch.nn.Module]] | None
 
 
@@ -69,7 +70,7 @@ class PrefetchPlanner:
     def __init__(self, state: EngineState, predictor: Predictor, prefetcher: Prefetcher,
                  lookahead: GateLookahead | None, max_loads: int,
                  capacities: tuple[int, ...],
-                 prompt_routers: list[torch.Tensor] | None = None) -> None:
+                 prompt_routers: list[Router] | None = None) -> None:
         self.state, self.predictor, self.prefetcher = state, predictor, prefetcher
         self.predicts = predictor.prefetches  # else nothing to learn or queue
         self.horizon = predictor.horizon
@@ -179,8 +180,8 @@ class PrefetchPlanner:
         assert self.prompt_routers is not None
         router = self.prompt_routers[layer]
         picks = lookahead_ids(hidden.reshape(-1, hidden.shape[-1]), router,
-                              min(self.top_k, router.shape[0])).reshape(-1)
-        return torch.bincount(picks, minlength=router.shape[0])
+                              min(self.top_k, router.num_experts)).reshape(-1)
+        return torch.bincount(picks, minlength=router.num_experts)
 
     def _stream_prompt(self, layer: int, hidden: torch.Tensor,
                        counts: np.ndarray | None = None) -> None:
@@ -227,7 +228,7 @@ class PrefetchPlanner:
         if norm is not None:
             last_rows = late_hidden(norm, last_rows)
         router = self.routers[layer]
-        return lookahead_ids(last_rows, router, min(2 * self.top_k, router.shape[0]))
+        return lookahead_ids(last_rows, router, min(2 * self.top_k, router.num_experts))
 
     def _lookahead(self, layer: int, hidden: torch.Tensor,
                    norm: torch.nn.Module | None = None, early: np.ndarray | None = None) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from stmoe.errors import OffloadError
+from stmoe.hf.routers import Router
 from stmoe.predictors.base import Predictor, PredictorError
 from stmoe.quant.formats import WeightFormat
 from stmoe.runtime.engine import OffloadEngine
@@ -128,7 +129,7 @@ def worker_cpus() -> set[int] | None:
     return others or None
 
 
-def _lookahead(predictor: Predictor, routers: list[torch.Tensor] | None) -> GateLookahead | None:
+def _lookahead(predictor: Predictor, routers: list[Router] | None) -> GateLookahead | None:
     """The early gate lookahead, for predictors that take one (vLLM's decoder layers give
     no pre-MoE norm to hook, so never the late one)."""
     if not (predictor.uses_lookahead and predictor.horizon == 1):

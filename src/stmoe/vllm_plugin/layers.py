@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stmoe.hf.routers import Router
 from stmoe.vllm_plugin.config import PluginConfigError
 
 # the per-expert weights the plugin moves, in block order (vLLM's names)
@@ -53,12 +54,12 @@ QUANTIZED = {
 
 @dataclass(frozen=True)
 class MoeLayer:
-    """One routed-experts layer of a vLLM model: its module, its router's weight (the
+    """One routed-experts layer of a vLLM model: its module, its router (the
     gate beside it, for the gate lookahead; None where not found) and its place."""
 
     name: str
     module: torch.nn.Module  # vLLM's RoutedExperts
-    router: torch.Tensor | None
+    router: Router | None
     index: int  # its number among the model's MoE layers
 
     @property
@@ -176,9 +177,10 @@ def _check_scales(module: torch.nn.Module, scales: tuple[tuple[str, str, str], .
     return None
 
 
-def _router(model: torch.nn.Module, name: str, module: torch.nn.Module) -> torch.Tensor | None:
-    """The router weight [N, H] beside the layer: a ``gate`` child of an enclosing block (its
-    weight, or where vLLM's CPU linear dispatch packed it away, read back: ``_unpacked``)."""
+def _router(model: torch.nn.Module, name: str, module: torch.nn.Module) -> Router | None:
+    """The router beside the layer: a ``gate`` child of an enclosing block, its weight [N, H]
+    (or where vLLM's CPU linear dispatch packed it away, read back: ``_unpacked``). Ranked by
+    its logits alone: vLLM's gates return the logits, and the fused kernel picks the top-k."""
     n = module.global_num_experts
     parts = name.split(".")
     for cut in range(len(parts) - 1, 0, -1):
@@ -186,10 +188,10 @@ def _router(model: torch.nn.Module, name: str, module: torch.nn.Module) -> torch
         gate = getattr(parent, "gate", None)
         w = getattr(gate, "weight", None)
         if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == n:
-            return w
+            return Router(w)
         if (gate is not None and getattr(gate, "output_size", None) == n
                 and callable(getattr(gate, "cpu_linear", None))):
-            return _unpacked(gate)
+            return Router(_unpacked(gate))
     return None
 
 

@@ -1,0 +1,104 @@
+"""``Router``: the gate lookahead ranks a layer's experts as its family's router chooses them.
+
+transformers' router modules pick their layer's own top-k; the lookahead asks them, so on
+the router's very input its first K are the routed experts in every family, DeepSeek-V3's
+score-correction bias with grouped top-k and GPT-OSS's router bias included, where ranking
+by ``hidden @ weight.T`` alone picks others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stmoe.hf.layout import ModelLayout
+from stmoe.hf.routers import ROUTER_NAMES, Router
+from tiny_moe import FAMILIES, tiny_model
+
+
+def _routed(model: torch.nn.Module, layout: ModelLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each MoE layer's (router input, the experts' top-k ids) in one forward."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    hooks = []
+
+    def keep(layer: int, arg: int):  # type: ignore[no-untyped-def]
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            seen.setdefault(layer, []).append(args[arg].detach())
+        return hook
+
+    for layer, (name, experts) in enumerate(layout.modules):
+        block = model.get_submodule(name.rsplit(".", 1)[0])
+        gate = next(getattr(block, n) for n in ROUTER_NAMES if hasattr(block, n))
+        hooks.append(gate.register_forward_pre_hook(keep(layer, 0)))
+        hooks.append(experts.register_forward_pre_hook(keep(layer, 1)))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[5, 17, 33, 60, 7, 21, 44, 90, 3, 12]]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(x.reshape(-1, x.shape[-1]), ids.reshape(x.numel() // x.shape[-1], -1))
+            for x, ids in (seen[layer] for layer in sorted(seen))]
+
+
+def _sets(ids: torch.Tensor) -> list[set[int]]:
+    return [set(row.tolist()) for row in ids]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_lookaheads_first_k_are_the_routed_experts_in_every_family(family):
+    model, _ = tiny_model(family)
+    layout = ModelLayout.of(model)
+    assert layout.routers is not None
+    for (x, ids), router in zip(_routed(model, layout), layout.routers, strict=True):
+        k = ids.shape[-1]
+        ranked = router.ranked(x, min(2 * k, router.num_experts))
+        assert _sets(ranked[:, :k]) == _sets(ids)
+        assert all(len(set(row.tolist())) == ranked.shape[1] for row in ranked)  # no repeats
+
+
+@pytest.mark.parametrize("family,changes,bias", [
+    ("deepseek_v3", {"n_group": 4, "topk_group": 2}, "e_score_correction_bias"),
+    ("gpt_oss", {}, "bias"),
+])
+def test_a_routers_bias_and_groups_are_what_the_logits_alone_miss(family, changes, bias):
+    """A bias of a few units (DeepSeek-V3's lie near 5, its scores in 0..1): the routed
+    experts are the lookahead's first K, and not the logits' top K in some rows."""
+    model, _ = tiny_model(family, **changes)
+    layout = ModelLayout.of(model)
+    assert layout.routers is not None
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for router in layout.routers:
+            b = getattr(router.picks, bias)
+            b.copy_(torch.randn(b.shape, generator=gen) * 3 + 5)
+    missed = 0
+    for (x, ids), router in zip(_routed(model, layout), layout.routers, strict=True):
+        k = ids.shape[-1]
+        assert _sets(router.ranked(x, 2 * k)[:, :k]) == _sets(ids)
+        alone = Router(router.weight).ranked(x, k)  # (what the lookahead ranked before)
+        missed += sum(a != b for a, b in zip(_sets(alone), _sets(ids), strict=True))
+    assert missed > 0
+
+
+def test_a_plain_linear_gate_is_ranked_by_its_logits():
+    """A gate that returns logits alone (not a top-k router) is not asked for a top-k."""
+    from stmoe.hf.routers import _picks_top_k
+
+    gate = torch.nn.Linear(6, 5, bias=False)
+    assert not _picks_top_k(gate, gate.weight)
+    x = torch.randn(3, 6)
+    want = torch.topk(x @ gate.weight.T, 4, dim=-1).indices
+    assert torch.equal(Router(gate.weight).ranked(x, 4), want)
+
+
+def test_after_the_top_k_the_rest_rank_by_logit():
+    class TopK(torch.nn.Module):
+        """Picks experts 4 then 0 (weights 0.7, 0.9: ranked 0, 4) whatever the logits."""
+
+        def forward(self, x):
+            logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0]]).expand(x.shape[0], -1)
+            return logits, torch.tensor([[0.7, 0.9]]), torch.tensor([[4, 0]])
+
+    router = Router(torch.zeros(5, 2), TopK())
+    assert router.ranked(torch.zeros(1, 2), 4).tolist() == [[0, 4, 1, 2]]
+    assert router.ranked(torch.zeros(1, 2), 1).tolist() == [[0]]
