@@ -38,6 +38,7 @@ def test_every_command_has_help(cli, command):
     result = cli(command, "--help")
     assert result.exit_code == 0
     assert "Usage: stmoe" in result.output and len(result.output) > 200
+    assert cli(command, "-h").output == result.output  # (-h was "No such option")
 
 
 @pytest.mark.parametrize("command", COMMANDS)

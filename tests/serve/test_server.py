@@ -258,6 +258,10 @@ BAD = [
      "valid number"),
     (json.dumps({"model": NAME, "prompt": "x", "stop": 5}), 400, "stop", "a string"),
     (json.dumps({"model": NAME, "prompt": "x", "stop": ["a", None]}), 400, "stop", "a string"),
+    (json.dumps({"model": NAME, "prompt": "x", "stop": ""}), 400, "stop",
+     "an empty string is no stop string"),
+    (json.dumps({"model": NAME, "prompt": "x", "stop": ["a"] * 5}), 400, "stop",
+     "at most 4 stop strings, got 5"),
     (json.dumps({"model": NAME, "prompt": "x", "stream": True,
                  "stream_options": {"include_usage": 1}}), 400,
      "stream_options.include_usage", "boolean"),
@@ -284,15 +288,38 @@ BAD = [
 @pytest.mark.parametrize(("body", "status", "param", "says"), BAD)
 def test_bad_input_gets_the_openai_error_and_the_server_goes_on(server, body, status, param,
                                                                  says):
-    url, _ = server
+    url, service = server
+    counts = service.counters.requests
+    invalid = counts.get("invalid", 0)
     code, answer = _post(url + "/v1/completions", body)
     assert code == status, answer
     error = answer["error"]
     assert says in error["message"] and error["param"] == param, error
     assert error["type"] in ("invalid_request_error", "not_found_error")
+    assert counts.get("invalid", 0) == invalid + 1  # counted on /metrics, once
     ok, _ = _post(url + "/v1/completions", json.dumps({"model": NAME, "prompt": "x",
                                                        "max_tokens": 2}))
-    assert ok == 200
+    assert ok == 200 and counts.get("invalid", 0) == invalid + 1
+    assert f'stmoe_requests_total{{outcome="invalid"}} {invalid + 1}' in _get(url + "/metrics")
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
+    """One line naming the port, exit 1, in seconds; no "serving" line for a port the server
+    never got (it had printed one, then uvicorn's traceback-free error and exit 3)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "stmoe", "serve", "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "serving" not in run.stdout, (run.stdout, run.stderr)
+    assert run.stderr.strip().splitlines() == [
+        f"error: --host 127.0.0.1 --port {port}: cannot listen there: the port is in use; "
+        "stop what listens there or pick another --port"]
 
 
 def test_bad_chat_messages_are_refused(server):

@@ -38,6 +38,7 @@ app = typer.Typer(
     help="ST-MoE expert prefetching for Mixture-of-Experts inference: routing traces, "
     "prediction, analysis, simulation and offloading. Run `stmoe COMMAND --help` for details.",
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     add_completion=False,
     # help texts are plain text: "[min, max]" and "[x>=1]" stay as written (rich markup

@@ -93,12 +93,13 @@ def serve_cmd(
         raise StmoeError(f"--log-level {log_level}: expected warning, info or debug")
     model = checked_model(model, capacity, memory)
     try:
-        from stmoe.serve.runner import serve_forever
+        from stmoe.serve.runner import listening_socket, serve_forever
         from stmoe.serve.service import Service
     except ImportError as exc:
         raise StmoeError(f"serve needs fastapi and uvicorn ({exc}); install them with "
                          "pip install -e '.[hf]'") from None
-    with offload_for("serve", model, store, capacity, threads, memory=memory,
+    sock = listening_socket(host, port)  # before the load: a port in use fails at once
+    with sock, offload_for("serve", model, store, capacity, threads, memory=memory,
                      predictor=predictor, tables=tables, policy=policy, tier=tier,
                      bandwidth=bandwidth, latency=latency, workers=workers,
                      admission=admission, format=weights, group_size=group_size,
@@ -112,7 +113,7 @@ def serve_cmd(
                   f"experts, {c['capacity']} of {c['num_experts']} per layer cached, predictor "
                   f"{c['predictor']}, tier {c['tier']}, up to {max_batch} requests per step; "
                   + _step_mode(service.batcher), markup=False)
-        serve_forever(service, host, port, log_level)  # closes the service
+        serve_forever(service, sock, log_level)  # closes the service
 
 
 def _step_mode(batcher: StepBatcher) -> str:

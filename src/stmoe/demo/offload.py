@@ -40,11 +40,12 @@ _MEASURED = ("decode_tokens_per_s", "stall_share", "hit_rate", "prefetch_recall"
              "prefetch_precision", "bytes_moved", "bytes_wasted")
 
 
-def measure_rounds(runs: dict[str, Callable[[], Any]], rounds: int,
-                   reference: list[int]) -> dict[str, dict[str, Any]]:
+def measure_rounds(runs: dict[str, Callable[[], Any]], rounds: int, reference: list[int],
+                   progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
     """Each of ``runs`` (name: one untimed-setup-free generation) ``rounds`` times, rotated
     per round (a slow spell of a shared machine hits every system alike), after one
-    untimed warm-up each; medians, ranges and whether every run gave ``reference``."""
+    untimed warm-up each; medians, ranges and whether every run gave ``reference``.
+    ``progress`` is told as each round ends (a round can take a minute)."""
     names = list(runs)
     results: dict[str, list[Any]] = {n: [] for n in names}
     for fn in runs.values():  # untimed: first calls pay one-off set-up costs
@@ -52,6 +53,8 @@ def measure_rounds(runs: dict[str, Callable[[], Any]], rounds: int,
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             results[name].append(runs[name]())
+        if progress is not None:
+            progress(f"  round {r + 1} of {rounds} done")
     systems = {}
     for name, rs in results.items():
         row: dict[str, Any] = {k: statistics.median(getattr(x, k) for x in rs) for k in _MEASURED}
@@ -135,7 +138,7 @@ def real_size_section(trace: Any, *, sequence: int, layers: int, new_tokens: int
               f"{steps} tokens each (EMULATED {REAL_LINK}/s link, half the experts cached)")
         systems = measure_rounds(
             {name: (lambda m=m: m.force_routing(plan, max_new_tokens=steps))
-             for name, m in models.items()}, rounds, reference)
+             for name, m in models.items()}, rounds, reference, progress=stage)
     return {"model": f"RANDOM weights, {REAL_LIKE}", "expert_mib": expert_bytes / 2**20,
             "layers": layers,
             "link": REAL_LINK, "capacity": CAPACITY, "new_tokens": steps, "rounds": rounds,

@@ -169,7 +169,8 @@ def check_link(name: str, bandwidth: float | str | None,
             raise OffloadError(f"--latency applies to --tier emulated only, not --tier {name}")
         return None, 0.0
     if bandwidth is None:
-        raise OffloadError("the emulated tier needs a bandwidth (bytes/s, e.g. 200MB)")
+        raise OffloadError("the emulated tier needs a bandwidth: --bandwidth (bandwidth= in "
+                           "offload()), bytes/s, e.g. 200MB")
     bw = _parsed("--bandwidth", bandwidth, parse_bytes)
     if not (math.isfinite(bw) and bw >= MIN_BANDWIDTH):
         raise OffloadError(f"--bandwidth {bandwidth}: expected at least 1KB (bytes/s), and finite")

@@ -46,8 +46,16 @@ def create_app(service: Service, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     """The routes over ``service`` (which the caller closes)."""
     app = FastAPI(title="stmoe serve", docs_url=None, redoc_url=None, openapi_url=None)
 
+    def refused(status: int) -> None:
+        """A client's request refused before any work (a 4xx: bad JSON or fields, an
+        unknown model or path, a body too big or too slow), counted as ``invalid``; a full
+        queue's 429 is counted where it is raised (``rejected``)."""
+        if 400 <= status < 500 and status != 429:
+            service.record("invalid")
+
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        refused(exc.status)
         return error_response(exc)
 
     @app.exception_handler(Exception)
@@ -59,12 +67,14 @@ def create_app(service: Service, body_timeout: float = BODY_TIMEOUT) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        refused(exc.status_code)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind=kind).body(),
                             status_code=exc.status_code, headers=exc.headers)  # (405: Allow)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        refused(400)
         message, param = validation_message(list(exc.errors()))
         return JSONResponse(ApiError(400, message, param).body(), status_code=400)
 

@@ -70,8 +70,11 @@ def _stops(v: object) -> list[str] | None:
     if not isinstance(stops, list):
         raise ValueError(f"expected a string or a list of strings, got {kind(v)}")
     out = [strict_str(s, "each stop") for s in stops]
-    if len(out) > MAX_STOPS or any(not s for s in out):
-        raise ValueError(f"stop takes at most {MAX_STOPS} non-empty strings")
+    if any(not s for s in out):
+        raise ValueError("an empty string is no stop string (it would end every completion "
+                         "at once)")
+    if len(out) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(out)}")
     return out
 
 

@@ -29,8 +29,9 @@ def metrics_text(service: Service) -> str:
         lines.append(f"# TYPE stmoe_{name} {kind}")
         lines.extend(f"stmoe_{name}{labels} {value:g}" for labels, value in values)
 
-    outcomes = ("ok", "error", "cancelled", "rejected")
-    metric("requests_total", "counter", "Requests by outcome.",
+    outcomes = ("ok", "error", "cancelled", "rejected", "invalid")
+    metric("requests_total", "counter", "Requests by outcome (rejected: a full queue's 429 "
+           "or a closing server's 503; invalid: a 4xx refusal of the request itself).",
            [(f'{{outcome="{o}"}}', requests.get(o, 0)) for o in outcomes])
     metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
            [("", prompt)])

@@ -12,6 +12,7 @@ app is doing.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import socket
 import threading
@@ -21,7 +22,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from stmoe.errors import OffloadError
+from stmoe.errors import OffloadError, StmoeError
 from stmoe.serve.app import BODY_TIMEOUT, QuietErrors, create_app
 from stmoe.serve.protocol import ApiError
 from stmoe.serve.service import Service
@@ -96,12 +97,34 @@ def _server(service: Service, host: str, port: int, log_level: str,
     return uvicorn.Server(config)
 
 
-def serve_forever(service: Service, host: str = "127.0.0.1", port: int = 8000,
-                  log_level: str = "info") -> None:
-    """Serve until interrupted (Ctrl-C), then close the service."""
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use (or an address not
+    this machine's) fails in a second with one clear line, not after minutes of loading,
+    and no "serving" line is printed for a port the server never gets."""
     try:
-        _server(service, host, port, log_level).run()
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise StmoeError(f"--host {host}: not an address to listen on ({exc})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn's own)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        why = ("the port is in use; stop what listens there or pick another --port"
+               if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc))
+        raise StmoeError(f"--host {host} --port {port}: cannot listen there: {why}") from None
+    return sock
+
+
+def serve_forever(service: Service, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve on ``sock`` (``listening_socket``) until interrupted (Ctrl-C), then close the
+    service."""
+    host, port = sock.getsockname()[:2]
+    try:
+        _server(service, host, port, log_level).run(sockets=[sock])
     finally:
+        sock.close()
         service.close()
 
 
