@@ -108,7 +108,9 @@ def _equal_table(summary: dict[str, Any]) -> Table:
     domains, rows = equal_rows(summary)
     sizes = ", ".join(f"{d} {summary['equal_set_size'][d]['set_size']:.2f}" for d in domains)
     table = Table(title="Prediction recall per domain (held-out half) at equal set size: "
-                  f"ST-MoE's own mean ({sizes} experts)", title_justify="left")
+                  f"ST-MoE's own mean ({sizes} experts)", title_justify="left",
+                  caption="-: that predictor's sets never get that large",
+                  caption_justify="left")
     table.add_column("predictor")
     for d in domains:
         table.add_column(clean_label(d), justify="right")
