@@ -61,7 +61,7 @@ def test_the_lookaheads_first_k_are_the_routed_experts_in_every_family(family):
     ("gpt_oss", {}, "bias"),
 ])
 def test_a_routers_bias_and_groups_are_what_the_logits_alone_miss(family, changes, bias):
-    """A bias of a few units (DeepSeek-V3's lie near 5, its scores in 0..1): the routed
+    """A bias of a few units (DeepSeek-V3's are +2 or more, its scores in 0..1): the routed
     experts are the lookahead's first K, and not the logits' top K in some rows."""
     model, _ = tiny_model(family, **changes)
     layout = ModelLayout.of(model)

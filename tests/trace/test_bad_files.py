@@ -153,6 +153,13 @@ CASES = {
         [],
         ["x.jsonl", "token 1 has no record for layer 1", "line 3", "all 2 layers for every token"],
     ),
+    "jsonl record without its layer key": (  # (it said "'layer' is None")
+        "x.jsonl",
+        edit_jsonl(lambda ls: [*ls[:3], json.dumps({k: v for k, v in json.loads(ls[3]).items()
+                                                    if k != "layer"}), *ls[4:]]),
+        [],
+        ["x.jsonl", "line 4", "'layer' missing", "an integer 'layer' >= 0"],
+    ),
     # the meta line (stmoe export writes it) declares 3 layers: records of 2 are not a
     # 2-layer trace (issue 45)
     "jsonl meta declares a layer no record has": (

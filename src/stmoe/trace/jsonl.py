@@ -140,8 +140,8 @@ def _header(meta: Any, lineno: int, first: bool) -> dict[str, Any]:
 def _int_field(obj: dict[str, Any], key: str, lineno: int) -> int:
     value = obj.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62:
-        raise TraceError(f"{key!r} is {value!r}", position=f"line {lineno}",
-                         expected=f"an integer {key!r} >= 0")
+        said = f"{key!r} missing" if key not in obj else f"{key!r} is {value!r}"
+        raise TraceError(said, position=f"line {lineno}", expected=f"an integer {key!r} >= 0")
     return value
 
 
