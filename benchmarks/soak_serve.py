@@ -14,7 +14,7 @@ memory (VmRSS of its process) is sampled every 5 s. Targets (MET / NOT MET):
 * RSS flat after the warm-up (the first 20% of the run): max / min <= 1.05.
 
     python benchmarks/soak_serve.py [--seconds 300] [--clients 8] [--format int4]
-                                    [--json out.json]
+                                    [--lengths 4,9,16,24] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ PROMPTS = ["def fib(n):", "The capital of France is", "import numpy as np\n", "O
 LENGTHS = [4, 9, 16, 24]
 
 
-def solo_texts(fmt: str = "native") -> dict[tuple[int, int], str]:
+def solo_texts(fmt: str = "native",
+               lengths: list[int] = LENGTHS) -> dict[tuple[int, int], str]:
     """Every (prompt, length)'s greedy text on the resident model in ``fmt``, run alone."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -57,9 +58,9 @@ def solo_texts(fmt: str = "native") -> dict[tuple[int, int], str]:
         ids = tok(p, return_tensors="pt").input_ids
         with torch.no_grad():
             seq = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max(LENGTHS), do_sample=False, pad_token_id=eos)
+                                 max_new_tokens=max(lengths), do_sample=False, pad_token_id=eos)
         new = seq[0, ids.shape[1]:].tolist()
-        for n in LENGTHS:  # greedy: a shorter run is a prefix of the longer one
+        for n in lengths:  # greedy: a shorter run is a prefix of the longer one
             part = new[:n]
             if eos in part:
                 part = part[: part.index(eos) + 1]
@@ -84,8 +85,11 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--format", default="native", choices=["native", "int8", "int4"],
                    help="the server's experts and resident linears (quantized: LOSSY)")
+    p.add_argument("--lengths", type=lambda v: [int(x) for x in v.split(",")],
+                   default=LENGTHS, help="max_tokens the clients take turns with, comma-separated "
+                   "(over 32: the server's text is read from a settled point, GrowingText)")
     a = p.parse_args()
-    want = solo_texts(a.format)
+    want = solo_texts(a.format, a.lengths)
     quantized = ["--format", a.format, "--quantize-resident", a.format] \
         if a.format != "native" else []
     load = [os.getloadavg()]
@@ -111,7 +115,7 @@ def main() -> None:
                                 timeout=300)
             k = c
             while time.monotonic() < stop:
-                i, n = k % len(PROMPTS), LENGTHS[(k // len(PROMPTS)) % len(LENGTHS)]
+                i, n = k % len(PROMPTS), a.lengths[(k // len(PROMPTS)) % len(a.lengths)]
                 k += a.clients
                 with lock:
                     counts["sent"] += 1
