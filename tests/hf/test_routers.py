@@ -82,10 +82,10 @@ def test_a_routers_bias_and_groups_are_what_the_logits_alone_miss(family, change
 
 def test_a_plain_linear_gate_is_ranked_by_its_logits():
     """A gate that returns logits alone (not a top-k router) is not asked for a top-k."""
-    from stmoe.hf.routers import _picks_top_k
+    from stmoe.hf.routers import picks_top_k
 
     gate = torch.nn.Linear(6, 5, bias=False)
-    assert not _picks_top_k(gate, gate.weight)
+    assert not picks_top_k(gate, gate.weight)
     x = torch.randn(3, 6)
     want = torch.topk(x @ gate.weight.T, 4, dim=-1).indices
     assert torch.equal(Router(gate.weight).ranked(x, 4), want)

@@ -74,7 +74,7 @@ def find_routers(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Modul
             if child is experts or not isinstance(w, torch.Tensor) or w.dim() != 2:
                 continue
             if w.shape[0] == n and child_name in ROUTER_NAMES:
-                router = Router(w, child if _picks_top_k(child, w) else None)
+                router = Router(w, child if picks_top_k(child, w) else None)
                 break
         if router is None:
             return None
@@ -82,7 +82,7 @@ def find_routers(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Modul
     return found
 
 
-def _picks_top_k(module: torch.nn.Module, weight: torch.Tensor) -> bool:
+def picks_top_k(module: torch.nn.Module, weight: torch.Tensor) -> bool:
     """Whether ``module`` returns (logits, weights, ids) for one row, as transformers'
     top-k routers do (a plain linear gate returns the logits alone): asked once, on a
     row of zeros (no weights on the meta device: not asked)."""

@@ -174,15 +174,19 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     steps = Steps(runner, engine, capture, watch, forced)
     steps.install(model)
     atexit.register(steps.flush)
+    looks = engine.planner.routers  # (the gate lookahead's, where the predictor takes one)
+    look = ("" if looks is None else ", its gate lookahead ranked by vLLM's router"
+            if all(r.picks is not None for r in looks) else
+            ", its gate lookahead ranked by the gates' logits")
     log.info("stmoe: offloading %d MoE layers of %s: %s of %d experts cached per layer "
-             "(%s), predictor %s, policy %s, tier %s, %d workers (CPUs %s); experts %s, %s; "
+             "(%s), predictor %s%s, policy %s, tier %s, %d workers (CPUs %s); experts %s, %s; "
              "store %s (%s, "
              "%.1f MiB of "
              "experts); capture %s; routing %s; kernels warmed in %.1f s; ready in %.1f s; "
              "worker RSS %.2f GiB as vLLM had loaded the model, %.2f GiB now", len(layers),
              model_dir.name, capacities[0] if len(set(capacities)) == 1
              else ",".join(map(str, capacities)), num_experts, options.capacity, predictor.name,
-             settings.policy, options.tier, settings.workers,
+             look, settings.policy, options.tier, settings.workers,
              ",".join(map(str, sorted(engine.prefetcher.cpus or os.sched_getaffinity(0)))),
              weights, config.experts, store.path,
              ("indexed now" if packed else "in place, checked") if store.in_place

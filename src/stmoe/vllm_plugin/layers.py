@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stmoe.hf.routers import Router
+from stmoe.hf.routers import Router, picks_top_k
 from stmoe.vllm_plugin.config import PluginConfigError
 
 # the per-expert weights the plugin moves, in block order (vLLM's names)
@@ -179,20 +179,53 @@ def _check_scales(module: torch.nn.Module, scales: tuple[tuple[str, str, str], .
 
 def _router(model: torch.nn.Module, name: str, module: torch.nn.Module) -> Router | None:
     """The router beside the layer: a ``gate`` child of an enclosing block, its weight [N, H]
-    (or where vLLM's CPU linear dispatch packed it away, read back: ``_unpacked``). Ranked by
-    its logits alone: vLLM's gates return the logits, and the fused kernel picks the top-k."""
+    (or where vLLM's CPU linear dispatch packed it away, read back: ``_unpacked``), with vLLM's
+    own routing of its logits where the layer's runner has one (``VllmRouting``)."""
     n = module.global_num_experts
     parts = name.split(".")
+    routing = None
     for cut in range(len(parts) - 1, 0, -1):
         parent = model.get_submodule(".".join(parts[:cut]))
+        routing = routing or _routing(getattr(parent, "router", None))
         gate = getattr(parent, "gate", None)
         w = getattr(gate, "weight", None)
         if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == n:
-            return Router(w)
+            return _with_routing(w, routing)
         if (gate is not None and getattr(gate, "output_size", None) == n
                 and callable(getattr(gate, "cpu_linear", None))):
-            return Router(_unpacked(gate))
+            return _with_routing(_unpacked(gate), routing)
     return None
+
+
+class VllmRouting(torch.nn.Module):
+    """vLLM's own routing of a gate's logits, for the gate lookahead: the layer's router's
+    ``_compute_routing`` (the pure step of its ``select_experts``: no routing capture, no
+    expert-load record), so the lookahead's first K are vLLM's choice for that input,
+    grouped top-k and a score-correction bias included (DeepSeek-V3's, GLM-4.5's), as
+    transformers' router modules give it (``hf.routers``)."""
+
+    def __init__(self, weight: torch.Tensor, router: object) -> None:
+        super().__init__()
+        self.gate_weight, self.router = weight.detach(), router
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = hidden.detach().to(torch.float32) @ self.gate_weight.to(torch.float32).T
+        weights, ids = self.router._compute_routing(hidden, logits, None)  # type: ignore[attr-defined]
+        return logits, weights, ids
+
+
+def _routing(router: object) -> object | None:
+    """``router`` where it is a vLLM router with the pure routing step, else None."""
+    return router if callable(getattr(router, "_compute_routing", None)) else None
+
+
+def _with_routing(weight: torch.Tensor, routing: object | None) -> Router:
+    """The gate's ``Router``: with vLLM's routing where one answers a probe as a top-k router
+    does (``hf.routers.picks_top_k``), else ranked by its logits alone."""
+    if routing is None:
+        return Router(weight)
+    picks = VllmRouting(weight, routing)
+    return Router(weight, picks if picks_top_k(picks, weight) else None)
 
 
 def _unpacked(gate: torch.nn.Module) -> torch.Tensor:
