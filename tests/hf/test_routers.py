@@ -64,13 +64,13 @@ def test_a_routers_bias_and_groups_are_what_the_logits_alone_miss(family, change
     """A bias of a few units (DeepSeek-V3's are +2 or more, its scores in 0..1): the routed
     experts are the lookahead's first K, and not the logits' top K in some rows."""
     model, _ = tiny_model(family, **changes)
-    layout = ModelLayout.of(model)
-    assert layout.routers is not None
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for router in layout.routers:
-            b = getattr(router.picks, bias)
-            b.copy_(torch.randn(b.shape, generator=gen) * 3 + 5)
+        for name, b in model.named_parameters() if bias == "bias" else model.named_buffers():
+            if name.endswith(f"{'router' if bias == 'bias' else 'gate'}.{bias}"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 3 + 5)
+    layout = ModelLayout.of(model)
+    assert layout.routers is not None and all(r.picks is not None for r in layout.routers)
     missed = 0
     for (x, ids), router in zip(_routed(model, layout), layout.routers, strict=True):
         k = ids.shape[-1]
@@ -99,6 +99,45 @@ def test_after_the_top_k_the_rest_rank_by_logit():
             logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0]]).expand(x.shape[0], -1)
             return logits, torch.tensor([[0.7, 0.9]]), torch.tensor([[4, 0]])
 
-    router = Router(torch.zeros(5, 2), TopK())
+    router = Router(torch.zeros(5, 2), TopK().eval())
     assert router.ranked(torch.zeros(1, 2), 4).tolist() == [[0, 4, 1, 2]]
     assert router.ranked(torch.zeros(1, 2), 1).tolist() == [[0]]
+
+
+def test_a_router_that_ranks_as_its_logits_is_not_asked():
+    """A softmax router's top-k is its logits' (asking it would only cost time); one with
+    the groups of DeepSeek-V3 and a bias is asked."""
+    for family in ("mixtral", "qwen3_moe", "olmoe"):
+        layout = ModelLayout.of(tiny_model(family)[0])
+        assert layout.routers is not None and all(r.picks is None for r in layout.routers)
+
+
+def test_a_router_in_training_mode_is_never_asked():
+    """PhiMoE's router draws random numbers in training mode (and may add noise to its input
+    in place): capture there leaves the model's outputs and the random state as they were
+    (the helper's review found both changed)."""
+    from stmoe.hf.capture import RoutingRecorder
+
+    model, _ = tiny_model("phimoe", input_jitter_noise=0.1)
+    model.train()
+    ids = torch.tensor([[5, 17, 33, 60, 7, 21, 44, 90]])
+    torch.manual_seed(123)
+    plain = model(ids, output_router_logits=True)
+    after = torch.rand(1)
+    torch.manual_seed(123)
+    with RoutingRecorder(model):
+        recorded = model(ids, output_router_logits=True)
+    assert torch.equal(plain.logits, recorded.logits)
+    assert torch.equal(plain.aux_loss, recorded.aux_loss) and torch.equal(torch.rand(1), after)
+
+
+def test_a_router_giving_ids_out_of_range_is_not_asked():
+    """(vLLM's routers with fused shared experts number them from N on.)"""
+    from stmoe.hf.routers import picks_top_k
+
+    class Shared(torch.nn.Module):
+        def forward(self, x):
+            logits = x @ torch.ones(4, x.shape[1]).T
+            return logits, torch.ones(x.shape[0], 2), torch.tensor([[0, 4]]).expand(x.shape[0], 2)
+
+    assert not picks_top_k(Shared().eval(), torch.ones(4, 3))

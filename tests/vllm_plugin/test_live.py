@@ -84,9 +84,9 @@ def test_greedy_tokens_equal_plain_vllm_at_every_capacity_and_concurrency(driven
     assert len(lines) == len(PLUGIN), lines
     assert any("4 of 16 experts cached per layer" in x for x in lines)
     assert any("4,5,6,8,7,6,5,16 of 16 experts cached per layer" in x for x in lines)
-    # (its lookahead ranked by vLLM's own router: docs/vllm.md)
-    assert any("predictor hybrid, its gate lookahead ranked by vLLM's router, policy score"
-               in x for x in lines)
+    # (the shipped model's router is a softmax one: its top-k is its logits', docs/vllm.md)
+    assert any("predictor hybrid, its gate lookahead ranked by the gates' logits, policy "
+               "score" in x for x in lines)
     assert any("predictor stmoe-plus, policy score" in x for x in lines)
 
 

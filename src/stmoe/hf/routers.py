@@ -6,8 +6,11 @@ layer before's, or its decoder layer's input through the pre-MoE norm). Ranked b
 DeepSeek-V3's, Kimi K2's and GLM-4.5's score-correction bias (a few units, where the
 sigmoid scores lie in 0..1) and grouped top-k, GPT-OSS's router bias. transformers' router
 modules compute their layer's own top-k (they return the logits, the top-k weights and the
-top-k ids), so where a layer's does, the lookahead asks it: its first K are the family's very
-choice for that input, the rest ranked by logit. It only predicts: the router still routes,
+top-k ids), so where a layer's does and its choice is not simply its logits' top-k (asked
+once, at load, on random rows), the lookahead asks it: its first K are the family's very
+choice for that input, the rest ranked by logit. A softmax router ranks as its logits do, so
+it is not asked (its forward would only cost time); nor is a router in training mode, where
+one may draw random numbers or add noise in place. It only predicts: the router still routes,
 so the lookahead changes which loads are queued, never an output. It calls the module's
 ``forward``, not the module: transformers records a forward's router logits with hooks on
 these modules (``output_router_logits``, and the auxiliary loss from them), and the
@@ -27,7 +30,8 @@ ROUTER_NAMES = ("gate", "router", "gate_proj", "wg")
 @dataclass(frozen=True, eq=False)
 class Router:
     """One MoE layer's router: its weight [N, H], and the module that picks its top-k
-    (``hidden [T, H] -> (logits [T, N], weights [T, K], ids [T, K])``) where it has one."""
+    (``hidden [T, H] -> (logits [T, N], weights [T, K], ids [T, K])``) where it has one
+    that ranks otherwise than its logits (``picks_top_k``)."""
 
     weight: torch.Tensor
     picks: torch.nn.Module | None = None
@@ -40,7 +44,7 @@ class Router:
         """The top ``width`` experts for each row of ``hidden`` ([T, H]), ranked: with
         ``picks``, its top-k first (by weight), then the rest by logit."""
         with torch.no_grad():
-            if self.picks is None:
+            if self.picks is None or self.picks.training:  # (see picks_top_k)
                 return torch.topk(_logits(hidden, self.weight), width, dim=-1).indices
             logits, weights, ids = self.picks.forward(hidden.detach())  # (not its hooks)
             rows = hidden.shape[0]
@@ -82,22 +86,34 @@ def find_routers(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Modul
     return found
 
 
+PROBE_ROWS = 64  # random rows a router is asked at load (a generator of its own)
+
+
 def picks_top_k(module: torch.nn.Module, weight: torch.Tensor) -> bool:
-    """Whether ``module`` returns (logits, weights, ids) for one row, as transformers'
-    top-k routers do (a plain linear gate returns the logits alone): asked once, on a
-    row of zeros (no weights on the meta device: not asked)."""
-    if weight.device.type == "meta":
+    """Whether the lookahead should ask ``module``: it returns (logits [T, N], weights
+    [T, K], ids [T, K] in 0..N-1) as transformers' top-k routers do (a plain linear gate
+    returns the logits alone), and its top-k is not simply the logits' (a bias or groups:
+    a softmax router ranks as its logits do, and asking it would only cost time). Asked
+    once, on ``PROBE_ROWS`` random rows; never in training mode (a router may draw random
+    numbers or add noise in place there, PhiMoE's does) nor on the meta device."""
+    if weight.device.type == "meta" or module.training:
         return False
-    n = weight.shape[0]
+    n, rows = weight.shape[0], PROBE_ROWS
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    x = x.to(weight.device, weight.dtype)
     try:
-        with torch.no_grad():
-            out = module.forward(torch.zeros(1, weight.shape[1], dtype=weight.dtype,
-                                             device=weight.device))
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):  # (a router's own draws)
+            out = module.forward(x)
     except Exception:  # (a router that takes more than the hidden states: MiniMax-M2's)
         return False
     if not (isinstance(out, tuple) and len(out) == 3
             and all(isinstance(t, torch.Tensor) for t in out)):
         return False
     logits, weights, ids = out
-    return (logits.shape[-1] == n and logits.numel() == n and not ids.is_floating_point()
-            and 0 < ids.numel() <= n and weights.numel() == ids.numel())
+    if (logits.shape != (rows, n) or ids.is_floating_point() or ids.dim() != 2
+            or ids.shape[0] != rows or not 0 < ids.shape[1] <= n
+            or weights.numel() != ids.numel()
+            or not bool(((ids >= 0) & (ids < n)).all())):
+        return False
+    by_logit = torch.topk(_logits(x, weight), ids.shape[1], dim=-1).indices
+    return not torch.equal(ids.sort(dim=-1).values.cpu(), by_logit.sort(dim=-1).values.cpu())

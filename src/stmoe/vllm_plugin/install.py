@@ -175,9 +175,11 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     steps.install(model)
     atexit.register(steps.flush)
     looks = engine.planner.routers  # (the gate lookahead's, where the predictor takes one)
-    look = ("" if looks is None else ", its gate lookahead ranked by vLLM's router"
-            if all(r.picks is not None for r in looks) else
-            ", its gate lookahead ranked by the gates' logits")
+    asked = 0 if looks is None else sum(r.picks is not None for r in looks)
+    look = ("" if looks is None else ", its gate lookahead ranked by the gates' logits"
+            if asked == 0 else ", its gate lookahead ranked by vLLM's router"
+            if asked == len(looks) else f", its gate lookahead ranked by vLLM's router on "
+            f"{asked} of {len(looks)} layers, by the gates' logits on the rest")
     log.info("stmoe: offloading %d MoE layers of %s: %s of %d experts cached per layer "
              "(%s), predictor %s%s, policy %s, tier %s, %d workers (CPUs %s); experts %s, %s; "
              "store %s (%s, "

@@ -207,6 +207,7 @@ class VllmRouting(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, router: object) -> None:
         super().__init__()
         self.gate_weight, self.router = weight.detach(), router
+        self.eval()  # (a routing step, never training)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = hidden.detach().to(torch.float32) @ self.gate_weight.to(torch.float32).T
@@ -214,14 +215,21 @@ class VllmRouting(torch.nn.Module):
         return logits, weights, ids
 
 
+# vLLM's routers whose routing step is pure (a routing simulator draws from torch's global
+# random state; a zero-expert router keeps state and gives duplicate ids: not asked)
+PURE_ROUTERS = ("CPURouter", "GroupedTopKRouter", "FusedTopKRouter", "FusedTopKBiasRouter")
+
+
 def _routing(router: object) -> object | None:
-    """``router`` where it is a vLLM router with the pure routing step, else None."""
-    return router if callable(getattr(router, "_compute_routing", None)) else None
+    """``router`` where it is one of vLLM's routers with a pure routing step, else None."""
+    return (router if type(router).__name__ in PURE_ROUTERS
+            and callable(getattr(router, "_compute_routing", None)) else None)
 
 
 def _with_routing(weight: torch.Tensor, routing: object | None) -> Router:
-    """The gate's ``Router``: with vLLM's routing where one answers a probe as a top-k router
-    does (``hf.routers.picks_top_k``), else ranked by its logits alone."""
+    """The gate's ``Router``: with vLLM's routing where it answers as a top-k router does
+    and ranks otherwise than the logits (``hf.routers.picks_top_k``: grouped top-k, a bias),
+    else ranked by its logits alone (a softmax router's top-k is theirs)."""
     if routing is None:
         return Router(weight)
     picks = VllmRouting(weight, routing)
