@@ -205,6 +205,14 @@ def test_reads_land_in_faulted_in_memory_and_faults_are_measured_apart(tiny, mon
     assert faults.reads == 4 and faults.first_touch_s >= 0 and faults.populate_s > 0
 
 
+def test_the_shipped_model_is_the_default_as_for_generate(cli, tmp_path):
+    """(--model was required, where generate and serve default to the shipped model.)"""
+    out = tmp_path / "hw.toml"
+    res = cli("calibrate", "-o", out, "--predictors", "none", *FAST)
+    assert res.exit_code == 0, res.output
+    assert hardware_preset(str(out)).cache_experts_per_layer == 8  # 50% of its 16 experts
+
+
 def test_bad_paths_are_refused_before_measuring(tiny, cli):
     root, model_dir = tiny
     res = cli("calibrate", "--model", root / "nowhere", "--store", root / "store",

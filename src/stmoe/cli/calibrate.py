@@ -16,8 +16,9 @@ _D = CalibrateOptions()  # the one place calibrate's defaults are written
 def calibrate_cmd(
     output: Annotated[Path, path_option("--output", "-o", help="Hardware .toml to write.")],
     model: Annotated[
-        Path, path_option("--model", help="Model folder (a checkpoint `stmoe pack` packed).")
-    ],
+        Path | None, path_option("--model", help="Model folder (a checkpoint `stmoe pack` "
+                                 "packed). Default: stmoe's shipped model, as generate.")
+    ] = None,
     store: Annotated[
         Path | None, path_option("--store", help="Its expert store (default: as generate).")
     ] = None,
@@ -81,6 +82,10 @@ def calibrate_cmd(
                                tokens=tokens, threads=threads, workers=workers,
                                capacity=capacity, routing=routing, tables=tables,
                                predictors=_predictor_names(predictors))
+    if model is None:
+        from stmoe.models import SHIPPED_MODEL
+
+        model = Path(SHIPPED_MODEL)
     figures = calibrate(model, store, options)
     atomic_write_text(output, hardware_toml(figures))
     spec = hardware_preset(str(output))  # what was written loads as a hardware spec
