@@ -31,7 +31,6 @@ from stmoe.hf.layout import (
     ModelLayout,
     late_hidden,
     layer_number,
-    lookahead_ids,
 )
 from stmoe.trace.assemble import order_by_weight
 from stmoe.trace.schema import UNLABELLED, RoutingTrace, TraceMeta, validate
@@ -133,7 +132,7 @@ class RoutingRecorder:
                 hidden = hidden.reshape(-1, hidden.shape[-1])
                 router = self.routers[layer + 1]
                 width = min(2 * index.shape[-1], router.num_experts)
-                step.look.append(lookahead_ids(hidden, router, width).to("cpu"))
+                step.look.append(router.ranked(hidden, width).to("cpu"))
 
         return hook
 
@@ -152,7 +151,7 @@ class RoutingRecorder:
             router = self.routers[layer]
             width = min(2 * step.top_k, router.num_experts)  # top-K: known from MoE layer 0
             x = late_hidden(self.late[layer][1], hidden).reshape(-1, hidden.shape[-1])
-            step.look_late.append(lookahead_ids(x, router, width).to("cpu"))
+            step.look_late.append(router.ranked(x, width).to("cpu"))
 
         return hook
 

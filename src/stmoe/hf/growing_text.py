@@ -36,7 +36,7 @@ class GrowingText:
     def __init__(self, tokenizer: Decodes, prompt: Sequence[int],
                  skip_special_tokens: bool = False, hidden: Collection[int] = ()) -> None:
         self.tokenizer, self.skip, self.hidden = tokenizer, skip_special_tokens, hidden
-        self.whole = AfterPrompt(tokenizer, [int(t) for t in prompt][-CONTEXT_MAX:],
+        self.whole = AfterPrompt(tokenizer, [int(t) for t in prompt[-CONTEXT_MAX:]],
                                  skip_special_tokens)
         self.fixed, self.fixed_text = 0, ""  # the tokens whose text is settled, and it
         self.context: AfterPrompt | None = None  # what the tokens after ``fixed`` follow

@@ -116,12 +116,6 @@ def late_hidden(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return norm(hidden.detach())
 
 
-def lookahead_ids(hidden: torch.Tensor, router: Router, width: int) -> torch.Tensor:
-    """Top-``width`` experts of ``router`` for ``hidden`` ([T, H]), ranked (``Router.ranked``:
-    the family's own top-k first where its router module picks one)."""
-    return router.ranked(hidden, width)
-
-
 def layer_number(name: str) -> int:
     """The decoder layer index in a module's name (``model.layers.3.mlp`` -> 3), or -1."""
     match = re.search(r"layers\.(\d+)\.", name)

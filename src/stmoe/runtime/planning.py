@@ -30,7 +30,7 @@ import torch
 
 from stmoe import cache_policy as cp
 from stmoe.errors import OffloadError
-from stmoe.hf.layout import ModelLayout, late_hidden, lookahead_ids
+from stmoe.hf.layout import ModelLayout, late_hidden
 from stmoe.hf.routers import Router
 from stmoe.predictors.base import Predictor, PredictorError
 from stmoe.runtime.prefetch import Prefetcher
@@ -179,7 +179,7 @@ class PrefetchPlanner:
         ``hidden`` (the layer before's MoE input, every token), where ``hidden`` is."""
         assert self.prompt_routers is not None
         router = self.prompt_routers[layer]
-        picks = lookahead_ids(hidden.reshape(-1, hidden.shape[-1]), router,
+        picks = router.ranked(hidden.reshape(-1, hidden.shape[-1]),
                               min(self.top_k, router.num_experts)).reshape(-1)
         return torch.bincount(picks, minlength=router.num_experts)
 
@@ -228,7 +228,7 @@ class PrefetchPlanner:
         if norm is not None:
             last_rows = late_hidden(norm, last_rows)
         router = self.routers[layer]
-        return lookahead_ids(last_rows, router, min(2 * self.top_k, router.num_experts))
+        return router.ranked(last_rows, min(2 * self.top_k, router.num_experts))
 
     def _lookahead(self, layer: int, hidden: torch.Tensor,
                    norm: torch.nn.Module | None = None, early: np.ndarray | None = None) -> None:

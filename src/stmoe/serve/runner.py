@@ -124,7 +124,6 @@ def serve_forever(service: Service, sock: socket.socket, log_level: str = "info"
     try:
         _server(service, host, port, log_level).run(sockets=[sock])
     finally:
-        sock.close()
         service.close()
 
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from stmoe.hf.completion_text import CONTEXT_MAX
 from stmoe.hf.growing_text import GrowingText
 from stmoe.runtime.api import OffloadedModel
 from stmoe.runtime.batcher import Request, Sampling, StepBatcher, choice_seed
@@ -152,7 +151,7 @@ class Service:
         (``AfterPrompt``: a sentencepiece tokenizer's first space kept); special tokens and
         the end-of-sequence token not shown. Read as they come (``GrowingText``: each read
         costs the tokens since a recent point, not all of them)."""
-        return GrowingText(self._tok(), request.ids[0, -CONTEXT_MAX:].tolist(),
+        return GrowingText(self._tok(), request.ids[0].tolist(),
                            skip_special_tokens=True, hidden=self.eos)
 
     def pieces(self) -> TokenPieces:

@@ -30,6 +30,7 @@ class TextStream:
         self.decode, self.job, self.stops = decode, job, stops
         self.tokens: list[int] = []  # the job's tokens read so far (grown, never copied)
         self.stop_free = ""  # the last text read that holds no stop string
+        self.longest = max(map(len, stops), default=0)
         self.sent = ""
         self.text = ""
         self.stopped = False
@@ -83,9 +84,8 @@ class TextStream:
         """``full`` (of ``used`` tokens) cut at its first stop string, if it holds one:
         searched from where one could begin after the last text read without one, when
         ``full`` goes on from that text (else from its start)."""
-        longest = max(len(stop) for stop in self.stops)
-        start = (max(0, len(self.stop_free) - longest + 1) if full.startswith(self.stop_free)
-                 else 0)
+        start = (max(0, len(self.stop_free) - self.longest + 1)
+                 if full.startswith(self.stop_free) else 0)
         found = [at for at in (full.find(stop, start) for stop in self.stops) if at >= 0]
         if not found:
             self.stop_free = full

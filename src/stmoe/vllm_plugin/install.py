@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from stmoe.errors import StmoeError
+from stmoe.hf.routers import Router
 from stmoe.predictors.base import ModelShape
 from stmoe.runtime.memory import rss_bytes
 from stmoe.runtime.options import resolve_capacities, resolve_predictor, top_k_of
@@ -174,12 +175,7 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
     steps = Steps(runner, engine, capture, watch, forced)
     steps.install(model)
     atexit.register(steps.flush)
-    looks = engine.planner.routers  # (the gate lookahead's, where the predictor takes one)
-    asked = 0 if looks is None else sum(r.picks is not None for r in looks)
-    look = ("" if looks is None else ", its gate lookahead ranked by the gates' logits"
-            if asked == 0 else ", its gate lookahead ranked by vLLM's router"
-            if asked == len(looks) else f", its gate lookahead ranked by vLLM's router on "
-            f"{asked} of {len(looks)} layers, by the gates' logits on the rest")
+    look = _lookahead_phrase(engine.planner.routers)
     log.info("stmoe: offloading %d MoE layers of %s: %s of %d experts cached per layer "
              "(%s), predictor %s%s, policy %s, tier %s, %d workers (CPUs %s); experts %s, %s; "
              "store %s (%s, "
@@ -200,3 +196,14 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
              warm_s, time.perf_counter() - started, loaded_rss / 2**30,
              rss_bytes() / 2**30)
     return steps
+
+
+def _lookahead_phrase(routers: list[Router] | None) -> str:
+    """How the gate lookahead ranks, for the log line ("" without one)."""
+    if routers is None:
+        return ""
+    asked = sum(r.picks is not None for r in routers)
+    by = ("the gates' logits" if asked == 0 else "vLLM's router" if asked == len(routers)
+          else f"vLLM's router on {asked} of {len(routers)} layers, the gates' logits on the "
+          "rest")
+    return f", its gate lookahead ranked by {by}"
