@@ -15,7 +15,7 @@ from stmoe.vllm_plugin.config import KEYS, PluginConfigError, check_paths, parse
 def test_every_default_where_it_is_only_switched_on():
     for text in ("1", "on", "", " , "):
         c = parse(text)
-        assert c.options.capacity == "50%" and c.options.predictor == "stmoe"
+        assert c.options.capacity == "50%" and c.options.predictor == "stmoe-plus"
         assert c.options.tier == "disk" and c.store is None and c.capture is None
 
 

@@ -44,7 +44,8 @@ MemoryOpt = Annotated[
 
 PredictorOpt = Annotated[
     str,
-    typer.Option(help="stmoe, stmoe-plus, hybrid (+ gate lookahead), gate-lookahead, ondemand "
+    typer.Option(help="stmoe-plus (ST-MoE with the additions of docs/predictors.md), stmoe "
+                 "(the paper's, exactly), hybrid (+ gate lookahead), gate-lookahead, ondemand "
                  "(no prefetch), random, oracle, or any `stmoe eval` predictor.",
                  rich_help_panel=CACHE),
 ]

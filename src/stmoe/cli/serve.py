@@ -57,7 +57,7 @@ def serve_cmd(
     = None,
     capacity: CapacityOpt = None,
     memory: MemoryOpt = None,
-    predictor: PredictorOpt = "stmoe-plus",
+    predictor: PredictorOpt = _DEFAULT.predictor,
     tables: TablesOpt = _DEFAULT.tables,
     policy: PolicyOpt = _DEFAULT.policy,
     admission: AdmissionOpt = _DEFAULT.admission,

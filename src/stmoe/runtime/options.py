@@ -82,7 +82,7 @@ class OffloadOptions:
     """
 
     capacity: LayerCapacity = "50%"
-    predictor: str | Predictor = "stmoe"
+    predictor: str | Predictor = "stmoe-plus"
     tables: str | Path | None = None
     policy: str = "lru"
     tier: str = "disk"
