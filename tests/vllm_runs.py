@@ -28,9 +28,13 @@ def start(tmp: Path, spec: dict) -> subprocess.CompletedProcess:
                           env=run_env(tmp), timeout=900)
 
 
-def drive(tmp: Path, model: Path, runs: list[dict], **spec: object) -> tuple[list[dict], str]:
-    """Every run's results (they must all succeed) and the log."""
+def drive(tmp: Path, model: Path, runs: list[dict],
+          **spec: object) -> tuple[dict[str, dict], str]:
+    """Every run's results by its name (they must all succeed) and the log."""
     p = start(tmp, {"model": str(model), "prompts": PROMPTS, "runs": runs, **spec})
     log = p.stdout + p.stderr
     assert p.returncode == 0, log[-4000:]
-    return json.loads((tmp / "out.json").read_text())["runs"], log
+    results = json.loads((tmp / "out.json").read_text())["runs"]
+    by_name = {r["name"]: r for r in results}
+    assert len(by_name) == len(results), "two runs share a name"
+    return by_name, log

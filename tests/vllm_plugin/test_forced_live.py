@@ -32,7 +32,7 @@ def driven(tmp_path_factory):
             {"name": "forced top-k", "max_tokens": NEW, "batches": BATCHES,
              "stmoe": f"capacity=4,predictor=stmoe-plus,routing={routing}"}]
     results, log = drive(tmp, SHIPPED_MODEL, runs, prefix_caching=False)
-    return tmp, routing, {r["name"]: r for r in results}, log
+    return tmp, routing, results, log
 
 
 def test_forced_routing_changes_the_tokens_and_the_cache_stays_lossless_on_it(driven):

@@ -68,7 +68,7 @@ def driven(tmp_path_factory):
                                               str(tmp / "tables.npz")])
         runs.append(run)
     results, log = drive(tmp, SHIPPED_MODEL, runs)
-    return tmp, {r["name"]: r for r in results}, log
+    return tmp, results, log
 
 
 def test_greedy_tokens_equal_plain_vllm_at_every_capacity_and_concurrency(driven):

@@ -23,7 +23,7 @@ def driven(tmp_path_factory):
                                ("top-k bf16", "capacity=4,predictor=stmoe-plus,"
                                 "kernel=variants"))]
     results, log = drive(tmp, SHIPPED_MODEL, runs, dtype="bfloat16")
-    return tmp, {r["name"]: r for r in results}, log
+    return tmp, results, log
 
 
 def test_in_bfloat16_too(driven):

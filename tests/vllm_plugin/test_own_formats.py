@@ -35,7 +35,7 @@ def driven(tmp_path_factory):
     runs = [{"name": name, "stmoe": text, "max_tokens": NEW, "batches": BATCHES}
             for name, text in RUNS]
     results, log = drive(tmp, SHIPPED_MODEL, runs, prefix_caching=False)
-    return tmp, {r["name"]: r for r in results}, log
+    return tmp, results, log
 
 
 def test_int4_and_int8_experts_give_the_tokens_of_every_expert_cached(driven):
