@@ -141,3 +141,92 @@ def test_a_router_giving_ids_out_of_range_is_not_asked():
             return logits, torch.ones(x.shape[0], 2), torch.tensor([[0, 4]]).expand(x.shape[0], 2)
 
     assert not picks_top_k(Shared().eval(), torch.ones(4, 3))
+
+
+# families whose router takes its block's bias as a second input: (config, overrides, bias)
+TAKES_BIAS = [
+    ("MiniMaxM2Config", {"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 8},
+     "e_score_correction_bias"),
+    ("HYV3Config", {"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 8,
+                    "moe_intermediate_size": 16}, "e_score_correction_bias"),
+    ("Lfm2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                       "use_expert_bias": True, "num_dense_layers": 1,
+                       "layer_types": ["full_attention"] * 3}, "expert_bias"),
+]
+
+
+def _biased(config_name: str, overrides: dict, bias: str, scale: float) -> torch.nn.Module:
+    """A tiny random model of the family, its routers spread out and every block's ``bias``
+    drawn around 5 with spread ``scale`` (0: left at its zeros)."""
+    import transformers
+
+    config_class = getattr(transformers, config_name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    from tiny_moe import COMMON
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**{**COMMON,
+                                                                          **overrides}))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 1.0, generator=gen)
+        for name, b in model.named_buffers():
+            if name.endswith(bias) and scale:
+                b.copy_(torch.randn(b.shape, generator=gen) * scale + 5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("config_name,overrides,bias", TAKES_BIAS)
+def test_a_router_given_its_blocks_bias_ranks_as_the_family_routes(config_name, overrides,
+                                                                    bias):
+    """MiniMax-M2, HY-V3 and LFM2 pass their block's bias to the router's forward: the
+    lookahead reads it there, and its first K are the routed experts, where the logits alone
+    miss some (they were ranked by logit alone before)."""
+    model = _biased(config_name, overrides, bias, scale=3.0)
+    layout = ModelLayout.of(model)
+    assert layout.routers is not None and layout.routers
+    assert all(r.picks is not None and r.inputs == (bias,) for r in layout.routers)
+    missed = 0
+    for (x, ids), router in zip(_routed(model, layout), layout.routers, strict=True):
+        k = ids.shape[-1]
+        assert _sets(router.ranked(x, 2 * k)[:, :k]) == _sets(ids)
+        alone = Router(router.weight).ranked(x, k)
+        missed += sum(a != b for a, b in zip(_sets(alone), _sets(ids), strict=True))
+    assert missed > 0
+    # the bias is read at each call, not kept from load: a new one changes the ranking
+    block, router = layout.routers[0].block, layout.routers[0]
+    x = _routed(model, layout)[0][0]
+    before = router.ranked(x, 2)
+    with torch.no_grad():
+        getattr(block, bias).copy_(-getattr(block, bias))
+    assert not torch.equal(router.ranked(x, 2), before)
+
+
+def test_a_zero_bias_ranks_as_the_logits_and_is_not_asked():
+    """(A fresh MiniMax-M2's buffers: sigmoid keeps the logits' order.)"""
+    model = _biased(*TAKES_BIAS[0], scale=0.0)
+    layout = ModelLayout.of(model)
+    assert layout.routers is not None and all(r.picks is None for r in layout.routers)
+
+
+def test_a_router_input_found_nowhere_leaves_the_logits():
+    """A forward wanting an input its block does not hold (DeepSeek-V4's token ids) is not
+    asked; one the block lacks but the forward defaults is left to its default."""
+    from stmoe.hf.routers import router_inputs
+
+    class Ids(torch.nn.Module):
+        def forward(self, hidden_states, input_ids):
+            raise AssertionError("never called")
+
+    class Optional(torch.nn.Module):
+        def forward(self, hidden_states, expert_bias=None, **more):
+            return hidden_states
+
+    block = torch.nn.Module()
+    assert router_inputs(Ids(), block) is None
+    assert router_inputs(Optional(), block) == ()
+    block.expert_bias = torch.zeros(3)
+    assert router_inputs(Optional(), block) == ("expert_bias",)

@@ -14,11 +14,16 @@ one may draw random numbers or add noise in place. It only predicts: the router 
 so the lookahead changes which loads are queued, never an output. It calls the module's
 ``forward``, not the module: transformers records a forward's router logits with hooks on
 these modules (``output_router_logits``, and the auxiliary loss from them), and the
-lookahead's calls must not add to them.
+lookahead's calls must not add to them. A router whose forward takes more than the hidden
+states is given each further input from the attribute of that name on its MoE block, as the
+block passes it (MiniMax-M2's and HY-V3's ``e_score_correction_bias``, LFM2's and AFMoE's
+``expert_bias``); one with an input found nowhere (DeepSeek-V4's token ids) is ranked by its
+logits.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +36,13 @@ ROUTER_NAMES = ("gate", "router", "gate_proj", "wg")
 class Router:
     """One MoE layer's router: its weight [N, H], and the module that picks its top-k
     (``hidden [T, H] -> (logits [T, N], weights [T, K], ids [T, K])``) where it has one
-    that ranks otherwise than its logits (``picks_top_k``)."""
+    that ranks otherwise than its logits (``picks_top_k``); ``inputs`` names the attributes of
+    ``block`` (its MoE block) that its forward takes after the hidden states."""
 
     weight: torch.Tensor
     picks: torch.nn.Module | None = None
+    block: torch.nn.Module | None = None
+    inputs: tuple[str, ...] = ()
 
     @property
     def num_experts(self) -> int:
@@ -46,7 +54,7 @@ class Router:
         with torch.no_grad():
             if self.picks is None or self.picks.training:  # (see picks_top_k)
                 return torch.topk(_logits(hidden, self.weight), width, dim=-1).indices
-            logits, weights, ids = self.picks.forward(hidden.detach())  # (not its hooks)
+            logits, weights, ids = _ask(self.picks, hidden.detach(), self.block, self.inputs)
             rows = hidden.shape[0]
             ids = ids.reshape(rows, -1)
             order = torch.argsort(weights.reshape(ids.shape).to(torch.float32), dim=-1,
@@ -58,6 +66,32 @@ class Router:
                                                                       float("-inf"))
             more = torch.topk(rest, width - chosen.shape[-1], dim=-1).indices
             return torch.cat([chosen, more], dim=-1)
+
+
+def _ask(router: torch.nn.Module, hidden: torch.Tensor, block: torch.nn.Module | None,
+         inputs: tuple[str, ...]) -> object:
+    """The router's forward (not its hooks) on ``hidden``, given its further inputs by name
+    from ``block`` as they are now (a buffer moved to another device is a new tensor)."""
+    return router.forward(hidden, **{name: getattr(block, name) for name in inputs})
+
+
+def router_inputs(router: torch.nn.Module, block: torch.nn.Module) -> tuple[str, ...] | None:
+    """The names of ``router``'s forward parameters after the hidden states that ``block``
+    holds as attributes (read there at each call), or None when one it needs is nowhere:
+    neither on ``block`` nor given a default."""
+    try:
+        params = list(inspect.signature(router.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    names = []
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.kind != p.POSITIONAL_ONLY and hasattr(block, p.name):
+            names.append(p.name)
+        elif p.default is p.empty:
+            return None
+    return tuple(names)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -78,7 +112,11 @@ def find_routers(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Modul
             if child is experts or not isinstance(w, torch.Tensor) or w.dim() != 2:
                 continue
             if w.shape[0] == n and child_name in ROUTER_NAMES:
-                router = Router(w, child if picks_top_k(child, w) else None)
+                inputs = router_inputs(child, parent)
+                if inputs is not None and picks_top_k(child, w, parent, inputs):
+                    router = Router(w, child, parent, inputs)
+                else:
+                    router = Router(w)
                 break
         if router is None:
             return None
@@ -89,13 +127,15 @@ def find_routers(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Modul
 PROBE_ROWS = 64  # random rows a router is asked at load (a generator of its own)
 
 
-def picks_top_k(module: torch.nn.Module, weight: torch.Tensor) -> bool:
+def picks_top_k(module: torch.nn.Module, weight: torch.Tensor,
+                block: torch.nn.Module | None = None, inputs: tuple[str, ...] = ()) -> bool:
     """Whether the lookahead should ask ``module``: it returns (logits [T, N], weights
     [T, K], ids [T, K] in 0..N-1) as transformers' top-k routers do (a plain linear gate
     returns the logits alone), and its top-k is not simply the logits' (a bias or groups:
     a softmax router ranks as its logits do, and asking it would only cost time). Asked
     once, on ``PROBE_ROWS`` random rows; never in training mode (a router may draw random
-    numbers or add noise in place there, PhiMoE's does) nor on the meta device."""
+    numbers or add noise in place there, PhiMoE's does) nor on the meta device. ``inputs``:
+    its further inputs, read from ``block`` (``router_inputs``)."""
     if weight.device.type == "meta" or module.training:
         return False
     n, rows = weight.shape[0], PROBE_ROWS
@@ -103,8 +143,8 @@ def picks_top_k(module: torch.nn.Module, weight: torch.Tensor) -> bool:
     x = x.to(weight.device, weight.dtype)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):  # (a router's own draws)
-            out = module.forward(x)
-    except Exception:  # (a router that takes more than the hidden states: MiniMax-M2's)
+            out = _ask(module, x, block, inputs)
+    except Exception:  # (a module that is not a router after all: it is not asked)
         return False
     if not (isinstance(out, tuple) and len(out) == 3
             and all(isinstance(t, torch.Tensor) for t in out)):
