@@ -224,7 +224,7 @@ def test_more_new_tokens_than_the_routing_holds_is_a_note(replay_setup, cli):
     # what the run was: random weights, synthetic routing, tables profiled on it
     said = " ".join(res.output.split())
     assert "the model's weights are RANDOM" in said and "replayed the SYNTHETIC routing" in said
-    assert "so every figure is in-sample" in said, said
+    assert "so their figures are in-sample" in said, said
     res = cli(*args, "--layers", "4")
     assert res.exit_code == 1 and str(root / "t.npz") in res.output
 

@@ -23,6 +23,7 @@ from stmoe.predictors.base import ModelShape, PredictorError
 from stmoe.predictors.counting import D_MAX, layer_tokens, pair_counts
 from stmoe.predictors.plus.fitting import fit_weights
 from stmoe.predictors.tables import (
+    PROFILED_TOKENS_MAX,
     RECENT_TOKENS,
     ProfiledTables,
     cct_from_counts,
@@ -30,7 +31,7 @@ from stmoe.predictors.tables import (
     layer_span,
 )
 from stmoe.trace.checks import model_layer_ids
-from stmoe.trace.ranks import as_sets, sequence_digests
+from stmoe.trace.ranks import as_sets, sequence_digests, token_digests
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.summary import expert_load
 
@@ -79,6 +80,7 @@ def profile(
     }
     if fit_plus:  # (the tables file keeps the fit as a plain dict: PlusFit.to_dict)
         extra["plus"] = fit_weights(traces[-1]).to_dict()
+    profiled, extra["token_sample_bits"] = _profiled_tokens(traces)
     return ProfiledTables(
         shape=shape,
         cct_ids=ids,
@@ -103,7 +105,20 @@ def profile(
         recent=np.concatenate([np.asarray(t.experts) for t in traces])[-RECENT_TOKENS:].astype(
             np.int16
         ),
+        profiled_tokens=profiled,
     )
+
+
+def _profiled_tokens(traces: Sequence[RoutingTrace]) -> tuple[np.ndarray, int]:
+    """The profiled tokens' digests (``token_digests``: sorted, unique) and the bits of the
+    sample kept: all of them up to PROFILED_TOKENS_MAX, else those whose lowest ``bits``
+    bits are 0 (a sample by digest value: a replay samples its own tokens the same way)."""
+    digests = np.unique(np.concatenate([token_digests(t) for t in traces]))
+    bits = 0
+    while len(digests) > PROFILED_TOKENS_MAX:
+        bits += 1
+        digests = digests[digests & np.uint64((1 << bits) - 1) == 0]
+    return digests, bits
 
 
 def table_bytes(shape: ModelShape) -> int:

@@ -28,6 +28,7 @@ from stmoe.predictors.tables_check import (
     check_cct,
     check_domains,
     check_info,
+    check_profiled_tokens,
     header_dims,
     max_bytes,
     read_header,
@@ -37,9 +38,12 @@ from stmoe.trace.io import read_npz_arrays
 from stmoe.trace.schema import _CHUNK_TOKENS, RoutingTrace
 from stmoe.util.fileio import atomic_write, check_input_file
 
-__all__ = ["RECENT_TOKENS", "TABLES_FORMAT", "TABLES_VERSION", "ProfiledTables", "cct_from_counts",
-           "check_cct", "cooccurrence", "load_tables", "save_tables"]
+__all__ = ["PROFILED_TOKENS_MAX", "RECENT_TOKENS", "TABLES_FORMAT", "TABLES_VERSION",
+           "ProfiledTables", "cct_from_counts", "check_cct", "cooccurrence", "load_tables",
+           "save_tables"]
 RECENT_TOKENS = 1024  # profiled tokens kept for stmoe-plus's token memory (its ring size)
+# the most profiled tokens' digests kept (16 MiB); beyond, a sample by digest value
+PROFILED_TOKENS_MAX = 1 << 21
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,6 +60,10 @@ class ProfiledTables:
     pair_counts: np.ndarray | None = None  # [D, L-1, N, N]: e at l and f at l+d, d = 1..D
     temporal: np.ndarray | None = None  # [L, N, N]: e at l, then f at l in the next token
     recent: np.ndarray | None = None  # [M, L, K] int16: the last profiled tokens (token memory)
+    # [P] uint64, sorted, unique: the profiled tokens' ``token_digests`` (those whose lowest
+    # info["token_sample_bits"] bits are 0: all of them up to PROFILED_TOKENS_MAX), so a
+    # replay can say which of its tokens were profiled (cli.table_notes); None in older files
+    profiled_tokens: np.ndarray | None = None
     per_domain: dict[str, ProfiledTables] | None = None  # tables of each domain (stmoe-mix)
     source: str | None = None  # the file (and domain) read from, for messages; not saved
 
@@ -143,6 +151,8 @@ def save_tables(tables: ProfiledTables, path: str | Path) -> Path:
         "per_domain": [{"domain": d, "info": t.info} for d, t in domains],
     }
     arrays = _arrays(tables)
+    if tables.profiled_tokens is not None:  # (the whole tables' only, not a domain's)
+        arrays["profiled_tokens"] = tables.profiled_tokens
     for i, (_, t) in enumerate(domains):
         arrays.update(_arrays(t, f"domain{i}/"))
     atomic_write(
@@ -165,11 +175,14 @@ def load_tables(path: str | Path) -> ProfiledTables:
         dims = header_dims(header, where)
         domains = check_domains(header.get("per_domain", []), where)
         arrays = read_npz_arrays(path, mmap=False,
-                                 max_total=max_bytes(dims, len(domains), RECENT_TOKENS))
+                                 max_total=max_bytes(dims, len(domains), RECENT_TOKENS)
+                                 + 8 * PROFILED_TOKENS_MAX)
     except (zlib.error, NotImplementedError, RuntimeError) as exc:  # damaged, odd or encrypted
         raise PredictorError(f"{where}: not a readable tables file ({exc})") from None
     info = check_info(header.get("info", {}), dims.shape.num_layers, where)
     tables = _tables_from(check_arrays(arrays, dims, where), dims.shape, info, where)
+    tables = dataclasses.replace(tables, profiled_tokens=check_profiled_tokens(
+        arrays.get("profiled_tokens"), PROFILED_TOKENS_MAX, where))
     per_domain = {}
     for i, (name, domain_info) in enumerate(domains):
         field_ = f"per_domain[{i}]"

@@ -147,6 +147,10 @@ def check_info(info: Any, layers: int, where: str, field: str = "info") -> dict[
             and all(a < b for a, b in itertools.pairwise(ids))):
         raise fail(where, f"{field}['model_layer_ids']", _show(ids),
                    f"{layers} increasing MoE layer numbers in 0..{LAYER_ID_MAX - 1}")
+    bits = info.get("token_sample_bits", 0)
+    if not (_is_int(bits) and 0 <= bits < 64):
+        raise fail(where, f"{field}['token_sample_bits']", _show(bits),
+                   "the profiled tokens' sample, as a number of bits 0..63")
     seqs = info.get("sequences", [])
     if not (isinstance(seqs, list) and all(isinstance(d, str) and len(d) <= 64 for d in seqs)):
         raise fail(where, f"{field}['sequences']", _show(seqs),
@@ -228,6 +232,22 @@ def check_arrays(arrays: Mapping[str, np.ndarray], dims: Dims, where: str,
     out["cct_ids"] = out["cct_ids"].astype(np.int16)  # type: ignore[union-attr]
     out["cct_conf"] = out["cct_conf"].astype(np.int8)  # type: ignore[union-attr]
     return out
+
+
+def check_profiled_tokens(a: np.ndarray | None, most: int, where: str) -> np.ndarray | None:
+    """The profiled tokens' digests: at most ``most``, uint64, sorted and unique (a replay
+    looks its tokens up in them by binary search)."""
+    if a is None:
+        return None
+    field = "profiled_tokens"
+    if a.ndim != 1 or len(a) > most:
+        raise fail(where, field, f"shape {list(a.shape)}", f"[P] with P <= {most}")
+    if a.dtype.kind != "u" or a.dtype.itemsize != 8:
+        raise fail(where, field, f"dtype {a.dtype}", "uint64 token digests")
+    a = a.astype(np.uint64)
+    if len(a) > 1 and not bool((a[1:] > a[:-1]).all()):
+        raise fail(where, field, "digests out of order or repeated", "sorted, unique digests")
+    return a
 
 
 def _check_shape(a: np.ndarray, want: tuple[int | None, ...], axes: str, where: str,

@@ -89,3 +89,23 @@ def sequence_digests(trace: RoutingTrace, rows: np.ndarray | None = None) -> lis
     rows = set_order(trace.experts)[0] if rows is None else rows
     return [hashlib.blake2b(rows[a:a + n].tobytes(), digest_size=8).hexdigest()
             for a, n in zip(trace.seq_starts.tolist(), trace.seq_lengths.tolist(), strict=True)]
+
+
+def token_digests(trace: RoutingTrace, rows: np.ndarray | None = None) -> np.ndarray:
+    """[T] uint64: a digest of each token's routing (its row at every layer, as sets) and of
+    the token before it in its sequence (a sequence's first, of its start): what tables keep
+    of every token they were profiled on, so a replay of any part of it (a ``--split`` of one
+    long sequence included) is known as in-sample. Two tokens in a row are compared, not one:
+    a short trace's single rows repeat by chance (8 experts, top-2, 2 layers: 784 rows)."""
+    rows = set_order(trace.experts)[0] if rows is None else rows
+    width = rows[0].nbytes if len(rows) else 0
+    data = np.ascontiguousarray(rows).tobytes()
+    out = np.empty(trace.num_tokens, dtype=np.uint64)
+    for a, n in zip(trace.seq_starts.tolist(), trace.seq_lengths.tolist(), strict=True):
+        before = b"start"
+        for t in range(a, a + n):
+            row = data[t * width:(t + 1) * width]
+            digest = hashlib.blake2b(before + row, digest_size=8).digest()
+            out[t] = int.from_bytes(digest, "little")
+            before = row
+    return out
