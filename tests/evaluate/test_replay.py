@@ -184,3 +184,45 @@ def test_plan_from_sets_with_empty_sets() -> None:
     sets = np.zeros((3, 4, 0), dtype=np.int16)
     plan = plan_from_sets(sets, np.zeros((3, 4, 0), dtype=bool), 4)
     assert plan.ptr.tolist() == [0] * 13 and plan.ids.size == 0
+
+
+def _always(experts: tuple[int, int], tokens: int = 30) -> stmoe.RoutingTrace:
+    """Every token routes ``experts`` at 4 layers of 256; its first 5 tokens the prompt."""
+    ex = np.zeros((tokens, 4, 2), np.int16)
+    ex[:, :] = experts
+    return stmoe.RoutingTrace(ex, np.array([0]), np.arange(tokens) >= 5,
+                              stmoe.TraceMeta(num_experts=256, top_k=2, num_layers=4))
+
+
+def test_undefined_figures_are_null_not_zero(cli, tmp_path):
+    """A group with nothing to divide by (no prompt tokens in scope, a layer that routed
+    nothing, a predictor that names nothing) has no recall or precision: JSON null, '-' in
+    the table, where a 0.0 would pull a mean over the groups down (a review's finding)."""
+    trace = _always((255, 254))
+    experts = trace.experts.copy()
+    experts[:, 3] = -1  # layer 3 routed nothing
+    trace = stmoe.RoutingTrace(experts, trace.seq_starts, trace.is_decode, trace.meta)
+    data = replay(trace, ["oracle", "ondemand", "random"], None, capacity=4,
+                  options={"seed": 1}).to_dict()["predictors"]
+    assert data["oracle"]["recall"] == 1.0 and data["oracle"]["per_layer"][3]["recall"] is None
+    assert data["oracle"]["per_layer"][3]["precision"] is None
+    assert data["ondemand"]["precision"] is None and data["ondemand"]["recall"] == 0.0
+    only_decode = _always((1, 2))
+    only_decode = stmoe.RoutingTrace(only_decode.experts, only_decode.seq_starts,
+                                     np.ones(30, bool), only_decode.meta)
+    data = replay(only_decode, ["oracle"], None).to_dict()["predictors"]
+    assert data["oracle"]["prefill"]["recall"] is None and data["oracle"]["prefill"]["steps"] == 0
+
+
+def test_a_cache_replay_with_no_useful_load_prints_a_dash(cli, tmp_path):
+    """Random predictions never naming the two experts every token routes: read
+    amplification is undefined (it crashed the table with a TypeError)."""
+    path = tmp_path / "t.npz"
+    stmoe.save_trace(_always((255, 254)), path)
+    res = cli("eval", path, "--predictor", "random", "--predictor", "ondemand",
+              "--capacity", "4", "--json", tmp_path / "e.json")
+    assert res.exit_code == 0, res.output
+    import json
+
+    data = json.loads((tmp_path / "e.json").read_text())["predictors"]
+    assert data["ondemand"]["precision"] is None

@@ -11,8 +11,9 @@ from stmoe.cli.common import clean_label, out
 from stmoe.trace import RoutingTrace
 
 
-def _recall(group: dict[str, Any]) -> str:
-    return f"{group['recall']:.3f}" if group["steps"] else "-"
+def _num(value: float | None, spec: str) -> str:
+    """A figure, or '-' where it is undefined (None: nothing to divide by)."""
+    return "-" if value is None else format(value, spec)
 
 
 def equal_size_table(equal: dict[str, Any]) -> Table:
@@ -52,12 +53,12 @@ def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
         for col in ("hit rate", "moved/token", "wasted/token", "read amp"):
             table.add_column(col, justify="right")
     for name, e in data["predictors"].items():
-        row = [clean_label(name), f"{e['recall']:.3f}", f"{e['precision']:.3f}",
-               f"{e['set_size']:.2f}", _recall(e["prefill"])]
+        row = [clean_label(name), _num(e["recall"], ".3f"), _num(e["precision"], ".3f"),
+               _num(e["set_size"], ".2f"), _num(e["prefill"]["recall"], ".3f")]
         if has_cache:
             c = e["cache"]
             row += [f"{c['hit_rate']:.3f}", f"{c['moved_per_token']:.1f}",
-                    f"{c['wasted_per_token']:.1f}", f"{c['read_amplification']:.2f}"]
+                    f"{c['wasted_per_token']:.1f}", _num(c["read_amplification"], ".2f")]
         table.add_row(*row)
     out.print(table)
     matrix = data.get("cross_domain")

@@ -20,16 +20,22 @@ def prediction_section(summary: dict[str, Any], per_domain: dict[str, Any],
     k, domains = summary["top_k"], list(per_domain)
     names = list(per_domain[domains[0]]["predictors"])
 
-    def mean(name: str, get: Any) -> float:
-        return float(np.mean([get(per_domain[d]["predictors"][name]) for d in domains]))
+    def mean(name: str, get: Any, spec: str) -> str:
+        """The mean over the domains where the figure is defined ('-' where none is)."""
+        values = [v for d in domains if (v := get(per_domain[d]["predictors"][name])) is not None]
+        return format(float(np.mean(values)), spec) if values else "-"
+
+    def recall(domain: str, name: str) -> str:
+        value = per_domain[domain]["predictors"][name]["recall"]
+        return "-" if value is None else f"{value:.3f}"
 
     def about(name: str) -> str:
         doc = (getattr(REGISTRY.get(name), "__doc__", None) or "").strip()
         return doc.splitlines()[0].replace("``", "") if doc else ""
 
-    rows = [[n, about(n), *(f"{per_domain[d]['predictors'][n]['recall']:.3f}" for d in domains),
-             f"{mean(n, lambda e: e['set_size']):.2f}", f"{mean(n, lambda e: e['precision']):.3f}",
-             f"{mean(n, lambda e: e['cache']['hit_rate']):.3f}"] for n in names]
+    rows = [[n, about(n), *(recall(d, n) for d in domains),
+             mean(n, lambda e: e["set_size"], ".2f"), mean(n, lambda e: e["precision"], ".3f"),
+             mean(n, lambda e: e["cache"]["hit_rate"], ".3f")] for n in names]
     scope = per_domain[domains[0]].get("scope", "decode tokens")
     parts = [
         "<h2>2. Prediction quality (replay of the recorded routing)</h2>",

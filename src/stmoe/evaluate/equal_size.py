@@ -54,7 +54,7 @@ def equal_set_size(trace: RoutingTrace, evaluated: Mapping[str, Any],
     "own_set_size": {name: its default mean set size}}; a predictor that names nothing
     (ondemand) is left out."""
     ref = evaluated.get(REFERENCE)
-    if ref is None:
+    if ref is None or ref["set_size"] is None or ref["recall"] is None:  # (nothing routed)
         return None
     size = float(ref["set_size"])
     curves = {n: e["budget_curve"] for n, e in evaluated.items()}

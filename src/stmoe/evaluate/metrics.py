@@ -48,14 +48,17 @@ class PredictionScore:
         moved = self.predicted + self.actual - self.hits
         return moved / self.actual if self.actual else 0.0
 
-    def to_dict(self) -> dict[str, float | int]:
+    def to_dict(self) -> dict[str, float | int | None]:
+        """The figures, a ratio whose denominator is 0 as None (JSON null: a layer that
+        routed nothing, a predictor that names nothing, has no recall or precision, and a
+        0 there would pull a mean of the groups down)."""
         return {
-            "recall": self.recall,
-            "precision": self.precision,
-            "set_size": self.set_size,
+            "recall": self.recall if self.actual else None,
+            "precision": self.precision if self.predicted else None,
+            "set_size": self.set_size if self.steps else None,
             "waste": self.waste,
-            "waste_per_step": self.waste / self.steps if self.steps else 0.0,
-            "read_amplification": self.read_amplification,
+            "waste_per_step": self.waste / self.steps if self.steps else None,
+            "read_amplification": self.read_amplification if self.actual else None,
             "hits": self.hits,
             "actual": self.actual,
             "predicted": self.predicted,
