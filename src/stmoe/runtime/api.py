@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -32,11 +33,12 @@ from stmoe.runtime.accelerator import GPU_TIERS, accelerator
 from stmoe.runtime.engine import OffloadEngine
 from stmoe.runtime.forced_routing import RoutingPlan, RoutingSource
 from stmoe.runtime.hf_glue import IMPL_NAME, register
-from stmoe.runtime.options import OffloadOptions, resolve_predictor, top_k_of, with_overrides
+from stmoe.runtime.options import OffloadOptions, checked_call, resolve_predictor, top_k_of
 from stmoe.runtime.placement import place
 from stmoe.runtime.prompts import greedy_generate, prompt_ids
 from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
+from stmoe.runtime.step import Holder
 from stmoe.runtime.store import ExpertStore, default_store_dir, open_store, pack
 from stmoe.runtime.store.reading import open_tier
 from stmoe.trace.ranks import unranked_error
@@ -83,6 +85,7 @@ class OffloadedModel:
         self.model, self.engine, self.tokenizer, self.config = model, engine, tokenizer, config
         self._cleanup = cleanup
         self._serial = threading.Lock()  # one measured run at a time
+        self._batchers: weakref.WeakSet[Holder] = weakref.WeakSet()  # StepBatchers on it
 
     def __enter__(self) -> OffloadedModel:
         return self
@@ -92,7 +95,10 @@ class OffloadedModel:
 
     def close(self) -> None:
         """End the model, after a call another thread is running (called from inside a
-        run, it ends that run at its next layer)."""
+        run, it ends that run at its next layer) and any step batcher serving it (its
+        requests cancelled). A second close does nothing."""
+        for batcher in list(self._batchers):
+            batcher.close()
         with nullcontext() if self.engine.serves_caller() else self._serial:
             self.engine.close()
         if self._cleanup is not None:
@@ -101,10 +107,20 @@ class OffloadedModel:
     @contextmanager
     def exclusive(self, routing: RoutingSource | None = None) -> Iterator[None]:
         """This thread's measured run (``routing`` forced on it): after any other thread's,
-        the engine claimed (refused while another thread's direct call runs)."""
+        the engine claimed (refused while another thread's direct call runs, and while a
+        step batcher serves the model: it holds it for its whole life)."""
         self.engine.refuse_nested()  # before the lock: waiting for ourselves would hang
+        me = threading.current_thread()
+        if any(b.thread is not me and not b.closed for b in self._batchers):
+            raise OffloadError("this offloaded model is serving a StepBatcher, which holds it "
+                               "until it is closed: submit requests to the batcher, or close "
+                               "it first")
         with self._serial, self.engine.claimed_run(routing):
             yield
+
+    def attach(self, batcher: Holder) -> None:
+        """A step batcher now serves this model (``close`` closes it first)."""
+        self._batchers.add(batcher)
 
     def generate(
         self, prompt: str | list[int], max_new_tokens: int = 32, cold: bool = True
@@ -221,7 +237,7 @@ def offload(
     group_size, quantize_resident, memory, in_place
     (``help(stmoe.runtime.options.OffloadOptions)`` says what each does).
     """
-    options = with_overrides(options or OffloadOptions(), overrides)
+    options = checked_call(model_or_dir, store, options, overrides)
     options.check()
     if options.tier in GPU_TIERS:
         accelerator(options.tier)  # no GPU: refused before anything loads

@@ -165,8 +165,9 @@ class LayerCache:
                                       .view(p.shape)).view(row.shape))
 
     def release(self) -> None:
-        """(lock held; the engine closed) Drop the slots' memory."""
-        self.rows, self.slabs = {}, {}
+        """(lock held; the engine closed) Drop the slots' memory (the mapped memory too:
+        it goes with the last tensor on it)."""
+        self.rows, self.slabs, self._memory = {}, {}, []
 
     def row_buffer(self) -> dict[str, torch.Tensor]:
         """One row of each parameter as the slots hold it (``copy_row``'s ``TEMP``): in the

@@ -10,13 +10,13 @@ concern each, and runs their life cycle (measured runs, shutdown):
   ``leave_step``, the one home of the run's books, called by transformers' forward hooks
   (a solo forward is a step of one part), by the server's step batcher, and by whatever
   drives the engine next (a GPU stream, a vLLM layer);
-- ``experts_path``: the per-layer path: the router's experts made sure of in the layer's
-  cache (the wait is the *stall*), laid out (in place, or a copy), and computed by the model's own
+- ``experts_path``: the per-layer path: the router's experts made sure of in the layer's cache
+  (the wait is the *stall*), laid out (in place, or a copy), and computed by the model's own
   experts implementation, so every output bit is the resident model's;
-- ``planning``: what the predictor is taught and asked, for which layer and when
-  (the horizon, the prompt's routing, the early or late gate lookahead);
-- ``prefetch``: the worker threads loading the predictions, most urgent first, dropping
-  stale requests and handing their errors to the compute thread (a failed step's: dropped);
+- ``planning``: what the predictor is taught and asked, for which layer and when (the
+  horizon, the prompt's routing, the early or late gate lookahead);
+- ``prefetch``: the worker threads loading the predictions, most urgent first, dropping stale
+  requests and handing their errors to the compute thread (a failed step's: dropped);
 - ``hf_glue``: transformers' side: registration, forward hooks, experts released to ``meta``;
 - ``state``: the lock, caches and run state they share.
 """
@@ -43,9 +43,9 @@ from stmoe.predictors.base import Predictor
 from stmoe.runtime.cache import LayerCache, param_specs
 from stmoe.runtime.experts_path import ExpertsPath, Layers
 from stmoe.runtime.forced_routing import RoutingSource
-from stmoe.runtime.hf_glue import ForwardHooks, base_forward, detach, resident_device, take_over
+from stmoe.runtime.hf_glue import ForwardHooks, base_forward, let_go, resident_device, take_over
 from stmoe.runtime.planning import GateLookahead, PrefetchPlanner, gate_lookahead
-from stmoe.runtime.prefetch import Prefetcher
+from stmoe.runtime.prefetch import CLOSE_WAIT_S, Prefetcher
 from stmoe.runtime.slot_layout import SlotLayout
 from stmoe.runtime.state import EngineSettings, EngineState, Future, RunState, check_cache_device
 from stmoe.runtime.stats import RuntimeStats
@@ -58,7 +58,6 @@ from stmoe.util.units import layer_capacities
 
 class Removable(Protocol):
     """What the engine undoes at ``close`` (the forward hooks it installed)."""
-
     def remove(self) -> None: ...
 
 
@@ -191,17 +190,21 @@ class OffloadEngine:
             return stats
 
     def close(self) -> None:
-        """Stop the workers and the tier; the model cannot run its experts afterwards. The
-        caches' memory (HBM on a gpu tier) goes now, not at Python's next cycle collection."""
+        """Stop the workers and the tier once another thread's forward is over (it fails
+        at its next layer); the model cannot run its experts afterwards. The caches' memory
+        (HBM on a gpu tier) goes now, not at Python's next cycle collection. A second close
+        does nothing."""
         with self.cv:
+            if self.state.closed:
+                return
             self.state.closed = True
+            self.state.wait_for_others(CLOSE_WAIT_S)
         self.prefetcher.close()
         self.hooks.remove()
         if (ops := self.state.device_ops()) is not None:  # work still queued on its streams
             ops.drain()  # (an int4 slot's conversion) writes slots: done before they go
         self.tier.close()
-        for module in self.path.modules:  # (whoever runs the model: _wire's layers)
-            detach(module, self)
+        let_go(self.path.modules, self.path.gathered, self)  # (_wire's layers)
         self.state.release()
 
     @property
@@ -213,10 +216,6 @@ class OffloadEngine:
     def tier(self, tier: Tier) -> None:
         self.state.loader.tier = tier
         self.state.use_tier_events()
-
-    @property
-    def closed(self) -> bool:
-        return self.state.closed
 
     @property
     def cache_bytes(self) -> int:

@@ -110,21 +110,51 @@ class _Closed:
 CLOSED = _Closed()
 
 
-def detach(module: torch.nn.Module, engine: object) -> None:
-    """``module``, taken over by ``engine`` (now closed), no longer refers to it."""
-    if getattr(module, "_stmoe_engine", None) is engine:
-        module._stmoe_engine = CLOSED  # type: ignore[assignment]
+def let_go(modules: list[torch.nn.Module], gathered: list[GatheredExperts],
+           engine: object) -> None:
+    """``modules``, taken over by ``engine`` (now closed), no longer refer to it, and their
+    stand-ins no longer hold the last call's weights (the caches' memory goes with them)."""
+    for module in modules:
+        if getattr(module, "_stmoe_engine", None) is engine:
+            module._stmoe_engine = CLOSED  # type: ignore[assignment]
+    for stand_in in gathered:
+        stand_in.unbind()
 
 
 def take_over(module: torch.nn.Module, engine: ExpertsEngine, num_experts: int) -> None:
     """Release the module's per-expert parameters (storage-free meta tensors from now on)
-    and send its experts calls to ``engine.experts_forward``."""
+    and send its experts calls to ``engine.experts_forward``; every call is checked first
+    (``_unchanged``)."""
+    dtypes = {}
     for name, p in list(module.named_parameters(recurse=False)):
         if p.dim() >= 1 and p.shape[0] == num_experts:
             module._parameters[name] = torch.nn.Parameter(
                 torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False
             )
+            dtypes[name] = p.dtype
     module._stmoe_engine = engine  # type: ignore[assignment]
+    module._stmoe_dtypes = dtypes  # type: ignore[assignment]
+    module.register_forward_pre_hook(_unchanged)
+
+
+def _unchanged(module: torch.nn.Module, args: tuple) -> None:
+    """Refuse an experts call the offloaded model can no longer compute as it did: the
+    model's experts implementation switched from stmoe's (another would compute on the
+    storage-free meta parameters: zeros or NaN, no error), or the model cast to another
+    dtype (the store's experts would be computed in theirs beside the cast model: other
+    tokens than the resident model cast alike). Both were silent before (a review)."""
+    impl = getattr(module.config, "_experts_implementation", None)
+    if impl != IMPL_NAME:
+        raise OffloadError(f"this offloaded model's experts implementation was set to "
+                           f"{impl!r} after stmoe.offload; its experts are in stmoe's store, "
+                           f"which only {IMPL_NAME!r} reads: choose the implementation before "
+                           "offloading")
+    for name, dtype in module._stmoe_dtypes.items():  # type: ignore[union-attr, operator]
+        now = module._parameters[name].dtype  # type: ignore[union-attr]
+        if now != dtype:
+            raise OffloadError(f"this offloaded model was cast to {now} after stmoe.offload, "
+                               f"but its experts are stored in {dtype}: cast the model "
+                               "before offloading it (a fresh load, or its folder)")
 
 
 class GatheredExperts:
@@ -147,6 +177,13 @@ class GatheredExperts:
         d.update(params)
         d.update(num_experts=n, _module=module, _seen=seen)
         return self
+
+    def unbind(self) -> None:
+        """Forget the last call's weights (views of the cache's slabs: the engine closed)."""
+        d = self.__dict__
+        module, seen = d["_module"], d["_seen"]
+        d.clear()
+        d.update(_module=module, _seen=seen)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.__dict__["_module"], name)

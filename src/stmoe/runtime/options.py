@@ -132,8 +132,14 @@ class OffloadOptions:
         policy_code(self.policy, RUNTIME, OffloadError)
         check_link(self.tier, self.bandwidth, self.latency)
         for name, value in (("workers", self.workers), ("max_loads", self.max_loads)):
-            if value is not None and (isinstance(value, bool) or value < 0):
-                raise OffloadError(f"{name} must be >= 0, got {value!r}")
+            if value is not None and (type(value) is not int or value < 0):
+                raise OffloadError(f"{name} must be a whole number >= 0, got {value!r}")
+        for name in ("admission", "in_place"):  # ("no" was taken as True)
+            if not isinstance(getattr(self, name), bool):
+                raise OffloadError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.capacity, float):  # (3.5 was read as a budget of 3.5 bytes)
+            raise OffloadError(f"capacity {self.capacity!r}: give a whole number of experts (8), "
+                               "a share ('50%') or bytes ('64MB')")
         weights = self.weight_format()
         self.resident_format()
         self.memory_bytes()
@@ -155,6 +161,19 @@ class OffloadOptions:
 # would take hours to arrive and a run would look hung.
 MIN_BANDWIDTH = 1e3
 MAX_LATENCY = 60.0
+
+
+def checked_call(model: object, store: object, options: object,
+                 overrides: dict[str, Any]) -> OffloadOptions:
+    """``offload``'s arguments, each checked for what it is (options given second, in the
+    store's place, was an unreadable TypeError), and the options with the overrides."""
+    if not (isinstance(model, (str, Path)) or hasattr(model, "named_modules")):
+        got = "an offloaded model" if hasattr(model, "engine") else type(model).__name__
+        raise OffloadError(f"offload: expected a loaded model or a model folder, got {got}")
+    if store is not None and not isinstance(store, (str, Path)):
+        hint = "; give options by name" if isinstance(store, OffloadOptions) else ""
+        raise OffloadError(f"offload: store is a folder, got {type(store).__name__}{hint}")
+    return with_overrides(OffloadOptions() if options is None else options, overrides)
 
 
 def check_link(name: str, bandwidth: float | str | None,

@@ -284,6 +284,15 @@ class EngineState:
             if self.depth <= 0:
                 self.owner, self.depth = None, 0
 
+    def wait_for_others(self, limit_s: float) -> None:
+        """(lock held) Until no other thread's forward or run holds the engine (at most
+        ``limit_s``: a thread that never lets go does not hold up a close)."""
+        deadline = time.monotonic() + limit_s
+        me = threading.current_thread()
+        while (self.owner not in (None, me) and self.owner.is_alive()
+               and time.monotonic() < deadline):
+            self.cv.wait(timeout=0.05)
+
     def _refuse_others(self, me: threading.Thread) -> None:
         owner = self.owner
         if owner is not None and owner is not me and owner.is_alive():  # a dead one lets go

@@ -15,6 +15,7 @@ hooks keep no books (its driver calls the step API instead).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -75,6 +76,16 @@ class StepDriver(Protocol):
 
     def experts_call(self, layer: int, hidden: torch.Tensor, index: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor: ...
+
+
+class Holder(Protocol):
+    """A driver that holds an offloaded model for its whole life (the step batcher), as the
+    model sees it: ``close`` ends it first, and no other run starts meanwhile."""
+
+    thread: threading.Thread  # its own thread (the one run it lets in)
+    closed: bool
+
+    def close(self) -> None: ...
 
 
 _DRIVER: ContextVar[StepDriver | None] = ContextVar("stmoe_step_driver", default=None)

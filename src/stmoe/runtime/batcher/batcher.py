@@ -86,6 +86,7 @@ class StepBatcher:
         self.error: BaseException | None = None
         self._ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name="stmoe-batcher", daemon=True)
+        om.attach(self)
         self.thread.start()
         self._ready.wait()
         if self.error is not None:

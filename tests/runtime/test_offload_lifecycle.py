@@ -1,0 +1,152 @@
+"""An offloaded model in its user's own code: what may change after ``stmoe.offload`` (and
+is refused where the outputs would no longer be the resident model's), and its close.
+
+From a practitioner's review (2026-12-07): casting the model after offloading, or switching
+its experts implementation, ran on without an error and gave other tokens (or zeros and
+NaN); a second ``close`` raised an AttributeError; ``close`` kept the caches' memory."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from stmoe.errors import OffloadError  # noqa: E402
+from stmoe.runtime.api import offload  # noqa: E402
+from stmoe.runtime.options import OffloadOptions  # noqa: E402
+from stmoe.runtime.store import pack  # noqa: E402
+from tiny_moe import tiny_model  # noqa: E402
+
+IDS = torch.tensor([[5, 17, 33, 60, 7, 21]])
+
+
+@pytest.fixture()
+def offloaded(tmp_path):
+    model, _ = tiny_model("qwen3_moe")
+    store = pack(model, tmp_path / "store")
+    model, _ = tiny_model("qwen3_moe")
+    with offload(model, store, capacity=3, predictor="ondemand") as om:
+        yield om
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.bfloat16), lambda m: m.half()])
+def test_a_model_cast_after_offload_is_refused_at_its_next_call(offloaded, cast):
+    with torch.no_grad():
+        offloaded.model(IDS)  # runs as offloaded
+        cast(offloaded.model)
+        with pytest.raises(OffloadError, match=r"cast to torch.*stored in torch\.float32: "
+                                               r"cast the model before offloading"):
+            offloaded.model(IDS)
+
+
+@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+def test_switching_the_experts_implementation_after_offload_is_refused(offloaded, impl):
+    offloaded.model.set_experts_implementation(impl)
+    with torch.no_grad(), pytest.raises(OffloadError, match=f"set to '{impl}' after "
+                                                            "stmoe.offload"):
+        offloaded.model(IDS)
+
+
+def test_a_second_close_does_nothing(offloaded):
+    offloaded.close()
+    offloaded.close()  # (an AttributeError before: the forward hooks' engine was gone)
+    with pytest.raises(OffloadError, match="was closed"):
+        offloaded.generate([5, 6, 7], max_new_tokens=2)
+
+
+def test_close_lets_the_caches_memory_go(offloaded):
+    """Nothing the engine made keeps a cache slot alive after close: the slabs, their
+    mapped memory and the last call's weights bound on each layer's stand-in (the review
+    found 384 MiB of caches still resident after close)."""
+    import weakref
+
+    offloaded.generate([5, 6, 7], max_new_tokens=3)
+    path = offloaded.engine.path
+    slabs = [weakref.ref(t) for c in offloaded.engine.caches for t in c.slabs.values()]
+    assert slabs and any(g.__dict__.keys() - {"_module", "_seen"} for g in path.gathered)
+    offloaded.close()
+    gc.collect()
+    assert all(ref() is None for ref in slabs)
+    assert not any(c._memory for c in offloaded.engine.caches)
+
+
+def test_a_step_batcher_is_closed_with_its_model_and_a_run_beside_it_refused(offloaded):
+    """The batcher holds the model for its whole life: ``generate`` beside it waited for
+    ever, and so did ``close``."""
+    import threading
+
+    from stmoe.runtime.batcher.batcher import StepBatcher
+
+    batcher = StepBatcher(offloaded, max_batch=2)
+    with pytest.raises(OffloadError, match="serving a StepBatcher"):
+        offloaded.generate([5, 6, 7], max_new_tokens=2)
+    done = threading.Event()
+    closer = threading.Thread(target=lambda: (offloaded.close(), done.set()), daemon=True)
+    closer.start()
+    assert done.wait(30), "close waited for the batcher"
+    assert batcher.closed and not batcher.thread.is_alive()
+
+
+@pytest.mark.parametrize("tier", ["disk", "emulated"])
+def test_close_from_another_thread_during_a_forward_ends_it_with_the_closed_error(tmp_path,
+                                                                                   tier):
+    """The forward fails at its next layer with the one clear line, never a KeyError on a
+    freed slot or a short read of a closed tier (the review's 4 in 15 runs): close waits for
+    it to let go before it frees anything."""
+    import threading
+
+    model, _ = tiny_model("qwen3_moe")
+    store = pack(model, tmp_path / "store")
+    model, _ = tiny_model("qwen3_moe")
+    om = offload(model, store, capacity=3, predictor="ondemand", tier=tier,
+                 bandwidth="20MB" if tier == "emulated" else None)
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    class Started:
+        def put(self, value):  # (a streamer: the first token is out)
+            started.set()
+
+        def end(self):
+            pass
+
+    def run():
+        try:
+            with torch.no_grad():
+                om.model.generate(IDS, max_new_tokens=200, min_new_tokens=200,
+                                  do_sample=False, streamer=Started())
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    assert started.wait(30)
+    om.close()
+    worker.join(30)
+    assert not worker.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], OffloadError), errors
+    assert "was closed" in str(errors[0])
+
+
+@pytest.mark.parametrize("call,said", [
+    (lambda m, s: offload(m, OffloadOptions(capacity=3)),
+     "store is a folder, got OffloadOptions; give options by name"),
+    (lambda m, s: offload(None, s), "expected a loaded model or a model folder, got NoneType"),
+    (lambda m, s: offload(m, s, options={"capacity": 3}),
+     "options: expected an OffloadOptions, got dict"),
+    (lambda m, s: offload(m, s, admission="no"), "admission must be True or False, got 'no'"),
+    (lambda m, s: offload(m, s, workers=1.5), "workers must be a whole number >= 0, got 1.5"),
+    (lambda m, s: offload(m, s, capacity=3.5), "capacity 3.5: give a whole number of experts"),
+])
+def test_offloads_arguments_are_checked_for_what_they_are(tmp_path, call, said):
+    """Each was a bare TypeError or AttributeError, or taken as something else
+    (``admission="no"`` as True, ``capacity=3.5`` as 3.5 bytes)."""
+    import re
+
+    model, _ = tiny_model("qwen3_moe")
+    store = pack(model, tmp_path / "store")
+    with pytest.raises(OffloadError, match=re.escape(said)):
+        call(model, store)
