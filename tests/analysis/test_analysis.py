@@ -160,3 +160,18 @@ def test_a_trace_of_one_token_sequences_has_no_temporal_evidence(cli, tmp_path):
     assert "no consecutive tokens to compare" in result.output and "0.00x" not in result.output
     report = (tmp_path / "rep" / "report.md").read_text()
     assert "no consecutive pairs to compare" in report and "0.00x" not in report
+
+
+def test_a_layer_that_routed_nothing_stays_out_of_the_temporal_headline():
+    """Random routing is 1.0x random at every routed layer; an all-empty layer has no
+    ratio (null) and no longer pulls the headline down (it read 0.84x: a review)."""
+    trace = stmoe.synthesize(tokens=2000, layers=6, experts=16, top_k=2, sequences=2,
+                             spatial=0.0, temporal=0.0, seed=4)
+    experts = trace.experts.copy()
+    experts[:, 3] = -1
+    empty = stmoe.RoutingTrace(experts, trace.seq_starts, trace.is_decode, trace.meta,
+                               domains=trace.domains)
+    t = temporal(empty)
+    assert t["per_layer"][3]["ratio"] is None and t["per_layer"][3]["ratio_vs_load"] is None
+    full = temporal(trace)
+    assert t["overlap_ratio"] > 0.85 and abs(t["overlap_ratio"] - full["overlap_ratio"]) < 0.1

@@ -150,3 +150,13 @@ def test_offloads_arguments_are_checked_for_what_they_are(tmp_path, call, said):
     store = pack(model, tmp_path / "store")
     with pytest.raises(OffloadError, match=re.escape(said)):
         call(model, store)
+
+
+def test_a_ready_predictor_of_another_shape_is_refused_at_offload(tmp_path):
+    """(It was taken, then failed at the first generate with an index out of range.)"""
+    from stmoe.predictors import ModelShape, make
+
+    model, _ = tiny_model("qwen3_moe")
+    store = pack(model, tmp_path / "store")
+    with pytest.raises(OffloadError, match="predictor 'random' was made for L=5 layers"):
+        offload(model, store, capacity=3, predictor=make("random", ModelShape(5, 8, 2)))

@@ -61,6 +61,10 @@ def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
                     f"{c['wasted_per_token']:.1f}", _num(c["read_amplification"], ".2f")]
         table.add_row(*row)
     out.print(table)
+    if has_cache:  # (recall's scope is the title's; the cache serves every layer)
+        out.print("The cache columns replay every layer, layer 0 included, over the same "
+                  "tokens: a cache serves each layer's experts, predicted or not.",
+                  soft_wrap=True)
     matrix = data.get("cross_domain")
     if matrix:
         grid = Table(title=f"cross-domain recall ({clean_label(matrix['predictor'])}): rows "

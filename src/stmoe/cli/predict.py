@@ -227,13 +227,17 @@ def eval_cmd(
     if lookahead not in ("auto", "early", "late"):
         raise StmoeError(f"--lookahead {clean_label(lookahead)}: expected auto, early or late")
     tables = load_tables(tables_path) if tables_path is not None else None  # before the trace
-    trace = _select(import_files([trace_path]), domain, split, 1)
+    whole = import_files([trace_path])
+    trace = _select(whole, domain, split, 1)
     n = trace.meta.num_experts
     why = f"the trace has {n} experts per layer"
     if capacity is not None:
         capacity_per_layer(capacity, n, trace.meta.top_k, forms=("count",), name="--capacity",
                            error=StmoeError)
     policy_code(policy, REPLAY, StmoeError)  # checked even where no --capacity uses it
+    if capacity is None and policy != "lru":  # (it was ignored without a word)
+        raise StmoeError(f"--policy {clean_label(policy)} is the cache replay's: give "
+                         "--capacity C too")
     check_range("--set-size", set_size, 0, n, why=why)
     if tables is not None:
         note_tables(trace, tables)
@@ -269,6 +273,7 @@ def eval_cmd(
                  else f"{', '.join(lru_instead)} score no expert, so their caches")
         err.print(f"note: --policy score: {which} ran lru")
     if cross_domain:  # the first predictor named (else stmoe), as its label says
+        _note_cross_domain(whole, trace, horizon)
         shared = {k: v for k, v in options.items() if k != "horizon"}
         result = ReplayResult(result.trace, result.results, cross_domain_matrix(
             trace, predictor[0] if predictor else "stmoe", **shared))
@@ -281,3 +286,15 @@ def eval_cmd(
         return
     print_results(data, trace)
     write_json(data, json_out)
+
+
+def _note_cross_domain(whole: RoutingTrace, replayed: RoutingTrace, horizon: int) -> None:
+    """What the matrix covers, where it is less than the trace: the domains of the part
+    replayed (after --split and --domain), one layer ahead."""
+    left = [d for d in dict.fromkeys(whole.domains) if d not in set(replayed.domains)]
+    if left:
+        err.print(f"note: --cross-domain covers the domains of the part replayed; "
+                  f"{', '.join(map(clean_label, left))} left out by --split or --domain")
+    if horizon > 1:
+        err.print("note: the cross-domain matrix predicts one layer ahead (--horizon is not "
+                  "applied to it)")

@@ -279,7 +279,8 @@ class Predictor:
                 f"score eviction's replay keeps every prediction's scores: {need / 2**30:.1f} "
                 f"GiB for {trace.num_tokens} tokens x {shape.num_layers} layers x "
                 f"{shape.num_experts} experts, over its {SCORED_PLAN_BYTES // 2**30} GiB; "
-                "replay fewer tokens or layers (stmoe trace select)")
+                "replay fewer tokens (`eval --split` or `--domain`; stmoe.select_sequences "
+                "or stmoe.split in Python)")
         scores = np.zeros((trace.num_tokens * shape.num_layers, shape.num_experts),
                           dtype=np.float32)
 

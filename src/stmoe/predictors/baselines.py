@@ -168,7 +168,9 @@ class OraclePredictor(Predictor):
     def predict(self, layer: int, slot: int = 0) -> np.ndarray:
         chosen = self._revealed.get(slot)
         if chosen is None:
-            raise PredictorError("the oracle needs reveal(layer, experts) before predict")
+            raise PredictorError("the oracle needs reveal(layer, experts) before predict: "
+                                 "offloaded, it runs only in OffloadedModel.generate or "
+                                 "measure (a second pass that knows the routing)")
         return chosen[chosen >= 0].copy()
 
     def plan(self, trace: RoutingTrace) -> PrefetchPlan:

@@ -294,6 +294,9 @@ def resolve_predictor(options: OffloadOptions, shape: ModelShape,
     lookahead = options.lookahead
     if isinstance(options.predictor, Predictor):
         pred = options.predictor
+        if pred.shape != shape:  # (it failed at the first generate, an index out of range)
+            raise OffloadError(f"predictor {pred.name!r} was made for {pred.shape.describe()}; "
+                               f"this model has {shape.describe()}")
         if lookahead != "auto":
             _check_lookahead_option(pred.name, pred.uses_lookahead, lookahead)
             pred.lookahead_pref = lookahead
