@@ -160,3 +160,36 @@ def test_a_ready_predictor_of_another_shape_is_refused_at_offload(tmp_path):
     store = pack(model, tmp_path / "store")
     with pytest.raises(OffloadError, match="predictor 'random' was made for L=5 layers"):
         offload(model, store, capacity=3, predictor=make("random", ModelShape(5, 8, 2)))
+
+
+def test_the_temporary_store_of_a_model_never_closed_goes_when_the_process_exits(tmp_path):
+    """A loaded model offloaded without a store gets a temporary one (a copy of its
+    experts); never closed, it stayed on disk after the process exited."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from tiny_moe import tiny_model\n"
+        "from stmoe.runtime.api import offload\n"
+        "om = offload(tiny_model('qwen3_moe')[0], capacity=3, predictor='ondemand')\n"
+        "print(om.config['store'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    store = Path(done.stdout.strip().splitlines()[-1])
+    assert store.parent == tmp_path and store.name.startswith("stmoe-store-")
+    assert not store.exists()
+
+
+def test_generate_takes_token_ids_as_a_list_or_a_tensor(offloaded):
+    want = offloaded.generate([5, 17, 33], max_new_tokens=3).tokens
+    assert offloaded.generate(torch.tensor([5, 17, 33]), max_new_tokens=3).tokens == want
+    assert offloaded.generate(torch.tensor([[5, 17, 33]]), max_new_tokens=3).tokens == want
+    with pytest.raises(OffloadError, match=r"shape \[2, 3\].*one sequence of integer"):
+        offloaded.generate(torch.ones(2, 3, dtype=torch.long), max_new_tokens=3)
+    with pytest.raises(OffloadError, match="dtype float32"):
+        offloaded.generate(torch.ones(3), max_new_tokens=3)

@@ -11,7 +11,6 @@ by the predictor. Outputs are bit-identical to the resident model in that format
 from __future__ import annotations
 
 import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -40,6 +39,7 @@ from stmoe.runtime.state import EngineSettings
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.step import Holder
 from stmoe.runtime.store import ExpertStore, default_store_dir, open_store, pack
+from stmoe.runtime.store.packing import temporary_store_dir
 from stmoe.runtime.store.reading import open_tier
 from stmoe.trace.ranks import unranked_error
 from stmoe.util.progress import announced_byte_progress
@@ -77,8 +77,7 @@ class OffloadedModel:
 
     Safe to share between threads: ``generate``, ``measure`` and ``close`` take one lock,
     so calls run one after the other, each exactly as it would alone. A forward of
-    ``model`` called directly while another thread's call runs is refused (one line).
-    """
+    ``model`` called directly while another thread's call runs is refused (one line)."""
 
     def __init__(self, model: torch.nn.Module, engine: OffloadEngine, tokenizer: Any,
                  config: dict[str, Any], cleanup: Path | None = None) -> None:
@@ -123,10 +122,10 @@ class OffloadedModel:
         self._batchers.add(batcher)
 
     def generate(
-        self, prompt: str | list[int], max_new_tokens: int = 32, cold: bool = True
+        self, prompt: str | list[int] | torch.Tensor, max_new_tokens: int = 32, cold: bool = True
     ) -> GenerationResult:
-        """Greedy generation from ``prompt`` (text, or token ids), measured (from an
-        empty cache when ``cold``)."""
+        """Greedy generation from ``prompt`` (text, or token ids: a list or a 1-D tensor),
+        measured (from an empty cache when ``cold``)."""
         if max_new_tokens < 1:
             raise OffloadError("max_new_tokens must be at least 1")
         if isinstance(prompt, str):
@@ -195,9 +194,10 @@ class OffloadedModel:
         """Run ``fn`` (any use of ``self.model``) as one measured run, from an empty
         cache when ``cold`` (else the experts left by the previous run stay).
 
-        For the oracle, ``fn`` runs twice: a first pass records the routing the
-        oracle then knows in advance (outputs are the same, being lossless). Runs
-        of several threads are serialised (see the class docstring).
+        For the oracle, ``fn`` runs twice: a first pass records the routing the oracle
+        then knows in advance, so ``fn`` must give the same routing twice (greedy, or a
+        sampler seeded inside ``fn``; a streamer it feeds gets both passes). Runs of
+        several threads are serialised (see the class docstring).
         """
         with self.exclusive():
             return self._measure(fn, cold)
@@ -262,7 +262,7 @@ def offload(
                            "offload a freshly loaded model or its folder")
     cleanup = None
     if store is None:
-        cleanup = Path(tempfile.mkdtemp(prefix="stmoe-store-"))
+        cleanup = temporary_store_dir()
         try:
             pack(model, cleanup, weights=options.weight_format())
         except BaseException:

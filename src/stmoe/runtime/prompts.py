@@ -13,9 +13,18 @@ from stmoe.errors import OffloadError
 
 
 def prompt_ids(prompt: Any, config: Any) -> torch.Tensor:
-    """[1, S] token ids from a flat list of ints within the vocabulary."""
+    """[1, S] token ids from a flat list of ints within the vocabulary (a 1-D tensor or
+    array of integers too, or one row of them: [1, S])."""
     vocab = getattr(config, "vocab_size", None) or getattr(
         getattr(config, "text_config", None), "vocab_size", None)
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        array = prompt.detach().cpu().numpy() if isinstance(prompt, torch.Tensor) else prompt
+        if array.ndim == 2 and array.shape[0] == 1:
+            array = array[0]
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise OffloadError(f"prompt: a tensor of shape {list(array.shape)} and dtype "
+                               f"{array.dtype}; expected one sequence of integer token ids")
+        prompt = array.tolist()
     ids = []
     for i, t in enumerate(prompt):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):

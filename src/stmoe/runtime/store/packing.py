@@ -14,9 +14,12 @@ safetensors shards (``pack_folder``, ``pack_stream``).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -205,6 +208,14 @@ def block_bytes(tensors: list[tuple[str, Any]]) -> tuple[bytes, tuple[TensorSlot
         payload.append(data)
         inner += len(data)
     return b"".join(payload), tuple(slots)
+
+
+def temporary_store_dir() -> Path:
+    """A folder for the store of a loaded model, removed at the latest when the process exits
+    (``close`` removes it first; a model never closed left a copy of its experts behind)."""
+    path = Path(tempfile.mkdtemp(prefix="stmoe-store-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def default_store_dir(model_dir: Path, weights: WeightFormat | None = None,
