@@ -49,7 +49,8 @@ T = TypeVar("T")
 
 @dataclass
 class GenerationResult:
-    """Generated tokens and what the runtime measured (decode figures headline)."""
+    """Generated tokens and what the runtime measured: hit rate, recall, precision and
+    stall are the decode's, or the prompt's where no token was decoded (one new token)."""
 
     tokens: list[int]
     text: str
@@ -106,8 +107,7 @@ class OffloadedModel:
     @contextmanager
     def exclusive(self, routing: RoutingSource | None = None) -> Iterator[None]:
         """This thread's measured run (``routing`` forced on it): after any other thread's,
-        the engine claimed (refused while another thread's direct call runs, and while a
-        step batcher serves the model: it holds it for its whole life)."""
+        the engine claimed (refused while another thread's call runs or a batcher serves)."""
         self.engine.refuse_nested()  # before the lock: waiting for ourselves would hang
         me = threading.current_thread()
         if any(b.thread is not me and not b.closed for b in self._batchers):
