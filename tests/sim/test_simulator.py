@@ -606,3 +606,18 @@ def test_a_preset_calibrated_on_another_model_is_named_as_such(cli, tmp_path):
     path.write_text(text.replace("workers = 2", f'workers = 2\nmeasured_on = "{same}"'))
     res = cli(*args)
     assert res.exit_code == 0 and "calibrated on a model" not in res.output, res.output
+
+
+def test_a_trace_without_decode_tokens_is_simulated_as_decode_with_a_note(cli, tmp_path):
+    model = tmp_path / "tiny.toml"
+    fields = {k: v for k, v in dataclasses.asdict(MODEL).items() if k != "name"}
+    model.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()))
+    trace = trace_for(tokens=300, sequences=4)
+    prompts = stmoe.RoutingTrace(trace.experts, trace.seq_starts,
+                                 np.zeros(trace.num_tokens, bool), trace.meta,
+                                 domains=trace.domains)
+    stmoe.save_trace(prompts, tmp_path / "t.npz")
+    result = cli("simulate", tmp_path / "t.npz", "--model", model, "--hardware", "stmoe-asic",
+                 "--system", "stmoe")
+    assert result.exit_code == 0, result.output
+    assert "marks no decode token, so every token is simulated" in " ".join(result.output.split())

@@ -162,6 +162,9 @@ def simulate_cmd(
         return
     systems = system or list(DEFAULT_SYSTEMS)
     check_model_fits(trace, spec_m)
+    if not trace.is_decode.any():  # (a review: the fallback was silent)
+        err.print("note: the trace marks no decode token, so every token is simulated as a "
+                  "decode step")
     trace, loaded, note = prepare_tables(trace, loaded, systems)  # once, for every sweep too
     opts = RunOptions(tables=loaded, batch=batch,
                       pregate_accuracy=pregate_accuracy, adap_threshold=adap_threshold,
