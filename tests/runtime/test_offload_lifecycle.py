@@ -193,3 +193,21 @@ def test_generate_takes_token_ids_as_a_list_or_a_tensor(offloaded):
         offloaded.generate(torch.ones(2, 3, dtype=torch.long), max_new_tokens=3)
     with pytest.raises(OffloadError, match="dtype float32"):
         offloaded.generate(torch.ones(3), max_new_tokens=3)
+
+
+def test_a_model_dropped_unclosed_stops_its_workers(tmp_path):
+    """(Its prefetch threads, and the caches they hold, lived on after ``del``.)"""
+    import threading
+
+    def workers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("stmoe-prefetch")}
+
+    before = workers()
+    model, _ = tiny_model("qwen3_moe")
+    store = pack(model, tmp_path / "store")
+    om = offload(tiny_model("qwen3_moe")[0], store, capacity=3, predictor="ondemand")
+    om.generate([5, 6, 7], max_new_tokens=3)
+    assert workers() - before
+    del om
+    gc.collect()
+    assert not workers() - before

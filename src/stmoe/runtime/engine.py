@@ -115,7 +115,7 @@ class OffloadEngine:
                                self.max_loads, capacities, prompt_routers)
         self.path = ExpertsPath(self.state, layers, settings, self.prefetcher, self.planner)
         self.reset(future=None)
-        self.prefetcher.start()
+        self.prefetcher.start(owner=self)
 
     # ---- runs ----------------------------------------------------------------
     def reset(self, future: Future | None = None, cold: bool = True) -> None:

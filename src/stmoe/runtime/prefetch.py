@@ -25,6 +25,7 @@ import heapq
 import os
 import threading
 import time
+import weakref
 
 from stmoe.errors import OffloadError
 from stmoe.runtime.cache import LOADING, LayerCache
@@ -59,9 +60,14 @@ class Prefetcher:
         self._threads = [threading.Thread(target=self._worker, name=f"stmoe-prefetch-{i}",
                                           daemon=True) for i in range(workers)]
 
-    def start(self) -> None:
+    def start(self, owner: object | None = None) -> None:
+        """Start the workers; with ``owner`` (the engine), they stop, the tier closes and the
+        caches go when it is collected without a close (an offloaded model dropped unclosed:
+        its threads, and the caches they hold, lived on)."""
         for t in self._threads:
             t.start()
+        if owner is not None:
+            weakref.finalize(owner, _abandoned, self).atexit = False  # (daemons die at exit)
 
     def request(self, fwd: int, layer: int, experts: list[int], max_loads: int) -> None:
         """(lock held) Queue loads for (call ``fwd``, ``layer``): the first ``max_loads`` of
@@ -231,3 +237,16 @@ class Prefetcher:
             if self.error is None:
                 self.error = exc
             self.state.cv.notify_all()
+
+
+def _abandoned(prefetcher: Prefetcher) -> None:
+    """An engine collected unclosed: what its ``close`` would have ended (nothing if it was
+    closed)."""
+    state = prefetcher.state
+    with state.cv:
+        if state.closed:
+            return
+        state.closed = True
+    prefetcher.close()
+    state.loader.tier.close()
+    state.release()
