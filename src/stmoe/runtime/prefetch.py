@@ -159,8 +159,9 @@ class Prefetcher:
             self._closing = True
             self.work.notify_all()
         deadline = time.monotonic() + CLOSE_WAIT_S
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        for t in self._threads:  # (not the calling one: a collection may run on a worker)
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def _worker(self) -> None:
         if self.cpus:
@@ -248,5 +249,7 @@ def _abandoned(prefetcher: Prefetcher) -> None:
             return
         state.closed = True
     prefetcher.close()
+    if (ops := state.device_ops()) is not None:  # (as close: queued slot writes first)
+        ops.drain()
     state.loader.tier.close()
     state.release()
