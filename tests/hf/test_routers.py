@@ -196,12 +196,12 @@ def test_a_router_given_its_blocks_bias_ranks_as_the_family_routes(config_name, 
         alone = Router(router.weight).ranked(x, k)
         missed += sum(a != b for a, b in zip(_sets(alone), _sets(ids), strict=True))
     assert missed > 0
-    # the bias is read at each call, not kept from load: a new one changes the ranking
+    # the bias is read at each call, not kept from load: a new tensor in its place (as a
+    # move to another device puts one) changes the ranking
     block, router = layout.routers[0].block, layout.routers[0]
     x = _routed(model, layout)[0][0]
     before = router.ranked(x, 2)
-    with torch.no_grad():
-        getattr(block, bias).copy_(-getattr(block, bias))
+    setattr(block, bias, -getattr(block, bias).clone())
     assert not torch.equal(router.ranked(x, 2), before)
 
 

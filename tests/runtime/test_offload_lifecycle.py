@@ -93,9 +93,10 @@ def test_a_step_batcher_is_closed_with_its_model_and_a_run_beside_it_refused(off
 @pytest.mark.parametrize("tier", ["disk", "emulated"])
 def test_close_from_another_thread_during_a_forward_ends_it_with_the_closed_error(tmp_path,
                                                                                    tier):
-    """The forward fails at its next layer with the one clear line, never a KeyError on a
-    freed slot or a short read of a closed tier (the review's 4 in 15 runs): close waits for
-    it to let go before it frees anything."""
+    """A forward held inside a layer, after the layer's closed check and before its cache is
+    read: close waits for it to let go before it frees anything, and the forward fails at its
+    next layer with the one clear line. (Freed under it, the forward failed with a KeyError
+    on a freed slot or a short read of a closed tier: the review's 4 runs in 15.)"""
     import threading
 
     model, _ = tiny_model("qwen3_moe")
@@ -103,30 +104,39 @@ def test_close_from_another_thread_during_a_forward_ends_it_with_the_closed_erro
     model, _ = tiny_model("qwen3_moe")
     om = offload(model, store, capacity=3, predictor="ondemand", tier=tier,
                  bandwidth="20MB" if tier == "emulated" else None)
+    inside, go_on = threading.Event(), threading.Event()
+    path, calls = om.engine.path, []
+    on_device = path._on_device
+
+    def held(*args, **kwargs):  # (called after the closed check, before the cache is read)
+        calls.append(1)
+        if len(calls) == 2:
+            inside.set()
+            go_on.wait(30)
+        return on_device(*args, **kwargs)
+
+    path._on_device = held
     errors: list[BaseException] = []
-    started = threading.Event()
-
-    class Started:
-        def put(self, value):  # (a streamer: the first token is out)
-            started.set()
-
-        def end(self):
-            pass
 
     def run():
         try:
             with torch.no_grad():
-                om.model.generate(IDS, max_new_tokens=200, min_new_tokens=200,
-                                  do_sample=False, streamer=Started())
+                om.model(IDS)
+                om.model(IDS)
         except BaseException as exc:
             errors.append(exc)
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
-    assert started.wait(30)
-    om.close()
+    assert inside.wait(30)
+    closer = threading.Thread(target=om.close, daemon=True)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive(), "close freed the caches under a forward"
+    go_on.set()
     worker.join(30)
-    assert not worker.is_alive()
+    closer.join(30)
+    assert not worker.is_alive() and not closer.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], OffloadError), errors
     assert "was closed" in str(errors[0])
 
@@ -158,8 +168,10 @@ def test_a_ready_predictor_of_another_shape_is_refused_at_offload(tmp_path):
 
     model, _ = tiny_model("qwen3_moe")
     store = pack(model, tmp_path / "store")
-    with pytest.raises(OffloadError, match="predictor 'random' was made for L=5 layers"):
-        offload(model, store, capacity=3, predictor=make("random", ModelShape(5, 8, 2)))
+    for shape in (ModelShape(2, 8, 2), ModelShape(3, 16, 2)):  # too few layers, other N
+        with pytest.raises(OffloadError, match=f"predictor 'random' was made for "
+                                               f"L={shape.num_layers} layers"):
+            offload(model, store, capacity=3, predictor=make("random", shape))
 
 
 def test_the_temporary_store_of_a_model_never_closed_goes_when_the_process_exits(tmp_path):

@@ -75,10 +75,11 @@ def demo_cmd(
     for d in domains:
         table.add_column(clean_label(d), justify="right")
     table.add_column("set size", justify="right")
-    for name in summary["recall"][domains[0]]:
-        size = sum(summary["set_size"][d][name] for d in domains) / len(domains)
-        table.add_row(clean_label(name), *(f"{summary['recall'][d][name]:.3f}" for d in domains),
-                      f"{size:.2f}")
+    for name in summary["recall"][domains[0]]:  # (None: nothing to divide by, '-')
+        sizes = [s for d in domains if (s := summary["set_size"][d][name]) is not None]
+        recalls = [summary["recall"][d][name] for d in domains]
+        table.add_row(clean_label(name), *("-" if r is None else f"{r:.3f}" for r in recalls),
+                      f"{sum(sizes) / len(sizes):.2f}" if sizes else "-")
     out.print(table)
     out.print(
         f"{summary['pairs_significant']}/{summary['pairs_total']} layer pairs reject independence; "

@@ -36,7 +36,7 @@ def figure_tokens(trace: RoutingTrace) -> np.ndarray:
 
 def in_sample_tokens(trace: RoutingTrace, tables: ProfiledTables) -> int:
     """How many of ``trace``'s ``figure_tokens`` were profiled into ``tables``: those whose
-    digest (``token_digests``: the token's routing and the one's before it) the tables
+    digest (``token_digests``: the token's routing and the three before it) the tables
     keep, counted from their sample where they keep one (an estimate then); in older files,
     without the digests, the tokens of a sequence they were profiled on and, of the others,
     those in their token memory (their last profiled tokens). Rows are compared as sets."""

@@ -29,10 +29,11 @@ from stmoe.predictors.base import ModelShape
 from stmoe.quant.experts import plan_format, select
 from stmoe.quant.linears import quantize_linears
 from stmoe.runtime.accelerator import GPU_TIERS, accelerator
+from stmoe.runtime.arguments import checked_call
 from stmoe.runtime.engine import OffloadEngine
 from stmoe.runtime.forced_routing import RoutingPlan, RoutingSource
 from stmoe.runtime.hf_glue import IMPL_NAME, register
-from stmoe.runtime.options import OffloadOptions, checked_call, resolve_predictor, top_k_of
+from stmoe.runtime.options import OffloadOptions, resolve_predictor, top_k_of
 from stmoe.runtime.placement import place
 from stmoe.runtime.prompts import greedy_generate, prompt_ids
 from stmoe.runtime.state import EngineSettings
@@ -49,8 +50,7 @@ T = TypeVar("T")
 
 @dataclass
 class GenerationResult:
-    """Generated tokens and what the runtime measured: hit rate, recall, precision and
-    stall are the decode's, or the prompt's where no token was decoded (one new token)."""
+    """Generated tokens and what the runtime measured (decode's; the prompt's if none was)."""
 
     tokens: list[int]
     text: str
