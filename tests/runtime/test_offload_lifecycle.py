@@ -219,7 +219,15 @@ def test_a_model_dropped_unclosed_stops_its_workers(tmp_path):
     store = pack(model, tmp_path / "store")
     om = offload(tiny_model("qwen3_moe")[0], store, capacity=3, predictor="ondemand")
     om.generate([5, 6, 7], max_new_tokens=3)
-    assert workers() - before
+    import weakref
+
+    started = workers() - before
+    assert started
+    slabs = [weakref.ref(t) for c in om.engine.caches for t in c.slabs.values()]
     del om
     gc.collect()
+    for t in started:  # (they stop at their next wake: within half a second)
+        t.join(5)
     assert not workers() - before
+    gc.collect()
+    assert all(ref() is None for ref in slabs)  # and the caches went with them

@@ -241,15 +241,9 @@ class Prefetcher:
 
 
 def _abandoned(prefetcher: Prefetcher) -> None:
-    """An engine collected unclosed: what its ``close`` would have ended (nothing if it was
-    closed)."""
-    state = prefetcher.state
-    with state.cv:
-        if state.closed:
-            return
-        state.closed = True
-    prefetcher.close()
-    if (ops := state.device_ops()) is not None:  # (as close: queued slot writes first)
-        ops.drain()
-    state.loader.tier.close()
-    state.release()
+    """An engine collected unclosed: its workers stop at their next wake (within ``WAIT_S``)
+    and, with them, the last references to the tier and the caches go. Only a flag is set:
+    this runs inside a garbage collection, on whatever thread it fell on (one of these
+    workers, holding the engine's lock, perhaps), so it takes no lock and waits for
+    nothing (a join there held up another engine's loads)."""
+    prefetcher._closing = True
