@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import stmoe
-from stmoe.cli.table_notes import figure_tokens, in_sample_tokens
+from stmoe.cli.table_notes import in_sample_tokens
+from stmoe.evaluate.metrics import scope_tokens
 from stmoe.predictors import PredictorError, load_tables, profile, profiling, save_tables
 from stmoe.trace.ranks import token_digests
 
@@ -67,7 +68,7 @@ def test_a_prompt_prefix_shared_with_the_profiled_routing_is_not_counted():
     tables = profile(profiled)
     assert np.isin(token_digests(held_out)[:prefix], tables.profiled_tokens).all()
     assert in_sample_tokens(held_out, tables) == 0
-    assert in_sample_tokens(profiled, tables) == int(figure_tokens(profiled).sum())
+    assert in_sample_tokens(profiled, tables) == int(scope_tokens(profiled).sum())
 
 
 def test_beyond_the_kept_digests_a_sample_estimates_the_share(monkeypatch, tmp_path):

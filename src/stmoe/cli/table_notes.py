@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 
 from stmoe.errors import StmoeNote
+from stmoe.evaluate.metrics import scope_tokens
 from stmoe.predictors.base import ModelShape
 from stmoe.predictors.tables import ProfiledTables
 from stmoe.trace import RoutingTrace
@@ -27,20 +28,15 @@ def note_tables(trace: RoutingTrace, tables: ProfiledTables) -> None:
     note_other_model(trace, tables)
 
 
-def figure_tokens(trace: RoutingTrace) -> np.ndarray:
-    """[T] bool: the tokens the replay's figures are about: its decode tokens where it has
-    any (``eval``'s headline), else all (a prompt's prefix shared with the profiled routing,
-    a chat template's, is not what the figures count)."""
-    return trace.is_decode if trace.is_decode.any() else np.ones(trace.num_tokens, bool)
-
-
 def in_sample_tokens(trace: RoutingTrace, tables: ProfiledTables) -> int:
-    """How many of ``trace``'s ``figure_tokens`` were profiled into ``tables``: those whose
+    """How many of ``trace``'s ``scope_tokens`` (the tokens its figures count: the decode
+    tokens where it has any, so a chat template's prefix shared with the profiled prompts is
+    not counted) were profiled into ``tables``: those whose
     digest (``token_digests``: the token's routing and the three before it) the tables
     keep, counted from their sample where they keep one (an estimate then); in older files,
     without the digests, the tokens of a sequence they were profiled on and, of the others,
     those in their token memory (their last profiled tokens). Rows are compared as sets."""
-    scope = figure_tokens(trace)
+    scope = scope_tokens(trace)
     if tables.shape != ModelShape.of(trace) or not scope.any():
         return 0
     routing = set_order(trace.experts)[0]
@@ -67,13 +63,13 @@ IN_SAMPLE_SHARE = 0.01  # a note from this share of the replayed tokens profiled
 
 
 def note_in_sample(trace: RoutingTrace, tables: ProfiledTables) -> None:
-    """A note when some of the replayed tokens (1% or more of ``figure_tokens``) were
+    """A note when some of the replayed tokens (1% or more of ``scope_tokens``) were
     profiled into ``tables``: their figures are in-sample (a third of the tokens in-sample
     moved stmoe-plus's lead over ST-MoE by 9 points in a review, 2026-12-07). Not where
     every expert routes at every layer: no token differs from another there."""
     if trace.top_k >= trace.num_experts:
         return
-    known, total = in_sample_tokens(trace, tables), int(figure_tokens(trace).sum())
+    known, total = in_sample_tokens(trace, tables), int(scope_tokens(trace).sum())
     if known and known >= IN_SAMPLE_SHARE * total:
         share = ("every one" if known >= total
                  else f"{min(known / total, 0.99):.0%}")  # (not 100% but one)
