@@ -190,8 +190,8 @@ def test_generate_refuses_a_model_path_that_is_not_a_folder(cli, small):
         ("200%", "from 0% to 100%"),
         (17, "at most 16"),
         ("17", "at most 16"),
-        ("-5", "above zero"),
-        ("1e400", "above zero"),
+        ("-5", "a whole number of experts"),
+        ("1e400GB", "above zero"),
         (True, "not a count, a share or a size"),
     ],
 )
@@ -263,8 +263,11 @@ def test_a_capacity_in_every_form_gives_experts_per_layer(capacity, per_layer):
         ("x%", "not a share"),
         ("15999B", "gives 3 experts per layer"),  # bytes: 3 of 1000 in each of 4 layers
         ("1KB", "gives 0 experts per layer"),
-        ("-5", "not a finite size above zero"),
-        ("1e400", "not a finite size above zero"),
+        ("-5MB", "not a finite size above zero"),
+        ("1e400GB", "not a finite size above zero"),
+        ("3.5", "a count is a whole number of experts, and a size needs its unit"),  # (0 experts
+        ("1e3", "a count is a whole number of experts, and a size needs its unit"),  # as bytes)
+        ("-5", "a count is a whole number of experts"),
         ("3 parsecs", "unknown unit 'parsecs'"),
         ("lots", "not a count, a share or a size"),
         (True, "not a count, a share or a size"),

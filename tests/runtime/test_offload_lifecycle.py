@@ -91,14 +91,21 @@ def test_a_step_batcher_is_closed_with_its_model_and_a_run_beside_it_refused(off
 
 
 @pytest.mark.parametrize("tier", ["disk", "emulated"])
-def test_close_from_another_thread_during_a_forward_ends_it_with_the_closed_error(tmp_path,
-                                                                                   tier):
+@pytest.mark.parametrize("held_past_the_wait", [False, True])
+def test_close_from_another_thread_during_a_forward_ends_it_with_the_closed_error(
+        tmp_path, monkeypatch, tier, held_past_the_wait):
     """A forward held inside a layer, after the layer's closed check and before its cache is
     read: close waits for it to let go before it frees anything, and the forward fails at its
     next layer with the one clear line. (Freed under it, the forward failed with a KeyError
-    on a freed slot or a short read of a closed tier: the review's 4 runs in 15.)"""
+    on a freed slot or a short read of a closed tier: the review's 4 runs in 15.) Held past
+    close's wait (shortened here), the caches are freed under it: it fails with the same
+    line, not with a KeyError or a short read that reads as a damaged store."""
     import threading
 
+    import stmoe.runtime.engine as engine
+
+    if held_past_the_wait:
+        monkeypatch.setattr(engine, "CLOSE_WAIT_S", 0.2)
     model, _ = tiny_model("qwen3_moe")
     store = pack(model, tmp_path / "store")
     model, _ = tiny_model("qwen3_moe")
@@ -131,14 +138,46 @@ def test_close_from_another_thread_during_a_forward_ends_it_with_the_closed_erro
     assert inside.wait(30)
     closer = threading.Thread(target=om.close, daemon=True)
     closer.start()
-    closer.join(0.5)
-    assert closer.is_alive(), "close freed the caches under a forward"
+    closer.join(2.0 if held_past_the_wait else 0.5)
+    assert closer.is_alive() is not held_past_the_wait, "close freed the caches under a forward"
     go_on.set()
     worker.join(30)
     closer.join(30)
     assert not worker.is_alive() and not closer.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], OffloadError), errors
-    assert "was closed" in str(errors[0])
+    assert str(errors[0]) == "this offloaded model was closed; offload it again to run it"
+
+
+def test_a_second_close_from_another_thread_returns_once_the_first_is_over(offloaded):
+    """Two threads close one engine: the second waits for the first's teardown (before, it
+    returned at once: a caller could then remove a store the first close's workers might
+    still read). ``OffloadedModel.close`` also holds its run lock, except called inside a
+    run; the engine's close is safe on its own."""
+    import threading
+
+    engine = offloaded.engine
+    in_first, go_on, order = threading.Event(), threading.Event(), []
+    tier_close = engine.tier.close
+
+    def slow_close():
+        in_first.set()
+        go_on.wait(30)
+        tier_close()
+        order.append("first done")
+
+    engine.tier.close = slow_close
+    first = threading.Thread(target=engine.close, daemon=True)
+    first.start()
+    assert in_first.wait(30)
+    second = threading.Thread(target=lambda: (engine.close(), order.append("second done")),
+                              daemon=True)
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "the second close returned while the first was still closing"
+    go_on.set()
+    first.join(30)
+    second.join(30)
+    assert order == ["first done", "second done"]
 
 
 @pytest.mark.parametrize("call,said", [
@@ -231,3 +270,25 @@ def test_a_model_dropped_unclosed_stops_its_workers(tmp_path):
     assert not workers() - before
     gc.collect()
     assert all(ref() is None for ref in slabs)  # and the caches went with them
+
+
+@pytest.mark.parametrize("same_place", [lambda m: m.to("cpu"), lambda m: m.cpu(),
+                                        lambda m: m.to(torch.float32), lambda m: m.float()])
+def test_moving_the_model_where_it_already_is_changes_nothing(offloaded, same_place):
+    """(torch's "Cannot copy out of meta tensor" before: the experts' storage-free meta
+    parameters were moved too.)"""
+    with torch.no_grad():
+        before = offloaded.model(IDS).logits
+        assert same_place(offloaded.model) is offloaded.model
+        assert torch.equal(offloaded.model(IDS).logits, before)
+
+
+def test_a_model_moved_after_offload_is_refused_at_its_next_call(offloaded):
+    """A move to another device than the experts are served on: one line at the next call
+    (the meta device stands in for a GPU here: the resident weights moved, the experts
+    served on the CPU)."""
+    offloaded.model.to("meta")
+    with torch.no_grad(), pytest.raises(OffloadError, match=r"moved to meta after stmoe\.offload"
+                                                            r", but its experts are served on "
+                                                            r"cpu"):
+        offloaded.model(IDS.to("meta"))

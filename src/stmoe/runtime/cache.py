@@ -182,8 +182,9 @@ class LayerCache:
                 temp[p.name] if src == TEMP else rows[src])
 
     def release_spare(self, used: int) -> None:
-        """Give back the memory of the first ``used`` spare rows (their pages)."""
-        if used <= 0 or self.device.type != "cpu":
+        """Give back the memory of the first ``used`` spare rows (their pages; none once
+        ``release`` let the memory go)."""
+        if used <= 0 or self.device.type != "cpu" or not self._memory:
             return
         for p, memory in zip(self.params, self._memory, strict=True):
             start = -(-self.capacity * p.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE

@@ -76,7 +76,7 @@ class OffloadEngine:
         self._wire(model, layers, store, tier, predictor, settings, device, lookahead,
                    layout.routers if predictor.prefetches else None)
         for module, _ in layers:
-            take_over(module, self, self.num_experts)
+            take_over(module, self, self.num_experts, device)
         self.hooks: Removable = ForwardHooks(model, self, self.planner)
 
     def _wire(self, model: torch.nn.Module, layers: Layers, store: ExpertStore, tier: Tier,
@@ -194,18 +194,19 @@ class OffloadEngine:
         at its next layer); the model cannot run its experts afterwards. The caches' memory
         (HBM on a gpu tier) goes now, not at Python's next cycle collection. A second close
         does nothing."""
-        with self.cv:
-            if self.state.closed:
-                return
-            self.state.closed = True
-            self.state.wait_for_others(CLOSE_WAIT_S)
-        self.prefetcher.close()
-        self.hooks.remove()
-        if (ops := self.state.device_ops()) is not None:  # work still queued on its streams
-            ops.drain()  # (an int4 slot's conversion) writes slots: done before they go
-        self.tier.close()
-        let_go(self.path.modules, self.path.gathered, self)  # (_wire's layers)
-        self.state.release()
+        with self.state.close_lock:  # (a second close returns once the first is over)
+            with self.cv:
+                if self.state.closed:
+                    return
+                self.state.closed = True
+                self.state.wait_for_others(CLOSE_WAIT_S)
+            self.prefetcher.close()
+            self.hooks.remove()
+            if (ops := self.state.device_ops()) is not None:  # work still queued on its streams
+                ops.drain()  # (an int4 slot's conversion) writes slots: done before they go
+            self.tier.close()
+            let_go(self.path.modules, self.path.gathered, self)  # (_wire's layers)
+            self.state.release()
 
     @property
     def tier(self) -> Tier:

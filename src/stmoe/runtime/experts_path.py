@@ -39,7 +39,7 @@ from stmoe.runtime.device_path import DeviceSide, IdsToHost, SlotTable
 from stmoe.runtime.hf_glue import GatheredExperts, any_expert_numbering, rows_independent
 from stmoe.runtime.planning import PrefetchPlanner
 from stmoe.runtime.prefetch import Prefetcher
-from stmoe.runtime.state import EngineSettings, EngineState
+from stmoe.runtime.state import CLOSED, EngineSettings, EngineState, closed_errors
 from stmoe.runtime.store.tiers import aligned_buffer
 
 Overflow = dict[int, dict[str, torch.Tensor]]  # expert -> its tensors, outside the cache
@@ -70,6 +70,7 @@ class ExpertsPath:
         self._ensure = self.demand.ensure  # (the stall: the name tests call)
         self._device: DeviceSide | None = None  # a device cache's helpers (``_on_device``)
 
+    @closed_errors
     def run(self, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor, *args: Any, segments: Segments | None = None,
             **kwargs: Any) -> tuple[torch.Tensor, float]:
@@ -79,7 +80,7 @@ class ExpertsPath:
         threads side by side where one is given."""
         state = self.state
         if state.closed:
-            raise OffloadError("this offloaded model was closed; offload it again to run it")
+            raise OffloadError(CLOSED)
         ids = top_k_index.detach()
         dev = self._on_device()  # a device cache: the ids up once, pinned, non-blocking,
         early = None  # with the next layer's early gate lookahead where there is one

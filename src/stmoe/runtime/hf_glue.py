@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import types
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -121,10 +122,11 @@ def let_go(modules: list[torch.nn.Module], gathered: list[GatheredExperts],
         stand_in.unbind()
 
 
-def take_over(module: torch.nn.Module, engine: ExpertsEngine, num_experts: int) -> None:
+def take_over(module: torch.nn.Module, engine: ExpertsEngine, num_experts: int,
+              device: torch.device) -> None:
     """Release the module's per-expert parameters (storage-free meta tensors from now on)
-    and send its experts calls to ``engine.experts_forward``; every call is checked first
-    (``_unchanged``)."""
+    and send its experts calls to ``engine.experts_forward`` (which computes them on
+    ``device``); every call is checked first (``_unchanged``)."""
     dtypes = {}
     for name, p in list(module.named_parameters(recurse=False)):
         if p.dim() >= 1 and p.shape[0] == num_experts:
@@ -134,15 +136,32 @@ def take_over(module: torch.nn.Module, engine: ExpertsEngine, num_experts: int) 
             dtypes[name] = p.dtype
     module._stmoe_engine = engine  # type: ignore[assignment]
     module._stmoe_dtypes = dtypes  # type: ignore[assignment]
+    module._stmoe_device = device  # type: ignore[assignment]
+    module._apply = types.MethodType(_apply_beside_meta, module)  # type: ignore[method-assign]
     module.register_forward_pre_hook(_unchanged)
+
+
+def _apply_beside_meta(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+                       recurse: bool = True) -> torch.nn.Module:
+    """``model.to(...)``, ``.cpu()``, ``.half()`` reach the experts module: its meta
+    parameters have no data to move (torch's "Cannot copy out of meta tensor" before), so
+    they take the new dtype only; a move or a cast is refused at the next call
+    (``_unchanged``), and a move to where the experts run already changes nothing."""
+    def beside_meta(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return fn(t)
+        dtype = fn(torch.empty(0, dtype=t.dtype)).dtype
+        return t if dtype == t.dtype else torch.empty(t.shape, dtype=dtype, device="meta")
+    return torch.nn.Module._apply(module, beside_meta, recurse)
 
 
 def _unchanged(module: torch.nn.Module, args: tuple) -> None:
     """Refuse an experts call the offloaded model can no longer compute as it did: the
     model's experts implementation switched from stmoe's (another would compute on the
-    storage-free meta parameters: zeros or NaN, no error), or the model cast to another
+    storage-free meta parameters: zeros or NaN, no error), the model cast to another
     dtype (the store's experts would be computed in theirs beside the cast model: other
-    tokens than the resident model cast alike). Both were silent before (a review)."""
+    tokens than the resident model cast alike), or moved to another device than the one
+    its experts are served on. The first two were silent before (a review)."""
     impl = getattr(module.config, "_experts_implementation", None)
     if impl != IMPL_NAME:
         raise OffloadError(f"this offloaded model's experts implementation was set to "
@@ -155,6 +174,13 @@ def _unchanged(module: torch.nn.Module, args: tuple) -> None:
             raise OffloadError(f"this offloaded model was cast to {now} after stmoe.offload, "
                                f"but its experts are stored in {dtype}: cast the model "
                                "before offloading it (a fresh load, or its folder)")
+    served: torch.device = module._stmoe_device  # type: ignore[assignment]
+    now = args[0].device if args and isinstance(args[0], torch.Tensor) else served
+    indices = {now.index, served.index} - {None}  # ("cuda" is the current CUDA device)
+    if now.type != served.type or len(indices) > 1:
+        raise OffloadError(f"this offloaded model was moved to {now} after stmoe.offload, but "
+                           f"its experts are served on {served}: offload it on the device it "
+                           "runs on (OffloadOptions.device, or the model moved first)")
 
 
 class GatheredExperts:

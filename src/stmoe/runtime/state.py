@@ -18,9 +18,12 @@ mixing the two.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -124,6 +127,7 @@ class EngineState:
         self.expert_bytes = store.blocks[(0, 0)].nbytes
         self.max_block = max(buffer_bytes(b) for b in store.blocks.values())  # read buffers
         self.closed = False
+        self.close_lock = threading.RLock()  # a second close waits for the first's end
         self._run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), None,
                              self.num_layers)
         self.owner: threading.Thread | None = None  # the thread the engine serves now
@@ -297,6 +301,25 @@ class EngineState:
         owner = self.owner
         if owner is not None and owner is not me and owner.is_alive():  # a dead one lets go
             raise busy_error(owner, self.owner_run)
+
+
+CLOSED = "this offloaded model was closed; offload it again to run it"
+Run = TypeVar("Run", bound=Callable[..., Any])
+
+
+def closed_errors(run: Run) -> Run:
+    """An experts call its model was closed under (a forward still running after close's
+    wait) fails with the closed line, not with what its freed caches or its closed tier
+    raise (a KeyError, a short read that reads as a damaged store)."""
+    @functools.wraps(run)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(self, *args, **kwargs)
+        except Exception as exc:
+            if self.state.closed and str(exc) != CLOSED:
+                raise OffloadError(CLOSED) from exc
+            raise
+    return guarded  # type: ignore[return-value]
 
 
 def busy_error(owner: threading.Thread, run: bool) -> OffloadError:

@@ -120,6 +120,9 @@ def capacity_per_layer(capacity: int | str, num_experts: int, top_k: int, *,
             raise refused("a share is from 0% to 100%")
         count = round(share / 100 * num_experts)
     elif "bytes" in forms and any(c.isdigit() for c in text):
+        if _is_number(text):  # 3.5 or 1e3: not a count, and a size without its unit
+            raise refused("a count is a whole number of experts, and a size needs its unit "
+                          "(such as 64MB)")
         try:
             budget = _size(text)
         except UnitError as exc:
@@ -135,6 +138,14 @@ def capacity_per_layer(capacity: int | str, num_experts: int, top_k: int, *,
         raise error(f"{given} gives {count} experts per layer, below the router's "
                     f"top-{top_k} (one token's experts must fit); {allowed}")
     return count
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 LayerCapacity = int | str | Sequence[int]  # one capacity for every layer, or one per layer
