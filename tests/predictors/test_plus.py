@@ -351,6 +351,8 @@ def test_fits_of_an_older_stmoe_plus_are_ignored():
         make("stmoe-plus", tables.shape, tables, sim_decay=0.0)
     with pytest.raises(PredictorError, match="power"):
         make("stmoe-plus", tables.shape, tables, power=0.0)
+    with pytest.raises(PredictorError, match=r"alpha 0\.0: expected > 0"):  # (0 / 0 before)
+        make("stmoe-plus", tables.shape, tables, alpha=0.0)
 
 
 def test_the_fit_features_are_exactly_the_terms_the_weights_multiply():

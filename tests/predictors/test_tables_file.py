@@ -223,6 +223,8 @@ def test_fitted_values_out_of_range_are_refused_naming_the_file(good, tmp_path):
     for key, value, words in (("w", [1.0, 2.0], "'w' is [1.0, 2.0], expected 10"),
                               ("gamma", 5, "'gamma' is 5, expected a number 0..1"),
                               ("power", 0, "'power' is 0, expected a finite number > 0"),
+                              # (0 divided an uncounted expert's 0 counts by 0: a crash)
+                              ("alpha", 0, "'alpha' is 0, expected a finite number > 0"),
                               ("sim_decay", 2.0, "'sim_decay' is 2.0")):
         header, arrays = _parts(good)
         header["info"]["plus"][key] = value

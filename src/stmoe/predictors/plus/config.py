@@ -50,6 +50,8 @@ class PlusConfig:
             raise PredictorError(f"decay {self.decay}: expected 1e-6 <= decay <= 1")
         if self.beta is not None and not 0.0 <= self.beta <= 1.0:
             raise PredictorError(f"beta {self.beta}: expected 0..1")
+        if self.alpha is not None and not self.alpha > 0:  # (an uncounted expert: 0 / 0)
+            raise PredictorError(f"alpha {self.alpha}: expected > 0")
         if self.power is not None and not self.power > 0:
             raise PredictorError(f"power {self.power}: expected > 0")
         if self.sim_decay is not None and not 0.0 < self.sim_decay <= 1.0:

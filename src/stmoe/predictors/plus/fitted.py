@@ -45,7 +45,6 @@ WEIGHT_MAX = 1e6
 # a setting's range, as PlusConfig.check takes the same knobs: (test, what it expects)
 Range = tuple[Callable[[float], bool], str]
 _ANY: Range = (lambda v: True, "a finite number")
-_AT_LEAST_0: Range = (lambda v: v >= 0, "a finite number >= 0")
 _POSITIVE: Range = (lambda v: v > 0, "a finite number > 0")
 _FRACTION: Range = (lambda v: 0 <= v <= 1, "a number 0..1")
 _DECAY: Range = (lambda v: 0 < v <= 1, "a number 0 < x <= 1")
@@ -145,7 +144,7 @@ class PlusFit:
             return None
         r = _Reader(data, where)
         logistic = r.flag("logistic")
-        return cls(w=r.weights("w", DEFAULT_W), alpha=r.number("alpha", DEFAULT_ALPHA, _AT_LEAST_0),
+        return cls(w=r.weights("w", DEFAULT_W), alpha=r.number("alpha", DEFAULT_ALPHA, _POSITIVE),
                    gamma=r.number("gamma", DEFAULT_GAMMA, _FRACTION),
                    power=r.number("power", DEFAULT_POWER, _POSITIVE),
                    sim_decay=r.number("sim_decay", DEFAULT_SIM_DECAY, _DECAY),
