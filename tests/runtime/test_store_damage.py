@@ -240,7 +240,7 @@ class Killed(BaseException):
     """Stands for SIGKILL: nothing after the step runs (BaseException, as KeyboardInterrupt)."""
 
 
-def _kill_at(monkeypatch, step: str) -> None:
+def _kill_at(monkeypatch, step: str, old_data: str) -> None:
     if step == "data":  # half way through writing the new data file
         real, calls = store_mod.block_bytes, []
 
@@ -253,8 +253,15 @@ def _kill_at(monkeypatch, step: str) -> None:
         monkeypatch.setattr(store_mod, "block_bytes", block_bytes)
     elif step == "index":  # the new data file written, index.json not yet switched
         monkeypatch.setattr(store_mod, "atomic_write_text", _raise)
-    else:  # switched, the old data file not yet removed
-        monkeypatch.setattr(store_mod, "remove_unnamed", _raise)
+    else:  # switched, the old data file not yet removed (the leftovers are removed
+        real_remove = store_mod.remove_unnamed  # before the data is written, as before)
+
+        def remove_unnamed(out, keep):
+            if keep != old_data:  # keeping the new data: the switch happened
+                raise Killed
+            real_remove(out, keep)
+
+        monkeypatch.setattr(store_mod, "remove_unnamed", remove_unnamed)
 
 
 def _raise(*args, **kwargs):
@@ -270,7 +277,7 @@ def test_a_killed_pack_leaves_a_store_that_serves(packed, tmp_path, monkeypatch,
     other, _ = tiny_model("mixtral", seed=1)
     other.save_pretrained(tmp_path / "other")
     with monkeypatch.context() as m:
-        _kill_at(m, step)
+        _kill_at(m, step, ExpertStore(dest).data_path.name)
         with pytest.raises(Killed):
             pack(other, dest) if packer == "model" else pack_folder(tmp_path / "other", dest)
     if step == "cleanup":  # the switch happened: the new store, whole

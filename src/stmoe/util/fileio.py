@@ -98,21 +98,19 @@ def check_input_file(path: str | Path, what: str = "an input file") -> Path:
     return p
 
 
-def remove_stale_temps(path: Path) -> list[Path]:
-    """Delete temporary files (and folders) of earlier writes to ``path`` whose writer has
-    exited."""
-    removed = []
+def stale_temps(path: Path) -> list[Path]:
+    """Temporary files (and folders) of earlier writes to ``path`` whose writer has exited."""
     with contextlib.suppress(OSError):
-        for tmp in path.parent.glob(f".{path.name}.*{_SUFFIX}"):
-            pid = _writer_pid(tmp, path.name)
-            if pid is not None and not _alive(pid):
-                with contextlib.suppress(OSError):
-                    if tmp.is_dir() and not tmp.is_symlink():
-                        shutil.rmtree(tmp)
-                    else:
-                        tmp.unlink()
-                    removed.append(tmp)
-    return removed
+        return [tmp for tmp in path.parent.glob(f".{path.name}.*{_SUFFIX}")
+                if (pid := _writer_pid(tmp, path.name)) is not None and not _alive(pid)]
+    return []
+
+
+def remove_stale_temps(path: Path) -> None:
+    """Delete ``stale_temps(path)``."""
+    for tmp in stale_temps(path):
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
 
 
 @contextmanager

@@ -35,6 +35,14 @@ def parse_bytes(text: str) -> float:
         raise UnitError(f"{text!r}: {exc}") from None
 
 
+def format_bytes(nbytes: float) -> str:
+    """Bytes for a message, in the binary unit that shows them ("0.0 GiB" says nothing)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
 def _size(text: str) -> float:
     """``parse_bytes`` refusing with the problem alone (the caller names the text)."""
     s = text.strip().lower().removesuffix("/s")

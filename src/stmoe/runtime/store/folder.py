@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from stmoe.errors import StmoeNote, StoreError
 from stmoe.runtime.store.index import DATA_NAME, MAX_INDEX_BYTES, STORE_FORMAT
+from stmoe.util.fileio import stale_temps
+from stmoe.util.units import format_bytes
 from stmoe.util.warn import warn
 
 OLD_DATA = ("experts.bin", "experts.bin.tmp")  # version 1's data file and its temporary
+DATA_TEMP = "experts.bin"  # a pack's temporary data file: .experts.bin.<pid>.<random>.tmp
 LOCK_NAME = ".pack.lock"  # the folder's advisory lock (never removed: see pack_lock)
 
 
@@ -27,16 +32,27 @@ def refuse_foreign_index(out: Path) -> None:
     (and any data file beside it), so a user's own would be lost with no error. A store's,
     damaged or not, is replaced."""
     index = out / "index.json"
-    if not index.is_file():
-        return
+    if index.is_file() and _store_index(index) is None:
+        raise StoreError(f"{index}: not an stmoe store's index, and packing into {out} "
+                         "would replace it: pack into a new or empty folder (or remove it)")
+
+
+def named_data(out: Path) -> str:
+    """The data file the folder's index names ("" for none: no index, a damaged one, an
+    in-place store's)."""
+    data = _store_index(out / "index.json")
+    name = data.get("data") if data is not None else None
+    return name if isinstance(name, str) and DATA_NAME.fullmatch(name) else ""
+
+
+def _store_index(index: Path) -> dict[str, object] | None:
+    """``index``'s JSON if it is a store's (damaged or not), else None (none at all too)."""
     try:
         with index.open("rb") as f:
             data = json.loads(f.read(MAX_INDEX_BYTES + 1))
     except (OSError, ValueError, RecursionError):
-        data = None
-    if not (isinstance(data, dict) and data.get("format") == STORE_FORMAT):
-        raise StoreError(f"{index}: not an stmoe store's index, and packing into {out} "
-                         "would replace it: pack into a new or empty folder (or remove it)")
+        return None
+    return data if isinstance(data, dict) and data.get("format") == STORE_FORMAT else None
 
 
 @contextmanager
@@ -62,6 +78,38 @@ def remove_unnamed(out: Path, keep: str) -> None:
     """Data files the index does not name: the replaced one, a killed pack's, version 1's
     (called under ``pack_lock``, so no other pack's data is between its publish and its
     index)."""
-    for f in out.iterdir():
-        if f.name != keep and (DATA_NAME.fullmatch(f.name) or f.name in OLD_DATA):
-            f.unlink(missing_ok=True)
+    for f in unnamed(out, keep):
+        f.unlink(missing_ok=True)
+
+
+def unnamed(out: Path, keep: str) -> list[Path]:
+    """The data files in ``out`` but ``keep`` (``remove_unnamed``'s)."""
+    return [f for f in out.iterdir()
+            if f.name != keep and (DATA_NAME.fullmatch(f.name) or f.name in OLD_DATA)]
+
+
+def check_disk(out: Path, needed: float) -> None:
+    """Refuse, in one line, a pack the disk under ``out`` cannot hold (``needed``: the
+    experts' bytes in the store's format, estimated from the checkpoint's headers); what an
+    earlier pack left there counts as free (the pack removes it first)."""
+    where = next((p for p in [out, *out.parents] if p.exists()), Path("/"))
+    if not os.access(where, os.W_OK):
+        raise StoreError(f"{out}: {where} is not writable by this user; pass --store (or "
+                         "STMOE_CACHE) in a folder that is")
+    kept = named_data(out) if out.is_dir() else ""
+    left = [*stale_temps(out / DATA_TEMP), *unnamed(out, kept)] if out.is_dir() else []
+    free = shutil.disk_usage(where).free + sum(_bytes_of(f) for f in left)
+    if free >= needed:
+        return
+    kept_note = (f" (the store it replaces keeps its {format_bytes(_bytes_of(out / kept))} "
+                 "until the new one is whole)" if kept else "")
+    raise StoreError(f"{out}: the store needs about {format_bytes(needed)} and its disk has "
+                     f"{format_bytes(free)} free{kept_note}; free some space or pass --store (or "
+                     "STMOE_CACHE) on another disk")
+
+
+def _bytes_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -30,7 +30,14 @@ from stmoe.hf.layout import expert_params
 from stmoe.quant.formats import NATIVE, WeightFormat
 from stmoe.runtime.store.check import architecture, file_records
 from stmoe.runtime.store.expert_store import ExpertStore
-from stmoe.runtime.store.folder import pack_lock, refuse_foreign_index, remove_unnamed
+from stmoe.runtime.store.folder import (
+    DATA_TEMP,
+    check_disk,
+    named_data,
+    pack_lock,
+    refuse_foreign_index,
+    remove_unnamed,
+)
 from stmoe.runtime.store.index import (
     ALIGN,
     Block,
@@ -40,12 +47,16 @@ from stmoe.runtime.store.index import (
     index_text,
 )
 from stmoe.runtime.store.int4_store import packing_layout
-from stmoe.util.fileio import atomic_write_text, naming_failures, publish, temp_beside
+from stmoe.util.fileio import (
+    atomic_write_text,
+    naming_failures,
+    publish,
+    temp_beside,
+)
 from stmoe.util.warn import warn
 
 # progress(total_bytes, label) -> a context giving advance(nbytes), as progress.byte_progress
 ProgressFactory = Callable[[int, str], AbstractContextManager[Callable[[int], None]]]
-DATA_TEMP = "experts.bin"  # a pack's temporary data file: .experts.bin.<pid>.<random>.tmp
 
 
 def pack(model: Any, out_dir: str | Path, source: str | Path | None = None,
@@ -133,8 +144,9 @@ def pack_folder(model_dir: str | Path, out_dir: str | Path,
                                                  for row, t in zip(experts.layers,
                                                                    experts.transposed,
                                                                    strict=True)]))
-    # the store: the native bytes, or about 1/2 (int8) and 1/4 (int4) of bf16 experts
-    _check_disk(Path(out_dir), experts.nbytes * {"int8": 0.5, "int4": 0.25}.get(weights.name, 1))
+    # the store: the native bytes, or about 1/2 (int8) and 1/4 (int4) of bf16 experts (their
+    # scales and alignment besides: a margin); before the checkpoint is hashed
+    check_disk(Path(out_dir), experts.nbytes * {"int8": 0.52, "int4": 0.27}.get(weights.name, 1))
     record = file_records(model_dir)
     try:
         label = f"packing {model_dir.name}" + (f" as {weights.short}" if weights.quantized
@@ -164,12 +176,20 @@ def _write_store(out: Path, model: dict[str, Any], record: dict[str, Any], block
                  advance: Callable[[int], None], weights: WeightFormat) -> Path:
     """The data file, then index.json naming it (the switch), then the replaced data file
     removed: the one ending of both packers. An int4 index records this CPU's layout, which
-    its bytes are in (``int4_store``)."""
+    its bytes are in (``int4_store``). What an earlier pack left (a failed one's data file
+    no index names; a killed one's temporary file: ``temp_beside``) goes first
+    (``check_disk`` counted it free), and a data file whose index could not be written goes
+    with its failure."""
     out.mkdir(parents=True, exist_ok=True)
     with pack_lock(out):
+        remove_unnamed(out, named_data(out))
         data, size, written = _write_data(blocks, out, advance)
         text = index_text(model, record, data, size, written, weights, packing_layout(weights))
-        atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
+        try:
+            atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
+        except BaseException:
+            remove_unnamed(out, named_data(out))  # (the new file, unless the old is the same)
+            raise
         remove_unnamed(out, data)
     return out
 
@@ -303,19 +323,6 @@ def open_store(model_dir: str | Path, store: str | Path | None,
     opened = ExpertStore(out)
     opened.check_source(model_dir)
     return opened
-
-
-def _check_disk(out_dir: Path, needed: float) -> None:
-    """Refuse, in one line, a pack the disk under ``out_dir`` cannot hold (``needed``: the
-    experts' bytes in the store's format, estimated from the checkpoint's headers)."""
-    import shutil
-
-    where = next((p for p in [out_dir, *out_dir.parents] if p.exists()), Path("/"))
-    free = shutil.disk_usage(where).free
-    if free < needed:
-        raise StoreError(f"{out_dir}: the store needs about {needed / 2**30:.1f} GiB and "
-                         f"{where} has {free / 2**30:.1f} GiB free; free some space or pass "
-                         "--store (or STMOE_CACHE) on another disk")
 
 
 def ensure_store(model_dir: str | Path, store: str | Path | None,

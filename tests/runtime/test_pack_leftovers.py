@@ -1,0 +1,100 @@
+"""What an interrupted or failed pack leaves, and the next pack (a reliability review,
+2026-12-07): a killed pack's temporary data file and a failed pack's data file that no
+index names used to stay, so on a nearly full disk the free-space check refused every pack
+after them, and nothing ever removed them. They count as free now and go first; a data file
+whose index.json could not be written goes with that failure (unless the old index names
+it); and the refusal says its sizes in a unit that shows them."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from checkpoint_folders import saved_folder
+from stmoe.runtime.store import (
+    ExpertStore,
+    StoreError,
+    pack,
+    pack_folder,
+    packing,
+)
+from stmoe.util.units import format_bytes
+from tiny_moe import tiny_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return saved_folder("mixtral", tmp_path_factory.mktemp("model"))
+
+
+def _dead_pid() -> int:
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
+
+
+def _nearly_full(monkeypatch, free: int) -> None:
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=free))
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".pack.lock"}
+
+
+def test_a_killed_and_a_failed_packs_leftovers_count_as_free_and_go(checkpoint, tmp_path,
+                                                                    monkeypatch):
+    out = pack_folder(checkpoint, tmp_path / "store")
+    size = ExpertStore(out).data_path.stat().st_size
+    killed = out / f".experts.bin.{_dead_pid()}.x1y2z3.tmp"  # a SIGKILLed pack's half
+    orphan = out / "experts-0123456789abcdef.bin"  # a pack whose index.json failed
+    killed.write_bytes(bytes(size // 2))
+    orphan.write_bytes(bytes(size // 2 + 4096))
+    _nearly_full(monkeypatch, free=4096)  # with the leftovers: just enough
+    pack_folder(checkpoint, out)
+    assert not killed.exists() and not orphan.exists()
+    ExpertStore(out).check_source(checkpoint)
+    with pytest.raises(StoreError) as caught:  # nothing left to reclaim: refused, sized
+        pack_folder(checkpoint, out)
+    said = str(caught.value)
+    shown = format_bytes(size)  # (576 KiB: "0.0 GiB" before)
+    assert size >= 2**10 and "0.0 GiB" not in said
+    assert f"needs about {shown} and its disk has 4.0 KiB free" in said, said
+    assert f"the store it replaces keeps its {shown} until the new one is whole" in said
+
+
+def test_a_data_file_whose_index_could_not_be_written_goes_with_the_failure(tmp_path,
+                                                                             monkeypatch):
+    first, _ = tiny_model("mixtral")
+    other, _ = tiny_model("qwen3_moe")
+    out = pack(first, tmp_path / "store")
+    before = _files(out)
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(packing, "atomic_write_text", full)
+    for model in (other, first):  # another store; the same one again (the same file name)
+        with pytest.raises(OSError, match="No space left"):
+            pack(model, out)
+        assert _files(out) == before  # the old store whole, nothing of the new one left
+        ExpertStore(out)
+    with pytest.raises(OSError, match="No space left"):
+        pack(other, tmp_path / "fresh")
+    assert not any(p.name.startswith("experts") for p in (tmp_path / "fresh").iterdir())
+
+
+def test_a_folder_this_user_cannot_write_is_said_before_the_free_space(checkpoint, tmp_path,
+                                                                        monkeypatch):
+    """(As root, a read-only folder is writable: the check is stood in for.)"""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: mode != os.W_OK and real(path, mode))
+    with pytest.raises(StoreError, match=r"is not writable by this user; pass --store"):
+        pack_folder(checkpoint, tmp_path / "store")
