@@ -286,6 +286,15 @@ def test_a_capacity_out_of_bounds_names_what_was_given_and_what_is_allowed(capac
                             "at most 100%) or a size in bytes (64MB)"), message
 
 
+def test_a_router_top_k_above_the_layers_experts_is_said_as_such():
+    """(A config.json with num_experts_per_tok 20 of 16 experts: "expected 20 to 16".)"""
+    from stmoe.util.units import UnitError, capacity_per_layer
+
+    with pytest.raises(UnitError, match=r"^the model's router picks 20 experts per token of "
+                                        r"the 16 a layer has: its config's top-k"):
+        capacity_per_layer("50%", 16, 20)
+
+
 def test_a_capacity_of_the_forms_a_caller_takes_refused_in_its_error_and_name():
     from stmoe.errors import OffloadError
     from stmoe.util.units import capacity_per_layer

@@ -55,14 +55,34 @@ def load_causal_lm(model_dir: str | Path) -> torch.nn.Module:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise CaptureError(f"{path}: cannot load the model ({exc})") from None
+    except _config_errors() as exc:
+        raise CaptureError(f"{path}: cannot load the model ({_first_line(exc)})") from None
+    except RuntimeError as exc:  # transformers 5: weights of other shapes than config.json's
+        said = _first_line(exc)  # (its "look at the above report" points to a silenced log)
+        said = "tensors of other shapes than it gives" if "mismatched_sizes" in said else said
+        raise CaptureError(f"{path}: cannot load the model: its weights do not match its "
+                           f"config.json ({said})") from None
     except ImportError as exc:  # a quantization config whose package is not installed
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CaptureError(f"{path}: transformers cannot load this checkpoint here ({first}); "
+        raise CaptureError(f"{path}: transformers cannot load this checkpoint here "
+                           f"({_first_line(exc)}); "
                            "a `stmoe quantize` folder is vLLM's: serve it there, or offload "
                            "the original model") from None
     return model.eval()
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What transformers raises for a config.json it refuses: huggingface_hub's validation
+    errors (which are not ValueErrors) where this release has them."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (OSError, ValueError)
+    return (OSError, ValueError, StrictDataclassError)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -146,7 +166,11 @@ def meta_model(model_dir: Path) -> torch.nn.Module:
     """The model of ``model_dir``'s config, every parameter on ``meta`` (shapes, no bytes)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except _config_errors() as exc:
+        raise CaptureError(f"{model_dir / 'config.json'}: transformers refuses it "
+                           f"({_first_line(exc)})") from None
     dtype = getattr(config, "dtype", None) or torch.float32
     with _parameters_on_meta():
         return AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -110,6 +110,10 @@ def capacity_per_layer(capacity: int | str, num_experts: int, top_k: int, *,
     A refusal is one ``error`` naming ``name``, the value given and what is allowed.
     ``expert_bytes`` None (the CLI, before the store is open): a byte budget's grammar is
     checked and None returned; its count is checked where its experts' size is known."""
+    if top_k > num_experts:  # ("expected 20 to 16 experts per layer" said nothing)
+        raise error(f"the model's router picks {top_k} experts per token of the {num_experts} "
+                    "a layer has: its config's top-k (num_experts_per_tok or the like) or its "
+                    "number of experts is wrong")
     text = "" if isinstance(capacity, bool) else str(capacity).strip()
     given = f"{name} {capacity!r}" if isinstance(capacity, str) else f"{name} {capacity}"
     allowed = _allowed(num_experts, top_k, forms)

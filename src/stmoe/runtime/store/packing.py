@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from stmoe.errors import StmoeNote
+from stmoe.errors import StmoeError, StmoeNote
 from stmoe.hf.layout import expert_params
 from stmoe.quant.formats import NATIVE, WeightFormat
 from stmoe.runtime.store.check import architecture, file_records
@@ -134,7 +134,10 @@ def pack_folder(model_dir: str | Path, out_dir: str | Path,
     except StreamUnsupported as exc:
         from stmoe.hf.loading import load_causal_lm
 
-        model = load_causal_lm(model_dir)  # its errors are clear
+        try:
+            model = load_causal_lm(model_dir)
+        except StmoeError as failed:  # (a checkpoint its config.json does not describe)
+            raise StoreError(f"{exc}; nor does the whole model load: {failed}") from None
         warn(f"{exc}; packing from the whole model loaded in memory", StmoeNote)
         return pack(model, out_dir, source=model_dir, weights=weights)
     if weights.quantized:
