@@ -25,6 +25,7 @@ from stmoe.runtime.store import (
     pack_folder,
     packing,
 )
+from stmoe.runtime.store.folder import named_data
 from stmoe.util.units import format_bytes
 from tiny_moe import tiny_model
 
@@ -98,3 +99,48 @@ def test_a_folder_this_user_cannot_write_is_said_before_the_free_space(checkpoin
     monkeypatch.setattr(os, "access", lambda path, mode: mode != os.W_OK and real(path, mode))
     with pytest.raises(StoreError, match=r"is not writable by this user; pass --store"):
         pack_folder(checkpoint, tmp_path / "store")
+
+
+# ---- a store opened while another process packs it again -----------------------------------
+def test_an_open_store_reads_its_own_data_file_after_a_pack_replaced_it(tmp_path):
+    """A reader holds the data file its index named: a pack that replaces the store (and
+    removes that file) does not pull it from under the reader (it read "No such file")."""
+    from stmoe.runtime.store.tiers import DiskTier
+
+    first, _ = tiny_model("mixtral")
+    out = pack(first, tmp_path / "store")
+    opened = ExpertStore(out)
+    want = opened.read(1, 3)
+    pack(tiny_model("mixtral", seed=1)[0], out)  # another store in its place
+    assert not opened.data_path.exists()
+    got = opened.read(1, 3)
+    assert all((got[k] == want[k]).all() for k in want)
+    tier = DiskTier(opened, direct=False)
+    try:
+        assert os.fstat(tier.fd).st_ino != os.stat(ExpertStore(out).data_path).st_ino
+    finally:
+        tier.close()
+
+
+def test_a_store_replaced_between_its_index_and_its_data_file_opens_the_new_one(tmp_path,
+                                                                                monkeypatch):
+    from stmoe.runtime.store import expert_store
+
+    out = pack(tiny_model("mixtral")[0], tmp_path / "store")
+    (tmp_path / "old").mkdir()
+    shutil.copy(out / "index.json", tmp_path / "old" / "index.json")
+    pack(tiny_model("mixtral", seed=1)[0], out)  # the old index's data file is gone
+    real, calls = expert_store.read_index, []
+
+    def stale_first(path):  # the index as it was when this process read it
+        calls.append(path)
+        return real(tmp_path / "old" / "index.json" if len(calls) == 1 else path)
+
+    monkeypatch.setattr(expert_store, "read_index", stale_first)
+    store = ExpertStore(out)
+    assert len(calls) == 2 and store.index.data == named_data(out)  # read again, once
+    store.read(0, 0)  # (CRC-checked)
+    monkeypatch.setattr(expert_store, "read_index",
+                        lambda path: real(tmp_path / "old" / "index.json"))
+    with pytest.raises(StoreError, match=r"packed again twice while it was opened"):
+        ExpertStore(out)

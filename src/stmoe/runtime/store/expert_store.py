@@ -26,6 +26,7 @@ own files, read where they lie (``in_place``), so a bf16 checkpoint is never cop
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from pathlib import Path
@@ -40,6 +41,7 @@ from stmoe.runtime.store.check import (
     check_weights,
     materialised,
 )
+from stmoe.runtime.store.folder import named_data
 from stmoe.runtime.store.index import (
     DTYPE_SIZES,
     Block,
@@ -51,11 +53,38 @@ from stmoe.runtime.store.int4_store import reconcile
 from stmoe.util.fileio import check_input_file
 
 
+class _Replaced(Exception):
+    """The data file an index named was gone when opened, and index.json names another."""
+
+
 class ExpertStore:
     """Read access to a packed store: one ``pread`` per expert, checked."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        # the data file, held open: (pid, fd, st_dev, st_ino)
+        self._data: tuple[int, int, int, int] | None = None
+        try:
+            self._open()
+        except _Replaced:  # a pack replaced the store between its index and its data file:
+            try:  # the new one, whole
+                self._open()
+            except _Replaced:
+                raise StoreError(f"{self.path}: packed again twice while it was opened; "
+                                 "open it again once the packs are over") from None
+        self.model = self.index.model
+        self.blocks = self.index.blocks
+        self.weights = self.index.weights  # native, int8 or int4: how the experts are stored
+        # int4 packed on another kind of CPU: each block repacked into this CPU's layout as it
+        # lands (``int4_store``: ``check_block``, ``check_parts``); None: used as stored
+        self.repack = reconcile(self.path, self.index)
+        self.source: Path | None = None  # the model folder the store was matched to
+        self._checked: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def _open(self) -> None:
+        """The index read and checked, and the data file it names opened and held: every
+        reader of this store reads that file (``data_file``), even once a later pack has
+        replaced and removed it (it read "No such file" while a process started)."""
         index_path = self.path / "index.json"
         if not index_path.exists():
             raise StoreError(f"{self.path}: not an expert store (no index.json); "
@@ -67,28 +96,45 @@ class ExpertStore:
             self.in_place = self.index.in_place  # read from the checkpoint's own files
             self.data_path: Path | None = None if self.in_place else self.path / self.index.data
             if self.data_path is not None:
-                if not self.data_path.exists():
-                    raise StoreError(f"{self.data_path}: missing, though index.json names "
-                                     "it; the store is damaged, pack it again")
-                check_input_file(self.data_path, "an expert store's data file")
+                self._hold(self.data_path)
         except StoreError:
             raise
         except StmoeError as exc:  # check_input_file's own: the same line, as a StoreError
             raise StoreError(str(exc)) from None
-        self.model = self.index.model
-        self.blocks = self.index.blocks
-        self.weights = self.index.weights  # native, int8 or int4: how the experts are stored
-        # int4 packed on another kind of CPU: each block repacked into this CPU's layout as it
-        # lands (``int4_store``: ``check_block``, ``check_parts``); None: used as stored
-        self.repack = reconcile(self.path, self.index)
-        if self.data_path is not None:
-            size, want = self.data_path.stat().st_size, self.index.data_bytes
-            if size != want:
-                state = "truncated" if size < want else "longer than its index says"
-                raise StoreError(f"{self.data_path}: {size} bytes but the index needs {want}; "
-                                 f"the store is {state}, pack it again")
-        self.source: Path | None = None  # the model folder the store was matched to
-        self._checked: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def _hold(self, data: Path) -> None:
+        try:
+            check_input_file(data, "an expert store's data file")
+            fd = os.open(data, os.O_RDONLY | os.O_CLOEXEC)
+        except (StmoeError, FileNotFoundError):
+            if data.exists():
+                raise
+            if named_data(self.path) not in ("", data.name):
+                raise _Replaced from None
+            raise StoreError(f"{data}: missing, though index.json names it; the store is "
+                             "damaged, pack it again") from None
+        weakref.finalize(self, os.close, fd)
+        st = os.fstat(fd)
+        self._data = (os.getpid(), fd, st.st_dev, st.st_ino)
+        size, want = os.fstat(fd).st_size, self.index.data_bytes
+        if size != want:
+            state = "truncated" if size < want else "longer than its index says"
+            raise StoreError(f"{data}: {size} bytes but the index needs {want}; the store is "
+                             f"{state}, pack it again")
+
+    @property
+    def data_file(self) -> Path:
+        """Where to open the data file the index named when the store was opened (that
+        file even once replaced: the descriptor held; by its name in another process)."""
+        if self.data_path is None:
+            raise StoreError(f"{self.path}: an in-place index has no data file")
+        if self._data is not None and self._data[0] == os.getpid():
+            _, fd, dev, ino = self._data
+            held = Path(f"/proc/self/fd/{fd}")
+            with contextlib.suppress(OSError):  # (the same file still: not a number reused)
+                if (st := os.stat(held)).st_dev == dev and st.st_ino == ino:
+                    return held
+        return self.data_path
 
     def check_source(self, model_dir: str | Path) -> None:
         """Refuse a store packed from other weights than ``model_dir``'s checkpoint, and an
@@ -189,7 +235,7 @@ class ExpertStore:
             data: bytes | bytearray = b"".join(pieces)
         else:
             own = fd is None
-            fd = os.open(self.data_path, os.O_RDONLY) if own else fd
+            fd = os.open(self.data_file, os.O_RDONLY) if own else fd
             try:
                 data = os.pread(fd, block.nbytes, block.offset)
             finally:

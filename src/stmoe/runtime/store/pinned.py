@@ -54,7 +54,7 @@ def store_key(store: ExpertStore, pinning: HostPinning) -> Key:
     if store.data_path is None:
         raise StoreError(f"{store.path}: an in-place index has no data file to hold in "
                          "memory; pack a store (stmoe pack) for --tier gpu")
-    st = os.stat(store.data_path)
+    st = os.stat(store.data_file)
     return (str(store.path.resolve()), store.index.data, st.st_dev, st.st_ino, st.st_size,
             st.st_mtime_ns, pinning.kind)
 

@@ -132,9 +132,9 @@ class DiskTier:
     def __init__(self, store: ExpertStore, direct: bool = True) -> None:
         self.store = store
         self.chunk_bytes = CHUNK_BYTES
-        fd = open_direct(store.data_path) if direct else None
+        fd = open_direct(store.data_file) if direct else None
         self.direct = fd is not None
-        self.fd = fd if fd is not None else os.open(store.data_path, os.O_RDONLY)
+        self.fd = fd if fd is not None else os.open(store.data_file, os.O_RDONLY)
         self.drop_cache()
 
     def drop_cache(self) -> None:
@@ -286,6 +286,6 @@ def _pieces(views: list[memoryview], chunk: int) -> list[list[memoryview]]:
 def _host_copy(store: ExpertStore) -> mmap.mmap | bytearray:
     """The store's data in host memory: a private mapping of the file (its pages come from
     the page cache, nothing is copied twice; writes, never made, would stay private)."""
-    with open(store.data_path, "rb") as f:
+    with open(store.data_file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray()

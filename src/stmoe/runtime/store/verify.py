@@ -64,7 +64,7 @@ def _compare_packed(store: ExpertStore, model_dir: Path, record: dict[str, Any],
         raise StoreError(f"{store.path}: packed for {store.model}, {model_dir} holds "
                          f"{experts.architecture}; pack it again")
     assert store.data_path is not None
-    fd = os.open(store.data_path, os.O_RDONLY)
+    fd = os.open(store.data_file, os.O_RDONLY)
     try:
         blocks = experts.blocks(record)
         if store.weights.quantized:  # the index's format, its group size resolved
