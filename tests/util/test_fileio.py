@@ -99,6 +99,31 @@ def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path: Path) -> Non
     assert sorted(x.name for x in tmp_path.iterdir()) == ["r.json"] and p.read_text() == "old"
 
 
+def test_a_read_only_folder_names_the_output_not_its_temporary_file(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """(``--json ro/x.json`` said ``ro/.x.json.<pid>.<random>.tmp: Read-only file system``.)
+    A read-only mount stood in for: root may write anywhere else."""
+    import errno
+    import tempfile
+
+    def read_only(dir: str, prefix: str, suffix: str) -> tuple[int, str]:
+        raise OSError(errno.EROFS, "Read-only file system", f"{dir}/{prefix}q8x1{suffix}")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(OSError) as caught:
+        atomic_write_text(tmp_path / "x.json", "{}")
+    assert caught.value.filename == str(tmp_path / "x.json"), caught.value
+    assert caught.value.errno == errno.EROFS
+    monkeypatch.undo()
+
+    def other(f: object) -> None:  # an error naming another file is left as it is
+        raise OSError(errno.ENOENT, "No such file or directory", str(tmp_path / "elsewhere"))
+
+    with pytest.raises(OSError) as caught:
+        atomic_write(tmp_path / "x.json", other)
+    assert caught.value.filename == str(tmp_path / "elsewhere")
+
+
 def test_files_written_together_switch_as_one_and_a_split_pair_is_named(tmp_path: Path) -> None:
     from stmoe.util.fileio import atomic_write_files, manifest_mismatch
 

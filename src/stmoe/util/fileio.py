@@ -149,12 +149,15 @@ def publish(tmp: Path, dest: Path) -> None:
 
 @contextmanager
 def naming_failures(target: Path) -> Iterator[None]:
-    """An ``OSError`` that names no file (``ENOSPC`` from ``write``) re-raised naming
-    ``target``, so the one-line error says which output the disk refused."""
+    """An ``OSError`` that names no file (``ENOSPC`` from ``write``), or only ``target``'s
+    temporary file (a read-only folder), re-raised naming ``target``, so the one-line error
+    says which output the disk refused."""
     try:
         yield
     except OSError as exc:
-        if exc.filename is not None:
+        named = Path(exc.filename) if isinstance(exc.filename, str) else None
+        if named is not None and not (named.parent == target.parent and _writer_pid(
+                named, target.name) is not None and named.name.startswith(f".{target.name}.")):
             raise
         raise OSError(exc.errno, f"{exc.strerror or exc}; nothing was replaced",
                       str(target)) from None
@@ -163,7 +166,7 @@ def naming_failures(target: Path) -> Iterator[None]:
 def atomic_write(path: str | Path, write: Writer) -> Path:
     """Call ``write(f)`` on a temporary file, then move it onto ``path`` in one rename."""
     target = check_output_path(path)
-    with temp_beside(target) as tmp, naming_failures(target):
+    with naming_failures(target), temp_beside(target) as tmp:
         with open(tmp, "wb") as f:
             write(f)
         publish(tmp, target)
