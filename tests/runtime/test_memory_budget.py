@@ -36,8 +36,10 @@ def test_the_plan_hand_worked():
     assert less.reserve == KV_RESERVE + 30 * MIB + 10 * MIB
     assert less.process + less.reserve + less.cache <= less.memory
     # top-2 needs 3 x 2 + 10 experts: 500 + 256 + 30 + 160 = 946 MiB = 0.92 GiB
-    with pytest.raises(OffloadError, match=r"cannot hold .* top-2 .* give at least 0\.92 GiB"):
+    with pytest.raises(OffloadError, match=r"cannot hold .* top-2 .* give at least 0\.92 GiB "
+                                           r"\(--memory 946MiB\)$"):
         plan_memory(base + 100 * MIB, 500 * MIB, 4, 10, 2, 10 * MIB, 2)
+    assert plan_memory(946 * MIB, 500 * MIB, 4, 10, 2, 10 * MIB, 2).per_layer == 2  # it does
 
 
 def test_offload_sizes_its_cache_from_the_budget(tmp_path):

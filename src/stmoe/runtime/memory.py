@@ -146,10 +146,16 @@ def plan_memory(memory: int, process: int, num_layers: int, num_experts: int, to
                 + ((num_layers - 1) * top_k + num_experts) * expert_bytes)
         raise OffloadError(f"--memory {memory / 2**30:.2f} GiB cannot hold this model's process "
                            f"({process / 2**30:.2f} GiB as loaded) and top-{top_k} experts per "
-                           f"layer; give at least {need / 2**30:.2f} GiB")
+                           f"layer; give at least {_at_least(need)}")
     spare = (num_experts - per_layer) * expert_bytes
     cache = num_layers * per_layer * expert_bytes
     return MemoryPlan(memory, process, KV_RESERVE + buffers + spare, cache, per_layer)
+
+
+def _at_least(need: int) -> str:
+    """A minimum as a value ``--memory`` takes as it is: GiB, rounded up, beside the same in
+    whole MiB (a user who reads "0.70 GiB" and types 0.70GB, 0.65 GiB, was refused again)."""
+    return f"{need / 2**30:.2f} GiB (--memory {-(-need // 2**20)}MiB)"
 
 
 # What a GPU's plan keeps beside the resident weights, the KV cache and the expert slots:
@@ -212,8 +218,7 @@ def plan_gpu_memory(memory: int, process: int, buffers: int, host: int, what: st
                 if "store" in what else "")
         raise OffloadError(f"--memory {memory / 2**30:.2f} GiB cannot hold this model's process "
                            f"({process / 2**30:.2f} GiB as loaded) and {what} "
-                           f"({host / 2**30:.2f} GiB); give at least {need / 2**30:.2f} "
-                           f"GiB{hint}")
+                           f"({host / 2**30:.2f} GiB); give at least {_at_least(need)}{hint}")
     return MemoryPlan(memory, process, buffers, host, device.per_layer, asdict(device), what)
 
 
