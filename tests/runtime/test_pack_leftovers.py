@@ -144,3 +144,38 @@ def test_a_store_replaced_between_its_index_and_its_data_file_opens_the_new_one(
                         lambda path: real(tmp_path / "old" / "index.json"))
     with pytest.raises(StoreError, match=r"packed again twice while it was opened"):
         ExpertStore(out)
+
+
+def test_a_first_use_beside_another_processs_pack_waits_and_uses_its_store(checkpoint,
+                                                                           tmp_path,
+                                                                           monkeypatch):
+    """Two first uses of one model at once (two `stmoe generate`): the second waited for
+    the first's pack, then packed the whole store again."""
+    import threading
+
+    from stmoe.errors import StmoeNote
+    from stmoe.runtime.store.folder import pack_lock
+    from stmoe.runtime.store.packing import default_store_dir, open_store
+
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
+    made = pack_folder(checkpoint, tmp_path / "made")
+    out = default_store_dir(checkpoint)
+    out.mkdir(parents=True)
+    holding, go_on = threading.Event(), threading.Event()
+
+    def other_pack():  # another process's pack, in its lock
+        with pack_lock(out):
+            holding.set()
+            go_on.wait(30)
+            for name in (ExpertStore(made).index.data, "index.json"):
+                shutil.copy(made / name, out / name)
+
+    packer = threading.Thread(target=other_pack, daemon=True)
+    packer.start()
+    assert holding.wait(30)
+    monkeypatch.setattr(packing, "pack_folder", lambda *a, **k: pytest.fail("packed again"))
+    threading.Timer(0.3, go_on.set).start()
+    with pytest.warns(StmoeNote, match="another process is packing this store; waiting"):
+        opened = open_store(checkpoint, None)
+    packer.join(30)
+    assert opened.path == out and opened.index.data == ExpertStore(made).index.data

@@ -88,6 +88,21 @@ def unnamed(out: Path, keep: str) -> list[Path]:
             if f.name != keep and (DATA_NAME.fullmatch(f.name) or f.name in OLD_DATA)]
 
 
+def wait_for_pack(out: Path) -> None:
+    """Until another process's pack into ``out`` is over (a first use of a model beside
+    another: that store, once whole, is this one's too; packing it again was the waste)."""
+    if not (out / LOCK_NAME).is_file():
+        return
+    with open(out / LOCK_NAME, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            warn(f"{out}: another process is packing this store; waiting to use it",
+                 StmoeNote)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def check_disk(out: Path, needed: float) -> None:
     """Refuse, in one line, a pack the disk under ``out`` cannot hold (``needed``: the
     experts' bytes in the store's format, estimated from the checkpoint's headers); what an

@@ -37,6 +37,7 @@ from stmoe.runtime.store.folder import (
     pack_lock,
     refuse_foreign_index,
     remove_unnamed,
+    wait_for_pack,
 )
 from stmoe.runtime.store.index import (
     ALIGN,
@@ -302,6 +303,7 @@ def open_store(model_dir: str | Path, store: str | Path | None,
         return opened
     weights = weights or NATIVE
     out = default_store_dir(model_dir, weights, in_place)
+    wait_for_pack(out)
     if (out / "index.json").exists():
         try:
             opened = ExpertStore(out)
