@@ -56,17 +56,18 @@ def _store_index(index: Path) -> dict[str, object] | None:
 
 
 @contextmanager
-def pack_lock(out: Path) -> Iterator[None]:
-    """The folder's advisory lock for one pack (another pack into it waits, with a note);
-    released when the pack ends or its process dies. A folder holding someone else's
-    index.json is refused first (``refuse_foreign_index``): every writer takes this lock."""
+def pack_lock(out: Path, waiting: str = "another pack is writing this store; waiting for "
+              "it") -> Iterator[None]:
+    """The folder's advisory lock for one pack (another pack into it waits, with the note
+    ``waiting``); released when the pack ends or its process dies. A folder holding someone
+    else's index.json is refused first (``refuse_foreign_index``): every writer takes this
+    lock."""
     refuse_foreign_index(out)
     with open(out / LOCK_NAME, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            warn(f"{out}: another pack is writing this store; waiting for it",
-                 StmoeNote)
+            warn(f"{out}: {waiting}", StmoeNote)
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -91,16 +92,9 @@ def unnamed(out: Path, keep: str) -> list[Path]:
 def wait_for_pack(out: Path) -> None:
     """Until another process's pack into ``out`` is over (a first use of a model beside
     another: that store, once whole, is this one's too; packing it again was the waste)."""
-    if not (out / LOCK_NAME).is_file():
-        return
-    with open(out / LOCK_NAME, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            warn(f"{out}: another process is packing this store; waiting to use it",
-                 StmoeNote)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        fcntl.flock(f, fcntl.LOCK_UN)
+    if (out / LOCK_NAME).is_file():
+        with pack_lock(out, "another process is packing this store; waiting to use it"):
+            pass
 
 
 def check_disk(out: Path, needed: float) -> None:
