@@ -494,3 +494,34 @@ def test_a_split_that_rounds_to_whole_sequences_says_so(cli, small, tmp_path):
     assert "--split 0.0001 splits the trace's 2 sequences whole" in said, said
     res = cli("profile", small, "--split", "0.5", "-o", tmp_path / "h.npz")
     assert res.exit_code == 0 and "note:" not in res.output, res.output
+
+
+@pytest.mark.parametrize("raised", ["plain", "inside numba"])
+def test_ctrl_c_is_one_word_and_status_130(raised, capsys):
+    """(A reliability review: Ctrl-C during `stmoe profile` landed inside a compiled kernel,
+    which numba wraps in a SystemError: a traceback and status 1.)"""
+    import typer
+
+    from stmoe.cli.common import friendly
+
+    @friendly
+    def command() -> None:
+        if raised == "plain":
+            raise KeyboardInterrupt
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise SystemError("CPUDispatcher(...) returned a result with an exception set") \
+                from exc
+
+    with pytest.raises(typer.Exit) as ended:
+        command()
+    assert ended.value.exit_code == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+    @friendly
+    def broken() -> None:  # another SystemError is not an interrupt
+        raise SystemError("something else")
+
+    with pytest.raises(SystemError, match="something else"):
+        broken()

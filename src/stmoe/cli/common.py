@@ -85,12 +85,36 @@ def friendly(fn: F) -> F:
             why = (" (a folder was expected there, new or existing: a file is in the way)"
                    if isinstance(exc, (FileExistsError, NotADirectoryError)) else "")
             _fail(f"{where}{exc.strerror or exc}{why}")
+        except KeyboardInterrupt:
+            _interrupted()
+        except SystemError as exc:  # numba wraps a Ctrl-C landing inside a compiled call
+            if not _from_interrupt(exc):
+                raise
+            _interrupted()
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
                 RecursionError, EOFError, MemoryError) as exc:
             _fail(f"unexpected input stmoe does not check yet ({type(exc).__name__}: {exc}); "
                   "please report it, and rerun with STMOE_DEBUG=1 for the traceback")
 
     return wrapper  # type: ignore[return-value]
+
+
+def _interrupted() -> NoReturn:
+    """Ctrl-C: one word and the shell's status for it (outputs are written atomically, so
+    none is left half-written)."""
+    err.print("interrupted", soft_wrap=True)
+    raise typer.Exit(130)
+
+
+def _from_interrupt(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        if isinstance(at, KeyboardInterrupt):
+            return True
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return False
 
 
 OUTPUT_OPTIONS = ("output", "json_out")  # the parameters every command writes through

@@ -13,7 +13,6 @@ in interleaved rounds and check every run's tokens against a reference.
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stmoe.errors import StmoeError
+from stmoe.util.cache_dir import cache_dir
 
 SHIPPED_LINK = "200MB"  # EMULATED link of the shipped model's section
 REAL_LIKE = "demo-real-experts"  # sim/data/models.toml: the real-size model's shape
@@ -167,7 +167,7 @@ def real_model(layers: int, stage: Callable[[str], None]) -> tuple[Path, Path, i
     from stmoe.hf.checkpoints import make_checkpoint, plan_checkpoint
     from stmoe.runtime.store.packing import pack_folder
 
-    root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "demo"
+    root = cache_dir("demo")
     model_dir = root / f"{REAL_LIKE}-L{layers}"
     plan = plan_checkpoint(REAL_LIKE, layers)
     if not (model_dir / "config.json").is_file():

@@ -107,8 +107,7 @@ def stale_temps(path: Path) -> list[Path]:
 
 
 def remove_stale_temps(path: Path) -> None:
-    """Delete ``stale_temps(path)``."""
-    for tmp in stale_temps(path):
+    for tmp in stale_temps(path):  # (deleted)
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
 
@@ -156,8 +155,8 @@ def naming_failures(target: Path) -> Iterator[None]:
         yield
     except OSError as exc:
         named = Path(exc.filename) if isinstance(exc.filename, str) else None
-        if named is not None and not (named.parent == target.parent and _writer_pid(
-                named, target.name) is not None and named.name.startswith(f".{target.name}.")):
+        if named is not None and not (named.parent == target.parent and named.name.startswith(
+                f".{target.name}.") and _writer_pid(named, target.name) is not None):
             raise
         raise OSError(exc.errno, f"{exc.strerror or exc}; nothing was replaced",
                       str(target)) from None

@@ -15,7 +15,6 @@ other runtime mistakes it for a store of the checkpoint's own layout.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from stmoe.runtime.store.check import file_records
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import StoreError, block_crc
 from stmoe.runtime.store.packing import write_store
+from stmoe.util.cache_dir import cache_dir
 from stmoe.vllm_plugin.layers import MoeLayer
 
 
@@ -47,7 +47,7 @@ def default_dir(model_dir: Path, layers: list[MoeLayer]) -> Path:
     """Where a model's kernel-layout store is packed when ``store`` is not given."""
     import vllm
 
-    root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "vllm"
+    root = cache_dir("vllm")
     h = hashlib.sha256(f"{model_dir.resolve()}|{vllm.__version__}".encode())
     for f in [*sorted(model_dir.glob("*.safetensors")), model_dir / "config.json"]:
         if f.exists():

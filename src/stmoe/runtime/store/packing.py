@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -48,6 +47,7 @@ from stmoe.runtime.store.index import (
     index_text,
 )
 from stmoe.runtime.store.int4_store import packing_layout
+from stmoe.util.cache_dir import cache_dir
 from stmoe.util.fileio import (
     atomic_write_text,
     naming_failures,
@@ -246,7 +246,7 @@ def default_store_dir(model_dir: Path, weights: WeightFormat | None = None,
                       in_place: bool = False) -> Path:
     """Where a model folder's store in ``weights`` (None: native) is packed on first use,
     or its in-place index made (``STMOE_CACHE`` overrides)."""
-    root = Path(os.environ.get("STMOE_CACHE", Path.home() / ".cache" / "stmoe")) / "stores"
+    root = cache_dir("stores")
     h = hashlib.sha256(str(model_dir.resolve()).encode())
     for f in [*sorted(model_dir.glob("*.safetensors")), model_dir / "config.json"]:
         st = f.stat()
