@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import tempfile
 from pathlib import Path
 
+from stmoe.errors import StmoeError
 from stmoe.evaluate.layer_capacity import size_split
 from stmoe.predictors import profile
 from stmoe.runtime.gpu_check.forecast import SHARES, assumed_grid, forecast, verdicts
@@ -42,6 +44,7 @@ def main() -> None:
                     help="a `stmoe calibrate` preset whose [host.predictors] stands for the "
                          "GPU host's predictor time in the ASSUMED grid (default: none counted)")
     a = ap.parse_args()
+    given = hardware_preset(str(a.hardware)) if a.hardware else None  # refused before work
     path = a.routing or next((p for p in (REPO / CARRIED, REPO.parent / "shared" / "traces"
                                            / SAMPLE) if p.is_file()), None)
     if path is None:
@@ -58,7 +61,7 @@ def main() -> None:
             # stmoe-plus-split's caches, sized from the profiled tokens alone (as the check's)
             split = size_split(head, round(share * model.num_experts)).capacities
             print(f"{share:.0%} in HBM: stmoe-plus-split's caches {','.join(map(str, split))}")
-            points = ([(str(a.hardware), hardware_preset(str(a.hardware)))] if a.hardware
+            points = ([(str(a.hardware), given)] if given is not None
                       else assumed_grid(model, share, Path(tmp), a.predictors_from))
             for label, hw in points:
                 r = forecast(hw, model, tail, tables, share, split)
@@ -69,4 +72,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except StmoeError as exc:  # a bad --hardware, --layers or file: one line, not a traceback
+        sys.exit(f"error: {exc}")
