@@ -150,7 +150,23 @@ def simulate(
             r = results.get(name) or run_system(name, trace, model, hw, run)
             steps[label] = r.to_dict(base)
         out["ablation"] = steps
+    _check_finite(out, f"model {model.name!r} on hardware {hw.name!r}")
     return out
+
+
+def _check_finite(figures: object, what: str, at: str = "") -> None:
+    """Every figure out finite: products of finite figures (an energy-delay product, a
+    ratio to the baseline) overflow where a spec's figure is out of any real range; `inf`
+    was printed and `Infinity` written to JSON with exit 0."""
+    if isinstance(figures, dict):
+        for key, value in figures.items():
+            _check_finite(value, what, f"{at}.{key}" if at else str(key))
+    elif isinstance(figures, list | tuple):
+        for i, value in enumerate(figures):
+            _check_finite(value, what, f"{at}[{i}]")
+    elif isinstance(figures, float) and not np.isfinite(figures):
+        raise SpecError(f"{what}: {at} is {figures:g}; a figure of the specs is out of any real "
+                        "range")
 
 
 SWEEPABLE = ("link_bytes_per_s", "cache_experts_per_layer", "pe_macs_per_cycle")

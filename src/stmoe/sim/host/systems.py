@@ -60,13 +60,16 @@ def host_costs(model: ModelSpec, hw: HardwareSpec) -> HostCosts:
     rate = hw.pe_macs_per_cycle * hw.clock_hz * flow.utilisation(1)
     read_s = hw.link_latency_s + model.expert_bytes / hw.link_bytes_per_s
     serial, free_waste = link_of(host.tier)  # the runtime's own rule (stmoe.admission)
-    parallel = read_s / (model.expert_bytes / host.read_parallel_bytes_per_s)
+    parallel_s = model.expert_bytes / host.read_parallel_bytes_per_s  # with all readers
+    parallel = read_s / parallel_s
     chunks = max(1, math.ceil(model.expert_bytes / host.chunk_bytes))
     expert_s = model.expert_macs / rate if rate > 0 else math.inf
     # finite figures whose quotients are out of any real range: the pipeline's sums overflow
-    if not max(read_s, expert_s, host.layer_s, host.token_s, host.first_touch_s) < MAX_COST_S:
+    if not max(read_s, parallel_s, expert_s, host.layer_s, host.token_s,
+               host.first_touch_s) < MAX_COST_S:
         raise SpecError(f"hardware {hw.name!r}: with model {model.name!r} an expert takes "
-                        f"{read_s:g} s to read, {expert_s:g} s to compute (layer_s "
+                        f"{read_s:g} s to read ({parallel_s:g} s at "
+                        f"read_parallel_bytes_per_s), {expert_s:g} s to compute (layer_s "
                         f"{host.layer_s:g}, token_s {host.token_s:g}, first_touch_s "
                         f"{host.first_touch_s:g}); expected each under {MAX_COST_S:g} s")
     return HostCosts(layer_s=host.layer_s, token_s=host.token_s, expert_s=expert_s, read_s=read_s,
