@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -85,6 +86,37 @@ def test_bad_requests_are_clear_errors(tmp_path):
     (busy / "notes.txt").write_text("mine")
     with pytest.raises(StmoeError, match="other files"):
         make_checkpoint(plan_checkpoint("stmoe-tiny", layers=1), busy)
+
+
+def test_sizes_beyond_any_checkpoint_and_a_disk_or_memory_too_small_are_refused(tmp_path,
+                                                                                 monkeypatch):
+    """(A reliability review: a spec of 10^18 experts was a torch traceback, one of 10^8
+    layers hung building its meta model, and one of 8 TiB tried to allocate 737 GB.)"""
+    import shutil
+
+    import stmoe.hf.checkpoints as ckpt
+
+    tiny = (tmp_path / "tiny.toml")
+    spec = model_preset("stmoe-tiny")
+    lines = [f"{k} = {json.dumps(getattr(spec, k))}" for k in spec.__dataclass_fields__
+             if k != "name"]
+    for key, value, said in (("num_experts", 10**18, "num_experts is 1000000000000000000, "
+                              "beyond any checkpoint stmoe makes (at most 32767)"),
+                             ("layers", 10**8, "layers is 100000000, beyond")):
+        tiny.write_text("\n".join(f"{key} = {value}" if line.startswith(f"{key} =") else line
+                                  for line in lines) + "\n")
+        with pytest.raises(StmoeError, match=re.escape(said)):
+            plan_checkpoint(str(tiny))
+    plan = plan_checkpoint("stmoe-tiny", layers=1)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(StmoeError, match=r"the checkpoint takes .* GiB and .* has 0\.0 GiB free"):
+        make_checkpoint(plan, tmp_path / "m")
+    monkeypatch.undo()
+    monkeypatch.setattr(ckpt, "available_memory", lambda: 1000)
+    with pytest.raises(StmoeError, match=r"its largest tensor takes .* made whole in memory"):
+        make_checkpoint(plan, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
 
 
 # ---- issue 30, item 3: a new checkpoint is written beside the old one and switched ------

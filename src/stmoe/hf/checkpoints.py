@@ -28,6 +28,7 @@ from typing import Any
 
 from stmoe.errors import StmoeError
 from stmoe.sim.specs import ModelSpec, model_preset, preset_names
+from stmoe.util.cgroup import available_memory
 from stmoe.util.fileio import atomic_folder, atomic_write_text
 
 # transformers architecture that has each preset's layer structure (routed experts,
@@ -46,6 +47,11 @@ ARCHITECTURES = {
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 INIT_STD = 0.02  # transformers' default initializer_range
 SHARD_BYTES = 2 * 2**30
+# the largest shapes make-model builds: expert ids are int16 in traces (32767), and no MoE
+# has come near the rest (they bound a meta model's build and its arithmetic)
+MAX_SIZES = {"layers": 1024, "dense_layers": 1024, "num_experts": 32767, "hidden": 1 << 17,
+             "expert_intermediate": 1 << 20, "shared_intermediate": 1 << 20,
+             "attention_heads": 1 << 12, "kv_heads": 1 << 12}
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,10 @@ def plan_checkpoint(like: str, layers: int | None = None,
     spec = model_preset(like)
     if dtype not in DTYPES:
         raise StmoeError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    for key, most in MAX_SIZES.items():  # (a meta model of 10^8 layers took minutes, and GBs)
+        if (value := getattr(spec, key)) > most:
+            raise StmoeError(f"--like {like}: {key} is {value}, beyond any checkpoint stmoe "
+                             f"makes (at most {most})")
     if layers is not None and not 1 <= layers <= spec.layers:
         raise StmoeError(f"--layers {layers}: {like} has {spec.layers} MoE layers; "
                          f"expected 1..{spec.layers}")
@@ -111,6 +121,7 @@ def make_checkpoint(plan: CheckpointPlan, out_dir: str | Path, seed: int = 0,
         raise StmoeError(f"{out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise StmoeError(f"{out}: a folder with other files in it; give a new or empty folder")
+    _check_room(plan, out)
     from safetensors import SafetensorError
 
     try:
@@ -124,6 +135,21 @@ def make_checkpoint(plan: CheckpointPlan, out_dir: str | Path, seed: int = 0,
                          f"({exc.strerror or exc}); the old folder, if any, is "
                          "unchanged") from None
     return out
+
+
+def _check_room(plan: CheckpointPlan, out: Path) -> None:
+    """Refuse, before a byte is written, a checkpoint the disk cannot hold, or one whose
+    largest tensor (made whole, then saved) the memory cannot."""
+    where = next(p for p in [out, *out.resolve().parents] if p.exists())
+    free, size = shutil.disk_usage(where).free, DTYPES[plan.dtype]
+    largest = max((_numel(shape) * size for _, shape in plan.tensors), default=0)
+    if plan.nbytes > free:
+        raise StmoeError(f"{out}: the checkpoint takes {plan.nbytes / 2**30:.1f} GiB and "
+                         f"{where} has {free / 2**30:.1f} GiB free; fewer --layers, or another "
+                         "disk")
+    if largest > (have := available_memory()):
+        raise StmoeError(f"{out}: its largest tensor takes {largest / 2**30:.1f} GiB, made whole "
+                         f"in memory, and {have / 2**30:.1f} GiB is available; a narrower spec")
 
 
 def _write_checkpoint(plan: CheckpointPlan, out: Path, label: str, seed: int,

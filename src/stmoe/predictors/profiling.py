@@ -12,7 +12,6 @@ tables -> nothing of stmoe-plus; plus -> tables; profiling -> both.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +33,7 @@ from stmoe.trace.checks import model_layer_ids
 from stmoe.trace.ranks import as_sets, sequence_digests, token_digests
 from stmoe.trace.schema import RoutingTrace
 from stmoe.trace.summary import expert_load
+from stmoe.util.cgroup import available_memory
 
 
 def profile(
@@ -127,18 +127,6 @@ def table_bytes(shape: ModelShape) -> int:
     which grow with N squared (32767 experts and 2 layers: 56 GiB)."""
     n, layers = shape.num_experts, shape.num_layers
     return 8 * n * n * ((D_MAX + 1) * max(layers - 1, 1) + layers)
-
-
-def available_memory() -> int:
-    """Bytes the system can give now (MemAvailable), else its physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # profiling's peak over ``table_bytes``: the counts' temporaries (negated copies, argsort
