@@ -158,6 +158,9 @@ def test_sglang_generate_batch_and_errors(tmp_path, cli):
     missing = cli("import", path, "-o", tmp_path / "o2.npz")
     assert missing.exit_code == 1 and "--layers L --top-k K" in missing.output
     assert f"{N_LAYERS * K} ids per token" in missing.output
+    wrong = cli("import", path, "-o", tmp_path / "o2.npz", "--layers", str(N_LAYERS * K + 1))
+    one_line_error(wrong, f"{N_LAYERS * K} ids per token are not a multiple of "
+                   f"{N_LAYERS * K + 1} layers")
     one = sglang_response(per[0], PROMPTS[0], GENS[0])
     one["meta_info"]["routed_experts"] = base64.b64encode(
         per[0].astype("<i4").tobytes()[:-2]).decode()
@@ -193,7 +196,9 @@ def test_export_vllm_and_sglang_round_trip(tmp_path, cli):
     path = tmp_path / "resp.json"
     path.write_text(json.dumps(vllm_response(per, dtype=np.int32)))
     trace = load_trace(path)
-    for fmt, extra in (("vllm", []), ("sglang", ["--layers", N_LAYERS, "--top-k", K])):
+    # (SGLang's bytes do not say L, but stmoe's export does: no --layers needed since a
+    # reliability review)
+    for fmt, extra in (("vllm", []), ("sglang", []), ("sglang", ["--layers", N_LAYERS])):
         out = tmp_path / f"back.{fmt}.json"
         assert cli("export", path, "-o", out, "--format", fmt).exit_code == 0
         res = cli("import", out, "-o", tmp_path / f"{fmt}.npz", *extra)

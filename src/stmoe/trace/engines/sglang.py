@@ -18,7 +18,7 @@ SGLang keeps). ``torchfile`` loads the dict (torch stays out of this module).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ def read_generate(path: Path, opts: EngineOptions, num_experts: int | None):
     if not responses:
         raise TraceError("the batch is an empty list", expected="a /generate response, or a "
                          "list of one or more")
+    opts = _layers_written(opts, responses[0])
     requests = [_response(r, i, opts, num_experts) for i, r in enumerate(responses)]
     note_missing_prompts(requests, opts)
     infos = [r["meta_info"] for r in responses]  # each checked a dict by _response
@@ -103,6 +104,20 @@ def _response(resp: Any, i: int, opts: EngineOptions, num_experts: int | None) -
                    prompt, where=where)
 
 
+def _layers_written(opts: EngineOptions, first: Any) -> EngineOptions:
+    """SGLang's bytes do not say L; a ``stmoe export`` of them does (its ``stmoe_moe_layers``
+    ends at the last model layer that routes): L is that + 1 where no --layers is given
+    (``written_moe_layers`` then checks the field against the routing)."""
+    info = first.get("meta_info") if isinstance(first, dict) else None
+    named = info.get("stmoe_moe_layers") if isinstance(info, dict) else None
+    if opts.layers is not None or not isinstance(named, list) or not named:
+        return opts
+    last = named[-1]
+    if isinstance(last, bool) or not isinstance(last, int) or not 0 <= last < 1 << 16:
+        return opts  # (refused, named, by written_moe_layers)
+    return replace(opts, layers=last + 1)
+
+
 def _shape(n: int, end: int | None, opts: EngineOptions, where: str) -> tuple[int, int]:
     """L and K: the options, or one derived from the other and the token count."""
     layers, top_k = opts.layers, opts.top_k
@@ -111,6 +126,10 @@ def _shape(n: int, end: int | None, opts: EngineOptions, where: str) -> tuple[in
         layers = per_token // top_k
     if top_k is None and layers is not None and per_token and per_token % layers == 0:
         top_k = per_token // layers
+    elif top_k is None and layers is not None and per_token:
+        raise TraceError(f"{per_token} ids per token are not a multiple of {layers} layers",
+                         position=where, expected="--layers of the model that answered (its "
+                         "config's num_hidden_layers), or --top-k too")
     if layers is None or top_k is None:
         held = f"; it holds {per_token} ids per token (L x K)" if per_token else ""
         raise TraceError("the response does not say its layers and top-k" + held,
