@@ -116,7 +116,7 @@ class ExpertStore:
         weakref.finalize(self, os.close, fd)
         st = os.fstat(fd)
         self._data = (os.getpid(), fd, st.st_dev, st.st_ino)
-        size, want = os.fstat(fd).st_size, self.index.data_bytes
+        size, want = st.st_size, self.index.data_bytes
         if size != want:
             state = "truncated" if size < want else "longer than its index says"
             raise StoreError(f"{data}: {size} bytes but the index needs {want}; the store is "
