@@ -3,9 +3,7 @@ naming the file and what was expected, never a traceback or a nonsense result.""
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import pytest
 from test_simulator import HOST_TOML as SIM_HOST_TOML
@@ -187,21 +185,16 @@ def test_the_gpu_checks_forecast_refuses_a_preset_of_another_tier(tmp_path, tier
         forecast(hw, model, trace, profile(trace, fit_plus=False), 0.5)
 
 
-def test_the_gpu_forecast_script_refuses_bad_input_in_one_line(tmp_path):
-    """(A reliability review: every bad input ended in a traceback, and a missing --hardware
-    only after the tables were profiled.)"""
-    import subprocess
-    import sys
+def test_the_gpu_forecast_refuses_bad_input_in_one_line(tmp_path, capsys):
+    """benchmarks/gpu_forecast.py's command line (a reliability review: every bad input ended
+    in a traceback, and a missing --hardware only after the tables were profiled)."""
+    from stmoe.runtime.gpu_check.forecast_cli import main
 
-    root = Path(__file__).resolve().parents[2]
-    routing = tmp_path / "r.npz"  # (SYNTHETIC: the script's own routing may not be here)
+    routing = tmp_path / "r.npz"  # (SYNTHETIC: the check's own routing may not be here)
     stmoe.save_trace(stmoe.synthesize(tokens=200, layers=8, experts=16, top_k=2, sequences=1,
                                       seed=0), routing)
     for args, said in ((["--hardware", str(tmp_path / "none.toml")], "no such hardware spec"),
                        (["--routing", str(routing), "--layers", "0"], "--layers 0: there are")):
-        done = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_forecast.py"),
-                               *args], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONPATH": str(root / "src")})
-        assert done.returncode == 1 and done.stdout == "", done
-        assert done.stderr.startswith("error: ") and said in done.stderr, done.stderr
-        assert "Traceback" not in done.stderr
+        assert main(args, tmp_path) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("error: ") and said in err, err
