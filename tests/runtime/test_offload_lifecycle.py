@@ -292,3 +292,37 @@ def test_a_model_moved_after_offload_is_refused_at_its_next_call(offloaded):
                                                             r", but its experts are served on "
                                                             r"cpu"):
         offloaded.model(IDS.to("meta"))
+
+
+def test_close_lets_a_temporary_stores_disk_go_while_the_model_is_still_held():
+    """The opened store holds its data file (a repack cannot pull it from under a reader);
+    close lets it go, so the temporary store removed then frees its disk at once, not when
+    the user's last reference to the model goes (the diff's review)."""
+    import contextlib
+    import os
+
+    model, _ = tiny_model("qwen3_moe")
+    om = offload(model, capacity=3, predictor="ondemand")  # a store packed into a temp folder
+    folder = om.engine.state.store.path
+
+    def held() -> list[str]:
+        links = []
+        for n in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # (listdir's own descriptor, gone)
+                links.append(os.readlink(f"/proc/self/fd/{n}"))
+        return [link for link in links if link.startswith(str(folder))]
+
+    assert held()  # (the store's descriptor, and the tier's)
+    om.close()
+    assert held() == [] and not folder.exists()
+
+
+@pytest.mark.parametrize(("now", "served", "other"), [
+    ("cpu", "cpu", False), ("meta", "cpu", True), ("cuda:0", "cuda:0", False),
+    ("cuda:1", "cuda:0", True), ("cuda:0", "cpu", True), ("cuda:1", "cuda", False)])
+def test_a_move_is_another_device_or_another_index(now, served, other):
+    """(No CUDA needed: devices compared as values. The GPU tiers record an index; "cuda"
+    alone is the current device, fixed at offload.)"""
+    from stmoe.runtime.hf_glue import moved
+
+    assert moved(torch.device(now), torch.device(served)) is other

@@ -150,7 +150,8 @@ def test_a_first_use_beside_another_processs_pack_waits_and_uses_its_store(check
                                                                            tmp_path,
                                                                            monkeypatch):
     """Two first uses of one model at once (two `stmoe generate`): the second waited for
-    the first's pack, then packed the whole store again."""
+    the first's pack, then packed the whole store again. It waits now before hashing the
+    checkpoint, and uses the store the other wrote."""
     import threading
 
     from stmoe.errors import StmoeNote
@@ -174,8 +175,21 @@ def test_a_first_use_beside_another_processs_pack_waits_and_uses_its_store(check
     packer.start()
     assert holding.wait(30)
     monkeypatch.setattr(packing, "pack_folder", lambda *a, **k: pytest.fail("packed again"))
+    monkeypatch.setattr(packing, "file_records", lambda *a: pytest.fail("hashed again"))
     threading.Timer(0.3, go_on.set).start()
     with pytest.warns(StmoeNote, match="another process is packing this store; waiting"):
         opened = open_store(checkpoint, None)
     packer.join(30)
     assert opened.path == out and opened.index.data == ExpertStore(made).index.data
+
+
+def test_a_cached_store_packed_beforehand_opens_without_its_lock(checkpoint, tmp_path,
+                                                                 monkeypatch):
+    """A cache packed beforehand may be read-only (a shared STMOE_CACHE): a usable store is
+    opened without taking the folder's lock, which writes its lock file."""
+    from stmoe.runtime.store.packing import open_store
+
+    monkeypatch.setenv("STMOE_CACHE", str(tmp_path / "cache"))
+    packed = open_store(checkpoint, None)  # packed on first use
+    monkeypatch.setattr(packing, "pack_lock", lambda *a, **k: pytest.fail("locked"))
+    assert open_store(checkpoint, None).index.data == packed.index.data

@@ -30,6 +30,7 @@ from stmoe.errors import StmoeError
 from stmoe.sim.specs import ModelSpec, model_preset, preset_names
 from stmoe.util.cgroup import available_memory
 from stmoe.util.fileio import atomic_folder, atomic_write_text
+from stmoe.util.units import format_bytes
 
 # transformers architecture that has each preset's layer structure (routed experts,
 # plus one shared expert where the preset has one). Presets missing here (MLA
@@ -89,7 +90,7 @@ def plan_checkpoint(like: str, layers: int | None = None,
     if dtype not in DTYPES:
         raise StmoeError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     for key, most in MAX_SIZES.items():  # (a meta model of 10^8 layers took minutes, and GBs)
-        if (value := getattr(spec, key)) > most:
+        if (value := layers or spec.layers if key == "layers" else getattr(spec, key)) > most:
             raise StmoeError(f"--like {like}: {key} is {value}, beyond any checkpoint stmoe "
                              f"makes (at most {most})")
     if layers is not None and not 1 <= layers <= spec.layers:
@@ -144,12 +145,12 @@ def _check_room(plan: CheckpointPlan, out: Path) -> None:
     free, size = shutil.disk_usage(where).free, DTYPES[plan.dtype]
     largest = max((_numel(shape) * size for _, shape in plan.tensors), default=0)
     if plan.nbytes > free:
-        raise StmoeError(f"{out}: the checkpoint takes {plan.nbytes / 2**30:.1f} GiB and "
-                         f"{where} has {free / 2**30:.1f} GiB free; fewer --layers, or another "
+        raise StmoeError(f"{out}: the checkpoint takes {format_bytes(plan.nbytes)} and "
+                         f"{where} has {format_bytes(free)} free; fewer --layers, or another "
                          "disk")
     if largest > (have := available_memory()):
-        raise StmoeError(f"{out}: its largest tensor takes {largest / 2**30:.1f} GiB, made whole "
-                         f"in memory, and {have / 2**30:.1f} GiB is available; a narrower spec")
+        raise StmoeError(f"{out}: its largest tensor takes {format_bytes(largest)}, made whole "
+                         f"in memory, and {format_bytes(have)} is available; a narrower spec")
 
 
 def _write_checkpoint(plan: CheckpointPlan, out: Path, label: str, seed: int,

@@ -59,9 +59,10 @@ def load_causal_lm(model_dir: str | Path) -> torch.nn.Module:
         raise CaptureError(f"{path}: cannot load the model ({_first_line(exc)})") from None
     except RuntimeError as exc:  # transformers 5: weights of other shapes than config.json's
         said = _first_line(exc)  # (its "look at the above report" points to a silenced log)
-        said = "tensors of other shapes than it gives" if "mismatched_sizes" in said else said
-        raise CaptureError(f"{path}: cannot load the model: its weights do not match its "
-                           f"config.json ({said})") from None
+        if "mismatched_sizes" in said or "size mismatch" in said:
+            raise CaptureError(f"{path}: cannot load the model: its weights do not match its "
+                               "config.json (tensors of other shapes than it gives)") from None
+        raise CaptureError(f"{path}: cannot load the model ({said})") from None  # (no memory)
     except ImportError as exc:  # a quantization config whose package is not installed
         raise CaptureError(f"{path}: transformers cannot load this checkpoint here "
                            f"({_first_line(exc)}); "

@@ -196,15 +196,14 @@ class OffloadEngine:
         does nothing."""
         with self.state.close_lock:  # (a second close returns once the first is over)
             with self.cv:
-                if self.state.closed:
+                if not self.state.begin_close(CLOSE_WAIT_S):
                     return
-                self.state.closed = True
-                self.state.wait_for_others(CLOSE_WAIT_S)
             self.prefetcher.close()
             self.hooks.remove()
             if (ops := self.state.device_ops()) is not None:  # work still queued on its streams
                 ops.drain()  # (an int4 slot's conversion) writes slots: done before they go
             self.tier.close()
+            self.state.store.close()  # (its held data file: a temporary store's disk)
             let_go(self.path.modules, self.path.gathered, self)  # (_wire's layers)
             self.state.release()
 

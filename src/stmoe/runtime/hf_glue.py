@@ -136,6 +136,8 @@ def take_over(module: torch.nn.Module, engine: ExpertsEngine, num_experts: int,
             dtypes[name] = p.dtype
     module._stmoe_engine = engine  # type: ignore[assignment]
     module._stmoe_dtypes = dtypes  # type: ignore[assignment]
+    if device.type == "cuda" and device.index is None:  # ("cuda": the current one, now)
+        device = torch.device("cuda", torch.cuda.current_device())
     module._stmoe_device = device  # type: ignore[assignment]
     module._apply = types.MethodType(_apply_beside_meta, module)  # type: ignore[method-assign]
     module.register_forward_pre_hook(_unchanged)
@@ -176,11 +178,17 @@ def _unchanged(module: torch.nn.Module, args: tuple) -> None:
                                "before offloading it (a fresh load, or its folder)")
     served: torch.device = module._stmoe_device  # type: ignore[assignment]
     now = args[0].device if args and isinstance(args[0], torch.Tensor) else served
-    indices = {now.index, served.index} - {None}  # ("cuda" is the current CUDA device)
-    if now.type != served.type or len(indices) > 1:
+    if moved(now, served):
         raise OffloadError(f"this offloaded model was moved to {now} after stmoe.offload, but "
                            f"its experts are served on {served}: offload it on the device it "
                            "runs on (OffloadOptions.device, or the model moved first)")
+
+
+def moved(now: torch.device, served: torch.device) -> bool:
+    """Whether a call on ``now`` is on another device than the experts are ``served`` on
+    (an index given on one side only is the same device: "cuda" is the current one)."""
+    return now.type != served.type or (None not in (now.index, served.index) and (
+        now.index != served.index))
 
 
 class GatheredExperts:

@@ -126,7 +126,8 @@ class EngineState:
         self.num_experts = int(store.model["num_experts"])
         self.expert_bytes = store.blocks[(0, 0)].nbytes
         self.max_block = max(buffer_bytes(b) for b in store.blocks.values())  # read buffers
-        self.closed = False
+        self.closed = False  # new calls refused (``begin_close``)
+        self.tearing_down = False  # the caches and the tier going (after close's wait)
         self.close_lock = threading.RLock()  # a second close waits for the first's end
         self._run = RunState(RuntimeStats(self.num_layers, self.expert_bytes), None,
                              self.num_layers)
@@ -288,14 +289,19 @@ class EngineState:
             if self.depth <= 0:
                 self.owner, self.depth = None, 0
 
-    def wait_for_others(self, limit_s: float) -> None:
-        """(lock held) Until no other thread's forward or run holds the engine (at most
-        ``limit_s``: a thread that never lets go does not hold up a close)."""
-        deadline = time.monotonic() + limit_s
-        me = threading.current_thread()
+    def begin_close(self, limit_s: float) -> bool:
+        """(lock held) False where closed already; else new calls are refused from now, and
+        once no other thread's forward or run holds the engine (at most ``limit_s``: one
+        that never lets go does not hold up a close), the caller tears it down."""
+        if self.closed:
+            return False
+        self.closed = True
+        deadline, me = time.monotonic() + limit_s, threading.current_thread()
         while (self.owner not in (None, me) and self.owner.is_alive()
                and time.monotonic() < deadline):
             self.cv.wait(timeout=0.05)
+        self.tearing_down = True
+        return True
 
     def _refuse_others(self, me: threading.Thread) -> None:
         owner = self.owner
@@ -308,15 +314,16 @@ Run = TypeVar("Run", bound=Callable[..., Any])
 
 
 def closed_errors(run: Run) -> Run:
-    """An experts call its model was closed under (a forward still running after close's
+    """An experts call its model was torn down under (a forward still running after close's
     wait) fails with the closed line, not with what its freed caches or its closed tier
-    raise (a KeyError, a short read that reads as a damaged store)."""
+    raise (a KeyError, a short read that reads as a damaged store). An error during the
+    wait is the call's own (a damaged block stays one)."""
     @functools.wraps(run)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return run(self, *args, **kwargs)
         except Exception as exc:
-            if self.state.closed and str(exc) != CLOSED:
+            if self.state.tearing_down and str(exc) != CLOSED:
                 raise OffloadError(CLOSED) from exc
             raise
     return guarded  # type: ignore[return-value]

@@ -62,8 +62,9 @@ class ExpertStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        # the data file, held open: (pid, fd, st_dev, st_ino)
-        self._data: tuple[int, int, int, int] | None = None
+        # the data file, held open until ``close``: (fd, st_dev, st_ino)
+        self._data: tuple[int, int, int] | None = None
+        self._let_go: weakref.finalize | None = None
         try:
             self._open()
         except _Replaced:  # a pack replaced the store between its index and its data file:
@@ -113,23 +114,32 @@ class ExpertStore:
                 raise _Replaced from None
             raise StoreError(f"{data}: missing, though index.json names it; the store is "
                              "damaged, pack it again") from None
-        weakref.finalize(self, os.close, fd)
+        self._let_go = weakref.finalize(self, os.close, fd)
         st = os.fstat(fd)
-        self._data = (os.getpid(), fd, st.st_dev, st.st_ino)
+        self._data = (fd, st.st_dev, st.st_ino)
         size, want = st.st_size, self.index.data_bytes
         if size != want:
             state = "truncated" if size < want else "longer than its index says"
             raise StoreError(f"{data}: {size} bytes but the index needs {want}; the store is "
                              f"{state}, pack it again")
 
+    def close(self) -> None:
+        """Let the held data file go (an offloaded model's close: a temporary store removed
+        then frees its disk at once); reads by its name from then on."""
+        if self._let_go is not None:
+            self._let_go()
+        self._data = None
+
     @property
     def data_file(self) -> Path:
         """Where to open the data file the index named when the store was opened (that
-        file even once replaced: the descriptor held; by its name in another process)."""
+        file even once replaced: the descriptor held, a forked child's too; by its name
+        after ``close``). The descriptor is checked to be that file still (a number
+        reused after a close would be another)."""
         if self.data_path is None:
             raise StoreError(f"{self.path}: an in-place index has no data file")
-        if self._data is not None and self._data[0] == os.getpid():
-            _, fd, dev, ino = self._data
+        if self._data is not None:
+            fd, dev, ino = self._data
             held = Path(f"/proc/self/fd/{fd}")
             with contextlib.suppress(OSError):  # (the same file still: not a number reused)
                 if (st := os.stat(held)).st_dev == dev and st.st_ino == ino:

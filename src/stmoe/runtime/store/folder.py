@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ from stmoe.util.warn import warn
 OLD_DATA = ("experts.bin", "experts.bin.tmp")  # version 1's data file and its temporary
 DATA_TEMP = "experts.bin"  # a pack's temporary data file: .experts.bin.<pid>.<random>.tmp
 LOCK_NAME = ".pack.lock"  # the folder's advisory lock (never removed: see pack_lock)
+_held = threading.local()  # the folders whose lock this thread holds (``pack_lock``)
 
 
 def refuse_foreign_index(out: Path) -> None:
@@ -59,19 +61,27 @@ def _store_index(index: Path) -> dict[str, object] | None:
 def pack_lock(out: Path, waiting: str = "another pack is writing this store; waiting for "
               "it") -> Iterator[None]:
     """The folder's advisory lock for one pack (another pack into it waits, with the note
-    ``waiting``); released when the pack ends or its process dies. A folder holding someone
-    else's index.json is refused first (``refuse_foreign_index``): every writer takes this
-    lock."""
+    ``waiting``); released when the pack ends or its process dies. A thread holding it
+    already holds it again at no cost (a first use holds it from its check of the cached
+    store to the pack's end). A folder holding someone else's index.json is refused first
+    (``refuse_foreign_index``): every writer takes this lock."""
     refuse_foreign_index(out)
+    held: set[str] = _held.__dict__.setdefault("folders", set())
+    key = str(out.resolve())
+    if key in held:
+        yield
+        return
     with open(out / LOCK_NAME, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             warn(f"{out}: {waiting}", StmoeNote)
             fcntl.flock(f, fcntl.LOCK_EX)
+        held.add(key)
         try:
             yield
         finally:
+            held.discard(key)
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
@@ -87,14 +97,6 @@ def unnamed(out: Path, keep: str) -> list[Path]:
     """The data files in ``out`` but ``keep`` (``remove_unnamed``'s)."""
     return [f for f in out.iterdir()
             if f.name != keep and (DATA_NAME.fullmatch(f.name) or f.name in OLD_DATA)]
-
-
-def wait_for_pack(out: Path) -> None:
-    """Until another process's pack into ``out`` is over (a first use of a model beside
-    another: that store, once whole, is this one's too; packing it again was the waste)."""
-    if (out / LOCK_NAME).is_file():
-        with pack_lock(out, "another process is packing this store; waiting to use it"):
-            pass
 
 
 def check_disk(out: Path, needed: float) -> None:

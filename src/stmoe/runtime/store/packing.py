@@ -31,12 +31,12 @@ from stmoe.runtime.store.check import architecture, file_records
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.folder import (
     DATA_TEMP,
+    LOCK_NAME,
     check_disk,
     named_data,
     pack_lock,
     refuse_foreign_index,
     remove_unnamed,
-    wait_for_pack,
 )
 from stmoe.runtime.store.index import (
     ALIGN,
@@ -191,7 +191,7 @@ def _write_store(out: Path, model: dict[str, Any], record: dict[str, Any], block
         text = index_text(model, record, data, size, written, weights, packing_layout(weights))
         try:
             atomic_write_text(out / "index.json", text)  # the switch: the new store is whole
-        except BaseException:
+        except Exception:  # (ENOSPC; a kill leaves it to the next pack, as it would anyway)
             remove_unnamed(out, named_data(out))  # (the new file, unless the old is the same)
             raise
         remove_unnamed(out, data)
@@ -303,7 +303,29 @@ def open_store(model_dir: str | Path, store: str | Path | None,
         return opened
     weights = weights or NATIVE
     out = default_store_dir(model_dir, weights, in_place)
-    wait_for_pack(out)
+    if (opened := _cached(out, model_dir, weights, in_place, say=False)) is not None:
+        return opened  # (no lock: a cache packed beforehand may be read-only)
+    out.mkdir(parents=True, exist_ok=True)
+    # held from the check to the pack's end: a first use beside another process's waits for
+    # it, before hashing the checkpoint, then uses its store (it packed it all again)
+    with pack_lock(out, "another process is packing this store; waiting to use it"):
+        if (opened := _cached(out, model_dir, weights, in_place, say=True)) is not None:
+            return opened
+        if in_place:
+            from stmoe.runtime.store.in_place_index import make_in_place
+
+            make_in_place(model_dir, out, progress)
+        else:
+            pack_folder(model_dir, out, progress, weights)
+    opened = ExpertStore(out)
+    opened.check_source(model_dir)
+    return opened
+
+
+def _cached(out: Path, model_dir: Path, weights: WeightFormat, in_place: bool,
+            say: bool) -> ExpertStore | None:
+    """The cached store in ``out`` if it serves ``model_dir`` as asked, else None (with a
+    note of why it is packed again, where ``say``)."""
     if (out / "index.json").exists():
         try:
             opened = ExpertStore(out)
@@ -314,20 +336,11 @@ def open_store(model_dir: str | Path, store: str | Path | None,
                 raise StoreError("in place" if opened.in_place else "not in place")
             return opened
         except StoreError as exc:
-            warn(f"the cached store is unusable ({exc}); packing it again",
-                 StmoeNote)
-    elif out.is_dir() and any(out.iterdir()):
-        warn(f"{out}: a half-written store (no index.json); packing it again",
-             StmoeNote)
-    if in_place:
-        from stmoe.runtime.store.in_place_index import make_in_place
-
-        make_in_place(model_dir, out, progress)
-    else:
-        pack_folder(model_dir, out, progress, weights)
-    opened = ExpertStore(out)
-    opened.check_source(model_dir)
-    return opened
+            if say:
+                warn(f"the cached store is unusable ({exc}); packing it again", StmoeNote)
+    elif say and out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir()):
+        warn(f"{out}: a half-written store (no index.json); packing it again", StmoeNote)
+    return None
 
 
 def ensure_store(model_dir: str | Path, store: str | Path | None,
