@@ -195,8 +195,4 @@ def check_capacity_early(model: Path, capacity: str | None) -> None:
     experts, top_k = (config_int(config, names) for names in (NUM_EXPERTS, TOP_K))
     if not isinstance(config, dict) or experts is None or top_k is None:
         return  # the loader says what the config lacks; the runtime checks the capacity then
-    if top_k > experts:
-        raise StmoeError(f"{model / 'config.json'}: the router picks {top_k} experts per token "
-                         f"of the {experts} a layer has; its top-k or its number of experts is "
-                         "wrong")
     layer_capacities(capacity, experts, top_k, num_layers=None, error=StmoeError)

@@ -244,8 +244,10 @@ class ExpertStore:
                     pieces.append(os.pread(f.fileno(), e.nbytes, e.offset))
             data: bytes | bytearray = b"".join(pieces)
         else:
-            own = fd is None
-            fd = os.open(self.data_file, os.O_RDONLY) if own else fd
+            if fd is None and self._data is not None:
+                fd = self._data[0]  # the held file (no open per expert; the CRC checks it)
+            own = fd is None  # (closed: by its name)
+            fd = os.open(self.data_file, os.O_RDONLY) if fd is None else fd
             try:
                 data = os.pread(fd, block.nbytes, block.offset)
             finally:
