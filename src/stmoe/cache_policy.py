@@ -15,8 +15,9 @@ ties go to the smaller expert id. The policies:
   predicted for the coming layer. Valid everywhere; the runtime's default.
 * ``lfu``: the fewest uses (demands), then the least recent. Valid everywhere.
 * ``belady``: the one next needed farthest in the future at that layer; it also
-  declines a load needed no sooner than its victim (``admits``), which makes it
-  the offline bound on hits for the same prefetch stream. It needs the future:
+  declines a load needed no sooner than its victim (``admits``). Without prefetches
+  it is the offline optimum (a bound on every policy's hits); with them a strong
+  heuristic, not a bound (docs/predictors.md). It needs the future:
   cache replay only (the runtime cannot see it; the simulator does not model it).
 * ``none``: no reuse; every expert is dropped once used (plain on-demand
   offloading, the baseline; victims, while a prefetch fills the cache, as LRU).

@@ -28,6 +28,19 @@ class StoreError(OffloadError):
     """An expert store is missing, damaged, or belongs to another model."""
 
 
+class BlockError(StoreError):
+    """One expert's block did not read whole and intact (a failed or short read, a checksum
+    that does not match): what needs that expert fails, the store's other experts serve on
+    (a prefetch skips it; a server's step fails only the requests routed to it)."""
+
+    def __init__(self, message: str, layer: int, expert: int) -> None:
+        super().__init__(message)
+        self.layer, self.expert = layer, expert
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, int]]:
+        return type(self), (str(self), self.layer, self.expert)
+
+
 class TraceError(StmoeError, ValueError):
     """A routing trace, or a file meant to hold one, is malformed.
 

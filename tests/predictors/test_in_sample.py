@@ -132,3 +132,17 @@ def test_a_held_out_half_of_a_small_routing_space_is_not_called_in_sample(layers
     tables = profile(profiled)
     assert in_sample_tokens(held_out, tables) < 0.01 * held_out.is_decode.sum()
     assert in_sample_tokens(profiled, tables) == int(profiled.is_decode.sum())
+
+
+def test_the_shipped_tables_know_what_they_were_profiled_on():
+    """The shipped model's tables keep their profiled tokens' digests (made again with the
+    model card's command: the same counts and fit, these added), so a replay of the routing
+    they came from (``stmoe capture``'s built-in prompts) is said to be in-sample; before,
+    they kept none and said nothing."""
+    from stmoe.models import SHIPPED_MODEL, SHIPPED_TABLES
+
+    tables = load_tables(f"{SHIPPED_MODEL}/{SHIPPED_TABLES}")
+    assert tables.profiled_tokens is not None
+    # (unique digests: two of the 890 tokens repeat another's routing and the one's before)
+    assert tables.info["tokens"] == 890 and 800 < len(tables.profiled_tokens) <= 890
+    assert len(tables.info["sequences"]) == 6  # the six built-in prompts

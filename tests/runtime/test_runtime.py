@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -12,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from stmoe.errors import OffloadError  # noqa: E402
+from stmoe.errors import BlockError, OffloadError  # noqa: E402
 from stmoe.hf.capture_generate import capture_generation  # noqa: E402
 from stmoe.hf.layout import experts_modules  # noqa: E402
 from stmoe.predictors import REGISTRY, profile, save_tables  # noqa: E402
@@ -465,6 +466,9 @@ class _FaultyTier:
         if self.armed and (worker or not self.only_workers):
             if self.kind == "short":
                 return self.inner.fetch(block, buf)[: block.nbytes // 2]
+            if self.kind == "block":  # as the disk tier reports one block's failed read
+                raise BlockError(f"reading layer {block.layer}, expert {block.expert} failed: "
+                                 "Input/output error (injected)", block.layer, block.expert)
             raise OSError(5, "Input/output error (injected)")
         return self.inner.fetch(block, buf)
 
@@ -493,6 +497,23 @@ def test_a_worker_io_error_raises_on_the_caller_and_leaves_the_cache_consistent(
         (seq, _), _ = om.measure(lambda: _generate(om.model))
     model, _ = tiny_model("mixtral")
     assert torch.equal(seq, _generate(model)[0])
+
+
+def test_a_workers_failed_block_is_a_prefetch_skipped_and_read_again_by_its_layer(
+        tmp_path, caplog):
+    """A block a worker could not read fails nothing by itself: the layer that needs the
+    expert reads it (here the read works), the output is the resident model's, the skipped
+    prefetches counted and each block said once."""
+    om = _faulty(tmp_path, kind="block")
+    with om, caplog.at_level(logging.WARNING, logger="stmoe.runtime"):
+        om.engine.tier.armed = True
+        (seq, _), stats = om.measure(lambda: _generate(om.model))
+        om.engine.check()
+    model, _ = tiny_model("mixtral")
+    assert torch.equal(seq, _generate(model)[0])
+    said = [r.getMessage() for r in caplog.records if "a prefetch skipped it" in r.getMessage()]
+    assert stats.prefetch_failed >= len(said) > 0 and len(said) == len(set(said))
+    assert stats.to_dict()["prefetch_failed"] == stats.prefetch_failed
 
 
 def test_a_short_read_is_a_clear_error_on_the_caller(tmp_path):

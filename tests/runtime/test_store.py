@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from checkpoint_folders import FOLDERS, make_model_folder, saved_folder  # noqa: E402
+from stmoe.errors import BlockError  # noqa: E402
 from stmoe.hf.layout import experts_modules  # noqa: E402
 from stmoe.runtime.api import offload  # noqa: E402
 from stmoe.runtime.store import ALIGN, ExpertStore, StoreError, pack  # noqa: E402
@@ -61,8 +63,13 @@ def test_damage_and_mismatch_are_clear_errors(packed, tmp_path):
     data = bytearray((path / name).read_bytes())
     data[10] ^= 0xFF
     (broken / name).write_bytes(bytes(data))
-    with pytest.raises(StoreError, match="layer 0, expert 0 fails its checksum"):
+    with pytest.raises(StoreError, match="layer 0, expert 0 fails its checksum") as err:
         ExpertStore(broken).read(0, 0)
+    # the block is named to the code too: what needs that expert fails, not the rest
+    again = pickle.loads(pickle.dumps(err.value))
+    for e in (err.value, again):
+        assert isinstance(e, BlockError) and (e.layer, e.expert) == (0, 0)
+    assert str(again) == str(err.value)
     (broken / name).write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(StoreError, match="truncated"):
         ExpertStore(broken)
@@ -150,6 +157,24 @@ def fuzz_base(tmp_path_factory):
 
 
 _EXAMPLES = int(os.environ.get("STMOE_FUZZ_EXAMPLES", "100"))  # ~7 s; more to explore
+
+
+@pytest.mark.parametrize("path", [("version",), ("align",), ("data",),
+                                  ("blocks", 3, "crc32c"), ("blocks", 0, "nbytes")])
+def test_a_value_with_a_newline_is_shown_quoted_on_one_line(fuzz_base, tmp_path, path):
+    """Found by the fuzz below: an index value holding a newline (checksum made to agree)
+    was printed raw, so its error took two lines."""
+    store, _, _ = fuzz_base
+    bad = tmp_path / "store"
+    shutil.copytree(store, bad)
+    index = json.loads((store / "index.json").read_text())
+    _at(index, path[:-1])[path[-1]] = "one\ntwo"
+    index["checksum"] = checksum(index)
+    (bad / "index.json").write_text(json.dumps(index))
+    with pytest.raises(StoreError) as err:
+        ExpertStore(bad)
+    msg = str(err.value)
+    assert "\n" not in msg and str(bad) in msg and "'one\\ntwo'" in msg, msg
 
 
 @settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))

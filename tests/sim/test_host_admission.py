@@ -184,3 +184,13 @@ def test_simulate_runtime_takes_one_count_per_layer(cli, tmp_path):
     assert shown.exit_code == 0 and "16,4,4,8 experts cached (each MoE layer's)" in shown.output
     bad = cli(*base, "--capacity", "8,8")
     assert bad.exit_code != 0 and "--capacity '8,8': 2 counts for 4 MoE layers" in bad.output
+
+
+def test_the_oracle_prefetches_the_first_decode_tokens_first_layer_as_the_runtimes_does():
+    """The runtime's oracle plans the next call's layer 0 as the prompt's last layer ends;
+    the simulated one waited for that expert on demand (every layer's expert here is new,
+    each read 0.1 s against 0.5 s of compute: a prefetched one never stalls)."""
+    experts = np.arange(5 * 2).reshape(5, 2, 1)  # 2 prompt + 3 decode tokens, 2 layers
+    run = host.HostRun(experts, 2, None, True, 6, "lru")
+    out = host.simulate_host(run, costs(fifo=False, read_s=0.1), 16)
+    assert out["stall"] == 0.0, out

@@ -53,6 +53,20 @@ def test_the_base_specs_load(tmp_path):
     assert hardware_preset(str(tmp_path / "h.toml")).host is not None
 
 
+def test_a_spec_file_is_read_whatever_its_name_ends_with(tmp_path, monkeypatch):
+    """A path (or a file there) is a spec file, not a preset's name: before, ``hw.spec``
+    or ``specs/hw`` was refused as an unknown preset."""
+    (tmp_path / "hw.spec").write_text(HOST_TOML)
+    (tmp_path / "m").write_text(MODEL_TOML)
+    assert hardware_preset(str(tmp_path / "hw.spec")).name == "hw"
+    monkeypatch.chdir(tmp_path)
+    assert model_preset("m").top_k == 2  # a file here by that name
+    with pytest.raises(SpecError, match="no such hardware spec file"):
+        hardware_preset(str(tmp_path / "absent"))
+    with pytest.raises(SpecError, match="unknown hardware 'absent'; presets"):
+        hardware_preset("absent")
+
+
 @pytest.mark.parametrize(("key", "value", "fragment"), [
     # infinite figures: times of inf, normalized times of nan, energies of inf
     ("link_bytes_per_s", "inf", "link_bytes_per_s is inf"),

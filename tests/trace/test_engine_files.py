@@ -139,6 +139,36 @@ def test_transformers_router_logits(tmp_path):
     assert np.array_equal(trace.experts[6:, 1], want) and trace.num_experts == 8
 
 
+def test_router_logits_batch_by_seq_and_rows_without_a_softmax(tmp_path):
+    """[batch, seq, E] logits (a model that keeps the batch axis) import as the batch's
+    sequences; a row of NaN, +inf or all -inf logits (no softmax) is refused naming the
+    layer and row, where before it read as a NaN gate weight, or 3-D tensors as an
+    unknown file."""
+    torch = pytest.importorskip("torch")
+    flat = [torch.randn(2 * 6, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    torch.save(tuple(x.reshape(2, 6, 8) for x in flat), tmp_path / "three_d.pt")
+    trace = load_trace(tmp_path / "three_d.pt", engine=EngineOptions(top_k=2))
+    assert trace.seq_starts.tolist() == [0, 6] and trace.num_tokens == 12
+    torch.save(tuple(flat), tmp_path / "flat.pt")
+    same = load_trace(tmp_path / "flat.pt", engine=EngineOptions(top_k=2, prompt_lengths=(6, 6)))
+    assert np.array_equal(trace.experts, same.experts)
+    for value, said in ((float("nan"), "nan among them"), (float("inf"), "inf among them"),
+                        (float("-inf"), "all -inf")):
+        bad = [x.clone() for x in flat]
+        if value == float("-inf"):
+            bad[2][5, :] = value
+        else:
+            bad[2][5, 3] = value
+        torch.save(tuple(bad), tmp_path / "bad.pt")
+        with pytest.raises(TraceError, match=f"MoE layer 2, row 5 are {said}"):
+            load_trace(tmp_path / "bad.pt", engine=EngineOptions(top_k=2))
+    masked = [x.clone() for x in flat]
+    masked[0][3, :6] = float("-inf")  # masked experts: the two left are the top-2
+    torch.save(tuple(masked), tmp_path / "masked.pt")
+    got = load_trace(tmp_path / "masked.pt", engine=EngineOptions(top_k=2))
+    assert sorted(got.experts[3, 0].tolist()) == [6, 7]
+
+
 def expert_drop_records():
     """benchmarks/expert_drop/trace_parser.py (EfficientMoE/MoE-Infinity): records of
     (seq, layer, rows, residency_known, weights [rows, E], mask [rows, E], resident [E]);

@@ -161,9 +161,10 @@ def eval_cmd(
         typer.Option(help="Also replay a cache of C experts per layer (top-k to the trace's N)."),
     ] = None,
     policy: Annotated[
-        str, typer.Option(help="Cache eviction: lru, lfu, belady (the offline bound) or score "
-                          "(the predictor's lowest-scored expert; predictors that score no "
-                          "expert run lru) (stmoe.cache_policy).")
+        str, typer.Option(help="Cache eviction: lru, lfu, belady (furthest next use; the "
+                          "bound without prefetch) or score (the predictor's lowest-scored "
+                          "expert; predictors that score no expert run lru) "
+                          "(stmoe.cache_policy).")
     ] = "lru",
     set_size: Annotated[
         int,

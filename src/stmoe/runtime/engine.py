@@ -23,7 +23,6 @@ concern each, and runs their life cycle (measured runs, shutdown):
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ from stmoe.runtime.slot_layout import SlotLayout
 from stmoe.runtime.state import EngineSettings, EngineState, Future, RunState, check_cache_device
 from stmoe.runtime.stats import RuntimeStats
 from stmoe.runtime.step import LayerTally, Part, Step, current_driver, foresee
+from stmoe.runtime.step_layer import serve_parts
 from stmoe.runtime.store import ExpertStore
 from stmoe.runtime.store.loader import Loader
 from stmoe.runtime.store.tiers import Tier
@@ -251,24 +251,11 @@ class OffloadEngine:
         """A step's MoE layer for ``parts`` (the step's still running, each with its
         (hidden, top-k ids, top-k weights)) in ONE path call: the union of their experts
         loaded once, each part's rows computed alone (on ``pool``'s threads side by side).
-        The output, each part's rows in it, and what the layer met."""
+        The output, each part's rows in it, and what the layer met (the parts failed by a
+        block that did not read: ``runtime.step_layer``)."""
         calls = [(h, *p.routing.routing(p.call, layer, i, w)) if p.routing is not None
                  else (h, i, w) for p, (h, i, w) in zip(parts, calls, strict=True)]
-        hidden, index = torch.cat([c[0] for c in calls]), torch.cat([c[1] for c in calls])
-        weights = torch.cat([c[2] for c in calls])
-        bounds = np.cumsum([0] + [int(c[0].shape[0]) for c in calls]).tolist()
-        segments = [slice(a, b) for a, b in itertools.pairwise(bounds)]
-        with self.cv:
-            where = self.caches[layer].where
-            distinct = [set(index[s].reshape(-1).tolist()) for s in segments]
-            needed = tuple(len(ids) for ids in distinct)
-            hits = tuple(sum(e in where for e in ids) for ids in distinct)
-            moved0 = self.state.run.stats.bytes_moved
-        out, stall = self.path.run(layer, hidden, index, weights,
-                                   segments=(segments, pool if len(parts) > 1 else None))
-        with self.cv:
-            moved = self.state.run.stats.bytes_moved - moved0
-        return out, segments, LayerTally(needed, hits, stall, moved)
+        return serve_parts(self.path, self.state, layer, parts, calls, pool)
 
     def end_step(self, step: Step) -> None:
         """``step``'s forward call completed: the books closed, the planner told (after a

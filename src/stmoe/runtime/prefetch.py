@@ -7,11 +7,14 @@ expert through the engine's tier without holding the lock, and marks the slot
 READY. A request whose layer the compute thread has already reached is *stale*
 and dropped (the layer loaded its misses itself). While the compute thread
 stalls, the workers start no new load (``pause``): what it waits for gets the
-whole bandwidth of the tier, which does not grow with readers. Any failure of a worker,
-anywhere in its loop (a read, a bad request, the bookkeeping), is kept, its slot
-freed so the cache stays consistent, and the compute thread woken: it raises the
-error at once if it is waiting, else at its next layer (``raise_error``); the
-worker goes on serving.
+whole bandwidth of the tier, which does not grow with readers. A block that does not
+read whole and intact (``BlockError``: damaged, short, an I/O error) is a prefetch
+skipped: its slot freed, one warning per block, and the layer that needs the expert reads
+it itself (again: a passing error is over, a lasting one fails what needs that expert
+only). Any other failure of a worker, anywhere in its loop (a bad request, the
+bookkeeping), is kept, its slot freed so the cache stays consistent, and the compute
+thread woken: it raises the error at once if it is waiting, else at its next layer
+(``raise_error``); the worker goes on serving.
 
 No wait is unbounded: the compute thread waits for a slot at most ``WAIT_S`` at a
 time, then raises a kept failure, frees slots whose loader thread died (it loads
@@ -22,12 +25,13 @@ those experts itself) and refuses a load stuck longer than ``stall_limit_s``
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 import threading
 import time
 import weakref
 
-from stmoe.errors import OffloadError
+from stmoe.errors import BlockError, OffloadError
 from stmoe.runtime.cache import LOADING, LayerCache
 from stmoe.runtime.state import EngineState
 from stmoe.runtime.store import StoreError
@@ -37,6 +41,7 @@ from stmoe.runtime.store.tiers import aligned_buffer
 WAIT_S = 0.5  # the longest a waiter sleeps before checking for failures and dead loaders
 STALL_LIMIT_S = 300.0  # a load taking longer is refused: the tier is not answering
 CLOSE_WAIT_S = 10.0  # close() waits this long for the workers' loads in flight
+log = logging.getLogger("stmoe.runtime")
 
 # (cache, slot, layer, expert) a worker loads, and the run's phase when it started (its read
 # is counted there)
@@ -53,6 +58,7 @@ class Prefetcher:
         self.cpus = cpus
         self.queue: list[tuple[int, int, int, int]] = []  # heap of (call, layer, rank, expert)
         self.error: BaseException | None = None  # a worker's failure, for the compute thread
+        self.skipped: set[tuple[int, int]] = set()  # (layer, expert) blocks a prefetch skipped
         self.work = threading.Condition(state.lock)  # the workers wait here for requests
         self._closing = False
         self.paused = False  # the compute thread is stalled: no new load may compete with it
@@ -229,13 +235,21 @@ class Prefetcher:
                 self.work.wait(timeout=WAIT_S)
 
     def _failed(self, job: Job | None, exc: BaseException) -> None:
-        """Keep the failure for the compute thread, free the job's slot, wake the waiter."""
+        """Free the job's slot, wake the waiter; keep the failure for the compute thread,
+        unless it is the job's own block (a prefetch skipped: see the module docstring)."""
         with self.state.cv:
             if job is not None:  # its slot, unless the load had already landed
                 cache, slot = job[0], job[1]
                 if cache.loader[slot] is threading.current_thread():
                     cache.abandon(slot)
-            if self.error is None:
+            if job is not None and isinstance(exc, BlockError) and \
+                    (exc.layer, exc.expert) == (job[2], job[3]):
+                self.state.run.stats.prefetch_failed += 1
+                if (exc.layer, exc.expert) not in self.skipped:
+                    self.skipped.add((exc.layer, exc.expert))
+                    log.warning("%s; a prefetch skipped it, a layer that needs it reads it "
+                                "again", exc)
+            elif self.error is None:
                 self.error = exc
             self.state.cv.notify_all()
 

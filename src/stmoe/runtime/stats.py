@@ -120,6 +120,7 @@ class RuntimeStats:
     prefetch_loads: int = 0
     demand_loads: int = 0
     stale_dropped: int = 0  # prefetch requests dropped because their layer had passed
+    prefetch_failed: int = 0  # prefetches skipped: their block did not read intact
     overflow_loads: int = 0  # experts a call needed beyond the capacity (read into spare rows)
     admission: dict[str, Any] | None = None  # what prefetch admission did (stmoe.admission)
 
@@ -146,6 +147,7 @@ class RuntimeStats:
             "prefetch_loads": self.prefetch_loads,
             "demand_loads": self.demand_loads,
             "stale_dropped": self.stale_dropped,
+            "prefetch_failed": self.prefetch_failed,
             "overflow_loads": self.overflow_loads,
             "expert_bytes": self.expert_bytes,
             "phases": {p: c.summary(per_layer) for p, c in self.phases.items()},

@@ -16,16 +16,16 @@ hooks keep no books (its driver calls the step API instead).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from stmoe.errors import OffloadError
+from stmoe.errors import BlockError, OffloadError
 from stmoe.runtime.forced_routing import RoutingSource
 
 
@@ -63,12 +63,14 @@ class Step:
 @dataclass(frozen=True)
 class LayerTally:
     """What one step's MoE layer met: each part's distinct experts and how many of them
-    were cached as the layer began, the layer's stall and the bytes it read."""
+    were cached as the layer began, the layer's stall and the bytes it read; the parts
+    (by index) that failed for a block that did not read (``runtime.step_layer``)."""
 
     needed: tuple[int, ...]
     hits: tuple[int, ...]
     stall_s: float
     bytes_read: int
+    failed: Mapping[int, BlockError] = field(default_factory=dict)
 
 
 class StepDriver(Protocol):

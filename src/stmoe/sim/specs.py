@@ -1,25 +1,20 @@
 """Frozen model and hardware specs, loaded from TOML presets with clear errors.
 
 Presets live in ``sim/data/*.toml`` with the source of every number; a user's own
-TOML file (same keys) works wherever a preset name does.
+TOML file (same keys) works wherever a preset name does (``spec_tables``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from stmoe.errors import StmoeError
+from stmoe.sim.spec_tables import SpecError, names_a_file, spec_table
+from stmoe.sim.spec_tables import preset_names as preset_names  # (imported from here too)
 from stmoe.util.config_names import NUM_EXPERTS, TOP_K
-
-
-class SpecError(StmoeError, ValueError):
-    """A model or hardware spec is unknown or malformed."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +135,7 @@ class HardwareSpec:
 
 
 def _load(kind: str, name_or_path: str, cls: type) -> Any:
-    table = _table(kind, name_or_path)
+    table = spec_table(kind, name_or_path)
     fields = {f.name for f in dataclasses.fields(cls)} - {"name"}  # a model has no tables
     optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     missing = sorted(fields - optional - set(table) - {"description", "source"})
@@ -149,7 +144,7 @@ def _load(kind: str, name_or_path: str, cls: type) -> Any:
     unknown = sorted(set(table) - fields - {"description", "source"})
     if unknown:
         raise SpecError(f"{kind} spec {name_or_path!r} has unknown keys {', '.join(unknown)}")
-    values: dict[str, Any] = {"name": Path(name_or_path).stem if name_or_path.endswith(".toml")
+    values: dict[str, Any] = {"name": Path(name_or_path).stem if names_a_file(kind, name_or_path)
                               else name_or_path}
     for f in dataclasses.fields(cls):
         if f.name in table and f.name not in ("dataflows", "host"):
@@ -166,24 +161,6 @@ def _load(kind: str, name_or_path: str, cls: type) -> Any:
         raise SpecError(f"{kind} spec {name_or_path!r}: buffer_for is {spec.buffer_for!r}, "
                         f"expected {' or '.join(BUFFER_FOR)}")
     return spec
-
-
-def _table(kind: str, name_or_path: str) -> dict[str, Any]:
-    if name_or_path.endswith(".toml"):
-        path = Path(name_or_path)
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise SpecError(f"{path}: no such {kind} spec file") from None
-        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:  # or a folder
-            raise SpecError(f"{path}: not valid TOML for a {kind} spec ({exc})") from None
-        return data
-    presets = _presets(kind)
-    if name_or_path not in presets:
-        listed = ", ".join(presets)
-        raise SpecError(f"unknown {kind.rstrip('s')} {name_or_path!r}; presets: {listed} "
-                        "(or give a .toml file)")
-    return presets[name_or_path]
 
 
 def _typed(kind: str, where: str, key: str, value: Any, annotation: Any) -> Any:
@@ -301,15 +278,6 @@ def model_preset(name_or_path: str) -> ModelSpec:
 def hardware_preset(name_or_path: str) -> HardwareSpec:
     """A hardware preset by name, or a TOML file with the same keys."""
     return _load("hardware", name_or_path, HardwareSpec)
-
-
-def _presets(kind: str) -> dict[str, Any]:
-    return tomllib.loads(resources.files("stmoe.sim").joinpath(f"data/{kind}.toml").read_text())
-
-
-def preset_names(kind: str) -> list[str]:
-    """The preset names of ``kind`` ("models" or "hardware")."""
-    return list(_presets(kind))
 
 
 def model_spec_from_config(

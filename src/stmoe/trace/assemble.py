@@ -10,6 +10,7 @@ import numpy as np
 
 from stmoe.errors import TraceError
 from stmoe.trace.schema import meta_int
+from stmoe.util.shown import short_repr
 
 
 def layer_numbering(layer_ids: Iterable[int]) -> tuple[dict[int, int], dict[str, Any]]:
@@ -157,8 +158,3 @@ def check_keys(obj: dict[str, Any], known: Sequence[str], where: str) -> None:
                 known_list = ", ".join(known)
                 raise TraceError(f"unknown field {key!r}", position=where,
                                  expected=f"{close[0]!r} (known fields: {known_list})")
-
-
-def short_repr(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

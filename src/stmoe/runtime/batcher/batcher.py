@@ -30,9 +30,17 @@ from typing import Any
 
 import torch
 
-from stmoe.errors import OffloadError
+from stmoe.errors import BlockError, OffloadError
 from stmoe.runtime.api import OffloadedModel
-from stmoe.runtime.batcher.member import Member, charge, drop_cancelled, finish, generate_extra
+from stmoe.runtime.batcher.member import (
+    Member,
+    charge,
+    drop_cancelled,
+    finish,
+    generate_extra,
+    next_step,
+    spread,
+)
 from stmoe.runtime.batcher.requests import Cancelled, QueueFull, Request
 from stmoe.runtime.batcher.step_forward import StepForward, decode_call, step_caches
 from stmoe.runtime.batcher.step_rows import StepRows
@@ -137,23 +145,27 @@ class StepBatcher:
         """A driven forward's experts call: in the batcher's batched forward, served at once
         (a row per member); on a member's thread, posted and waited for (the step's layer)."""
         if step_caches() is not None:  # the batcher's own batched forward: a row per member
-            live: list[Member] = self.local.step
-            calls = [(hidden[b:b + 1], index[b:b + 1], weights[b:b + 1])
-                     for b in range(len(live))]
-            return self._serve_layer(layer, live, calls)[0]
+            step: list[Member] = self.local.step
+            failed = self.local.failed  # (a member failed at an earlier layer: its row left)
+            rows = [b for b, m in enumerate(step) if m.slot not in failed]
+            out, _, lost = self._serve_layer(layer, [step[b] for b in rows], [
+                (hidden[b:b + 1], index[b:b + 1], weights[b:b + 1]) for b in rows])
+            failed.update(lost)
+            return spread(out, rows, len(step))
         m: Member = self.local.member
         with self.cv:
             m.arrival, m.result = (layer, hidden, index, weights), None
             self.cv.notify_all()
             return m.await_result(self.cv, lambda: self.error)
 
-    def _serve_layer(self, layer: int, live: list[Member],
-                     calls: Calls) -> tuple[torch.Tensor, list[slice]]:
-        """``live``'s calls at ``layer`` in ONE engine call, each member's usage charged."""
+    def _serve_layer(self, layer: int, live: list[Member], calls: Calls
+                     ) -> tuple[torch.Tensor, list[slice], dict[int, BlockError]]:
+        """``live``'s calls at ``layer`` in ONE engine call, each member's usage charged;
+        the members (by slot) failed by a block that did not read (the others go on)."""
         out, segments, tally = self.engine.serve_layer(layer, [m.part() for m in live], calls,
                                                        self.pool)
         charge(live, tally)
-        return out, segments
+        return out, segments, {live[i].slot: exc for i, exc in tally.failed.items()}
 
     # ---- the batcher's thread --------------------------------------------------------
     def _main(self) -> None:
@@ -189,13 +201,13 @@ class StepBatcher:
         while True:
             with self.cv:
                 self._admit()
-                step = self._next_step()
+                step = next_step(list(self.members.values()), self.cv)
                 while step is None:
                     if self.closed and not self.members:
                         return
                     self.cv.wait(0.5)
                     self._admit()
-                    step = self._next_step()
+                    step = next_step(list(self.members.values()), self.cv)
             try:
                 self._run_step(step)
             except Exception as exc:  # the step's requests fail; the batcher goes on
@@ -215,22 +227,6 @@ class StepBatcher:
                                         name=r.thread_name)
             self.started += 1
             m.thread.start()
-
-    def _next_step(self) -> list[Member] | None:
-        """(cv held) The next step's members once each waits at its first MoE layer or its
-        batched decode call (or has finished): the oldest new prompt alone, else all."""
-        members = self.members.values()
-        if not members or any(m.arrival is None and m.forward_call is None for m in members):
-            return None
-        bad = next((m for m in members if m.arrival is not None and m.arrival[0] != 0), None)
-        if bad is not None:
-            bad.result = OffloadError("a request reached a step at a layer other than the first")
-            self.cv.notify_all()
-            return None
-        prompts = [m for m in members if m.calls == 0]
-        if prompts:
-            return [min(prompts, key=lambda m: m.request.submitted)]
-        return sorted(members, key=lambda m: m.slot)
 
     def _member(self, m: Member) -> None:
         self.local.member, r = m, m.request
@@ -261,18 +257,19 @@ class StepBatcher:
 
     def _run_forward(self, step: list[Member]) -> None:
         """(a decode step, batched) The step's one forward, on this thread."""
-        self.local.step = step
+        self.local.step, self.local.failed = step, {}
+        error = None
         try:
             with driven_by(self):
                 outs: list[Any] = self.step_forward.run([m.forward_call for m in step])  # type: ignore[misc]
         except Exception as exc:  # every request of the step gets it (a BaseException
-            outs = [exc] * len(step)  # stops the batcher: ``_main`` tells them)
+            outs, error = [exc] * len(step), exc  # stops the batcher: ``_main`` tells them)
         with self.cv:
-            for m, out in zip(step, outs, strict=True):
-                m.forward_call, m.result = None, out
+            for m, out in zip(step, outs, strict=True):  # (a failed row: its own error)
+                m.forward_call, m.result = None, self.local.failed.get(m.slot, out)
             self.cv.notify_all()
-        if isinstance(outs[0], BaseException):
-            raise outs[0]
+        if error is not None:
+            raise error
 
     def _run_step(self, members: list[Member]) -> None:
         """One forward call of each of the step's members, their MoE layers served together
@@ -325,14 +322,15 @@ class StepBatcher:
             calls = [call[1:] for _, call in arrived if call[0] == layer]
             self.cv.notify_all()
         try:
-            out, segments = self._serve_layer(layer, live, calls)
+            out, segments, failed = self._serve_layer(layer, live, calls)
         except BaseException as exc:  # every request of the call gets it
             return self._fail(live, exc)
-        with self.cv:
+        with self.cv:  # a failed member's step ends here (as ``_fail``), the others' go on
             for m, s in zip(live, segments, strict=True):
-                m.arrival, m.result = None, out[s]
+                m.arrival, m.result = None, failed.get(m.slot, out[s])
+                m.in_step = m.in_step and m.slot not in failed
             self.cv.notify_all()
-        return live
+        return [m for m in live if m.slot not in failed]
 
     def _wait(self, live: list[Member], done: Callable[[], bool]) -> None:
         """(cv held) Until ``done()``, computing the step's gathered linears meanwhile."""

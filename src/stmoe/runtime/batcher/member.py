@@ -64,6 +64,32 @@ class Member:
         return result
 
 
+def next_step(members: list[Member], cv: threading.Condition) -> list[Member] | None:
+    """(``cv``, the batcher's lock, held) The next step's members once each waits at its
+    first MoE layer or its batched decode call (or has finished): the oldest new prompt
+    alone, else all; None: not yet (a request at another layer is answered an error)."""
+    if not members or any(m.arrival is None and m.forward_call is None for m in members):
+        return None
+    bad = next((m for m in members if m.arrival is not None and m.arrival[0] != 0), None)
+    if bad is not None:
+        bad.result = OffloadError("a request reached a step at a layer other than the first")
+        cv.notify_all()
+        return None
+    prompts = [m for m in members if m.calls == 0]
+    if prompts:
+        return [min(prompts, key=lambda m: m.request.submitted)]
+    return sorted(members, key=lambda m: m.slot)
+
+
+def spread(out: torch.Tensor, rows: list[int], n: int) -> torch.Tensor:
+    """A batched forward's experts output: ``out`` (the rows ``rows`` served) as its ``n``
+    rows, zeros in a failed member's (never computed with: its request ends with its
+    error)."""
+    if len(rows) == n:
+        return out
+    return out.new_zeros((n, *out.shape[1:])).index_copy_(0, torch.tensor(rows), out)
+
+
 def charge(live: list[Member], tally: LayerTally) -> None:
     """A step's layer in each member's usage: its hits, the layer's stall, and an even
     share of the bytes read."""

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from stmoe.errors import StmoeError
+from stmoe.errors import BlockError, StmoeError
 from stmoe.runtime.store.check import (
     check_layout,
     check_source,
@@ -205,8 +205,9 @@ class ExpertStore:
     def check_size(self, block: Block, got: int) -> None:
         """Refuse a read of ``block`` that brought fewer than its bytes."""
         if got < block.nbytes:
-            raise StoreError(f"{self.where}: short read of layer {block.layer}, expert "
-                             f"{block.expert} ({got} of {block.nbytes} bytes)")
+            raise BlockError(f"{self.where}: short read of layer {block.layer}, expert "
+                             f"{block.expert} ({got} of {block.nbytes} bytes)",
+                             block.layer, block.expert)
 
     def check_parts(self, block: Block, parts: list[memoryview]) -> None:
         """``check_block`` for a block read in pieces (straight into a cache slot's tensors),
@@ -223,12 +224,13 @@ class ExpertStore:
         if crc == block.crc32c:
             return
         if self.in_place:
-            raise StoreError(f"{self.where}: layer {block.layer}, expert {block.expert} fails "
+            raise BlockError(f"{self.where}: layer {block.layer}, expert {block.expert} fails "
                              "the in-place index's checksum; the checkpoint changed after the "
                              "index was made, or is damaged: make it again (stmoe pack "
-                             "--in-place)")
-        raise StoreError(f"{self.where}: layer {block.layer}, expert {block.expert} fails "
-                         "its checksum; the store is corrupt, pack it again")
+                             "--in-place)", block.layer, block.expert)
+        raise BlockError(f"{self.where}: layer {block.layer}, expert {block.expert} fails "
+                         "its checksum; the store is corrupt, pack it again",
+                         block.layer, block.expert)
 
     def read(self, layer: int, expert: int, fd: int | None = None) -> dict[str, np.ndarray]:
         """One expert's tensors (numpy; a dtype numpy lacks, e.g. bfloat16, as raw unsigned

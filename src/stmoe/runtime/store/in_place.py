@@ -23,12 +23,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from stmoe.errors import OffloadError
+from stmoe.errors import BlockError, OffloadError
 from stmoe.runtime.store.index import (
     ALIGN,
     Block,
     Extent,
-    StoreError,
     block_crc,
 )
 from stmoe.runtime.store.tiers import CHUNK_BYTES, Between, open_direct
@@ -91,12 +90,14 @@ class ExtentReader:
                     if hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
             except OSError as exc:
-                raise StoreError(f"{name}: reading layer {block.layer}, expert "
-                                 f"{block.expert} in place failed: {exc.strerror}") from None
+                raise BlockError(f"{name}: reading layer {block.layer}, expert "
+                                 f"{block.expert} in place failed: {exc.strerror}",
+                                 block.layer, block.expert) from None
             if got < n:
-                raise StoreError(f"{name}: short read of layer {block.layer}, expert "
+                raise BlockError(f"{name}: short read of layer {block.layer}, expert "
                                  f"{block.expert} ({where}: the file is shorter than the "
-                                 "in-place index says; make it again)")
+                                 "in-place index says; make it again)",
+                                 block.layer, block.expert)
             for dst, _, _ in _targets(dests, pos, n):
                 crc = block_crc(dst, crc)
             pos += n

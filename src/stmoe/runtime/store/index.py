@@ -28,6 +28,7 @@ import crc32c
 
 from stmoe.errors import OffloadError, StoreError
 from stmoe.quant.formats import LAYOUT_KEY, NATIVE, WeightFormat, stored_format
+from stmoe.util.shown import short_repr
 
 STORE_FORMAT = "stmoe-expert-store"
 STORE_VERSION = 6  # 2: the data file named by the index (atomic repacking), checksummed index;
@@ -41,8 +42,7 @@ MAX_EXTENTS = 64  # per block (an expert's tensors, each at most one piece per s
 ALIGN = 4096  # bytes: the page / O_DIRECT alignment of every block
 DATA_NAME = re.compile(r"experts-[0-9a-f]{16}\.bin")  # a plain name in the store folder
 MAX_INDEX_BYTES = 1 << 28  # far above any real model's (DeepSeek-V3: ~15k blocks, a few MB)
-MAX_TENSORS = 64  # per block
-MAX_DIMS = 8
+MAX_TENSORS, MAX_DIMS = 64, 8  # tensors per block, dimensions per tensor
 # bytes per element of every dtype a store may hold (torch's names)
 DTYPE_SIZES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
@@ -142,7 +142,7 @@ def read_index(path: Path) -> StoreIndex:
     if not isinstance(index, dict) or index.get("format") != STORE_FORMAT:
         raise StoreError(f"{path}: not an stmoe expert store index")
     if index.get("version") not in READ_VERSIONS or isinstance(index.get("version"), bool):
-        raise StoreError(f"{path}: store version {str(index.get('version'))[:20]}, this stmoe "
+        raise StoreError(f"{path}: store version {short_repr(index.get('version'))}, this stmoe "
                          f"reads {READ_VERSIONS[0]} to {READ_VERSIONS[-1]}; pack the model again")
     if index.get("checksum") != checksum(index):
         raise StoreError(f"{path}: index.json fails its checksum; the store is damaged, "
@@ -164,7 +164,7 @@ class _Checker:
                   high: int = 1 << 62) -> int:
         v = d.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-            raise self.fail(where, f"{key} is {str(v)[:40]}, expected a whole number "
+            raise self.fail(where, f"{key} is {short_repr(v)}, expected a whole number "
                                    f"{low}..{high}")
         return v
 
@@ -177,7 +177,7 @@ class _Checker:
         except OffloadError as exc:
             raise self.fail(*str(exc).split(": ", 1)) from None
         if index["align"] != ALIGN:
-            raise StoreError(f"{self.path}: blocks aligned to {str(index['align'])[:20]} bytes, "
+            raise StoreError(f"{self.path}: blocks aligned to {short_repr(index['align'])} bytes, "
                              f"this stmoe expects {ALIGN}; pack the model again")
         model = index["model"]
         if not isinstance(model, dict) or set(model) != set(MODEL_KEYS):
@@ -190,7 +190,7 @@ class _Checker:
         data = index["data"]
         in_place = data == IN_PLACE and index["version"] >= 5
         if not in_place and (not isinstance(data, str) or not DATA_NAME.fullmatch(data)):
-            raise self.fail("data", f"{str(data)[:40]!r} is not a data file name of a store")
+            raise self.fail("data", f"{short_repr(data)} is not a data file name of a store")
         data_bytes = self.int_field(index, "data_bytes", "data_bytes")
         source = self.source(index["source"])
         if in_place and (source["kind"] != "folder" or weights != NATIVE):

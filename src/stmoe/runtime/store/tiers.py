@@ -29,10 +29,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from stmoe.errors import OffloadError
+from stmoe.errors import BlockError, OffloadError
 from stmoe.runtime.options import MAX_LATENCY, MIN_BANDWIDTH, TIERS, check_link
 from stmoe.runtime.store.expert_store import ExpertStore
-from stmoe.runtime.store.index import ALIGN, Block, StoreError
+from stmoe.runtime.store.index import ALIGN, Block
 from stmoe.util.units import parse_bytes, parse_seconds
 
 __all__ = [
@@ -187,8 +187,9 @@ class DiskTier:
                     if n < sum(map(len, piece)):
                         break
         except OSError as exc:
-            raise StoreError(f"{self.store.data_path}: reading layer {block.layer}, expert "
-                             f"{block.expert} failed: {exc.strerror}") from None
+            raise BlockError(f"{self.store.data_path}: reading layer {block.layer}, expert "
+                             f"{block.expert} failed: {exc.strerror}",
+                             block.layer, block.expert) from None
         if not self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, block.offset, sum(map(len, views)),
                              os.POSIX_FADV_DONTNEED)

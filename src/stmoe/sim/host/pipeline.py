@@ -41,10 +41,11 @@ another layer than the one the compute thread stalls at waits until the stall
 ends (demand first, ``Prefetcher._between``). Reads share the tier as ``link``
 models it. With ``admission`` the sets pass through the runtime's own
 ``Admission``, fed the simulated timings as the runtime measures them
-(docs/simulator.md); the oracle is exempt. After the prompt, the
-predictor's set for the first decode token's layer 0 is queued (the oracle's
-sets start with decode). Cache victims come from ``stmoe.cache_policy`` with the
-runtime's stamps (one step per layer call; a prefetch is stamped with the step
+(docs/simulator.md); the oracle is exempt. After the prompt, the predictor's set for
+the first decode token's layer 0 is queued (the oracle, which knows the routing,
+prefetches the prompt's layers too, and the first decode token's layer 0 as the prompt's
+last layer ends, as the runtime's does). Cache victims come from ``stmoe.cache_policy``
+with the runtime's stamps (one step per layer call; a prefetch is stamped with the step
 it is loaded for) and, for ``score``, the scores of the layer's latest prediction.
 """
 
@@ -246,9 +247,10 @@ class _Sim:
         """Queue the prediction for the next layer (wrapping to the next call's layer 0)."""
         n_layers = self.run.experts.shape[1]
         target = (fwd, layer + 1) if layer + 1 < n_layers else (fwd + 1, 0)
-        if fwd == 0 and (target[0] != 0 or not self.run.oracle):
-            # the prompt's own layers are predicted from an empty history (not modelled) but
-            # by the oracle; the first decode token's layer 0 once the prompt is learnt
+        if fwd == 0 and not self.run.oracle:
+            # the prompt's own layers are predicted from an empty history (not modelled); the
+            # first decode token's layer 0 once the prompt is learnt (``simulate_host``). The
+            # oracle knows them all, its next call's layer 0 too, as the runtime's does
             return
         self._host(self.c.learn_s)  # the predictor taught this layer's routing
         self.plan_set(*target)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
-from stmoe.trace.assemble import short_repr
+from stmoe.util.shown import short_repr
 
 LAYOUTS = ("tlk", "ltk")
 

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from stmoe.errors import TraceError
-from stmoe.trace.assemble import short_repr
 from stmoe.trace.engines.common import (
     EngineOptions,
     SequenceRouting,
@@ -35,6 +34,7 @@ from stmoe.trace.engines.common import (
 )
 from stmoe.trace.engines.jsonio import b64_bytes, load_json, opt_int
 from stmoe.trace.engines.options import written_moe_layers
+from stmoe.util.shown import short_repr
 
 _DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64")
 EXTEND, DECODE, MIXED, IDLE = 1, 2, 3, 4  # ForwardMode values the recorder stores

@@ -15,6 +15,7 @@ This is the one place stmoe imports torch, and only when such a file is read
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ def kind_of(obj: Any) -> str:
         isinstance(obj, list | tuple)
         and obj
         and all(
-            isinstance(x, np.ndarray) and x.ndim == 2 and np.issubdtype(x.dtype, np.floating)
+            isinstance(x, np.ndarray) and x.ndim in (2, 3) and np.issubdtype(x.dtype, np.floating)
             for x in obj
         )
     ):
@@ -107,15 +108,23 @@ def read(path: Path, opts: EngineOptions, num_experts: int | None) -> RoutingTra
 
 def _router_logits(logits: list, path: Path, opts: EngineOptions,
                    num_experts: int | None) -> RoutingTrace:
-    """One ``[batch * seq, E]`` array per MoE layer -> top-k routing per token."""
-    if not all(isinstance(x, np.ndarray) and x.ndim == 2 for x in logits):
-        raise TraceError("router_logits is not a list of 2-D tensors",
+    """One ``[batch * seq, E]`` (or ``[batch, seq, E]``) array per MoE layer -> top-k
+    routing per token."""
+    dims = {x.ndim if isinstance(x, np.ndarray) else 0 for x in logits}
+    if len(dims) != 1 or not dims <= {2, 3}:
+        raise TraceError("router_logits is not a list of 2-D or 3-D tensors",
                          expected="one [batch * seq, E] tensor per MoE layer")
     shapes = {x.shape for x in logits}
     if len(shapes) != 1:
         raise TraceError(f"the layers' router logits have shapes {sorted(shapes)}",
                          expected="one [batch * seq, E] shape for every layer")
+    if dims == {3}:  # [batch, seq, E]: batch-major rows, one sequence per batch row
+        batch, seq, _ = logits[0].shape
+        logits = [x.reshape(batch * seq, -1) for x in logits]
+        if not opts.prompt_lengths:
+            opts = dataclasses.replace(opts, prompt_lengths=(seq,) * batch)
     rows, n_exp = logits[0].shape
+    _check_finite(logits)
     k = opts.top_k
     if k is None or k > n_exp:
         raise TraceError("the router's top-k is not in the file" if k is None
@@ -143,3 +152,16 @@ def _router_logits(logits: list, path: Path, opts: EngineOptions,
     meta = {"source": f"imported from {path.name} (transformers router logits)",
             "file": str(path)}
     return assemble(requests, no_prompt, agreed_num_experts(num_experts, n_exp), meta)
+
+
+def _check_finite(logits: list[np.ndarray]) -> None:
+    """Refuse a row whose softmax has no meaning: a NaN or +inf logit, or every logit -inf
+    (some -inf are masked experts, fine)."""
+    for layer, x in enumerate(logits):
+        bad = np.isnan(x).any(-1) | np.isposinf(x).any(-1) | np.isneginf(x).all(-1)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            shown = "all -inf" if np.isneginf(x[row]).all() else \
+                f"{x[row][~np.isfinite(x[row])][0]} among them"
+            raise TraceError(f"router logits of MoE layer {layer}, row {row} are {shown}",
+                             expected="finite logits (-inf for masked experts, not all)")
