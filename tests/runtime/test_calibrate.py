@@ -138,7 +138,7 @@ def test_a_gpu_tiers_runtime_reads_are_its_copies_not_their_issue(tiny, cli, tie
                                               reason="CUDA is present")),
         (("--tier", "emulated"), "needs a bandwidth"),
         (("--bandwidth", "1GB"), "--bandwidth applies to --tier emulated only"),
-        (("--seconds", "0"), "--seconds 0.0: expected a number strictly between 0 and 600"),
+        (("--seconds", "0"), "--seconds 0.0: expected a number above 0 and at most 600"),
         (("--tokens", "0"), "--tokens 0: expected an integer from 1 to 1000"),
         (("--capacity", "2"), "below the router's top-4"),
     ],

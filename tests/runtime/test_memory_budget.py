@@ -55,6 +55,10 @@ def test_offload_sizes_its_cache_from_the_budget(tmp_path):
         offload(tiny_model("qwen3_moe")[0], store, memory="10MB", predictor="ondemand")
     with pytest.raises(OffloadError, match="--memory"):
         offload(tiny_model("qwen3_moe")[0], store, memory="lots")
+    # the emulated link reads a host copy of the whole store, which the plan never counted
+    with pytest.raises(OffloadError, match="emulated tier keeps the whole store in host"):
+        offload(tiny_model("qwen3_moe")[0], store, memory="64GB", tier="emulated",
+                bandwidth="1GB")
 
 
 def test_the_budget_measures_the_process_with_its_predictor_made(tmp_path, monkeypatch):

@@ -100,3 +100,42 @@ def test_when_every_request_of_a_step_needs_the_block_they_all_fail(tmp_path):
             assert batcher.queue_depth() == (0, 0)
         finally:
             batcher.close()
+
+
+def test_a_layer_tried_again_for_the_requests_left_teaches_the_predictor_once(tmp_path):
+    """The layer call is made again without the failed request: the predictor learnt the
+    step's routing at that layer from the first call, and is not taught it a second time
+    (at the last layer, a second lesson began the slot's next token with this one's
+    routing missing)."""
+    from tiny_moe import packed_with_tables, tiny_model
+
+    name = "qwen3_moe"
+    layer, expert, a, b = _one_only_needs(tiny_model(name)[0])
+    _, store, tables = packed_with_tables(name, tmp_path)
+    _damage(ExpertStore(store), layer, expert)
+    with offload(tiny_model(name)[0], store, capacity=4, predictor="stmoe",
+                 tables=tables) as om:
+        planner, taught = om.engine.planner, []
+        update, started = planner.predictor.update, planner.forward_started
+        planner.predictor.update = lambda lay, ids, slot=0: (taught.append((lay, slot)),
+                                                              update(lay, ids, slot))[1]
+        run = om.engine.state  # (a decode step's marker: its prompt's tokens teach each)
+        planner.forward_started = lambda: (taught.append(run.run.phase), started())[1]
+        batcher = StepBatcher(om, max_batch=2)
+        try:
+            routed, other = (batcher.submit(Request(torch.tensor([p]), NEW)) for p in (a, b))
+            with pytest.raises(BlockError):
+                routed.wait(120)
+            other.wait(120)
+        finally:
+            batcher.close()
+    decode_steps, current = [], None
+    for entry in [*taught, "end"]:
+        if isinstance(entry, str):
+            if current is not None:
+                decode_steps.append(current)
+            current = [] if entry == "decode" else None
+        elif current is not None:
+            current.append(entry)
+    assert len(decode_steps) >= NEW - 1 and any(len({s for _, s in d}) == 2 for d in decode_steps)
+    assert all(len(d) == len(set(d)) for d in decode_steps), decode_steps

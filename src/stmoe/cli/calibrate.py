@@ -34,7 +34,8 @@ def calibrate_cmd(
     ] = _D.capacity,
     seconds: Annotated[float, typer.Option(help="Seconds of each read measurement.")] = _D.seconds,
     tokens: Annotated[int, typer.Option(help="Decode tokens of compute measured.")] = _D.tokens,
-    threads: Annotated[int, typer.Option(help="Torch compute threads (as generate).")] = _D.threads,
+    threads: Annotated[int, typer.Option(help="Torch compute threads (generate's bounds).")
+                       ] = _D.threads,
     workers: Annotated[
         int | None, typer.Option(help="Prefetch threads (default: the runtime's for the tier).")
     ] = _D.workers,
@@ -71,7 +72,9 @@ def calibrate_cmd(
     from stmoe.sim.specs import hardware_preset
     from stmoe.util.fileio import atomic_write_text, check_output_path
 
-    check_range("--seconds", seconds, 0.0, MAX_SECONDS, exclusive=True)
+    if not 0 < seconds <= MAX_SECONDS:  # the API's bounds (NaN fails too)
+        raise StmoeError(f"--seconds {seconds}: expected a number above 0 and at most "
+                         f"{MAX_SECONDS:g}")
     check_range("--tokens", tokens, *TOKENS)
     check_range("--threads", threads, 1, 1024)  # generate's bounds (100000 crashed torch)
     check_range("--workers", workers, 0, 64)

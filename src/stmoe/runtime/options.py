@@ -104,6 +104,10 @@ class OffloadOptions:
             return None
         if self.capacity != OffloadOptions.capacity:
             raise OffloadError("give capacity or memory, not both (memory sizes the cache)")
+        if self.tier == "emulated":  # its link is emulated from a host copy of the store
+            raise OffloadError("--memory budgets the disk and gpu tiers; the emulated tier "
+                               "keeps the whole store in host memory, which no budget "
+                               "bounds: use --tier disk, or --capacity")
         return int(_parsed("--memory", self.memory, parse_bytes))
 
     def resident_format(self) -> WeightFormat | None:
