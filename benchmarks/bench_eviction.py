@@ -13,8 +13,9 @@ the cache replay (``stmoe eval --capacity``), every figure on HELD-OUT routing:
   first 4 layers (the check's) and 8.
 
 at 25% and 50% of each layer's experts cached. Per case: the hit rate of on-demand with
-LRU (no prefetch), stmoe-plus with LRU, with score, and with belady (the offline bound for
-the same prefetches), and the experts moved per decode token. Hit rates only: the speed a
+LRU (no prefetch), stmoe-plus with LRU, with score, and with belady (the bound: the most
+hits any eviction could make with the same prefetches, stmoe.evaluate.cache_replay), and the
+experts moved per decode token. Hit rates only: the speed a
 policy buys depends on what its extra or saved copies cost (benchmarks/gpu_forecast.py).
 
 Targets (the policy was chosen on Qwen1.5 before Qwen3.6's figures were read):

@@ -14,10 +14,10 @@ ties go to the smaller expert id. The policies:
   the prefetch set it is inserting, this is LRU that never evicts an expert
   predicted for the coming layer. Valid everywhere; the runtime's default.
 * ``lfu``: the fewest uses (demands), then the least recent. Valid everywhere.
-* ``belady``: the one next needed farthest in the future at that layer; it also
-  declines a load needed no sooner than its victim (``admits``). Without prefetches
-  it is the offline optimum (a bound on every policy's hits); with them a strong
-  heuristic, not a bound (docs/predictors.md). It needs the future:
+* ``belady``: the one needed farthest in the future at that layer (``next_use``: in the
+  cache replay, an expert the plan brings back before its next counted demand is never
+  needed); it also declines a load needed no sooner than its victim (``admits``): the
+  bound on hits for the same prefetches (``evaluate.cache_replay``). It needs the future:
   cache replay only (the runtime cannot see it; the simulator does not model it).
 * ``none``: no reuse; every expert is dropped once used (plain on-demand
   offloading, the baseline; victims, while a prefetch fills the cache, as LRU).

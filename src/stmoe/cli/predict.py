@@ -161,8 +161,8 @@ def eval_cmd(
         typer.Option(help="Also replay a cache of C experts per layer (top-k to the trace's N)."),
     ] = None,
     policy: Annotated[
-        str, typer.Option(help="Cache eviction: lru, lfu, belady (furthest next use; the "
-                          "bound without prefetch) or score (the predictor's lowest-scored "
+        str, typer.Option(help="Cache eviction: lru, lfu, belady (the bound: the most hits "
+                          "any eviction could make) or score (the predictor's lowest-scored "
                           "expert; predictors that score no expert run lru) "
                           "(stmoe.cache_policy).")
     ] = "lru",
