@@ -92,6 +92,7 @@ class Admission:
         self.probes = 0
         # (clock, read seconds so far, reads so far) at the last decode layer call
         self.last_call: tuple[float, float, int] | None = None
+        self.observed: tuple[int, int] | None = None  # the last (call, layer) observed
 
     @classmethod
     def for_tier(cls, num_layers: int, capacity: int, horizon: int, tier: str) -> Admission:
@@ -194,7 +195,12 @@ class Admission:
                 misses: set[int], now: float, read_s: float, reads: int) -> None:
         """One decode layer call, as the runtime (or the simulator) saw it: ``layer_called``,
         then the timings since the last call from the clock ``now`` and the tier's
-        cumulative read seconds and count (one arithmetic for both)."""
+        cumulative read seconds and count (one arithmetic for both). A layer call made again
+        (``runtime.step_layer``: a step's requests left after a damaged block) is observed
+        once."""
+        if self.observed == (fwd, layer):
+            return
+        self.observed = (fwd, layer)
         self.layer_called(fwd, layer, needed, prefetch_hits, misses)
         if self.last_call is not None:
             then, then_s, then_n = self.last_call

@@ -41,6 +41,19 @@ def test_a_losing_window_turns_the_layer_off_and_a_paying_probe_turns_it_back_on
     assert adm.summary()["layers_off"] == [] and adm.summary()["off_calls"] == [3, 0]
 
 
+def test_a_layer_call_made_again_is_observed_once():
+    """A server's step whose layer call is made again for the requests a damaged block
+    left (runtime.step_layer) reaches ``observe`` twice for one (call, layer): counted
+    twice, the layer's off calls ran out twice as fast."""
+    adm = Admission(num_layers=1, capacity=4, horizon=1, config=CFG)
+    for fwd in range(4):  # one losing window: off for 3 calls
+        _losing_call(adm, fwd)
+    assert adm.layers[0].off_left == 3
+    for again in range(2):
+        adm.observe(4, 0, {0, 1}, 0, set(), now=1.0 + again, read_s=0.0, reads=0)
+    assert adm.layers[0].off_left == 2 and adm.summary()["off_calls"] == [1]
+
+
 def test_a_losing_probe_doubles_the_backoff_up_to_its_cap():
     adm = Admission(num_layers=1, capacity=4, horizon=1, config=CFG)
     fwd, waits = 0, []

@@ -162,6 +162,18 @@ def test_router_logits_batch_by_seq_and_rows_without_a_softmax(tmp_path):
         torch.save(tuple(bad), tmp_path / "bad.pt")
         with pytest.raises(TraceError, match=f"MoE layer 2, row 5 are {said}"):
             load_trace(tmp_path / "bad.pt", engine=EngineOptions(top_k=2))
+    mixed = [x.clone() for x in flat]
+    mixed[1][4, 0], mixed[1][4, 2] = float("-inf"), float("nan")  # the NaN is named, not -inf
+    torch.save(tuple(mixed), tmp_path / "mixed.pt")
+    with pytest.raises(TraceError, match="MoE layer 1, row 4 are nan among them"):
+        load_trace(tmp_path / "mixed.pt", engine=EngineOptions(top_k=2))
+    padded = [x.clone() for x in flat]
+    padded[0][5, :] = float("-inf")  # row 5 is padding past sequence 0's 4 tokens: dropped
+    torch.save(tuple(padded), tmp_path / "padded.pt")
+    kept = load_trace(tmp_path / "padded.pt", engine=EngineOptions(top_k=2, prompt_lengths=(4, 6)))
+    assert kept.num_tokens == 10
+    with pytest.raises(TraceError, match="3 --prompt-lengths for router logits of 2 sequences"):
+        load_trace(tmp_path / "three_d.pt", engine=EngineOptions(top_k=2, prompt_lengths=(2, 2, 2)))
     masked = [x.clone() for x in flat]
     masked[0][3, :6] = float("-inf")  # masked experts: the two left are the top-2
     torch.save(tuple(masked), tmp_path / "masked.pt")

@@ -238,7 +238,7 @@ def export_cmd(
     but for metadata). npy: the raw [T, L, K] expert ids plus a .seq_starts.npy
     side file and a .manifest.json binding the two. vllm: a vLLM completions response
     (choices[].routed_experts). sglang: an SGLang /generate response, or a batch's
-    list (import it back with --layers L --top-k K).
+    list (stmoe import reads it back as it is: its own stmoe_moe_layers give L).
     """
     check_inputs("a trace file", trace_path)
     trace = load_trace(trace_path)

@@ -247,15 +247,17 @@ class OffloadEngine:
 
     def serve_layer(self, layer: int, parts: list[Part],
                     calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                    pool: Executor | None = None) -> tuple[torch.Tensor, list[slice], LayerTally]:
+                    pool: Executor | None = None, partial: bool = False
+                    ) -> tuple[torch.Tensor, list[slice], LayerTally]:
         """A step's MoE layer for ``parts`` (the step's still running, each with its
         (hidden, top-k ids, top-k weights)) in ONE path call: the union of their experts
         loaded once, each part's rows computed alone (on ``pool``'s threads side by side).
-        The output, each part's rows in it, and what the layer met (the parts failed by a
-        block that did not read: ``runtime.step_layer``)."""
+        The output, each part's rows in it, and what the layer met. ``partial``: a block
+        that does not read fails only the parts routed to it (``LayerTally.failed``, their
+        rows zeros: ``runtime.step_layer``); else it is raised."""
         calls = [(h, *p.routing.routing(p.call, layer, i, w)) if p.routing is not None
                  else (h, i, w) for p, (h, i, w) in zip(parts, calls, strict=True)]
-        return serve_parts(self.path, self.state, layer, parts, calls, pool)
+        return serve_parts(self.path, self.state, layer, parts, calls, pool, partial)
 
     def end_step(self, step: Step) -> None:
         """``step``'s forward call completed: the books closed, the planner told (after a

@@ -78,9 +78,9 @@ class PrefetchPlanner:
         self.routers = lookahead.routers if lookahead is not None else None
         self.late = lookahead.late if lookahead is not None else None  # the late point's
         self.max_loads = max_loads  # loads one prediction may start (its most confident first)
-        # the layer this forward call last taught: a layer call tried again for the step's
-        # parts left (``runtime.step_layer``) does not teach the predictor its routing twice
-        self.taught = -1
+        # layer calls taught; ``quiet``: a layer call made again for a step's parts left
+        # after a failed one had taught its routing (``runtime.step_layer``), not taught again
+        self.lessons, self.quiet = 0, False
         self.capacities = capacities  # each layer's: what its predictions are cut to
         # cache policy score: each prediction's scores go to the layer's cache (its victims)
         self.scored = bool(state.caches) and state.caches[0].policy == "score"
@@ -93,7 +93,6 @@ class PrefetchPlanner:
     def forward_started(self) -> None:
         """A forward call started: a prompt starts each row's sequence afresh."""
         run = self.state.run
-        self.taught = -1
         if run.phase == "prefill" and run.future is None:
             for slot in run.slot_ids():
                 self.predictor.reset(slot)
@@ -141,9 +140,9 @@ class PrefetchPlanner:
         """Learn what the router chose and queue the prefetch ``horizon`` layers ahead
         (``early``: ``early_lookahead``'s ids on the host, ``counts``: ``prompt_counts``',
         where the caller brought them)."""
-        if not self.predicts or layer == self.taught:  # (taught: a layer call tried again)
+        if not self.predicts or self.quiet:
             return
-        self.taught = layer
+        self.lessons += 1
         run = self.state.run
         last = layer == self.state.num_layers - 1
         if run.phase == "prefill" and run.future is None:

@@ -242,16 +242,17 @@ class Prefetcher:
                 cache, slot = job[0], job[1]
                 if cache.loader[slot] is threading.current_thread():
                     cache.abandon(slot)
-            if job is not None and isinstance(exc, BlockError) and \
-                    (exc.layer, exc.expert) == (job[2], job[3]):
+            say = job is not None and isinstance(exc, BlockError) and \
+                (exc.layer, exc.expert) == (job[2], job[3])
+            if say:
                 self.state.run.stats.prefetch_failed += 1
-                if (exc.layer, exc.expert) not in self.skipped:
-                    self.skipped.add((exc.layer, exc.expert))
-                    log.warning("%s; a prefetch skipped it, a layer that needs it reads it "
-                                "again", exc)
+                say = (exc.layer, exc.expert) not in self.skipped and not self._closing
+                self.skipped.add((exc.layer, exc.expert))
             elif self.error is None:
                 self.error = exc
             self.state.cv.notify_all()
+        if say:  # (outside the lock: a slow log handler holds up no one)
+            log.warning("%s; a prefetch skipped it, a layer that needs it reads it again", exc)
 
 
 def _abandoned(prefetcher: Prefetcher) -> None:

@@ -148,6 +148,8 @@ class StepBatcher:
             step: list[Member] = self.local.step
             failed = self.local.failed  # (a member failed at an earlier layer: its row left)
             rows = [b for b, m in enumerate(step) if m.slot not in failed]
+            if not rows:  # every member failed at an earlier layer: the forward runs out
+                return torch.zeros_like(hidden)
             out, _, lost = self._serve_layer(layer, [step[b] for b in rows], [
                 (hidden[b:b + 1], index[b:b + 1], weights[b:b + 1]) for b in rows])
             failed.update(lost)
@@ -163,7 +165,7 @@ class StepBatcher:
         """``live``'s calls at ``layer`` in ONE engine call, each member's usage charged;
         the members (by slot) failed by a block that did not read (the others go on)."""
         out, segments, tally = self.engine.serve_layer(layer, [m.part() for m in live], calls,
-                                                       self.pool)
+                                                       self.pool, partial=True)
         charge(live, tally)
         return out, segments, {live[i].slot: exc for i, exc in tally.failed.items()}
 

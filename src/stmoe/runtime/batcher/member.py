@@ -87,7 +87,8 @@ def spread(out: torch.Tensor, rows: list[int], n: int) -> torch.Tensor:
     error)."""
     if len(rows) == n:
         return out
-    return out.new_zeros((n, *out.shape[1:])).index_copy_(0, torch.tensor(rows), out)
+    return out.new_zeros((n, *out.shape[1:])).index_copy_(
+        0, torch.tensor(rows, device=out.device), out)
 
 
 def charge(live: list[Member], tally: LayerTally) -> None:

@@ -123,18 +123,16 @@ def _router_logits(logits: list, path: Path, opts: EngineOptions,
         logits = [x.reshape(batch * seq, -1) for x in logits]
         if not opts.prompt_lengths:
             opts = dataclasses.replace(opts, prompt_lengths=(seq,) * batch)
+        elif len(opts.prompt_lengths) != batch:
+            raise TraceError(f"{len(opts.prompt_lengths)} --prompt-lengths for router logits "
+                             f"of {batch} sequences ([batch, seq, E] = {tuple(shapes.pop())})",
+                             expected="one true length per sequence of the batch")
     rows, n_exp = logits[0].shape
-    _check_finite(logits)
     k = opts.top_k
     if k is None or k > n_exp:
         raise TraceError("the router's top-k is not in the file" if k is None
                          else f"--top-k {k} exceeds the {n_exp} experts",
                          expected="--top-k K (the model config's num_experts_per_tok)")
-    stacked = np.stack(logits, axis=1).astype(np.float64)  # [rows, L, E]
-    probs = np.exp(stacked - stacked.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    top = np.argsort(-probs, axis=-1, kind="stable")[..., :k]
-    weights = np.take_along_axis(probs, top, axis=-1).astype(np.float32)
     # Batch-major rows: sequence b is rows [b * seq, (b + 1) * seq); with --prompt-lengths
     # each keeps its first P rows (the tokenizer pads on the right by default).
     lengths = opts.prompt_lengths or (rows,)
@@ -143,6 +141,14 @@ def _router_logits(logits: list, path: Path, opts: EngineOptions,
         raise TraceError(f"{rows} rows do not split into {len(lengths)} sequences of at most "
                          f"{seq} tokens", expected="--prompt-lengths with one true length per "
                          "sequence of the batch")
+    kept = np.concatenate([np.arange(b * seq, b * seq + p) for b, p in enumerate(lengths)])
+    _check_finite(logits, kept)  # (padding rows are dropped: whatever they hold)
+    stacked = np.stack(logits, axis=1).astype(np.float64)  # [rows, L, E]
+    with np.errstate(invalid="ignore", over="ignore"):  # (a padding row's: never kept)
+        probs = np.exp(stacked - stacked.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[..., :k]
+    weights = np.take_along_axis(probs, top, axis=-1).astype(np.float32)
     requests = [
         SequenceRouting(top[b * seq : b * seq + p].astype(np.int32), None,
                 weights=weights[b * seq : b * seq + p], where=f"sequence {b}")
@@ -154,14 +160,15 @@ def _router_logits(logits: list, path: Path, opts: EngineOptions,
     return assemble(requests, no_prompt, agreed_num_experts(num_experts, n_exp), meta)
 
 
-def _check_finite(logits: list[np.ndarray]) -> None:
-    """Refuse a row whose softmax has no meaning: a NaN or +inf logit, or every logit -inf
-    (some -inf are masked experts, fine)."""
+def _check_finite(logits: list[np.ndarray], kept: np.ndarray) -> None:
+    """Refuse a kept row whose softmax has no meaning: a NaN or +inf logit, or every logit
+    -inf (some -inf are masked experts, fine)."""
     for layer, x in enumerate(logits):
-        bad = np.isnan(x).any(-1) | np.isposinf(x).any(-1) | np.isneginf(x).all(-1)
+        wrong = np.isnan(x) | np.isposinf(x)
+        bad = np.zeros(len(x), dtype=bool)
+        bad[kept] = (wrong.any(-1) | np.isneginf(x).all(-1))[kept]
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            shown = "all -inf" if np.isneginf(x[row]).all() else \
-                f"{x[row][~np.isfinite(x[row])][0]} among them"
+            shown = f"{x[row][wrong[row]][0]} among them" if wrong[row].any() else "all -inf"
             raise TraceError(f"router logits of MoE layer {layer}, row {row} are {shown}",
                              expected="finite logits (-inf for masked experts, not all)")

@@ -7,9 +7,10 @@ last sampled one. Only the layout's fields are written: vLLM's choice carries
 ``prompt_token_ids`` (and the known generated ``token_ids``) when the trace has
 token ids, else ``usage.prompt_tokens`` says the prompt length of a one-sequence
 trace; SGLang's ``meta_info`` always says ``prompt_tokens`` and ``completion_tokens``
-but not L and K (import it with ``--layers L --top-k K``). Both carry one field of
-stmoe's own, ``stmoe_moe_layers`` (the model layers that route), which the readers take
-in place of guessing dense layers from their fill: a layer whose every token chose
+but not L and K, which an SGLang response needs said at import (``--layers L --top-k
+K``) unless it is such an export. Both carry one field of stmoe's own,
+``stmoe_moe_layers`` (the model layers that route), which the readers take in place of
+guessing dense layers (and, for SGLang's, L) from their fill: a layer whose every token chose
 expert 0, or none, is routing, not a dense layer. SGLang's also says
 ``stmoe_rank_order: false`` where the trace's rows are sets (a vLLM import always
 reads so).
