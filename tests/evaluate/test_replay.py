@@ -226,3 +226,25 @@ def test_a_cache_replay_with_no_useful_load_prints_a_dash(cli, tmp_path):
 
     data = json.loads((tmp_path / "e.json").read_text())["predictors"]
     assert data["ondemand"]["precision"] is None
+
+
+def test_the_cache_replay_gives_the_bound_beside_each_hit_rate(cli, tmp_path):
+    """`stmoe eval --capacity` shows, beside each predictor's hit rate, the most any
+    eviction could make with its prefetches (belady): at least the policy's, and for
+    belady itself, its own."""
+    import json
+
+    path = tmp_path / "t.npz"
+    stmoe.save_trace(stmoe.synthesize(tokens=300, layers=3, experts=16, top_k=2, seed=3), path)
+    assert cli("profile", path, "--split", "0.5", "-o", tmp_path / "tables.npz").exit_code == 0
+    for policy in ("lru", "belady"):
+        res = cli("eval", path, "--split", "0.5", "--tables", tmp_path / "tables.npz",
+                  "--predictor", "stmoe", "--predictor", "ondemand", "--capacity", "4",
+                  "--policy", policy, "--json", tmp_path / "e.json")
+        assert res.exit_code == 0, res.output
+        assert "bound" in res.output
+        for e in json.loads((tmp_path / "e.json").read_text())["predictors"].values():
+            c = e["cache"]
+            assert c["hit_rate"] <= c["bound_hit_rate"] <= 1.0, c
+            if policy == "belady":
+                assert c["bound_hit_rate"] == c["hit_rate"]

@@ -50,21 +50,23 @@ def print_results(data: dict[str, Any], trace: RoutingTrace) -> None:
         table.add_column(col, justify="left" if col == "predictor" else "right")
     has_cache = any("cache" in e for e in data["predictors"].values())
     if has_cache:
-        for col in ("hit rate", "moved/token", "wasted/token", "read amp"):
+        for col in ("hit rate", "bound", "moved/token", "wasted/token", "read amp"):
             table.add_column(col, justify="right")
     for name, e in data["predictors"].items():
         row = [clean_label(name), _num(e["recall"], ".3f"), _num(e["precision"], ".3f"),
                _num(e["set_size"], ".2f"), _num(e["prefill"]["recall"], ".3f")]
         if has_cache:
             c = e["cache"]
-            row += [f"{c['hit_rate']:.3f}", f"{c['moved_per_token']:.1f}",
+            row += [f"{c['hit_rate']:.3f}", f"{c['bound_hit_rate']:.3f}",
+                    f"{c['moved_per_token']:.1f}",
                     f"{c['wasted_per_token']:.1f}", _num(c["read_amplification"], ".2f")]
         table.add_row(*row)
     out.print(table)
     if has_cache:  # (recall's scope is the title's; the cache serves every layer)
         out.print("The cache columns replay every layer, layer 0 included, over the same "
-                  "tokens: a cache serves each layer's experts, predicted or not.",
-                  soft_wrap=True)
+                  "tokens: a cache serves each layer's experts, predicted or not. bound: the "
+                  "most hits any eviction could make with the same prefetches (belady, "
+                  "knowing the trace).", soft_wrap=True)
     matrix = data.get("cross_domain")
     if matrix:
         grid = Table(title=f"cross-domain recall ({clean_label(matrix['predictor'])}): rows "

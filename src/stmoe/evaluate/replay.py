@@ -52,6 +52,8 @@ class PredictorResult:
     curve_sizes: np.ndarray  # [B] int64
     scope: np.ndarray  # [T, L] bool
     cache: CacheStats | None = None
+    bound: CacheStats | None = None  # the same prefetches under belady (cache_replay): the
+    # most hits any eviction could make, beside the cache's policy
 
     @property
     def overall(self) -> PredictionScore:
@@ -113,6 +115,8 @@ class ReplayResult:
             entry["budget_curve"] = r.curve()
             if r.cache is not None:
                 entry["cache"] = r.cache.to_dict()
+            if r.bound is not None:
+                entry["cache"]["bound_hit_rate"] = r.bound.hit_rate
             out["predictors"][name] = entry
         if self.cross_domain is not None:
             out["cross_domain"] = self.cross_domain
@@ -150,12 +154,14 @@ def evaluate(
         np.ascontiguousarray(trace.experts, dtype=np.int16), plan.ptr, plan.ids,
         trace.num_experts, budgets, mask,
     )
-    cache = None
+    cache = bound = None
     if capacity is not None:
         cache = replay_cache(trace, plan, capacity, policy, scope_tokens(trace), scores)
+        bound = cache if policy == "belady" else replay_cache(trace, plan, capacity, "belady",
+                                                              scope_tokens(trace))
     return PredictorResult(
         name=name or predictor.name, hits=hits, sizes=sizes, actual=actual, budgets=budgets,
-        curve_hits=curve_hits, curve_sizes=curve_sizes, scope=mask, cache=cache,
+        curve_hits=curve_hits, curve_sizes=curve_sizes, scope=mask, cache=cache, bound=bound,
     )
 
 
