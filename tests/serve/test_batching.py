@@ -77,8 +77,14 @@ def test_replayed_routings_batch_and_match_their_solo_replays(predictor, tmp_pat
             batcher.close()
     assert got == [s.tokens for s in solo]
     decode = om.engine.run.stats.phases["decode"].summary()
-    if predictor == "oracle":  # it knows each step's union: every decode expert is there
-        assert decode["hit_rate"] == 1.0, decode
+    if predictor == "oracle":  # it names only experts the step routes, and nearly all of them
+        # (not all: after a prompt's step, which foresees that prompt's part alone, the first
+        # decode step's other requests are not foreseen; here 67 of 69, every run). Its hit
+        # rate is no test: 69 of 69 in runs here (the two not foreseen found cached), 67 of
+        # 69 once under CI's load (those two not in the cache then): the cache's contents
+        # after the prompts' steps depend on when their prefetches land
+        assert decode["prefetch_precision"] == 1.0, decode
+        assert decode["prefetch_recall"] >= 0.95, decode
 
 
 def test_a_cancelled_request_leaves_and_the_others_keep_their_bits(tmp_path):
