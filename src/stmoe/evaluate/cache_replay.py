@@ -185,9 +185,10 @@ def _events(experts: np.ndarray, plan: PrefetchPlan, caps: np.ndarray,
     sizes = np.maximum(stops - starts, 0)
     row_of = np.repeat(rows, sizes)
     taken = np.repeat(starts - np.cumsum(np.r_[0, sizes[:-1]]), sizes) + np.arange(sizes.sum())
-    free_key = np.r_[layers[valid & ~counted] * n + experts[valid & ~counted],
+    uncounted = valid & ~counted
+    free_key = np.r_[layers[uncounted] * n + experts[uncounted],
                      (row_of % n_layers) * n + plan.ids[taken]].astype(np.int64)
-    free_time = np.r_[2 * tokens[valid & ~counted] + 1, 2 * (row_of // n_layers)]
+    free_time = np.r_[2 * tokens[uncounted] + 1, 2 * (row_of // n_layers)]
     need_key = (layers[counted] * n + experts[counted]).astype(np.int64)
     return (*_csr(need_key, 2 * tokens[counted] + 1, n_layers * n),
             *_csr(free_key, free_time, n_layers * n))

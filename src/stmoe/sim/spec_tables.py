@@ -27,28 +27,22 @@ def preset_names(kind: str) -> list[str]:
     return list(presets(kind))
 
 
-def names_a_file(kind: str, name_or_path: str) -> bool:
-    """Whether ``name_or_path`` names a spec file: a .toml name, or (not a preset's name) a
-    path or a file that is there, whatever it ends with."""
-    if name_or_path.endswith(".toml"):
-        return True
-    return name_or_path not in presets(kind) and (
-        "/" in name_or_path or os.sep in name_or_path or Path(name_or_path).is_file())
-
-
-def spec_table(kind: str, name_or_path: str) -> dict[str, Any]:
-    """The TOML table of a preset or a spec file, unchecked; a clear SpecError if neither."""
-    if names_a_file(kind, name_or_path):
+def spec_table(kind: str, name_or_path: str) -> tuple[str, dict[str, Any]]:
+    """A preset's or a spec file's name and TOML table, unchecked; a clear SpecError if
+    neither. A spec file: a .toml name, or (not a preset's name) a path or a file that is
+    there, whatever it ends with; named by its stem."""
+    shipped = presets(kind)
+    if name_or_path.endswith(".toml") or (name_or_path not in shipped and (
+            "/" in name_or_path or os.sep in name_or_path or Path(name_or_path).is_file())):
         path = Path(name_or_path)
         try:
-            return tomllib.loads(path.read_text(encoding="utf-8"))
+            return path.stem, tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise SpecError(f"{path}: no such {kind} spec file") from None
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:  # or a folder
             raise SpecError(f"{path}: not valid TOML for a {kind} spec ({exc})") from None
-    shipped = presets(kind)
     if name_or_path not in shipped:
         listed = ", ".join(shipped)
         raise SpecError(f"unknown {kind.rstrip('s')} {name_or_path!r}; presets: {listed} "
                         "(or give a .toml file)")
-    return shipped[name_or_path]
+    return name_or_path, shipped[name_or_path]

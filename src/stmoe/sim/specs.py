@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from stmoe.sim.spec_tables import SpecError, names_a_file, spec_table
+from stmoe.sim.spec_tables import SpecError, spec_table
 from stmoe.sim.spec_tables import preset_names as preset_names  # (imported from here too)
 from stmoe.util.config_names import NUM_EXPERTS, TOP_K
 
@@ -135,7 +134,7 @@ class HardwareSpec:
 
 
 def _load(kind: str, name_or_path: str, cls: type) -> Any:
-    table = spec_table(kind, name_or_path)
+    name, table = spec_table(kind, name_or_path)
     fields = {f.name for f in dataclasses.fields(cls)} - {"name"}  # a model has no tables
     optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     missing = sorted(fields - optional - set(table) - {"description", "source"})
@@ -144,8 +143,7 @@ def _load(kind: str, name_or_path: str, cls: type) -> Any:
     unknown = sorted(set(table) - fields - {"description", "source"})
     if unknown:
         raise SpecError(f"{kind} spec {name_or_path!r} has unknown keys {', '.join(unknown)}")
-    values: dict[str, Any] = {"name": Path(name_or_path).stem if names_a_file(kind, name_or_path)
-                              else name_or_path}
+    values: dict[str, Any] = {"name": name}
     for f in dataclasses.fields(cls):
         if f.name in table and f.name not in ("dataflows", "host"):
             values[f.name] = _typed(kind, name_or_path, f.name, table[f.name], f.type)
