@@ -146,7 +146,8 @@ def attach(runner: Any, config: PluginConfig) -> Steps:
         store, packed = open_or_pack_streamed(store_dir, layers,
                                               model_record(layers, model_type), model_dir)
     else:
-        store, packed = open_or_pack(store_dir, layers, model_type, model_dir)
+        store, packed = open_or_pack(store_dir, layers, model_type, model_dir,
+                                     owned=config.store is None)
     num_experts = int(store.model["num_experts"])
     shape = ModelShape(len(layers), num_experts, top_k_of(hf_config))
     predictor = resolve_predictor(options, shape, model_dir)

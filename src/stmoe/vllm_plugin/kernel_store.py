@@ -7,25 +7,36 @@ read and no conversion, and every slot holds the very bytes plain vLLM computes 
 the plugin's outputs are plain vLLM's, bit for bit.
 
 The store is packed on first use from the weights vLLM has just loaded and processed; on
-later uses every block is checked against those weights (CRC-32C) before it is trusted. Its
-index names the kernel layout in ``model_type`` (``qwen2_moe@vllm-cpu-vec``), so that no
-other runtime mistakes it for a store of the checkpoint's own layout.
+later uses every block is checked against those weights (CRC-32C) before it is trusted, and
+every block of its data file is read once and checked (``first_damaged``): inside vLLM one
+step computes every request together, so a damaged block found by a step would stop vLLM's
+engine; found at the start, the plugin's own store (under its cache) is packed again, and
+one given as ``store=`` is refused, naming the block. (The read costs about what vLLM has
+just read to load the experts; ``experts=stream``/``in-place``, for models bigger than
+memory, check each block as it is read.) Its index names the kernel layout in
+``model_type`` (``qwen2_moe@vllm-cpu-vec``), so that no other runtime mistakes it for a
+store of the checkpoint's own layout.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from stmoe.errors import BlockError
 from stmoe.runtime.store.check import file_records
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.index import StoreError, block_crc
 from stmoe.runtime.store.packing import write_store
 from stmoe.util.cache_dir import cache_dir
 from stmoe.vllm_plugin.layers import MoeLayer
+
+log = logging.getLogger("vllm.stmoe")  # under vLLM's logger: its handler and format
 
 
 def kernel_tag(layers: list[MoeLayer]) -> str:
@@ -72,16 +83,50 @@ def open_checked(path: Path, want: dict[str, object]) -> ExpertStore:
     return store
 
 
-def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str,
-                 model_dir: Path) -> tuple[ExpertStore, bool]:
+def first_damaged(store: ExpertStore) -> BlockError | None:
+    """The first block of ``store`` that does not read whole and intact (every block read
+    once, in the data file's order), or None."""
+    for (layer, expert) in sorted(store.blocks, key=lambda k: store.blocks[k].offset):
+        try:
+            store.read(layer, expert)
+        except BlockError as exc:
+            return exc
+    return None
+
+
+def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str, model_dir: Path,
+                 owned: bool = False) -> tuple[ExpertStore, bool]:
     """The store at ``path``, packed there first from the weights vLLM loaded when it has
     none; (store, packed now). An existing store must be this model's, in this layout, and
-    hold the very bytes vLLM loaded (each block's CRC-32C against the weights in memory)."""
+    hold the very bytes vLLM loaded (each block's CRC-32C against the weights in memory,
+    then every block read and checked): a damaged one is packed again where it is the
+    plugin's own (``owned``: under its cache), else refused."""
     want = model_record(layers, model_type)
     if not (path / "index.json").exists():  # the checkpoint's records only when packing
         write_store(path, want, file_records(model_dir), _blocks(layers))
         return open_checked(path, want), True
     store = open_checked(path, want)
+    _check_loaded(store, layers)
+    started = time.perf_counter()
+    damaged = first_damaged(store)
+    if damaged is None:
+        log.info("stmoe: every block of %s read and checked in %.1f s", path,
+                 time.perf_counter() - started)
+        return store, False
+    if not owned:
+        raise StoreError(f"{damaged}. The store given as store= is not the plugin's to "
+                         f"replace: remove {path} (the plugin packs it again at its next "
+                         "start) or give another store=") from damaged
+    log.warning("stmoe: %s; packing the plugin's store again from the weights vLLM loaded",
+                damaged)
+    store.close()
+    write_store(path, want, file_records(model_dir), _blocks(layers))
+    return open_checked(path, want), True
+
+
+def _check_loaded(store: ExpertStore, layers: list[MoeLayer]) -> None:
+    """Refuse a store whose blocks' CRC-32Cs are not the weights vLLM loaded."""
+    path = store.path
     for layer, expert, tensors in _blocks(layers):
         block = store.blocks[(layer, expert)]
         crc = 0
@@ -91,4 +136,3 @@ def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str,
             raise StoreError(f"{path}: layer {layer} expert {expert}'s block is not the weights "
                              "vLLM loaded (CRC-32C differs); the checkpoint changed since the "
                              "store was packed: remove the store to pack it again")
-    return store, False

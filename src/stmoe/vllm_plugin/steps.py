@@ -9,6 +9,8 @@ after vLLM's router, before its kernel) is replaced, on the instance, by the eng
 ``ExpertsPath.run``: the experts made sure of in the layer's cache, the ids renumbered to
 slots, vLLM's own kernel run on them. The runner's ``execute_model`` tells which rows are
 whose (``batches``) and which requests finished (their slots freed, their routing written).
+A block that does not read (``BlockError``) fails the whole step, since vLLM computes every
+request of it together: its error says how to get the block back (``remedy``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from stmoe.errors import StmoeError
+from stmoe.errors import BlockError, StmoeError
 from stmoe.runtime.step import Step
 from stmoe.vllm_plugin.batches import Requests, Span, spans_of, step_of
 from stmoe.vllm_plugin.capture import Capture
@@ -178,7 +180,23 @@ class Steps:
                 topk_ids, topk_weights = forced.force(layer, topk_ids, topk_weights)
             if capture is not None:
                 capture.layer(layer, topk_ids, topk_weights)
-            return path.run(layer, x, topk_ids, topk_weights, shared_experts=shared_experts,
-                            shared_experts_input=shared_experts_input)[0]
+            try:
+                return path.run(layer, x, topk_ids, topk_weights, shared_experts=shared_experts,
+                                shared_experts_input=shared_experts_input)[0]
+            except BlockError as exc:
+                raise remedy(exc, self.engine.state.store.path,
+                             self.engine.state.store.in_place) from exc
 
         return forward_modular
+
+
+def remedy(exc: BlockError, store: Path, in_place: bool) -> BlockError:
+    """``exc`` with what a vLLM user does about it: vLLM's step, which computes every
+    request together, fails with it (and vLLM's engine stops), and the plugin packs (or
+    indexes) a removed store again at its next start."""
+    again = ("indexes the checkpoint again at its next start (a checkpoint file damaged "
+             "since: download it again first)" if in_place
+             else "packs it again at its next start")
+    return BlockError(f"{exc}. Inside vLLM the step's requests are computed together, so the "
+                      f"step fails with it: remove {store} and the plugin {again}",
+                      exc.layer, exc.expert)

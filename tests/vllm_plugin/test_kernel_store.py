@@ -1,0 +1,123 @@
+"""The plugin's kernel-layout store (stmoe.vllm_plugin.kernel_store) against a damaged
+block: inside vLLM a step computes every request together, so a block that does not read
+would stop vLLM's engine. At the start every block is read once: the plugin's own store is
+packed again, a store given as ``store=`` refused naming the block; one damaged after the
+start fails the step with what to do about it. Needs no vLLM: the layers are stand-ins with
+vLLM's attribute names."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from stmoe.errors import BlockError
+from stmoe.runtime.store import StoreError
+from stmoe.vllm_plugin.kernel_store import first_damaged, open_or_pack
+from stmoe.vllm_plugin.layers import MoeLayer
+from stmoe.vllm_plugin.steps import Steps, TablesWatch
+
+N_LAYERS, N_EXPERTS = 2, 4
+
+
+class CPUFusedMOE:  # a stand-in named like vLLM's portable kernel
+    isa = "vec"
+
+
+def fake_layers(seed: int = 0) -> list[MoeLayer]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(N_LAYERS):
+        module = SimpleNamespace(
+            quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=CPUFusedMOE())),
+            w13_weight=torch.nn.Parameter(torch.randn(N_EXPERTS, 8, 4, generator=g),
+                                          requires_grad=False),
+            w2_weight=torch.nn.Parameter(torch.randn(N_EXPERTS, 4, 4, generator=g),
+                                         requires_grad=False),
+            hidden_size=4, global_num_experts=N_EXPERTS)
+        out.append(MoeLayer(f"model.layers.{i}.mlp.experts", module, None, i))
+    return out
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    save_file({"x": torch.zeros(2)}, str(d / "model.safetensors"))
+    return d
+
+
+def damage(store: Path, layer: int, expert: int) -> None:
+    """One byte of (layer, expert)'s block flipped in the data file."""
+    index = json.loads((store / "index.json").read_text())
+    block = next(b for b in index["blocks"] if (b["layer"], b["expert"]) == (layer, expert))
+    with open(store / index["data"], "r+b") as f:
+        f.seek(block["offset"] + 10)
+        byte = f.read(1)[0]
+        f.seek(block["offset"] + 10)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def test_the_plugins_own_store_damaged_is_packed_again_at_the_start(tmp_path, model_dir,
+                                                                    caplog):
+    path, layers = tmp_path / "cache-store", fake_layers()
+    assert open_or_pack(path, layers, "qwen2_moe", model_dir, owned=True)[1]  # packed now
+    store, packed = open_or_pack(path, layers, "qwen2_moe", model_dir, owned=True)
+    assert not packed and first_damaged(store) is None  # intact: opened, every block read
+    damage(path, 1, 2)
+    assert isinstance(first_damaged(store), BlockError)
+    logger = logging.getLogger("vllm.stmoe")  # (vLLM's own logger may not propagate)
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.stmoe"):
+            store, packed = open_or_pack(path, layers, "qwen2_moe", model_dir, owned=True)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert packed
+    assert ("layer 1, expert 2 fails its checksum" in caplog.text
+            and "packing the plugin's store again" in caplog.text)
+    assert first_damaged(store) is None
+    for layer in layers:  # the very weights vLLM loaded, block by block
+        for e in range(N_EXPERTS):
+            got = store.read(layer.index, e)
+            for name in ("w13_weight", "w2_weight"):
+                want = getattr(layer.module, name)[e].numpy()
+                assert got[name].tobytes() == want.tobytes()
+
+
+def test_a_given_store_damaged_stops_the_start_naming_the_block(tmp_path, model_dir):
+    path, layers = tmp_path / "given", fake_layers()
+    open_or_pack(path, layers, "qwen2_moe", model_dir)
+    damage(path, 0, 3)
+    data = path / json.loads((path / "index.json").read_text())["data"]
+    before = data.read_bytes()
+    with pytest.raises(StoreError, match=r"layer 0, expert 3 fails its checksum.*store= is "
+                       r"not the plugin's to replace: remove .*given \(the plugin packs it "
+                       r"again at its next start\)"):
+        open_or_pack(path, layers, "qwen2_moe", model_dir, owned=False)
+    assert data.read_bytes() == before  # not the plugin's: left as it was
+
+
+def test_a_block_damaged_after_the_start_fails_the_step_saying_what_to_do(tmp_path):
+    def run(*args, **kwargs):
+        raise BlockError(f"{tmp_path}/experts.bin: layer 1, expert 2 fails its checksum", 1, 2)
+
+    for in_place, again in ((False, "packs it again at its next start"),
+                            (True, "indexes the checkpoint again at its next start")):
+        store = SimpleNamespace(path=tmp_path / "store", in_place=in_place)
+        engine = SimpleNamespace(path=SimpleNamespace(run=run),
+                                 state=SimpleNamespace(store=store))
+        steps = Steps(None, engine, None, TablesWatch(None, lambda: None))
+        forward = steps._layer_call(1)
+        with pytest.raises(BlockError) as caught:
+            forward(torch.zeros(1, 4), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int64))
+        assert (caught.value.layer, caught.value.expert) == (1, 2)
+        assert str(caught.value).startswith(f"{tmp_path}/experts.bin: layer 1, expert 2 fails")
+        assert ("the step's requests are computed together, so the step fails with it: "
+                f"remove {tmp_path / 'store'} and the plugin {again}") in str(caught.value)
