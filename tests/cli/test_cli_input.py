@@ -88,8 +88,8 @@ def test_emoji_codes_in_labels_print_literally(cli, small, tmp_path):
     ("args", "fragments"),
     [
         (["eval", "{t}", "--seed", "-1"], ["--seed -1", "integer >= 0"]),
-        (["eval", "{t}", "--capacity", "100"], ["--capacity 100", "so at most 8", "2 to 8"]),
-        (["eval", "{t}", "--capacity", "0"], ["--capacity 0", "below the router's top-2"]),
+        (["eval", "{t}", "--capacity", "100"], ["--capacity '100'", "so at most 8", "2 to 8"]),
+        (["eval", "{t}", "--capacity", "0"], ["--capacity '0'", "below the router's top-2"]),
         (["eval", "{t}", "--set-size", "9"], ["--set-size 9", "from 0 to 8"]),
         (["eval", "{t}", "--set-size", "-1"], ["--set-size -1", "from 0 to 8"]),
         (["eval", "{t}", "--horizon", "4"], ["--horizon 4", "from 1 to 3"]),
@@ -424,6 +424,30 @@ def test_an_unreadable_input_is_exit_1_not_a_usage_error(small, tmp_path):
     assert done.stderr.startswith("error: ") and "permission denied" in done.stderr
 
 
+def test_eval_takes_a_capacity_as_a_share_as_generate_does(cli, small, tmp_path):
+    """50% of the trace's 8 experts is the count 4: the same replay, the same JSON."""
+    for capacity in ("4", "50%"):
+        res = cli("eval", small, "--predictor", "oracle", "--capacity", capacity, "--json",
+                  tmp_path / f"{capacity[-1]}.json")
+        assert res.exit_code == 0, res.output
+    by_count, by_share = (json.loads((tmp_path / f"{c}.json").read_text()) for c in "4%")
+    assert by_share["predictors"] == by_count["predictors"]
+    assert by_share["predictors"]["oracle"]["cache"]["capacity"] == 4
+
+
+def test_a_missing_model_folder_or_store_is_said_to_be_missing(cli, tmp_path):
+    res = cli("pack", tmp_path / "nowhere", "-o", tmp_path / "s1")
+    one_line_error(res, f"{tmp_path / 'nowhere'}: no such folder; give a local transformers "
+                   "checkpoint folder")
+    assert "--model" not in res.output  # (pack takes the folder as its argument)
+    (tmp_path / "notes.txt").write_text("mine")
+    one_line_error(cli("pack", tmp_path / "notes.txt", "-o", tmp_path / "s2"),
+                   "notes.txt: a file; give the checkpoint's folder")
+    one_line_error(cli("generate", "--store", tmp_path / "gone", "--prompt", "hi"),
+                   f"{tmp_path / 'gone'}: no such folder; write a store there with `stmoe pack`")
+    assert not (tmp_path / "s1").exists() and not (tmp_path / "s2").exists()
+
+
 def test_an_unknown_policy_is_refused_even_without_a_capacity(cli, small):
     one_line_error(cli("eval", small, "--policy", "xyz"), "unknown cache policy 'xyz'")
 
@@ -480,6 +504,41 @@ def test_a_file_where_an_output_folder_goes_says_so(cli, small, tmp_path):
     (tmp_path / "afile").write_text("mine")
     one_line_error(cli("analyze", small, "-o", tmp_path / "afile"), "afile: File exists",
                    "a folder was expected there")
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["eval", "{t}", "--json", "{f}/sub/e.json"], "--json"),
+        (["simulate", "{t}", "--model", "qwen1.5-moe-a2.7b", "--json", "{f}/s.json"], "--json"),
+        (["analyze", "{t}", "-o", "{f}/report"], "-o/--output"),
+        (["profile", "{t}", "-o", "{f}/t.npz"], "-o/--output"),
+        (["generate", "--prompt", "x", "--json", "{f}/run.json"], "--json"),
+    ],
+)
+def test_an_output_under_a_file_is_refused_before_any_work(cli, small, tmp_path, args, flag):
+    """Found after the work (a generation, a replay), the work was lost."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    args = [a.format(t=small, f=afile) for a in args]
+    result = cli(*args)
+    one_line_error(result, f"({flag}): {afile} is a file, not a folder")
+    assert "tokens/s" not in result.output and "recall" not in result.output  # no work done
+    assert afile.read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="needs root and setpriv to make a folder unwritable to stmoe")
+def test_an_output_in_a_folder_this_user_cannot_write_is_refused_first(small, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--ambient-caps=-all"]
+    done = subprocess.run([*drop, sys.executable, "-m", "stmoe", "eval", str(small), "--json",
+                           str(locked / "sub" / "e.json")], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: ") and "recall" not in done.stdout
+    assert f"the folder {locked} is not writable by this user" in done.stderr, done.stderr
 
 
 def test_a_tables_file_given_as_a_trace_is_named_for_what_it_is(cli, small, tmp_path):

@@ -115,7 +115,7 @@ def test_eval_cross_domain_matrix(cli, tmp_path):
     [
         (["--predictor", "magic"], "unknown predictor 'magic'"),
         (["--predictor", "stmoe"], "needs profiled tables"),
-        (["--capacity", "1"], "--capacity 1 gives 1 experts per layer, below the router's top-2"),
+        (["--capacity", "1"], "--capacity '1' gives 1 experts per layer, below the router's top-2"),
         (
             ["--tables", "{other}"],
             "profiled for L=4 layers, N=8 experts, top-2 but the trace or model has "

@@ -33,6 +33,9 @@ def test_one_rule_judges_a_system_against_a_baseline():
     assert bench.against([4.9, 5.1, 5.3], base) == "within noise"  # lower, overlapping
     assert bench.against([4.0, 4.5, 4.9], base) == "slower"  # ranges apart
     assert bench.against([6.0], base) == "single run"
+    # two rounds a side are apart by chance a third of the time: no verdict either way
+    assert bench.against([6.0, 6.1], [5.0, 5.2]) == "too few rounds"
+    assert bench.against([6.0, 6.1, 6.3], [5.0, 5.2]) == "too few rounds"
     assert [bench.not_slower(m, base) for m in ([6.0, 6.1], [4.9, 5.1], [4.0, 4.9])] == [
         True, True, False]
     assert bench.not_slower([5.3], [5.2]) and not bench.not_slower([5.1], [5.2])

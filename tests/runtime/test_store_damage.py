@@ -206,6 +206,10 @@ def test_a_store_of_other_weights_of_the_same_shape_is_refused(packed, tmp_path)
         tokens(foreign, folder=folder)
     msg = one_line_naming(exc, foreign)
     assert f"packed from other weights than {folder}" in msg
+    # the way out never packs the other model over this store: a new folder, or its model
+    assert f"-o {foreign}" not in msg
+    assert (f"name the model it was packed from, or pack this one into a new folder: stmoe "
+            f"pack {folder} -o NEW_FOLDER (packing into {foreign} replaces that store)") in msg
     mem = pack(other, tmp_path / "mem")  # no checkpoint recorded: cannot vouch for a folder
     with pytest.raises(StoreError, match="packed from a model in memory"):
         tokens(mem, folder=folder)

@@ -117,26 +117,46 @@ def _from_interrupt(exc: BaseException) -> bool:
     return False
 
 
-OUTPUT_OPTIONS = ("output", "json_out")  # the parameters every command writes through
+# the parameters every command writes through, and the options that set them
+OUTPUT_OPTIONS = {"output": "-o/--output", "json_out": "--json"}
 
 
 def check_outputs_apart(options: dict[str, Any]) -> None:
     """Refuse, before any work, an output that is one of the command's inputs (``profile
-    t.npz -o t.npz`` would replace the trace) or a device, FIFO or socket."""
+    t.npz -o t.npz`` would replace the trace), a device, FIFO or socket, or one that cannot
+    be made where it is named (a file in the way of its folder, a folder this user cannot
+    write): found after an hour's generation, it would lose the hour."""
     inputs = []
     for name, value in options.items():
         if name not in OUTPUT_OPTIONS:
             inputs += [v for v in (value if isinstance(value, list) else [value])
                        if isinstance(v, Path)]
-    for name in OUTPUT_OPTIONS:
+    for name, flag in OUTPUT_OPTIONS.items():
         dest = options.get(name)
-        if not isinstance(dest, Path) or str(dest) == "-" or not dest.exists():
+        if not isinstance(dest, Path) or str(dest) == "-":
+            continue
+        if not dest.exists():
+            _check_makeable(dest, flag)
             continue
         check_output_path(dest, folder_ok=True)
         for src in inputs:
             if src.exists() and os.path.samefile(src, dest):
                 raise StmoeError(f"{dest}: is also an input of this command; write the "
                                  "result to another path")
+
+
+def _check_makeable(dest: Path, flag: str) -> None:
+    """``dest`` (absent) can be made: its nearest existing folder above is a folder this
+    user may write (the writers make the folders between)."""
+    above = dest.absolute().parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise StmoeError(f"{dest} ({flag}): {above} is a file, not a folder; name another "
+                         "path")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise StmoeError(f"{dest} ({flag}): the folder {above} is not writable by this "
+                         "user; name another path")
 
 
 def npz_output(dest: Path, what: str = "trace") -> None:

@@ -39,7 +39,8 @@ def demo_cmd(
     against the resident model), then replays the captured routing through a model
     with real-size experts (6 MiB, RANDOM weights; made once, 1.7 GiB in
     ~/.cache/stmoe/demo or STMOE_CACHE) for the headline, and writes DIR/index.html.
-    About 3.5 minutes on 2 cores, 40 s more the first time (--quick: under one).
+    3.5 to 5.5 minutes on 2 cores, the CPU deciding (--quick: under one), up to 1.5 more
+    the first time (numba compiles its kernels, the real-size model is written).
     """
     try:
         from stmoe.demo import run_demo

@@ -157,8 +157,9 @@ def eval_cmd(
         ),
     ] = None,
     capacity: Annotated[
-        int | None,
-        typer.Option(help="Also replay a cache of C experts per layer (top-k to the trace's N)."),
+        str | None,
+        typer.Option(help="Also replay a cache of C experts per layer: a count (top-k to the "
+                     "trace's N) or a share of N (\"50%\"), as generate and serve take it."),
     ] = None,
     policy: Annotated[
         str, typer.Option(help="Cache eviction: lru, lfu, belady (the bound: the most hits "
@@ -232,9 +233,9 @@ def eval_cmd(
     trace = _select(whole, domain, split, 1)
     n = trace.meta.num_experts
     why = f"the trace has {n} experts per layer"
-    if capacity is not None:
-        capacity_per_layer(capacity, n, trace.meta.top_k, forms=("count",), name="--capacity",
-                           error=StmoeError)
+    slots = None if capacity is None else capacity_per_layer(
+        capacity, n, trace.meta.top_k, forms=("count", "share"), name="--capacity",
+        error=StmoeError)
     policy_code(policy, REPLAY, StmoeError)  # checked even where no --capacity uses it
     if capacity is None and policy != "lru":  # (it was ignored without a word)
         raise StmoeError(f"--policy {clean_label(policy)} is the cache replay's: give "
@@ -266,7 +267,7 @@ def eval_cmd(
             err.print(f"note: --horizon {horizon}, so skipping "
                       f"{', '.join(n for n in chosen if n not in far)}")
         chosen, options["horizon"] = far, horizon
-    result = replay(trace, chosen, tables, options=options, capacity=capacity, policy=policy)
+    result = replay(trace, chosen, tables, options=options, capacity=slots, policy=policy)
     lru_instead = [n for n, r in result.results.items()
                    if policy == "score" and r.cache and r.cache.policy == "lru"]
     if lru_instead:

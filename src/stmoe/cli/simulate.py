@@ -47,7 +47,9 @@ def simulate_cmd(
         Path | None,
         path_option(
             help="ST-MoE tables (stmoe profile). Default: profile on the first half of "
-            "the trace and simulate the second half."
+            "the trace and simulate the second half; with --pipeline runtime, profiled on "
+            "the whole trace simulated (IN-SAMPLE, said so: give tables profiled on other "
+            "routing for a held-out figure)."
         ),
     ] = None,
     batch: Annotated[int, typer.Option(help="Sequences decoding together (>= 1).")] = 1,

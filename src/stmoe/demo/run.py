@@ -47,7 +47,8 @@ DEMO_PROMPTS = (
 
 # how long it takes (docs/benchmarks.md, the demo's running time): `stmoe demo --help` and
 # the README say the same (tests/demo/test_demo.py)
-ESTIMATE = "about 3.5 minutes on 2 cores, 40 s more the first time (--quick: under one)"
+ESTIMATE = ("3.5 to 5.5 minutes on 2 cores, the CPU deciding (--quick: under one), up to 1.5 "
+            "more the first time")
 
 
 def run_demo(

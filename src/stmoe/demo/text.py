@@ -90,6 +90,7 @@ VERDICT = {  # compare.against's verdicts, in plain words
     "within noise": "no clear difference: ranges overlap",
     "slower": "slower: ranges apart",
     "single run": "one run: no verdict",
+    "too few rounds": "too few rounds for a verdict",
 }
 
 

@@ -33,14 +33,27 @@ def verdict(ok: bool) -> str:
     return "MET" if ok else "NOT MET"
 
 
+# Fewer rounds a side give no verdict: two rounds of one speed against two of the same fall
+# apart a third of the time (2 of the 6 orders of 4 values), three one time in ten, five
+# under 1% (2 of 252)
+MIN_ROUNDS = 3
+
+
 def against(mine: list[float], base: list[float]) -> str:
     """How speeds ``mine`` compare with ``base`` (higher is faster), by one rule for every
     report (issue 27): ``faster`` (median >= base's and the ranges apart), ``as fast``
     (median >= base's, ranges overlapping), ``within noise`` (median below but the ranges
     overlap: counts as 1.0x), ``slower`` (below, ranges apart); ``single run`` when either
-    side has one value (no range to judge by)."""
+    side has one value (no range to judge by), ``too few rounds`` when either has fewer
+    than ``MIN_ROUNDS`` (ranges apart by chance too often to call)."""
     if len(mine) < 2 or len(base) < 2:
         return "single run"
+    if min(len(mine), len(base)) < MIN_ROUNDS:
+        return "too few rounds"
+    return _order(mine, base)
+
+
+def _order(mine: list[float], base: list[float]) -> str:
     overlap = max(mine) >= min(base) and max(base) >= min(mine)
     if statistics.median(mine) >= statistics.median(base):
         return "as fast" if overlap else "faster"
@@ -49,7 +62,6 @@ def against(mine: list[float], base: list[float]) -> str:
 
 def not_slower(mine: list[float], base: list[float]) -> bool:
     """The >= 1.0x target: median at least base's, or within noise (ranges overlap)."""
-    how = against(mine, base)
-    if how == "single run":
+    if len(mine) < 2 or len(base) < 2:
         return statistics.median(mine) >= statistics.median(base)
-    return how != "slower"
+    return _order(mine, base) != "slower"

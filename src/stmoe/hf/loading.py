@@ -48,8 +48,10 @@ def load_causal_lm(model_dir: str | Path) -> torch.nn.Module:
     hf_logging.disable_progress_bar()
     path = Path(model_dir)
     if not (path / "config.json").is_file():
-        raise CaptureError(f"{path}: no config.json; --model must be a local transformers "
-                           "checkpoint folder (stmoe never downloads)")
+        raise CaptureError(f"{path}: no such folder; a local transformers checkpoint folder "
+                           "is expected (stmoe never downloads)" if not path.exists() else
+                           f"{path}: no config.json; a local transformers checkpoint folder "
+                           "is expected (stmoe never downloads)")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise CaptureError(f"{path}: no weights (*.safetensors or *.bin) next to config.json")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -51,8 +51,9 @@ def check_layout(store: Path, index: StoreIndex, model: Any, layout: Any = None,
     layout = layout or ModelLayout.of(model)
     want = architecture(model, layout)
     if want != index.model:
-        raise StoreError(f"{store}: packed for {index.model} but the model is {want}; "
-                         "pack this model with `stmoe pack`")
+        raise StoreError(f"{store}: packed for {index.model} but the model is {want}; name "
+                         "the model it was packed for, or pack this one into a new folder "
+                         "with `stmoe pack MODEL -o NEW_FOLDER`")
     experts = want["num_experts"]
     per_layer = []
     for layer, (_, module) in enumerate(layout.modules):
@@ -62,7 +63,8 @@ def check_layout(store: Path, index: StoreIndex, model: Any, layout: Any = None,
         got = [(t.name, t.dtype, t.shape) for t in index.blocks[(layer, 0)].tensors]
         if got != expect:  # the index checked every expert of a layer holds expert 0's layout
             raise StoreError(f"{store}/index.json: layer {layer} holds {got}, the model's "
-                             f"experts are {expect}; pack this model again")
+                             f"experts are {expect}; name the model it was packed for, or "
+                             "pack this one into a new folder with `stmoe pack`")
         per_layer.append(mine)
     return per_layer
 
@@ -112,6 +114,16 @@ def file_records(model_dir: Path) -> dict[str, Any]:
                                         for f, st, h in rows]}
 
 
+def check_model_folder(model_dir: Path) -> None:
+    """Refuse a checkpoint path that is no folder, saying which: missing, or a file."""
+    if not model_dir.is_dir():
+        raise StoreError(f"{model_dir}: no such folder; give a local transformers checkpoint "
+                         "folder (config.json and *.safetensors or *.bin)"
+                         if not model_dir.exists() else
+                         f"{model_dir}: a file; give the checkpoint's folder (config.json "
+                         "and *.safetensors or *.bin)")
+
+
 def check_unchanged(model_dir: Path, record: dict[str, Any], doing: str, again: str) -> None:
     """Refuse a store made while a checkpoint file changed (``record``: ``file_records``
     taken before ``doing`` began): raised before its index is switched, so a store never
@@ -125,7 +137,8 @@ def check_unchanged(model_dir: Path, record: dict[str, Any], doing: str, again: 
 
 def check_source(store: Path, index: StoreIndex, model_dir: Path) -> None:
     """The store was packed from ``model_dir``'s checkpoint (see the module docstring)."""
-    hint = f"pack this model again: stmoe pack {model_dir} -o {store}"
+    hint = (f"name the model it was packed from, or pack this one into a new folder: stmoe "
+            f"pack {model_dir} -o NEW_FOLDER (packing into {store} replaces that store)")
     if index.source["kind"] != "folder":
         raise StoreError(f"{store}: packed from a model in memory, so it cannot vouch for "
                          f"{model_dir}'s weights; {hint}")

@@ -88,8 +88,10 @@ class ExpertStore:
         replaced and removed it (it read "No such file" while a process started)."""
         index_path = self.path / "index.json"
         if not index_path.exists():
-            raise StoreError(f"{self.path}: not an expert store (no index.json); "
-                             "write one with `stmoe pack`")
+            raise StoreError(f"{self.path}: no such folder; write a store there with `stmoe "
+                             "pack`" if not self.path.exists() else
+                             f"{self.path}: not an expert store (no index.json); write one "
+                             "with `stmoe pack`")
         try:
             check_input_file(index_path, "an expert store's index.json (write one with "
                                          "`stmoe pack`)")

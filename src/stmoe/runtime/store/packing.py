@@ -27,7 +27,7 @@ from typing import Any
 from stmoe.errors import StmoeError, StmoeNote
 from stmoe.hf.layout import expert_params
 from stmoe.quant.formats import NATIVE, WeightFormat
-from stmoe.runtime.store.check import architecture, file_records
+from stmoe.runtime.store.check import architecture, check_model_folder, file_records
 from stmoe.runtime.store.expert_store import ExpertStore
 from stmoe.runtime.store.folder import (
     DATA_TEMP,
@@ -128,6 +128,7 @@ def pack_folder(model_dir: str | Path, out_dir: str | Path,
     from stmoe.util.progress import byte_progress
 
     model_dir = Path(model_dir)
+    check_model_folder(model_dir)
     refuse_quantized(model_dir)
     refuse_foreign_index(Path(out_dir))  # before any reading (pack_lock checks it again)
     try:
