@@ -16,10 +16,12 @@ A second variant, ``blend``, keeps score eviction's ranking and adds the surpris
 an expert's value is the probability stmoe-plus gives it now (its log-odds through a
 sigmoid; the fitted weights on these tables are logistic) plus ``lam`` times its recent
 demand (an exponential average over tokens, factor ``gamma``) times its surprise; the
-lowest value is evicted. ``lam`` and ``gamma`` are CROSS-FITTED, never read off the case
-judged: for Qwen1.5's prompt A (tables from B and C) they are the grid point whose hit
-rate is highest replaying B with tables from C and C with tables from B; for Qwen3.6,
-the Qwen1.5 fits' most common choice (set before Qwen3.6's figures were read).
+lowest value is evicted (its form was picked in a Python prototype on one of the Qwen1.5
+cases, history_1 at layers 8:16; Qwen3.6 is the check that saw none of it). ``lam`` and
+``gamma`` are CROSS-FITTED, never read off the case judged: for Qwen1.5's prompt A
+(tables from B and C) they are the grid point whose hit rate is highest replaying B with
+tables from C and C with tables from B; for Qwen3.6, the Qwen1.5 fits' most common choice
+(set before Qwen3.6's figures were read).
 
 Where the bound's lead lies (offline, not a policy): ``precise`` is the same plan with its
 wrong members removed (every prefetch the router then asks for, no other), replayed with
@@ -128,7 +130,6 @@ def fit_blend(fits: list[tuple[RoutingTrace, list[RoutingTrace]]], share: float
 
 
 FITTED: list[tuple[float, float]] = []  # each Qwen1.5 case's (lam, gamma)
-FITS: dict[str, list[tuple[RoutingTrace, list[RoutingTrace]]]] = {}  # label -> fit cases
 
 
 def precise(plan: PrefetchPlan, trace: RoutingTrace) -> PrefetchPlan:

@@ -527,6 +527,17 @@ def test_an_output_under_a_file_is_refused_before_any_work(cli, small, tmp_path,
     assert afile.read_text() == "mine"
 
 
+def test_a_dangling_output_link_is_judged_by_its_target(cli, small, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    bad, good = tmp_path / "bad.json", tmp_path / "good.json"
+    bad.symlink_to(tmp_path / "notes.txt" / "e.json")
+    good.symlink_to(tmp_path / "out" / "e.json")
+    one_line_error(cli("eval", small, "--json", bad), f"{bad} (--json): "
+                   f"{tmp_path / 'notes.txt'} is a file")
+    assert cli("eval", small, "--predictor", "oracle", "--json", good).exit_code == 0
+    assert (tmp_path / "out" / "e.json").is_file()
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                     reason="needs root and setpriv to make a folder unwritable to stmoe")
 def test_an_output_in_a_folder_this_user_cannot_write_is_refused_first(small, tmp_path):

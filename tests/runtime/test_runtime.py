@@ -624,7 +624,7 @@ def test_generate_cli_prints_text_and_writes_the_measurements(cli, tmp_path, mon
         (["--capacity", "2"], "below the router's top-4"),
         (["--tier", "emulated", "--bandwidth", "fast"], "not a size"),
         (["--predictor", "psychic"], "unknown predictor"),
-        (["--store", "nowhere"], "not an expert store"),
+        (["--store", "nowhere"], "nowhere: no such folder"),
         pytest.param(
             ["--tier", "gpu"],
             "needs CUDA",

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from stmoe.errors import BlockError
 from stmoe.runtime.store import StoreError
+from stmoe.runtime.store.expert_store import CORRUPT
 from stmoe.vllm_plugin.kernel_store import first_damaged, open_or_pack
 from stmoe.vllm_plugin.layers import MoeLayer
 from stmoe.vllm_plugin.steps import Steps, TablesWatch
@@ -80,8 +81,9 @@ def test_the_plugins_own_store_damaged_is_packed_again_at_the_start(tmp_path, mo
     finally:
         logger.removeHandler(caplog.handler)
     assert packed
-    assert ("layer 1, expert 2 fails its checksum" in caplog.text
-            and "packing the plugin's store again" in caplog.text)
+    assert ("layer 1, expert 2 fails its checksum; packing the plugin's store again"
+            in caplog.text)
+    assert "pack it again" not in caplog.text  # (`stmoe pack` cannot write this layout)
     assert first_damaged(store) is None
     for layer in layers:  # the very weights vLLM loaded, block by block
         for e in range(N_EXPERTS):
@@ -99,14 +101,40 @@ def test_a_given_store_damaged_stops_the_start_naming_the_block(tmp_path, model_
     before = data.read_bytes()
     with pytest.raises(StoreError, match=r"layer 0, expert 3 fails its checksum.*store= is "
                        r"not the plugin's to replace: remove .*given \(the plugin packs it "
-                       r"again at its next start\)"):
+                       r"again at its next start\)") as caught:
         open_or_pack(path, layers, "qwen2_moe", model_dir, owned=False)
+    assert CORRUPT not in str(caught.value)  # (`stmoe pack` cannot write this layout)
     assert data.read_bytes() == before  # not the plugin's: left as it was
+
+
+def test_a_damaged_data_file_or_an_unreadable_block_is_damage_too(tmp_path, model_dir,
+                                                                  monkeypatch):
+    path, layers = tmp_path / "store", fake_layers()
+    open_or_pack(path, layers, "qwen2_moe", model_dir, owned=True)
+    data = path / json.loads((path / "index.json").read_text())["data"]
+    with open(data, "r+b") as f:  # cut short: refused as the store opens, before any block
+        f.truncate(data.stat().st_size // 2)
+    with pytest.raises(StoreError):
+        open_or_pack(path, layers, "qwen2_moe", model_dir, owned=False)
+    store, packed = open_or_pack(path, layers, "qwen2_moe", model_dir, owned=True)
+    assert packed and first_damaged(store) is None
+    real = type(store).read
+
+    def failing(self, layer, expert, fd=None):
+        if (layer, expert) == (0, 1):
+            raise OSError(5, "Input/output error")
+        return real(self, layer, expert, fd)
+
+    monkeypatch.setattr(type(store), "read", failing)
+    found = first_damaged(store)
+    assert isinstance(found, BlockError) and (found.layer, found.expert) == (0, 1)
+    assert "layer 0, expert 1 cannot be read (Input/output error)" in str(found)
 
 
 def test_a_block_damaged_after_the_start_fails_the_step_saying_what_to_do(tmp_path):
     def run(*args, **kwargs):
-        raise BlockError(f"{tmp_path}/experts.bin: layer 1, expert 2 fails its checksum", 1, 2)
+        raise BlockError(f"{tmp_path}/experts.bin: layer 1, expert 2 fails its checksum; "
+                         f"{CORRUPT}", 1, 2)
 
     for in_place, again in ((False, "packs it again at its next start"),
                             (True, "indexes the checkpoint again at its next start")):
@@ -119,5 +147,6 @@ def test_a_block_damaged_after_the_start_fails_the_step_saying_what_to_do(tmp_pa
             forward(torch.zeros(1, 4), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int64))
         assert (caught.value.layer, caught.value.expert) == (1, 2)
         assert str(caught.value).startswith(f"{tmp_path}/experts.bin: layer 1, expert 2 fails")
-        assert ("the step's requests are computed together, so the step fails with it: "
+        assert (f"{tmp_path}/experts.bin: layer 1, expert 2 fails its checksum. Inside vLLM "
+                "the step's requests are computed together, so the step fails with it: "
                 f"remove {tmp_path / 'store'} and the plugin {again}") in str(caught.value)

@@ -148,7 +148,8 @@ def check_outputs_apart(options: dict[str, Any]) -> None:
 def _check_makeable(dest: Path, flag: str) -> None:
     """``dest`` (absent) can be made: its nearest existing folder above is a folder this
     user may write (the writers make the folders between)."""
-    above = dest.absolute().parent
+    target = Path(os.path.realpath(dest)) if dest.is_symlink() else dest  # (written through)
+    above = target.absolute().parent
     while not above.exists() and above != above.parent:
         above = above.parent
     if not above.is_dir():

@@ -30,7 +30,7 @@ import torch
 
 from stmoe.errors import BlockError
 from stmoe.runtime.store.check import file_records
-from stmoe.runtime.store.expert_store import ExpertStore
+from stmoe.runtime.store.expert_store import CHANGED, CORRUPT, ExpertStore
 from stmoe.runtime.store.index import StoreError, block_crc
 from stmoe.runtime.store.packing import write_store
 from stmoe.util.cache_dir import cache_dir
@@ -77,20 +77,37 @@ def _blocks(layers: list[MoeLayer]) -> Iterator[tuple[int, int, list[tuple[str, 
 def open_checked(path: Path, want: dict[str, object]) -> ExpertStore:
     """The store at ``path``, refused unless it is this vLLM model's, in this layout."""
     store = ExpertStore(path)
-    if store.model != want:
-        raise StoreError(f"{path}: a store for {store.model}, but this vLLM model is {want}; "
-                         "give another store= (or remove this one to pack it again)")
+    try:
+        _same_model(store, want)
+    except StoreError:
+        store.close()
+        raise
     return store
+
+
+def _same_model(store: ExpertStore, want: dict[str, object]) -> None:
+    if store.model != want:
+        raise StoreError(f"{store.path}: a store for {store.model}, but this vLLM model is "
+                         f"{want}; give another store= (or remove this one to pack it again)")
+
+
+def problem(exc: StoreError) -> str:
+    """``exc``'s words less the way out a ``stmoe pack`` user takes (the plugin packs its
+    stores itself: its messages say their own way out)."""
+    return str(exc).removesuffix(f"; {CORRUPT}").removesuffix(f"; {CHANGED}")
 
 
 def first_damaged(store: ExpertStore) -> BlockError | None:
     """The first block of ``store`` that does not read whole and intact (every block read
-    once, in the data file's order), or None."""
+    once, in the data file's order; an I/O error is such a block too), or None."""
     for (layer, expert) in sorted(store.blocks, key=lambda k: store.blocks[k].offset):
         try:
             store.read(layer, expert)
         except BlockError as exc:
             return exc
+        except OSError as exc:  # (EIO: a bad sector)
+            return BlockError(f"{store.path}: layer {layer}, expert {expert} cannot be read "
+                              f"({exc.strerror or exc})", layer, expert)
     return None
 
 
@@ -99,29 +116,48 @@ def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str, model_dir:
     """The store at ``path``, packed there first from the weights vLLM loaded when it has
     none; (store, packed now). An existing store must be this model's, in this layout, and
     hold the very bytes vLLM loaded (each block's CRC-32C against the weights in memory,
-    then every block read and checked): a damaged one is packed again where it is the
-    plugin's own (``owned``: under its cache), else refused."""
+    then every block read and checked): a damaged one (a block, its index, its data file)
+    is packed again where it is the plugin's own (``owned``: under its cache), else
+    refused."""
     want = model_record(layers, model_type)
-    if not (path / "index.json").exists():  # the checkpoint's records only when packing
-        write_store(path, want, file_records(model_dir), _blocks(layers))
-        return open_checked(path, want), True
-    store = open_checked(path, want)
-    _check_loaded(store, layers)
+    if not (path / "index.json").exists():
+        return _pack(path, want, layers, model_dir), True
+    try:
+        store = ExpertStore(path)
+    except StoreError as exc:  # its index or data file damaged, or another version's
+        if not owned:
+            raise
+        log.warning("stmoe: %s; packing the plugin's store again from the weights vLLM "
+                    "loaded", problem(exc))
+        return _pack(path, want, layers, model_dir), True
     started = time.perf_counter()
-    damaged = first_damaged(store)
+    try:
+        _same_model(store, want)
+        _check_loaded(store, layers)
+        damaged = first_damaged(store)
+        if damaged is not None and not owned:
+            raise StoreError(f"{problem(damaged)}. The store given as store= is not the "
+                             f"plugin's to replace: remove {path} (the plugin packs it again "
+                             "at its next start) or give another store=") from damaged
+    except BaseException:
+        store.close()
+        raise
     if damaged is None:
         log.info("stmoe: every block of %s read and checked in %.1f s", path,
                  time.perf_counter() - started)
         return store, False
-    if not owned:
-        raise StoreError(f"{damaged}. The store given as store= is not the plugin's to "
-                         f"replace: remove {path} (the plugin packs it again at its next "
-                         "start) or give another store=") from damaged
     log.warning("stmoe: %s; packing the plugin's store again from the weights vLLM loaded",
-                damaged)
+                problem(damaged))
     store.close()
+    return _pack(path, want, layers, model_dir), True
+
+
+def _pack(path: Path, want: dict[str, object], layers: list[MoeLayer],
+          model_dir: Path) -> ExpertStore:
+    """The store packed at ``path`` from the weights vLLM loaded (the checkpoint's records
+    only then: hashing its files is for packing), opened."""
     write_store(path, want, file_records(model_dir), _blocks(layers))
-    return open_checked(path, want), True
+    return open_checked(path, want)
 
 
 def _check_loaded(store: ExpertStore, layers: list[MoeLayer]) -> None:

@@ -28,6 +28,7 @@ from stmoe.vllm_plugin.batches import Requests, Span, spans_of, step_of
 from stmoe.vllm_plugin.capture import Capture
 from stmoe.vllm_plugin.engine import VllmEngine
 from stmoe.vllm_plugin.forced import ForcedRouting
+from stmoe.vllm_plugin.kernel_store import problem
 
 log = logging.getLogger("vllm.stmoe")  # under vLLM's logger: its handler and format
 
@@ -197,6 +198,6 @@ def remedy(exc: BlockError, store: Path, in_place: bool) -> BlockError:
     again = ("indexes the checkpoint again at its next start (a checkpoint file damaged "
              "since: download it again first)" if in_place
              else "packs it again at its next start")
-    return BlockError(f"{exc}. Inside vLLM the step's requests are computed together, so the "
-                      f"step fails with it: remove {store} and the plugin {again}",
-                      exc.layer, exc.expert)
+    return BlockError(f"{problem(exc)}. Inside vLLM the step's requests are computed "
+                      f"together, so the step fails with it: remove {store} and the plugin "
+                      f"{again}", exc.layer, exc.expert)

@@ -137,8 +137,10 @@ def check_unchanged(model_dir: Path, record: dict[str, Any], doing: str, again: 
 
 def check_source(store: Path, index: StoreIndex, model_dir: Path) -> None:
     """The store was packed from ``model_dir``'s checkpoint (see the module docstring)."""
+    kind = (" --in-place" if index.in_place else f" --format {index.weights.name}"
+            if index.weights.quantized else "")  # (the same kind of store, new)
     hint = (f"name the model it was packed from, or pack this one into a new folder: stmoe "
-            f"pack {model_dir} -o NEW_FOLDER (packing into {store} replaces that store)")
+            f"pack {model_dir} -o NEW_FOLDER{kind} (packing into {store} replaces that store)")
     if index.source["kind"] != "folder":
         raise StoreError(f"{store}: packed from a model in memory, so it cannot vouch for "
                          f"{model_dir}'s weights; {hint}")

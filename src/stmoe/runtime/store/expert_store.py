@@ -52,6 +52,12 @@ from stmoe.runtime.store.index import (
 from stmoe.runtime.store.int4_store import reconcile
 from stmoe.util.fileio import check_input_file
 
+# what a block that fails its checksum asks of a user of ``stmoe pack`` (a runtime that
+# packs its own stores, the vLLM plugin, says its own way out instead)
+CORRUPT = "the store is corrupt, pack it again"
+CHANGED = ("the checkpoint changed after the index was made, or is damaged: make it again "
+           "(stmoe pack --in-place)")
+
 
 class _Replaced(Exception):
     """The data file an index named was gone when opened, and index.json names another."""
@@ -227,12 +233,10 @@ class ExpertStore:
             return
         if self.in_place:
             raise BlockError(f"{self.where}: layer {block.layer}, expert {block.expert} fails "
-                             "the in-place index's checksum; the checkpoint changed after the "
-                             "index was made, or is damaged: make it again (stmoe pack "
-                             "--in-place)", block.layer, block.expert)
+                             f"the in-place index's checksum; {CHANGED}", block.layer,
+                             block.expert)
         raise BlockError(f"{self.where}: layer {block.layer}, expert {block.expert} fails "
-                         "its checksum; the store is corrupt, pack it again",
-                         block.layer, block.expert)
+                         f"its checksum; {CORRUPT}", block.layer, block.expert)
 
     def read(self, layer: int, expert: int, fd: int | None = None) -> dict[str, np.ndarray]:
         """One expert's tensors (numpy; a dtype numpy lacks, e.g. bfloat16, as raw unsigned
