@@ -150,3 +150,17 @@ def test_a_block_damaged_after_the_start_fails_the_step_saying_what_to_do(tmp_pa
         assert (f"{tmp_path}/experts.bin: layer 1, expert 2 fails its checksum. Inside vLLM "
                 "the step's requests are computed together, so the step fails with it: "
                 f"remove {tmp_path / 'store'} and the plugin {again}") in str(caught.value)
+
+
+def test_a_pack_the_disk_cannot_hold_is_refused_before_a_byte_is_written(tmp_path, model_dir,
+                                                                        monkeypatch):
+    import shutil
+
+    layers = fake_layers()
+    weights = sum(getattr(layer.module, w).data.nbytes for layer in layers
+                  for w in ("w13_weight", "w2_weight"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=weights // 2))
+    with pytest.raises(StoreError, match=r"the store needs about .* and its disk has .* free; "
+                       r"free some space or pass store= \(or STMOE_CACHE\) on another disk"):
+        open_or_pack(tmp_path / "full", layers, "qwen2_moe", model_dir, owned=True)
+    assert not (tmp_path / "full").exists()

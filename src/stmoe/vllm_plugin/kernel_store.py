@@ -31,6 +31,7 @@ import torch
 from stmoe.errors import BlockError
 from stmoe.runtime.store.check import file_records
 from stmoe.runtime.store.expert_store import CHANGED, CORRUPT, ExpertStore
+from stmoe.runtime.store.folder import check_disk
 from stmoe.runtime.store.index import StoreError, block_crc
 from stmoe.runtime.store.packing import write_store
 from stmoe.util.cache_dir import cache_dir
@@ -155,7 +156,10 @@ def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str, model_dir:
 def _pack(path: Path, want: dict[str, object], layers: list[MoeLayer],
           model_dir: Path) -> ExpertStore:
     """The store packed at ``path`` from the weights vLLM loaded (the checkpoint's records
-    only then: hashing its files is for packing), opened."""
+    only then: hashing its files is for packing), opened; refused first, in one line, where
+    its disk cannot hold it."""
+    check_disk(path, sum(getattr(layer.module, w).data.nbytes for layer in layers
+                         for w in layer.params), "store=")
     write_store(path, want, file_records(model_dir), _blocks(layers))
     return open_checked(path, want)
 

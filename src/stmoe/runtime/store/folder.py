@@ -99,13 +99,14 @@ def unnamed(out: Path, keep: str) -> list[Path]:
             if f.name != keep and (DATA_NAME.fullmatch(f.name) or f.name in OLD_DATA)]
 
 
-def check_disk(out: Path, needed: float) -> None:
+def check_disk(out: Path, needed: float, option: str = "--store") -> None:
     """Refuse, in one line, a pack the disk under ``out`` cannot hold (``needed``: the
     experts' bytes in the store's format, estimated from the checkpoint's headers); what an
-    earlier pack left there counts as free (the pack removes it first)."""
+    earlier pack left there counts as free (the pack removes it first). ``option``: how the
+    caller's user names another store folder."""
     where = next((p for p in [out, *out.parents] if p.exists()), Path("/"))
     if not os.access(where, os.W_OK):
-        raise StoreError(f"{out}: {where} is not writable by this user; pass --store (or "
+        raise StoreError(f"{out}: {where} is not writable by this user; pass {option} (or "
                          "STMOE_CACHE) in a folder that is")
     kept = named_data(out) if out.is_dir() else ""
     left = [*stale_temps(out / DATA_TEMP), *unnamed(out, kept)] if out.is_dir() else []
@@ -115,7 +116,7 @@ def check_disk(out: Path, needed: float) -> None:
     kept_note = (f" (the store it replaces keeps its {format_bytes(_bytes_of(out / kept))} "
                  "until the new one is whole)" if kept else "")
     raise StoreError(f"{out}: the store needs about {format_bytes(needed)} and its disk has "
-                     f"{format_bytes(free)} free{kept_note}; free some space or pass --store (or "
+                     f"{format_bytes(free)} free{kept_note}; free some space or pass {option} (or "
                      "STMOE_CACHE) on another disk")
 
 
