@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,15 +101,24 @@ def problem(exc: StoreError) -> str:
 
 def first_damaged(store: ExpertStore) -> BlockError | None:
     """The first block of ``store`` that does not read whole and intact (every block read
-    once, in the data file's order; an I/O error is such a block too), or None."""
-    for (layer, expert) in sorted(store.blocks, key=lambda k: store.blocks[k].offset):
-        try:
-            store.read(layer, expert)
-        except BlockError as exc:
-            return exc
-        except OSError as exc:  # (EIO: a bad sector)
-            return BlockError(f"{store.path}: layer {layer}, expert {expert} cannot be read "
-                              f"({exc.strerror or exc})", layer, expert)
+    once, in the data file's order; an I/O error is such a block too), or None. Each block
+    read leaves the page cache (the runtime's disk reads bypass it: a whole store's pages
+    would only push out others')."""
+    fd = os.open(store.data_file, os.O_RDONLY)
+    try:
+        for (layer, expert) in sorted(store.blocks, key=lambda k: store.blocks[k].offset):
+            block = store.blocks[(layer, expert)]
+            try:
+                store.read(layer, expert, fd)
+            except BlockError as exc:
+                return exc
+            except OSError as exc:  # (EIO: a bad sector)
+                return BlockError(f"{store.path}: layer {layer}, expert {expert} cannot be "
+                                  f"read ({exc.strerror or exc})", layer, expert)
+            finally:
+                os.posix_fadvise(fd, block.offset, block.nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
     return None
 
 
