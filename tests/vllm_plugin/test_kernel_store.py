@@ -164,3 +164,26 @@ def test_a_pack_the_disk_cannot_hold_is_refused_before_a_byte_is_written(tmp_pat
                        r"free some space or pass store= \(or STMOE_CACHE\) on another disk"):
         open_or_pack(tmp_path / "full", layers, "qwen2_moe", model_dir, owned=True)
     assert not (tmp_path / "full").exists()
+
+
+def test_a_streamed_pack_the_disk_cannot_hold_is_refused_first(tmp_path, model_dir,
+                                                              monkeypatch):
+    """experts=stream: each layer holds one processed expert as the store is packed."""
+    import shutil
+
+    from stmoe.vllm_plugin.kernel_store import model_record
+    from stmoe.vllm_plugin.streamed import open_or_pack_streamed
+
+    layers = fake_layers()
+    record = model_record(layers, "qwen2_moe")
+    per_expert = 0
+    for layer in layers:  # (vLLM's stand-in: one zero expert a layer)
+        for w in ("w13_weight", "w2_weight"):
+            one = getattr(layer.module, w).data[:1].clone()
+            setattr(layer.module, w, torch.nn.Parameter(one, requires_grad=False))
+            per_expert += one.nbytes
+    needed = per_expert * N_EXPERTS
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=needed - 1))
+    with pytest.raises(StoreError, match="pass store= \\(or STMOE_CACHE\\) on another disk"):
+        open_or_pack_streamed(tmp_path / "s", layers, record, model_dir)
+    assert not (tmp_path / "s").exists()

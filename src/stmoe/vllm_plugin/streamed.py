@@ -22,6 +22,7 @@ import torch
 
 from stmoe.runtime.store.check import check_source, file_records
 from stmoe.runtime.store.expert_store import ExpertStore
+from stmoe.runtime.store.folder import check_disk
 from stmoe.runtime.store.pack_stream import CheckpointExperts
 from stmoe.runtime.store.packing import write_store
 from stmoe.vllm_plugin.config import PluginConfigError
@@ -113,10 +114,14 @@ def streamed_blocks(model_dir: Path, layers: list[MoeLayer], dtype: torch.dtype,
 
 def open_or_pack_streamed(path: Path, layers: list[MoeLayer], model_record: dict[str, object],
                           model_dir: Path) -> tuple[ExpertStore, bool]:
-    """The store at ``path``, packed there from the checkpoint first when it has none; an
-    existing one must be this model's in this layout, packed from these very files."""
+    """The store at ``path``, packed there from the checkpoint first when it has none (refused
+    first, in one line, where its disk cannot hold it); an existing one must be this
+    model's in this layout, packed from these very files."""
     packed = not (path / "index.json").exists()
-    if packed:
+    if packed:  # (each layer holds one processed expert: its rows' size is every block's)
+        check_disk(path, int(model_record["num_experts"]) * sum(
+            getattr(layer.module, w).data[0].nbytes for layer in layers for w in WEIGHTS),
+            "store=")
         dtype = layers[0].module.w13_weight.dtype
         record = file_records(model_dir)
         write_store(path, model_record, record, streamed_blocks(model_dir, layers, dtype,
