@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stmoe.errors import StmoeError, StmoeNote
+from stmoe.util.cache_dir import existing_above
 from stmoe.util.fileio import atomic_write_text, check_input_file, check_output_path
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -149,9 +150,7 @@ def _check_makeable(dest: Path, flag: str) -> None:
     """``dest`` (absent) can be made: its nearest existing folder above is a folder this
     user may write (the writers make the folders between)."""
     target = Path(os.path.realpath(dest)) if dest.is_symlink() else dest  # (written through)
-    above = target.absolute().parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
+    above = existing_above(target.absolute().parent)
     if not above.is_dir():
         raise StmoeError(f"{dest} ({flag}): {above} is a file, not a folder; name another "
                          "path")

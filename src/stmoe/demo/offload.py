@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stmoe.errors import StmoeError
-from stmoe.util.cache_dir import cache_dir
+from stmoe.util.cache_dir import cache_dir, existing_above
 
 SHIPPED_LINK = "200MB"  # EMULATED link of the shipped model's section
 REAL_LIKE = "demo-real-experts"  # sim/data/models.toml: the real-size model's shape
@@ -172,7 +172,7 @@ def real_model(layers: int, stage: Callable[[str], None]) -> tuple[Path, Path, i
     plan = plan_checkpoint(REAL_LIKE, layers)
     if not (model_dir / "config.json").is_file():
         need = disk_needed(layers)
-        where = next(p for p in [root, *root.parents] if p.exists())
+        where = existing_above(root)
         free = shutil.disk_usage(where).free
         if free < need:
             raise StmoeError(f"{root}: the demo's real-size model needs about "

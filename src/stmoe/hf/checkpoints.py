@@ -28,6 +28,7 @@ from typing import Any
 
 from stmoe.errors import StmoeError
 from stmoe.sim.specs import ModelSpec, model_preset, preset_names
+from stmoe.util.cache_dir import existing_above
 from stmoe.util.cgroup import available_memory
 from stmoe.util.fileio import atomic_folder, atomic_write_text
 from stmoe.util.units import format_bytes
@@ -141,7 +142,7 @@ def make_checkpoint(plan: CheckpointPlan, out_dir: str | Path, seed: int = 0,
 def _check_room(plan: CheckpointPlan, out: Path) -> None:
     """Refuse, before a byte is written, a checkpoint the disk cannot hold, or one whose
     largest tensor (made whole, then saved) the memory cannot."""
-    where = next(p for p in [out, *out.resolve().parents] if p.exists())
+    where = existing_above(out.resolve())
     free, size = shutil.disk_usage(where).free, DTYPES[plan.dtype]
     largest = max((_numel(shape) * size for _, shape in plan.tensors), default=0)
     if plan.nbytes > free:

@@ -138,9 +138,7 @@ def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str, model_dir:
     except StoreError as exc:  # its index or data file damaged, or another version's
         if not owned:
             raise
-        log.warning("stmoe: %s; packing the plugin's store again from the weights vLLM "
-                    "loaded", problem(exc))
-        return _pack(path, want, layers, model_dir), True
+        return _pack(path, want, layers, model_dir, again=exc), True
     started = time.perf_counter()
     try:
         _same_model(store, want)
@@ -157,17 +155,18 @@ def open_or_pack(path: Path, layers: list[MoeLayer], model_type: str, model_dir:
         log.info("stmoe: every block of %s read and checked in %.1f s", path,
                  time.perf_counter() - started)
         return store, False
-    log.warning("stmoe: %s; packing the plugin's store again from the weights vLLM loaded",
-                problem(damaged))
     store.close()
-    return _pack(path, want, layers, model_dir), True
+    return _pack(path, want, layers, model_dir, again=damaged), True
 
 
-def _pack(path: Path, want: dict[str, object], layers: list[MoeLayer],
-          model_dir: Path) -> ExpertStore:
+def _pack(path: Path, want: dict[str, object], layers: list[MoeLayer], model_dir: Path,
+          again: StoreError | None = None) -> ExpertStore:
     """The store packed at ``path`` from the weights vLLM loaded (the checkpoint's records
     only then: hashing its files is for packing), opened; refused first, in one line, where
-    its disk cannot hold it."""
+    its disk cannot hold it. ``again``: why the store there is packed again (said)."""
+    if again is not None:
+        log.warning("stmoe: %s; packing the plugin's store again from the weights vLLM "
+                    "loaded", problem(again))
     check_disk(path, sum(getattr(layer.module, w).data.nbytes for layer in layers
                          for w in layer.params), "store=")
     write_store(path, want, file_records(model_dir), _blocks(layers))

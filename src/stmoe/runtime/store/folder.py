@@ -19,6 +19,7 @@ from pathlib import Path
 
 from stmoe.errors import StmoeNote, StoreError
 from stmoe.runtime.store.index import DATA_NAME, MAX_INDEX_BYTES, STORE_FORMAT
+from stmoe.util.cache_dir import existing_above
 from stmoe.util.fileio import stale_temps
 from stmoe.util.units import format_bytes
 from stmoe.util.warn import warn
@@ -104,7 +105,7 @@ def check_disk(out: Path, needed: float, option: str = "--store") -> None:
     experts' bytes in the store's format, estimated from the checkpoint's headers); what an
     earlier pack left there counts as free (the pack removes it first). ``option``: how the
     caller's user names another store folder."""
-    where = next((p for p in [out, *out.parents] if p.exists()), Path("/"))
+    where = existing_above(out)
     if not os.access(where, os.W_OK):
         raise StoreError(f"{out}: {where} is not writable by this user; pass {option} (or "
                          "STMOE_CACHE) in a folder that is")
