@@ -50,41 +50,20 @@ PRIOR, HALF_LIFE, FLOOR = (1.0, 2.0), 8.0, 0.05
 LAMS, GAMMAS = (0.5, 1.0, 2.0, 4.0), (0.5, 0.8, 0.9)  # blend's grid, set before any run
 
 
-def surprise_scores(trace: RoutingTrace, plan: PrefetchPlan) -> np.ndarray:
-    """[T*L, N] each expert's eviction score at (token, layer), from the tokens before it:
-    (demands its set missed + 1) / (demands + 2), times (FLOOR + 2^-(age / HALF_LIFE))."""
-    t_count, n_layers, n = trace.num_tokens, trace.num_layers, trace.num_experts
-    demands, missed = np.zeros((n_layers, n)), np.zeros((n_layers, n))
-    last = np.full((n_layers, n), -1e9)
-    out = np.zeros((t_count * n_layers, n), dtype=np.float32)
-    for t in range(t_count):
-        for layer in range(n_layers):
-            surprise = (missed[layer] + PRIOR[0]) / (demands[layer] + PRIOR[1])
-            out[t * n_layers + layer] = surprise * (FLOOR + np.exp2(-(t - last[layer])
-                                                                    / HALF_LIFE))
-            held = set(plan.at(t, layer).tolist())
-            for e in trace.experts[t, layer]:
-                if e >= 0:
-                    demands[layer, e] += 1
-                    missed[layer, e] += e not in held
-                    last[layer, e] = t
-    return out
-
-
-def blend_parts(trace: RoutingTrace, plan: PrefetchPlan, gamma: float
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """[T*L, N] twice, from the tokens before each (token, layer): each expert's recent
-    demand (an average over tokens, factor ``gamma``) and its surprise, (missed + 1) /
-    (demands + 2)."""
+def history(trace: RoutingTrace, plan: PrefetchPlan, gamma: float = 0.0
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[T*L, N] three times, from the tokens before each (token, layer): each expert's
+    surprise, (demands its set missed + 1) / (demands + 2); its age, tokens since its last
+    demand (1e9 before any); its recent demand, an average over tokens, factor ``gamma``."""
     t_count, n_layers, n = trace.num_tokens, trace.num_layers, trace.num_experts
     demands, missed, recent = (np.zeros((n_layers, n)) for _ in range(3))
-    rec = np.zeros((t_count * n_layers, n), dtype=np.float32)
-    sur = np.zeros_like(rec)
+    last = np.full((n_layers, n), -1e9)
+    sur, age, rec = (np.zeros((t_count * n_layers, n)) for _ in range(3))
     for t in range(t_count):
         for layer in range(n_layers):
-            rec[t * n_layers + layer] = recent[layer]
-            sur[t * n_layers + layer] = (missed[layer] + PRIOR[0]) / (demands[layer]
-                                                                      + PRIOR[1])
+            i = t * n_layers + layer
+            sur[i] = (missed[layer] + PRIOR[0]) / (demands[layer] + PRIOR[1])
+            age[i], rec[i] = t - last[layer], recent[layer]
             held = set(plan.at(t, layer).tolist())
             now = np.zeros(n)
             for e in trace.experts[t, layer]:
@@ -92,8 +71,23 @@ def blend_parts(trace: RoutingTrace, plan: PrefetchPlan, gamma: float
                     now[e] = 1.0
                     demands[layer, e] += 1
                     missed[layer, e] += e not in held
+                    last[layer, e] = t
             recent[layer] = gamma * recent[layer] + (1 - gamma) * now
-    return rec, sur
+    return sur, age, rec
+
+
+def surprise_scores(trace: RoutingTrace, plan: PrefetchPlan) -> np.ndarray:
+    """[T*L, N] each expert's eviction score at (token, layer): its surprise times
+    (FLOOR + 2^-(age / HALF_LIFE))."""
+    sur, age, _ = history(trace, plan)
+    return (sur * (FLOOR + np.exp2(-age / HALF_LIFE))).astype(np.float32)
+
+
+def blend_parts(trace: RoutingTrace, plan: PrefetchPlan, gamma: float
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """``history``'s recent demand and surprise, as float32 (blend's inputs)."""
+    sur, _, rec = history(trace, plan, gamma)
+    return rec.astype(np.float32), sur.astype(np.float32)
 
 
 def blend_scores(scores: np.ndarray, parts: tuple[np.ndarray, np.ndarray], lam: float
