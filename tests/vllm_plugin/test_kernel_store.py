@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -107,6 +108,18 @@ def test_a_given_store_damaged_stops_the_start_naming_the_block(tmp_path, model_
     assert data.read_bytes() == before  # not the plugin's: left as it was
 
 
+def test_the_check_names_the_first_damaged_block_in_the_files_order(tmp_path, model_dir):
+    path, layers = tmp_path / "store", fake_layers()
+    store = open_or_pack(path, layers, "qwen2_moe", model_dir, owned=True)[0]
+    order = sorted(store.blocks, key=lambda k: store.blocks[k].offset)
+    damage(path, *order[-1])  # the last block alone: read ahead of its check, still found
+    found = first_damaged(store)
+    assert isinstance(found, BlockError) and (found.layer, found.expert) == order[-1]
+    damage(path, *order[2])  # and an earlier one: that one is named
+    found = first_damaged(store)
+    assert isinstance(found, BlockError) and (found.layer, found.expert) == order[2]
+
+
 def test_a_damaged_data_file_or_an_unreadable_block_is_damage_too(tmp_path, model_dir,
                                                                   monkeypatch):
     path, layers = tmp_path / "store", fake_layers()
@@ -118,14 +131,14 @@ def test_a_damaged_data_file_or_an_unreadable_block_is_damage_too(tmp_path, mode
         open_or_pack(path, layers, "qwen2_moe", model_dir, owned=False)
     store, packed = open_or_pack(path, layers, "qwen2_moe", model_dir, owned=True)
     assert packed and first_damaged(store) is None
-    real = type(store).read
+    real, bad = os.pread, store.blocks[(0, 1)].offset
 
-    def failing(self, layer, expert, fd=None):
-        if (layer, expert) == (0, 1):
+    def failing(fd, nbytes, offset):  # a bad sector under layer 0's expert 1
+        if offset == bad:
             raise OSError(5, "Input/output error")
-        return real(self, layer, expert, fd)
+        return real(fd, nbytes, offset)
 
-    monkeypatch.setattr(type(store), "read", failing)
+    monkeypatch.setattr(os, "pread", failing)
     found = first_damaged(store)
     assert isinstance(found, BlockError) and (found.layer, found.expert) == (0, 1)
     assert "layer 0, expert 1 cannot be read (Input/output error)" in str(found)

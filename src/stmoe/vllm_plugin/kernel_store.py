@@ -12,8 +12,9 @@ every block of its data file is read once and checked (``first_damaged``): insid
 step computes every request together, so a damaged block found by a step would stop vLLM's
 engine; found at the start, the plugin's own store (under its cache) is packed again, and
 one given as ``store=`` is refused, naming the block. (The read costs about what vLLM has
-just read to load the experts; ``experts=stream``/``in-place``, for models bigger than
-memory, check each block as it is read.) Its index names the kernel layout in
+just read to load the experts, each block checked while the next is read;
+``experts=stream``/``in-place``, for models bigger than memory, check each block as it is
+read.) Its index names the kernel layout in
 ``model_type`` (``qwen2_moe@vllm-cpu-vec``), so that no other runtime mistakes it for a
 store of the checkpoint's own layout.
 """
@@ -25,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,7 +35,7 @@ from stmoe.errors import BlockError
 from stmoe.runtime.store.check import file_records
 from stmoe.runtime.store.expert_store import CHANGED, CORRUPT, ExpertStore
 from stmoe.runtime.store.folder import check_disk
-from stmoe.runtime.store.index import StoreError, block_crc
+from stmoe.runtime.store.index import Block, StoreError, block_crc
 from stmoe.runtime.store.packing import write_store
 from stmoe.util.cache_dir import cache_dir
 from stmoe.vllm_plugin.layers import MoeLayer
@@ -101,23 +103,36 @@ def problem(exc: StoreError) -> str:
 
 def first_damaged(store: ExpertStore) -> BlockError | None:
     """The first block of ``store`` that does not read whole and intact (every block read
-    once, in the data file's order; an I/O error is such a block too), or None. Each block
-    read leaves the page cache (the runtime's disk reads bypass it: a whole store's pages
-    would only push out others')."""
+    once, in the data file's order; an I/O error is such a block too), or None. The next
+    block is read while one is checked (the check then costs about a plain read of the
+    file), and each block read leaves the page cache (the runtime's disk reads bypass it: a
+    whole store's pages would only push out others')."""
+    order = sorted(store.blocks.values(), key=lambda b: b.offset)
     fd = os.open(store.data_file, os.O_RDONLY)
+
+    def fetch(block: Block) -> bytes:
+        try:
+            return os.pread(fd, block.nbytes, block.offset)
+        finally:
+            os.posix_fadvise(fd, block.offset, block.nbytes, os.POSIX_FADV_DONTNEED)
+
     try:
-        for (layer, expert) in sorted(store.blocks, key=lambda k: store.blocks[k].offset):
-            block = store.blocks[(layer, expert)]
-            try:
-                store.read(layer, expert, fd)
-            except BlockError as exc:
-                return exc
-            except OSError as exc:  # (EIO: a bad sector)
-                return BlockError(f"{store.path}: layer {layer}, expert {expert} cannot be "
-                                  f"read ({exc.strerror or exc})", layer, expert)
-            finally:
-                os.posix_fadvise(fd, block.offset, block.nbytes, os.POSIX_FADV_DONTNEED)
-    finally:
+        with ThreadPoolExecutor(1, thread_name_prefix="stmoe-check") as reader:
+            ahead = reader.submit(fetch, order[0]) if order else None
+            for i, block in enumerate(order):
+                try:
+                    data = ahead.result()
+                except OSError as exc:  # (EIO: a bad sector)
+                    return BlockError(f"{store.path}: layer {block.layer}, expert "
+                                      f"{block.expert} cannot be read "
+                                      f"({exc.strerror or exc})", block.layer, block.expert)
+                ahead = reader.submit(fetch, order[i + 1]) if i + 1 < len(order) else None
+                try:
+                    store.check_size(block, len(data))
+                    store.check_crc(block, block_crc(memoryview(data)))
+                except BlockError as exc:
+                    return exc
+    finally:  # (after the reader's last read ended)
         os.close(fd)
     return None
 
