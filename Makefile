@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 VLLM_VENV := $(VENV)-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 
-.PHONY: demo test test-main test-vllm test-gpu-versions clean-venv
+.PHONY: demo test test-vllm test-gpu-versions clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,19 +43,14 @@ $(VLLM_VENV)/.installed-vllm: pyproject.toml
 	touch $@
 
 # The main suite two tests at a time (pytest-xdist: its tests take about one core each, so
-# two workers take 5.6 minutes where one took 8.4, journal 2026-12-07-ci-time) while
-# .venv-vllm and the GPU machines' releases install beside it (mostly waiting on downloads
-# and disks); then the GPU machines' releases' tests (one at a time: two were slower, torch's
-# own threads) beside the vLLM plugin's tests, whose engines spend much of their time
-# starting processes: each pair fills the two cores the other leaves (journal
-# 2026-12-08-ci-overlap)
+# two workers take 5.6 minutes where one took 8.4, journal 2026-12-07-ci-time); then the GPU
+# machines' releases' tests (one at a time: two were slower, torch's own threads) while
+# .venv-vllm installs beside them, then the vLLM plugin's tests
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	$(MAKE) -j3 test-main $(VLLM_VENV)/.installed-vllm $(GPU_SITE)/.installed
-	$(MAKE) -j2 --output-sync=target test-gpu-versions test-vllm
-
-test-main: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -n 2
+	$(MAKE) -j2 --output-sync=target test-gpu-versions $(VLLM_VENV)/.installed-vllm
+	$(MAKE) test-vllm
 
 # the vLLM plugin's tests inside the real vLLM (the main run skips them: no vLLM there), two
 # files at a time (tests/conftest.py says why and how)
