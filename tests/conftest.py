@@ -121,7 +121,9 @@ VLLM_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 # the files with minutes of engine runs, in the order that ends the two workers closest
 # together (xdist gives a worker its next file once two of its tests are left, so the order
 # was chosen by simulating that rule over each file's `pytest --durations` on 2 cores: about
-# 3, 3, 0.8, 1.8, 1, 1.3 minutes; int8's are skipped without AMX); the others take seconds
+# 3, 3, 0.8, 1.8, 1, 1.3 minutes; int8's are skipped without AMX); the others take seconds.
+# (2026-12-08, most runs in one process (vllm_runs.drive), on a slower VM: 3.0, 5.4, 1.7,
+# 1.9, 0.9, 1.0 minutes; 444 s in all, the two workers ending within a minute)
 VLLM_LONGEST_FIRST = ("test_live.py", "test_docs.py", "test_live_refusals.py",
                       "test_own_formats.py", "test_live_bf16.py", "test_forced_live.py",
                       "test_int8_experts.py")

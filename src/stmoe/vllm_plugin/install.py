@@ -69,8 +69,10 @@ def install(text: str) -> None:
 
     if getattr(CPUModelRunner, "_stmoe_config", None) is not None:
         return
+    saved = [(CPUModelRunner, "load_model", CPUModelRunner.__dict__.get("load_model")),
+             (CPUWorker, "shutdown", CPUWorker.__dict__.get("shutdown"))]  # (None: inherited)
     if config.experts != "loaded":  # stream, in-place: vLLM never loads the experts
-        install_skip()
+        saved += install_skip()
     load, shutdown = CPUModelRunner.load_model, CPUWorker.shutdown
 
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -95,6 +97,22 @@ def install(text: str) -> None:
     CPUModelRunner.load_model = load_model  # type: ignore[method-assign]
     CPUWorker.shutdown = shutdown_worker  # type: ignore[method-assign]
     CPUModelRunner._stmoe_config = config  # type: ignore[attr-defined]
+    CPUModelRunner._stmoe_saved = saved  # type: ignore[attr-defined]
+
+
+def uninstall() -> None:
+    """Undo ``install`` in this process (nothing where it is not installed): for several
+    engines run one after another in one process, each with its own settings
+    (``stmoe.vllm_plugin.runs``' in-process runs); vLLM's own processes never need it."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    for owner, name, original in getattr(CPUModelRunner, "_stmoe_saved", None) or []:
+        if original is None:  # inherited: the base class's again
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+    CPUModelRunner._stmoe_saved = None  # type: ignore[attr-defined]
+    CPUModelRunner._stmoe_config = None  # type: ignore[attr-defined]
 
 
 def check_eager(runner: Any) -> None:

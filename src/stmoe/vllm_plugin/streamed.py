@@ -34,14 +34,19 @@ EXPERTS_KEY = ".experts."  # a routed expert's tensor in the checkpoint (not sha
 TO_VLLM = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 
 
-def install_skip() -> None:
-    """vLLM's default loader leaves the routed experts to the plugin (see the docstring)."""
+def install_skip() -> list[tuple[type, str, Any]]:
+    """vLLM's default loader leaves the routed experts to the plugin (see the docstring);
+    the methods replaced, (class, name, original), for ``install.uninstall``."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
         UnquantizedFusedMoEMethod,
     )
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+    saved = [(owner, name, owner.__dict__.get(name))  # (None: inherited)
+             for owner, name in ((DefaultModelLoader, "get_all_weights"),
+                                 (DefaultModelLoader, "track_weights_loading"),
+                                 (UnquantizedFusedMoEMethod, "process_weights_after_loading"))]
     get_all, track = DefaultModelLoader.get_all_weights, DefaultModelLoader.track_weights_loading
     process = UnquantizedFusedMoEMethod.process_weights_after_loading
 
@@ -66,6 +71,7 @@ def install_skip() -> None:
     DefaultModelLoader.get_all_weights = get_all_weights  # type: ignore[method-assign]
     DefaultModelLoader.track_weights_loading = track_weights_loading  # type: ignore[method-assign]
     UnquantizedFusedMoEMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
+    return saved
 
 
 class _Holder(torch.nn.Module):
