@@ -43,12 +43,14 @@ $(VLLM_VENV)/.installed-vllm: pyproject.toml
 	touch $@
 
 # The main suite two tests at a time (pytest-xdist: its tests take about one core each, so
-# two workers take 5.6 minutes where one took 8.4, journal 2026-12-07-ci-time); then the GPU
-# machines' releases' tests (one at a time: two were slower, torch's own threads) while
-# .venv-vllm installs beside them, then the vLLM plugin's tests
+# two workers take 5.6 minutes where one took 8.4, journal 2026-12-07-ci-time), each worker's
+# torch on one thread (OMP_NUM_THREADS=1: two threads a worker on two cores spun against
+# each other, 635 s against 524 s, journal 2026-12-08-ci-time); then the GPU machines'
+# releases' tests the same way while .venv-vllm installs beside them, then the vLLM plugin's
+# tests
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2
 	$(MAKE) -j2 --output-sync=target test-gpu-versions $(VLLM_VENV)/.installed-vllm
 	$(MAKE) test-vllm
 
@@ -83,8 +85,8 @@ $(GPU_SITE)/.installed: Makefile | $(BIN)/python
 test-gpu-versions: $(VENV)/.installed-test $(GPU_SITE)/.installed
 	PYTHONPATH=$(abspath $(GPU_SITE)) $(BIN)/python -c 'import transformers as t; \
 		assert t.__version__ == "$(GPU_TRANSFORMERS)", t.__file__'
-	PYTHONPATH=$(abspath $(GPU_SITE)) $(BIN)/python -m pytest -q -p no:cacheprovider \
-		$(GPU_TESTS)
+	PYTHONPATH=$(abspath $(GPU_SITE)) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q \
+		-p no:cacheprovider -n 2 $(GPU_TESTS)
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV) $(GPU_SITE)

@@ -21,9 +21,9 @@ entry's ``dtype`` and ``model`` override the spec's.
 ``"in_process": true`` runs every engine in this process (vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: on CPU, its engine core and worker too), the plugin
 installed and uninstalled for each run here rather than by vLLM's plugin hook: no process
-started and no vLLM imported per run (a run took about 4 s here against about 35 s on the
-2-core VM of 2026-12-08). The tokens are the same; vLLM's processes, as users run it, are
-what the default tests (and the documented commands' tests) run.
+started and no vLLM imported per run (a run of the shipped model took 4-6 s so against
+about 35 s on the 2-core VM of 2026-12-08), the same tokens. Without it (the default, and
+bench_vllm.py's) each run starts vLLM's own processes, as users run it.
 """
 
 from __future__ import annotations
