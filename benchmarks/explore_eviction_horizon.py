@@ -30,6 +30,8 @@ tables never profiled on the routing replayed). Hit rates are deterministic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import bench_eviction as ev
 import numpy as np
 
@@ -44,31 +46,35 @@ ADMITS = (0, 1, 4, 16, 64)  # added after the first run, as H-plan
 NEVER = np.float32(1e9)
 
 
-def next_demand(trace: RoutingTrace) -> np.ndarray:
-    """[T*L, N]: tokens from each (token, layer) to each expert's next demand at that layer,
-    the current token's included (0 when demanded now; NEVER when not again)."""
-    t_count, n_layers, n = trace.num_tokens, trace.num_layers, trace.num_experts
+def _next_use(t_count: int, n_layers: int, n: int, used_at: Callable[[int, int], np.ndarray],
+              later_only: bool) -> np.ndarray:
+    """[T*L, N]: tokens from each (token, layer) to each expert's next use at that layer
+    (``used_at(t, layer)``: the ids used there), the current token's counted unless
+    ``later_only``; NEVER when not again."""
     out = np.empty((t_count, n_layers, n), np.float32)
     nxt = np.full((n_layers, n), np.inf)
     for t in range(t_count - 1, -1, -1):
+        if later_only:
+            out[t] = np.minimum(nxt - t, NEVER)
         for layer in range(n_layers):
-            ids = trace.experts[t, layer]
-            nxt[layer, ids[ids >= 0]] = t
-        out[t] = np.minimum(nxt - t, NEVER)
+            nxt[layer, used_at(t, layer)] = t
+        if not later_only:
+            out[t] = np.minimum(nxt - t, NEVER)
     return out.reshape(t_count * n_layers, n)
+
+
+def next_demand(trace: RoutingTrace) -> np.ndarray:
+    """Tokens to each expert's next demand, the current token's included (0: demanded now)."""
+    def routed(t: int, layer: int) -> np.ndarray:
+        ids = trace.experts[t, layer]
+        return ids[ids >= 0]
+
+    return _next_use(trace.num_tokens, trace.num_layers, trace.num_experts, routed, False)
 
 
 def next_offer(plan: PrefetchPlan, t_count: int, n: int) -> np.ndarray:
-    """[T*L, N]: tokens from each (token, layer) to the plan's next offer of each expert at
-    that layer, LATER tokens only (NEVER when not again)."""
-    n_layers = plan.num_layers
-    out = np.empty((t_count, n_layers, n), np.float32)
-    nxt = np.full((n_layers, n), np.inf)
-    for t in range(t_count - 1, -1, -1):
-        out[t] = np.minimum(nxt - t, NEVER)
-        for layer in range(n_layers):
-            nxt[layer, plan.at(t, layer)] = t
-    return out.reshape(t_count * n_layers, n)
+    """Tokens to the plan's next offer of each expert at its layer, later tokens only."""
+    return _next_use(t_count, plan.num_layers, n, plan.at, True)
 
 
 def admitted(plan: PrefetchPlan, distance: np.ndarray, horizon: int) -> PrefetchPlan:

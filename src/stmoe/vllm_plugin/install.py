@@ -42,7 +42,7 @@ from stmoe.vllm_plugin.kernel_store import default_dir, model_record, open_or_pa
 from stmoe.vllm_plugin.layers import WEIGHTS, find_layers
 from stmoe.vllm_plugin.own_format import check_own, open_own_store
 from stmoe.vllm_plugin.steps import Steps, TablesWatch
-from stmoe.vllm_plugin.streamed import install_skip, open_or_pack_streamed
+from stmoe.vllm_plugin.streamed import Replacement, open_or_pack_streamed, skip_experts
 
 log = logging.getLogger("vllm.stmoe")
 SUPPORTED = (0, 30)  # the vLLM (major, minor) the plugin is tested with, bit for bit
@@ -69,10 +69,6 @@ def install(text: str) -> None:
 
     if getattr(CPUModelRunner, "_stmoe_config", None) is not None:
         return
-    saved = [(CPUModelRunner, "load_model", CPUModelRunner.__dict__.get("load_model")),
-             (CPUWorker, "shutdown", CPUWorker.__dict__.get("shutdown"))]  # (None: inherited)
-    if config.experts != "loaded":  # stream, in-place: vLLM never loads the experts
-        saved += install_skip()
     load, shutdown = CPUModelRunner.load_model, CPUWorker.shutdown
 
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -94,10 +90,16 @@ def install(text: str) -> None:
             steps.flush()
         shutdown(self)
 
-    CPUModelRunner.load_model = load_model  # type: ignore[method-assign]
-    CPUWorker.shutdown = shutdown_worker  # type: ignore[method-assign]
+    replaced: list[Replacement] = [(CPUModelRunner, "load_model", load_model),
+                                   (CPUWorker, "shutdown", shutdown_worker)]
+    if config.experts != "loaded":  # stream, in-place: vLLM never loads the experts
+        replaced += skip_experts()
+    # each method as its class held it before (None: inherited), for ``uninstall``
+    CPUModelRunner._stmoe_saved = [  # type: ignore[attr-defined]
+        (owner, name, owner.__dict__.get(name)) for owner, name, _ in replaced]
+    for owner, name, method in replaced:
+        setattr(owner, name, method)
     CPUModelRunner._stmoe_config = config  # type: ignore[attr-defined]
-    CPUModelRunner._stmoe_saved = saved  # type: ignore[attr-defined]
 
 
 def uninstall() -> None:

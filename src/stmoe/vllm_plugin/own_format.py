@@ -5,7 +5,7 @@ what was tried), while stmoe has weight-only int4 and int8 experts of its own: a
 packed from the checkpoint's files (``stmoe pack --format``: the very store ``stmoe
 generate`` and ``stmoe serve`` use) and torch's weight-only CPU kernels computing on it in
 place (``quant.experts.quantized_experts_forward``). With a format asked for, vLLM never
-loads the routed experts (``streamed.install_skip``) and each layer's experts call is
+loads the routed experts (``streamed.skip_experts``) and each layer's experts call is
 stmoe's quantized forward on the slots the engine binds.
 
 Lossless, here, means: the plugin's tokens at any capacity equal its tokens with every

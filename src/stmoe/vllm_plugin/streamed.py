@@ -14,7 +14,7 @@ of the whole layer's processed tensors (tested against the loaded path, bit for 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +34,18 @@ EXPERTS_KEY = ".experts."  # a routed expert's tensor in the checkpoint (not sha
 TO_VLLM = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 
 
-def install_skip() -> list[tuple[type, str, Any]]:
-    """vLLM's default loader leaves the routed experts to the plugin (see the docstring);
-    the methods replaced, (class, name, original), for ``install.uninstall``."""
+Replacement = tuple[type, str, Callable[..., Any]]  # (class, method's name, the new method)
+
+
+def skip_experts() -> list[Replacement]:
+    """The methods that make vLLM's default loader leave the routed experts to the plugin
+    (see the docstring), for ``install`` to put in place."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
         UnquantizedFusedMoEMethod,
     )
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    saved = [(owner, name, owner.__dict__.get(name))  # (None: inherited)
-             for owner, name in ((DefaultModelLoader, "get_all_weights"),
-                                 (DefaultModelLoader, "track_weights_loading"),
-                                 (UnquantizedFusedMoEMethod, "process_weights_after_loading"))]
     get_all, track = DefaultModelLoader.get_all_weights, DefaultModelLoader.track_weights_loading
     process = UnquantizedFusedMoEMethod.process_weights_after_loading
 
@@ -68,10 +67,10 @@ def install_skip() -> list[tuple[type, str, Any]]:
         layer._stmoe_streamed = True
         process(self, layer)
 
-    DefaultModelLoader.get_all_weights = get_all_weights  # type: ignore[method-assign]
-    DefaultModelLoader.track_weights_loading = track_weights_loading  # type: ignore[method-assign]
-    UnquantizedFusedMoEMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
-    return saved
+    return [(DefaultModelLoader, "get_all_weights", get_all_weights),
+            (DefaultModelLoader, "track_weights_loading", track_weights_loading),
+            (UnquantizedFusedMoEMethod, "process_weights_after_loading",
+             process_weights_after_loading)]
 
 
 class _Holder(torch.nn.Module):
